@@ -1,0 +1,144 @@
+//! Safe RAII handles over libibverbs, the bottom layer of rdmsg.
+//!
+//! This is the only crate of the workspace that contains `unsafe` code or touches C. Every
+//! handle keeps its parents alive (a queue pair holds its protection domain and both completion
+//! queues, a completion queue its context and channel), so no destruction order is wrong.
+//!
+//! # Quick start
+//!
+//! ```no_run
+//! use verbs_core::{Access, CompletionChannel, CompletionQueue, Context, ProtectionDomain,
+//!                  QpCaps, QueuePair};
+//!
+//! # fn main() -> verbs_core::Result<()> {
+//! let ctx = Context::open("rxe0")?;
+//! let pd = ProtectionDomain::new(&ctx)?;
+//! let channel = CompletionChannel::new(&ctx)?;
+//! let send_cq = CompletionQueue::new(&ctx, 64, None)?;
+//! let recv_cq = CompletionQueue::new(&ctx, 64, Some(&channel))?;
+//! let mut qp = QueuePair::new_rc(&pd, &send_cq, &recv_cq, QpCaps::default())?;
+//! let buffers = pd.register(64 * 4096, Access::LOCAL_WRITE)?.chunks(4096)?;
+//! qp.to_init(1)?;
+//! qp.post_recv(buffers)?;
+//! // exchange qp_num, PSN and GID with the peer, then qp.to_rtr(..) and qp.to_rts(..)
+//! # Ok(()) }
+//! ```
+//!
+//! # Posting rules
+//!
+//! Registered memory is reached only through [`Buffer`]s, which never overlap. Posting moves a
+//! buffer into the [`QueuePair`]; it comes back only with the polled completion that covers it
+//! ([`QueuePair::take_recv`], [`QueuePair::complete_send`]). So the CPU never touches memory the
+//! device may be using, and nothing posted can be freed early. This does not compile:
+//!
+//! ```compile_fail
+//! # fn misuse(qp: &mut verbs_core::QueuePair, mut buf: verbs_core::Buffer) {
+//! qp.post_recv([buf]).unwrap();
+//! buf.as_mut_slice()[0] = 1; // error: `buf` was moved into the queue pair
+//! # }
+//! ```
+//!
+//! # Completion events
+//!
+//! [`CompletionQueue::req_notify`] arms a CQ once; [`CompletionChannel::get_event`] reads the
+//! event it produces. Each event must be acknowledged before the CQ is destroyed; the CQ counts
+//! them and acks whatever is left when it is dropped. The policy built on top (when to arm, how
+//! to drain) lives in the `notify` crate.
+//!
+//! # Thread safety
+//!
+//! Handles are `Send` and `Sync` where libibverbs allows it. Polling a CQ and posting to a QP
+//! take `&mut self`: wrap them in a mutex to share them.
+//!
+//! # Reaching verbs not wrapped here
+//!
+//! The raw bindings are re-exported as [`ffi`]; every handle has an `as_raw()` documenting how
+//! long the pointer stays valid.
+#![deny(missing_docs)]
+
+mod cq;
+mod device;
+mod error;
+mod loopback;
+mod mr;
+mod pd;
+mod qp;
+
+/// The raw rdma-sys bindings, for verbs this crate does not wrap.
+pub use rdma_sys as ffi;
+
+pub use cq::{CompletionChannel, CompletionQueue, CqEvent, WcOpcode, WcStatus, WorkCompletion};
+pub use device::{
+    devices, AsyncElement, AsyncEvent, AsyncEventKind, Context, DeviceAttr, DeviceInfo, Gid,
+    LinkLayer, Mtu, PortAttr, PortState,
+};
+pub use error::{Error, Result};
+pub use loopback::connect_loopback;
+pub use mr::{Access, Buffer};
+pub use pd::ProtectionDomain;
+pub use qp::{
+    PostError, QpCaps, QpState, QueuePair, RemoteAddress, RtrAttr, RtsAttr, SendPayload,
+    SendRequest,
+};
+
+/// Sets or clears `O_NONBLOCK` on a descriptor owned by a verbs object.
+pub(crate) fn set_nonblocking(fd: std::os::fd::RawFd, nonblocking: bool) -> Result<()> {
+    let fail = |source| Error::SetNonBlocking {
+        fd,
+        nonblocking,
+        source,
+    };
+    // SAFETY: F_GETFL on a descriptor has no memory-safety preconditions.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(fail(error::last_os_error()));
+    }
+    let new = if nonblocking {
+        flags | libc::O_NONBLOCK
+    } else {
+        flags & !libc::O_NONBLOCK
+    };
+    // SAFETY: F_SETFL with an int argument has no memory-safety preconditions.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, new) } < 0 {
+        return Err(fail(error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Waits until `fd` is readable or `timeout` passes (`None`: forever). Returns whether it is
+/// readable. Interrupted waits are resumed with the remaining time.
+pub fn wait_readable(
+    fd: std::os::fd::BorrowedFd<'_>,
+    timeout: Option<std::time::Duration>,
+) -> Result<bool> {
+    use std::os::fd::AsRawFd;
+    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    loop {
+        let ms = match deadline {
+            None => -1,
+            Some(d) => {
+                let left = d.saturating_duration_since(std::time::Instant::now());
+                // Round up so that a sub-millisecond remainder still waits.
+                libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
+            }
+        };
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one valid pollfd; the descriptor is kept open by the borrow.
+        let ret = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if ret < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::WaitFd {
+                fd: fd.as_raw_fd(),
+                source: err,
+            });
+        }
+        return Ok(ret > 0);
+    }
+}

@@ -1,0 +1,238 @@
+//! Registered memory, handed out as exclusive, non-overlapping buffers.
+//!
+//! Memory the device may be reading or writing must not be touched by the CPU. The safe API makes
+//! that impossible to get wrong: a [`Buffer`] is the only way to reach registered bytes, buffers of
+//! one region never overlap, and posting a buffer moves it into the queue pair, which gives it back
+//! only once its completion has been polled.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::error::{non_null, Error, Result};
+use crate::ffi;
+use crate::pd::{PdInner, ProtectionDomain};
+
+/// Access rights of a registered region.
+///
+/// Remote write and atomic access are deliberately not offered: a peer could then change bytes
+/// that safe code holds as `&[u8]`. rdmsg moves data with send/receive only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Access {
+    /// The local device may write the memory (required for receive buffers).
+    pub local_write: bool,
+    /// Peers may RDMA-read the memory.
+    pub remote_read: bool,
+}
+
+impl Access {
+    /// Local write: what send and receive buffers need.
+    pub const LOCAL_WRITE: Self = Self {
+        local_write: true,
+        remote_read: false,
+    };
+
+    fn to_raw(self) -> libc::c_int {
+        let mut flags = 0;
+        if self.local_write {
+            flags |= ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        }
+        if self.remote_read {
+            flags |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        }
+        flags as libc::c_int
+    }
+}
+
+pub(crate) struct MrInner {
+    mr: NonNull<ffi::ibv_mr>,
+    base: NonNull<u8>,
+    layout: Layout,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: the region's bytes are reachable only through exclusive `Buffer`s; the ibv_mr is only
+// deregistered, once, in Drop.
+unsafe impl Send for MrInner {}
+// SAFETY: shared access only reads immutable fields (lkey, rkey, base address).
+unsafe impl Sync for MrInner {}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        // SAFETY: no Buffer of this region exists any more (each holds an Arc), so the device
+        // has no outstanding work on it; deregister first, then free the memory.
+        unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        // SAFETY: `base` was allocated with `layout` in `register` and is freed exactly once.
+        unsafe { alloc::dealloc(self.base.as_ptr(), self.layout) };
+    }
+}
+
+impl MrInner {
+    fn lkey(&self) -> u32 {
+        // SAFETY: the ibv_mr is valid while self lives; lkey is immutable after registration.
+        unsafe { (*self.mr.as_ptr()).lkey }
+    }
+
+    fn rkey(&self) -> u32 {
+        // SAFETY: as for lkey.
+        unsafe { (*self.mr.as_ptr()).rkey }
+    }
+}
+
+impl ProtectionDomain {
+    /// Allocates `len` zeroed, page-aligned bytes and registers them (`ibv_reg_mr`). The whole
+    /// region comes back as one [`Buffer`]; split it with [`Buffer::split_off`] or
+    /// [`Buffer::chunks`].
+    pub fn register(&self, len: usize, access: Access) -> Result<Buffer> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot register an empty region".into(),
+            ));
+        }
+        let layout = Layout::from_size_align(len, 4096)
+            .map_err(|e| Error::InvalidArgument(format!("region of {len} bytes: {e}")))?;
+        // SAFETY: `layout` has a non-zero size.
+        let base = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| {
+            Error::RegisterMemory {
+                len,
+                source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+            }
+        })?;
+        // SAFETY: `base..base+len` is a live allocation owned by the MrInner built below, which
+        // outlives the registration.
+        let mr =
+            unsafe { ffi::ibv_reg_mr(self.as_raw(), base.as_ptr().cast(), len, access.to_raw()) };
+        let mr = match non_null(mr) {
+            Ok(mr) => mr,
+            Err(source) => {
+                // SAFETY: allocated above with `layout`, never registered, freed once.
+                unsafe { alloc::dealloc(base.as_ptr(), layout) };
+                return Err(Error::RegisterMemory { len, source });
+            }
+        };
+        Ok(Buffer {
+            region: Arc::new(MrInner {
+                mr,
+                base,
+                layout,
+                _pd: self.inner.clone(),
+            }),
+            offset: 0,
+            len,
+        })
+    }
+}
+
+/// An exclusive slice of a registered region.
+///
+/// Not `Clone`: at most one `Buffer` covers any byte, so `&mut self` access is sound. Keeps its
+/// region (and through it the PD and device) alive.
+pub struct Buffer {
+    region: Arc<MrInner>,
+    offset: usize,
+    len: usize,
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len)
+            .field("lkey", &self.lkey())
+            .finish()
+    }
+}
+
+impl Buffer {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True if the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Offset of this buffer within its region; stable identity for pool bookkeeping.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Virtual address of the first byte, as placed in a scatter/gather entry.
+    pub fn addr(&self) -> u64 {
+        self.region.base.as_ptr() as u64 + self.offset as u64
+    }
+
+    /// Local key of the region.
+    pub fn lkey(&self) -> u32 {
+        self.region.lkey()
+    }
+
+    /// Remote key of the region (meaningful only with [`Access::remote_read`]).
+    pub fn rkey(&self) -> u32 {
+        self.region.rkey()
+    }
+
+    /// True if both buffers are slices of the same registered region.
+    pub fn same_region(&self, other: &Buffer) -> bool {
+        Arc::ptr_eq(&self.region, &other.region)
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `offset..offset+len` lies inside the live allocation; no other Buffer covers
+        // these bytes and the device does not access them while a Buffer is outside a queue.
+        unsafe { std::slice::from_raw_parts(self.region.base.as_ptr().add(self.offset), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as for as_slice, and `&mut self` makes the access exclusive.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.region.base.as_ptr().add(self.offset), self.len)
+        }
+    }
+
+    /// Splits off the bytes from `at` on into a second buffer. Fails if `at > len`.
+    pub fn split_off(&mut self, at: usize) -> Result<Buffer> {
+        if at > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "split at {at} beyond buffer of {} bytes",
+                self.len
+            )));
+        }
+        let tail = Buffer {
+            region: self.region.clone(),
+            offset: self.offset + at,
+            len: self.len - at,
+        };
+        self.len = at;
+        Ok(tail)
+    }
+
+    /// Cuts the buffer into pieces of `size` bytes; a shorter remainder is dropped.
+    pub fn chunks(mut self, size: usize) -> Result<Vec<Buffer>> {
+        if size == 0 || size > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "chunk size {size} for a buffer of {} bytes",
+                self.len
+            )));
+        }
+        let mut out = Vec::with_capacity(self.len / size);
+        while self.len >= size {
+            let rest = self.split_off(size)?;
+            out.push(std::mem::replace(&mut self, rest));
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn sge(&self, len: usize) -> ffi::ibv_sge {
+        ffi::ibv_sge {
+            addr: self.addr(),
+            length: u32::try_from(len.min(self.len)).unwrap_or(u32::MAX),
+            lkey: self.lkey(),
+        }
+    }
+}

@@ -1,0 +1,421 @@
+//! `cargo xtask`: setup, checks, host and device tests, the Soft-RoCE VM and the demo.
+
+mod vm;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+const USAGE: &str = "\
+usage: cargo xtask <task>
+
+tasks:
+  setup            install the Debian packages rdmsg needs (apt-get as root; prints the command otherwise)
+  test             fmt, clippy, docs, host tests, then the device tests inside the Soft-RoCE VM
+  demo             run the verbs-core demo on rxe0 inside the VM
+  vm -- CMD...     boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
+
+environment:
+  RDMSG_VM_ACCEL   qemu accelerator (default tcg,thread=multi)
+  RDMSG_VM_MEM     guest memory in MiB (default 4096)
+  RDMSG_VM_TIMEOUT seconds a VM run may take (default 1500)
+";
+
+/// Debian packages the project needs: to build (libclang for rdma-sys' bindgen, the verbs
+/// headers), to run the VM, and to compare with rdma-core's own tools inside it.
+const PACKAGES: &[&str] = &[
+    "libclang-dev",
+    "libibverbs-dev",
+    "librdmacm-dev",
+    "pkg-config",
+    "rdma-core",
+    "ibverbs-providers",
+    "ibverbs-utils",
+    "rdmacm-utils",
+    "perftest",
+    "iproute2",
+    "qemu-system-x86",
+    "busybox-static",
+    "kmod",
+    "cpio",
+    "gzip",
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("setup") => setup(),
+        Some("test") => test(),
+        Some("demo") => demo(),
+        Some("vm") => vm_cmd(&args[1..]),
+        Some("-h" | "--help" | "help") => {
+            print!("{USAGE}");
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => {
+            eprint!("{USAGE}");
+            Ok(ExitCode::from(2))
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the repository root")
+        .to_path_buf()
+}
+
+/// A named step: announces itself, and reports its duration when done.
+#[derive(Debug)]
+pub struct Step {
+    name: &'static str,
+    started: Instant,
+}
+
+impl Step {
+    pub fn new(name: &'static str, what: &str) -> Self {
+        eprintln!("==> [{name}] {what}");
+        Self {
+            name,
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Drop for Step {
+    fn drop(&mut self) {
+        eprintln!(
+            "==> [{}] done in {:.1} s",
+            self.name,
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Runs a command with inherited output; fails with the command line if it fails.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Quotes a string for a POSIX shell.
+pub fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn missing_packages() -> Vec<&'static str> {
+    PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            !Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .stderr(Stdio::null())
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+fn setup() -> Result<ExitCode> {
+    ensure_packages()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Installs the missing packages (idempotent: nothing happens when all are there).
+fn ensure_packages() -> Result<()> {
+    let missing = missing_packages();
+    if missing.is_empty() {
+        eprintln!("==> [setup] all {} system packages present", PACKAGES.len());
+        return Ok(());
+    }
+    let install = format!(
+        "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends {}",
+        missing.join(" ")
+    );
+    if !is_root() {
+        bail!("missing packages {missing:?}; as root, run:\n  {install}");
+    }
+    let _s = Step::new("setup", &format!("installing {}", missing.join(" ")));
+    run(Command::new("sh").arg("-c").arg(&install)).context("installing system packages")?;
+    let still = missing_packages();
+    if !still.is_empty() {
+        bail!("packages still missing after apt-get install: {still:?}");
+    }
+    Ok(())
+}
+
+fn vm_timeout() -> Duration {
+    let secs = std::env::var("RDMSG_VM_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1500);
+    Duration::from_secs(secs)
+}
+
+fn vm_cmd(args: &[String]) -> Result<ExitCode> {
+    let args = match args.first().map(String::as_str) {
+        Some("--") => &args[1..],
+        _ => args,
+    };
+    if args.is_empty() {
+        bail!("usage: cargo xtask vm -- CMD...");
+    }
+    ensure_packages()?;
+    let script = args
+        .iter()
+        .map(|a| sh_quote(a))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let _s = Step::new(
+        "vm",
+        &format!("booting the Soft-RoCE VM to run: {}", args.join(" ")),
+    );
+    let out =
+        vm::Vm::new(&repo_root()).run_script(&script, vm_timeout(), &mut |l| println!("{l}"))?;
+    eprintln!(
+        "==> [vm] booted in {:.1} s; command exited with {}",
+        out.boot_secs, out.code
+    );
+    Ok(exit_code(out.code))
+}
+
+fn exit_code(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(repo_root());
+    c
+}
+
+fn demo() -> Result<ExitCode> {
+    ensure_packages()?;
+    {
+        let _s = Step::new("build", "building the examples");
+        run(cargo().args(["build", "-p", "rdmsg-examples", "--bins"]))?;
+    }
+    let _s = Step::new("demo", "running verbs_loopback on rxe0 inside the VM");
+    let out = vm::Vm::new(&repo_root()).run_script(
+        "./target/debug/verbs_loopback",
+        vm_timeout(),
+        &mut |l| println!("{l}"),
+    )?;
+    Ok(exit_code(out.code))
+}
+
+/// Pass and fail counts parsed from libtest's `test result:` lines.
+#[derive(Default, Debug, Clone, Copy)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+}
+
+impl Tally {
+    fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.split("test result: ").nth(1) else {
+            return;
+        };
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().filter(|w| !w.ends_with('.'));
+            let (Some(n), Some(what)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            match what {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                _ => {}
+            }
+        }
+    }
+}
+
+fn test() -> Result<ExitCode> {
+    let started = Instant::now();
+    ensure_packages()?;
+    let checks: [(&'static str, &str, Vec<&str>); 3] = [
+        ("fmt", "cargo fmt --check", vec!["fmt", "--all", "--check"]),
+        (
+            "clippy",
+            "cargo clippy --workspace --all-targets -- -D warnings",
+            vec![
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        ),
+        (
+            "doc",
+            "RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps",
+            vec!["doc", "--workspace", "--no-deps"],
+        ),
+    ];
+    for (name, line, args) in checks {
+        let _s = Step::new(name, line);
+        let status = cargo()
+            .args(&args)
+            .env("RUSTDOCFLAGS", "-Dwarnings")
+            .status()?;
+        if !status.success() {
+            bail!("step `{name}` failed; rerun it alone with: {line}");
+        }
+    }
+
+    let mut host = Tally::default();
+    {
+        let _s = Step::new(
+            "host-tests",
+            "cargo test --workspace (device tests are left out)",
+        );
+        let mut child = cargo()
+            .args(["test", "--workspace"])
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let stdout = child.stdout.take().context("cargo test stdout")?;
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let line = line?;
+            println!("{line}");
+            host.add_line(&line);
+        }
+        let status = child.wait()?;
+        if !status.success() && host.failed == 0 {
+            bail!(
+                "step `host-tests` failed before running tests; rerun with: cargo test --workspace"
+            );
+        }
+    }
+
+    let binaries = {
+        let _s = Step::new("build-tests", "building test binaries for the VM");
+        test_binaries()?
+    };
+    let mut device = Tally::default();
+    let vm_secs;
+    {
+        let _s = Step::new(
+            "device-tests",
+            &format!(
+                "{} test binaries, device tests only, inside the Soft-RoCE VM",
+                binaries.len()
+            ),
+        );
+        let mut script = String::from("status=0\n");
+        for bin in &binaries {
+            let rel = bin.strip_prefix(repo_root()).unwrap_or(bin);
+            script.push_str(&format!(
+                "echo \"--- {name}\"\ntimeout 600 {bin} --ignored --test-threads=1 --color never || status=1\n",
+                name = rel.display(),
+                bin = sh_quote(&bin.to_string_lossy())
+            ));
+        }
+        script.push_str("exit $status\n");
+        let vm_started = Instant::now();
+        let out = vm::Vm::new(&repo_root()).run_script(&script, vm_timeout(), &mut |l| {
+            println!("{l}");
+            device.add_line(l);
+        })?;
+        vm_secs = vm_started.elapsed().as_secs_f64();
+        eprintln!("==> [device-tests] VM booted in {:.1} s", out.boot_secs);
+        if out.code != 0 && device.failed == 0 {
+            device.failed += 1;
+            eprintln!("xtask: a device test binary failed without a test failure (crash?)");
+        }
+        if device.passed == 0 {
+            device.failed += 1;
+            eprintln!("xtask: no device test passed inside the VM: they did not run");
+        }
+    }
+    let total = Tally {
+        passed: host.passed + device.passed,
+        failed: host.failed + device.failed,
+    };
+    eprintln!(
+        "==> host: {} passed, {} failed; device (rxe0): {} passed, {} failed; VM run {:.1} s; total {:.1} s",
+        host.passed,
+        host.failed,
+        device.passed,
+        device.failed,
+        vm_secs,
+        started.elapsed().as_secs_f64()
+    );
+    println!("{} passed, {} failed", total.passed, total.failed);
+    Ok(if total.failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Paths of the workspace's test executables (as `cargo test --no-run` builds them).
+fn test_binaries() -> Result<Vec<PathBuf>> {
+    let out = cargo()
+        .args(["test", "--workspace", "--no-run", "--message-format=json"])
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        bail!("step `build-tests` failed; rerun with: cargo test --workspace --no-run");
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut bins: Vec<PathBuf> = text
+        .lines()
+        .filter(|l| l.contains("\"test\":true"))
+        .filter_map(|l| {
+            let start = l.find("\"executable\":\"")? + "\"executable\":\"".len();
+            let end = start + l[start..].find('"')?;
+            Some(PathBuf::from(&l[start..end]))
+        })
+        .collect();
+    bins.sort();
+    bins.dedup();
+    if bins.is_empty() {
+        bail!("cargo built no test binaries");
+    }
+    Ok(bins)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tally_reads_libtest_summaries() {
+        let mut t = Tally::default();
+        t.add_line("test result: ok. 8 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out");
+        t.add_line("test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured");
+        t.add_line("test foo ... ok");
+        assert_eq!((t.passed, t.failed), (11, 1));
+    }
+
+    #[test]
+    fn shell_quoting_survives_quotes() {
+        assert_eq!(sh_quote("a b"), "'a b'");
+        assert_eq!(sh_quote("it's"), "'it'\\''s'");
+    }
+}
