@@ -163,7 +163,7 @@ impl Vm {
         fs::write(
             scratch.join("cmd.sh"),
             format!(
-                "export RDMSG_DEVICE={DEVICE} HOME=/tmp PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
+                "export RDMSG_DEVICE={DEVICE} HOME=/dev/shm TMPDIR=/dev/shm PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
                  export RDMSG_SCRATCH={scratch}\ncd {repo} || exit 97\n{script}\n",
                 scratch = sh_quote(&scratch_abs.to_string_lossy()),
                 repo = sh_quote(&repo_abs.to_string_lossy()),
@@ -371,8 +371,11 @@ for m in $(cat /mods/order); do insmod "/mods/$m" || fail "loading kernel module
 scratch=$(sed -n 's/.*rdmsg\.scratch=\([^ ]*\).*/\1/p' /proc/cmdline)
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=262144 hostroot /host || fail "mounting the host root over 9p"
 H=/host
-mount -t proc proc $H/proc && mount -t sysfs sys $H/sys && mount -t devtmpfs dev $H/dev && mount -t tmpfs tmp $H/tmp || fail "mounting /proc, /sys, /dev, /tmp in the host root"
-mkdir -p $H/dev/shm $H/dev/pts; mount -t tmpfs shm $H/dev/shm; mount -t devpts pts $H/dev/pts
+mount -t proc proc $H/proc && mount -t sysfs sys $H/sys && mount -t devtmpfs dev $H/dev || fail "mounting /proc, /sys, /dev in the host root"
+mkdir -p $H/dev/shm $H/dev/pts; mount -t tmpfs shm $H/dev/shm && mount -t devpts pts $H/dev/pts || fail "mounting /dev/shm, /dev/pts"
+# A writable /tmp, unless the repository itself lives under the host's /tmp (then TMPDIR, set
+# to /dev/shm for the command, is the writable temporary directory).
+case "$scratch" in /tmp/*) ;; *) mount -t tmpfs tmp $H/tmp || fail "mounting /tmp";; esac
 mount -t tmpfs run $H/run 2>/dev/null
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 scratch "$H$scratch" || fail "mounting the scratch directory at $scratch"
 ip() { chroot $H /usr/sbin/ip "$@"; }
