@@ -6,122 +6,10 @@ use std::os::fd::AsFd;
 use std::time::Duration;
 
 use verbs_core::{
-    connect_loopback, wait_readable, Access, Buffer, CompletionChannel, CompletionQueue, Context,
-    ProtectionDomain, QpCaps, QueuePair, SendRequest, WcOpcode, WcStatus, WorkCompletion,
+    wait_readable, Access, Context, ProtectionDomain, SendRequest, WcOpcode, WcStatus,
 };
 
-const PORT: u8 = 1;
-const BUF: usize = 4096;
-
-fn open() -> Context {
-    Context::open_default().unwrap_or_else(|e| {
-        panic!(
-            "device test needs an RDMA device (set ${}): {e}",
-            Context::DEVICE_ENV
-        )
-    })
-}
-
-/// Two connected RC QPs on one device: `a` sends to `b`. `b`'s receive CQ reports to a channel.
-struct Pair {
-    ctx: Context,
-    pd: ProtectionDomain,
-    channel: CompletionChannel,
-    a_send_cq: CompletionQueue,
-    a_recv_cq: CompletionQueue,
-    b_send_cq: CompletionQueue,
-    b_recv_cq: CompletionQueue,
-    a: QueuePair,
-    b: QueuePair,
-    /// Free send buffers of `a`.
-    a_bufs: Vec<Buffer>,
-}
-
-impl Pair {
-    fn new(recv_depth: usize) -> Self {
-        let ctx = open();
-        let pd = ProtectionDomain::new(&ctx).unwrap();
-        let channel = CompletionChannel::new(&ctx).unwrap();
-        let a_send_cq = CompletionQueue::new(&ctx, 128, None).unwrap();
-        let a_recv_cq = CompletionQueue::new(&ctx, 128, None).unwrap();
-        let b_send_cq = CompletionQueue::new(&ctx, 128, None).unwrap();
-        let b_recv_cq = CompletionQueue::new(&ctx, 128, Some(&channel)).unwrap();
-        let caps = QpCaps {
-            max_send_wr: 64,
-            max_recv_wr: 64,
-            max_inline_data: 64,
-        };
-        let mut a = QueuePair::new_rc(&pd, &a_send_cq, &a_recv_cq, caps).unwrap();
-        let mut b = QueuePair::new_rc(&pd, &b_send_cq, &b_recv_cq, caps).unwrap();
-        b.to_init(PORT).unwrap();
-        let recv = pd
-            .register(recv_depth * BUF, Access::LOCAL_WRITE)
-            .unwrap()
-            .chunks(BUF)
-            .unwrap();
-        b.post_recv(recv).unwrap();
-        connect_loopback(&ctx, PORT, &mut a, &mut b).unwrap();
-        let a_bufs = pd
-            .register(32 * BUF, Access::LOCAL_WRITE)
-            .unwrap()
-            .chunks(BUF)
-            .unwrap();
-        Self {
-            ctx,
-            pd,
-            channel,
-            a_send_cq,
-            a_recv_cq,
-            b_send_cq,
-            b_recv_cq,
-            a,
-            b,
-            a_bufs,
-        }
-    }
-
-    /// Sends `data` from `a`, copied into a registered buffer.
-    fn send(&mut self, data: &[u8], solicited: bool, imm: Option<u32>) {
-        let mut buf = self.a_bufs.pop().expect("free send buffer");
-        buf.as_mut_slice()[..data.len()].copy_from_slice(data);
-        let mut req = SendRequest::buffer(buf, data.len()).solicited(solicited);
-        req.imm = imm;
-        self.a.post_send(vec![req]).unwrap();
-    }
-
-    /// Waits for `n` send completions on `a`, returning their buffers to the free list.
-    fn reap_sends(&mut self, n: usize) -> Vec<WorkCompletion> {
-        let wcs = poll_n(&mut self.a_send_cq, n);
-        for wc in &wcs {
-            self.a_bufs.extend(self.a.complete_send(wc));
-        }
-        wcs
-    }
-}
-
-/// Polls until `n` completions arrived (bounded: fails after 10 s).
-fn poll_n(cq: &mut CompletionQueue, n: usize) -> Vec<WorkCompletion> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let mut out = Vec::new();
-    let mut wcs = WorkCompletion::buffer(16);
-    while out.len() < n {
-        let got = cq.poll(&mut wcs[..(n - out.len()).min(16)]).unwrap();
-        out.extend(wcs[..got].iter().cloned());
-        assert!(
-            std::time::Instant::now() < deadline,
-            "only {} of {n} completions within 10 s",
-            out.len()
-        );
-        if got == 0 {
-            std::thread::yield_now();
-        }
-    }
-    out
-}
-
-fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
+use testkit::{fd_count, open_device as open, poll_n, Pair, PORT};
 
 #[test]
 #[ignore = "device"]
@@ -182,10 +70,12 @@ fn send_and_receive_with_data_checked() {
         p.send(m, false, None);
     }
     // An inline send needs no registered memory.
-    p.a.post_send(vec![SendRequest::inline(b"inline!")])
+    p.sender
+        .qp
+        .post_send(vec![SendRequest::inline(b"inline!")])
         .unwrap();
     p.reap_sends(messages.len() + 1);
-    assert_eq!(p.a.send_outstanding(), 0);
+    assert_eq!(p.sender.qp.send_outstanding(), 0);
     let wcs = poll_n(&mut p.b_recv_cq, messages.len() + 1);
     let expected = messages.iter().map(Vec::as_slice).chain([&b"inline!"[..]]);
     for (wc, want) in wcs.iter().zip(expected) {
@@ -206,7 +96,10 @@ fn send_and_receive_with_data_checked() {
 fn immediate_data_arrives() {
     let mut p = Pair::new(4);
     p.send(b"with imm", false, Some(0xdead_beef));
-    p.a.post_send(vec![SendRequest::empty().imm(7)]).unwrap();
+    p.sender
+        .qp
+        .post_send(vec![SendRequest::empty().imm(7)])
+        .unwrap();
     p.reap_sends(2);
     let wcs = poll_n(&mut p.b_recv_cq, 2);
     assert_eq!(wcs[0].imm_data(), Some(0xdead_beef));
@@ -269,7 +162,7 @@ fn arming_with_a_completion_already_queued_does_not_fire() {
 #[ignore = "device"]
 fn bad_lkey_is_an_error_completion() {
     let mut p = Pair::new(4);
-    let buf = p.a_bufs.pop().unwrap();
+    let buf = p.sender.bufs.pop().unwrap();
     let mut sge = verbs_core::ffi::ibv_sge {
         addr: buf.addr(),
         length: 16,
@@ -285,9 +178,9 @@ fn bad_lkey_is_an_error_completion() {
     let mut bad = std::ptr::null_mut();
     // SAFETY: the QP is alive; `wr` and `sge` outlive the call; the SGE names memory of a live
     // buffer (with a wrong key, which is the point: the device must refuse it).
-    let ret = unsafe { verbs_core::ffi::ibv_post_send(p.a.as_raw(), &mut wr, &mut bad) };
+    let ret = unsafe { verbs_core::ffi::ibv_post_send(p.sender.qp.as_raw(), &mut wr, &mut bad) };
     assert_eq!(ret, 0);
-    let wc = &poll_n(&mut p.a_send_cq, 1)[0];
+    let wc = &poll_n(&mut p.sender.send_cq, 1)[0];
     assert_eq!(wc.wr_id(), 0xbad);
     // The verbs spec calls this a local protection error; rxe (Linux 6.1) reports it as a local
     // QP operation error. Either way it is an error completion carrying the request's wr_id.
@@ -315,14 +208,17 @@ fn dropping_in_any_order_is_safe_and_leaks_no_fd() {
             ctx,
             pd,
             channel,
-            a_send_cq,
-            a_recv_cq,
+            sender,
             b_send_cq,
             b_recv_cq,
-            a,
             b,
-            a_bufs,
         } = p;
+        let testkit::Sender {
+            qp: a,
+            send_cq: a_send_cq,
+            recv_cq: a_recv_cq,
+            bufs: a_bufs,
+        } = sender;
         let ev = if order % 2 == 0 {
             assert!(wait_readable(channel.as_fd(), Some(Duration::from_secs(5))).unwrap());
             let ev = channel.get_event().unwrap();

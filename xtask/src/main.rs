@@ -330,7 +330,7 @@ fn test() -> Result<ExitCode> {
         for bin in &binaries {
             let rel = bin.strip_prefix(repo_root()).unwrap_or(bin);
             script.push_str(&format!(
-                "echo \"--- {name}\"\ntimeout 600 {bin} --ignored --test-threads=1 --color never || status=1\n",
+                "echo \"--- {name}\"\ntimeout 600 {bin} --ignored --test-threads=1 --nocapture --color never || status=1\n",
                 name = rel.display(),
                 bin = sh_quote(&bin.to_string_lossy())
             ));

@@ -1,0 +1,39 @@
+//! Wake-up statistics.
+
+use std::time::Duration;
+
+/// What a [`crate::Waiter`] did, for tuning and for proving that receivers really sleep.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Stats {
+    /// Times the waiter slept on the channel and woke because it became readable.
+    pub wakeups: u64,
+    /// Wake-ups after which polling found nothing (the completion had already been drained).
+    pub spurious_wakeups: u64,
+    /// Completions delivered in all.
+    pub completions: u64,
+    /// Completions delivered right after a wake-up.
+    pub completions_after_wakeup: u64,
+    /// Events read from the channel.
+    pub events: u64,
+    /// Events acknowledged (`ibv_ack_cq_events` counts, not calls).
+    pub events_acked: u64,
+    /// Calls to `ibv_ack_cq_events`.
+    pub ack_calls: u64,
+    /// Times a queue was armed.
+    pub arms: u64,
+    /// Polls that found nothing.
+    pub empty_polls: u64,
+    /// Time spent blocked on the channel.
+    pub time_asleep: Duration,
+}
+
+impl Stats {
+    /// Completions per wake-up: how many messages each sleep paid for.
+    pub fn completions_per_wakeup(&self) -> f64 {
+        if self.wakeups == 0 {
+            0.0
+        } else {
+            self.completions_after_wakeup as f64 / self.wakeups as f64
+        }
+    }
+}

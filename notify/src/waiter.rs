@@ -1,0 +1,260 @@
+//! The waiter: arm, sleep, drain, re-arm, poll, without stranding a completion.
+
+use std::time::{Duration, Instant};
+
+use crate::source::{ArmMode, CompletionSource, EventChannel, EventTarget};
+use crate::stats::Stats;
+use crate::{Error, Result};
+
+/// How [`Waiter::wait`] waits when nothing is ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Arm and sleep on the channel at once. Lowest CPU, one wake-up latency per sleep.
+    Sleep,
+    /// Never arm; poll until something arrives or the timeout passes. Lowest latency, a whole
+    /// core.
+    Poll,
+    /// Poll for up to `spin` or `max_empty_polls` empty polls, whichever ends first, then arm and
+    /// sleep. rsockets spins about 10 µs.
+    Hybrid {
+        /// Longest spin before sleeping.
+        spin: Duration,
+        /// Most empty polls before sleeping.
+        max_empty_polls: u32,
+    },
+}
+
+/// Key of a queue added to a [`Waiter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CqKey(pub usize);
+
+/// Completions polled per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 32;
+
+/// Waits on one completion channel serving one or more completion queues.
+///
+/// See the crate documentation for the loop it runs and why in that order.
+#[derive(Debug)]
+pub struct Waiter<Q: CompletionSource, C: EventChannel<Q>> {
+    channel: C,
+    cqs: Vec<Q>,
+    slots: Vec<Slot>,
+    policy: Policy,
+    ack_batch: u32,
+    scratch: Vec<Q::Completion>,
+    stats: Stats,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    mode: ArmMode,
+    armed: bool,
+    unacked: u32,
+}
+
+impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
+    /// A waiter over `channel`, which must not block in `next_event` (verbs-core: call
+    /// `set_nonblocking(true)` first; [`Waiter::new_verbs`] does).
+    pub fn new(channel: C, policy: Policy) -> Self {
+        Self {
+            channel,
+            cqs: Vec::new(),
+            slots: Vec::new(),
+            policy,
+            ack_batch: 16,
+            scratch: (0..POLL_BATCH).map(|_| Q::Completion::default()).collect(),
+            stats: Stats::default(),
+        }
+    }
+
+    /// Adds a queue reporting to this waiter's channel, armed with `mode` whenever the waiter
+    /// sleeps. A receive queue of a solicited-only receiver takes [`ArmMode::SolicitedOnly`];
+    /// a send queue takes [`ArmMode::Next`] if its errors must wake the waiter (Soft-RoCE does
+    /// not flag send-side error completions as solicited).
+    pub fn add(&mut self, cq: Q, mode: ArmMode) -> CqKey {
+        self.cqs.push(cq);
+        self.slots.push(Slot {
+            mode,
+            armed: false,
+            unacked: 0,
+        });
+        CqKey(self.cqs.len() - 1)
+    }
+
+    /// The queue behind `key`.
+    pub fn cq(&self, key: CqKey) -> Result<&Q> {
+        self.cqs.get(key.0).ok_or(Error::UnknownCq(key.0))
+    }
+
+    /// Acknowledge events in batches of `n` (at least 1). `ibv_ack_cq_events` takes a mutex.
+    pub fn set_ack_batch(&mut self, n: u32) {
+        self.ack_batch = n.max(1);
+    }
+
+    /// Changes the waiting policy.
+    pub fn set_policy(&mut self, policy: Policy) {
+        self.policy = policy;
+    }
+
+    /// The statistics so far.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// The channel.
+    pub fn channel(&self) -> &C {
+        &self.channel
+    }
+
+    /// Polls every queue until it is empty, calling `f` for each completion in order.
+    pub fn poll_all(&mut self, f: &mut dyn FnMut(CqKey, &Q::Completion)) -> Result<usize> {
+        let mut total = 0;
+        for (i, cq) in self.cqs.iter_mut().enumerate() {
+            loop {
+                let n = cq.poll(&mut self.scratch)?;
+                if n == 0 {
+                    self.stats.empty_polls += 1;
+                }
+                for wc in &self.scratch[..n] {
+                    f(CqKey(i), wc);
+                }
+                total += n;
+                if n < self.scratch.len() {
+                    break;
+                }
+            }
+        }
+        self.stats.completions += total as u64;
+        Ok(total)
+    }
+
+    /// The non-blocking step, for event loops (epoll/mio on the channel's fd) and the core of
+    /// [`Waiter::wait`]: read every pending event until the channel is drained, ack in batches,
+    /// re-arm every queue that is not armed, then poll every queue until empty.
+    ///
+    /// After it returns, sleeping on the channel is safe: every queue is armed, and everything
+    /// that arrived before the arm has been delivered.
+    pub fn step(&mut self, f: &mut dyn FnMut(CqKey, &Q::Completion)) -> Result<usize> {
+        self.drain_events()?;
+        self.arm_unarmed()?;
+        self.poll_all(f)
+    }
+
+    fn drain_events(&mut self) -> Result<()> {
+        while let Some(target) = self.channel.next_event(&self.cqs)? {
+            self.stats.events += 1;
+            if let EventTarget::Cq(i) = target {
+                let slot = &mut self.slots[i];
+                // The event consumed the arm.
+                slot.armed = false;
+                slot.unacked += 1;
+                if slot.unacked >= self.ack_batch {
+                    self.cqs[i].ack(slot.unacked);
+                    self.stats.events_acked += u64::from(slot.unacked);
+                    self.stats.ack_calls += 1;
+                    slot.unacked = 0;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn arm_unarmed(&mut self) -> Result<()> {
+        for (cq, slot) in self.cqs.iter().zip(self.slots.iter_mut()) {
+            if !slot.armed {
+                cq.arm(slot.mode)?;
+                slot.armed = true;
+                self.stats.arms += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Acknowledges every event read so far.
+    pub fn flush_acks(&mut self) {
+        for (cq, slot) in self.cqs.iter().zip(self.slots.iter_mut()) {
+            if slot.unacked > 0 {
+                cq.ack(slot.unacked);
+                self.stats.events_acked += u64::from(slot.unacked);
+                self.stats.ack_calls += 1;
+                slot.unacked = 0;
+            }
+        }
+    }
+
+    /// Waits until at least one completion is delivered to `f` or `timeout` passes (`None`:
+    /// forever), following the policy. Returns how many were delivered (0: timed out).
+    pub fn wait(
+        &mut self,
+        timeout: Option<Duration>,
+        f: &mut dyn FnMut(CqKey, &Q::Completion),
+    ) -> Result<usize> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
+        match self.policy {
+            Policy::Poll => loop {
+                let n = self.poll_all(f)?;
+                if n > 0 || expired(deadline) {
+                    return Ok(n);
+                }
+                std::hint::spin_loop();
+            },
+            Policy::Hybrid {
+                spin,
+                max_empty_polls,
+            } => {
+                let spin_until = Instant::now() + spin;
+                for _ in 0..max_empty_polls.max(1) {
+                    let n = self.poll_all(f)?;
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                    if Instant::now() >= spin_until || expired(deadline) {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+                self.sleep_until(deadline, f)
+            }
+            Policy::Sleep => self.sleep_until(deadline, f),
+        }
+    }
+
+    fn sleep_until(
+        &mut self,
+        deadline: Option<Instant>,
+        f: &mut dyn FnMut(CqKey, &Q::Completion),
+    ) -> Result<usize> {
+        let n = self.step(f)?;
+        if n > 0 {
+            return Ok(n);
+        }
+        loop {
+            let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let slept = Instant::now();
+            let readable = self.channel.wait_readable(timeout)?;
+            self.stats.time_asleep += slept.elapsed();
+            if !readable {
+                return Ok(0);
+            }
+            self.stats.wakeups += 1;
+            let n = self.step(f)?;
+            if n > 0 {
+                self.stats.completions_after_wakeup += n as u64;
+                return Ok(n);
+            }
+            self.stats.spurious_wakeups += 1;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(0);
+            }
+        }
+    }
+
+    /// Acks every outstanding event and hands back the channel and the queues, in the order
+    /// they were added. (Dropping the waiter instead is fine too: verbs-core's queues ack what
+    /// is left when they are dropped.)
+    pub fn into_parts(mut self) -> (C, Vec<Q>) {
+        self.flush_acks();
+        (self.channel, self.cqs)
+    }
+}

@@ -1,0 +1,192 @@
+//! The waiter on a real device (rxe0 in the test VM). Ignored on hosts; `cargo xtask test` runs
+//! them inside the VM. A missing device fails them.
+
+use std::os::fd::AsFd;
+use std::thread;
+use std::time::Duration;
+
+use notify::{ArmMode, Policy, Waiter};
+use testkit::{poll_n, Pair};
+use verbs_core::{wait_readable, WcStatus, WorkCompletion};
+
+const WAIT: Option<Duration> = Some(Duration::from_secs(10));
+
+/// Prints a waiter's statistics in the test output (the closing notes quote them).
+fn report(name: &str, s: notify::Stats) {
+    println!(
+        "stats {name}: wakeups={} spurious={} completions={} per_wakeup={:.1} events={} acked={} ack_calls={} arms={} asleep={:?}",
+        s.wakeups,
+        s.spurious_wakeups,
+        s.completions,
+        s.completions_per_wakeup(),
+        s.events,
+        s.events_acked,
+        s.ack_calls,
+        s.arms,
+        s.time_asleep
+    );
+}
+
+#[test]
+#[ignore = "device"]
+fn solicited_only_sleeps_through_unsolicited_then_drains_all_in_order() {
+    const N: u8 = 8;
+    let Pair {
+        channel,
+        mut sender,
+        b_recv_cq,
+        mut b,
+        ..
+    } = Pair::new(32);
+    let mut waiter = Waiter::new_verbs(channel, Policy::Sleep).unwrap();
+    let recv = waiter.add(b_recv_cq, ArmMode::SolicitedOnly);
+    let feeder = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(200));
+        for i in 0..N {
+            sender.send(&[i; 16], false, None);
+        }
+        sender.reap(usize::from(N));
+        // Every unsolicited message has landed; the receiver must still be asleep.
+        thread::sleep(Duration::from_millis(300));
+        sender.send(&[N; 16], true, None);
+        sender.reap(1);
+        sender
+    });
+    let mut order = Vec::new();
+    let n = waiter
+        .wait(WAIT, &mut |cq, wc| {
+            assert_eq!(cq, recv);
+            assert_eq!(wc.status(), WcStatus::Success);
+            order.push(b.take_recv(wc).unwrap().as_slice()[0]);
+        })
+        .unwrap();
+    feeder.join().unwrap();
+    assert_eq!(n, usize::from(N) + 1, "one wake-up delivers all N+1");
+    assert_eq!(order, (0..=N).collect::<Vec<_>>());
+    let s = waiter.stats();
+    report("solicited_only", s);
+    assert_eq!((s.wakeups, s.spurious_wakeups, s.events), (1, 0, 1));
+    assert!(s.time_asleep >= Duration::from_millis(400), "{s:?}");
+}
+
+#[test]
+#[ignore = "device"]
+fn next_mode_wakes_on_the_first_message() {
+    let Pair {
+        channel,
+        mut sender,
+        b_recv_cq,
+        mut b,
+        ..
+    } = Pair::new(8);
+    let mut waiter = Waiter::new_verbs(channel, Policy::Sleep).unwrap();
+    waiter.add(b_recv_cq, ArmMode::Next);
+    let feeder = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(200));
+        sender.send(b"first", false, None);
+        sender.reap(1);
+        sender
+    });
+    let n = waiter
+        .wait(WAIT, &mut |_, wc| drop(b.take_recv(wc)))
+        .unwrap();
+    feeder.join().unwrap();
+    assert_eq!(n, 1);
+    let s = waiter.stats();
+    report("next", s);
+    assert_eq!((s.wakeups, s.events), (1, 1));
+}
+
+#[test]
+#[ignore = "device"]
+fn several_arms_give_one_event() {
+    let mut p = Pair::new(8);
+    p.channel.set_nonblocking(true).unwrap();
+    for _ in 0..3 {
+        p.b_recv_cq.req_notify(true).unwrap();
+    }
+    p.b_recv_cq.req_notify(false).unwrap();
+    p.send(b"one", false, None);
+    p.send(b"two", true, None);
+    p.reap_sends(2);
+    assert!(wait_readable(p.channel.as_fd(), Some(Duration::from_secs(5))).unwrap());
+    assert!(p.channel.get_event().unwrap().is_some());
+    thread::sleep(Duration::from_millis(100));
+    assert!(
+        p.channel.get_event().unwrap().is_none(),
+        "exactly one event"
+    );
+    assert_eq!(p.b_recv_cq.ack_events(8), 1);
+    assert_eq!(poll_n(&mut p.b_recv_cq, 2).len(), 2);
+}
+
+#[test]
+#[ignore = "device"]
+fn a_receive_flushed_by_a_qp_error_wakes_a_solicited_only_receiver() {
+    const DEPTH: usize = 6;
+    let Pair {
+        channel,
+        b_recv_cq,
+        mut b,
+        sender,
+        ..
+    } = Pair::new(DEPTH);
+    let mut waiter = Waiter::new_verbs(channel, Policy::Sleep).unwrap();
+    waiter.add(b_recv_cq, ArmMode::SolicitedOnly);
+    let mut flushed = 0;
+    // Arm, then break the queue pair: every posted receive completes with a flush error, and
+    // an error completion wakes even a solicited-only queue.
+    assert_eq!(waiter.step(&mut |_, _| {}).unwrap(), 0);
+    b.to_error().unwrap();
+    let mut total = 0;
+    while total < DEPTH {
+        let n = waiter
+            .wait(WAIT, &mut |_, wc: &WorkCompletion| {
+                assert_eq!(wc.status(), WcStatus::WrFlushErr);
+                assert!(b.take_recv(wc).is_some(), "flushed buffers come back");
+                flushed += 1;
+            })
+            .unwrap();
+        assert!(n > 0, "woken by the flush");
+        total += n;
+    }
+    assert_eq!(flushed, DEPTH);
+    assert_eq!(b.recv_outstanding(), 0);
+    let s = waiter.stats();
+    report("flush", s);
+    assert!(s.events >= 1);
+    drop(sender);
+}
+
+#[test]
+#[ignore = "device"]
+fn dropping_a_waiter_with_unacked_events_does_not_hang() {
+    let Pair {
+        channel,
+        mut sender,
+        b_recv_cq,
+        mut b,
+        ..
+    } = Pair::new(16);
+    let mut waiter = Waiter::new_verbs(channel, Policy::Sleep).unwrap();
+    waiter.set_ack_batch(1000);
+    let cq = waiter.add(b_recv_cq, ArmMode::Next);
+    for i in 0..5u8 {
+        assert_eq!(waiter.step(&mut |_, _| {}).unwrap(), 0);
+        sender.send(&[i], false, None);
+        sender.reap(1);
+        assert_eq!(
+            waiter
+                .wait(WAIT, &mut |_, wc| drop(b.take_recv(wc)))
+                .unwrap(),
+            1
+        );
+    }
+    let s = waiter.stats();
+    report("unacked", s);
+    assert_eq!((s.events, s.events_acked), (5, 0));
+    assert_eq!(waiter.cq(cq).unwrap().unacked_events(), 5);
+    // The waiter, its channel and the CQ go; the CQ acks its five events on the way out.
+    drop(waiter);
+    drop(b);
+}
