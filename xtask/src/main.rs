@@ -1,5 +1,7 @@
 //! `cargo xtask`: setup, checks, host and device tests, the Soft-RoCE VM and the demo.
 
+#![forbid(unsafe_code)]
+
 mod vm;
 
 use std::path::{Path, PathBuf};

@@ -3,6 +3,8 @@
 //!
 //! Run it inside the Soft-RoCE VM: `cargo xtask demo`.
 
+#![forbid(unsafe_code)]
+
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
