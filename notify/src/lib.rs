@@ -47,8 +47,11 @@
 //! between, and the receiver sleeps forever (brpc, perftest and UCX all shipped that bug).
 //!
 //! Consequences worth knowing:
-//! - **Spurious wake-ups** happen: a completion can be drained by the poll of step 5 and still
-//!   leave an event behind. [`Stats::spurious_wakeups`] counts them; they are harmless.
+//! - **Stale events** are normal: a completion that lands between the re-arm and the poll of
+//!   step 5 is delivered by that poll and still leaves an event behind. The next call reads it
+//!   before sleeping, so it costs no wake-up. A wake-up that finds nothing to poll (for example
+//!   an event for a queue this waiter does not serve) is counted in
+//!   [`Stats::spurious_wakeups`] and is harmless.
 //! - With solicited-only arming, unsolicited messages sit in the queue until a solicited one (or
 //!   an error) arrives; they are then delivered first, in order.
 //! - After [`Waiter::step`] returns, sleeping is safe. Event loops register the channel's fd and

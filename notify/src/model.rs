@@ -83,10 +83,15 @@ impl Arrival {
     }
 
     fn wakes(&self, mode: ArmMode) -> bool {
-        match mode {
-            ArmMode::Next => true,
-            ArmMode::SolicitedOnly => !self.success || (self.recv && self.solicited),
-        }
+        wakes(mode, self.recv, self.solicited, self.success)
+    }
+}
+
+/// Whether a completion of this kind produces an event on a queue armed with `mode`.
+fn wakes(mode: ArmMode, recv: bool, solicited: bool, success: bool) -> bool {
+    match mode {
+        ArmMode::Next => true,
+        ArmMode::SolicitedOnly => !success || (recv && solicited),
     }
 }
 
@@ -336,15 +341,10 @@ impl EventChannel<ModelCq> for ModelChannel {
             if cq.armed.is_none() {
                 found.push(format!("t={now}: sleeping while queue {i} is not armed"));
             }
-            let waking = cq.queue.iter().find(|c| {
-                Arrival {
-                    cq: i,
-                    recv: c.recv,
-                    solicited: c.solicited,
-                    success: c.success,
-                }
-                .wakes(mode)
-            });
+            let waking = cq
+                .queue
+                .iter()
+                .find(|c| wakes(mode, c.recv, c.solicited, c.success));
             if let Some(c) = waking {
                 found.push(format!(
                     "t={now}: sleeping while completion #{} in queue {i} should have woken the waiter",

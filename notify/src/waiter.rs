@@ -149,10 +149,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 slot.armed = false;
                 slot.unacked += 1;
                 if slot.unacked >= self.ack_batch {
-                    self.cqs[i].ack(slot.unacked);
-                    self.stats.events_acked += u64::from(slot.unacked);
-                    self.stats.ack_calls += 1;
-                    slot.unacked = 0;
+                    ack_slot(&self.cqs[i], slot, &mut self.stats);
                 }
             }
         }
@@ -174,10 +171,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
     pub fn flush_acks(&mut self) {
         for (cq, slot) in self.cqs.iter().zip(self.slots.iter_mut()) {
             if slot.unacked > 0 {
-                cq.ack(slot.unacked);
-                self.stats.events_acked += u64::from(slot.unacked);
-                self.stats.ack_calls += 1;
-                slot.unacked = 0;
+                ack_slot(cq, slot, &mut self.stats);
             }
         }
     }
@@ -257,4 +251,12 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         self.flush_acks();
         (self.channel, self.cqs)
     }
+}
+
+/// Acks every event a slot has counted, with one `ibv_ack_cq_events` call.
+fn ack_slot<Q: CompletionSource>(cq: &Q, slot: &mut Slot, stats: &mut Stats) {
+    cq.ack(slot.unacked);
+    stats.events_acked += u64::from(slot.unacked);
+    stats.ack_calls += 1;
+    slot.unacked = 0;
 }
