@@ -77,7 +77,7 @@ mod stats;
 mod waiter;
 
 pub use error::{Error, Result};
-pub use source::{ArmMode, CompletionSource, EventChannel, EventTarget};
+pub use source::{ArmMode, CompletionSource, EventChannel, EventTarget, Readiness};
 pub use stats::Stats;
 pub use waiter::{CqKey, Policy, Waiter};
 

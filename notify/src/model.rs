@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
 use std::time::Duration;
 
-use crate::source::{ArmMode, CompletionSource, EventChannel, EventTarget};
+use crate::source::{ArmMode, CompletionSource, EventChannel, EventTarget, Readiness};
 use crate::Result;
 
 /// A completion in the model.
@@ -325,11 +325,11 @@ impl EventChannel<ModelCq> for ModelChannel {
     /// Does not sleep: delivers what is scheduled for this instant and reports whether an event
     /// is pending. When it is not, the caller would block: the model then checks that nothing
     /// that should wake it is stranded.
-    fn wait_readable(&mut self, _timeout: Option<Duration>) -> Result<bool> {
+    fn wait_readable(&mut self, _timeout: Option<Duration>) -> Result<Readiness> {
         let mut s = self.state.borrow_mut();
         s.tick();
         if !s.events.is_empty() {
-            return Ok(true);
+            return Ok(Readiness::Events);
         }
         let now = s.now;
         let mut found = Vec::new();
@@ -353,6 +353,6 @@ impl EventChannel<ModelCq> for ModelChannel {
             }
         }
         s.violations.extend(found);
-        Ok(false)
+        Ok(Readiness::TimedOut)
     }
 }

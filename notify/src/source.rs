@@ -39,12 +39,25 @@ pub enum EventTarget {
     Foreign,
 }
 
+/// Why [`EventChannel::wait_readable`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readiness {
+    /// The completion channel is readable: an event may be pending.
+    Events,
+    /// Something else the channel also watches is ready (a wake-up pipe, a socket): the waiter
+    /// returns to its caller, which decides what that means.
+    Other,
+    /// The timeout passed.
+    TimedOut,
+}
+
 /// A completion channel as the waiter drives it.
 pub trait EventChannel<Q: CompletionSource> {
     /// Reads the next pending event without blocking; `Ok(None)` when the channel is drained.
     fn next_event(&mut self, cqs: &[Q]) -> Result<Option<EventTarget>>;
-    /// Blocks until an event may be pending or `timeout` passes; returns whether one may be.
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> Result<bool>;
+    /// Blocks until an event may be pending, something else the implementation watches is
+    /// ready, or `timeout` passes.
+    fn wait_readable(&mut self, timeout: Option<Duration>) -> Result<Readiness>;
 }
 
 impl CompletionSource for CompletionQueue {
@@ -72,7 +85,11 @@ impl EventChannel<CompletionQueue> for CompletionChannel {
         }))
     }
 
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> Result<bool> {
-        Ok(verbs_core::wait_readable(self.as_fd(), timeout)?)
+    fn wait_readable(&mut self, timeout: Option<Duration>) -> Result<Readiness> {
+        Ok(if verbs_core::wait_readable(self.as_fd(), timeout)? {
+            Readiness::Events
+        } else {
+            Readiness::TimedOut
+        })
     }
 }

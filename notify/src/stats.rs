@@ -9,6 +9,9 @@ pub struct Stats {
     pub wakeups: u64,
     /// Wake-ups after which polling found nothing (the completion had already been drained).
     pub spurious_wakeups: u64,
+    /// Times the waiter returned early because something other than the completion channel
+    /// became ready (see [`crate::Readiness::Other`]).
+    pub external_wakeups: u64,
     /// Completions delivered in all.
     pub completions: u64,
     /// Completions delivered right after a wake-up.

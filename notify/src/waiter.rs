@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::source::{ArmMode, CompletionSource, EventChannel, EventTarget};
+use crate::source::{ArmMode, CompletionSource, EventChannel, EventTarget, Readiness};
 use crate::stats::Stats;
 use crate::{Error, Result};
 
@@ -81,6 +81,32 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         CqKey(self.cqs.len() - 1)
     }
 
+    /// Changes how the queue behind `key` is armed from now on. Raising
+    /// [`ArmMode::SolicitedOnly`] to [`ArmMode::Next`] re-arms at the next step ("next" wins over
+    /// "solicited" on a queue armed both ways); lowering it takes effect after the current arm
+    /// fires, which costs at most one extra wake-up.
+    pub fn set_mode(&mut self, key: CqKey, mode: ArmMode) -> Result<()> {
+        let slot = self.slots.get_mut(key.0).ok_or(Error::UnknownCq(key.0))?;
+        if slot.mode == ArmMode::SolicitedOnly && mode == ArmMode::Next {
+            slot.armed = false;
+        }
+        slot.mode = mode;
+        Ok(())
+    }
+
+    /// The arming mode of the queue behind `key`.
+    pub fn mode(&self, key: CqKey) -> Result<ArmMode> {
+        self.slots
+            .get(key.0)
+            .map(|s| s.mode)
+            .ok_or(Error::UnknownCq(key.0))
+    }
+
+    /// Mutable access to the queue behind `key`, for example to poll it directly.
+    pub fn cq_mut(&mut self, key: CqKey) -> Result<&mut Q> {
+        self.cqs.get_mut(key.0).ok_or(Error::UnknownCq(key.0))
+    }
+
     /// The queue behind `key`.
     pub fn cq(&self, key: CqKey) -> Result<&Q> {
         self.cqs.get(key.0).ok_or(Error::UnknownCq(key.0))
@@ -104,6 +130,11 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
     /// The channel.
     pub fn channel(&self) -> &C {
         &self.channel
+    }
+
+    /// The channel, mutably (to change what else it watches, say).
+    pub fn channel_mut(&mut self) -> &mut C {
+        &mut self.channel
     }
 
     /// Polls every queue until it is empty, calling `f` for each completion in order.
@@ -177,7 +208,8 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
     }
 
     /// Waits until at least one completion is delivered to `f` or `timeout` passes (`None`:
-    /// forever), following the policy. Returns how many were delivered (0: timed out).
+    /// forever), following the policy. Returns how many were delivered: 0 when the timeout
+    /// passed or the channel reported [`Readiness::Other`].
     pub fn wait(
         &mut self,
         timeout: Option<Duration>,
@@ -226,10 +258,15 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         loop {
             let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             let slept = Instant::now();
-            let readable = self.channel.wait_readable(timeout)?;
+            let readiness = self.channel.wait_readable(timeout)?;
             self.stats.time_asleep += slept.elapsed();
-            if !readable {
-                return Ok(0);
+            match readiness {
+                Readiness::TimedOut => return Ok(0),
+                Readiness::Other => {
+                    self.stats.external_wakeups += 1;
+                    return Ok(0);
+                }
+                Readiness::Events => {}
             }
             self.stats.wakeups += 1;
             let n = self.step(f)?;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use notify::model::{Arrival, Model, ModelChannel, ModelCompletion, ModelCq};
-use notify::{ArmMode, CompletionSource, EventChannel, EventTarget, Policy, Waiter};
+use notify::{ArmMode, CompletionSource, EventChannel, EventTarget, Policy, Readiness, Waiter};
 use proptest::prelude::*;
 
 fn events(model: &Model, cqs: &[ModelCq]) -> Vec<EventTarget> {
@@ -194,6 +194,27 @@ fn next_mode_send_queue_wakes_on_a_send_error_the_receive_queue_ignores() {
     assert!(!got[1].success);
 }
 
+#[test]
+fn raising_a_queue_to_next_mode_rearms_it() {
+    let m = Model::new();
+    let mut w = waiter(&m, &[ArmMode::SolicitedOnly], Policy::Sleep);
+    let mut got = Vec::new();
+    assert_eq!(
+        wait_now(&mut w, &mut got),
+        0,
+        "armed solicited-only, asleep"
+    );
+    w.set_mode(notify::CqKey(0), ArmMode::Next).unwrap();
+    assert_eq!(w.mode(notify::CqKey(0)).unwrap(), ArmMode::Next);
+    m.schedule(m.now() + DURING_FIRST_SLEEP, Arrival::recv(0, false));
+    assert_eq!(
+        wait_now(&mut w, &mut got),
+        1,
+        "the unsolicited receive wakes the re-armed queue"
+    );
+    assert!(m.violations().is_empty(), "{:?}", m.violations());
+}
+
 /// A completion landing at every possible instant inside the waiter's loop, in particular
 /// between its poll and its arm, is delivered by a later wait.
 #[test]
@@ -226,7 +247,7 @@ fn the_model_catches_poll_then_arm() {
     assert_eq!(cq.poll(&mut scratch).unwrap(), 0);
     m.arrive(Arrival::recv(0, true));
     cq.arm(ArmMode::SolicitedOnly).unwrap();
-    assert!(!ch.wait_readable(None).unwrap());
+    assert_eq!(ch.wait_readable(None).unwrap(), Readiness::TimedOut);
     assert_eq!(m.violations().len(), 1, "{:?}", m.violations());
 }
 

@@ -155,3 +155,18 @@ pub fn poll_n(cq: &mut CompletionQueue, n: usize) -> Vec<WorkCompletion> {
 pub fn fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
+
+/// Receiver-not-ready NAKs a device port has counted: `(rcvd_rnr_err, send_rnr_err)`, from
+/// the port's `hw_counters` in sysfs (Soft-RoCE and most hardware provide them). Panics if
+/// they cannot be read: a test that relies on them must not pass without them.
+pub fn rnr_counters(device: &str, port: u8) -> (u64, u64) {
+    let read = |name: &str| -> u64 {
+        let path = format!("/sys/class/infiniband/{device}/ports/{port}/hw_counters/{name}");
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("cannot read {path}: {e}"))
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    (read("rcvd_rnr_err"), read("send_rnr_err"))
+}

@@ -111,8 +111,26 @@ pub fn wait_readable(
     fd: std::os::fd::BorrowedFd<'_>,
     timeout: Option<std::time::Duration>,
 ) -> Result<bool> {
+    Ok(wait_any_readable(&[fd], timeout)?.is_some())
+}
+
+/// Waits until one of `fds` is readable (or hung up) or `timeout` passes (`None`: forever).
+/// Returns the index of the first readable descriptor, `None` on timeout. Interrupted waits are
+/// resumed with the remaining time.
+pub fn wait_any_readable(
+    fds: &[std::os::fd::BorrowedFd<'_>],
+    timeout: Option<std::time::Duration>,
+) -> Result<Option<usize>> {
     use std::os::fd::AsRawFd;
     let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|fd| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
     loop {
         let ms = match deadline {
             None => -1,
@@ -122,23 +140,19 @@ pub fn wait_readable(
                 libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
             }
         };
-        let mut pfd = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: `pfd` is one valid pollfd; the descriptor is kept open by the borrow.
-        let ret = unsafe { libc::poll(&mut pfd, 1, ms) };
+        // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds; the descriptors are kept
+        // open by the borrows in `fds`.
+        let ret = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         if ret < 0 {
             let err = std::io::Error::last_os_error();
             if err.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
             return Err(Error::WaitFd {
-                fd: fd.as_raw_fd(),
+                fd: fds.first().map_or(-1, |fd| fd.as_raw_fd()),
                 source: err,
             });
         }
-        return Ok(ret > 0);
+        return Ok(pfds.iter().position(|p| p.revents != 0));
     }
 }

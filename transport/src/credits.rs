@@ -1,0 +1,390 @@
+//! Credit-based flow control, as pure bookkeeping (no verbs), so that it can be checked
+//! deterministically.
+//!
+//! # The protocol
+//!
+//! Each side posts `recv_depth` receive buffers for data plus `grant_slots` more for credit
+//! grants, all before its queue pair reaches RTR, and announces both in the handshake. A
+//! *credit* is the right to send one data message: one posted receive buffer at the peer.
+//!
+//! Every message carries 32 bits of immediate data ([`Imm`]): credits returned, a count of the
+//! grants received so far (the *echo*), and two flags. Credits ride on data messages when there
+//! are any; when none flow back, the receiver sends an explicit *grant*, a message with no
+//! payload. A grant does not spend a credit: it lands in one of the peer's grant slots, which the
+//! peer re-posts at once and confirms through its echo. A side keeps at most `grant_slots`
+//! grants unconfirmed. So:
+//!
+//! - a sender never sends without a credit, and a grant always finds a slot: no
+//!   receiver-not-ready NAK can happen;
+//! - grants never cost data credits, so two idle peers never bounce grants back and forth.
+//!
+//! When a data message spends the sender's last credit it says so ([`Imm::EXHAUSTED`]) and is
+//! solicited whatever the caller asked: otherwise a receiver asleep solicited-only would never
+//! look at it, never grant, and both would wait forever. The receiver then grants as soon as it
+//! has anything to give, and that grant is *solicited*: a sender blocked on credits must be
+//! woken by it even if it sleeps solicited-only (the hang UCX hit). Grants are also solicited
+//! when the receiver sees the sender at zero credits.
+//!
+//! # Why a blocked sender always gets its grant
+//!
+//! A grant can be withheld only while `grant_slots` grants are unconfirmed. Every grant a
+//! blocked sender received before its last data message is confirmed by that message's echo;
+//! any later grant gave it credits, so it would not be blocked. Hence when the sender is
+//! blocked, all grants are confirmed or still in flight towards it.
+
+/// The 32 bits of immediate data of every rdmsg message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Imm {
+    /// Data credits returned to the receiver of this message.
+    pub credits: u16,
+    /// Grants the sender has received and re-posted the slot of, modulo 256.
+    pub echo: u8,
+    /// Flag bits ([`Imm::GRANT`], [`Imm::EXHAUSTED`]).
+    pub flags: u8,
+}
+
+impl Imm {
+    /// The message is a credit grant without payload.
+    pub const GRANT: u8 = 0x80;
+    /// The sender spent its last credit on this message.
+    pub const EXHAUSTED: u8 = 0x40;
+    /// The sender is closing: nothing follows this (payload-less) message.
+    pub const CLOSE: u8 = 0x20;
+
+    /// Packs into the immediate-data word.
+    pub fn encode(self) -> u32 {
+        (u32::from(self.flags) << 24) | (u32::from(self.echo) << 16) | u32::from(self.credits)
+    }
+
+    /// Unpacks; `None` if reserved flag bits are set.
+    pub fn decode(word: u32) -> Option<Self> {
+        let flags = (word >> 24) as u8;
+        if flags & !(Self::GRANT | Self::EXHAUSTED | Self::CLOSE) != 0 {
+            return None;
+        }
+        Some(Self {
+            credits: word as u16,
+            echo: (word >> 16) as u8,
+            flags,
+        })
+    }
+
+    /// Whether this is a grant.
+    pub fn is_grant(self) -> bool {
+        self.flags & Self::GRANT != 0
+    }
+
+    /// Whether the sender is out of credits.
+    pub fn is_exhausted(self) -> bool {
+        self.flags & Self::EXHAUSTED != 0
+    }
+}
+
+/// A peer broke the credit protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// A data message arrived although the peer had no credit (we would have hit RNR).
+    #[error("data message beyond the credits granted")]
+    Overrun,
+    /// A grant arrived although the peer had no free grant slot.
+    #[error("grant beyond the grant slots")]
+    GrantOverrun,
+    /// The echo confirms grants never sent.
+    #[error("echo confirms grants never sent")]
+    BadEcho,
+    /// More credits returned than ever lent.
+    #[error("more credits returned than lent")]
+    TooManyCredits,
+    /// Reserved immediate-data bits set.
+    #[error("reserved immediate-data bits set")]
+    BadImm,
+}
+
+/// Both directions of one connection's credit bookkeeping.
+#[derive(Debug, Clone)]
+pub struct Credits {
+    // Sending side.
+    /// Data messages we may still send.
+    credits: u32,
+    /// Most credits we can ever hold: the peer's data receive depth.
+    peer_depth: u32,
+    /// Grants we sent, modulo 256.
+    grants_sent: u8,
+    /// Grants of ours the peer confirmed, modulo 256.
+    peer_echo: u8,
+    /// The peer's grant slots.
+    peer_grant_slots: u8,
+
+    // Receiving side.
+    /// Credits the peer holds, as far as we know (at least what it really holds).
+    peer_credits: u32,
+    /// Buffers re-posted and not yet announced to the peer.
+    owed: u32,
+    /// Grants received whose slot is not yet re-posted.
+    slots_missing: u32,
+    /// Grants received and re-posted, modulo 256: our echo.
+    grants_seen: u8,
+    /// The peer spent its last credit and may be blocked.
+    peer_exhausted: bool,
+    /// Our data receive depth.
+    depth: u32,
+    /// Our grant slots.
+    grant_slots: u8,
+    /// Explicit grants are sent once this many credits are owed.
+    grant_threshold: u32,
+}
+
+/// What the connection should do after taking in completions and re-posting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantDecision {
+    /// The immediate data of the grant to send.
+    pub imm: Imm,
+    /// Whether the grant must be solicited (the peer may be blocked on it).
+    pub solicited: bool,
+}
+
+impl Credits {
+    /// Bookkeeping for a connection where we receive into `depth` data buffers plus
+    /// `grant_slots` grant slots, and the peer into `peer_depth` plus `peer_grant_slots`.
+    /// We start with `initial_credits` (the peer's announcement); the peer with `depth`.
+    pub fn new(
+        depth: u32,
+        grant_slots: u8,
+        peer_depth: u32,
+        peer_grant_slots: u8,
+        initial_credits: u32,
+    ) -> Self {
+        Self {
+            credits: initial_credits,
+            peer_depth,
+            grants_sent: 0,
+            peer_echo: 0,
+            peer_grant_slots,
+            peer_credits: depth,
+            owed: 0,
+            slots_missing: 0,
+            grants_seen: 0,
+            peer_exhausted: false,
+            depth,
+            grant_slots,
+            grant_threshold: (depth / 4).max(1),
+        }
+    }
+
+    /// Data messages we may send now.
+    pub fn available(&self) -> u32 {
+        self.credits
+    }
+
+    /// Credits the peer holds as far as we know.
+    pub fn peer_credits(&self) -> u32 {
+        self.peer_credits
+    }
+
+    /// Credits re-posted but not yet returned.
+    pub fn owed(&self) -> u32 {
+        self.owed
+    }
+
+    /// Our grants the peer has not confirmed yet.
+    pub fn unconfirmed_grants(&self) -> u8 {
+        self.grants_sent.wrapping_sub(self.peer_echo)
+    }
+
+    /// Receive buffers that must be posted for the peer to use what it may: its credits, the
+    /// owed ones about to be returned, and the grant slots.
+    pub fn must_be_posted(&self) -> u32 {
+        self.peer_credits + self.owed + u32::from(self.grant_slots) - self.slots_missing
+    }
+
+    /// Grants received whose slot is not re-posted yet.
+    pub fn slots_missing(&self) -> u32 {
+        self.slots_missing
+    }
+
+    /// The peer may be waiting for credits.
+    pub fn peer_may_be_blocked(&self) -> bool {
+        self.peer_exhausted || self.peer_credits == 0
+    }
+
+    /// Takes in the immediate data of a received message. Returns whether it was a grant (its
+    /// buffer goes straight back to the pool and must be re-posted).
+    pub fn on_receive(&mut self, imm: Imm) -> Result<bool, Violation> {
+        let newly_confirmed = imm.echo.wrapping_sub(self.peer_echo);
+        if newly_confirmed > self.unconfirmed_grants() {
+            return Err(Violation::BadEcho);
+        }
+        if self.credits + u32::from(imm.credits) > self.peer_depth {
+            return Err(Violation::TooManyCredits);
+        }
+        if imm.is_grant() {
+            if self.slots_missing >= u32::from(self.grant_slots) {
+                return Err(Violation::GrantOverrun);
+            }
+            self.slots_missing += 1;
+        } else {
+            if self.peer_credits == 0 {
+                return Err(Violation::Overrun);
+            }
+            self.peer_credits -= 1;
+            self.peer_exhausted = imm.is_exhausted();
+        }
+        self.peer_echo = imm.echo;
+        self.credits += u32::from(imm.credits);
+        Ok(imm.is_grant())
+    }
+
+    /// Records `n` receive buffers re-posted: grant slots are restored first (and echoed), the
+    /// rest become owed credits.
+    pub fn on_reposted(&mut self, n: u32) {
+        let slots = n.min(self.slots_missing);
+        self.slots_missing -= slots;
+        self.grants_seen = self.grants_seen.wrapping_add(slots as u8);
+        self.owed += n - slots;
+    }
+
+    /// Immediate data for a data message we are about to send, spending one credit and
+    /// returning every owed credit; `flags` are added ([`Imm::CLOSE`]). `None` if we have no
+    /// credit. The second value says whether the message must be solicited: it spends our last
+    /// credit (the receiver must wake to grant more), or it returns credits to a peer that may
+    /// be blocked.
+    pub fn take_for_data(&mut self, flags: u8) -> Option<(Imm, bool)> {
+        if self.credits == 0 {
+            return None;
+        }
+        self.credits -= 1;
+        let mut flags = flags & Imm::CLOSE;
+        // Spending the last credit: we may block next, and the receiver must be awake to
+        // grant, so this message wakes it even if it sleeps solicited-only.
+        let exhausted = self.credits == 0;
+        if exhausted {
+            flags |= Imm::EXHAUSTED;
+        }
+        let must_solicit = exhausted || (self.owed > 0 && self.peer_may_be_blocked());
+        let credits = self.return_owed();
+        Some((
+            Imm {
+                credits,
+                echo: self.grants_seen,
+                flags,
+            },
+            must_solicit,
+        ))
+    }
+
+    fn return_owed(&mut self) -> u16 {
+        let n = self.owed.min(u32::from(u16::MAX)) as u16;
+        self.owed -= u32::from(n);
+        self.peer_credits += u32::from(n);
+        if n > 0 {
+            self.peer_exhausted = false;
+        }
+        n
+    }
+
+    /// Whether an explicit grant is due, and if so its immediate data (the credits are counted
+    /// as returned when this returns `Some`: send it).
+    pub fn take_grant(&mut self) -> Option<GrantDecision> {
+        if self.owed == 0 || self.unconfirmed_grants() >= self.peer_grant_slots {
+            return None;
+        }
+        let urgent = self.peer_may_be_blocked();
+        if !urgent && self.owed < self.grant_threshold {
+            return None;
+        }
+        let credits = self.return_owed();
+        self.grants_sent = self.grants_sent.wrapping_add(1);
+        Some(GrantDecision {
+            imm: Imm {
+                credits,
+                echo: self.grants_seen,
+                flags: Imm::GRANT,
+            },
+            solicited: urgent,
+        })
+    }
+
+    /// Our data receive depth.
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn imm_round_trips_and_rejects_reserved_bits() {
+        let imm = Imm {
+            credits: 513,
+            echo: 200,
+            flags: Imm::GRANT | Imm::EXHAUSTED,
+        };
+        assert_eq!(Imm::decode(imm.encode()), Some(imm));
+        assert_eq!(Imm::decode(0x0100_0000), None);
+    }
+
+    #[test]
+    fn sender_stops_at_zero_and_flags_exhaustion() {
+        let mut c = Credits::new(4, 2, 2, 2, 2);
+        let (first, _) = c.take_for_data(0).unwrap();
+        assert!(!first.is_exhausted());
+        let (last, _) = c.take_for_data(0).unwrap();
+        assert!(last.is_exhausted());
+        assert!(c.take_for_data(0).is_none());
+    }
+
+    #[test]
+    fn grants_wait_for_the_threshold_unless_the_peer_is_blocked() {
+        let mut c = Credits::new(8, 2, 8, 2, 8);
+        c.on_receive(Imm::decode(0).unwrap()).unwrap();
+        c.on_reposted(1);
+        assert_eq!(
+            c.take_grant(),
+            None,
+            "1 owed, threshold 2, peer not blocked"
+        );
+        c.on_receive(Imm {
+            credits: 0,
+            echo: 0,
+            flags: Imm::EXHAUSTED,
+        })
+        .unwrap();
+        c.on_reposted(1);
+        let g = c.take_grant().unwrap();
+        assert!(g.solicited, "the peer said it is out of credits");
+        assert_eq!(g.imm.credits, 2);
+        assert_eq!(c.unconfirmed_grants(), 1);
+    }
+
+    #[test]
+    fn violations_are_caught() {
+        let mut c = Credits::new(1, 1, 4, 1, 4);
+        c.on_receive(Imm::decode(0).unwrap()).unwrap();
+        assert_eq!(
+            c.on_receive(Imm::decode(0).unwrap()),
+            Err(Violation::Overrun)
+        );
+        let grant = Imm {
+            credits: 0,
+            echo: 0,
+            flags: Imm::GRANT,
+        };
+        c.on_receive(grant).unwrap();
+        assert_eq!(c.on_receive(grant), Err(Violation::GrantOverrun));
+        let echo = Imm {
+            credits: 0,
+            echo: 1,
+            flags: 0,
+        };
+        assert_eq!(c.on_receive(echo), Err(Violation::BadEcho));
+        let flood = Imm {
+            credits: 9,
+            echo: 0,
+            flags: Imm::GRANT,
+        };
+        assert_eq!(c.on_receive(flood), Err(Violation::TooManyCredits));
+    }
+}

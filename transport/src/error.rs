@@ -1,0 +1,115 @@
+//! Errors of the transport layer.
+
+use std::io;
+use std::time::Duration;
+
+use verbs_core::{AsyncEventKind, WcOpcode, WcStatus};
+
+use crate::credits::Violation;
+use crate::handshake::Reject;
+
+/// Result alias for transport.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A transport failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A verb failed.
+    #[error("verbs call failed")]
+    Verbs(#[from] verbs_core::Error),
+    /// Waiting for completions failed.
+    #[error("completion wait failed")]
+    Notify(#[from] notify::Error),
+    /// The wake-up pipe of a receive pool could not be set up.
+    #[error("cannot create the receive pool's wake-up pipe")]
+    WakePipe(#[source] io::Error),
+    /// Listening for bootstrap connections failed.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Connecting the bootstrap TCP stream failed.
+    #[error("cannot connect to {addr}")]
+    Connect {
+        /// The address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Bootstrap socket I/O failed (peer gone, timeout, ...).
+    #[error("bootstrap exchange failed while {stage}")]
+    Bootstrap {
+        /// What was being exchanged.
+        stage: &'static str,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer's connection record is not `LID:QPN:PSN:GID`.
+    #[error("invalid connection record from the peer")]
+    BadRecord(#[from] crate::addr::RecordError),
+    /// The peer's hello is unacceptable; it was told why.
+    #[error("rejected the peer's handshake: {0}")]
+    BadHandshake(Reject),
+    /// The peer rejected our hello.
+    #[error("the peer rejected our handshake: {0}")]
+    Rejected(Reject),
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A message larger than the peer's receive buffers.
+    #[error("message of {len} bytes exceeds the peer's buffer size of {max} bytes")]
+    TooLarge {
+        /// Message length.
+        len: usize,
+        /// The peer's buffer size.
+        max: usize,
+    },
+    /// Nothing could be sent within the time given.
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// The connection failed; every later call reports the same.
+    #[error("connection failed: {0}")]
+    Connection(#[from] Failure),
+}
+
+/// Why a connection stopped working. Sticky: once failed, a connection keeps reporting it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Failure {
+    /// The peer closed the connection gracefully; everything it sent was delivered.
+    #[error("the peer closed the connection")]
+    PeerClosed,
+    /// The peer's bootstrap stream ended without a close: its process is gone.
+    #[error("the peer vanished (bootstrap stream closed without a graceful close)")]
+    PeerVanished,
+    /// This side closed the connection.
+    #[error("the connection was closed locally")]
+    Closed,
+    /// A work request completed with an error (for example `RetryExcErr`: the peer's queue
+    /// pair no longer answers).
+    #[error("{opcode:?} completed with {status:?} (vendor error {vendor_err:#x})")]
+    Completion {
+        /// Completion status.
+        status: WcStatus,
+        /// Completion opcode.
+        opcode: WcOpcode,
+        /// Provider-specific error.
+        vendor_err: u32,
+    },
+    /// An asynchronous event concerning this connection's queue pair or completion queues.
+    #[error("asynchronous event {0:?}")]
+    AsyncEvent(AsyncEventKind),
+    /// The peer broke the credit protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(Violation),
+    /// A message without the immediate data every rdmsg message carries.
+    #[error("protocol violation: message without immediate data")]
+    MissingImm,
+}
