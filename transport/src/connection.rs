@@ -172,7 +172,11 @@ pub struct Connection {
     failure: Option<Failure>,
     stats: ConnStats,
     inline_scratch: Vec<u8>,
+    bootstrap_checked: Instant,
 }
+
+/// Longest wait for the flush completions after a failure.
+const FLUSH_WAIT: Duration = Duration::from_millis(500);
 
 fn io_err(stage: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Bootstrap { stage, source }
@@ -317,6 +321,7 @@ impl Connection {
             failure: None,
             stats: ConnStats::default(),
             inline_scratch: vec![0; max_inline],
+            bootstrap_checked: Instant::now(),
         })
     }
 
@@ -581,16 +586,36 @@ impl Connection {
         self.completions = got;
         res?;
         self.handle_completions();
-        self.check_bootstrap();
-        self.check_async_events()?;
+        // A read syscall per send would be costly: look at the stream at most every millisecond
+        // here (a wait looks at it every time).
+        if self.bootstrap_checked.elapsed() >= Duration::from_millis(1) {
+            self.check_bootstrap();
+            self.check_async_events()?;
+        }
         self.maintain()
     }
 
     fn fail(&mut self, f: Failure) {
-        if self.failure.is_none() {
-            self.failure = Some(f);
-            // Flush whatever is outstanding so that every buffer comes back.
-            let _ = self.qp.to_error();
+        if self.failure.is_some() {
+            return;
+        }
+        self.failure = Some(f);
+        // Flush whatever is outstanding so that every buffer comes back to its pool. The
+        // flushes are generated promptly; wait a bounded time for them.
+        let _ = self.qp.to_error();
+        let until = Instant::now() + FLUSH_WAIT;
+        while (self.qp.recv_outstanding() > 0 || self.qp.send_outstanding() > 0)
+            && Instant::now() < until
+        {
+            let mut got = std::mem::take(&mut self.completions);
+            let polled = self
+                .waiter
+                .poll_all(&mut |key, wc| got.push((key, wc.clone())));
+            self.completions = got;
+            self.handle_completions();
+            if !matches!(polled, Ok(n) if n > 0) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
     }
 
@@ -717,6 +742,7 @@ impl Connection {
 
     /// Notices the end of the peer's bootstrap stream.
     fn check_bootstrap(&mut self) {
+        self.bootstrap_checked = Instant::now();
         let ch = self.waiter.channel();
         if !ch.watch_bootstrap {
             return;

@@ -387,7 +387,13 @@ fn test_binaries() -> Result<Vec<PathBuf>> {
     let text = String::from_utf8_lossy(&out.stdout);
     let mut bins: Vec<PathBuf> = text
         .lines()
-        .filter(|l| l.contains("\"test\":true"))
+        // Test harnesses only: binaries built for integration tests have a non-test profile.
+        .filter(|l| {
+            l.find("\"profile\":{").is_some_and(|i| {
+                let profile = &l[i..];
+                profile[..profile.find('}').unwrap_or(profile.len())].contains("\"test\":true")
+            })
+        })
         .filter_map(|l| {
             let start = l.find("\"executable\":\"")? + "\"executable\":\"".len();
             let end = start + l[start..].find('"')?;
