@@ -175,6 +175,9 @@ pub struct Connection {
     bootstrap_checked: Instant,
 }
 
+/// Longest busy-poll before a polling connection looks at its bootstrap stream again.
+const POLL_SLICE: Duration = Duration::from_millis(10);
+
 /// Longest wait for the flush completions after a failure.
 const FLUSH_WAIT: Duration = Duration::from_millis(500);
 
@@ -564,6 +567,11 @@ impl Connection {
         if !self.pool.going_to_sleep() {
             return self.progress();
         }
+        // A polling wait watches no descriptor: bound it so that liveness is checked.
+        let timeout = match self.config.policy {
+            Policy::Poll => Some(timeout.map_or(POLL_SLICE, |t| t.min(POLL_SLICE))),
+            _ => timeout,
+        };
         let mut got = std::mem::take(&mut self.completions);
         let res = self
             .waiter
@@ -579,13 +587,7 @@ impl Connection {
 
     /// Polls both queues without sleeping and does the bookkeeping.
     fn progress(&mut self) -> Result<()> {
-        let mut got = std::mem::take(&mut self.completions);
-        let res = self
-            .waiter
-            .poll_all(&mut |key, wc| got.push((key, wc.clone())));
-        self.completions = got;
-        res?;
-        self.handle_completions();
+        self.poll_and_handle()?;
         // A read syscall per send would be costly: look at the stream at most every millisecond
         // here (a wait looks at it every time).
         if self.bootstrap_checked.elapsed() >= Duration::from_millis(1) {
@@ -607,16 +609,21 @@ impl Connection {
         while (self.qp.recv_outstanding() > 0 || self.qp.send_outstanding() > 0)
             && Instant::now() < until
         {
-            let mut got = std::mem::take(&mut self.completions);
-            let polled = self
-                .waiter
-                .poll_all(&mut |key, wc| got.push((key, wc.clone())));
-            self.completions = got;
-            self.handle_completions();
-            if !matches!(polled, Ok(n) if n > 0) {
+            if !matches!(self.poll_and_handle(), Ok(n) if n > 0) {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
+    }
+
+    /// Polls both queues until empty and handles what they held; returns how many.
+    fn poll_and_handle(&mut self) -> Result<usize> {
+        let mut got = std::mem::take(&mut self.completions);
+        let polled = self
+            .waiter
+            .poll_all(&mut |key, wc| got.push((key, wc.clone())));
+        self.completions = got;
+        self.handle_completions();
+        Ok(polled?)
     }
 
     fn handle_completions(&mut self) {
@@ -758,12 +765,7 @@ impl Connection {
             // A close message may still be on its way through the RC path; give it a moment.
             let until = Instant::now() + Duration::from_millis(50);
             while !self.peer_closed && Instant::now() < until {
-                let mut got = std::mem::take(&mut self.completions);
-                let _ = self
-                    .waiter
-                    .poll_all(&mut |key, wc| got.push((key, wc.clone())));
-                self.completions = got;
-                self.handle_completions();
+                let _ = self.poll_and_handle();
                 if !self.peer_closed {
                     std::thread::sleep(Duration::from_millis(1));
                 }
