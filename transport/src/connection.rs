@@ -602,17 +602,18 @@ impl Connection {
             return;
         }
         self.failure = Some(f);
-        // Flush whatever is outstanding so that every buffer comes back to its pool. The
-        // flushes are generated promptly; wait a bounded time for them.
+        // Flush whatever is outstanding so that every receive buffer comes back to its pool.
+        // The flushes are generated promptly; wait a bounded time for them. (Sends are not
+        // waited for: unsignaled sends that had already succeeded never complete again; their
+        // buffers go with the queue pair.)
         let _ = self.qp.to_error();
         let until = Instant::now() + FLUSH_WAIT;
-        while (self.qp.recv_outstanding() > 0 || self.qp.send_outstanding() > 0)
-            && Instant::now() < until
-        {
+        while self.qp.recv_outstanding() > 0 && Instant::now() < until {
             if !matches!(self.poll_and_handle(), Ok(n) if n > 0) {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
+        let _ = self.poll_and_handle();
     }
 
     /// Polls both queues until empty and handles what they held; returns how many.
