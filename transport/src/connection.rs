@@ -26,7 +26,7 @@ pub struct Config {
     pub buf_size: u32,
     /// Receive buffers for data messages: the credits the peer starts with. Default 64.
     pub recv_depth: u32,
-    /// Extra receive buffers reserved for credit grants (1..=64). Default 2.
+    /// Extra receive buffers reserved for credit grants (3..=64). Default 3.
     pub grant_slots: u8,
     /// Send queue depth and number of send buffers. Default 64.
     pub send_depth: u32,
@@ -53,7 +53,7 @@ impl Default for Config {
         Self {
             buf_size: 4096,
             recv_depth: 64,
-            grant_slots: 2,
+            grant_slots: 3,
             send_depth: 64,
             signal_every: 16,
             max_inline: 64,
@@ -75,8 +75,8 @@ impl Config {
         if self.recv_depth == 0 || self.recv_depth > 0xff_ffff {
             return bad("recv_depth must be between 1 and 2^24 - 1");
         }
-        if self.grant_slots == 0 || self.grant_slots > handshake::MAX_GRANT_SLOTS {
-            return bad("grant_slots must be between 1 and 64");
+        if self.grant_slots < 3 || self.grant_slots > handshake::MAX_GRANT_SLOTS {
+            return bad("grant_slots must be between 3 and 64");
         }
         if self.send_depth == 0 || self.signal_every == 0 {
             return bad("send_depth and signal_every must be at least 1");
@@ -371,28 +371,44 @@ impl Connection {
     /// Sends `data`, solicited (waking a receiver armed solicited-only) or not. Blocks while
     /// there is no credit or no send slot.
     pub fn send(&mut self, data: &[u8], solicited: bool) -> Result<()> {
-        self.send_with(data.len(), solicited, None, |buf| buf.copy_from_slice(data))
-    }
-
-    /// Sends a `len`-byte message that `fill` writes straight into registered memory (or the
-    /// inline scratch buffer). Waits at most `timeout` (`None`: forever) for a credit and a
-    /// send slot.
-    pub fn send_with(
-        &mut self,
-        len: usize,
-        solicited: bool,
-        timeout: Option<Duration>,
-        fill: impl FnOnce(&mut [u8]),
-    ) -> Result<()> {
-        if len > self.max_message() {
+        if data.len() > self.max_message() {
             return Err(Error::TooLarge {
-                len,
+                len: data.len(),
                 max: self.max_message(),
             });
         }
+        self.send_with(solicited, None, |buf| {
+            buf[..data.len()].copy_from_slice(data);
+            Some(data.len())
+        })?;
+        Ok(())
+    }
+
+    /// Sends a message that `fill` writes straight into a registered send buffer of
+    /// [`Connection::max_message`] bytes, returning its length. If `fill` returns `None`,
+    /// nothing is sent, no credit is spent, and this returns `Ok(false)`. Messages up to
+    /// `max_inline` bytes are sent inline and their buffer is reused at once. Waits at most
+    /// `timeout` (`None`: forever) for a credit and a send buffer.
+    pub fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<bool> {
         self.check_failed()?;
-        let inline = len <= self.max_inline;
-        self.wait_to_send(inline, timeout)?;
+        self.wait_to_send(timeout)?;
+        let mut buf = self.send_bufs.pop().expect("wait_to_send ensured a buffer");
+        let max = self.max_message();
+        let len = match fill(&mut buf.as_mut_slice()[..max]) {
+            Some(len) if len <= max => len,
+            other => {
+                self.send_bufs.push(buf);
+                return match other {
+                    None => Ok(false),
+                    Some(len) => Err(Error::TooLarge { len, max }),
+                };
+            }
+        };
         let (imm, must_solicit) = self
             .credits
             .take_for_data(0)
@@ -401,19 +417,19 @@ impl Connection {
         self.stats.forced_solicited += u64::from(must_solicit && !solicited);
         let solicited = solicited || must_solicit;
         self.stats.sent_solicited += u64::from(solicited);
-        if inline {
+        if len <= self.max_inline {
+            // Inline: the bytes are copied at post time, so the buffer is free again at once.
             self.stats.sent_inline += 1;
             let mut scratch = std::mem::take(&mut self.inline_scratch);
-            fill(&mut scratch[..len]);
-            let req = SendRequest::inline(&scratch[..len]);
-            let res = self.post(req, imm, solicited);
+            scratch[..len].copy_from_slice(&buf.as_slice()[..len]);
+            self.send_bufs.push(buf);
+            let res = self.post(SendRequest::inline(&scratch[..len]), imm, solicited);
             self.inline_scratch = scratch;
-            res
+            res?;
         } else {
-            let mut buf = self.send_bufs.pop().expect("wait_to_send ensured a buffer");
-            fill(&mut buf.as_mut_slice()[..len]);
-            self.post(SendRequest::buffer(buf, len), imm, solicited)
+            self.post(SendRequest::buffer(buf, len), imm, solicited)?;
         }
+        Ok(true)
     }
 
     fn post(&mut self, req: SendRequest<'_>, imm: Imm, solicited: bool) -> Result<()> {
@@ -432,16 +448,16 @@ impl Connection {
         Ok(())
     }
 
-    fn can_send(&self, inline: bool) -> bool {
+    fn can_send(&self) -> bool {
         self.credits.available() > 0
             && self.qp.send_outstanding() < self.sq_depth
-            && (inline || !self.send_bufs.is_empty())
+            && !self.send_bufs.is_empty()
     }
 
-    fn wait_to_send(&mut self, inline: bool, timeout: Option<Duration>) -> Result<()> {
+    fn wait_to_send(&mut self, timeout: Option<Duration>) -> Result<()> {
         let deadline = timeout.map(|t| Instant::now() + t);
         self.progress()?;
-        if self.can_send(inline) {
+        if self.can_send() {
             return Ok(());
         }
         let no_credit = self.credits.available() == 0;
@@ -458,7 +474,7 @@ impl Connection {
             if let Err(e) = self.check_failed() {
                 break Err(e);
             }
-            if self.can_send(inline) {
+            if self.can_send() {
                 break Ok(());
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -530,7 +546,7 @@ impl Connection {
     pub fn close(mut self) -> Result<()> {
         self.check_failed()?;
         let timeout = self.config.close_timeout;
-        self.wait_to_send(true, Some(timeout))?;
+        self.wait_to_send(Some(timeout))?;
         let (imm, _) = self
             .credits
             .take_for_data(Imm::CLOSE)

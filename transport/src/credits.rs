@@ -27,10 +27,13 @@
 //!
 //! # Why a blocked sender always gets its grant
 //!
-//! A grant can be withheld only while `grant_slots` grants are unconfirmed. Every grant a
-//! blocked sender received before its last data message is confirmed by that message's echo;
-//! any later grant gave it credits, so it would not be blocked. Hence when the sender is
-//! blocked, all grants are confirmed or still in flight towards it.
+//! Ordinary grants stop while `grant_slots - 1` are unconfirmed; the last slot is kept for a
+//! grant whose echo is news. A sender out of credits holding `grant_slots - 1` unechoed grants
+//! sends an echo-only grant (solicited, no credits) into that slot, since no data message of
+//! its will carry the echo now. So a peer owing credits to a blocked sender always regains a
+//! slot and grants them, solicited. At least 3 grant slots are required. The property test in `tests/credits.rs`
+//! checks this over arbitrary interleavings; it found the echo-only case, and the crossing of
+//! two peers that each held all the other's slots.
 
 /// The 32 bits of immediate data of every rdmsg message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +128,8 @@ pub struct Credits {
     slots_missing: u32,
     /// Grants received and re-posted, modulo 256: our echo.
     grants_seen: u8,
+    /// The echo we last sent.
+    echo_sent: u8,
     /// The peer spent its last credit and may be blocked.
     peer_exhausted: bool,
     /// Our data receive depth.
@@ -165,6 +170,7 @@ impl Credits {
             owed: 0,
             slots_missing: 0,
             grants_seen: 0,
+            echo_sent: 0,
             peer_exhausted: false,
             depth,
             grant_slots,
@@ -263,6 +269,7 @@ impl Credits {
         }
         let must_solicit = exhausted || (self.owed > 0 && self.peer_may_be_blocked());
         let credits = self.return_owed();
+        self.echo_sent = self.grants_seen;
         Some((
             Imm {
                 credits,
@@ -285,23 +292,44 @@ impl Credits {
 
     /// Whether an explicit grant is due, and if so its immediate data (the credits are counted
     /// as returned when this returns `Some`: send it).
+    ///
+    /// Ordinary grants keep one of the peer's grant slots free. That last slot takes only a
+    /// grant whose echo is news to the peer, such as the one a sender out of credits sends,
+    /// with no credits, when it holds enough unechoed grants to stop the peer from granting.
+    /// Without it, two peers could each hold the other's grant slots unconfirmed and never
+    /// grant again.
     pub fn take_grant(&mut self) -> Option<GrantDecision> {
-        if self.owed == 0 || self.unconfirmed_grants() >= self.peer_grant_slots {
+        // Out of credits, we send no data to carry our echo; if the peer may be at its limit
+        // of ordinary grants because of it, tell it. (At least `grant_slots - 1` unechoed, not
+        // 1: so that two blocked peers do not echo each other's echoes for ever.)
+        let news = self.grants_seen.wrapping_sub(self.echo_sent);
+        let echo_due = self.credits == 0
+            && self.slots_missing == 0
+            && news >= self.grant_slots.saturating_sub(1);
+        let echo_due = echo_due && news > 0;
+        let urgent = self.owed > 0 && self.peer_may_be_blocked();
+        if !(urgent || self.owed >= self.grant_threshold || echo_due) {
             return None;
         }
-        let urgent = self.peer_may_be_blocked();
-        if !urgent && self.owed < self.grant_threshold {
+        let limit = if news > 0 {
+            self.peer_grant_slots
+        } else {
+            self.peer_grant_slots.saturating_sub(1)
+        };
+        if self.unconfirmed_grants() >= limit {
             return None;
         }
         let credits = self.return_owed();
         self.grants_sent = self.grants_sent.wrapping_add(1);
+        self.echo_sent = self.grants_seen;
         Some(GrantDecision {
             imm: Imm {
                 credits,
                 echo: self.grants_seen,
                 flags: Imm::GRANT,
             },
-            solicited: urgent,
+            // The peer may be blocked on the credits, or on this echo before it can grant.
+            solicited: urgent || echo_due,
         })
     }
 

@@ -170,7 +170,7 @@ impl Hello {
         if self.recv_depth == 0 || self.recv_depth > 0xff_ffff {
             return Err(Reject::BadValue("receive depth"));
         }
-        if self.grant_slots == 0 || self.grant_slots > MAX_GRANT_SLOTS {
+        if self.grant_slots < 3 || self.grant_slots > MAX_GRANT_SLOTS {
             return Err(Reject::BadValue("grant slots"));
         }
         if self.initial_credits == 0 || self.initial_credits > self.recv_depth {
@@ -215,7 +215,7 @@ mod tests {
             mtu: 1024,
             buf_size: 4096,
             recv_depth: 64,
-            grant_slots: 2,
+            grant_slots: 3,
             initial_credits: 64,
         }
     }
@@ -250,7 +250,7 @@ mod tests {
             (|h| h.mtu = 1000, "MTU"),
             (|h| h.buf_size = 8, "buffer size"),
             (|h| h.recv_depth = 0, "receive depth"),
-            (|h| h.grant_slots = 0, "grant slots"),
+            (|h| h.grant_slots = 1, "grant slots"),
             (|h| h.initial_credits = 65, "initial credits"),
             (|h| h.addr.psn = 0x100_0000, "queue pair number or PSN"),
         ];

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use transport::credits::{Credits, Imm};
 
 const DEPTH: u32 = 8;
-const SLOTS: u8 = 2;
+const SLOTS: u8 = 3;
 
 #[derive(Debug)]
 struct Side {
@@ -188,7 +188,7 @@ fn one_way_stream_with_a_slow_consumer() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1024))]
+    #![proptest_config(ProptestConfig::with_cases(2048))]
     #[test]
     fn arbitrary_interleavings(ops in prop::collection::vec((0u8..4, any::<u8>()), 0..400)) {
         run(&ops);

@@ -16,7 +16,7 @@ usage: cargo xtask <task>
 tasks:
   setup            install the Debian packages rdmsg needs (apt-get as root; prints the command otherwise)
   test             fmt, clippy, docs, host tests, then the device tests inside the Soft-RoCE VM
-  demo             run the verbs-core demo on rxe0 inside the VM
+  demo             run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
   vm -- CMD...     boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
 
 environment:
@@ -220,9 +220,12 @@ fn demo() -> Result<ExitCode> {
         let _s = Step::new("build", "building the examples");
         run(cargo().args(["build", "-p", "rdmsg-examples", "--bins"]))?;
     }
-    let _s = Step::new("demo", "running verbs_loopback on rxe0 inside the VM");
+    let _s = Step::new(
+        "demo",
+        "running the telemetry example on rxe0 inside the VM: solicited-only vs next arming",
+    );
     let out = vm::Vm::new(&repo_root()).run_script(
-        "./target/debug/verbs_loopback",
+        "./target/debug/telemetry --arm both",
         vm_timeout(),
         &mut |l| println!("{l}"),
     )?;

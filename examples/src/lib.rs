@@ -1,0 +1,82 @@
+//! Message types and helpers shared by the rdmsg examples and their device tests.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+use std::thread;
+
+use serde::{Deserialize, Serialize};
+use transport::{Config, Connection, Endpoint};
+
+/// A sensor reading: telemetry, which does not wake the receiver.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reading {
+    /// Sensor number.
+    pub sensor: u16,
+    /// Sequence number of the reading.
+    pub seq: u64,
+    /// Measured value.
+    pub value: f64,
+}
+msg::message!(Reading, tag = "rdmsg.example.Reading", solicited = false);
+
+/// An alarm: wakes the receiver.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Alarm {
+    /// Sensor number.
+    pub sensor: u16,
+    /// Why.
+    pub reason: String,
+}
+msg::message!(Alarm, tag = "rdmsg.example.Alarm");
+
+/// A request: wakes the server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// Correlates the response.
+    pub id: u64,
+    /// Operands.
+    pub operands: Vec<i64>,
+}
+msg::message!(Request, tag = "rdmsg.example.Request");
+
+/// A response: wakes the client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    /// The request's id.
+    pub id: u64,
+    /// The sum of the operands.
+    pub sum: i64,
+}
+msg::message!(Response, tag = "rdmsg.example.Response");
+
+/// A command for a worker: wakes the receiver.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// Recalibrate a sensor.
+    Calibrate {
+        /// Sensor number.
+        sensor: u16,
+        /// New offset.
+        offset: f64,
+    },
+    /// Ship a firmware image (large: fragmented).
+    Firmware(Vec<u8>),
+}
+msg::message!(Command, tag = "rdmsg.example.Command");
+
+/// Connects two sessions through TCP on loopback on the default device: (accepting side,
+/// connecting side).
+pub fn loopback_pair(
+    server: &Config,
+    client: &Config,
+) -> transport::Result<(Connection, Connection)> {
+    let ep = Endpoint::open_default()?;
+    let listener = ep.listen("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let client_ep = ep.clone();
+    let client = client.clone();
+    let connector = thread::spawn(move || client_ep.connect(addr, &client));
+    let accepted = listener.accept(server);
+    let connected = connector.join().expect("connector thread");
+    Ok((accepted?, connected?))
+}

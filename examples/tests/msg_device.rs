@@ -1,0 +1,223 @@
+//! The message layer on rxe0: round trips of every example type, wake-ups per batch, the
+//! unsolicited-run policy, and malformed frames injected over the wire. Ignored on hosts;
+//! `cargo xtask test` runs them in the VM.
+
+use std::thread;
+use std::time::Duration;
+
+use msg::frame::{Header, FIRST, HEADER_LEN, LAST};
+use msg::{Message, Session};
+use rdmsg_examples::{loopback_pair, Alarm, Command, Reading, Request, Response};
+use transport::Config;
+
+const WAIT: Option<Duration> = Some(Duration::from_secs(10));
+
+fn sessions() -> (Session, Session) {
+    let (rx, tx) = loopback_pair(&Config::default(), &Config::default()).expect("device");
+    (Session::new(rx), Session::new(tx))
+}
+
+fn recv_one<M: Message>(s: &mut Session) -> M {
+    s.recv_timeout(WAIT)
+        .unwrap()
+        .expect("a message within 10 s")
+        .decode()
+        .unwrap()
+}
+
+#[test]
+#[ignore = "device"]
+fn every_example_type_round_trips() {
+    let (mut rx, mut tx) = sessions();
+    let reading = Reading {
+        sensor: 7,
+        seq: 42,
+        value: -1.25,
+    };
+    let alarm = Alarm {
+        sensor: 7,
+        reason: "hot".into(),
+    };
+    let request = Request {
+        id: 9,
+        operands: vec![1, -2, 3],
+    };
+    let response = Response { id: 9, sum: 2 };
+    let calibrate = Command::Calibrate {
+        sensor: 1,
+        offset: 0.5,
+    };
+    let firmware = Command::Firmware((0..50_000u32).map(|i| i as u8).collect());
+    tx.send(&reading).unwrap();
+    tx.send(&alarm).unwrap();
+    tx.send(&request).unwrap();
+    tx.send(&response).unwrap();
+    tx.send(&calibrate).unwrap();
+    tx.send(&firmware).unwrap();
+    assert_eq!(recv_one::<Reading>(&mut rx), reading);
+    assert_eq!(recv_one::<Alarm>(&mut rx), alarm);
+    assert_eq!(recv_one::<Request>(&mut rx), request);
+    assert_eq!(recv_one::<Response>(&mut rx), response);
+    assert_eq!(recv_one::<Command>(&mut rx), calibrate);
+    assert_eq!(recv_one::<Command>(&mut rx), firmware);
+    let st = tx.stats();
+    assert_eq!((st.sent, st.fragmented), (6, 1));
+    assert!(
+        st.frames_sent > 6 + 10,
+        "the firmware took many frames: {st:?}"
+    );
+}
+
+/// Batches of 16 readings, all unsolicited but the last: one wake-up per batch.
+#[test]
+#[ignore = "device"]
+fn a_batch_costs_one_wake_up() {
+    const BATCHES: u64 = 20;
+    const K: u64 = 16;
+    let (mut rx, mut tx) = sessions();
+    let producer = thread::spawn(move || {
+        for b in 0..BATCHES {
+            let batch: Vec<Reading> = (0..K)
+                .map(|i| Reading {
+                    sensor: 0,
+                    seq: b * K + i,
+                    value: 0.0,
+                })
+                .collect();
+            tx.send_batch(&batch).unwrap();
+            thread::sleep(Duration::from_millis(20));
+        }
+        tx
+    });
+    for seq in 0..BATCHES * K {
+        assert_eq!(recv_one::<Reading>(&mut rx).seq, seq);
+    }
+    let tx = producer.join().unwrap();
+    let w = rx.connection().wait_stats();
+    println!(
+        "stats batches: {BATCHES} batches of {K}: wakeups={} per_wakeup={:.1} sent_solicited={}",
+        w.wakeups,
+        w.completions_per_wakeup(),
+        tx.stats().sent_solicited
+    );
+    assert_eq!(tx.stats().sent_solicited, BATCHES);
+    assert!(w.wakeups <= BATCHES + 1, "{} wake-ups", w.wakeups);
+    assert!(
+        w.wakeups >= BATCHES / 2,
+        "{} wake-ups: did it sleep?",
+        w.wakeups
+    );
+}
+
+/// Unsolicited telemetry without batch ends, trickling in while the receiver sleeps: the
+/// policy solicits every 17th message (a quarter of the peer's 64 credits, plus one) and
+/// `flush` wakes the receiver for the tail, so nothing waits unread.
+#[test]
+#[ignore = "device"]
+fn the_policy_and_flush_bound_what_waits_unread() {
+    const N: u64 = 60;
+    let (mut rx, mut tx) = sessions();
+    let producer = thread::spawn(move || {
+        for seq in 0..N {
+            tx.send(&Reading {
+                sensor: 1,
+                seq,
+                value: 0.0,
+            })
+            .unwrap();
+            thread::sleep(Duration::from_millis(2));
+        }
+        tx.flush().unwrap();
+        tx
+    });
+    for seq in 0..N {
+        assert_eq!(recv_one::<Reading>(&mut rx).seq, seq);
+    }
+    let tx = producer.join().unwrap();
+    let st = tx.stats();
+    let wakeups = rx.connection().wait_stats().wakeups;
+    println!(
+        "stats policy: {N} unsolicited readings, 2 ms apart: policy_solicited={} receiver wakeups={wakeups}",
+        st.policy_solicited
+    );
+    assert_eq!(st.policy_solicited, N / 17);
+    assert!((2..=5).contains(&wakeups), "{wakeups} wake-ups");
+}
+
+fn raw_frame(flags: u8, tag: u32, seq: u32, frag: u16, body: &[u8]) -> Vec<u8> {
+    let mut f = vec![0u8; HEADER_LEN + body.len()];
+    Header {
+        flags,
+        tag,
+        seq,
+        frag,
+        len: body.len() as u32,
+    }
+    .write(&mut f);
+    f[HEADER_LEN..].copy_from_slice(body);
+    f
+}
+
+/// Malformed frames sent over the wire: each gives its typed error at the receiver, is
+/// dropped and counted, and the session carries on.
+#[test]
+#[ignore = "device"]
+fn bad_frames_over_the_wire_are_typed_counted_and_survived() {
+    let (mut rx, mut tx) = sessions();
+    rx.register::<Reading>().register::<Alarm>();
+    let good = raw_frame(FIRST | LAST, Alarm::TAG, 0, 0, &[1, 2, b'o', b'k']);
+    let mut wrong_magic = good.clone();
+    wrong_magic[0] = b'X';
+    let mut wrong_version = good.clone();
+    wrong_version[2] = 77;
+    let mut short_length = good.clone();
+    short_length[19] += 1;
+    let bad: Vec<(Vec<u8>, &str)> = vec![
+        (vec![0xde, 0xad], "too short"),
+        (wrong_magic, "magic"),
+        (wrong_version, "version"),
+        (short_length, "length"),
+        (
+            raw_frame(FIRST | LAST, msg::tag("nobody"), 0, 0, &[]),
+            "unknown tag",
+        ),
+        (
+            raw_frame(0, Reading::TAG, 5, 3, &[1]),
+            "fragment out of order",
+        ),
+        (
+            raw_frame(FIRST | LAST, Reading::TAG, 6, 0, &[1, 2]),
+            "truncated bincode",
+        ),
+    ];
+    let conn = tx.connection_mut();
+    for (f, _) in &bad {
+        conn.send(f, false).unwrap();
+    }
+    conn.send(&good, true).unwrap();
+    let mut seen = Vec::new();
+    let alarm = loop {
+        match rx.recv_timeout(WAIT) {
+            Ok(Some(env)) if env.is::<Alarm>() => break env.decode::<Alarm>().unwrap(),
+            Ok(Some(env)) => seen.push(format!("{:?}", env.decode::<Reading>().unwrap_err())),
+            Ok(None) => panic!("nothing within 10 s"),
+            Err(e) => {
+                assert!(!e.is_fatal(), "{e:?}");
+                seen.push(format!("{e:?}"));
+            }
+        }
+    };
+    assert_eq!(alarm.sensor, 1);
+    assert_eq!(alarm.reason, "ok");
+    println!("stats bad frames: {seen:?}");
+    assert_eq!(seen.len(), bad.len(), "{seen:?}");
+    assert!(matches!(seen[0].as_str(), s if s.contains("TooShort")));
+    assert!(seen[1].contains("BadMagic") && seen[2].contains("BadVersion"));
+    assert!(seen[3].contains("Length") && seen[4].contains("UnknownTag"));
+    assert!(seen[5].contains("OutOfOrder") && seen[6].contains("Decode"));
+    assert_eq!(
+        rx.stats().dropped_frames,
+        6,
+        "the body error is the caller's to count"
+    );
+}

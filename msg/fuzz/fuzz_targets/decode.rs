@@ -1,0 +1,35 @@
+//! Feeds arbitrary frames to the decoder and decodes whatever comes out: nothing may panic,
+//! allocate without bound or hang. Frames are separated by the byte sequence `RDMSG|`.
+//! Run: `cargo fuzz run decode` in `msg/` (needs cargo-fuzz).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use msg::codec::{Decoder, FrameBytes};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize)]
+struct Sample {
+    id: u64,
+    name: String,
+    values: Vec<f64>,
+    nested: Option<Vec<(u8, String)>>,
+}
+msg::message!(Sample, tag = "fuzz.sample");
+
+fuzz_target!(|data: &[u8]| {
+    let mut dec = Decoder::new(1 << 16);
+    let mut rest = data;
+    loop {
+        let (frame, next) = match rest.windows(6).position(|w| w == b"RDMSG|") {
+            Some(i) => (&rest[..i], Some(&rest[i + 6..])),
+            None => (rest, None),
+        };
+        if let Ok(Some(env)) = dec.push(FrameBytes::Owned(frame.to_vec())) {
+            let _ = env.decode::<Sample>();
+        }
+        match next {
+            Some(n) => rest = n,
+            None => break,
+        }
+    }
+});

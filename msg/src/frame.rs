@@ -1,0 +1,207 @@
+//! The frame: a 20-byte header and a bincode body, one per RC message.
+//!
+//! ```text
+//! 0      2        3      4      8      12      14         16     20
+//! | magic | version | flags | tag  | seq  | frag  | reserved | len  | body (len bytes)
+//! ```
+//! Big-endian. `seq` numbers messages per connection; a message larger than one buffer is cut
+//! into fragments `frag = 0, 1, ...`, the first flagged [`FIRST`], the last [`LAST`]. Since RC
+//! delivers whole messages in order, a bad frame never desynchronises the next one: it can
+//! always be dropped alone.
+
+/// Frame magic, "RM".
+pub const MAGIC: u16 = 0x524d;
+/// Frame format version.
+pub const VERSION: u8 = 1;
+/// Header length.
+pub const HEADER_LEN: usize = 20;
+/// Flag: first fragment of a message.
+pub const FIRST: u8 = 0x01;
+/// Flag: last fragment of a message.
+pub const LAST: u8 = 0x02;
+
+/// A frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// [`FIRST`] and/or [`LAST`].
+    pub flags: u8,
+    /// Message type tag.
+    pub tag: u32,
+    /// Message sequence number.
+    pub seq: u32,
+    /// Fragment index within the message.
+    pub frag: u16,
+    /// Body bytes in this frame.
+    pub len: u32,
+}
+
+/// A frame that cannot be taken apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// Fewer bytes than a header.
+    #[error("frame of {0} bytes is shorter than a header")]
+    TooShort(usize),
+    /// Not an rdmsg frame.
+    #[error("bad magic {0:#06x}")]
+    BadMagic(u16),
+    /// Another frame version.
+    #[error("frame version {0} is not supported")]
+    BadVersion(u8),
+    /// Unknown flag bits or a set reserved field.
+    #[error("reserved bits set")]
+    Reserved,
+    /// The header's length disagrees with the bytes received.
+    #[error("header says {declared} body bytes, frame has {actual}")]
+    Length {
+        /// From the header.
+        declared: u32,
+        /// Received.
+        actual: usize,
+    },
+    /// A fragment out of order, or of another message while one is being reassembled.
+    #[error("fragment {frag} of message {seq} out of order")]
+    OutOfOrder {
+        /// Its message.
+        seq: u32,
+        /// Its index.
+        frag: u16,
+    },
+    /// A reassembled message would exceed the configured bound.
+    #[error("message exceeds {0} bytes")]
+    TooLarge(usize),
+}
+
+impl Header {
+    /// Writes the header into the first [`HEADER_LEN`] bytes of `out`.
+    pub fn write(&self, out: &mut [u8]) {
+        out[0..2].copy_from_slice(&MAGIC.to_be_bytes());
+        out[2] = VERSION;
+        out[3] = self.flags;
+        out[4..8].copy_from_slice(&self.tag.to_be_bytes());
+        out[8..12].copy_from_slice(&self.seq.to_be_bytes());
+        out[12..14].copy_from_slice(&self.frag.to_be_bytes());
+        out[14..16].copy_from_slice(&[0, 0]);
+        out[16..20].copy_from_slice(&self.len.to_be_bytes());
+    }
+}
+
+/// Splits a received frame into header and body, checking everything the header claims.
+pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
+    if frame.len() < HEADER_LEN {
+        return Err(FrameError::TooShort(frame.len()));
+    }
+    let magic = u16::from_be_bytes([frame[0], frame[1]]);
+    if magic != MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    if frame[2] != VERSION {
+        return Err(FrameError::BadVersion(frame[2]));
+    }
+    let flags = frame[3];
+    if flags & !(FIRST | LAST) != 0 || frame[14..16] != [0, 0] {
+        return Err(FrameError::Reserved);
+    }
+    let u32_at =
+        |i: usize| u32::from_be_bytes([frame[i], frame[i + 1], frame[i + 2], frame[i + 3]]);
+    let header = Header {
+        flags,
+        tag: u32_at(4),
+        seq: u32_at(8),
+        frag: u16::from_be_bytes([frame[12], frame[13]]),
+        len: u32_at(16),
+    };
+    let body = &frame[HEADER_LEN..];
+    if header.len as usize != body.len() {
+        return Err(FrameError::Length {
+            declared: header.len,
+            actual: body.len(),
+        });
+    }
+    Ok((header, body))
+}
+
+/// Joins fragments back into messages. Single-frame messages never go through it.
+#[derive(Debug)]
+pub struct Reassembler {
+    partial: Option<Partial>,
+    max_size: usize,
+}
+
+#[derive(Debug)]
+struct Partial {
+    tag: u32,
+    seq: u32,
+    next: u16,
+    body: Vec<u8>,
+}
+
+impl Reassembler {
+    /// Reassembles messages of at most `max_size` bytes.
+    pub fn new(max_size: usize) -> Self {
+        Self {
+            partial: None,
+            max_size,
+        }
+    }
+
+    /// The bound on a reassembled message.
+    pub fn max_size(&self) -> usize {
+        self.max_size
+    }
+
+    /// Whether a message is half reassembled.
+    pub fn in_progress(&self) -> bool {
+        self.partial.is_some()
+    }
+
+    /// Takes a fragment (a frame without both [`FIRST`] and [`LAST`]). Returns the tag and
+    /// body once the last fragment is in. On error the partial message is dropped.
+    pub fn push(&mut self, h: &Header, body: &[u8]) -> Result<Option<(u32, Vec<u8>)>, FrameError> {
+        let out_of_order = FrameError::OutOfOrder {
+            seq: h.seq,
+            frag: h.frag,
+        };
+        if h.flags & FIRST != 0 {
+            let restarted = self.partial.take().is_some();
+            if h.frag != 0 {
+                return Err(out_of_order);
+            }
+            self.partial = Some(Partial {
+                tag: h.tag,
+                seq: h.seq,
+                next: 0,
+                body: Vec::new(),
+            });
+            if restarted {
+                // The previous message lost its tail; report it, keep the new one.
+                self.extend(h, body)?;
+                return Err(out_of_order);
+            }
+        }
+        let Some(p) = &self.partial else {
+            return Err(out_of_order);
+        };
+        if p.tag != h.tag || p.seq != h.seq || p.next != h.frag {
+            self.partial = None;
+            return Err(out_of_order);
+        }
+        self.extend(h, body)?;
+        if h.flags & LAST != 0 {
+            let p = self.partial.take().expect("checked above");
+            return Ok(Some((p.tag, p.body)));
+        }
+        Ok(None)
+    }
+
+    fn extend(&mut self, h: &Header, body: &[u8]) -> Result<(), FrameError> {
+        let p = self.partial.as_mut().expect("caller checked");
+        if p.body.len() + body.len() > self.max_size {
+            self.partial = None;
+            return Err(FrameError::TooLarge(self.max_size));
+        }
+        p.body.extend_from_slice(body);
+        p.next = h.frag.wrapping_add(1);
+        Ok(())
+    }
+}
