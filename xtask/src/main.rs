@@ -217,15 +217,18 @@ fn cargo() -> Command {
 fn demo() -> Result<ExitCode> {
     ensure_packages()?;
     {
-        let _s = Step::new("build", "building the examples");
-        run(cargo().args(["build", "-p", "rdmsg-examples", "--bins"]))?;
+        let _s = Step::new(
+            "build",
+            "building the examples (release: the demo measures CPU time)",
+        );
+        run(cargo().args(["build", "--release", "-p", "rdmsg-examples", "--bins"]))?;
     }
     let _s = Step::new(
         "demo",
         "running the telemetry example on rxe0 inside the VM: solicited-only vs next arming",
     );
     let out = vm::Vm::new(&repo_root()).run_script(
-        "./target/debug/telemetry --arm both",
+        "./target/release/telemetry --arm both",
         vm_timeout(),
         &mut |l| println!("{l}"),
     )?;
