@@ -5,7 +5,7 @@
 use std::thread;
 use std::time::Duration;
 
-use msg::frame::{Header, FIRST, HEADER_LEN, LAST};
+use msg::frame::{self, FIRST, LAST};
 use msg::{Message, Session};
 use rdmsg_examples::{loopback_pair, Alarm, Command, Reading, Request, Response};
 use transport::Config;
@@ -144,20 +144,6 @@ fn the_policy_and_flush_bound_what_waits_unread() {
     assert!((2..=5).contains(&wakeups), "{wakeups} wake-ups");
 }
 
-fn raw_frame(flags: u8, tag: u32, seq: u32, frag: u16, body: &[u8]) -> Vec<u8> {
-    let mut f = vec![0u8; HEADER_LEN + body.len()];
-    Header {
-        flags,
-        tag,
-        seq,
-        frag,
-        len: body.len() as u32,
-    }
-    .write(&mut f);
-    f[HEADER_LEN..].copy_from_slice(body);
-    f
-}
-
 /// Malformed frames sent over the wire: each gives its typed error at the receiver, is
 /// dropped and counted, and the session carries on.
 #[test]
@@ -165,7 +151,7 @@ fn raw_frame(flags: u8, tag: u32, seq: u32, frag: u16, body: &[u8]) -> Vec<u8> {
 fn bad_frames_over_the_wire_are_typed_counted_and_survived() {
     let (mut rx, mut tx) = sessions();
     rx.register::<Reading>().register::<Alarm>();
-    let good = raw_frame(FIRST | LAST, Alarm::TAG, 0, 0, &[1, 2, b'o', b'k']);
+    let good = frame::build(FIRST | LAST, Alarm::TAG, 0, 0, &[1, 2, b'o', b'k']);
     let mut wrong_magic = good.clone();
     wrong_magic[0] = b'X';
     let mut wrong_version = good.clone();
@@ -178,15 +164,15 @@ fn bad_frames_over_the_wire_are_typed_counted_and_survived() {
         (wrong_version, "version"),
         (short_length, "length"),
         (
-            raw_frame(FIRST | LAST, msg::tag("nobody"), 0, 0, &[]),
+            frame::build(FIRST | LAST, msg::tag("nobody"), 0, 0, &[]),
             "unknown tag",
         ),
         (
-            raw_frame(0, Reading::TAG, 5, 3, &[1]),
+            frame::build(0, Reading::TAG, 5, 3, &[1]),
             "fragment out of order",
         ),
         (
-            raw_frame(FIRST | LAST, Reading::TAG, 6, 0, &[1, 2]),
+            frame::build(FIRST | LAST, Reading::TAG, 6, 0, &[1, 2]),
             "truncated bincode",
         ),
     ];

@@ -78,17 +78,7 @@ pub fn encode_fragments<M: Message>(
         if i + 1 == count {
             flags |= LAST;
         }
-        let mut f = vec![0u8; HEADER_LEN + part.len()];
-        Header {
-            flags,
-            tag: M::TAG,
-            seq,
-            frag: i as u16,
-            len: part.len() as u32,
-        }
-        .write(&mut f);
-        f[HEADER_LEN..].copy_from_slice(part);
-        frames.push(f);
+        frames.push(frame::build(flags, M::TAG, seq, i as u16, part));
     }
     Ok(frames)
 }

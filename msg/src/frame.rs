@@ -86,6 +86,21 @@ impl Header {
     }
 }
 
+/// A whole frame: this header (its `len` set from `body`) followed by `body`.
+pub fn build(flags: u8, tag: u32, seq: u32, frag: u16, body: &[u8]) -> Vec<u8> {
+    let mut f = vec![0u8; HEADER_LEN + body.len()];
+    Header {
+        flags,
+        tag,
+        seq,
+        frag,
+        len: body.len() as u32,
+    }
+    .write(&mut f);
+    f[HEADER_LEN..].copy_from_slice(body);
+    f
+}
+
 /// Splits a received frame into header and body, checking everything the header claims.
 pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
     if frame.len() < HEADER_LEN {

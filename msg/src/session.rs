@@ -5,7 +5,7 @@ use std::time::Duration;
 use transport::Connection;
 
 use crate::codec::{self, Decoder, Envelope, FrameBytes, NUDGE_TAG};
-use crate::frame::{Header, FIRST, HEADER_LEN, LAST};
+use crate::frame::{self, FIRST, LAST};
 use crate::policy::SolicitPolicy;
 use crate::{Message, Result};
 
@@ -170,16 +170,8 @@ impl Session {
         if !self.policy.pending() {
             return Ok(());
         }
-        let mut frame = [0u8; HEADER_LEN];
-        Header {
-            flags: FIRST | LAST,
-            tag: NUDGE_TAG,
-            seq: self.seq,
-            frag: 0,
-            len: 0,
-        }
-        .write(&mut frame);
-        self.conn.send(&frame, true)?;
+        let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
+        self.conn.send(&nudge, true)?;
         self.policy.record(true, 0);
         Ok(())
     }

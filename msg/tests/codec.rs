@@ -3,7 +3,7 @@
 //! typed error without a panic.
 
 use msg::codec::{self, Decoder, FrameBytes};
-use msg::frame::{self, FrameError, Header, FIRST, HEADER_LEN, LAST};
+use msg::frame::{self, FrameError, FIRST, LAST};
 use msg::{Error, Message};
 use proptest::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -89,27 +89,13 @@ proptest! {
     }
 }
 
-fn frame(flags: u8, tag: u32, seq: u32, frag: u16, body: &[u8]) -> Vec<u8> {
-    let mut f = vec![0u8; HEADER_LEN + body.len()];
-    Header {
-        flags,
-        tag,
-        seq,
-        frag,
-        len: body.len() as u32,
-    }
-    .write(&mut f);
-    f[HEADER_LEN..].copy_from_slice(body);
-    f
-}
-
 fn push(dec: &mut Decoder, f: Vec<u8>) -> msg::Result<Option<msg::Envelope>> {
     dec.push(FrameBytes::Owned(f))
 }
 
 #[test]
 fn header_errors_are_typed() {
-    let good = frame(FIRST | LAST, Sample::TAG, 1, 0, &[1, 2, 3]);
+    let good = frame::build(FIRST | LAST, Sample::TAG, 1, 0, &[1, 2, 3]);
     assert!(frame::parse(&good).is_ok());
     assert_eq!(frame::parse(&good[..5]), Err(FrameError::TooShort(5)));
     let mut bad = good.clone();
@@ -136,7 +122,7 @@ fn body_errors_are_typed() {
     // Truncated bincode: a String whose length prefix promises more than is there.
     let env = push(
         &mut dec,
-        frame(FIRST | LAST, Sample::TAG, 0, 0, &[1, 40, 65]),
+        frame::build(FIRST | LAST, Sample::TAG, 0, 0, &[1, 40, 65]),
     )
     .unwrap()
     .unwrap();
@@ -146,9 +132,12 @@ fn body_errors_are_typed() {
         Err(Error::WrongType { .. })
     ));
     // Trailing bytes after a valid body.
-    let env = push(&mut dec, frame(FIRST | LAST, Other::TAG, 0, 0, &[5, 0]))
-        .unwrap()
-        .unwrap();
+    let env = push(
+        &mut dec,
+        frame::build(FIRST | LAST, Other::TAG, 0, 0, &[5, 0]),
+    )
+    .unwrap()
+    .unwrap();
     assert!(matches!(
         env.decode::<Other>(),
         Err(Error::Decode {
@@ -158,9 +147,12 @@ fn body_errors_are_typed() {
     ));
     // A forged huge length prefix is refused by the allocation limit, not allocated.
     let forged = [0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f];
-    let env = push(&mut dec, frame(FIRST | LAST, Sample::TAG, 0, 0, &forged))
-        .unwrap()
-        .unwrap();
+    let env = push(
+        &mut dec,
+        frame::build(FIRST | LAST, Sample::TAG, 0, 0, &forged),
+    )
+    .unwrap()
+    .unwrap();
     assert!(matches!(env.decode::<Sample>(), Err(Error::Decode { .. })));
 }
 
@@ -168,25 +160,29 @@ fn body_errors_are_typed() {
 fn unknown_tags_and_disordered_fragments_are_dropped_with_errors() {
     let mut dec = Decoder::new(1 << 20);
     dec.register::<Sample>();
-    let r = push(&mut dec, frame(FIRST | LAST, Other::TAG, 0, 0, &[5]));
+    let r = push(&mut dec, frame::build(FIRST | LAST, Other::TAG, 0, 0, &[5]));
     assert!(matches!(r, Err(Error::UnknownTag(t)) if t == Other::TAG));
     // A middle fragment without a first one.
-    let r = push(&mut dec, frame(0, Sample::TAG, 1, 1, &[1]));
+    let r = push(&mut dec, frame::build(0, Sample::TAG, 1, 1, &[1]));
     assert!(matches!(
         r,
         Err(Error::BadFrame(FrameError::OutOfOrder { seq: 1, frag: 1 }))
     ));
     // A skipped fragment.
-    push(&mut dec, frame(FIRST, Sample::TAG, 2, 0, &[1])).unwrap();
-    let r = push(&mut dec, frame(LAST, Sample::TAG, 2, 2, &[1]));
+    push(&mut dec, frame::build(FIRST, Sample::TAG, 2, 0, &[1])).unwrap();
+    let r = push(&mut dec, frame::build(LAST, Sample::TAG, 2, 2, &[1]));
     assert!(matches!(
         r,
         Err(Error::BadFrame(FrameError::OutOfOrder { .. }))
     ));
     // A message beyond the bound.
     let mut small = Decoder::new(4);
-    push(&mut small, frame(FIRST, Sample::TAG, 3, 0, &[1, 2, 3])).unwrap();
-    let r = push(&mut small, frame(LAST, Sample::TAG, 3, 1, &[4, 5]));
+    push(
+        &mut small,
+        frame::build(FIRST, Sample::TAG, 3, 0, &[1, 2, 3]),
+    )
+    .unwrap();
+    let r = push(&mut small, frame::build(LAST, Sample::TAG, 3, 1, &[4, 5]));
     assert!(matches!(r, Err(Error::BadFrame(FrameError::TooLarge(4)))));
     // And afterwards a good message still goes through.
     let m = Sample {
