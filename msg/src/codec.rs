@@ -212,9 +212,7 @@ impl Decoder {
                 offset: HEADER_LEN,
             }));
         }
-        let body = body.to_vec();
-        drop(frame);
-        match self.reassembler.push(&h, &body)? {
+        match self.reassembler.push(&h, body)? {
             None => Ok(None),
             Some((tag, joined)) => {
                 self.check_tag(tag)?;

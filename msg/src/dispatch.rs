@@ -66,9 +66,8 @@ impl Dispatcher {
         self.handlers.insert(
             M::TAG,
             Box::new(move |env: &Envelope| {
-                // A send error means every receiver is gone: reported as an orphan below.
                 tx.send(env.decode::<M>()?)
-                    .map_err(|_| Error::UnknownTag(M::TAG))
+                    .map_err(|_| Error::ReceiverGone(M::TAG))
             }),
         );
         rx
@@ -86,7 +85,7 @@ impl Dispatcher {
                 self.stats.dispatched += 1;
                 Ok(())
             }
-            Err(e @ Error::UnknownTag(_)) => {
+            Err(e @ Error::ReceiverGone(_)) => {
                 self.stats.orphaned += 1;
                 Err(e)
             }

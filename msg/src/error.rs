@@ -37,6 +37,9 @@ pub enum Error {
     /// A tag nobody registered: the message was dropped.
     #[error("unknown message tag {0:#010x}")]
     UnknownTag(u32),
+    /// Every receiver of a dispatcher channel for this tag is gone: the message was dropped.
+    #[error("no receiver left for message tag {0:#010x}")]
+    ReceiverGone(u32),
     /// `decode` asked for another type than the message has.
     #[error("message has tag {got:#010x}, not {expected:#010x}")]
     WrongType {
@@ -72,5 +75,13 @@ impl Error {
     /// undecodable bodies only cost the message concerned.
     pub fn is_fatal(&self) -> bool {
         matches!(self, Error::Transport(transport::Error::Connection(_)))
+    }
+
+    /// Whether this is the peer's graceful close: everything it sent has been received.
+    pub fn is_peer_closed(&self) -> bool {
+        matches!(
+            self,
+            Error::Transport(transport::Error::Connection(transport::Failure::PeerClosed))
+        )
     }
 }

@@ -131,15 +131,20 @@ impl EventChannel<CompletionQueue> for ConnChannel {
 
     fn wait_readable(&mut self, timeout: Option<Duration>) -> notify::Result<Readiness> {
         let ctx = self.endpoint.context();
-        let mut fds = vec![self.channel.as_fd(), self.wake.as_fd(), ctx.async_fd()];
-        if self.watch_bootstrap {
-            fds.push(self.bootstrap.as_fd());
-        }
-        Ok(match verbs_core::wait_any_readable(&fds, timeout)? {
-            None => Readiness::TimedOut,
-            Some(0) => Readiness::Events,
-            Some(_) => Readiness::Other,
-        })
+        let fds = [
+            self.channel.as_fd(),
+            self.wake.as_fd(),
+            ctx.async_fd(),
+            self.bootstrap.as_fd(),
+        ];
+        let watched = if self.watch_bootstrap { 4 } else { 3 };
+        Ok(
+            match verbs_core::wait_any_readable(&fds[..watched], timeout)? {
+                None => Readiness::TimedOut,
+                Some(0) => Readiness::Events,
+                Some(_) => Readiness::Other,
+            },
+        )
     }
 }
 
@@ -185,8 +190,9 @@ fn io_err(stage: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Bootstrap { stage, source }
 }
 
-/// A pseudo-random 24-bit PSN, different per connection.
-fn random_psn(qp_num: u32) -> u32 {
+/// A pseudo-random 24-bit starting PSN for the queue pair `qp_num`, different per connection
+/// (a reused PSN could let stale packets of an earlier connection be accepted).
+pub fn random_psn(qp_num: u32) -> u32 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(qp_num);
@@ -596,9 +602,7 @@ impl Connection {
         self.completions = got;
         res?;
         self.handle_completions();
-        self.check_bootstrap();
-        self.check_async_events()?;
-        self.maintain()
+        self.settle(true)
     }
 
     /// Polls both queues without sleeping and does the bookkeeping.
@@ -606,7 +610,14 @@ impl Connection {
         self.poll_and_handle()?;
         // A read syscall per send would be costly: look at the stream at most every millisecond
         // here (a wait looks at it every time).
-        if self.bootstrap_checked.elapsed() >= Duration::from_millis(1) {
+        let liveness = self.bootstrap_checked.elapsed() >= Duration::from_millis(1);
+        self.settle(liveness)
+    }
+
+    /// After completions were handled: optionally looks for a vanished peer and asynchronous
+    /// events, then re-posts and grants.
+    fn settle(&mut self, liveness: bool) -> Result<()> {
+        if liveness {
             self.check_bootstrap();
             self.check_async_events()?;
         }
@@ -651,11 +662,7 @@ impl Connection {
             } else {
                 self.send_bufs.extend(self.qp.complete_send(&wc));
                 if !wc.is_success() && wc.status() != WcStatus::WrFlushErr {
-                    self.fail(Failure::Completion {
-                        status: wc.status(),
-                        opcode: wc.opcode(),
-                        vendor_err: wc.vendor_err(),
-                    });
+                    self.fail(Failure::of_completion(&wc));
                 }
             }
         }
@@ -673,11 +680,7 @@ impl Connection {
                 // peer's queue pair is gone.
                 Failure::PeerVanished
             } else {
-                Failure::Completion {
-                    status: wc.status(),
-                    opcode: wc.opcode(),
-                    vendor_err: wc.vendor_err(),
-                }
+                Failure::of_completion(wc)
             };
             self.fail(f);
             return;

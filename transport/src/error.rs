@@ -113,3 +113,14 @@ pub enum Failure {
     #[error("protocol violation: message without immediate data")]
     MissingImm,
 }
+
+impl Failure {
+    /// The failure an unsuccessful work completion stands for.
+    pub fn of_completion(wc: &verbs_core::WorkCompletion) -> Self {
+        Failure::Completion {
+            status: wc.status(),
+            opcode: wc.opcode(),
+            vendor_err: wc.vendor_err(),
+        }
+    }
+}

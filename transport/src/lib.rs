@@ -56,7 +56,7 @@ pub mod handshake;
 mod pool;
 
 pub use addr::QpAddress;
-pub use connection::{Config, ConnStats, Connection};
+pub use connection::{random_psn, Config, ConnStats, Connection};
 pub use endpoint::{Endpoint, GidChoice, Listener, PathParams};
 pub use error::{Error, Failure, Result};
 pub use pool::{PoolStats, Received, RecvPool};

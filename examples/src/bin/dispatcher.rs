@@ -11,7 +11,7 @@ use std::thread;
 use anyhow::{bail, Result};
 use msg::{Dispatcher, Session};
 use rdmsg_examples::{loopback_pair, Alarm, Command, Reading};
-use transport::{Config, Error as TError, Failure};
+use transport::Config;
 
 const READINGS: u64 = 3000;
 const WORKERS: usize = 2;
@@ -45,10 +45,7 @@ fn main() -> Result<()> {
                     .collect::<Vec<_>>()
             });
             let end = d.run(&mut session);
-            if !matches!(
-                end,
-                msg::Error::Transport(TError::Connection(Failure::PeerClosed))
-            ) {
+            if !end.is_peer_closed() {
                 return Err(end.into());
             }
             let stats = d.stats();

@@ -150,7 +150,7 @@ fn main() -> Result<()> {
     let mut pool = RecvPool::new(ep.pd(), o.rx_depth as usize, o.size)?;
     qp.post_recv(pool.take_free()).map_err(|e| e.error)?;
 
-    let psn = (std::process::id().wrapping_mul(2_654_435_761)) & 0xff_ffff;
+    let psn = transport::random_psn(qp.qp_num());
     let local = ep.address_of(&qp, psn);
     println!("  local address:  {local}");
     let path = PathParams {

@@ -16,7 +16,7 @@ use anyhow::{bail, Context as _, Result};
 use msg::Session;
 use notify::ArmMode;
 use rdmsg_examples::{loopback_pair, Alarm, Reading};
-use transport::{Config, Error as TError, Failure};
+use transport::Config;
 
 struct Options {
     arms: Vec<ArmMode>,
@@ -92,7 +92,7 @@ fn run(o: &Options, arm: ArmMode) -> Result<Row> {
                     env.decode::<Alarm>()?;
                     alarms += 1;
                 }
-                Err(msg::Error::Transport(TError::Connection(Failure::PeerClosed))) => break,
+                Err(e) if e.is_peer_closed() => break,
                 Err(e) => return Err(e.into()),
             }
         }
