@@ -2,10 +2,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-use std::thread;
-
 use serde::{Deserialize, Serialize};
-use transport::{Config, Connection, Endpoint};
 
 /// A sensor reading: telemetry, which does not wake the receiver.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,19 +61,4 @@ pub enum Command {
 }
 msg::message!(Command, tag = "rdmsg.example.Command");
 
-/// Connects two sessions through TCP on loopback on the default device: (accepting side,
-/// connecting side).
-pub fn loopback_pair(
-    server: &Config,
-    client: &Config,
-) -> transport::Result<(Connection, Connection)> {
-    let ep = Endpoint::open_default()?;
-    let listener = ep.listen("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let client_ep = ep.clone();
-    let client = client.clone();
-    let connector = thread::spawn(move || client_ep.connect(addr, &client));
-    let accepted = listener.accept(server);
-    let connected = connector.join().expect("connector thread");
-    Ok((accepted?, connected?))
-}
+pub use transport::loopback_pair;

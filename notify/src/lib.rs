@@ -46,6 +46,14 @@
 //! is found by the poll. Polling first and arming afterwards strands a completion that lands in
 //! between, and the receiver sleeps forever (brpc, perftest and UCX all shipped that bug).
 //!
+//! Syscalls are what a wake-up costs, so [`Waiter::wait`] makes as few as the rule allows:
+//! - it first polls what is already queued (no syscall); only if that finds nothing does it
+//!   drain, arm and poll (steps 2 to 5), then sleep. A busy receiver makes no syscall per
+//!   message, and every sleep is preceded by the full drain to `EAGAIN`;
+//! - on waking it reads the one event that woke it, re-arms that queue and polls. Further
+//!   pending events are read by the drain before the next sleep, so reading to `EAGAIN` right
+//!   after waking as well would only add a syscall.
+//!
 //! Consequences worth knowing:
 //! - **Stale events** are normal: a completion that lands between the re-arm and the poll of
 //!   step 5 is delivered by that poll and still leaves an event behind. The next call reads it

@@ -28,6 +28,10 @@ pub enum Policy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct CqKey(pub usize);
 
+/// A spinning wait looks at the clock once per this many empty polls: reading the clock can
+/// cost more than polling (a microsecond or more where the clock source is not the TSC).
+const CLOCK_EVERY: u32 = 16;
+
 /// Completions polled per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 32;
 
@@ -172,19 +176,26 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
     }
 
     fn drain_events(&mut self) -> Result<()> {
-        while let Some(target) = self.channel.next_event(&self.cqs)? {
-            self.stats.events += 1;
-            if let EventTarget::Cq(i) = target {
-                let slot = &mut self.slots[i];
-                // The event consumed the arm.
-                slot.armed = false;
-                slot.unacked += 1;
-                if slot.unacked >= self.ack_batch {
-                    ack_slot(&self.cqs[i], slot, &mut self.stats);
-                }
+        while self.read_one_event()? {}
+        Ok(())
+    }
+
+    /// Reads one pending event, if any, and books it; false when the channel is empty.
+    fn read_one_event(&mut self) -> Result<bool> {
+        let Some(target) = self.channel.next_event(&self.cqs)? else {
+            return Ok(false);
+        };
+        self.stats.events += 1;
+        if let EventTarget::Cq(i) = target {
+            let slot = &mut self.slots[i];
+            // The event consumed the arm.
+            slot.armed = false;
+            slot.unacked += 1;
+            if slot.unacked >= self.ack_batch {
+                ack_slot(&self.cqs[i], slot, &mut self.stats);
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     fn arm_unarmed(&mut self) -> Result<()> {
@@ -218,24 +229,32 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
         match self.policy {
-            Policy::Poll => loop {
-                let n = self.poll_all(f)?;
-                if n > 0 || expired(deadline) {
-                    return Ok(n);
+            Policy::Poll => {
+                let mut empty = 0u32;
+                loop {
+                    let n = self.poll_all(f)?;
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                    empty = empty.wrapping_add(1);
+                    if empty % CLOCK_EVERY == 0 && expired(deadline) {
+                        return Ok(0);
+                    }
+                    std::hint::spin_loop();
                 }
-                std::hint::spin_loop();
-            },
+            }
             Policy::Hybrid {
                 spin,
                 max_empty_polls,
             } => {
                 let spin_until = Instant::now() + spin;
-                for _ in 0..max_empty_polls.max(1) {
+                for i in 1..=max_empty_polls.max(1) {
                     let n = self.poll_all(f)?;
                     if n > 0 {
                         return Ok(n);
                     }
-                    if Instant::now() >= spin_until || expired(deadline) {
+                    if i % CLOCK_EVERY == 0 && (Instant::now() >= spin_until || expired(deadline))
+                    {
                         break;
                     }
                     std::hint::spin_loop();
@@ -251,11 +270,19 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         deadline: Option<Instant>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        let n = self.step(f)?;
+        // What is already queued needs no syscall. (An event pending in the channel is read by
+        // the step below, before any sleep.)
+        let n = self.poll_all(f)?;
         if n > 0 {
             return Ok(n);
         }
         loop {
+            // Every sleep is preceded by the full step: channel drained, every queue armed,
+            // everything queued before the arms delivered.
+            let n = self.step(f)?;
+            if n > 0 {
+                return Ok(n);
+            }
             let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             let slept = Instant::now();
             let readiness = self.channel.wait_readable(timeout)?;
@@ -269,7 +296,12 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 Readiness::Events => {}
             }
             self.stats.wakeups += 1;
-            let n = self.step(f)?;
+            // Read the event that woke us, re-arm its queue, poll. Any further events are read
+            // by the step before the next sleep: draining to EAGAIN here as well would cost a
+            // syscall per wake-up and change nothing.
+            self.read_one_event()?;
+            self.arm_unarmed()?;
+            let n = self.poll_all(f)?;
             if n > 0 {
                 self.stats.completions_after_wakeup += n as u64;
                 return Ok(n);

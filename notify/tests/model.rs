@@ -132,9 +132,9 @@ fn wait_now(w: &mut ModelWaiter, out: &mut Vec<ModelCompletion>) -> usize {
         .unwrap()
 }
 
-/// A fresh waiter's wait is: one event read, one arm, one poll, then the sleep. Arrivals
-/// scheduled for the fourth operation land while it sleeps.
-const DURING_FIRST_SLEEP: u64 = 4;
+/// A fresh waiter's wait is: one poll (of what is already queued), one event read, one arm,
+/// one poll, then the sleep. Arrivals scheduled for the fifth operation land while it sleeps.
+const DURING_FIRST_SLEEP: u64 = 5;
 
 #[test]
 fn solicited_only_receiver_sleeps_through_unsolicited_messages() {
@@ -262,6 +262,10 @@ fn acks_are_batched_and_flushed() {
         m.arrive(Arrival::recv(0, false));
         wait_now(&mut w, &mut got);
     }
+    // The last completion was collected by the wait's first poll, before its event was read:
+    // the next wait reads it before it sleeps.
+    assert_eq!(w.stats().events, 9);
+    wait_now(&mut w, &mut got);
     let s = w.stats();
     assert_eq!(s.events, 10);
     assert_eq!((s.events_acked, s.ack_calls), (8, 2));

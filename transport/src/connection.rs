@@ -178,10 +178,16 @@ pub struct Connection {
     stats: ConnStats,
     inline_scratch: Vec<u8>,
     bootstrap_checked: Instant,
+    /// Calls of `progress` and waits that delivered completions, for rate-limiting the
+    /// liveness checks without reading the clock every time.
+    busy_steps: u32,
 }
 
 /// Longest busy-poll before a polling connection looks at its bootstrap stream again.
 const POLL_SLICE: Duration = Duration::from_millis(10);
+
+/// Shortest interval between liveness checks of a busy connection.
+const LIVENESS_EVERY: Duration = Duration::from_millis(1);
 
 /// Longest wait for the flush completions after a failure.
 const FLUSH_WAIT: Duration = Duration::from_millis(500);
@@ -331,6 +337,7 @@ impl Connection {
             stats: ConnStats::default(),
             inline_scratch: vec![0; max_inline],
             bootstrap_checked: Instant::now(),
+            busy_steps: 0,
         })
     }
 
@@ -447,7 +454,7 @@ impl Connection {
             .imm(imm.encode())
             .solicited(solicited)
             .signaled(signaled);
-        if let Err(e) = self.qp.post_send(vec![req]) {
+        if let Err(e) = self.qp.post_send_one(req) {
             self.send_bufs.extend(e.unposted);
             return Err(e.error.into());
         }
@@ -598,20 +605,29 @@ impl Connection {
         let res = self
             .waiter
             .wait(timeout, &mut |key, wc| got.push((key, wc.clone())));
-        self.pool.awake();
+        self.pool.awake(!matches!(res, Ok(n) if n > 0));
         self.completions = got;
-        res?;
+        let delivered = res?;
         self.handle_completions();
-        self.settle(true)
+        // Nothing delivered: a timeout, or one of the other descriptors (bootstrap stream,
+        // async events) is readable. Look at them now; otherwise now and then.
+        let liveness = delivered == 0 || self.liveness_due();
+        self.settle(liveness)
     }
 
     /// Polls both queues without sleeping and does the bookkeeping.
     fn progress(&mut self) -> Result<()> {
         self.poll_and_handle()?;
-        // A read syscall per send would be costly: look at the stream at most every millisecond
-        // here (a wait looks at it every time).
-        let liveness = self.bootstrap_checked.elapsed() >= Duration::from_millis(1);
+        let liveness = self.liveness_due();
         self.settle(liveness)
+    }
+
+    /// Whether a busy connection should look at its bootstrap stream and async events: a read
+    /// syscall or two per message would be costly, so at most every millisecond, and the
+    /// clock itself only every 16th step.
+    fn liveness_due(&mut self) -> bool {
+        self.busy_steps = self.busy_steps.wrapping_add(1);
+        self.busy_steps % 16 == 0 && self.bootstrap_checked.elapsed() >= LIVENESS_EVERY
     }
 
     /// After completions were handled: optionally looks for a vanished peer and asynchronous

@@ -296,3 +296,20 @@ impl Listener {
         &self.endpoint
     }
 }
+
+/// Connects two connections to each other through TCP on loopback, on the default device
+/// ([`Endpoint::open_default`]): (accepting side, connecting side). For tests, examples and
+/// benchmarks that run both peers in one process.
+pub fn loopback_pair(server: &Config, client: &Config) -> Result<(Connection, Connection)> {
+    let ep = Endpoint::open_default()?;
+    let listener = ep.listen("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let client_ep = ep.clone();
+    let client = client.clone();
+    let connector = std::thread::spawn(move || client_ep.connect(addr, &client));
+    let accepted = listener.accept(server);
+    let connected = connector
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    Ok((accepted?, connected?))
+}

@@ -57,6 +57,6 @@ mod pool;
 
 pub use addr::QpAddress;
 pub use connection::{random_psn, Config, ConnStats, Connection};
-pub use endpoint::{Endpoint, GidChoice, Listener, PathParams};
+pub use endpoint::{loopback_pair, Endpoint, GidChoice, Listener, PathParams};
 pub use error::{Error, Failure, Result};
 pub use pool::{PoolStats, Received, RecvPool};

@@ -5,7 +5,7 @@ use std::fmt;
 use std::io::Write;
 use std::ops::Deref;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use verbs_core::{Access, Buffer, ProtectionDomain};
@@ -16,6 +16,8 @@ use crate::Result;
 #[derive(Debug)]
 pub(crate) struct Returns {
     bufs: Mutex<Vec<Buffer>>,
+    /// How many `bufs` holds, readable without the lock (the owner looks on every step).
+    count: AtomicUsize,
     /// Written (one byte) when a buffer comes back while the owner sleeps.
     waker: UnixStream,
     /// The owner is (about to be) asleep and wants to hear of returned buffers.
@@ -24,28 +26,34 @@ pub(crate) struct Returns {
 
 impl Returns {
     fn give_back(&self, buf: Buffer) {
-        self.bufs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(buf);
-        if self.sleeping.load(Ordering::SeqCst) {
+        {
+            let mut bufs = self.bufs.lock().unwrap_or_else(PoisonError::into_inner);
+            bufs.push(buf);
+            // Counted under the lock (so `take_all` never takes more than it counted) and
+            // before looking at `sleeping`: an owner that sets `sleeping` and then reads the
+            // count (both SeqCst) either sees this buffer or is seen asleep.
+            self.count.fetch_add(1, Ordering::SeqCst);
+        }
+        // One byte per sleep: the first handle dropped while the owner sleeps takes the flag.
+        if self.sleeping.swap(false, Ordering::SeqCst) {
             // Non-blocking: a full pipe already holds a wake-up, which is all we need.
             let _ = (&self.waker).write(&[1]);
         }
     }
 
     fn take_all(&self, into: &mut Vec<Buffer>) -> usize {
+        if self.is_empty() {
+            return 0;
+        }
         let mut bufs = self.bufs.lock().unwrap_or_else(PoisonError::into_inner);
         let n = bufs.len();
         into.append(&mut bufs);
+        self.count.fetch_sub(n, Ordering::SeqCst);
         n
     }
 
     fn is_empty(&self) -> bool {
-        self.bufs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_empty()
+        self.count.load(Ordering::SeqCst) == 0
     }
 }
 
@@ -101,6 +109,7 @@ impl RecvPool {
             free,
             returns: Arc::new(Returns {
                 bufs: Mutex::new(Vec::new()),
+                count: AtomicUsize::new(0),
                 waker,
                 sleeping: AtomicBool::new(false),
             }),
@@ -170,9 +179,15 @@ impl RecvPool {
         true
     }
 
-    /// The owner is awake again; empties the waker pipe.
-    pub(crate) fn awake(&self) {
-        self.returns.sleeping.store(false, Ordering::SeqCst);
+    /// The owner is awake again. Empties the waker pipe if a handle wrote to it (it took the
+    /// sleeping flag), or if `woken_by_other` (the wait ended for something other than
+    /// completions: a byte written just after an earlier drain must not keep waking us).
+    /// Otherwise no syscall.
+    pub(crate) fn awake(&self, woken_by_other: bool) {
+        let still_flagged = self.returns.sleeping.swap(false, Ordering::SeqCst);
+        if still_flagged && !woken_by_other {
+            return;
+        }
         let mut sink = [0u8; 64];
         while matches!(std::io::Read::read(&mut &self.wake_rx, &mut sink), Ok(n) if n > 0) {}
     }

@@ -576,51 +576,13 @@ impl QueuePair {
                 posted: 0,
             });
         }
-        let mut sges: Vec<ffi::ibv_sge> = reqs
+        let mut sges: Vec<ffi::ibv_sge> = reqs.iter().map(sge_of).collect();
+        let mut wrs: Vec<ffi::ibv_send_wr> = reqs
             .iter()
-            .map(|r| match &r.payload {
-                SendPayload::Buffer { buf, len } => buf.sge(*len),
-                SendPayload::Inline(data) => ffi::ibv_sge {
-                    addr: data.as_ptr() as u64,
-                    length: data.len() as u32,
-                    lkey: 0,
-                },
-                SendPayload::Empty => ffi::ibv_sge {
-                    addr: 0,
-                    length: 0,
-                    lkey: 0,
-                },
-            })
+            .zip(sges.iter_mut())
+            .enumerate()
+            .map(|(i, (r, sge))| send_wr(r, first_id + i as u64, sge))
             .collect();
-        let mut wrs: Vec<ffi::ibv_send_wr> = Vec::with_capacity(reqs.len());
-        for (i, (r, sge)) in reqs.iter().zip(sges.iter_mut()).enumerate() {
-            use ffi::ibv_send_flags as f;
-            let mut flags = 0;
-            if r.signaled {
-                flags |= f::IBV_SEND_SIGNALED.0;
-            }
-            if r.solicited {
-                flags |= f::IBV_SEND_SOLICITED.0;
-            }
-            if matches!(r.payload, SendPayload::Inline(_)) {
-                flags |= f::IBV_SEND_INLINE.0;
-            }
-            let empty = matches!(r.payload, SendPayload::Empty);
-            // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
-            let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
-            wr.wr_id = first_id + i as u64;
-            wr.sg_list = if empty { std::ptr::null_mut() } else { sge };
-            wr.num_sge = i32::from(!empty);
-            wr.send_flags = flags;
-            match r.imm {
-                Some(imm) => {
-                    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
-                    wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-                }
-                None => wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND,
-            }
-            wrs.push(wr);
-        }
         link(&mut wrs, |wr, next| wr.next = next);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `wrs` is a valid NULL-terminated list. Buffer SGEs point into
@@ -649,6 +611,40 @@ impl QueuePair {
             });
         }
         Ok(first_id)
+    }
+
+    /// Posts one send request, without the allocations of [`QueuePair::post_send`] (the
+    /// common case of a connection's data path). Returns its wr_id.
+    pub fn post_send_one(&mut self, req: SendRequest<'_>) -> Result<u64, PostError> {
+        let id = self.next_send_id;
+        if let Some(err) = self.check_send(std::slice::from_ref(&req)) {
+            return Err(PostError {
+                error: err,
+                unposted: take_buffer(req).into_iter().collect(),
+                posted: 0,
+            });
+        }
+        let mut sge = sge_of(&req);
+        let mut wr = send_wr(&req, id, &mut sge);
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; `wr` is a single request (next is NULL) whose SGE lives on
+        // this stack frame for the call. A buffer SGE points into a registered region that the
+        // buffer handle, moved into `posted_send` below, keeps alive; an inline SGE points into a
+        // borrowed slice that outlives the call, after which the device no longer reads it.
+        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) };
+        if let Err(source) = check_ret(ret) {
+            return Err(PostError {
+                error: Error::PostSend {
+                    qp_num: self.qp_num,
+                    source,
+                },
+                unposted: take_buffer(req).into_iter().collect(),
+                posted: 0,
+            });
+        }
+        self.posted_send.push_back((id, take_buffer(req)));
+        self.next_send_id = id + 1;
+        Ok(id)
     }
 
     fn check_send(&self, reqs: &[SendRequest<'_>]) -> Option<Error> {
@@ -708,6 +704,53 @@ impl Drop for QueuePair {
             std::mem::forget(std::mem::take(&mut self.posted_send));
         }
     }
+}
+
+/// The scatter/gather entry of a request's payload.
+fn sge_of(r: &SendRequest<'_>) -> ffi::ibv_sge {
+    match &r.payload {
+        SendPayload::Buffer { buf, len } => buf.sge(*len),
+        SendPayload::Inline(data) => ffi::ibv_sge {
+            addr: data.as_ptr() as u64,
+            length: data.len() as u32,
+            lkey: 0,
+        },
+        SendPayload::Empty => ffi::ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        },
+    }
+}
+
+/// The work request for `r` with id `id`, its list pointing at `sge`, unlinked.
+fn send_wr(r: &SendRequest<'_>, id: u64, sge: &mut ffi::ibv_sge) -> ffi::ibv_send_wr {
+    use ffi::ibv_send_flags as f;
+    let mut flags = 0;
+    if r.signaled {
+        flags |= f::IBV_SEND_SIGNALED.0;
+    }
+    if r.solicited {
+        flags |= f::IBV_SEND_SOLICITED.0;
+    }
+    if matches!(r.payload, SendPayload::Inline(_)) {
+        flags |= f::IBV_SEND_INLINE.0;
+    }
+    let empty = matches!(r.payload, SendPayload::Empty);
+    // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
+    let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = id;
+    wr.sg_list = if empty { std::ptr::null_mut() } else { sge };
+    wr.num_sge = i32::from(!empty);
+    wr.send_flags = flags;
+    match r.imm {
+        Some(imm) => {
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+            wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+        None => wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND,
+    }
+    wr
 }
 
 fn take_buffer(r: SendRequest<'_>) -> Option<Buffer> {

@@ -182,8 +182,13 @@ impl Vm {
             .arg("-initrd")
             .arg(&initrd)
             .arg("-append")
+            // Under TCG the kernel finds the vCPUs' TSCs "unsynchronized" and falls back to the
+            // HPET, whose every read is an emulated MMIO access: clock_gettime then costs
+            // microseconds and dominates any program that looks at the time. qemu derives all
+            // vCPUs' TSCs from one host clock, so they are in fact consistent; real machines
+            // use the TSC too.
             .arg(format!(
-                "console=ttyS0 quiet loglevel=3 panic=-1 rdmsg.scratch={}",
+                "console=ttyS0 quiet loglevel=3 panic=-1 tsc=reliable clocksource=tsc rdmsg.scratch={}",
                 scratch_abs.display()
             ))
             .arg("-virtfs")

@@ -1,0 +1,19 @@
+//! rdmsg's benchmarks: each figure measured side by side with an anchor in the same run
+//! (perftest on the same device, a raw verbs-core stream, busy polling, plain bincode), and the
+//! report that turns rounds of samples into medians, ratios and goals.
+//!
+//! `cargo xtask bench` runs [`runner`] inside the Soft-RoCE VM, the codec rounds on the host,
+//! then [`report`] and [`chart`] on the host; see the README.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod chart;
+pub mod codec;
+pub mod perftest;
+pub mod rdmsg;
+pub mod report;
+pub mod runner;
+pub mod sample;
+pub mod verbs;
+
+pub use sample::{Bench, Sample};

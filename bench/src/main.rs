@@ -1,0 +1,231 @@
+//! `rdmsg-bench`: runs rdmsg's benchmarks next to their anchors and writes the report.
+//!
+//! ```text
+//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake] [--filter TEXT]
+//!                   [--device D] [--gid-index I]
+//! rdmsg-bench codec [--quick] [--rounds N]
+//! rdmsg-bench report --out DIR SAMPLE_FILE...
+//! ```
+//!
+//! `run` (on an RDMA device) and `codec` (anywhere) print one `SAMPLE {json}` line per
+//! measurement on stdout and progress on stderr; `report` turns sample files into
+//! `report.md`, `report.json` and `chart.png`. `cargo xtask bench` does all three.
+
+#![forbid(unsafe_code)]
+
+use std::fs;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use bench::perftest::Perftest;
+use bench::runner::{self, Plan};
+use bench::{chart, codec, report, Bench, Sample};
+
+const USAGE: &str = "usage:
+  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake] [--filter TEXT]
+                  [--device D] [--gid-index I]
+      --filter runs only the measurements whose progress line contains TEXT
+  rdmsg-bench codec [--quick] [--rounds N]
+  rdmsg-bench report --out DIR SAMPLE_FILE...";
+
+fn main() -> ExitCode {
+    match real_main() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("rdmsg-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> Result<ExitCode> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("run") => run(&args[1..]),
+        Some("codec") => codec_rounds(&args[1..]),
+        Some("report") => write_report(&args[1..]),
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+/// Common flags: `--quick`, `--rounds N`; returns the plan and the flags it did not know.
+fn plan_from(args: &[String]) -> Result<(Plan, Vec<(String, String)>)> {
+    let mut plan = Plan::full();
+    let mut rest = Vec::new();
+    let mut rounds = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" => plan = Plan::quick(),
+            flag => {
+                let value = it
+                    .next()
+                    .with_context(|| format!("{flag} needs a value\n{USAGE}"))?
+                    .clone();
+                if flag == "--rounds" {
+                    rounds = Some(value.parse().context("--rounds")?);
+                } else {
+                    rest.push((flag.to_owned(), value));
+                }
+            }
+        }
+    }
+    if let Some(r) = rounds {
+        if r == 0 {
+            bail!("--rounds must be positive");
+        }
+        plan.rounds = r;
+    }
+    Ok((plan, rest))
+}
+
+fn run(args: &[String]) -> Result<ExitCode> {
+    let (mut plan, rest) = plan_from(args)?;
+    let mut perf = Perftest {
+        device: std::env::var("RDMSG_DEVICE").unwrap_or_else(|_| "rxe0".into()),
+        gid_index: 1,
+    };
+    for (flag, value) in rest {
+        match flag.as_str() {
+            "--device" => perf.device = value,
+            "--filter" => plan.filter = Some(value),
+            "--gid-index" => perf.gid_index = value.parse().context("--gid-index")?,
+            "--only" => {
+                plan.benches = value
+                    .split(',')
+                    .map(|b| match b {
+                        "lat" => Ok(vec![Bench::LatEvent, Bench::LatPoll]),
+                        "lat-event" => Ok(vec![Bench::LatEvent]),
+                        "lat-poll" => Ok(vec![Bench::LatPoll]),
+                        "bw" => Ok(vec![Bench::Bw]),
+                        "wake" => Ok(vec![Bench::Wake]),
+                        other => bail!("--only takes lat, lat-event, lat-poll, bw, wake; not {other}"),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+                    .concat();
+            }
+            other => bail!("unknown flag {other}\n{USAGE}"),
+        }
+    }
+    // rdmsg's endpoints open the same device.
+    std::env::set_var("RDMSG_DEVICE", &perf.device);
+    eprintln!(
+        "rdmsg-bench: {} measurements on {} ({} rounds)",
+        plan.tasks().len(),
+        perf.device,
+        plan.rounds
+    );
+    let failed = runner::run_all(&plan, &perf, &mut std::io::stdout().lock())?;
+    if failed > 0 {
+        eprintln!("rdmsg-bench: {failed} measurements failed");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn codec_rounds(args: &[String]) -> Result<ExitCode> {
+    let (plan, rest) = plan_from(args)?;
+    if let Some((flag, _)) = rest.first() {
+        bail!("unknown flag {flag}\n{USAGE}");
+    }
+    let quick = plan.lat_iters < Plan::full().lat_iters;
+    let scale = if quick { 0.05 } else { 1.0 };
+    let rounds = if quick { 1 } else { plan.rounds.max(7) };
+    let mut out = std::io::stdout().lock();
+    for round in 0..rounds {
+        for r in codec::round(scale)? {
+            eprintln!(
+                "[codec {}/{rounds}] {} {}: rdmsg {:.0} ns, bincode {:.0} ns",
+                round + 1,
+                r.op,
+                r.message,
+                r.rdmsg_ns,
+                r.bincode_ns
+            );
+            for (subject, ns) in [("rdmsg", r.rdmsg_ns), ("bincode", r.bincode_ns)] {
+                let s = Sample {
+                    bench: Bench::Codec,
+                    subject: subject.into(),
+                    variant: format!("{} {}", r.op, r.message),
+                    size: r.size as u64,
+                    batch: 0,
+                    round,
+                    metric: "ns".into(),
+                    value: ns,
+                };
+                writeln!(out, "{}", s.to_line())?;
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+const PREAMBLE: &str = "\
+Every ratio is rdmsg's median over the rounds divided by its anchor's median, both measured in
+the same run, interleaved round by round (Soft-RoCE `rxe0` in a qemu TCG guest with 2 vCPUs,
+where one round trip costs hundreds of µs: only the ratios mean anything). perftest and rdmsg
+each run both peers on the one device, over its loopback; rdmsg runs them as two threads of one
+process, perftest as two processes.
+
+rdmsg side: `msg::Session`s carrying a byte-string message (20-byte frame header + bincode);
+latency with `Policy::Sleep` + solicited-only arming (event) or `Policy::Poll` (polling),
+defaults otherwise; throughput with `send_batch` of 64, receive depth 256, measured from the
+first send to the last message decoded; `ib_send_bw`'s figure is its receiver's. Wake-ups: 1024
+messages of 64 B in batches of K, 1 ms apart, receiver thread CPU time (busy-poll: `Policy::Poll`;
+next: `Policy::Sleep` armed for any completion; hybrid: 50 µs spin then solicited-only sleep;
+solicited-only: `Policy::Sleep`). Codec: single-frame encode into a buffer and header check +
+decode, against `bincode::serde` on the same value.
+";
+
+fn write_report(args: &[String]) -> Result<ExitCode> {
+    let mut out_dir = None;
+    let mut files = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--out" => out_dir = Some(PathBuf::from(it.next().context("--out needs a value")?)),
+            f if f.starts_with('-') => bail!("unknown flag {f}\n{USAGE}"),
+            f => files.push(PathBuf::from(f)),
+        }
+    }
+    let out_dir = out_dir.context("--out DIR is required")?;
+    if files.is_empty() {
+        bail!("no sample files\n{USAGE}");
+    }
+    let mut samples = Vec::new();
+    for f in &files {
+        let text = fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        for (n, line) in text.lines().enumerate() {
+            if let Some(s) = Sample::from_line(line) {
+                samples.push(s.with_context(|| format!("{}:{}: bad sample", f.display(), n + 1))?);
+            }
+        }
+    }
+    if samples.is_empty() {
+        bail!("no samples in {files:?}");
+    }
+    let rows = report::rows(&samples);
+    fs::create_dir_all(&out_dir)?;
+    let md = report::markdown(&rows, PREAMBLE);
+    fs::write(out_dir.join("report.md"), &md)?;
+    fs::write(out_dir.join("report.json"), report::json(&rows, &samples))?;
+    let png = fs::File::create(out_dir.join("chart.png"))?;
+    let bars = chart::write_png(&rows, "rdmsg benchmarks: rdmsg / anchor", png)?;
+    println!("{md}");
+    eprintln!(
+        "rdmsg-bench: {} samples, {} rows, {bars} bars: {}/report.md, report.json, chart.png",
+        samples.len(),
+        rows.len(),
+        out_dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}

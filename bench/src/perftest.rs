@@ -1,0 +1,218 @@
+//! The anchors: rdma-core's perftest (`ib_send_lat`, `ib_send_bw`) run as a server and a client
+//! process on the same device, and the parsers of their result tables.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// Longest a perftest pair may take before both are killed.
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// How often the client retries while the server is not listening yet.
+const CONNECT_ATTEMPTS: u32 = 50;
+
+/// Ports for successive runs, so that none waits for the previous one's socket to close.
+static NEXT_PORT: AtomicU16 = AtomicU16::new(18700);
+
+/// Where and how perftest runs.
+#[derive(Debug, Clone)]
+pub struct Perftest {
+    /// RDMA device name.
+    pub device: String,
+    /// GID index (`-x`); RoCE needs one.
+    pub gid_index: u8,
+}
+
+/// What one perftest pair printed.
+#[derive(Debug)]
+pub struct Outputs {
+    /// The server's standard output.
+    pub server: String,
+    /// The client's standard output.
+    pub client: String,
+}
+
+impl Perftest {
+    /// Runs `tool` as a server and then as a client to it on 127.0.0.1, both with `args`
+    /// (besides device, GID, port and `-F`), and returns their outputs.
+    pub fn run(&self, tool: &str, args: &[String]) -> Result<Outputs> {
+        let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
+        let mut common: Vec<String> = vec![
+            "-d".into(),
+            self.device.clone(),
+            "-x".into(),
+            self.gid_index.to_string(),
+            "-F".into(),
+            "-p".into(),
+            port.to_string(),
+        ];
+        common.extend_from_slice(args);
+        let deadline = Instant::now() + DEADLINE;
+        let server_out = scratch_file(tool, port, "server");
+        let mut server = Proc::spawn(tool, &common, &server_out)?;
+        let mut client_args = common.clone();
+        client_args.push("127.0.0.1".into());
+        let client_out = scratch_file(tool, port, "client");
+        let mut attempt = 0;
+        let client = loop {
+            attempt += 1;
+            let mut client = Proc::spawn(tool, &client_args, &client_out)?;
+            let ok = client.wait_until(deadline)?;
+            let text = client.output()?;
+            if ok {
+                break text;
+            }
+            let refused = text.contains("Couldn't connect");
+            if !refused || attempt >= CONNECT_ATTEMPTS || server.exited()? {
+                server.kill();
+                bail!("{tool} client failed ({attempt} attempts):\n{text}");
+            }
+            thread::sleep(Duration::from_millis(100));
+        };
+        if !server.wait_until(deadline)? {
+            bail!("{tool} server failed:\n{}", server.output()?);
+        }
+        let server = server.output()?;
+        let _ = std::fs::remove_file(&server_out);
+        let _ = std::fs::remove_file(&client_out);
+        Ok(Outputs { server, client })
+    }
+}
+
+fn scratch_file(tool: &str, port: u16, side: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("rdmsg-bench-{tool}-{port}-{side}.txt"))
+}
+
+/// A child process whose output goes to a file (no pipe to fill up).
+struct Proc {
+    child: Child,
+    out: PathBuf,
+    name: String,
+}
+
+impl Proc {
+    fn spawn(tool: &str, args: &[String], out: &PathBuf) -> Result<Self> {
+        let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
+        let err = file.try_clone()?;
+        let child = Command::new(tool)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {tool} (is perftest installed?)"))?;
+        Ok(Self {
+            child,
+            out: out.clone(),
+            name: tool.to_owned(),
+        })
+    }
+
+    /// Waits for the process to exit; kills it at `deadline`. True if it exited with 0.
+    fn wait_until(&mut self, deadline: Instant) -> Result<bool> {
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status.success());
+            }
+            if Instant::now() >= deadline {
+                self.kill();
+                bail!("{} did not finish within {DEADLINE:?}", self.name);
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn exited(&mut self) -> Result<bool> {
+        Ok(self.child.try_wait()?.is_some())
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn output(&self) -> Result<String> {
+        std::fs::read_to_string(&self.out).with_context(|| format!("reading {}", self.out.display()))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.kill();
+        }
+    }
+}
+
+/// The data row following the last header line that contains `header_word`.
+fn result_row<'a>(output: &'a str, header_word: &str) -> Option<(&'a str, &'a str)> {
+    let lines: Vec<&str> = output.lines().collect();
+    let at = lines.iter().rposition(|l| l.contains(header_word))?;
+    let row = lines[at + 1..].iter().find(|l| !l.trim().is_empty())?;
+    Some((lines[at], row))
+}
+
+/// `t_typical` (the median one-way latency, µs) of an `ib_send_lat` result table.
+pub fn parse_lat_typical(output: &str) -> Result<f64> {
+    let (header, row) =
+        result_row(output, "t_typical").context("no latency table in the perftest output")?;
+    let column = header
+        .split_whitespace()
+        .position(|w| w.starts_with("t_typical"))
+        .context("no t_typical column")?;
+    let value = row
+        .split_whitespace()
+        .nth(column)
+        .with_context(|| format!("short latency row: {row:?}"))?;
+    value
+        .parse()
+        .with_context(|| format!("bad t_typical {value:?}"))
+}
+
+/// The message rate (million messages per second) of an `ib_send_bw` result table: the last
+/// column of its row.
+pub fn parse_bw_mpps(output: &str) -> Result<f64> {
+    let (_, row) =
+        result_row(output, "MsgRate").context("no bandwidth table in the perftest output")?;
+    let value = row
+        .split_whitespace()
+        .last()
+        .with_context(|| format!("empty bandwidth row: {row:?}"))?;
+    value.parse().with_context(|| format!("bad MsgRate {value:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LAT: &str = "\
+---------------------------------------------------------------------------------------
+ #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] 
+ 8       1000          100.25         857.70       168.00   	       172.74      	40.59  		318.43  		857.70 
+---------------------------------------------------------------------------------------
+";
+
+    const BW: &str = "\
+ #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
+ 64         2000             1.47               1.22   		   0.019999
+---------------------------------------------------------------------------------------
+";
+
+    #[test]
+    fn reads_perftest_tables() {
+        assert_eq!(parse_lat_typical(LAT).unwrap(), 168.0);
+        assert_eq!(parse_bw_mpps(BW).unwrap(), 0.019999);
+    }
+
+    #[test]
+    fn missing_tables_are_errors() {
+        assert!(parse_lat_typical("Couldn't connect to 127.0.0.1:18602").is_err());
+        assert!(parse_bw_mpps(LAT).is_err());
+        assert!(parse_lat_typical(" #bytes t_typical\n 8\n").is_err());
+    }
+}

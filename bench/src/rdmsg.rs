@@ -1,0 +1,247 @@
+//! rdmsg's side of each benchmark: typed messages through `msg::Session`s over two connections
+//! on the device's loopback, one thread per side (perftest runs one process per side).
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use msg::Session;
+use notify::{ArmMode, Policy};
+use serde::{Deserialize, Serialize};
+use transport::Config;
+
+/// A message of `size` payload bytes (serialized as one byte string, as bulk data should be).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Payload {
+    /// The bytes.
+    #[serde(with = "serde_bytes")]
+    pub bytes: Vec<u8>,
+}
+msg::message!(Payload, tag = "rdmsg.bench.Payload");
+
+/// Round trips before the measured ones (connection warm-up, page faults).
+const WARMUP: usize = 50;
+
+/// Receive buffer size for payloads of `size` bytes: room for frame header and length prefix.
+fn buf_size(size: usize) -> u32 {
+    (size + 64).next_power_of_two().max(4096) as u32
+}
+
+fn join<T>(handle: thread::JoinHandle<Result<T>>) -> Result<T> {
+    handle
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// Ping-pong of `iters` round trips; returns the median one-way latency in µs (half the round
+/// trip, as `ib_send_lat` reports). `events`: both sides sleep solicited-only; otherwise both
+/// busy poll.
+pub fn latency(size: usize, iters: usize, events: bool) -> Result<f64> {
+    let config = Config {
+        buf_size: buf_size(size),
+        policy: if events { Policy::Sleep } else { Policy::Poll },
+        recv_arm: ArmMode::SolicitedOnly,
+        ..Config::default()
+    };
+    let (server, client) = transport::loopback_pair(&config, &config)?;
+    let total = WARMUP + iters;
+    let echo = thread::spawn(move || -> Result<()> {
+        let mut s = Session::new(server);
+        for _ in 0..total {
+            let ping: Payload = s.recv()?.decode()?;
+            s.send(&ping)?;
+        }
+        expect_close(&mut s)
+    });
+    let mut c = Session::new(client);
+    let ping = Payload {
+        bytes: vec![0x5a; size],
+    };
+    let mut one_way = Vec::with_capacity(iters);
+    for i in 0..total {
+        let started = Instant::now();
+        c.send(&ping)?;
+        let pong: Payload = c.recv()?.decode()?;
+        let rtt = started.elapsed();
+        if pong.bytes.len() != size {
+            bail!("echo of {} bytes came back with {}", size, pong.bytes.len());
+        }
+        if i >= WARMUP {
+            one_way.push(rtt.as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    c.close()?;
+    join(echo)?;
+    Ok(crate::report::median(&one_way))
+}
+
+/// After the last expected message: the peer's graceful close, and nothing else.
+fn expect_close(s: &mut Session) -> Result<()> {
+    match s.recv() {
+        Err(e) if e.is_peer_closed() => Ok(()),
+        Err(e) => Err(e).context("waiting for the peer to close"),
+        Ok(env) => bail!("unexpected message with tag {:#x} after the last", env.tag()),
+    }
+}
+
+/// Throughput settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Stream {
+    /// Payload bytes per message.
+    pub size: usize,
+    /// Messages in all.
+    pub count: usize,
+    /// Messages per `send_batch` (the last of each solicited).
+    pub batch: usize,
+    /// Receive buffers (credits) of the receiver.
+    pub recv_depth: u32,
+}
+
+/// One-way stream of `count` messages; returns million messages per second, from the first
+/// send to the last message decoded by the receiver.
+pub fn throughput(s: Stream) -> Result<f64> {
+    let config = Config {
+        buf_size: buf_size(s.size),
+        recv_depth: s.recv_depth,
+        send_depth: s.recv_depth.max(64),
+        ..Config::default()
+    };
+    let (rx, tx) = transport::loopback_pair(&config, &config)?;
+    let count = s.count;
+    let receiver = thread::spawn(move || -> Result<Instant> {
+        let mut r = Session::new(rx);
+        for i in 0..count {
+            let m: Payload = r.recv()?.decode()?;
+            if m.bytes.len() != s.size {
+                bail!("message {i}: {} bytes, sent {}", m.bytes.len(), s.size);
+            }
+        }
+        let done = Instant::now();
+        expect_close(&mut r)?;
+        Ok(done)
+    });
+    let mut t = Session::new(tx);
+    let m = Payload {
+        bytes: vec![0xa5; s.size],
+    };
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < count {
+        let n = s.batch.min(count - sent);
+        t.send_batch(std::iter::repeat(&m).take(n))?;
+        sent += n;
+    }
+    t.close()?;
+    let done = join(receiver)?;
+    Ok(count as f64 / done.duration_since(started).as_secs_f64() / 1e6)
+}
+
+/// How the receiver waits, in the wake-up benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecvMode {
+    /// Busy polling, never sleeping.
+    Poll,
+    /// Sleeping, armed for the next completion.
+    Next,
+    /// Spinning a little, then sleeping solicited-only.
+    Hybrid,
+    /// Sleeping solicited-only.
+    Solicited,
+}
+
+impl RecvMode {
+    /// All modes, in report order.
+    pub const ALL: [RecvMode; 4] = [
+        RecvMode::Poll,
+        RecvMode::Next,
+        RecvMode::Hybrid,
+        RecvMode::Solicited,
+    ];
+
+    /// Name in samples and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecvMode::Poll => "busy-poll",
+            RecvMode::Next => "next",
+            RecvMode::Hybrid => "hybrid",
+            RecvMode::Solicited => "solicited-only",
+        }
+    }
+
+    fn apply(self, c: &mut Config) {
+        (c.policy, c.recv_arm) = match self {
+            RecvMode::Poll => (Policy::Poll, ArmMode::SolicitedOnly),
+            RecvMode::Next => (Policy::Sleep, ArmMode::Next),
+            RecvMode::Hybrid => (
+                Policy::Hybrid {
+                    spin: Duration::from_micros(50),
+                    max_empty_polls: 1000,
+                },
+                ArmMode::SolicitedOnly,
+            ),
+            RecvMode::Solicited => (Policy::Sleep, ArmMode::SolicitedOnly),
+        };
+    }
+}
+
+/// What the receiver paid per message.
+#[derive(Debug, Clone, Copy)]
+pub struct Wakeups {
+    /// Wake-ups from the completion channel per message (0 for busy polling).
+    pub per_message: f64,
+    /// Receiver thread CPU time per message, µs.
+    pub cpu_us_per_message: f64,
+}
+
+/// `count` messages of 64 bytes at a low rate: batches of `batch` (the last solicited) with
+/// `gap` between batches. Measures the receiving thread.
+pub fn wakeups(mode: RecvMode, batch: usize, count: usize, gap: Duration) -> Result<Wakeups> {
+    let mut rx_config = Config {
+        // Deep enough that the sender's policy never solicits inside a batch (it does after a
+        // quarter of the receiver's depth).
+        recv_depth: (4 * batch as u32).max(64),
+        ..Config::default()
+    };
+    mode.apply(&mut rx_config);
+    let (rx, tx) = transport::loopback_pair(&rx_config, &Config::default())?;
+    let receiver = thread::spawn(move || -> Result<Wakeups> {
+        let mut r = Session::new(rx);
+        let cpu = verbs_core::thread_cpu_time();
+        for i in 0..count {
+            let m: Payload = r.recv()?.decode()?;
+            if m.bytes.len() != 64 {
+                bail!("message {i}: {} bytes", m.bytes.len());
+            }
+        }
+        let cpu = verbs_core::thread_cpu_time() - cpu;
+        let stats = r.connection().wait_stats();
+        expect_close(&mut r)?;
+        Ok(Wakeups {
+            per_message: stats.wakeups as f64 / count as f64,
+            cpu_us_per_message: cpu.as_secs_f64() * 1e6 / count as f64,
+        })
+    });
+    let mut t = Session::new(tx);
+    let m = Payload { bytes: vec![7; 64] };
+    let mut sent = 0;
+    while sent < count {
+        let n = batch.min(count - sent);
+        t.send_batch(std::iter::repeat(&m).take(n))?;
+        sent += n;
+        thread::sleep(gap);
+    }
+    t.close()?;
+    join(receiver)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_hold_the_largest_frame() {
+        assert_eq!(buf_size(8), 4096);
+        assert_eq!(buf_size(4096), 8192);
+        assert_eq!(buf_size(65536), 131072);
+    }
+}

@@ -1,0 +1,84 @@
+//! One measurement, as the runner prints it and the report reads it.
+
+use serde::{Deserialize, Serialize};
+
+/// Prefix of the stdout lines that carry a sample (one JSON object each); everything else the
+/// runner prints is progress.
+pub const LINE_PREFIX: &str = "SAMPLE ";
+
+/// Which benchmark a sample belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bench {
+    /// Ping-pong, both sides sleeping on completion events; value: one-way µs (median).
+    LatEvent,
+    /// Ping-pong, both sides busy polling; value: one-way µs (median).
+    LatPoll,
+    /// One-way stream; value: million messages per second.
+    Bw,
+    /// Receiver wake-ups and CPU per message at a low rate.
+    Wake,
+    /// Encoding and decoding on the host; value: ns per message.
+    Codec,
+}
+
+/// One measurement of one round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The benchmark.
+    pub bench: Bench,
+    /// Who was measured: `rdmsg`, `ib_send_lat`, `ib_send_bw`, `verbs-core`, `bincode`.
+    pub subject: String,
+    /// Variant within the benchmark (receiver mode, codec operation), or empty.
+    pub variant: String,
+    /// Message size in bytes (0 when not applicable).
+    pub size: u64,
+    /// Messages per solicited batch (0 when not applicable).
+    pub batch: u32,
+    /// Round number, from 0.
+    pub round: u32,
+    /// What `value` is: `us`, `mpps`, `wakeups_per_msg`, `cpu_us_per_msg`, `ns`.
+    pub metric: String,
+    /// The measured value.
+    pub value: f64,
+}
+
+impl Sample {
+    /// The stdout line carrying this sample.
+    pub fn to_line(&self) -> String {
+        format!(
+            "{LINE_PREFIX}{}",
+            serde_json::to_string(self).expect("a sample always serializes")
+        )
+    }
+
+    /// Parses a sample line; `None` for any other line.
+    pub fn from_line(line: &str) -> Option<Result<Self, serde_json::Error>> {
+        let json = line.trim_end().strip_prefix(LINE_PREFIX)?;
+        Some(serde_json::from_str(json))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sample_survives_its_line() {
+        let s = Sample {
+            bench: Bench::LatEvent,
+            subject: "rdmsg".into(),
+            variant: String::new(),
+            size: 64,
+            batch: 0,
+            round: 2,
+            metric: "us".into(),
+            value: 171.5,
+        };
+        let line = s.to_line();
+        assert!(line.starts_with("SAMPLE {\"bench\":\"lat_event\""));
+        assert_eq!(Sample::from_line(&line).unwrap().unwrap(), s);
+        assert!(Sample::from_line("[3/40] progress").is_none());
+        assert!(Sample::from_line("SAMPLE {broken").unwrap().is_err());
+    }
+}

@@ -1,0 +1,143 @@
+//! The floor under rdmsg: a one-way stream written directly on `verbs-core`, shaped like
+//! `ib_send_bw` (a window of 128 sends, a completion every 64, 512 receives reposted in
+//! batches, both sides busy polling, no framing, no credits, no copies).
+
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use transport::{Endpoint, PathParams};
+use verbs_core::{
+    Access, Buffer, CompletionQueue, QpCaps, QueuePair, SendRequest, WorkCompletion,
+};
+
+const TX_DEPTH: usize = 128;
+const SIGNAL_EVERY: u64 = 64;
+const RX_DEPTH: usize = 512;
+const REPOST_BATCH: usize = 32;
+
+struct Side {
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    qp: QueuePair,
+}
+
+fn side(ep: &Endpoint) -> Result<Side> {
+    let ctx = ep.context();
+    let send_cq = CompletionQueue::new(ctx, TX_DEPTH as u32 + 1, None)?;
+    let recv_cq = CompletionQueue::new(ctx, RX_DEPTH as u32 + 1, None)?;
+    let caps = QpCaps {
+        max_send_wr: TX_DEPTH as u32,
+        max_recv_wr: RX_DEPTH as u32,
+        max_inline_data: 64,
+    };
+    let mut qp = QueuePair::new_rc(ep.pd(), &send_cq, &recv_cq, caps)?;
+    qp.to_init(ep.port())?;
+    Ok(Side {
+        send_cq,
+        recv_cq,
+        qp,
+    })
+}
+
+/// Streams `count` messages of `size` bytes from one queue pair to another on the same
+/// device; returns million messages per second at the receiver.
+pub fn throughput(size: usize, count: u64) -> Result<f64> {
+    let ep = Endpoint::open_default()?;
+    let mut tx = side(&ep)?;
+    let mut rx = side(&ep)?;
+    let region = ep.pd().register(RX_DEPTH * size, Access::LOCAL_WRITE)?;
+    rx.qp
+        .post_recv(region.chunks(size)?)
+        .map_err(|e| e.error)?;
+    let (tx_psn, rx_psn) = (
+        transport::random_psn(tx.qp.qp_num()),
+        transport::random_psn(rx.qp.qp_num()),
+    );
+    let (tx_addr, rx_addr) = (ep.address_of(&tx.qp, tx_psn), ep.address_of(&rx.qp, rx_psn));
+    let path = PathParams::default();
+    ep.connect_qp(&mut rx.qp, rx_psn, &tx_addr, &path)?;
+    ep.connect_qp(&mut tx.qp, tx_psn, &rx_addr, &path)?;
+
+    let ready = Arc::new(Barrier::new(2));
+    let receiver = {
+        let ready = Arc::clone(&ready);
+        thread::spawn(move || receive(rx, count, &ready))
+    };
+    ready.wait();
+    let started = Instant::now();
+    let sent = send(&ep, &mut tx, size, count);
+    let done = receiver
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    sent?;
+    let done = done?;
+    Ok(count as f64 / done.duration_since(started).as_secs_f64() / 1e6)
+}
+
+fn send(ep: &Endpoint, s: &mut Side, size: usize, count: u64) -> Result<()> {
+    let inline = size <= s.qp.caps().max_inline_data as usize;
+    let payload = vec![0xa5u8; size];
+    let mut free: Vec<Buffer> = if inline {
+        Vec::new()
+    } else {
+        let mut bufs = ep
+            .pd()
+            .register(TX_DEPTH * size, Access::LOCAL_WRITE)?
+            .chunks(size)?;
+        for b in &mut bufs {
+            b.as_mut_slice().copy_from_slice(&payload);
+        }
+        bufs
+    };
+    let mut wcs = WorkCompletion::buffer(16);
+    let mut posted = 0u64;
+    while posted < count || s.qp.send_outstanding() > 0 {
+        let room = TX_DEPTH - s.qp.send_outstanding();
+        let n = (room as u64).min(count - posted) as usize;
+        if n > 0 {
+            let mut reqs = Vec::with_capacity(n);
+            for i in 0..n as u64 {
+                let id = posted + i;
+                let req = if inline {
+                    SendRequest::inline(&payload)
+                } else {
+                    SendRequest::buffer(free.pop().context("send buffers exhausted")?, size)
+                };
+                reqs.push(req.signaled((id + 1) % SIGNAL_EVERY == 0 || id + 1 == count));
+            }
+            s.qp.post_send(reqs).map_err(|e| e.error)?;
+            posted += n as u64;
+        }
+        let got = s.send_cq.poll(&mut wcs)?;
+        for wc in &wcs[..got] {
+            if !wc.is_success() {
+                bail!("send completion failed: {:?}", wc.status());
+            }
+            free.extend(s.qp.complete_send(wc));
+        }
+    }
+    Ok(())
+}
+
+fn receive(mut r: Side, count: u64, ready: &Barrier) -> Result<Instant> {
+    ready.wait();
+    let mut wcs = WorkCompletion::buffer(32);
+    let mut spare: Vec<Buffer> = Vec::with_capacity(RX_DEPTH);
+    let mut received = 0u64;
+    while received < count {
+        let got = r.recv_cq.poll(&mut wcs)?;
+        for wc in &wcs[..got] {
+            if !wc.is_success() {
+                bail!("receive completion failed: {:?}", wc.status());
+            }
+            spare.push(r.qp.take_recv(wc).context("unknown receive completion")?);
+            received += 1;
+        }
+        if spare.len() >= REPOST_BATCH {
+            r.qp.post_recv(spare.drain(..)).map_err(|e| e.error)?;
+        }
+    }
+    Ok(Instant::now())
+}
