@@ -173,10 +173,25 @@ pub fn write_png(rows: &[Row], title: &str, out: impl Write) -> Result<usize> {
     let mut tick = 0.0;
     while tick <= x_max + 1e-9 {
         let x = plot_x + scale(tick);
-        let color = if (tick - 1.0).abs() < 1e-9 { PARITY } else { GRID };
-        c.rect(x, top - 4, 1 + usize::from(color == PARITY), height - top - MARGIN + 4, color);
+        let color = if (tick - 1.0).abs() < 1e-9 {
+            PARITY
+        } else {
+            GRID
+        };
+        c.rect(
+            x,
+            top - 4,
+            1 + usize::from(color == PARITY),
+            height - top - MARGIN + 4,
+            color,
+        );
         let label = format!("{tick:.1}");
-        c.text(x.saturating_sub(text_width(&label) / 2), top - 4 - ROW_H + 4, &label, INK);
+        c.text(
+            x.saturating_sub(text_width(&label) / 2),
+            top - 4 - ROW_H + 4,
+            &label,
+            INK,
+        );
         tick += 0.5;
     }
     let mut y = top;
@@ -203,7 +218,12 @@ pub fn write_png(rows: &[Row], title: &str, out: impl Write) -> Result<usize> {
             c.rect(plot_x + scale(g), y + 1, 3, ROW_H - 2, INK);
         }
         let clipped = if *ratio > x_max { ">" } else { "" };
-        c.text(plot_x + w + ADVANCE, y + 4, &format!("{clipped}{}X", fmt_num(*ratio)), INK);
+        c.text(
+            plot_x + w + ADVANCE,
+            y + 4,
+            &format!("{clipped}{}X", fmt_num(*ratio)),
+            INK,
+        );
         y += ROW_H;
     }
 

@@ -62,7 +62,7 @@ fn time_pair(iters: u32, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64)
     (ta * 1e9 / n, tb * 1e9 / n)
 }
 
-fn measure<M: Message + PartialEq + std::fmt::Debug>(
+fn measure<M: Message + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
     name: &str,
     m: &M,
     iters: u32,
@@ -73,8 +73,7 @@ fn measure<M: Message + PartialEq + std::fmt::Debug>(
     let framed = codec::encode_single(m, 1, &mut buf)?.unwrap_or(0);
     let mut plain_buf = vec![0u8; 1 << 20];
     let plain = bincode::serde::encode_into_slice(m, &mut plain_buf, config)?;
-    if framed != plain + frame::HEADER_LEN || buf[frame::HEADER_LEN..framed] != plain_buf[..plain]
-    {
+    if framed != plain + frame::HEADER_LEN || buf[frame::HEADER_LEN..framed] != plain_buf[..plain] {
         bail!("{name}: framed body differs from plain bincode");
     }
     let (_, body) = frame::parse(&buf[..framed])?;
@@ -89,7 +88,12 @@ fn measure<M: Message + PartialEq + std::fmt::Debug>(
     let mut plain_out = vec![0u8; 1 << 20];
     let (enc_rdmsg, enc_plain) = time_pair(
         iters,
-        || check(matches!(codec::encode_single(black_box(m), 1, &mut buf), Ok(Some(_)))),
+        || {
+            check(matches!(
+                codec::encode_single(black_box(m), 1, &mut buf),
+                Ok(Some(_))
+            ))
+        },
         || check(bincode::serde::encode_into_slice(black_box(m), &mut plain_out, config).is_ok()),
     );
     let frame_bytes = &buf[..framed];

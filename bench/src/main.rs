@@ -25,8 +25,9 @@ use bench::{chart, codec, report, Bench, Sample};
 
 const USAGE: &str = "usage:
   rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake] [--filter TEXT]
-                  [--device D] [--gid-index I]
+                  [--lat-iters N] [--device D] [--gid-index I]
       --filter runs only the measurements whose progress line contains TEXT
+      --lat-iters N round trips per latency measurement (default 1000)
   rdmsg-bench codec [--quick] [--rounds N]
   rdmsg-bench report --out DIR SAMPLE_FILE...";
 
@@ -98,6 +99,7 @@ fn run(args: &[String]) -> Result<ExitCode> {
         match flag.as_str() {
             "--device" => perf.device = value,
             "--filter" => plan.filter = Some(value),
+            "--lat-iters" => plan.lat_iters = value.parse().context("--lat-iters")?,
             "--gid-index" => perf.gid_index = value.parse().context("--gid-index")?,
             "--only" => {
                 plan.benches = value
@@ -108,7 +110,9 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         "lat-poll" => Ok(vec![Bench::LatPoll]),
                         "bw" => Ok(vec![Bench::Bw]),
                         "wake" => Ok(vec![Bench::Wake]),
-                        other => bail!("--only takes lat, lat-event, lat-poll, bw, wake; not {other}"),
+                        other => {
+                            bail!("--only takes lat, lat-event, lat-poll, bw, wake; not {other}")
+                        }
                     })
                     .collect::<Result<Vec<_>>>()?
                     .concat();

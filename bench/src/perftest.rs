@@ -137,7 +137,8 @@ impl Proc {
     }
 
     fn output(&self) -> Result<String> {
-        std::fs::read_to_string(&self.out).with_context(|| format!("reading {}", self.out.display()))
+        std::fs::read_to_string(&self.out)
+            .with_context(|| format!("reading {}", self.out.display()))
     }
 }
 
@@ -183,7 +184,9 @@ pub fn parse_bw_mpps(output: &str) -> Result<f64> {
         .split_whitespace()
         .last()
         .with_context(|| format!("empty bandwidth row: {row:?}"))?;
-    value.parse().with_context(|| format!("bad MsgRate {value:?}"))
+    value
+        .parse()
+        .with_context(|| format!("bad MsgRate {value:?}"))
 }
 
 #[cfg(test)]

@@ -83,7 +83,9 @@ impl Section {
                 "Receiver wake-ups per message at a low rate (batch of K, last solicited) vs 1/K"
             }
             Section::Cpu => "Receiver CPU µs per message at a low rate vs busy polling",
-            Section::Codec => "Encode/decode ns per message on the host: rdmsg framing vs plain bincode",
+            Section::Codec => {
+                "Encode/decode ns per message on the host: rdmsg framing vs plain bincode"
+            }
         }
     }
 
@@ -224,7 +226,12 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
     let m = Medians::new(samples);
     let mut rows = Vec::new();
     for (bench, section, anchor, goal) in [
-        (Bench::LatEvent, Section::LatencyEvent, "ib_send_lat -e", 1.15),
+        (
+            Bench::LatEvent,
+            Section::LatencyEvent,
+            "ib_send_lat -e",
+            1.15,
+        ),
         (Bench::LatPoll, Section::LatencyPoll, "ib_send_lat", 1.10),
     ] {
         for (_, size, _) in m.points(bench, "rdmsg", "us") {
@@ -266,8 +273,14 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
     let mut wake = m.points(Bench::Wake, "rdmsg", "cpu_us_per_msg");
     wake.sort_by_key(|(variant, _, batch)| (mode_order(variant), *batch));
     for (variant, size, batch) in &wake {
-        if let Some(ours) = m.get(Bench::Wake, "rdmsg", variant, *size, *batch, "wakeups_per_msg")
-        {
+        if let Some(ours) = m.get(
+            Bench::Wake,
+            "rdmsg",
+            variant,
+            *size,
+            *batch,
+            "wakeups_per_msg",
+        ) {
             // The goal is for receivers that sleep until a solicited message.
             let goal = (variant != "next").then(|| Goal::AtMost(1.0 / f64::from(*batch) + 0.01));
             rows.push(Row::new(
@@ -283,11 +296,24 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
         if variant == "busy-poll" {
             continue;
         }
-        let Some(ours) = m.get(Bench::Wake, "rdmsg", variant, *size, *batch, "cpu_us_per_msg")
-        else {
+        let Some(ours) = m.get(
+            Bench::Wake,
+            "rdmsg",
+            variant,
+            *size,
+            *batch,
+            "cpu_us_per_msg",
+        ) else {
             continue;
         };
-        let poll = m.get(Bench::Wake, "rdmsg", "busy-poll", *size, *batch, "cpu_us_per_msg");
+        let poll = m.get(
+            Bench::Wake,
+            "rdmsg",
+            "busy-poll",
+            *size,
+            *batch,
+            "cpu_us_per_msg",
+        );
         rows.push(Row::new(
             Section::Cpu,
             format!("{variant}, K={batch}"),
@@ -408,14 +434,22 @@ pub fn json(rows: &[Row], samples: &[Sample]) -> String {
 mod tests {
     use super::*;
 
-    fn s(bench: Bench, subject: &str, variant: &str, size: u64, batch: u32, metric: &str, round: u32, value: f64) -> Sample {
+    /// A sample of round 0; `(size, batch)` locate it.
+    fn s(
+        bench: Bench,
+        subject: &str,
+        variant: &str,
+        at: (u64, u32),
+        metric: &str,
+        value: f64,
+    ) -> Sample {
         Sample {
             bench,
             subject: subject.into(),
             variant: variant.into(),
-            size,
-            batch,
-            round,
+            size: at.0,
+            batch: at.1,
+            round: 0,
             metric: metric.into(),
             value,
         }
@@ -429,26 +463,62 @@ mod tests {
             .enumerate()
         {
             let round = round as u32;
-            samples.push(s(Bench::LatEvent, "rdmsg", "", 8, 0, "us", round, ours));
-            samples.push(s(Bench::LatEvent, "ib_send_lat", "", 8, 0, "us", round, theirs));
+            samples.push(Sample {
+                round,
+                ..s(Bench::LatEvent, "rdmsg", "", (8, 0), "us", ours)
+            });
+            samples.push(Sample {
+                round,
+                ..s(Bench::LatEvent, "ib_send_lat", "", (8, 0), "us", theirs)
+            });
         }
-        samples.push(s(Bench::Bw, "rdmsg", "", 64, 0, "mpps", 0, 0.019));
-        samples.push(s(Bench::Bw, "ib_send_bw", "", 64, 0, "mpps", 0, 0.020));
-        samples.push(s(Bench::Bw, "verbs-core", "", 64, 0, "mpps", 0, 0.024));
-        samples.push(s(Bench::Wake, "rdmsg", "busy-poll", 64, 8, "cpu_us_per_msg", 0, 1000.0));
-        samples.push(s(Bench::Wake, "rdmsg", "solicited-only", 64, 8, "cpu_us_per_msg", 0, 50.0));
-        samples.push(s(Bench::Wake, "rdmsg", "solicited-only", 64, 8, "wakeups_per_msg", 0, 0.13));
+        samples.push(s(Bench::Bw, "rdmsg", "", (64, 0), "mpps", 0.019));
+        samples.push(s(Bench::Bw, "ib_send_bw", "", (64, 0), "mpps", 0.020));
+        samples.push(s(Bench::Bw, "verbs-core", "", (64, 0), "mpps", 0.024));
+        samples.push(s(
+            Bench::Wake,
+            "rdmsg",
+            "busy-poll",
+            (64, 8),
+            "cpu_us_per_msg",
+            1000.0,
+        ));
+        samples.push(s(
+            Bench::Wake,
+            "rdmsg",
+            "solicited-only",
+            (64, 8),
+            "cpu_us_per_msg",
+            50.0,
+        ));
+        samples.push(s(
+            Bench::Wake,
+            "rdmsg",
+            "solicited-only",
+            (64, 8),
+            "wakeups_per_msg",
+            0.13,
+        ));
         let rows = rows(&samples);
         let lat = &rows[0];
         assert_eq!(lat.section, Section::LatencyEvent);
         assert_eq!((lat.ours, lat.anchor, lat.rounds), (112.0, Some(100.0), 3));
         assert!((lat.ratio.unwrap() - 1.12).abs() < 1e-9);
         assert_eq!(lat.met, Some(true));
-        let bw: Vec<&Row> = rows.iter().filter(|r| r.section == Section::ThroughputPerftest).collect();
+        let bw: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.section == Section::ThroughputPerftest)
+            .collect();
         assert_eq!(bw[0].met, Some(true)); // 0.95×
-        let verbs: Vec<&Row> = rows.iter().filter(|r| r.section == Section::ThroughputVerbs).collect();
+        let verbs: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.section == Section::ThroughputVerbs)
+            .collect();
         assert_eq!(verbs[0].goal, None);
-        let wake: Vec<&Row> = rows.iter().filter(|r| r.section == Section::Wakeups).collect();
+        let wake: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.section == Section::Wakeups)
+            .collect();
         assert_eq!(wake.len(), 1, "busy polling has no wake-ups to count");
         assert_eq!(wake[0].met, Some(true)); // 0.13 <= 1/8 + 0.01
         let cpu: Vec<&Row> = rows.iter().filter(|r| r.section == Section::Cpu).collect();
@@ -456,13 +526,16 @@ mod tests {
         assert_eq!(cpu[0].met, Some(true));
         let md = markdown(&rows, "");
         assert!(md.contains("Goals met: 4 of 4."), "{md}");
-        assert!(md.contains("| 8 B | 112 | 100 (ib_send_lat -e) | 1.12× | ≤ 1.15× | met |"), "{md}");
+        assert!(
+            md.contains("| 8 B | 112 | 100 (ib_send_lat -e) | 1.12× | ≤ 1.15× | met |"),
+            "{md}"
+        );
         assert!(json(&rows, &samples).contains("\"section\": \"latency_event\""));
     }
 
     #[test]
     fn a_missing_anchor_leaves_the_ratio_empty() {
-        let samples = [s(Bench::LatPoll, "rdmsg", "", 64, 0, "us", 0, 30.0)];
+        let samples = [s(Bench::LatPoll, "rdmsg", "", (64, 0), "us", 30.0)];
         let rows = rows(&samples);
         assert_eq!((rows[0].ratio, rows[0].met), (None, None));
         assert!(markdown(&rows, "").contains("| 64 B | 30.0 | — | — |  |  |"));

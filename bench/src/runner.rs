@@ -28,8 +28,8 @@ pub struct Plan {
     pub bw_depth: u32,
     /// Batch sizes of the wake-up benchmark.
     pub wake_batches: Vec<usize>,
-    /// Messages per wake-up measurement.
-    pub wake_count: usize,
+    /// Batches per wake-up measurement (messages: batches × batch size).
+    pub wake_batch_count: usize,
     /// Pause between batches in the wake-up benchmark.
     pub wake_gap: Duration,
     /// Which benchmarks to run.
@@ -49,8 +49,10 @@ impl Plan {
             bw_batch: 64,
             bw_depth: 256,
             wake_batches: vec![1, 8, 64],
-            wake_count: 1024,
-            wake_gap: Duration::from_millis(1),
+            wake_batch_count: 200,
+            // A low rate: emulation slows everything some 20 to 200 times, and one sleeping
+            // round trip already takes about half a millisecond.
+            wake_gap: Duration::from_millis(5),
             benches: vec![Bench::LatEvent, Bench::LatPoll, Bench::Bw, Bench::Wake],
             filter: None,
         }
@@ -64,7 +66,7 @@ impl Plan {
             lat_iters: 100,
             bw: vec![(64, 2_000), (65536, 200)],
             wake_batches: vec![1, 8],
-            wake_count: 128,
+            wake_batch_count: 40,
             ..Self::full()
         }
     }
@@ -172,7 +174,11 @@ impl Task {
         match self.what {
             What::Latency { bench, size, who } => format!(
                 "latency {} {size} B, {}",
-                if bench == Bench::LatEvent { "event" } else { "poll" },
+                if bench == Bench::LatEvent {
+                    "event"
+                } else {
+                    "poll"
+                },
                 match who {
                     Who::Perftest if bench == Bench::LatEvent => "ib_send_lat -e",
                     Who::Perftest => "ib_send_lat",
@@ -193,8 +199,8 @@ impl Task {
 
     /// Runs the measurement; returns its samples.
     pub fn run(&self, plan: &Plan, perf: &Perftest) -> Result<Vec<Sample>> {
-        let sample = |bench, subject: &str, variant: &str, size, batch, metric: &str, value| {
-            Sample {
+        let sample =
+            |bench, subject: &str, variant: &str, size, batch, metric: &str, value| Sample {
                 bench,
                 subject: subject.into(),
                 variant: variant.into(),
@@ -203,8 +209,7 @@ impl Task {
                 round: self.round,
                 metric: metric.into(),
                 value,
-            }
-        };
+            };
         Ok(match self.what {
             What::Latency { bench, size, who } => {
                 let events = bench == Bench::LatEvent;
@@ -238,8 +243,8 @@ impl Task {
                         })?,
                     ),
                     Who::Perftest => {
-                        let args = ["-s", &size.to_string(), "-n", &count.to_string()]
-                            .map(String::from);
+                        let args =
+                            ["-s", &size.to_string(), "-n", &count.to_string()].map(String::from);
                         let out = perf.run("ib_send_bw", &args)?;
                         // The receiver's figure, as rdmsg's is measured at its receiver.
                         ("ib_send_bw", perftest::parse_bw_mpps(&out.server)?)
@@ -249,7 +254,8 @@ impl Task {
                 vec![sample(Bench::Bw, subject, "", size, 0, "mpps", mpps)]
             }
             What::Wake { mode, batch } => {
-                let w = rdmsg::wakeups(mode, batch, plan.wake_count, plan.wake_gap)?;
+                let count = plan.wake_batch_count * batch;
+                let w = rdmsg::wakeups(mode, batch, count, plan.wake_gap)?;
                 let mut v = vec![sample(
                     Bench::Wake,
                     "rdmsg",
@@ -331,8 +337,16 @@ mod tests {
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
-                What::Latency { who: Who::Rdmsg, size: 8, .. },
-                What::Latency { who: Who::Perftest, size: 8, .. }
+                What::Latency {
+                    who: Who::Rdmsg,
+                    size: 8,
+                    ..
+                },
+                What::Latency {
+                    who: Who::Perftest,
+                    size: 8,
+                    ..
+                }
             )
         ));
         let full = Plan::full();

@@ -8,9 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use transport::{Endpoint, PathParams};
-use verbs_core::{
-    Access, Buffer, CompletionQueue, QpCaps, QueuePair, SendRequest, WorkCompletion,
-};
+use verbs_core::{Access, Buffer, CompletionQueue, QpCaps, QueuePair, SendRequest, WorkCompletion};
 
 const TX_DEPTH: usize = 128;
 const SIGNAL_EVERY: u64 = 64;
@@ -48,9 +46,7 @@ pub fn throughput(size: usize, count: u64) -> Result<f64> {
     let mut tx = side(&ep)?;
     let mut rx = side(&ep)?;
     let region = ep.pd().register(RX_DEPTH * size, Access::LOCAL_WRITE)?;
-    rx.qp
-        .post_recv(region.chunks(size)?)
-        .map_err(|e| e.error)?;
+    rx.qp.post_recv(region.chunks(size)?).map_err(|e| e.error)?;
     let (tx_psn, rx_psn) = (
         transport::random_psn(tx.qp.qp_num()),
         transport::random_psn(rx.qp.qp_num()),

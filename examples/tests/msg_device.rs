@@ -17,7 +17,7 @@ fn sessions() -> (Session, Session) {
     (Session::new(rx), Session::new(tx))
 }
 
-fn recv_one<M: Message>(s: &mut Session) -> M {
+fn recv_one<M: Message + msg::serde::de::DeserializeOwned>(s: &mut Session) -> M {
     s.recv_timeout(WAIT)
         .unwrap()
         .expect("a message within 10 s")

@@ -2,6 +2,9 @@
 
 use std::collections::HashSet;
 
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
 use crate::frame::{self, Header, Reassembler, FIRST, HEADER_LEN, LAST};
 use crate::{DecodeFailure, Error, Message, Result};
 
@@ -83,8 +86,16 @@ pub fn encode_fragments<M: Message>(
     Ok(frames)
 }
 
-/// Decodes a message body.
-pub fn decode_body<M: Message>(tag: u32, body: &[u8]) -> Result<M> {
+/// Decodes a message body into an owned value.
+pub fn decode_body<M: Message + DeserializeOwned>(tag: u32, body: &[u8]) -> Result<M> {
+    decode_body_borrowed(tag, body)
+}
+
+/// Decodes a message body into a value that may borrow from it (no copy of byte strings).
+pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
+    tag: u32,
+    body: &'de [u8],
+) -> Result<M> {
     if tag != M::TAG {
         return Err(Error::WrongType {
             expected: M::TAG,
@@ -92,7 +103,7 @@ pub fn decode_body<M: Message>(tag: u32, body: &[u8]) -> Result<M> {
         });
     }
     let (m, used) =
-        bincode::serde::decode_from_slice(body, config()).map_err(|e| Error::Decode {
+        bincode::serde::borrow_decode_from_slice(body, config()).map_err(|e| Error::Decode {
             tag,
             source: DecodeFailure::Bincode(e),
         })?;
@@ -155,8 +166,14 @@ impl Envelope {
     }
 
     /// Decodes the body as an `M`.
-    pub fn decode<M: Message>(&self) -> Result<M> {
+    pub fn decode<M: Message + DeserializeOwned>(&self) -> Result<M> {
         decode_body(self.tag, self.body())
+    }
+
+    /// Decodes the body as an `M` that borrows from the envelope: byte strings and strings are
+    /// read in place, from the receive buffer of a single-frame message.
+    pub fn decode_borrowed<'a, M: Message + Deserialize<'a>>(&'a self) -> Result<M> {
+        decode_body_borrowed(self.tag, self.body())
     }
 }
 

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use crossbeam::channel::{Receiver, Sender};
+use serde::de::DeserializeOwned;
 
 use crate::codec::Envelope;
 use crate::{Error, Message, Result, Session};
@@ -47,7 +48,10 @@ impl Dispatcher {
     }
 
     /// Calls `f` with every `M`, on the dispatching thread.
-    pub fn on<M: Message + 'static>(&mut self, mut f: impl FnMut(M) + Send + 'static) -> &mut Self {
+    pub fn on<M: Message + DeserializeOwned + 'static>(
+        &mut self,
+        mut f: impl FnMut(M) + Send + 'static,
+    ) -> &mut Self {
         self.handlers.insert(
             M::TAG,
             Box::new(move |env: &Envelope| {
@@ -61,7 +65,10 @@ impl Dispatcher {
     /// Sends every `M` into a bounded channel (`capacity` messages; the dispatcher blocks
     /// when it is full, which holds back the sender through the credits). Clone the receiver
     /// for several worker threads.
-    pub fn channel<M: Message + Send + 'static>(&mut self, capacity: usize) -> Receiver<M> {
+    pub fn channel<M: Message + DeserializeOwned + Send + 'static>(
+        &mut self,
+        capacity: usize,
+    ) -> Receiver<M> {
         let (tx, rx): (Sender<M>, Receiver<M>) = crossbeam::channel::bounded(capacity);
         self.handlers.insert(
             M::TAG,

@@ -1,10 +1,15 @@
 //! Message types and their tags.
 
-use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 /// A type that travels as a message. Implement it with [`crate::message!`].
-pub trait Message: Serialize + DeserializeOwned {
+///
+/// Receiving an owned value ([`crate::Envelope::decode`]) needs `DeserializeOwned` as well. A
+/// *view* with borrowed fields (`&[u8]` marked `#[serde(borrow, with = "serde_bytes")]`, `&str`)
+/// and the same layout can share the owned type's tag: it is then decoded straight from the
+/// receive buffer ([`crate::Envelope::decode_borrowed`]) and sent without building the owned
+/// value first.
+pub trait Message: Serialize {
     /// The tag that identifies the type on the wire (never 0, which frames without a message
     /// use).
     const TAG: u32;

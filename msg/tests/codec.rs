@@ -209,3 +209,53 @@ fn tags_are_stable_and_distinct() {
     // FNV-1a of "a": a fixed point of the wire format.
     assert_eq!(msg::tag("a"), 0xe40c_292c);
 }
+
+/// An owned message with bulk bytes, and a view of it that borrows them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Blob {
+    name: String,
+    #[serde(with = "serde_bytes")]
+    bytes: Vec<u8>,
+}
+msg::message!(Blob, tag = "tests.blob");
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct BlobView<'a> {
+    name: &'a str,
+    #[serde(borrow, with = "serde_bytes")]
+    bytes: &'a [u8],
+}
+msg::message!(BlobView<'_>, tag = "tests.blob");
+
+#[test]
+fn views_decode_in_place_and_travel_like_their_owned_type() {
+    let owned = Blob {
+        name: "firmware".into(),
+        bytes: (0..=255).collect(),
+    };
+    let mut buf = vec![0u8; 1024];
+    let len = codec::encode_single(&owned, 7, &mut buf).unwrap().unwrap();
+    let mut d = Decoder::new(1 << 20);
+    d.register::<Blob>();
+    let env = d
+        .push(FrameBytes::Owned(buf[..len].to_vec()))
+        .unwrap()
+        .unwrap();
+    let view: BlobView = env.decode_borrowed().unwrap();
+    assert_eq!((view.name, view.bytes), ("firmware", &owned.bytes[..]));
+    let body = env.body().as_ptr_range();
+    assert!(
+        body.contains(&view.bytes.as_ptr()),
+        "read in place, not copied"
+    );
+    // A view encodes exactly like the owned value, and decodes back into it.
+    let mut again = vec![0u8; 1024];
+    let len2 = codec::encode_single(&view, 7, &mut again).unwrap().unwrap();
+    assert_eq!(again[..len2], buf[..len]);
+    assert_eq!(env.decode::<Blob>().unwrap(), owned);
+    // The tag still guards the type.
+    assert!(matches!(
+        env.decode_borrowed::<Other>(),
+        Err(Error::WrongType { .. })
+    ));
+}

@@ -253,8 +253,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                     if n > 0 {
                         return Ok(n);
                     }
-                    if i % CLOCK_EVERY == 0 && (Instant::now() >= spin_until || expired(deadline))
-                    {
+                    if i % CLOCK_EVERY == 0 && (Instant::now() >= spin_until || expired(deadline)) {
                         break;
                     }
                     std::hint::spin_loop();

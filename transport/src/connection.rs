@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use notify::{ArmMode, CqKey, EventChannel, EventTarget, Policy, Readiness, Waiter};
 use verbs_core::{
-    AsyncElement, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, SendRequest,
-    WcStatus, WorkCompletion,
+    AsyncElement, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, ReadyWatch,
+    SendRequest, WcStatus, WorkCompletion,
 };
 
 use crate::credits::{Credits, Imm};
@@ -113,15 +113,51 @@ pub struct ConnStats {
 
 /// The completion channel of a connection plus what else should interrupt its sleep: buffers
 /// coming back to the receive pool, the bootstrap stream (end-of-file: the peer process is
-/// gone), and the device's asynchronous events.
+/// gone), and the device's asynchronous events. All four are registered once in an epoll set.
 #[derive(Debug)]
 struct ConnChannel {
     channel: CompletionChannel,
-    wake: std::os::unix::net::UnixStream,
+    watch: ReadyWatch,
+    /// Registered in `watch`: kept open here.
+    _wake: std::os::unix::net::UnixStream,
     bootstrap: TcpStream,
     /// Stop watching the bootstrap stream once it has ended (it stays readable forever).
     watch_bootstrap: bool,
-    endpoint: Endpoint,
+    /// Owns the context whose async-event descriptor is registered in `watch`.
+    _endpoint: Endpoint,
+}
+
+/// Token of the completion channel in the watch; the others only interrupt a sleep.
+const CHANNEL_TOKEN: u8 = 0;
+
+impl ConnChannel {
+    fn new(
+        channel: CompletionChannel,
+        wake: std::os::unix::net::UnixStream,
+        bootstrap: TcpStream,
+        endpoint: Endpoint,
+    ) -> Result<Self> {
+        let watch = ReadyWatch::new()?;
+        watch.add(channel.as_fd(), CHANNEL_TOKEN)?;
+        watch.add(wake.as_fd(), 1)?;
+        watch.add(endpoint.context().async_fd(), 2)?;
+        watch.add(bootstrap.as_fd(), 3)?;
+        Ok(Self {
+            channel,
+            watch,
+            _wake: wake,
+            bootstrap,
+            watch_bootstrap: true,
+            _endpoint: endpoint,
+        })
+    }
+
+    fn stop_watching_bootstrap(&mut self) {
+        if std::mem::take(&mut self.watch_bootstrap) {
+            // The stream stays readable at end-of-file; watching it would spin.
+            let _ = self.watch.remove(self.bootstrap.as_fd());
+        }
+    }
 }
 
 impl EventChannel<CompletionQueue> for ConnChannel {
@@ -130,21 +166,14 @@ impl EventChannel<CompletionQueue> for ConnChannel {
     }
 
     fn wait_readable(&mut self, timeout: Option<Duration>) -> notify::Result<Readiness> {
-        let ctx = self.endpoint.context();
-        let fds = [
-            self.channel.as_fd(),
-            self.wake.as_fd(),
-            ctx.async_fd(),
-            self.bootstrap.as_fd(),
-        ];
-        let watched = if self.watch_bootstrap { 4 } else { 3 };
-        Ok(
-            match verbs_core::wait_any_readable(&fds[..watched], timeout)? {
-                None => Readiness::TimedOut,
-                Some(0) => Readiness::Events,
-                Some(_) => Readiness::Other,
-            },
-        )
+        let ready = self.watch.wait(timeout)?;
+        Ok(if ready == 0 {
+            Readiness::TimedOut
+        } else if ready & (1 << CHANNEL_TOKEN) != 0 {
+            Readiness::Events
+        } else {
+            Readiness::Other
+        })
     }
 }
 
@@ -181,10 +210,15 @@ pub struct Connection {
     /// Calls of `progress` and waits that delivered completions, for rate-limiting the
     /// liveness checks without reading the clock every time.
     busy_steps: u32,
+    /// Sends since the sender last polled its queues.
+    sends_since_progress: u32,
 }
 
 /// Longest busy-poll before a polling connection looks at its bootstrap stream again.
 const POLL_SLICE: Duration = Duration::from_millis(10);
+
+/// A sender polls its queues at least every this many sends (see `wait_to_send`).
+const SEND_PROGRESS_EVERY: u32 = 16;
 
 /// Shortest interval between liveness checks of a busy connection.
 const LIVENESS_EVERY: Duration = Duration::from_millis(1);
@@ -298,13 +332,7 @@ impl Connection {
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
         channel.set_nonblocking(true)?;
         let mut waiter = Waiter::new(
-            ConnChannel {
-                channel,
-                wake,
-                bootstrap: stream,
-                watch_bootstrap: true,
-                endpoint: endpoint.clone(),
-            },
+            ConnChannel::new(channel, wake, stream, endpoint.clone())?,
             config.policy,
         );
         let recv_key = waiter.add(recv_cq, config.recv_arm);
@@ -338,6 +366,7 @@ impl Connection {
             inline_scratch: vec![0; max_inline],
             bootstrap_checked: Instant::now(),
             busy_steps: 0,
+            sends_since_progress: 0,
         })
     }
 
@@ -469,7 +498,17 @@ impl Connection {
 
     fn wait_to_send(&mut self, timeout: Option<Duration>) -> Result<()> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        self.progress()?;
+        // A streaming sender need not poll before every message: credits, send completions and
+        // failures are looked at every few sends, and at once when anything runs low or
+        // buffers came back to be re-posted (the peer may be waiting for their credits).
+        self.sends_since_progress += 1;
+        let plenty = self.credits.available() > self.peer.recv_depth / 4
+            && self.send_bufs.len() > 1
+            && self.qp.send_outstanding() + 1 < self.sq_depth;
+        if !plenty || self.sends_since_progress >= SEND_PROGRESS_EVERY || self.pool.has_returns() {
+            self.sends_since_progress = 0;
+            self.progress()?;
+        }
         if self.can_send() {
             return Ok(());
         }
@@ -811,8 +850,7 @@ impl Connection {
     }
 
     fn stop_watching_bootstrap(&mut self) {
-        // The stream stays readable at end-of-file; watching it would spin.
-        self.waiter.channel_mut().watch_bootstrap = false;
+        self.waiter.channel_mut().stop_watching_bootstrap();
     }
 
     fn check_async_events(&mut self) -> Result<()> {

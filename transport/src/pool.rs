@@ -131,6 +131,11 @@ impl RecvPool {
         n
     }
 
+    /// Whether dropped handles have returned buffers not yet collected (no lock taken).
+    pub fn has_returns(&self) -> bool {
+        !self.returns.is_empty()
+    }
+
     /// Free buffers.
     pub fn free_count(&self) -> usize {
         self.free.len()

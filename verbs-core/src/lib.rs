@@ -63,6 +63,7 @@ mod loopback;
 mod mr;
 mod pd;
 mod qp;
+mod watch;
 
 /// The raw rdma-sys bindings, for verbs this crate does not wrap.
 pub use rdma_sys as ffi;
@@ -80,6 +81,7 @@ pub use qp::{
     PostError, QpCaps, QpState, QueuePair, RemoteAddress, RtrAttr, RtsAttr, SendPayload,
     SendRequest,
 };
+pub use watch::ReadyWatch;
 
 /// Sets or clears `O_NONBLOCK` on a descriptor owned by a verbs object.
 pub(crate) fn set_nonblocking(fd: std::os::fd::RawFd, nonblocking: bool) -> Result<()> {

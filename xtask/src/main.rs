@@ -17,6 +17,10 @@ tasks:
   setup            install the Debian packages rdmsg needs (apt-get as root; prints the command otherwise)
   test             fmt, clippy, docs, host tests, then the device tests inside the Soft-RoCE VM
   demo             run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
+  bench [--quick] [-- ARGS]
+                   benchmarks side by side with perftest in one VM boot, codec on the host;
+                   writes target/bench/report.md, report.json, chart.png (ARGS go to
+                   `rdmsg-bench run`, e.g. --rounds 3 or --only lat)
   vm -- CMD...     boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
 
 environment:
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
         Some("setup") => setup(),
         Some("test") => test(),
         Some("demo") => demo(),
+        Some("bench") => bench(&args[1..]),
         Some("vm") => vm_cmd(&args[1..]),
         Some("-h" | "--help" | "help") => {
             print!("{USAGE}");
@@ -233,6 +238,74 @@ fn demo() -> Result<ExitCode> {
         &mut |l| println!("{l}"),
     )?;
     Ok(exit_code(out.code))
+}
+
+fn bench(args: &[String]) -> Result<ExitCode> {
+    let (ours, run_args): (Vec<String>, Vec<String>) = match args.iter().position(|a| a == "--") {
+        Some(i) => (args[..i].to_vec(), args[i + 1..].to_vec()),
+        None => (args.to_vec(), Vec::new()),
+    };
+    let quick = match ours.as_slice() {
+        [] => false,
+        [q] if q == "--quick" => true,
+        other => {
+            bail!("usage: cargo xtask bench [--quick] [-- ARGS for rdmsg-bench run]; not {other:?}")
+        }
+    };
+    ensure_packages()?;
+    let out_dir = repo_root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    {
+        let _s = Step::new("build", "building rdmsg-bench (release)");
+        run(cargo().args(["build", "--release", "-p", "rdmsg-bench"]))?;
+    }
+    let bench_bin = repo_root().join("target/release/rdmsg-bench");
+    let quick_flag: &[&str] = if quick { &["--quick"] } else { &[] };
+    {
+        let _s = Step::new("codec", "framing vs plain bincode, on the host");
+        let out = Command::new(&bench_bin)
+            .arg("codec")
+            .args(quick_flag)
+            .stderr(Stdio::inherit())
+            .output()
+            .context("running rdmsg-bench codec")?;
+        if !out.status.success() {
+            bail!("rdmsg-bench codec failed");
+        }
+        std::fs::write(out_dir.join("codec.samples"), &out.stdout)?;
+    }
+    let mut samples = String::new();
+    let code = {
+        let _s = Step::new(
+            "device",
+            "rdmsg vs perftest on rxe0, inside one VM boot (progress below)",
+        );
+        let mut script = String::from("./target/release/rdmsg-bench run");
+        for a in quick_flag.iter().map(|s| s.to_string()).chain(run_args) {
+            script.push(' ');
+            script.push_str(&sh_quote(&a));
+        }
+        let out = vm::Vm::new(&repo_root()).run_script(&script, vm_timeout(), &mut |l| {
+            if l.starts_with("SAMPLE ") {
+                samples.push_str(l);
+                samples.push('\n');
+            } else {
+                println!("{l}");
+            }
+        })?;
+        out.code
+    };
+    std::fs::write(out_dir.join("device.samples"), &samples)?;
+    if code != 0 {
+        eprintln!("xtask: some device measurements failed (exit {code}); reporting the rest");
+    }
+    let _s = Step::new("report", "medians, ratios, goals");
+    run(Command::new(&bench_bin)
+        .args(["report", "--out"])
+        .arg(&out_dir)
+        .arg(out_dir.join("device.samples"))
+        .arg(out_dir.join("codec.samples")))?;
+    Ok(exit_code(code))
 }
 
 /// Pass and fail counts parsed from libtest's `test result:` lines.

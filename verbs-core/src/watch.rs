@@ -1,0 +1,133 @@
+//! A set of descriptors registered once and waited on many times (epoll). A sleeping
+//! connection watches four descriptors; `poll(2)` would register and unregister each of them
+//! on every sleep, which under emulation costs as much as a tenth of a round trip.
+
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// Most descriptors one wait reports.
+const MAX_EVENTS: usize = 8;
+
+/// Descriptors watched for readability, each with a token (0..64) reported when it is
+/// readable or hung up. Level-triggered: a descriptor stays reported while readable.
+///
+/// The caller keeps every added descriptor open until it is removed or the watch is dropped.
+#[derive(Debug)]
+pub struct ReadyWatch {
+    epoll: OwnedFd,
+}
+
+impl ReadyWatch {
+    /// An empty watch.
+    pub fn new() -> Result<Self> {
+        // SAFETY: epoll_create1 has no memory arguments; a non-negative return is a new
+        // descriptor that we own.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(wait_err(-1, std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` was just returned by epoll_create1 and is owned by nobody else.
+        let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { epoll })
+    }
+
+    fn ctl(&self, op: libc::c_int, fd: RawFd, token: u8) -> Result<()> {
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: u64::from(token),
+        };
+        // SAFETY: the epoll descriptor is ours and open; `ev` is a valid epoll_event for the
+        // duration of the call (the kernel copies it).
+        let ret = unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) };
+        if ret < 0 {
+            return Err(wait_err(fd, std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    /// Watches `fd` for readability, reporting it as `token` (below 64).
+    pub fn add(&self, fd: BorrowedFd<'_>, token: u8) -> Result<()> {
+        if token >= 64 {
+            return Err(Error::InvalidArgument(format!(
+                "watch token {token} is not below 64"
+            )));
+        }
+        self.ctl(libc::EPOLL_CTL_ADD, fd.as_raw_fd(), token)
+    }
+
+    /// Stops watching `fd`.
+    pub fn remove(&self, fd: BorrowedFd<'_>) -> Result<()> {
+        self.ctl(libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0)
+    }
+
+    /// Waits until a watched descriptor is readable or `timeout` passes (`None`: forever).
+    /// Returns the set of ready tokens as a bit mask (bit `t` for token `t`); 0 on timeout.
+    /// Interrupted waits are resumed with the remaining time.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<u64> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
+        loop {
+            let ms = match deadline {
+                None => -1,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    // Round up so that a sub-millisecond remainder still waits.
+                    libc::c_int::try_from(left.as_micros().div_ceil(1000))
+                        .unwrap_or(libc::c_int::MAX)
+                }
+            };
+            // SAFETY: `events` is a valid array of MAX_EVENTS epoll_events the kernel may fill;
+            // the epoll descriptor is ours and open.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    MAX_EVENTS as libc::c_int,
+                    ms,
+                )
+            };
+            if n < 0 {
+                let err = std::io::Error::last_os_error();
+                if err.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(wait_err(self.epoll.as_raw_fd(), err));
+            }
+            return Ok(events[..n as usize]
+                .iter()
+                .fold(0u64, |mask, ev| mask | (1u64 << (ev.u64 & 63))));
+        }
+    }
+}
+
+fn wait_err(fd: RawFd, source: std::io::Error) -> Error {
+    Error::WaitFd { fd, source }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn reports_readable_descriptors_by_token() {
+        let (mut a_tx, a_rx) = UnixStream::pair().unwrap();
+        let (mut b_tx, b_rx) = UnixStream::pair().unwrap();
+        let w = ReadyWatch::new().unwrap();
+        w.add(a_rx.as_fd(), 0).unwrap();
+        w.add(b_rx.as_fd(), 3).unwrap();
+        assert_eq!(w.wait(Some(Duration::from_millis(1))).unwrap(), 0);
+        b_tx.write_all(b"x").unwrap();
+        assert_eq!(w.wait(None).unwrap(), 1 << 3);
+        a_tx.write_all(b"y").unwrap();
+        assert_eq!(w.wait(None).unwrap(), 1 | 1 << 3, "level-triggered");
+        w.remove(b_rx.as_fd()).unwrap();
+        assert_eq!(w.wait(None).unwrap(), 1);
+        assert!(w.add(a_rx.as_fd(), 64).is_err());
+        assert!(w.add(a_rx.as_fd(), 1).is_err(), "already watched");
+    }
+}
