@@ -41,33 +41,82 @@ impl Perftest {
     /// Runs `tool` as a server and then as a client to it on 127.0.0.1, both with `args`
     /// (besides device, GID, port and `-F`), and returns their outputs.
     pub fn run(&self, tool: &str, args: &[String]) -> Result<Outputs> {
+        self.run_pair(tool, tool, |port| {
+            let mut common: Vec<String> = vec![
+                "-d".into(),
+                self.device.clone(),
+                "-x".into(),
+                self.gid_index.to_string(),
+                "-F".into(),
+                "-p".into(),
+                port.to_string(),
+            ];
+            common.extend_from_slice(args);
+            common
+        })
+    }
+
+    /// Runs `ibv_rc_pingpong`-style peers (`server` and `client` programs taking its flags:
+    /// rdma-core's or rdmsg's `rc_pingpong`) for `iters` round trips of `size` bytes; returns
+    /// the client's µs per round trip.
+    pub fn pingpong(
+        &self,
+        server: &str,
+        client: &str,
+        size: usize,
+        iters: usize,
+        events: bool,
+    ) -> Result<f64> {
+        let out = self.run_pair(server, client, |port| {
+            let mut args: Vec<String> = [
+                "-d",
+                &self.device,
+                "-g",
+                &self.gid_index.to_string(),
+                "-p",
+                &port.to_string(),
+                "-n",
+                &iters.to_string(),
+                "-s",
+                &size.to_string(),
+            ]
+            .map(String::from)
+            .to_vec();
+            if events {
+                args.push("-e".into());
+            }
+            args
+        })?;
+        parse_pingpong_usec(&out.client)
+    }
+
+    /// Runs `server` with `args(port)`, then `client` with the same arguments plus 127.0.0.1,
+    /// retrying the client while the server is not listening yet.
+    fn run_pair(
+        &self,
+        server_cmd: &str,
+        client_cmd: &str,
+        args: impl Fn(u16) -> Vec<String>,
+    ) -> Result<Outputs> {
         let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
-        let mut common: Vec<String> = vec![
-            "-d".into(),
-            self.device.clone(),
-            "-x".into(),
-            self.gid_index.to_string(),
-            "-F".into(),
-            "-p".into(),
-            port.to_string(),
-        ];
-        common.extend_from_slice(args);
+        let tool = server_cmd.rsplit('/').next().unwrap_or(server_cmd);
+        let common = args(port);
         let deadline = Instant::now() + DEADLINE;
         let server_out = scratch_file(tool, port, "server");
-        let mut server = Proc::spawn(tool, &common, &server_out)?;
+        let mut server = Proc::spawn(server_cmd, &common, &server_out)?;
         let mut client_args = common.clone();
         client_args.push("127.0.0.1".into());
         let client_out = scratch_file(tool, port, "client");
         let mut attempt = 0;
         let client = loop {
             attempt += 1;
-            let mut client = Proc::spawn(tool, &client_args, &client_out)?;
+            let mut client = Proc::spawn(client_cmd, &client_args, &client_out)?;
             let ok = client.wait_until(deadline)?;
             let text = client.output()?;
             if ok {
                 break text;
             }
-            let refused = text.contains("Couldn't connect");
+            let refused = text.contains("Couldn't connect") || text.contains("couldn't connect");
             if !refused || attempt >= CONNECT_ATTEMPTS || server.exited()? {
                 server.kill();
                 bail!("{tool} client failed ({attempt} attempts):\n{text}");
@@ -170,9 +219,38 @@ pub fn parse_lat_typical(output: &str) -> Result<f64> {
         .split_whitespace()
         .nth(column)
         .with_context(|| format!("short latency row: {row:?}"))?;
-    value
-        .parse()
-        .with_context(|| format!("bad t_typical {value:?}"))
+    finite(
+        value
+            .parse()
+            .with_context(|| format!("bad t_typical {value:?}"))?,
+    )
+}
+
+/// µs per round trip from `ibv_rc_pingpong`'s `N iters in S seconds = U usec/iter` line.
+pub fn parse_pingpong_usec(output: &str) -> Result<f64> {
+    let line = output
+        .lines()
+        .rfind(|l| l.contains("usec/iter"))
+        .context("no `usec/iter` line in the ping-pong output")?;
+    let value = line
+        .split_whitespace()
+        .rev()
+        .nth(1)
+        .with_context(|| format!("short ping-pong line: {line:?}"))?;
+    finite(
+        value
+            .parse()
+            .with_context(|| format!("bad usec/iter {value:?}"))?,
+    )
+}
+
+/// Rejects what a confused run prints: `inf`, `nan`, zero or negative figures.
+fn finite(v: f64) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        bail!("implausible figure {v}")
+    }
 }
 
 /// The message rate (million messages per second) of an `ib_send_bw` result table: the last
@@ -184,9 +262,11 @@ pub fn parse_bw_mpps(output: &str) -> Result<f64> {
         .split_whitespace()
         .last()
         .with_context(|| format!("empty bandwidth row: {row:?}"))?;
-    value
-        .parse()
-        .with_context(|| format!("bad MsgRate {value:?}"))
+    finite(
+        value
+            .parse()
+            .with_context(|| format!("bad MsgRate {value:?}"))?,
+    )
 }
 
 #[cfg(test)]
@@ -210,6 +290,19 @@ mod tests {
     fn reads_perftest_tables() {
         assert_eq!(parse_lat_typical(LAT).unwrap(), 168.0);
         assert_eq!(parse_bw_mpps(BW).unwrap(), 0.019999);
+    }
+
+    #[test]
+    fn reads_pingpong_lines() {
+        let out = "  local address: ...\n8192000 bytes in 0.29 seconds = 226.0 Mbit/sec\n\
+                   5000 iters in 0.29 seconds = 58.03 usec/iter\n";
+        assert_eq!(parse_pingpong_usec(out).unwrap(), 58.03);
+        assert!(parse_pingpong_usec("couldn't connect").is_err());
+        let inf = LAT.replace("168.00", "inf");
+        assert!(
+            parse_lat_typical(&inf).is_err(),
+            "perftest prints inf when confused"
+        );
     }
 
     #[test]

@@ -53,6 +53,10 @@ pub enum Section {
     LatencyEvent,
     /// Polling latency vs `ib_send_lat`.
     LatencyPoll,
+    /// The verbs-level ping-pong, event mode: rdmsg's `rc_pingpong` vs `ibv_rc_pingpong -e`.
+    LayerEvent,
+    /// The verbs-level ping-pong, polling.
+    LayerPoll,
     /// Stream throughput vs `ib_send_bw`.
     ThroughputPerftest,
     /// Stream throughput vs the raw verbs-core stream.
@@ -61,6 +65,8 @@ pub enum Section {
     Wakeups,
     /// Receiver CPU per message vs busy polling.
     Cpu,
+    /// Receiver CPU per message vs the minimal verbs-core sleeping receiver.
+    CpuFloor,
     /// Framing vs plain bincode.
     Codec,
 }
@@ -73,6 +79,12 @@ impl Section {
                 "Latency, event mode: one-way median µs, rdmsg solicited-only vs `ib_send_lat -e`"
             }
             Section::LatencyPoll => "Latency, polling: one-way median µs, rdmsg vs `ib_send_lat`",
+            Section::LayerEvent => {
+                "Below the messaging layers, event mode: one-way mean µs, rdmsg's `rc_pingpong` (notify + verbs-core) vs `ibv_rc_pingpong -e`"
+            }
+            Section::LayerPoll => {
+                "Below the messaging layers, polling: one-way mean µs, rdmsg's `rc_pingpong` vs `ibv_rc_pingpong`"
+            }
             Section::ThroughputPerftest => {
                 "Throughput: million messages/s, rdmsg (batches of 64) vs `ib_send_bw`"
             }
@@ -83,6 +95,9 @@ impl Section {
                 "Receiver wake-ups per message at a low rate (batch of K, last solicited) vs 1/K"
             }
             Section::Cpu => "Receiver CPU µs per message at a low rate vs busy polling",
+            Section::CpuFloor => {
+                "Receiver CPU µs per message at a low rate vs the floor: a verbs-core receiver that only blocks in `ibv_get_cq_event`, acks, re-arms, polls and re-posts"
+            }
             Section::Codec => {
                 "Encode/decode ns per message on the host: rdmsg framing vs plain bincode"
             }
@@ -94,10 +109,13 @@ impl Section {
         match self {
             Section::LatencyEvent => "lat event",
             Section::LatencyPoll => "lat poll",
+            Section::LayerEvent => "verbs event",
+            Section::LayerPoll => "verbs poll",
             Section::ThroughputPerftest => "bw/perftest",
             Section::ThroughputVerbs => "bw/verbs",
             Section::Wakeups => "wakeups",
             Section::Cpu => "cpu/poll",
+            Section::CpuFloor => "cpu/floor",
             Section::Codec => "codec",
         }
     }
@@ -248,6 +266,24 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
             ));
         }
     }
+    for (bench, section, anchor) in [
+        (Bench::LatEvent, Section::LayerEvent, "ibv_rc_pingpong -e"),
+        (Bench::LatPoll, Section::LayerPoll, "ibv_rc_pingpong"),
+    ] {
+        for (_, size, _) in m.points(bench, "rc_pingpong", "us") {
+            let Some(ours) = m.get(bench, "rc_pingpong", "", size, 0, "us") else {
+                continue;
+            };
+            let theirs = m.get(bench, "ibv_rc_pingpong", "", size, 0, "us");
+            rows.push(Row::new(
+                section,
+                fmt_size(size),
+                ours,
+                theirs.map(|t| (anchor, t.0)),
+                None,
+            ));
+        }
+    }
     for (subject, section, anchor) in [
         ("ib_send_bw", Section::ThroughputPerftest, "ib_send_bw"),
         ("verbs-core", Section::ThroughputVerbs, "verbs-core"),
@@ -320,6 +356,38 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
             ours,
             poll.map(|p| ("busy-poll", p.0)),
             poll.map(|_| Goal::AtMost(0.1)),
+        ));
+    }
+    for (variant, size, batch) in &wake {
+        if variant == "busy-poll" {
+            continue;
+        }
+        let (Some(ours), Some(floor)) = (
+            m.get(
+                Bench::Wake,
+                "rdmsg",
+                variant,
+                *size,
+                *batch,
+                "cpu_us_per_msg",
+            ),
+            m.get(
+                Bench::Wake,
+                "verbs-core",
+                "floor",
+                *size,
+                *batch,
+                "cpu_us_per_msg",
+            ),
+        ) else {
+            continue;
+        };
+        rows.push(Row::new(
+            Section::CpuFloor,
+            format!("{variant}, K={batch}"),
+            ours,
+            Some(("verbs-core floor", floor.0)),
+            None,
         ));
     }
     for (variant, size, _) in m.points(Bench::Codec, "rdmsg", "ns") {

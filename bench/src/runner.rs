@@ -18,6 +18,8 @@ pub struct Plan {
     pub rounds: u32,
     /// Ping-pong sizes.
     pub lat_sizes: Vec<usize>,
+    /// Sizes of the verbs-level ping-pong (rdmsg's `rc_pingpong` vs `ibv_rc_pingpong`).
+    pub layer_sizes: Vec<usize>,
     /// Round trips per latency measurement.
     pub lat_iters: usize,
     /// Stream sizes, with the message count for each.
@@ -44,6 +46,7 @@ impl Plan {
         Self {
             rounds: 5,
             lat_sizes: vec![8, 64, 256, 1024, 4096],
+            layer_sizes: vec![8, 4096],
             lat_iters: 1000,
             bw: vec![(64, 20_000), (512, 20_000), (4096, 5_000), (65536, 1_000)],
             bw_batch: 64,
@@ -63,6 +66,7 @@ impl Plan {
         Self {
             rounds: 1,
             lat_sizes: vec![8, 4096],
+            layer_sizes: vec![8],
             lat_iters: 100,
             bw: vec![(64, 2_000), (65536, 200)],
             wake_batches: vec![1, 8],
@@ -80,6 +84,14 @@ impl Plan {
                     Bench::LatEvent | Bench::LatPoll => {
                         for &size in &self.lat_sizes {
                             for who in [Who::Rdmsg, Who::Perftest] {
+                                tasks.push(Task {
+                                    round,
+                                    what: What::Latency { bench, size, who },
+                                });
+                            }
+                        }
+                        for &size in &self.layer_sizes {
+                            for who in [Who::RcPingpong, Who::IbvRcPingpong] {
                                 tasks.push(Task {
                                     round,
                                     what: What::Latency { bench, size, who },
@@ -105,6 +117,10 @@ impl Plan {
                                     what: What::Wake { mode, batch },
                                 });
                             }
+                            tasks.push(Task {
+                                round,
+                                what: What::WakeFloor { batch },
+                            });
                         }
                     }
                     Bench::Codec => {}
@@ -127,6 +143,24 @@ pub enum Who {
     Perftest,
     /// The raw verbs-core stream.
     Verbs,
+    /// rdmsg's `rc_pingpong` example: notify's waiter on verbs-core, no transport or msg.
+    RcPingpong,
+    /// rdma-core's `ibv_rc_pingpong`.
+    IbvRcPingpong,
+}
+
+impl Who {
+    fn name(self, bench: Bench) -> &'static str {
+        match self {
+            Who::Rdmsg => "rdmsg",
+            Who::Perftest if bench == Bench::LatEvent => "ib_send_lat -e",
+            Who::Perftest if bench == Bench::Bw => "ib_send_bw",
+            Who::Perftest => "ib_send_lat",
+            Who::Verbs => "verbs-core",
+            Who::RcPingpong => "rc_pingpong",
+            Who::IbvRcPingpong => "ibv_rc_pingpong",
+        }
+    }
 }
 
 /// One measurement.
@@ -157,6 +191,11 @@ pub enum What {
         /// Messages per batch.
         batch: usize,
     },
+    /// The same for the minimal sleeping receiver on raw verbs-core.
+    WakeFloor {
+        /// Messages per batch.
+        batch: usize,
+    },
 }
 
 /// A measurement of a round.
@@ -179,21 +218,13 @@ impl Task {
                 } else {
                     "poll"
                 },
-                match who {
-                    Who::Perftest if bench == Bench::LatEvent => "ib_send_lat -e",
-                    Who::Perftest => "ib_send_lat",
-                    _ => "rdmsg",
-                }
+                who.name(bench)
             ),
-            What::Stream { size, count, who } => format!(
-                "stream {count} × {size} B, {}",
-                match who {
-                    Who::Rdmsg => "rdmsg",
-                    Who::Perftest => "ib_send_bw",
-                    Who::Verbs => "verbs-core",
-                }
-            ),
+            What::Stream { size, count, who } => {
+                format!("stream {count} × {size} B, {}", who.name(Bench::Bw))
+            }
             What::Wake { mode, batch } => format!("receiver {} batch {batch}", mode.name()),
+            What::WakeFloor { batch } => format!("receiver verbs-core floor batch {batch}"),
         }
     }
 
@@ -227,7 +258,19 @@ impl Task {
                         let out = perf.run("ib_send_lat", &args)?;
                         ("ib_send_lat", perftest::parse_lat_typical(&out.client)?)
                     }
-                    _ => ("rdmsg", rdmsg::latency(size, plan.lat_iters, events)?),
+                    Who::RcPingpong | Who::IbvRcPingpong => {
+                        let program = if who == Who::RcPingpong {
+                            sibling_program("rc_pingpong")?
+                        } else {
+                            "ibv_rc_pingpong".into()
+                        };
+                        let rtt =
+                            perf.pingpong(&program, &program, size, plan.lat_iters * 5, events)?;
+                        (who.name(bench), rtt / 2.0)
+                    }
+                    Who::Rdmsg | Who::Verbs => {
+                        ("rdmsg", rdmsg::latency(size, plan.lat_iters, events)?)
+                    }
                 };
                 vec![sample(bench, subject, "", size, 0, "us", us)]
             }
@@ -250,6 +293,9 @@ impl Task {
                         ("ib_send_bw", perftest::parse_bw_mpps(&out.server)?)
                     }
                     Who::Verbs => ("verbs-core", verbs::throughput(size, count as u64)?),
+                    Who::RcPingpong | Who::IbvRcPingpong => {
+                        anyhow::bail!("{} is not a stream", who.name(Bench::Bw))
+                    }
                 };
                 vec![sample(Bench::Bw, subject, "", size, 0, "mpps", mpps)]
             }
@@ -278,8 +324,33 @@ impl Task {
                 }
                 v
             }
+            What::WakeFloor { batch } => {
+                let cpu = verbs::wake_floor(batch, plan.wake_batch_count, plan.wake_gap)?;
+                vec![sample(
+                    Bench::Wake,
+                    "verbs-core",
+                    "floor",
+                    64,
+                    batch as u32,
+                    "cpu_us_per_msg",
+                    cpu,
+                )]
+            }
         })
     }
+}
+
+/// A program built next to this one (the examples, in the same target directory).
+fn sibling_program(name: &str) -> Result<String> {
+    let exe = std::env::current_exe()?;
+    let path = exe.with_file_name(name);
+    if !path.exists() {
+        anyhow::bail!(
+            "{} not found: build it (cargo build --release -p rdmsg-examples)",
+            path.display()
+        );
+    }
+    Ok(path.to_string_lossy().into_owned())
 }
 
 /// Runs every task, printing samples as lines on `out` and progress on stderr. A failed task
@@ -332,8 +403,9 @@ mod tests {
     fn rounds_interleave_rdmsg_and_its_anchor() {
         let plan = Plan::quick();
         let tasks = plan.tasks();
-        // 2 latency modes × 2 sizes × 2, 2 stream sizes × 3, 2 batches × 4 modes.
-        assert_eq!(tasks.len(), 8 + 6 + 8);
+        // 2 latency modes × (2 sizes × 2 + 1 ping-pong size × 2), 2 stream sizes × 3,
+        // 2 batches × (4 modes + the floor).
+        assert_eq!(tasks.len(), 12 + 6 + 10);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -350,7 +422,7 @@ mod tests {
             )
         ));
         let full = Plan::full();
-        assert_eq!(full.tasks().len(), 5 * (2 * 5 * 2 + 4 * 3 + 3 * 4));
+        assert_eq!(full.tasks().len(), 5 * (2 * (5 + 2) * 2 + 4 * 3 + 3 * 5));
         assert!(full.tasks().iter().all(|t| t.round < 5));
     }
 }

@@ -1,14 +1,18 @@
-//! The floor under rdmsg: a one-way stream written directly on `verbs-core`, shaped like
+//! The floors under rdmsg, written directly on `verbs-core`: a one-way stream shaped like
 //! `ib_send_bw` (a window of 128 sends, a completion every 64, 512 receives reposted in
-//! batches, both sides busy polling, no framing, no credits, no copies).
+//! batches, both sides busy polling, no framing, no credits, no copies), and the cheapest
+//! possible sleeping receiver.
 
 use std::sync::{Arc, Barrier};
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use transport::{Endpoint, PathParams};
-use verbs_core::{Access, Buffer, CompletionQueue, QpCaps, QueuePair, SendRequest, WorkCompletion};
+use verbs_core::{
+    Access, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, SendRequest,
+    WorkCompletion,
+};
 
 const TX_DEPTH: usize = 128;
 const SIGNAL_EVERY: u64 = 64;
@@ -21,10 +25,10 @@ struct Side {
     qp: QueuePair,
 }
 
-fn side(ep: &Endpoint) -> Result<Side> {
+fn side(ep: &Endpoint, channel: Option<&CompletionChannel>) -> Result<Side> {
     let ctx = ep.context();
     let send_cq = CompletionQueue::new(ctx, TX_DEPTH as u32 + 1, None)?;
-    let recv_cq = CompletionQueue::new(ctx, RX_DEPTH as u32 + 1, None)?;
+    let recv_cq = CompletionQueue::new(ctx, RX_DEPTH as u32 + 1, channel)?;
     let caps = QpCaps {
         max_send_wr: TX_DEPTH as u32,
         max_recv_wr: RX_DEPTH as u32,
@@ -43,19 +47,7 @@ fn side(ep: &Endpoint) -> Result<Side> {
 /// device; returns million messages per second at the receiver.
 pub fn throughput(size: usize, count: u64) -> Result<f64> {
     let ep = Endpoint::open_default()?;
-    let mut tx = side(&ep)?;
-    let mut rx = side(&ep)?;
-    let region = ep.pd().register(RX_DEPTH * size, Access::LOCAL_WRITE)?;
-    rx.qp.post_recv(region.chunks(size)?).map_err(|e| e.error)?;
-    let (tx_psn, rx_psn) = (
-        transport::random_psn(tx.qp.qp_num()),
-        transport::random_psn(rx.qp.qp_num()),
-    );
-    let (tx_addr, rx_addr) = (ep.address_of(&tx.qp, tx_psn), ep.address_of(&rx.qp, rx_psn));
-    let path = PathParams::default();
-    ep.connect_qp(&mut rx.qp, rx_psn, &tx_addr, &path)?;
-    ep.connect_qp(&mut tx.qp, tx_psn, &rx_addr, &path)?;
-
+    let (mut tx, rx) = connected_pair(&ep, size, None)?;
     let ready = Arc::new(Barrier::new(2));
     let receiver = {
         let ready = Arc::clone(&ready);
@@ -70,6 +62,96 @@ pub fn throughput(size: usize, count: u64) -> Result<f64> {
     sent?;
     let done = done?;
     Ok(count as f64 / done.duration_since(started).as_secs_f64() / 1e6)
+}
+
+/// Two connected sides on one device; the receiving one has `RX_DEPTH` receives of `size`
+/// bytes posted and its receive CQ on `channel`.
+fn connected_pair(
+    ep: &Endpoint,
+    size: usize,
+    channel: Option<&CompletionChannel>,
+) -> Result<(Side, Side)> {
+    let mut tx = side(ep, None)?;
+    let mut rx = side(ep, channel)?;
+    let region = ep.pd().register(RX_DEPTH * size, Access::LOCAL_WRITE)?;
+    rx.qp.post_recv(region.chunks(size)?).map_err(|e| e.error)?;
+    let (tx_psn, rx_psn) = (
+        transport::random_psn(tx.qp.qp_num()),
+        transport::random_psn(rx.qp.qp_num()),
+    );
+    let (tx_addr, rx_addr) = (ep.address_of(&tx.qp, tx_psn), ep.address_of(&rx.qp, rx_psn));
+    let path = PathParams::default();
+    ep.connect_qp(&mut rx.qp, rx_psn, &tx_addr, &path)?;
+    ep.connect_qp(&mut tx.qp, tx_psn, &rx_addr, &path)?;
+    Ok((tx, rx))
+}
+
+/// The floor under any sleeping receiver: `batches` batches of `batch` 64-byte messages, the
+/// last of each solicited, `gap` apart, received by a thread that does only what the verbs
+/// require (block in `ibv_get_cq_event`, ack, re-arm solicited-only, poll, re-post). Returns its
+/// CPU µs per message.
+pub fn wake_floor(batch: usize, batches: usize, gap: Duration) -> Result<f64> {
+    const SIZE: usize = 64;
+    let ep = Endpoint::open_default()?;
+    let channel = CompletionChannel::new(ep.context())?;
+    let (mut tx, rx) = connected_pair(&ep, SIZE, Some(&channel))?;
+    let count = (batch * batches) as u64;
+    rx.recv_cq.req_notify(true)?;
+    let receiver = thread::spawn(move || -> Result<f64> {
+        let mut r = rx;
+        let cpu = verbs_core::thread_cpu_time();
+        let mut wcs = WorkCompletion::buffer(32);
+        let mut spare: Vec<Buffer> = Vec::new();
+        let mut received = 0u64;
+        while received < count {
+            channel
+                .get_event()?
+                .context("a blocking channel returned no event")?;
+            r.recv_cq.ack_events(1);
+            r.recv_cq.req_notify(true)?;
+            loop {
+                let got = r.recv_cq.poll(&mut wcs)?;
+                for wc in &wcs[..got] {
+                    if !wc.is_success() {
+                        bail!("receive completion failed: {:?}", wc.status());
+                    }
+                    spare.push(r.qp.take_recv(wc).context("unknown receive completion")?);
+                    received += 1;
+                }
+                if got < wcs.len() {
+                    break;
+                }
+            }
+            r.qp.post_recv(spare.drain(..)).map_err(|e| e.error)?;
+        }
+        let cpu = verbs_core::thread_cpu_time() - cpu;
+        Ok(cpu.as_secs_f64() * 1e6 / count as f64)
+    });
+    let payload = [7u8; SIZE];
+    let mut wcs = WorkCompletion::buffer(16);
+    for _ in 0..batches {
+        let reqs = (0..batch)
+            .map(|i| {
+                SendRequest::inline(&payload)
+                    .solicited(i + 1 == batch)
+                    .signaled(i + 1 == batch)
+            })
+            .collect();
+        tx.qp.post_send(reqs).map_err(|e| e.error)?;
+        while tx.qp.send_outstanding() > 0 {
+            let got = tx.send_cq.poll(&mut wcs)?;
+            for wc in &wcs[..got] {
+                if !wc.is_success() {
+                    bail!("send completion failed: {:?}", wc.status());
+                }
+                tx.qp.complete_send(wc);
+            }
+        }
+        thread::sleep(gap);
+    }
+    receiver
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 fn send(ep: &Endpoint, s: &mut Side, size: usize, count: u64) -> Result<()> {

@@ -48,16 +48,20 @@
 //!
 //! Syscalls are what a wake-up costs, so [`Waiter::wait`] makes as few as the rule allows:
 //! - it first polls what is already queued (no syscall); only if that finds nothing does it
-//!   drain, arm and poll (steps 2 to 5), then sleep. A busy receiver makes no syscall per
-//!   message, and every sleep is preceded by the full drain to `EAGAIN`;
-//! - on waking it reads the one event that woke it, re-arms that queue and polls. Further
-//!   pending events are read by the drain before the next sleep, so reading to `EAGAIN` right
-//!   after waking as well would only add a syscall.
+//!   arm and poll (steps 4 and 5), then sleep. A busy receiver makes no syscall per message;
+//! - on waking it reads the one event that woke it, re-arms that queue and polls;
+//! - sleeping is level-triggered (the channel's fd in `poll`/`epoll`), so an event left unread
+//!   ends the next sleep at once: no completion can be stranded by not draining. The drain to
+//!   `EAGAIN` (step 2) only spares that wasted wake-up, so it is done before sleeping when a
+//!   queue is armed for any completion, where stale events are common; with every queue armed
+//!   solicited-only a stale event needs a solicited message landing between re-arm and poll,
+//!   too rare to pay a syscall per sleep for.
 //!
 //! Consequences worth knowing:
 //! - **Stale events** are normal: a completion that lands between the re-arm and the poll of
-//!   step 5 is delivered by that poll and still leaves an event behind. The next call reads it
-//!   before sleeping, so it costs no wake-up. A wake-up that finds nothing to poll (for example
+//!   step 5 is delivered by that poll and still leaves an event behind. With a queue armed for
+//!   any completion the next wait reads it before sleeping, so it costs no wake-up; on
+//!   solicited-only queues it may cost one (counted as spurious). A wake-up that finds nothing to poll (for example
 //!   an event for a queue this waiter does not serve) is counted in
 //!   [`Stats::spurious_wakeups`] and is harmless.
 //! - With solicited-only arming, unsolicited messages sit in the queue until a solicited one (or

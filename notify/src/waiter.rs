@@ -269,16 +269,24 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         deadline: Option<Instant>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        // What is already queued needs no syscall. (An event pending in the channel is read by
-        // the step below, before any sleep.)
+        // What is already queued needs no syscall.
         let n = self.poll_all(f)?;
         if n > 0 {
             return Ok(n);
         }
         loop {
-            // Every sleep is preceded by the full step: channel drained, every queue armed,
-            // everything queued before the arms delivered.
-            let n = self.step(f)?;
+            // Before every sleep: every queue armed, then everything queued before the arms
+            // delivered. Sleeping is level-triggered, so an event still unread would end the
+            // sleep at once: nothing can be stranded. Draining the channel first spares that
+            // wasted wake-up when a stale event is likely, i.e. when a queue is armed for any
+            // completion; a solicited-only queue leaves one only if a solicited message lands
+            // between its re-arm and the poll, which is too rare to pay a syscall per sleep.
+            let n = if self.slots.iter().all(|s| s.mode == ArmMode::SolicitedOnly) {
+                self.arm_unarmed()?;
+                self.poll_all(f)?
+            } else {
+                self.step(f)?
+            };
             if n > 0 {
                 return Ok(n);
             }

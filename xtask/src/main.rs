@@ -256,8 +256,15 @@ fn bench(args: &[String]) -> Result<ExitCode> {
     let out_dir = repo_root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
     {
-        let _s = Step::new("build", "building rdmsg-bench (release)");
-        run(cargo().args(["build", "--release", "-p", "rdmsg-bench"]))?;
+        let _s = Step::new("build", "building rdmsg-bench and the examples (release)");
+        run(cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "rdmsg-bench",
+            "-p",
+            "rdmsg-examples",
+        ]))?;
     }
     let bench_bin = repo_root().join("target/release/rdmsg-bench");
     let quick_flag: &[&str] = if quick { &["--quick"] } else { &[] };
