@@ -46,6 +46,15 @@ pub struct Config {
     pub handshake_timeout: Duration,
     /// Longest wait in [`Connection::close`] for the close message to be delivered. Default 2 s.
     pub close_timeout: Duration,
+    /// How long a peer *host* may stay silent before it is declared gone
+    /// ([`Failure::PeerVanished`]), through TCP keepalive on the bootstrap stream (a peer
+    /// process that dies is noticed at once by its stream's end; a host that dies or drops off
+    /// the network sends nothing). `None`: never. Default 5 s; whole seconds, at least 3 s.
+    pub keepalive: Option<Duration>,
+    /// Test hook: entries of the receive CQ instead of what the receive queue needs, to provoke
+    /// a CQ overrun. Never set it otherwise.
+    #[doc(hidden)]
+    pub recv_cq_entries: Option<u32>,
 }
 
 impl Default for Config {
@@ -62,6 +71,8 @@ impl Default for Config {
             path: PathParams::default(),
             handshake_timeout: Duration::from_secs(5),
             close_timeout: Duration::from_secs(2),
+            keepalive: Some(Duration::from_secs(5)),
+            recv_cq_entries: None,
         }
     }
 }
@@ -80,6 +91,9 @@ impl Config {
         }
         if self.send_depth == 0 || self.signal_every == 0 {
             return bad("send_depth and signal_every must be at least 1");
+        }
+        if self.keepalive.is_some_and(|k| k < Duration::from_secs(3)) {
+            return bad("keepalive must be at least 3 s (TCP keepalive counts whole seconds)");
         }
         Ok(())
     }
@@ -226,6 +240,16 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(1);
 /// Longest wait for the flush completions after a failure.
 const FLUSH_WAIT: Duration = Duration::from_millis(500);
 
+/// Keepalive probing that gives up on a silent peer after about `limit`: the first probe after
+/// half of it, then three more spread over the other half.
+fn keepalive_probes(limit: Duration) -> socket2::TcpKeepalive {
+    let secs = limit.as_secs().max(3);
+    socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(secs / 2))
+        .with_interval(Duration::from_secs((secs - secs / 2).div_ceil(3).max(1)))
+        .with_retries(3)
+}
+
 fn io_err(stage: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Bootstrap { stage, source }
 }
@@ -258,7 +282,11 @@ impl Connection {
         let recv_total = config.recv_depth + u32::from(config.grant_slots);
         let channel = CompletionChannel::new(ctx)?;
         let send_cq = CompletionQueue::new(ctx, config.send_depth, Some(&channel))?;
-        let recv_cq = CompletionQueue::new(ctx, recv_total, Some(&channel))?;
+        let recv_cq = CompletionQueue::new(
+            ctx,
+            config.recv_cq_entries.unwrap_or(recv_total),
+            Some(&channel),
+        )?;
         let caps = QpCaps {
             max_send_wr: config.send_depth,
             max_recv_wr: recv_total,
@@ -322,6 +350,11 @@ impl Connection {
         stream
             .set_nonblocking(true)
             .map_err(io_err("making the stream non-blocking"))?;
+        if let Some(limit) = config.keepalive {
+            socket2::SockRef::from(&stream)
+                .set_tcp_keepalive(&keepalive_probes(limit))
+                .map_err(io_err("enabling TCP keepalive"))?;
+        }
 
         let send_bufs = pd
             .register(
@@ -684,6 +717,14 @@ impl Connection {
             return;
         }
         self.failure = Some(f);
+        // Tell the peer at once: the end of our bootstrap stream fails its side too, rather than
+        // leaving it waiting on a queue pair that no longer answers.
+        let _ = self
+            .waiter
+            .channel()
+            .bootstrap
+            .shutdown(std::net::Shutdown::Both);
+        self.stop_watching_bootstrap();
         // Flush whatever is outstanding so that every receive buffer comes back to its pool.
         // The flushes are generated promptly; wait a bounded time for them. (Sends are not
         // waited for: unsignaled sends that had already succeeded never complete again; their
@@ -711,6 +752,18 @@ impl Connection {
 
     fn handle_completions(&mut self) {
         let mut got = std::mem::take(&mut self.completions);
+        // The first real error explains the flushes that follow it (a send that exhausted its
+        // retries moves the queue pair to error, which flushes the receives, and the receive
+        // queue is polled first): record it before any flush is looked at.
+        if self.failure.is_none() {
+            if let Some((_, wc)) = got
+                .iter()
+                .find(|(_, wc)| !wc.is_success() && wc.status() != WcStatus::WrFlushErr)
+            {
+                let f = Failure::of_completion(wc);
+                self.fail(f);
+            }
+        }
         for (key, wc) in got.drain(..) {
             if key == self.recv_key {
                 self.on_recv(&wc);
@@ -730,10 +783,13 @@ impl Connection {
         };
         if !wc.is_success() {
             self.pool.put_back(buf);
+            if wc.status() == WcStatus::WrFlushErr && self.failure.is_none() {
+                // Our queue pair is in error and nothing said why yet: an asynchronous event
+                // (a CQ overrun, a fatal QP error) may be waiting to.
+                let _ = self.check_async_events();
+            }
             let f = if wc.status() == WcStatus::WrFlushErr {
-                // Our QP went to error: a failure of our own is already recorded, or the
-                // peer's queue pair is gone.
-                Failure::PeerVanished
+                Failure::QpError
             } else {
                 Failure::of_completion(wc)
             };
@@ -820,6 +876,13 @@ impl Connection {
             self.waiter.set_mode(self.send_key, mode)?;
         }
         Ok(())
+    }
+
+    /// Test hook: moves the queue pair to the error state behind the connection's back, as a
+    /// device fault would. Never call it otherwise.
+    #[doc(hidden)]
+    pub fn break_queue_pair(&mut self) -> Result<()> {
+        Ok(self.qp.to_error()?)
     }
 
     /// Notices the end of the peer's bootstrap stream.

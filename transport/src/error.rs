@@ -86,9 +86,14 @@ pub enum Failure {
     /// The peer closed the connection gracefully; everything it sent was delivered.
     #[error("the peer closed the connection")]
     PeerClosed,
-    /// The peer's bootstrap stream ended without a close: its process is gone.
-    #[error("the peer vanished (bootstrap stream closed without a graceful close)")]
+    /// The peer's bootstrap stream ended without a close (its process is gone, or its side of
+    /// the connection failed), or its host stopped answering TCP keepalive.
+    #[error("the peer vanished (bootstrap stream ended without a graceful close)")]
     PeerVanished,
+    /// Our queue pair entered the error state with no completion error or asynchronous event
+    /// to explain it (every posted receive was flushed).
+    #[error("the queue pair entered the error state")]
+    QpError,
     /// This side closed the connection.
     #[error("the connection was closed locally")]
     Closed,

@@ -15,18 +15,22 @@ usage: cargo xtask <task>
 
 tasks:
   setup            install the Debian packages rdmsg needs (apt-get as root; prints the command otherwise)
-  test             fmt, clippy, docs, host tests, then the device tests inside the Soft-RoCE VM
+  test             fmt, clippy, docs, host tests, the decoder fuzzed for a fixed time, the device
+                   tests inside the Soft-RoCE VM, then the two-host test (as vm2)
   demo             run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
   bench [--quick] [-- ARGS]
                    benchmarks side by side with perftest in one VM boot, codec on the host;
                    writes target/bench/report.md, report.json, chart.png (ARGS go to
                    `rdmsg-bench run`, e.g. --rounds 3 or --only lat)
   vm -- CMD...     boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
+  vm2              two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
+                   exchange between them, then one VM is killed; the other must report it
 
 environment:
   RDMSG_VM_ACCEL   qemu accelerator (default tcg,thread=multi)
   RDMSG_VM_MEM     guest memory in MiB (default 4096)
   RDMSG_VM_TIMEOUT seconds a VM run may take (default 1500)
+  RDMSG_FUZZ_SECS  seconds `test` fuzzes the frame decoder (default 60; 0 skips)
 ";
 
 /// Debian packages the project needs: to build (libclang for rdma-sys' bindgen, the verbs
@@ -57,6 +61,7 @@ fn main() -> ExitCode {
         Some("demo") => demo(),
         Some("bench") => bench(&args[1..]),
         Some("vm") => vm_cmd(&args[1..]),
+        Some("vm2") => vm2_cmd(),
         Some("-h" | "--help" | "help") => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)
@@ -315,6 +320,198 @@ fn bench(args: &[String]) -> Result<ExitCode> {
     Ok(exit_code(code))
 }
 
+/// Runs the cargo-fuzz target `decode` (msg/fuzz) for `secs` seconds over its kept corpus.
+/// cargo-fuzz needs the nightly `-Z` sanitizer flags: `RUSTC_BOOTSTRAP=1` allows them on the
+/// stable toolchain. Installs cargo-fuzz first if it is missing.
+fn fuzz_decoder(secs: u64) -> Result<()> {
+    let has_fuzz = cargo()
+        .args(["fuzz", "--version"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_fuzz {
+        let _s = Step::new("fuzz", "installing cargo-fuzz (first run only)");
+        run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
+    }
+    let _s = Step::new(
+        "fuzz",
+        &format!("fuzzing the frame decoder for {secs} s (msg/fuzz, corpus kept in msg/fuzz/corpus/decode)"),
+    );
+    run(cargo()
+        .current_dir(repo_root().join("msg"))
+        .env("RUSTC_BOOTSTRAP", "1")
+        .args([
+            "fuzz",
+            "run",
+            "decode",
+            "--",
+            &format!("-max_total_time={secs}"),
+        ])
+        .args(["-print_final_stats=1"]))
+    .context("the decoder fuzzer found a crash (see msg/fuzz/artifacts/decode) or did not build")
+}
+
+fn vm2_cmd() -> Result<ExitCode> {
+    ensure_packages()?;
+    {
+        let _s = Step::new("build", "building the two_hosts example");
+        run(cargo().args(["build", "-p", "rdmsg-examples", "--bin", "two_hosts"]))?;
+    }
+    let r = two_hosts()?;
+    println!("{r}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What the two-host run showed.
+#[derive(Debug)]
+struct TwoHosts {
+    boot_secs: f64,
+    exchange: String,
+    detected_after: Duration,
+    report: String,
+}
+
+impl std::fmt::Display for TwoHosts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "two hosts: booted in {:.1} s; {}; client VM killed, server reported \"{}\" {:.1} s later",
+            self.boot_secs,
+            self.exchange,
+            self.report,
+            self.detected_after.as_secs_f64()
+        )
+    }
+}
+
+/// Two VMs joined by a qemu socket network, each with rxe0 on its own virtio NIC: the server
+/// VM (10.78.0.1) receives a msg exchange from the client VM (10.78.0.2); once it is done the
+/// client's qemu is killed, and the server must report the vanished peer, typed, in time.
+fn two_hosts() -> Result<TwoHosts> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    const MESSAGES: u32 = 5000;
+    /// Keepalive gives up after 5 s by default; the VMs add their own slowness.
+    const DETECT_LIMIT: Duration = Duration::from_secs(20);
+
+    let _s = Step::new(
+        "two-hosts",
+        "two VMs, rxe0 on a virtio NIC each, joined by a qemu socket network",
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let repo = repo_root();
+    let server_vm = vm::Vm::networked(
+        &repo,
+        "a",
+        vm::Nic {
+            socket: format!("listen=127.0.0.1:{port}"),
+            mac: "52:54:00:78:00:01".into(),
+            addr: "10.78.0.1/24".into(),
+        },
+        1,
+    );
+    let client_vm = vm::Vm::networked(
+        &repo,
+        "b",
+        vm::Nic {
+            socket: format!("connect=127.0.0.1:{port}"),
+            mac: "52:54:00:78:00:02".into(),
+            addr: "10.78.0.2/24".into(),
+        },
+        1,
+    );
+    server_vm.prepare()?;
+    let timeout = Duration::from_secs(300);
+    let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let reported: Arc<Mutex<Option<(Instant, String)>>> = Arc::default();
+    let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+    let server = {
+        let (reported, lines) = (Arc::clone(&reported), Arc::clone(&lines));
+        std::thread::spawn(move || {
+            server_vm.run_script(
+                &format!(
+                    "./target/debug/two_hosts server --listen 0.0.0.0:18800 --messages {MESSAGES}"
+                ),
+                timeout,
+                &mut |l| {
+                    println!("[server vm] {l}");
+                    if let Some(report) = l.split("server: peer failure: ").nth(1) {
+                        *reported.lock().unwrap() = Some((Instant::now(), report.to_owned()));
+                    }
+                    lines.lock().unwrap().push(l.to_owned());
+                },
+            )
+        })
+    };
+    // qemu's socket backend: the listening side must be up before the other connects.
+    std::thread::sleep(Duration::from_secs(1));
+    let kill = Arc::new(AtomicBool::new(false));
+    let client = {
+        let (kill, killed_at) = (Arc::clone(&kill), Arc::clone(&killed_at));
+        std::thread::spawn(move || {
+            client_vm.run_script_killable(
+                &format!("./target/debug/two_hosts client --connect 10.78.0.1:18800 --messages {MESSAGES}"),
+                timeout,
+                &mut |l| {
+                    println!("[client vm] {l}");
+                    if l.contains("READY-TO-DIE") {
+                        *killed_at.lock().unwrap() = Some(Instant::now());
+                        kill.store(true, Ordering::SeqCst);
+                    }
+                },
+                &kill,
+            )
+        })
+    };
+    let client = client
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+    let server = server
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+    if client.code != vm::KILLED {
+        bail!(
+            "the client VM ended by itself (exit {}) instead of being killed after its exchange",
+            client.code
+        );
+    }
+    let killed_at = killed_at
+        .lock()
+        .unwrap()
+        .context("the client never got ready")?;
+    let (when, report) = reported
+        .lock()
+        .unwrap()
+        .clone()
+        .context("the server reported no peer failure")?;
+    if server.code != 0 {
+        bail!("the server failed (exit {})", server.code);
+    }
+    let detected_after = when.saturating_duration_since(killed_at);
+    if detected_after > DETECT_LIMIT {
+        bail!("the server took {detected_after:?} to notice the dead host");
+    }
+    let exchange = lines
+        .lock()
+        .unwrap()
+        .iter()
+        .find_map(|l| {
+            l.strip_prefix("server: ")
+                .filter(|l| l.contains("readings in"))
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    Ok(TwoHosts {
+        boot_secs: server.boot_secs,
+        exchange,
+        detected_after,
+        report,
+    })
+}
+
 /// Pass and fail counts parsed from libtest's `test result:` lines.
 #[derive(Default, Debug, Clone, Copy)]
 struct Tally {
@@ -400,6 +597,20 @@ fn test() -> Result<ExitCode> {
         }
     }
 
+    let fuzz_secs: u64 = std::env::var("RDMSG_FUZZ_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    if fuzz_secs > 0 {
+        match fuzz_decoder(fuzz_secs) {
+            Ok(()) => host.passed += 1,
+            Err(e) => {
+                eprintln!("xtask: fuzzing failed: {e:#}");
+                host.failed += 1;
+            }
+        }
+    }
+
     let binaries = {
         let _s = Step::new("build-tests", "building test binaries for the VM");
         test_binaries()?
@@ -438,6 +649,16 @@ fn test() -> Result<ExitCode> {
         if device.passed == 0 {
             device.failed += 1;
             eprintln!("xtask: no device test passed inside the VM: they did not run");
+        }
+    }
+    match two_hosts() {
+        Ok(r) => {
+            println!("{r}");
+            device.passed += 1;
+        }
+        Err(e) => {
+            eprintln!("xtask: the two-host test failed: {e:#}");
+            device.failed += 1;
         }
     }
     let total = Tally {

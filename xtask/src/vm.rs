@@ -8,6 +8,7 @@ use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -32,12 +33,32 @@ const MODULES: &[&str] = &[
 /// The device name tests see in `$RDMSG_DEVICE`.
 pub const DEVICE: &str = "rxe0";
 
-/// Paths of the cached VM artefacts under `target/vm`.
+/// Paths of the cached VM artefacts under `target/vm`, and how this VM is set up.
 #[derive(Debug)]
 pub struct Vm {
     dir: PathBuf,
     repo: PathBuf,
+    /// Name of this VM's scratch directory under `target/vm`.
+    scratch: String,
+    /// A network card, for VMs that talk to each other; `None`: rxe0 on a private veth pair.
+    nic: Option<Nic>,
+    smp: u8,
 }
+
+/// A virtio network card on a qemu socket network, carrying rxe0.
+#[derive(Debug, Clone)]
+pub struct Nic {
+    /// The `-netdev` backend options after `socket,id=n0,`: `listen=127.0.0.1:P` for the first
+    /// VM, `connect=127.0.0.1:P` for the second.
+    pub socket: String,
+    /// MAC address of the card.
+    pub mac: String,
+    /// The guest's address on it, with prefix length (`10.78.0.1/24`).
+    pub addr: String,
+}
+
+/// Exit code reported for a VM killed from the host.
+pub const KILLED: i32 = 137;
 
 /// The result of one command run inside the VM.
 #[derive(Debug)]
@@ -53,7 +74,25 @@ impl Vm {
         Self {
             dir: repo.join("target/vm"),
             repo: repo.to_path_buf(),
+            scratch: "scratch".into(),
+            nic: None,
+            smp: 2,
         }
+    }
+
+    /// A VM with its own scratch directory and a network card, `smp` vCPUs.
+    pub fn networked(repo: &Path, name: &str, nic: Nic, smp: u8) -> Self {
+        Self {
+            scratch: format!("scratch-{name}"),
+            nic: Some(nic),
+            smp,
+            ..Self::new(repo)
+        }
+    }
+
+    /// Fetches and unpacks the kernel (cached), so that VMs started together do not race to.
+    pub fn prepare(&self) -> Result<()> {
+        self.kernel().map(|_| ())
     }
 
     /// Downloads and unpacks Debian's kernel once; returns (vmlinuz, modules dir).
@@ -108,7 +147,8 @@ impl Vm {
 
     /// Builds the initramfs: busybox, the modules in load order, and the init script.
     fn initramfs(&self, modules: &Path) -> Result<PathBuf> {
-        let tree = self.dir.join("initramfs");
+        // Per VM: two VMs starting together each pack their own.
+        let tree = self.dir.join(format!("initramfs-{}", self.scratch));
         let _ = fs::remove_dir_all(&tree);
         for d in ["bin", "mods", "proc", "sys", "dev", "host", "tmp"] {
             fs::create_dir_all(tree.join(d))?;
@@ -130,7 +170,7 @@ impl Vm {
         let init = tree.join("init");
         fs::write(&init, INIT_SCRIPT)?;
         run(Command::new("chmod").arg("755").arg(&init))?;
-        let image = self.dir.join("initramfs.cpio.gz");
+        let image = self.dir.join(format!("initramfs-{}.cpio.gz", self.scratch));
         run(Command::new("sh").arg("-c").arg(format!(
             "cd {} && find . | cpio -o -H newc --quiet | gzip -1 > {}",
             sh_quote(&tree.to_string_lossy()),
@@ -148,6 +188,18 @@ impl Vm {
         timeout: Duration,
         on_line: &mut dyn FnMut(&str),
     ) -> Result<VmRun> {
+        self.run_script_killable(script, timeout, on_line, &AtomicBool::new(false))
+    }
+
+    /// [`Vm::run_script`], and qemu is killed (the guest dies without a word on its network)
+    /// as soon as `kill` is set; the run then reports [`KILLED`].
+    pub fn run_script_killable(
+        &self,
+        script: &str,
+        timeout: Duration,
+        on_line: &mut dyn FnMut(&str),
+        kill: &AtomicBool,
+    ) -> Result<VmRun> {
         for tool in ["qemu-system-x86_64", "cpio", "depmod", "dpkg"] {
             if !which(tool) {
                 bail!("`{tool}` not found: run `cargo xtask setup`");
@@ -155,7 +207,7 @@ impl Vm {
         }
         let (vmlinuz, modules) = self.kernel()?;
         let initrd = self.initramfs(&modules)?;
-        let scratch = self.dir.join("scratch");
+        let scratch = self.dir.join(&self.scratch);
         let _ = fs::remove_dir_all(&scratch);
         fs::create_dir_all(&scratch)?;
         let scratch_abs = fs::canonicalize(&scratch)?;
@@ -172,11 +224,26 @@ impl Vm {
         let accel = std::env::var("RDMSG_VM_ACCEL").unwrap_or_else(|_| "tcg,thread=multi".into());
         let mem = std::env::var("RDMSG_VM_MEM").unwrap_or_else(|_| "4096".into());
         let mut cmd = Command::new("qemu-system-x86_64");
-        cmd.args(["-accel", &accel, "-cpu", "max", "-smp", "2", "-m", &mem])
+        let smp = self.smp.to_string();
+        cmd.args(["-accel", &accel, "-cpu", "max", "-smp", &smp, "-m", &mem])
             .args([
                 "-display", "none", "-vga", "none", "-monitor", "none", "-serial", "stdio",
             ])
-            .args(["-no-reboot", "-nic", "none"])
+            .arg("-no-reboot");
+        let mut net_param = String::new();
+        match &self.nic {
+            None => {
+                cmd.args(["-nic", "none"]);
+            }
+            Some(nic) => {
+                cmd.arg("-netdev")
+                    .arg(format!("socket,id=n0,{}", nic.socket))
+                    .arg("-device")
+                    .arg(format!("virtio-net-pci,netdev=n0,mac={}", nic.mac));
+                net_param = format!(" rdmsg.net={}", nic.addr);
+            }
+        }
+        cmd
             .arg("-kernel")
             .arg(&vmlinuz)
             .arg("-initrd")
@@ -188,7 +255,7 @@ impl Vm {
             // vCPUs' TSCs from one host clock, so they are in fact consistent; real machines
             // use the TSC too.
             .arg(format!(
-                "console=ttyS0 quiet loglevel=3 panic=-1 tsc=reliable clocksource=tsc rdmsg.scratch={}",
+                "console=ttyS0 quiet loglevel=3 panic=-1 tsc=reliable clocksource=tsc rdmsg.scratch={}{net_param}",
                 scratch_abs.display()
             ))
             .arg("-virtfs")
@@ -233,8 +300,16 @@ impl Vm {
         let mut open_streams = 2;
         let deadline = started + timeout;
         while open_streams > 0 {
+            if kill.load(Ordering::SeqCst) {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Ok(VmRun {
+                    code: KILLED,
+                    boot_secs,
+                });
+            }
             let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
+            match rx.recv_timeout(left.min(Duration::from_millis(50))) {
                 Ok(Some(line)) => {
                     if line.contains("RDMSG-VM: command start") {
                         in_command = true;
@@ -255,6 +330,7 @@ impl Vm {
                     }
                 }
                 Ok(None) => open_streams -= 1,
+                Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     let _ = child.kill();
                     let _ = child.wait();
@@ -385,10 +461,19 @@ mount -t tmpfs run $H/run 2>/dev/null
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 scratch "$H$scratch" || fail "mounting the scratch directory at $scratch"
 ip() { chroot $H /usr/sbin/ip "$@"; }
 ip link set lo up || fail "bringing up lo"
-ip link add veth0 type veth peer name veth1 || fail "creating veth0/veth1"
-ip addr add 10.77.0.1/24 dev veth0 || fail "addressing veth0"
-ip link set veth0 up && ip link set veth1 up || fail "bringing up veth0/veth1"
-chroot $H /usr/bin/rdma link add rxe0 type rxe netdev veth0 || fail "rdma link add rxe0 (is crc32_generic loaded?)"
+net=$(sed -n 's/.*rdmsg\.net=\([^ ]*\).*/\1/p' /proc/cmdline)
+if [ -n "$net" ]; then
+  # A network card shared with another VM: rxe0 on it.
+  ip addr add "$net" dev eth0 || fail "addressing eth0"
+  ip link set eth0 up || fail "bringing up eth0"
+  dev=eth0
+else
+  ip link add veth0 type veth peer name veth1 || fail "creating veth0/veth1"
+  ip addr add 10.77.0.1/24 dev veth0 || fail "addressing veth0"
+  ip link set veth0 up && ip link set veth1 up || fail "bringing up veth0/veth1"
+  dev=veth0
+fi
+chroot $H /usr/bin/rdma link add rxe0 type rxe netdev $dev || fail "rdma link add rxe0 on $dev (is crc32_generic loaded?)"
 i=0
 until chroot $H /usr/bin/ibv_devinfo -d rxe0 2>/dev/null | grep -q PORT_ACTIVE; do
   i=$((i+1)); [ $i -gt 100 ] && fail "waiting for rxe0 port 1 to become active"; usleep 100000
