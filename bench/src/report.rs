@@ -243,44 +243,52 @@ const SMALL: u64 = 512;
 pub fn rows(samples: &[Sample]) -> Vec<Row> {
     let m = Medians::new(samples);
     let mut rows = Vec::new();
-    for (bench, section, anchor, goal) in [
+    // Latency: (bench, section, our subject, their subject, their label, goal on the ratio).
+    for (bench, section, ours_subject, theirs_subject, anchor, goal) in [
         (
             Bench::LatEvent,
             Section::LatencyEvent,
+            "rdmsg",
+            "ib_send_lat",
             "ib_send_lat -e",
-            1.15,
+            Some(1.15),
         ),
-        (Bench::LatPoll, Section::LatencyPoll, "ib_send_lat", 1.10),
+        (
+            Bench::LatPoll,
+            Section::LatencyPoll,
+            "rdmsg",
+            "ib_send_lat",
+            "ib_send_lat",
+            Some(1.10),
+        ),
+        (
+            Bench::LatEvent,
+            Section::LayerEvent,
+            "rc_pingpong",
+            "ibv_rc_pingpong",
+            "ibv_rc_pingpong -e",
+            None,
+        ),
+        (
+            Bench::LatPoll,
+            Section::LayerPoll,
+            "rc_pingpong",
+            "ibv_rc_pingpong",
+            "ibv_rc_pingpong",
+            None,
+        ),
     ] {
-        for (_, size, _) in m.points(bench, "rdmsg", "us") {
-            let Some(ours) = m.get(bench, "rdmsg", "", size, 0, "us") else {
+        for (_, size, _) in m.points(bench, ours_subject, "us") {
+            let Some(ours) = m.get(bench, ours_subject, "", size, 0, "us") else {
                 continue;
             };
-            let theirs = m.get(bench, "ib_send_lat", "", size, 0, "us");
+            let theirs = m.get(bench, theirs_subject, "", size, 0, "us");
             rows.push(Row::new(
                 section,
                 fmt_size(size),
                 ours,
                 theirs.map(|t| (anchor, t.0)),
-                theirs.map(|_| Goal::AtMost(goal)),
-            ));
-        }
-    }
-    for (bench, section, anchor) in [
-        (Bench::LatEvent, Section::LayerEvent, "ibv_rc_pingpong -e"),
-        (Bench::LatPoll, Section::LayerPoll, "ibv_rc_pingpong"),
-    ] {
-        for (_, size, _) in m.points(bench, "rc_pingpong", "us") {
-            let Some(ours) = m.get(bench, "rc_pingpong", "", size, 0, "us") else {
-                continue;
-            };
-            let theirs = m.get(bench, "ibv_rc_pingpong", "", size, 0, "us");
-            rows.push(Row::new(
-                section,
-                fmt_size(size),
-                ours,
-                theirs.map(|t| (anchor, t.0)),
-                None,
+                theirs.and(goal).map(Goal::AtMost),
             ));
         }
     }

@@ -110,14 +110,8 @@ pub fn wake_floor(batch: usize, batches: usize, gap: Duration) -> Result<f64> {
             r.recv_cq.ack_events(1);
             r.recv_cq.req_notify(true)?;
             loop {
-                let got = r.recv_cq.poll(&mut wcs)?;
-                for wc in &wcs[..got] {
-                    if !wc.is_success() {
-                        bail!("receive completion failed: {:?}", wc.status());
-                    }
-                    spare.push(r.qp.take_recv(wc).context("unknown receive completion")?);
-                    received += 1;
-                }
+                let got = take_received(&mut r, &mut wcs, &mut spare)?;
+                received += got as u64;
                 if got < wcs.len() {
                     break;
                 }
@@ -205,17 +199,27 @@ fn receive(mut r: Side, count: u64, ready: &Barrier) -> Result<Instant> {
     let mut spare: Vec<Buffer> = Vec::with_capacity(RX_DEPTH);
     let mut received = 0u64;
     while received < count {
-        let got = r.recv_cq.poll(&mut wcs)?;
-        for wc in &wcs[..got] {
-            if !wc.is_success() {
-                bail!("receive completion failed: {:?}", wc.status());
-            }
-            spare.push(r.qp.take_recv(wc).context("unknown receive completion")?);
-            received += 1;
-        }
+        received += take_received(&mut r, &mut wcs, &mut spare)? as u64;
         if spare.len() >= REPOST_BATCH {
             r.qp.post_recv(spare.drain(..)).map_err(|e| e.error)?;
         }
     }
     Ok(Instant::now())
+}
+
+/// Polls the receive CQ once; the buffers of successful receives go to `spare`. Returns how
+/// many completions there were.
+fn take_received(
+    r: &mut Side,
+    wcs: &mut [WorkCompletion],
+    spare: &mut Vec<Buffer>,
+) -> Result<usize> {
+    let got = r.recv_cq.poll(wcs)?;
+    for wc in &wcs[..got] {
+        if !wc.is_success() {
+            bail!("receive completion failed: {:?}", wc.status());
+        }
+        spare.push(r.qp.take_recv(wc).context("unknown receive completion")?);
+    }
+    Ok(got)
 }
