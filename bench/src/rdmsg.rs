@@ -87,6 +87,46 @@ pub fn latency(size: usize, iters: usize, events: bool) -> Result<f64> {
     Ok(crate::report::median(&one_way))
 }
 
+/// [`latency`] one layer down: raw bytes through `transport::Connection`s (credits, pools,
+/// waiter), without frames or serialization. Both sides solicit every message.
+pub fn latency_transport(size: usize, iters: usize, events: bool) -> Result<f64> {
+    let config = Config {
+        buf_size: buf_size(size),
+        policy: if events { Policy::Sleep } else { Policy::Poll },
+        ..Config::default()
+    };
+    let (mut server, mut client) = transport::loopback_pair(&config, &config)?;
+    let total = WARMUP + iters;
+    let echo = thread::spawn(move || -> Result<()> {
+        for _ in 0..total {
+            let ping = server.recv()?;
+            server.send(&ping, true)?;
+        }
+        match server.recv() {
+            Err(transport::Error::Connection(transport::Failure::PeerClosed)) => Ok(()),
+            Err(e) => Err(e).context("waiting for the peer to close"),
+            Ok(_) => bail!("unexpected message after the last"),
+        }
+    });
+    let ping = vec![0x5a; size];
+    let mut one_way = Vec::with_capacity(iters);
+    for i in 0..total {
+        let started = Instant::now();
+        client.send(&ping, true)?;
+        let pong = client.recv()?;
+        let rtt = started.elapsed();
+        if pong.len() != size {
+            bail!("echo of {size} bytes came back with {}", pong.len());
+        }
+        if i >= WARMUP {
+            one_way.push(rtt.as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    client.close()?;
+    join(echo)?;
+    Ok(crate::report::median(&one_way))
+}
+
 /// After the last expected message: the peer's graceful close, and nothing else.
 fn expect_close(s: &mut Session) -> Result<()> {
     match s.recv() {

@@ -80,10 +80,10 @@ impl Section {
             }
             Section::LatencyPoll => "Latency, polling: one-way median µs, rdmsg vs `ib_send_lat`",
             Section::LayerEvent => {
-                "Below the messaging layers, event mode: one-way mean µs, rdmsg's `rc_pingpong` (notify + verbs-core) vs `ibv_rc_pingpong -e`"
+                "Layer by layer, event mode, one-way µs: `transport` alone (raw bytes through `Connection`s, median) vs `ib_send_lat -e`; rdmsg's `rc_pingpong` (notify + verbs-core, mean) vs `ibv_rc_pingpong -e`"
             }
             Section::LayerPoll => {
-                "Below the messaging layers, polling: one-way mean µs, rdmsg's `rc_pingpong` vs `ibv_rc_pingpong`"
+                "Layer by layer, polling, one-way µs: `transport` alone vs `ib_send_lat`; rdmsg's `rc_pingpong` vs `ibv_rc_pingpong`"
             }
             Section::ThroughputPerftest => {
                 "Throughput: million messages/s, rdmsg (batches of 64) vs `ib_send_bw`"
@@ -109,8 +109,8 @@ impl Section {
         match self {
             Section::LatencyEvent => "lat event",
             Section::LatencyPoll => "lat poll",
-            Section::LayerEvent => "verbs event",
-            Section::LayerPoll => "verbs poll",
+            Section::LayerEvent => "layer event",
+            Section::LayerPoll => "layer poll",
             Section::ThroughputPerftest => "bw/perftest",
             Section::ThroughputVerbs => "bw/verbs",
             Section::Wakeups => "wakeups",
@@ -264,6 +264,22 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
         (
             Bench::LatEvent,
             Section::LayerEvent,
+            "transport",
+            "ib_send_lat",
+            "ib_send_lat -e",
+            None,
+        ),
+        (
+            Bench::LatPoll,
+            Section::LayerPoll,
+            "transport",
+            "ib_send_lat",
+            "ib_send_lat",
+            None,
+        ),
+        (
+            Bench::LatEvent,
+            Section::LayerEvent,
             "rc_pingpong",
             "ibv_rc_pingpong",
             "ibv_rc_pingpong -e",
@@ -283,9 +299,16 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
                 continue;
             };
             let theirs = m.get(bench, theirs_subject, "", size, 0, "us");
+            // The layer sections mix subjects: name them.
+            let label = match section {
+                Section::LayerEvent | Section::LayerPoll => {
+                    format!("{ours_subject}, {}", fmt_size(size))
+                }
+                _ => fmt_size(size),
+            };
             rows.push(Row::new(
                 section,
-                fmt_size(size),
+                label,
                 ours,
                 theirs.map(|t| (anchor, t.0)),
                 theirs.and(goal).map(Goal::AtMost),

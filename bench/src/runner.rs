@@ -91,7 +91,7 @@ impl Plan {
                             }
                         }
                         for &size in &self.layer_sizes {
-                            for who in [Who::RcPingpong, Who::IbvRcPingpong] {
+                            for who in [Who::Transport, Who::RcPingpong, Who::IbvRcPingpong] {
                                 tasks.push(Task {
                                     round,
                                     what: What::Latency { bench, size, who },
@@ -143,6 +143,8 @@ pub enum Who {
     Perftest,
     /// The raw verbs-core stream.
     Verbs,
+    /// rdmsg's transport alone: raw bytes through `Connection`s, no msg layer.
+    Transport,
     /// rdmsg's `rc_pingpong` example: notify's waiter on verbs-core, no transport or msg.
     RcPingpong,
     /// rdma-core's `ibv_rc_pingpong`.
@@ -157,6 +159,7 @@ impl Who {
             Who::Perftest if bench == Bench::Bw => "ib_send_bw",
             Who::Perftest => "ib_send_lat",
             Who::Verbs => "verbs-core",
+            Who::Transport => "transport",
             Who::RcPingpong => "rc_pingpong",
             Who::IbvRcPingpong => "ibv_rc_pingpong",
         }
@@ -268,6 +271,10 @@ impl Task {
                             perf.pingpong(&program, &program, size, plan.lat_iters * 5, events)?;
                         (who.name(bench), rtt / 2.0)
                     }
+                    Who::Transport => (
+                        "transport",
+                        rdmsg::latency_transport(size, plan.lat_iters, events)?,
+                    ),
                     Who::Rdmsg | Who::Verbs => {
                         ("rdmsg", rdmsg::latency(size, plan.lat_iters, events)?)
                     }
@@ -293,7 +300,7 @@ impl Task {
                         ("ib_send_bw", perftest::parse_bw_mpps(&out.server)?)
                     }
                     Who::Verbs => ("verbs-core", verbs::throughput(size, count as u64)?),
-                    Who::RcPingpong | Who::IbvRcPingpong => {
+                    Who::Transport | Who::RcPingpong | Who::IbvRcPingpong => {
                         anyhow::bail!("{} is not a stream", who.name(Bench::Bw))
                     }
                 };
@@ -403,9 +410,9 @@ mod tests {
     fn rounds_interleave_rdmsg_and_its_anchor() {
         let plan = Plan::quick();
         let tasks = plan.tasks();
-        // 2 latency modes × (2 sizes × 2 + 1 ping-pong size × 2), 2 stream sizes × 3,
+        // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
         // 2 batches × (4 modes + the floor).
-        assert_eq!(tasks.len(), 12 + 6 + 10);
+        assert_eq!(tasks.len(), 14 + 6 + 10);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -422,7 +429,10 @@ mod tests {
             )
         ));
         let full = Plan::full();
-        assert_eq!(full.tasks().len(), 5 * (2 * (5 + 2) * 2 + 4 * 3 + 3 * 5));
+        assert_eq!(
+            full.tasks().len(),
+            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5)
+        );
         assert!(full.tasks().iter().all(|t| t.round < 5));
     }
 }

@@ -425,13 +425,20 @@ fn two_hosts() -> Result<TwoHosts> {
     );
     server_vm.prepare()?;
     let timeout = Duration::from_secs(300);
+    // Set when the client's VM is gone, whatever the reason: the server then has
+    // DETECT_LIMIT to report it before its VM is killed too (no run waits out the timeout).
+    let server_kill = Arc::new(AtomicBool::new(false));
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let reported: Arc<Mutex<Option<(Instant, String)>>> = Arc::default();
     let lines: Arc<Mutex<Vec<String>>> = Arc::default();
     let server = {
-        let (reported, lines) = (Arc::clone(&reported), Arc::clone(&lines));
+        let (reported, lines, server_kill) = (
+            Arc::clone(&reported),
+            Arc::clone(&lines),
+            Arc::clone(&server_kill),
+        );
         std::thread::spawn(move || {
-            server_vm.run_script(
+            server_vm.run_script_killable(
                 &format!(
                     "./target/debug/two_hosts server --listen 0.0.0.0:18800 --messages {MESSAGES}"
                 ),
@@ -443,6 +450,7 @@ fn two_hosts() -> Result<TwoHosts> {
                     }
                     lines.lock().unwrap().push(l.to_owned());
                 },
+                &server_kill,
             )
         })
     };
@@ -468,10 +476,16 @@ fn two_hosts() -> Result<TwoHosts> {
     };
     let client = client
         .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        .unwrap_or_else(|p| std::panic::resume_unwind(p));
+    let client_gone = Instant::now();
+    while !server.is_finished() && client_gone.elapsed() < DETECT_LIMIT {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    server_kill.store(true, Ordering::SeqCst);
     let server = server
         .join()
         .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+    let client = client?;
     if client.code != vm::KILLED {
         bail!(
             "the client VM ended by itself (exit {}) instead of being killed after its exchange",

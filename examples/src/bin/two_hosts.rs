@@ -116,7 +116,7 @@ fn client(o: &Options, ep: &Endpoint) -> Result<()> {
     let conn = loop {
         match ep.connect(o.addr.as_str(), &Config::default()) {
             Ok(c) => break c,
-            Err(Error::Bootstrap { .. }) if Instant::now() < deadline => {
+            Err(Error::Connect { .. } | Error::Bootstrap { .. }) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(200));
             }
             Err(e) => return Err(e.into()),
