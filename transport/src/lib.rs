@@ -40,10 +40,13 @@
 //! # Failures
 //!
 //! A peer that closes gracefully ([`Connection::close`]) is reported as
-//! [`Failure::PeerClosed`] after everything it sent; one whose process dies as
-//! [`Failure::PeerVanished`]; completion errors, asynchronous events and protocol violations
-//! have their own variants. A failure moves the queue pair to the error state so that every
-//! posted buffer is flushed back to its pool.
+//! [`Failure::PeerClosed`] after everything it sent; one whose process dies, whose side of the
+//! connection fails, or whose host stops answering TCP keepalive ([`Config::keepalive`]) as
+//! [`Failure::PeerVanished`]; completion errors, asynchronous events (a CQ overrun is
+//! `AsyncEvent(CqErr)`), a queue pair that entered the error state unexplained
+//! ([`Failure::QpError`]) and protocol violations have their own variants. A failure shuts the
+//! bootstrap stream (so the peer fails at once too) and moves the queue pair to the error state
+//! so that every posted buffer is flushed back to its pool.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
