@@ -17,3 +17,10 @@ pub mod sample;
 pub mod verbs;
 
 pub use sample::{Bench, Sample};
+
+/// The result of a measuring thread; a panic in it goes on in the caller.
+pub(crate) fn join<T>(handle: std::thread::JoinHandle<anyhow::Result<T>>) -> anyhow::Result<T> {
+    handle
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}

@@ -58,15 +58,23 @@ fn real_main() -> Result<ExitCode> {
     }
 }
 
-/// Common flags: `--quick`, `--rounds N`; returns the plan and the flags it did not know.
-fn plan_from(args: &[String]) -> Result<(Plan, Vec<(String, String)>)> {
+/// Flags with their values that [`plan_from`] leaves to the caller.
+type OtherFlags = Vec<(String, String)>;
+
+/// Common flags: `--quick`, `--rounds N`; returns the plan, whether it is the quick one, and
+/// the flags it did not know.
+fn plan_from(args: &[String]) -> Result<(Plan, bool, OtherFlags)> {
     let mut plan = Plan::full();
+    let mut quick = false;
     let mut rest = Vec::new();
     let mut rounds = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--quick" => plan = Plan::quick(),
+            "--quick" => {
+                plan = Plan::quick();
+                quick = true;
+            }
             flag => {
                 let value = it
                     .next()
@@ -86,11 +94,11 @@ fn plan_from(args: &[String]) -> Result<(Plan, Vec<(String, String)>)> {
         }
         plan.rounds = r;
     }
-    Ok((plan, rest))
+    Ok((plan, quick, rest))
 }
 
 fn run(args: &[String]) -> Result<ExitCode> {
-    let (mut plan, rest) = plan_from(args)?;
+    let (mut plan, _, rest) = plan_from(args)?;
     let mut perf = Perftest {
         device: std::env::var("RDMSG_DEVICE").unwrap_or_else(|_| "rxe0".into()),
         gid_index: 1,
@@ -137,11 +145,10 @@ fn run(args: &[String]) -> Result<ExitCode> {
 }
 
 fn codec_rounds(args: &[String]) -> Result<ExitCode> {
-    let (plan, rest) = plan_from(args)?;
+    let (plan, quick, rest) = plan_from(args)?;
     if let Some((flag, _)) = rest.first() {
         bail!("unknown flag {flag}\n{USAGE}");
     }
-    let quick = plan.lat_iters < Plan::full().lat_iters;
     let scale = if quick { 0.05 } else { 1.0 };
     let rounds = if quick { 1 } else { plan.rounds.max(7) };
     let mut out = std::io::stdout().lock();

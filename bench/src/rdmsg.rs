@@ -10,6 +10,8 @@ use notify::{ArmMode, Policy};
 use serde::{Deserialize, Serialize};
 use transport::Config;
 
+use crate::join;
+
 /// A message of `size` payload bytes (serialized as one byte string, as bulk data should be).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Payload {
@@ -37,22 +39,44 @@ fn buf_size(size: usize) -> u32 {
     (size + 64).next_power_of_two().max(4096) as u32
 }
 
-fn join<T>(handle: thread::JoinHandle<Result<T>>) -> Result<T> {
-    handle
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-}
-
-/// Ping-pong of `iters` round trips; returns the median one-way latency in µs (half the round
-/// trip, as `ib_send_lat` reports). `events`: both sides sleep solicited-only; otherwise both
-/// busy poll.
-pub fn latency(size: usize, iters: usize, events: bool) -> Result<f64> {
-    let config = Config {
+/// Both peers of a ping-pong: buffers for `size`-byte payloads; sleeping solicited-only
+/// (`events`) or busy polling.
+fn ping_pong_config(size: usize, events: bool) -> Config {
+    Config {
         buf_size: buf_size(size),
         policy: if events { Policy::Sleep } else { Policy::Poll },
         recv_arm: ArmMode::SolicitedOnly,
         ..Config::default()
-    };
+    }
+}
+
+/// Times `WARMUP + iters` calls of `round_trip`, which returns the size of the echo that came
+/// back (it must be `size`); returns the median one-way latency in µs (half the round trip, as
+/// `ib_send_lat` reports), warm-up left out.
+fn median_one_way(
+    size: usize,
+    iters: usize,
+    mut round_trip: impl FnMut() -> Result<usize>,
+) -> Result<f64> {
+    let mut one_way = Vec::with_capacity(iters);
+    for i in 0..WARMUP + iters {
+        let started = Instant::now();
+        let back = round_trip()?;
+        let rtt = started.elapsed();
+        if back != size {
+            bail!("echo of {size} bytes came back with {back}");
+        }
+        if i >= WARMUP {
+            one_way.push(rtt.as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    Ok(crate::report::median(&one_way))
+}
+
+/// Ping-pong of `iters` round trips of typed messages between two sessions; returns the median
+/// one-way latency in µs. `events`: both sides sleep solicited-only; otherwise both busy poll.
+pub fn latency(size: usize, iters: usize, events: bool) -> Result<f64> {
+    let config = ping_pong_config(size, events);
     let (server, client) = transport::loopback_pair(&config, &config)?;
     let total = WARMUP + iters;
     let echo = thread::spawn(move || -> Result<()> {
@@ -68,33 +92,21 @@ pub fn latency(size: usize, iters: usize, events: bool) -> Result<f64> {
     let ping = Payload {
         bytes: vec![0x5a; size],
     };
-    let mut one_way = Vec::with_capacity(iters);
-    for i in 0..total {
-        let started = Instant::now();
+    let median = median_one_way(size, iters, || {
         c.send(&ping)?;
         let env = c.recv()?;
         let pong: PayloadView = env.decode_borrowed()?;
-        let rtt = started.elapsed();
-        if pong.bytes.len() != size {
-            bail!("echo of {} bytes came back with {}", size, pong.bytes.len());
-        }
-        if i >= WARMUP {
-            one_way.push(rtt.as_secs_f64() * 1e6 / 2.0);
-        }
-    }
+        Ok(pong.bytes.len())
+    })?;
     c.close()?;
     join(echo)?;
-    Ok(crate::report::median(&one_way))
+    Ok(median)
 }
 
 /// [`latency`] one layer down: raw bytes through `transport::Connection`s (credits, pools,
 /// waiter), without frames or serialization. Both sides solicit every message.
 pub fn latency_transport(size: usize, iters: usize, events: bool) -> Result<f64> {
-    let config = Config {
-        buf_size: buf_size(size),
-        policy: if events { Policy::Sleep } else { Policy::Poll },
-        ..Config::default()
-    };
+    let config = ping_pong_config(size, events);
     let (mut server, mut client) = transport::loopback_pair(&config, &config)?;
     let total = WARMUP + iters;
     let echo = thread::spawn(move || -> Result<()> {
@@ -109,22 +121,46 @@ pub fn latency_transport(size: usize, iters: usize, events: bool) -> Result<f64>
         }
     });
     let ping = vec![0x5a; size];
-    let mut one_way = Vec::with_capacity(iters);
-    for i in 0..total {
-        let started = Instant::now();
+    let median = median_one_way(size, iters, || {
         client.send(&ping, true)?;
-        let pong = client.recv()?;
-        let rtt = started.elapsed();
-        if pong.len() != size {
-            bail!("echo of {size} bytes came back with {}", pong.len());
-        }
-        if i >= WARMUP {
-            one_way.push(rtt.as_secs_f64() * 1e6 / 2.0);
-        }
-    }
+        Ok(client.recv()?.len())
+    })?;
     client.close()?;
     join(echo)?;
-    Ok(crate::report::median(&one_way))
+    Ok(median)
+}
+
+/// Receives `count` [`Payload`]s of `size` bytes, reading each in place.
+fn receive_payloads(r: &mut Session, count: usize, size: usize) -> Result<()> {
+    for i in 0..count {
+        let env = r.recv()?;
+        let m: PayloadView = env.decode_borrowed()?;
+        if m.bytes.len() != size {
+            bail!("message {i}: {} bytes, sent {size}", m.bytes.len());
+        }
+    }
+    Ok(())
+}
+
+/// Sends `count` copies of `m` in `send_batch`es of `batch` (the last of each solicited),
+/// pausing `gap` after each batch.
+fn send_in_batches(
+    t: &mut Session,
+    m: &Payload,
+    count: usize,
+    batch: usize,
+    gap: Duration,
+) -> Result<()> {
+    let mut sent = 0;
+    while sent < count {
+        let n = batch.min(count - sent);
+        t.send_batch(std::iter::repeat(m).take(n))?;
+        sent += n;
+        if !gap.is_zero() {
+            thread::sleep(gap);
+        }
+    }
+    Ok(())
 }
 
 /// After the last expected message: the peer's graceful close, and nothing else.
@@ -165,13 +201,7 @@ pub fn throughput(s: Stream) -> Result<f64> {
     let count = s.count;
     let receiver = thread::spawn(move || -> Result<Instant> {
         let mut r = Session::new(rx);
-        for i in 0..count {
-            let env = r.recv()?;
-            let m: PayloadView = env.decode_borrowed()?;
-            if m.bytes.len() != s.size {
-                bail!("message {i}: {} bytes, sent {}", m.bytes.len(), s.size);
-            }
-        }
+        receive_payloads(&mut r, count, s.size)?;
         let done = Instant::now();
         expect_close(&mut r)?;
         Ok(done)
@@ -181,12 +211,7 @@ pub fn throughput(s: Stream) -> Result<f64> {
         bytes: vec![0xa5; s.size],
     };
     let started = Instant::now();
-    let mut sent = 0;
-    while sent < count {
-        let n = s.batch.min(count - sent);
-        t.send_batch(std::iter::repeat(&m).take(n))?;
-        sent += n;
-    }
+    send_in_batches(&mut t, &m, count, s.batch, Duration::ZERO)?;
     t.close()?;
     let done = join(receiver)?;
     Ok(count as f64 / done.duration_since(started).as_secs_f64() / 1e6)
@@ -263,13 +288,7 @@ pub fn wakeups(mode: RecvMode, batch: usize, count: usize, gap: Duration) -> Res
     let receiver = thread::spawn(move || -> Result<Wakeups> {
         let mut r = Session::new(rx);
         let cpu = verbs_core::thread_cpu_time();
-        for i in 0..count {
-            let env = r.recv()?;
-            let m: PayloadView = env.decode_borrowed()?;
-            if m.bytes.len() != 64 {
-                bail!("message {i}: {} bytes", m.bytes.len());
-            }
-        }
+        receive_payloads(&mut r, count, 64)?;
         let cpu = verbs_core::thread_cpu_time() - cpu;
         let stats = r.connection().wait_stats();
         expect_close(&mut r)?;
@@ -280,13 +299,7 @@ pub fn wakeups(mode: RecvMode, batch: usize, count: usize, gap: Duration) -> Res
     });
     let mut t = Session::new(tx);
     let m = Payload { bytes: vec![7; 64] };
-    let mut sent = 0;
-    while sent < count {
-        let n = batch.min(count - sent);
-        t.send_batch(std::iter::repeat(&m).take(n))?;
-        sent += n;
-        thread::sleep(gap);
-    }
+    send_in_batches(&mut t, &m, count, batch, gap)?;
     t.close()?;
     join(receiver)
 }

@@ -56,9 +56,7 @@ pub fn throughput(size: usize, count: u64) -> Result<f64> {
     ready.wait();
     let started = Instant::now();
     let sent = send(&ep, &mut tx, size, count);
-    let done = receiver
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    let done = crate::join(receiver);
     sent?;
     let done = done?;
     Ok(count as f64 / done.duration_since(started).as_secs_f64() / 1e6)
@@ -143,9 +141,7 @@ pub fn wake_floor(batch: usize, batches: usize, gap: Duration) -> Result<f64> {
         }
         thread::sleep(gap);
     }
-    receiver
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    crate::join(receiver)
 }
 
 fn send(ep: &Endpoint, s: &mut Side, size: usize, count: u64) -> Result<()> {

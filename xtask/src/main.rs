@@ -403,26 +403,21 @@ fn two_hosts() -> Result<TwoHosts> {
         .local_addr()?
         .port();
     let repo = repo_root();
-    let server_vm = vm::Vm::networked(
-        &repo,
-        "a",
-        vm::Nic {
-            socket: format!("listen=127.0.0.1:{port}"),
-            mac: "52:54:00:78:00:01".into(),
-            addr: "10.78.0.1/24".into(),
-        },
-        1,
-    );
-    let client_vm = vm::Vm::networked(
-        &repo,
-        "b",
-        vm::Nic {
-            socket: format!("connect=127.0.0.1:{port}"),
-            mac: "52:54:00:78:00:02".into(),
-            addr: "10.78.0.2/24".into(),
-        },
-        1,
-    );
+    // Host n (1 or 2) of the 10.78.0.0/24 network; `socket`: its qemu socket backend.
+    let host = |name: &str, n: u8, socket: String| {
+        vm::Vm::networked(
+            &repo,
+            name,
+            vm::Nic {
+                socket,
+                mac: format!("52:54:00:78:00:{n:02x}"),
+                addr: format!("10.78.0.{n}/24"),
+            },
+            1,
+        )
+    };
+    let server_vm = host("a", 1, format!("listen=127.0.0.1:{port}"));
+    let client_vm = host("b", 2, format!("connect=127.0.0.1:{port}"));
     server_vm.prepare()?;
     let timeout = Duration::from_secs(300);
     // Set when the client's VM is gone, whatever the reason: the server then has
