@@ -134,14 +134,7 @@ pub fn wait_any_readable(
         })
         .collect();
     loop {
-        let ms = match deadline {
-            None => -1,
-            Some(d) => {
-                let left = d.saturating_duration_since(std::time::Instant::now());
-                // Round up so that a sub-millisecond remainder still waits.
-                libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
-            }
-        };
+        let ms = poll_timeout_ms(deadline);
         // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds; the descriptors are kept
         // open by the borrows in `fds`.
         let ret = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
@@ -156,6 +149,18 @@ pub fn wait_any_readable(
             });
         }
         return Ok(pfds.iter().position(|p| p.revents != 0));
+    }
+}
+
+/// The millisecond timeout `poll`/`epoll_wait` take for the time left until `deadline` (-1:
+/// none), rounded up so that a sub-millisecond remainder still waits.
+pub(crate) fn poll_timeout_ms(deadline: Option<std::time::Instant>) -> libc::c_int {
+    match deadline {
+        None => -1,
+        Some(d) => {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
+        }
     }
 }
 

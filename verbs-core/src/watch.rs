@@ -69,15 +69,7 @@ impl ReadyWatch {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
         loop {
-            let ms = match deadline {
-                None => -1,
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    // Round up so that a sub-millisecond remainder still waits.
-                    libc::c_int::try_from(left.as_micros().div_ceil(1000))
-                        .unwrap_or(libc::c_int::MAX)
-                }
-            };
+            let ms = crate::poll_timeout_ms(deadline);
             // SAFETY: `events` is a valid array of MAX_EVENTS epoll_events the kernel may fill;
             // the epoll descriptor is ours and open.
             let n = unsafe {
