@@ -77,7 +77,7 @@ fn measure<M: Message + serde::de::DeserializeOwned + PartialEq + std::fmt::Debu
         bail!("{name}: framed body differs from plain bincode");
     }
     let (_, body) = frame::parse(&buf[..framed])?;
-    let back: M = codec::decode_body(M::TAG, body)?;
+    let back: M = codec::decode_body(M::TAG, body, codec::DEFAULT_MAX_MESSAGE)?;
     if &back != m {
         bail!("{name}: did not decode to what was encoded");
     }
@@ -104,7 +104,9 @@ fn measure<M: Message + serde::de::DeserializeOwned + PartialEq + std::fmt::Debu
             // What a session does with a single-frame message: check the header, decode.
             let decoded = frame::parse(black_box(frame_bytes))
                 .ok()
-                .and_then(|(h, body)| codec::decode_body::<M>(h.tag, body).ok());
+                .and_then(|(h, body)| {
+                    codec::decode_body::<M>(h.tag, body, codec::DEFAULT_MAX_MESSAGE).ok()
+                });
             check(black_box(decoded).is_some());
         },
         || {

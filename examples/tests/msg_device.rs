@@ -150,7 +150,8 @@ fn the_policy_and_flush_bound_what_waits_unread() {
 #[ignore = "device"]
 fn bad_frames_over_the_wire_are_typed_counted_and_survived() {
     let (mut rx, mut tx) = sessions();
-    rx.register::<Reading>().register::<Alarm>();
+    rx.register::<Reading>().expect("distinct tags");
+    rx.register::<Alarm>().expect("distinct tags");
     let good = frame::build(FIRST | LAST, Alarm::TAG, 0, 0, &[1, 2, b'o', b'k']);
     let mut wrong_magic = good.clone();
     wrong_magic[0] = b'X';
@@ -206,4 +207,27 @@ fn bad_frames_over_the_wire_are_typed_counted_and_survived() {
         6,
         "the body error is the caller's to count"
     );
+}
+
+/// A lasting verbs error (a completion queue that can no longer be polled) ends `incoming()`
+/// and `Dispatcher::run` at once instead of retrying at full speed.
+#[test]
+#[ignore = "device"]
+fn a_lasting_verbs_error_ends_the_receive_loops() {
+    let (mut rx, mut tx) = sessions();
+    tx.send(&Alarm {
+        sensor: 1,
+        reason: "before".into(),
+    })
+    .unwrap();
+    let first = rx.recv_timeout(WAIT).unwrap().expect("delivered");
+    assert_eq!(first.decode::<Alarm>().unwrap().reason, "before");
+    rx.connection_mut().inject_fault(transport::Fault::Poll);
+    let started = std::time::Instant::now();
+    assert_eq!(rx.incoming().count(), 0, "incoming() ends");
+    let mut dispatcher = msg::Dispatcher::new();
+    let err = dispatcher.run(&mut rx);
+    println!("stats lasting verbs error: {err} / {err:#?}");
+    assert!(err.is_fatal(), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
 }

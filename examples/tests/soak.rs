@@ -104,7 +104,7 @@ fn a_million_messages_through_a_bursty_consumer() {
     });
 
     let mut r = Session::new(rx);
-    r.register::<Soak>();
+    r.register::<Soak>().expect("one type");
     let mut rng = Rng(0xc0ffee);
     let mut held = VecDeque::new();
     let mut bytes = 0u64;

@@ -1,20 +1,23 @@
 //! Encoding messages into frames and decoding frames into messages, without I/O.
 
-use std::collections::HashSet;
+use std::collections::hash_map::{Entry, HashMap};
+use std::marker::PhantomData;
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+use crate::bounded::{Bounded, Budget};
 use crate::frame::{self, Header, Reassembler, FIRST, HEADER_LEN, LAST};
 use crate::{DecodeFailure, Error, Message, Result};
 
-/// Largest message (reassembled body) accepted by default: 16 MiB.
+/// Largest message (reassembled body, and decoded value) accepted by default: 16 MiB.
 pub const DEFAULT_MAX_MESSAGE: usize = 16 << 20;
 
-/// bincode's standard configuration with an allocation limit, so that a forged length prefix
-/// cannot make the decoder allocate more than a message may hold.
+/// bincode's standard configuration. Decoding is bounded by [`crate::bounded`] at run time
+/// (bincode's own limit is a compile-time constant), so that a forged length prefix cannot
+/// make the decoder allocate more than a message may hold.
 fn config() -> impl bincode::config::Config {
-    bincode::config::standard().with_limit::<DEFAULT_MAX_MESSAGE>()
+    bincode::config::standard()
 }
 
 /// Tag of frames without a message (a [`crate::Session::flush`] nudge).
@@ -86,15 +89,19 @@ pub fn encode_fragments<M: Message>(
     Ok(frames)
 }
 
-/// Decodes a message body into an owned value.
-pub fn decode_body<M: Message + DeserializeOwned>(tag: u32, body: &[u8]) -> Result<M> {
-    decode_body_borrowed(tag, body)
+/// Decodes a message body into an owned value holding at most `max` bytes in its strings and
+/// containers (see [`DecodeFailure::TooLarge`]; a session passes
+/// [`crate::SessionConfig::max_message`]).
+pub fn decode_body<M: Message + DeserializeOwned>(tag: u32, body: &[u8], max: usize) -> Result<M> {
+    decode_body_borrowed(tag, body, max)
 }
 
-/// Decodes a message body into a value that may borrow from it (no copy of byte strings).
+/// Decodes a message body into a value that may borrow from it (no copy of byte strings),
+/// within the same bound as [`decode_body`] (borrowed bytes count as if copied).
 pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
     tag: u32,
     body: &'de [u8],
+    max: usize,
 ) -> Result<M> {
     if tag != M::TAG {
         return Err(Error::WrongType {
@@ -102,11 +109,21 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
             got: tag,
         });
     }
-    let (m, used) =
-        bincode::serde::borrow_decode_from_slice(body, config()).map_err(|e| Error::Decode {
+    let budget = Budget::new(max);
+    let seed = Bounded {
+        seed: PhantomData::<M>,
+        budget: &budget,
+    };
+    let (m, used) = bincode::serde::seed_decode_from_slice(seed, body, config()).map_err(|e| {
+        Error::Decode {
             tag,
-            source: DecodeFailure::Bincode(e),
-        })?;
+            source: if budget.exceeded() {
+                DecodeFailure::TooLarge { max }
+            } else {
+                DecodeFailure::Bincode(e)
+            },
+        }
+    })?;
     if used != body.len() {
         return Err(Error::Decode {
             tag,
@@ -142,6 +159,8 @@ pub struct Envelope {
     seq: u32,
     frame: FrameBytes,
     offset: usize,
+    /// Bound on the decoded value.
+    max: usize,
 }
 
 impl Envelope {
@@ -165,86 +184,149 @@ impl Envelope {
         &self.frame.bytes()[self.offset..]
     }
 
-    /// Decodes the body as an `M`.
+    /// Decodes the body as an `M`, holding at most the decoder's `max_message` bytes
+    /// ([`DecodeFailure::TooLarge`] otherwise).
     pub fn decode<M: Message + DeserializeOwned>(&self) -> Result<M> {
-        decode_body(self.tag, self.body())
+        decode_body(self.tag, self.body(), self.max)
     }
 
     /// Decodes the body as an `M` that borrows from the envelope: byte strings and strings are
     /// read in place, from the receive buffer of a single-frame message.
     pub fn decode_borrowed<'a, M: Message + Deserialize<'a>>(&'a self) -> Result<M> {
-        decode_body_borrowed(self.tag, self.body())
+        decode_body_borrowed(self.tag, self.body(), self.max)
     }
 }
 
 /// Turns received frames into messages: checks each frame, reassembles fragments, filters
 /// tags. Bad frames give a typed error and are dropped; the decoder carries on with the next.
+///
+/// Once a type is registered, only registered tags are accepted, and a fragmented message is
+/// judged by its first fragment: one of an unknown tag is refused at once
+/// ([`Error::UnknownTag`]) and its other fragments are dropped without being buffered.
 #[derive(Debug)]
 pub struct Decoder {
     reassembler: Reassembler,
-    known: HashSet<u32>,
+    /// Registered tags and the type each was registered for.
+    known: HashMap<u32, &'static str>,
+    /// `(tag, seq)` of a fragmented message refused by its first fragment, whose other
+    /// fragments are dropped quietly.
+    skipping: Option<(u32, u32)>,
     lost_partials: u64,
 }
 
 impl Decoder {
-    /// A decoder for messages of at most `max_message` bytes, accepting every tag until
-    /// [`Decoder::register`] is called.
+    /// A decoder for messages of at most `max_message` bytes (reassembled, and decoded),
+    /// accepting every tag until [`Decoder::register`] is called.
     pub fn new(max_message: usize) -> Self {
         Self {
             reassembler: Reassembler::new(max_message),
-            known: HashSet::new(),
+            known: HashMap::new(),
+            skipping: None,
             lost_partials: 0,
         }
     }
 
-    /// Accepts `M` (and, from now on, only registered types).
-    pub fn register<M: Message>(&mut self) {
-        self.known.insert(M::TAG);
+    /// Accepts `M` (and, from now on, only registered types). A tag can be registered once:
+    /// [`Error::DuplicateTag`] if another type (or `M` itself) holds it already.
+    pub fn register<M: Message>(&mut self) -> Result<()> {
+        let new = std::any::type_name::<M>();
+        match self.known.entry(M::TAG) {
+            Entry::Occupied(e) => Err(Error::DuplicateTag {
+                tag: M::TAG,
+                existing: e.get(),
+                new,
+            }),
+            Entry::Vacant(e) => {
+                e.insert(new);
+                Ok(())
+            }
+        }
+    }
+
+    /// The bound on a message, reassembled and decoded.
+    pub fn max_message(&self) -> usize {
+        self.reassembler.max_size()
+    }
+
+    /// Bytes held for a message being reassembled.
+    pub fn buffered(&self) -> usize {
+        self.reassembler.buffered()
     }
 
     fn check_tag(&self, tag: u32) -> Result<()> {
-        if !self.known.is_empty() && !self.known.contains(&tag) {
+        if !self.known.is_empty() && !self.known.contains_key(&tag) {
             return Err(Error::UnknownTag(tag));
         }
         Ok(())
     }
 
-    /// Takes one frame. `Ok(None)`: a fragment was stored, or the frame carried no message.
+    fn drop_partial(&mut self) {
+        if self.reassembler.in_progress() {
+            // The fragmented message before this one lost its tail.
+            self.reassembler = Reassembler::new(self.reassembler.max_size());
+            self.lost_partials += 1;
+        }
+    }
+
+    fn envelope(&self, tag: u32, seq: u32, frame: FrameBytes, offset: usize) -> Envelope {
+        Envelope {
+            tag,
+            seq,
+            frame,
+            offset,
+            max: self.max_message(),
+        }
+    }
+
+    /// Takes one frame. `Ok(None)`: a fragment was stored or dropped with its message, or the
+    /// frame carried no message.
     pub fn push(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
         let (h, body) = frame::parse(frame.bytes())?;
-        if h.flags == FIRST | LAST {
-            if self.reassembler.in_progress() {
-                // The fragmented message before this one lost its tail. Drop it, keep this one.
-                self.reassembler = Reassembler::new(self.reassembler.max_size());
-                self.lost_partials += 1;
+        if h.flags & FIRST != 0 {
+            self.skipping = None;
+        } else if let Some((tag, seq)) = self.skipping {
+            if (h.tag, h.seq) == (tag, seq) {
+                // The rest of a message refused by its first fragment.
+                if h.flags & LAST != 0 {
+                    self.skipping = None;
+                }
+                return Ok(None);
             }
+            self.skipping = None;
+        }
+        if h.flags == FIRST | LAST {
+            // Keep this one, drop a fragmented message that lost its tail.
+            self.drop_partial();
             if h.tag == NUDGE_TAG {
                 return Ok(None);
             }
             self.check_tag(h.tag)?;
-            return Ok(Some(Envelope {
-                tag: h.tag,
-                seq: h.seq,
-                frame,
-                offset: HEADER_LEN,
-            }));
+            return Ok(Some(self.envelope(h.tag, h.seq, frame, HEADER_LEN)));
+        }
+        if h.flags & FIRST != 0 {
+            if let Err(e) = self.check_tag(h.tag) {
+                // Judged by its first fragment: nothing of it is buffered.
+                self.drop_partial();
+                self.skipping = Some((h.tag, h.seq));
+                return Err(e);
+            }
         }
         match self.reassembler.push(&h, body)? {
             None => Ok(None),
             Some((tag, joined)) => {
                 self.check_tag(tag)?;
-                Ok(Some(Envelope {
+                Ok(Some(self.envelope(
                     tag,
-                    seq: h.seq,
-                    frame: FrameBytes::Owned(joined),
-                    offset: 0,
-                }))
+                    h.seq,
+                    FrameBytes::Owned(joined),
+                    0,
+                )))
             }
         }
     }
 
-    /// Fragmented messages dropped because a complete message arrived before their last
-    /// fragment.
+    /// Fragmented messages dropped because a complete message, or the first fragment of a
+    /// refused one, arrived before their last fragment.
     pub fn lost_partials(&self) -> u64 {
         self.lost_partials
     }

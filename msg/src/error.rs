@@ -10,7 +10,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// The connection failed (fatal) or a transport call was refused.
-    #[error("transport failure")]
+    #[error(transparent)]
     Transport(#[from] transport::Error),
     /// A message could not be serialized.
     #[error("cannot encode message with tag {tag:#010x}")]
@@ -56,6 +56,18 @@ pub enum Error {
         /// The bound.
         max: usize,
     },
+    /// A type was registered for a tag that another registration already holds (two types
+    /// with the same name, a type registered twice, or a real FNV-1a collision). Declare a
+    /// distinct tag with `msg::message!(T, tag = "...")`.
+    #[error("tag {tag:#010x} of {new} is already registered for {existing}")]
+    DuplicateTag {
+        /// The tag.
+        tag: u32,
+        /// The type registered first (`std::any::type_name`).
+        existing: &'static str,
+        /// The type whose registration was refused.
+        new: &'static str,
+    },
 }
 
 /// Why a body did not decode.
@@ -68,13 +80,41 @@ pub enum DecodeFailure {
     /// It decoded without using every byte.
     #[error("{0} trailing bytes")]
     Trailing(usize),
+    /// The decoded value would hold more than the bound ([`crate::SessionConfig::max_message`]):
+    /// its strings, byte strings and container elements, counted as they are decoded, before
+    /// anything that large is allocated.
+    #[error("decoded message would exceed {max} bytes")]
+    TooLarge {
+        /// The bound.
+        max: usize,
+    },
 }
 
 impl Error {
-    /// Whether the session is unusable after this error. Bad frames, unknown tags and
-    /// undecodable bodies only cost the message concerned.
+    /// Whether this error will recur: the session is unusable (or the setup is wrong) and a
+    /// loop that retries must stop. [`crate::Session::incoming`] and
+    /// [`crate::Dispatcher::run`] end on the first fatal error.
+    ///
+    /// Not fatal, they cost only the message or the call concerned: bad frames, unknown tags,
+    /// undecodable or mistyped bodies, messages too large or unencodable, a dispatcher channel
+    /// nobody reads, and the transport's [`Timeout`](transport::Error::Timeout) and
+    /// [`TooLarge`](transport::Error::TooLarge). Fatal: a failed connection
+    /// ([`transport::Failure`]), a verb, wait, wake-up pipe or bootstrap call that failed (it
+    /// would fail again, and retrying it would spin), setup errors, a
+    /// [`DuplicateTag`](Error::DuplicateTag), and any transport error this version does not
+    /// know.
     pub fn is_fatal(&self) -> bool {
-        matches!(self, Error::Transport(transport::Error::Connection(_)))
+        match self {
+            Error::Transport(e) => transport_is_fatal(e),
+            Error::DuplicateTag { .. } => true,
+            Error::Encode { .. }
+            | Error::Decode { .. }
+            | Error::BadFrame(_)
+            | Error::UnknownTag(_)
+            | Error::ReceiverGone(_)
+            | Error::WrongType { .. }
+            | Error::TooLarge { .. } => false,
+        }
     }
 
     /// Whether this is the peer's graceful close: everything it sent has been received.
@@ -83,5 +123,30 @@ impl Error {
             self,
             Error::Transport(transport::Error::Connection(transport::Failure::PeerClosed))
         )
+    }
+}
+
+/// Whether a transport error will recur. Only per-call errors are not fatal.
+fn transport_is_fatal(e: &transport::Error) -> bool {
+    use transport::Error as T;
+    match e {
+        // This message or this wait only: the next one may succeed.
+        T::Timeout(_) | T::TooLarge { .. } => false,
+        // A failed connection stays failed; a verb, a wait, the wake-up pipe or the bootstrap
+        // stream that failed fails again; setup errors do not go away by retrying.
+        T::Connection(_)
+        | T::Verbs(_)
+        | T::Notify(_)
+        | T::WakePipe(_)
+        | T::Bootstrap { .. }
+        | T::Listen { .. }
+        | T::Connect { .. }
+        | T::BadRecord(_)
+        | T::BadHandshake(_)
+        | T::Rejected(_)
+        | T::Config(_) => true,
+        // `transport::Error` is non-exhaustive: a variant added later is fatal until it is
+        // classified here, so that no loop spins on it.
+        _ => true,
     }
 }

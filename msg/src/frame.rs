@@ -170,6 +170,11 @@ impl Reassembler {
         self.partial.is_some()
     }
 
+    /// Bytes held for the message being reassembled.
+    pub fn buffered(&self) -> usize {
+        self.partial.as_ref().map_or(0, |p| p.body.len())
+    }
+
     /// Takes a fragment (a frame without both [`FIRST`] and [`LAST`]). Returns the tag and
     /// body once the last fragment is in. On error the partial message is dropped.
     pub fn push(&mut self, h: &Header, body: &[u8]) -> Result<Option<(u32, Vec<u8>)>, FrameError> {

@@ -10,8 +10,8 @@
 //! struct Reading { sensor: u16, value: f32 }
 //! #[derive(Serialize, Deserialize)]
 //! struct Alarm { sensor: u16 }
-//! msg::message!(Reading, solicited = false); // telemetry: lands silently
-//! msg::message!(Alarm);                      // wakes the receiver
+//! msg::message!(Reading, solicited = false); // telemetry: lands silently; tag of "Reading"
+//! msg::message!(Alarm);                      // wakes the receiver; tag of "Alarm"
 //!
 //! # fn main() -> Result<(), msg::Error> {
 //! let ep = Endpoint::open_default()?;
@@ -23,6 +23,15 @@
 //!
 //! The receiver: `let env = session.recv()?; if env.is::<Alarm>() { env.decode::<Alarm>()? }`,
 //! or a [`Dispatcher`] routing types to handlers or to crossbeam channels read by workers.
+//!
+//! # Tags
+//!
+//! Each message carries its type's 32-bit tag, the FNV-1a hash of a wire name: by default the
+//! type's name as written (`Reading`), so that it survives moving the type and two programs
+//! naming their types alike agree; `message!(T, tag = "...")` pins it, like serde's `rename`
+//! or a protobuf field number (see [`message!`]). Registering a tag twice (two types of the
+//! same name, with [`Session::register`], [`Dispatcher::on`] or [`Dispatcher::channel`]) is
+//! an [`Error::DuplicateTag`] naming both types, found at start-up rather than on the wire.
 //!
 //! # Frames
 //!
@@ -44,13 +53,28 @@
 //! and counted, and `recv` returns its typed error ([`Error::BadFrame`], [`Error::UnknownTag`];
 //! `decode` gives [`Error::Decode`]), none of which is fatal ([`Error::is_fatal`]). The
 //! connection is closed only for transport-level breaches (credit protocol, immediate data),
-//! where carrying on could overrun buffers. bincode decodes under an allocation limit, so a
-//! forged length cannot exhaust memory.
+//! where carrying on could overrun buffers.
+//!
+//! Nothing a peer claims is allocated before it is there: once types are registered, a
+//! fragmented message of an unknown tag is refused at its first fragment, before anything of
+//! it is buffered; reassembly stops at [`SessionConfig::max_message`]; and decoding never
+//! preallocates from a claimed length, and fails ([`DecodeFailure::TooLarge`]) once the value's
+//! strings and container elements would exceed `max_message`.
+//!
+//! # Errors that end loops
+//!
+//! [`Error::is_fatal`] sorts every error: per-message ones (bad frames, unknown tags, bodies
+//! that do not decode, transport timeouts) are skipped by [`Session::incoming`] and
+//! [`Dispatcher::run`]; anything that would recur (a failed connection, a verb, wait or
+//! bootstrap call that failed, an unknown transport error) ends them at once, so that a broken
+//! device never makes a receive loop spin.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod bounded;
 pub mod codec;
 mod dispatch;
+mod drive;
 mod error;
 pub mod frame;
 mod message;

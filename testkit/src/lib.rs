@@ -170,3 +170,16 @@ pub fn rnr_counters(device: &str, port: u8) -> (u64, u64) {
     };
     (read("rcvd_rnr_err"), read("send_rnr_err"))
 }
+
+/// An error and its sources as anyhow's `{:#}` prints them, joined by `": "`: what a user who
+/// prints the chain sees.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
+}

@@ -1,20 +1,23 @@
 //! A credit-flow-controlled RC connection.
 
 use std::collections::VecDeque;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use notify::{ArmMode, CqKey, EventChannel, EventTarget, Policy, Readiness, Waiter};
 use verbs_core::{
-    AsyncElement, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, ReadyWatch,
-    SendRequest, WcStatus, WorkCompletion,
+    Buffer, CompletionChannel, CompletionQueue, QueuePair, ReadyWatch, SendRequest, WorkCompletion,
 };
 
+use crate::bootstrap::Setup;
 use crate::credits::{Credits, Imm};
 use crate::endpoint::{Endpoint, PathParams};
-use crate::handshake::{self, Hello, Reject, ACCEPT, HELLO_LEN, READY};
+use crate::events::Mailbox;
+use crate::handshake::{self, Hello, GOODBYE};
+use crate::inbound::{Completion, Inbound, RecvAction};
 use crate::pool::{PoolStats, Received, RecvPool};
 use crate::{Error, Failure, Result};
 
@@ -42,8 +45,29 @@ pub struct Config {
     pub policy: Policy,
     /// Path parameters of the queue pair.
     pub path: PathParams,
-    /// Longest wait for each step of the handshake. Default 5 s.
+    /// Longest a whole handshake may take, whatever the peer does byte by byte (a
+    /// [`Listener`](crate::Listener) runs many at once, each with its own deadline). Default
+    /// 5 s.
     pub handshake_timeout: Duration,
+    /// Largest receive buffer a peer may announce. Our send buffers are that big, so this is
+    /// what a peer can make us register per send buffer; a bigger announcement is rejected
+    /// ([`Reject::Limits`](crate::handshake::Reject::Limits)) before anything is allocated.
+    /// Default 1 MiB.
+    pub max_peer_buf_size: u32,
+    /// Deepest receive queue a peer may announce (its initial credits are at most that).
+    /// Default 65535 (the most credits one message can return).
+    pub max_peer_recv_depth: u32,
+    /// Most memory registered for send buffers (`send_depth` buffers of the peer's buffer
+    /// size): beyond it, fewer send buffers are registered (at least one; a peer whose one
+    /// buffer does not fit is rejected). Default 64 MiB.
+    pub max_send_memory: u64,
+    /// Most handshakes a [`Listener`](crate::Listener) runs at once (1..=63); a new client
+    /// beyond that evicts the oldest pending one. Default 32.
+    pub max_pending_handshakes: u32,
+    /// A pre-shared key both sides must prove they know (HMAC-SHA256 challenge-response over
+    /// the handshake, see the `handshake` module); the server allocates nothing for a client
+    /// that has not. Both sides must have the same key, or none. Default `None`.
+    pub psk: Option<handshake::Psk>,
     /// Longest wait in [`Connection::close`] for the close message to be delivered. Default 2 s.
     pub close_timeout: Duration,
     /// How long a peer *host* may stay silent before it is declared gone
@@ -51,10 +75,35 @@ pub struct Config {
     /// process that dies is noticed at once by its stream's end; a host that dies or drops off
     /// the network sends nothing). `None`: never. Default 5 s; whole seconds, at least 3 s.
     pub keepalive: Option<Duration>,
-    /// Test hook: entries of the receive CQ instead of what the receive queue needs, to provoke
-    /// a CQ overrun. Never set it otherwise.
+    /// Longest a sleeping connection goes without polling its queues for an error nothing
+    /// woke it for. The verbs specification has an error completion fire even a solicited-only
+    /// arm, but providers bend it: Linux 6.12's rxe does not wake a solicited-only receiver for
+    /// receives flushed by a queue pair error, and rxe never marks send-side errors solicited.
+    /// The send queue is armed for any completion while sends are outstanding; this bound
+    /// covers the rest. Costs one timer wake-up per interval while idle (not counted as a
+    /// wake-up in [`notify::Stats`]). `None`: never. Default 1 s.
+    pub health_check: Option<Duration>,
+    /// Fault injection for tests (feature `test-hooks`).
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
+    pub hooks: TestHooks,
+}
+
+/// Faults a test can inject into a connection's setup (feature `test-hooks`); never used
+/// otherwise.
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+#[derive(Debug, Clone, Default)]
+pub struct TestHooks {
+    /// Entries of the receive CQ instead of what the receive queue needs: provokes a CQ
+    /// overrun.
     pub recv_cq_entries: Option<u32>,
+    /// Credits announced to the peer beyond the receive buffers really posted: a lying peer,
+    /// whose partner's excess sends meet receiver-not-ready.
+    pub overstate_credits: u32,
+    /// Bytes announced beyond the real size of each receive buffer: the partner's larger
+    /// messages complete here with a local length error, a real error completion.
+    pub overstate_buf_size: u32,
 }
 
 impl Default for Config {
@@ -70,15 +119,42 @@ impl Default for Config {
             policy: Policy::Sleep,
             path: PathParams::default(),
             handshake_timeout: Duration::from_secs(5),
+            max_peer_buf_size: 1 << 20,
+            max_peer_recv_depth: 65_535,
+            max_send_memory: 64 << 20,
+            max_pending_handshakes: 32,
+            psk: None,
             close_timeout: Duration::from_secs(2),
             keepalive: Some(Duration::from_secs(5)),
-            recv_cq_entries: None,
+            health_check: Some(Duration::from_secs(1)),
+            #[cfg(feature = "test-hooks")]
+            hooks: TestHooks::default(),
         }
     }
 }
 
 impl Config {
-    fn check(&self) -> Result<()> {
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn recv_cq_entries(&self) -> Option<u32> {
+        self.hooks.recv_cq_entries
+    }
+
+    #[cfg(not(feature = "test-hooks"))]
+    pub(crate) fn recv_cq_entries(&self) -> Option<u32> {
+        None
+    }
+
+    /// What a peer's hello may ask of us.
+    pub(crate) fn limits(&self) -> handshake::Limits {
+        handshake::Limits {
+            max_buf_size: self.max_peer_buf_size,
+            max_recv_depth: self.max_peer_recv_depth,
+            max_send_memory: self.max_send_memory,
+            send_depth: self.send_depth,
+        }
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
         let bad = |what: &str| Err(Error::Config(what.to_owned()));
         if !(handshake::MIN_BUF_SIZE..=handshake::MAX_BUF_SIZE).contains(&self.buf_size) {
             return bad("buf_size must be between 64 bytes and 1 GiB");
@@ -92,8 +168,38 @@ impl Config {
         if self.send_depth == 0 || self.signal_every == 0 {
             return bad("send_depth and signal_every must be at least 1");
         }
+        if self.path.rnr_retry > 6 {
+            return bad("path.rnr_retry must be at most 6 (7 retries forever: a peer that lies about its buffers would hang us)");
+        }
+        if self.health_check.is_some_and(|h| h.is_zero()) {
+            return bad("health_check must be longer than zero (None turns it off)");
+        }
         if self.keepalive.is_some_and(|k| k < Duration::from_secs(3)) {
             return bad("keepalive must be at least 3 s (TCP keepalive counts whole seconds)");
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad("handshake_timeout must be longer than zero");
+        }
+        if !(handshake::MIN_BUF_SIZE..=handshake::MAX_BUF_SIZE).contains(&self.max_peer_buf_size) {
+            return bad("max_peer_buf_size must be between 64 bytes and 1 GiB");
+        }
+        if self.max_peer_recv_depth == 0 {
+            return bad("max_peer_recv_depth must be at least 1");
+        }
+        if self.max_send_memory < u64::from(handshake::MIN_BUF_SIZE) {
+            return bad("max_send_memory must hold at least one 64-byte buffer");
+        }
+        if self.max_pending_handshakes == 0
+            || self.max_pending_handshakes > crate::bootstrap::MAX_PENDING
+        {
+            return bad("max_pending_handshakes must be between 1 and 63");
+        }
+        if self
+            .psk
+            .as_ref()
+            .is_some_and(|k| k.len() < handshake::Psk::MIN_LEN)
+        {
+            return bad("psk must be at least 16 bytes");
         }
         Ok(())
     }
@@ -154,7 +260,9 @@ impl ConnChannel {
         let watch = ReadyWatch::new()?;
         watch.add(channel.as_fd(), CHANNEL_TOKEN)?;
         watch.add(wake.as_fd(), 1)?;
-        watch.add(endpoint.context().async_fd(), 2)?;
+        // Every connection of the device watches its async-event descriptor; one new event
+        // wakes one sleeper, which routes it to its owner (see the `events` module).
+        watch.add_exclusive(endpoint.context().async_fd(), 2)?;
         watch.add(bootstrap.as_fd(), 3)?;
         Ok(Self {
             channel,
@@ -215,9 +323,16 @@ pub struct Connection {
     sq_depth: usize,
     max_inline: usize,
     unsignaled: u32,
-    /// The peer's close message has arrived: nothing follows it.
-    peer_closed: bool,
+    /// What received completions mean (pure rules).
+    inbound: Inbound,
     failure: Option<Failure>,
+    /// The flushes that follow a failure have been waited for.
+    flushed: bool,
+    /// Asynchronous events the endpoint routed to this connection.
+    mailbox: Arc<Mailbox>,
+    /// Test hook: a verb that fails from now on.
+    #[cfg(feature = "test-hooks")]
+    fault: Option<Fault>,
     stats: ConnStats,
     inline_scratch: Vec<u8>,
     bootstrap_checked: Instant,
@@ -269,84 +384,25 @@ pub fn random_psn(qp_num: u32) -> u32 {
 }
 
 impl Connection {
-    /// Sets up the queue pair over an established bootstrap stream: see the `handshake` module
-    /// for the exchange.
+    /// Builds the connection once its handshake is done (see the `bootstrap` and `handshake`
+    /// modules): `setup`'s queue pair is in RTS towards `peer`, its receives posted and its
+    /// send buffers registered; `stream` is the bootstrap stream, non-blocking.
     pub(crate) fn establish(
         endpoint: &Endpoint,
-        mut stream: TcpStream,
+        setup: Setup,
+        stream: TcpStream,
         config: &Config,
+        peer: Hello,
     ) -> Result<Self> {
-        config.check()?;
-        let ctx = endpoint.context();
-        let pd = endpoint.pd();
-        let recv_total = config.recv_depth + u32::from(config.grant_slots);
-        let channel = CompletionChannel::new(ctx)?;
-        let send_cq = CompletionQueue::new(ctx, config.send_depth, Some(&channel))?;
-        let recv_cq = CompletionQueue::new(
-            ctx,
-            config.recv_cq_entries.unwrap_or(recv_total),
-            Some(&channel),
-        )?;
-        let caps = QpCaps {
-            max_send_wr: config.send_depth,
-            max_recv_wr: recv_total,
-            max_inline_data: config.max_inline,
-        };
-        let mut qp = QueuePair::new_rc(pd, &send_cq, &recv_cq, caps)?;
-        qp.to_init(endpoint.port())?;
-        let mut pool = RecvPool::new(pd, recv_total as usize, config.buf_size as usize)?;
-        // Every receive is posted before the peer can send: its initial credits are real.
-        if let Err(e) = qp.post_recv(pool.take_free()) {
-            for b in e.unposted {
-                pool.put_back(b);
-            }
-            return Err(e.error.into());
-        }
-
-        let psn = random_psn(qp.qp_num());
-        let ours = Hello {
-            version: handshake::VERSION,
-            addr: endpoint.address_of(&qp, psn),
-            mtu: endpoint.path_mtu(&config.path).bytes() as u32,
-            buf_size: config.buf_size,
-            recv_depth: config.recv_depth,
-            grant_slots: config.grant_slots,
-            initial_credits: config.recv_depth,
-        };
-        stream
-            .set_read_timeout(Some(config.handshake_timeout))
-            .map_err(io_err("setting the handshake timeout"))?;
-        stream
-            .set_write_timeout(Some(config.handshake_timeout))
-            .map_err(io_err("setting the handshake timeout"))?;
-        stream
-            .set_nodelay(true)
-            .map_err(io_err("setting TCP_NODELAY"))?;
-        handshake::write_all(&mut stream, &ours.encode()).map_err(io_err("sending the hello"))?;
-        let mut raw = [0u8; HELLO_LEN];
-        handshake::read_exact(&mut stream, &mut raw).map_err(io_err("reading the peer's hello"))?;
-        let verdict = Hello::decode(&raw).and_then(|peer| ours.check_peer(&peer).map(|()| peer));
-        let code = match verdict {
-            Ok(_) => ACCEPT,
-            Err(r) => r.code(),
-        };
-        // Tell the peer either way; if it is already gone, our own verdict is the news.
-        let told = handshake::write_all(&mut stream, &[code]);
-        let peer = verdict.map_err(Error::BadHandshake)?;
-        told.map_err(io_err("sending the verdict"))?;
-        let mut theirs = [0u8; 1];
-        handshake::read_exact(&mut stream, &mut theirs)
-            .map_err(io_err("reading the peer's verdict"))?;
-        if let Some(reject) = Reject::from_code(theirs[0]) {
-            return Err(Error::Rejected(reject));
-        }
-
-        endpoint.connect_qp(&mut qp, psn, &peer.addr, &config.path)?;
-        handshake::write_all(&mut stream, &[READY]).map_err(io_err("sending ready"))?;
-        handshake::read_exact(&mut stream, &mut theirs).map_err(io_err("waiting for ready"))?;
-        if theirs[0] != READY {
-            return Err(Error::BadHandshake(Reject::Unknown(theirs[0])));
-        }
+        let Setup {
+            channel,
+            send_cq,
+            recv_cq,
+            qp,
+            pool,
+            send_bufs,
+            ..
+        } = setup;
         stream
             .set_nonblocking(true)
             .map_err(io_err("making the stream non-blocking"))?;
@@ -355,13 +411,6 @@ impl Connection {
                 .set_tcp_keepalive(&keepalive_probes(limit))
                 .map_err(io_err("enabling TCP keepalive"))?;
         }
-
-        let send_bufs = pd
-            .register(
-                config.send_depth as usize * peer.buf_size as usize,
-                verbs_core::Access::LOCAL_WRITE,
-            )?
-            .chunks(peer.buf_size as usize)?;
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
         channel.set_nonblocking(true)?;
         let mut waiter = Waiter::new(
@@ -371,6 +420,15 @@ impl Connection {
         let recv_key = waiter.add(recv_cq, config.recv_arm);
         let send_key = waiter.add(send_cq, ArmMode::SolicitedOnly);
         let max_inline = qp.caps().max_inline_data.min(config.max_inline) as usize;
+        let mailbox = Mailbox::new(Some(pool.waker().map_err(Error::WakePipe)?));
+        endpoint.register_async(
+            qp.qp_num(),
+            vec![
+                waiter.cq(recv_key)?.as_raw() as usize,
+                waiter.cq(send_key)?.as_raw() as usize,
+            ],
+            &mailbox,
+        );
         Ok(Self {
             endpoint: endpoint.clone(),
             credits: Credits::new(
@@ -393,8 +451,12 @@ impl Connection {
             peer,
             max_inline,
             unsignaled: 0,
-            peer_closed: false,
+            inbound: Inbound::default(),
             failure: None,
+            flushed: false,
+            mailbox,
+            #[cfg(feature = "test-hooks")]
+            fault: None,
             stats: ConnStats::default(),
             inline_scratch: vec![0; max_inline],
             bootstrap_checked: Instant::now(),
@@ -470,7 +532,7 @@ impl Connection {
         timeout: Option<Duration>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<bool> {
-        self.check_failed()?;
+        self.check_can_send()?;
         self.wait_to_send(timeout)?;
         let mut buf = self.send_bufs.pop().expect("wait_to_send ensured a buffer");
         let max = self.max_message();
@@ -516,9 +578,19 @@ impl Connection {
             .imm(imm.encode())
             .solicited(solicited)
             .signaled(signaled);
+        #[cfg(feature = "test-hooks")]
+        if self.fault == Some(Fault::Post) {
+            if let verbs_core::SendPayload::Buffer { buf, .. } = req.payload {
+                self.send_bufs.push(buf);
+            }
+            let e = injected_fault(Fault::Post, self.qp.qp_num());
+            return Err(self.local_failure("posting a send (ibv_post_send)", e));
+        }
         if let Err(e) = self.qp.post_send_one(req) {
             self.send_bufs.extend(e.unposted);
-            return Err(e.error.into());
+            // A credit (or a grant's slot) was taken for this message: carrying on would leave
+            // the two sides' books apart for good.
+            return Err(self.local_failure("posting a send (ibv_post_send)", e.error.into()));
         }
         Ok(())
     }
@@ -556,7 +628,7 @@ impl Connection {
         self.waiter.set_mode(self.recv_key, ArmMode::Next)?;
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         let res = loop {
-            if let Err(e) = self.check_failed() {
+            if let Err(e) = self.check_can_send() {
                 break Err(e);
             }
             if self.can_send() {
@@ -571,8 +643,7 @@ impl Connection {
             }
         };
         self.waiter.set_mode(self.recv_key, self.config.recv_arm)?;
-        self.waiter
-            .set_mode(self.send_key, ArmMode::SolicitedOnly)?;
+        self.waiter.set_mode(self.send_key, self.send_arm())?;
         res
     }
 
@@ -626,10 +697,10 @@ impl Connection {
     }
 
     /// Closes gracefully: sends a close message after everything sent so far and waits (up to
-    /// `close_timeout`) until it is delivered. The peer receives everything, then
-    /// [`Failure::PeerClosed`].
+    /// `close_timeout`) until it is delivered, then writes [`GOODBYE`] on the bootstrap stream
+    /// and shuts it down. The peer receives everything, then [`Failure::PeerClosed`].
     pub fn close(mut self) -> Result<()> {
-        self.check_failed()?;
+        self.check_can_send()?;
         let timeout = self.config.close_timeout;
         self.wait_to_send(Some(timeout))?;
         let (imm, _) = self
@@ -641,7 +712,7 @@ impl Connection {
         let deadline = Instant::now() + timeout;
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         while self.qp.send_outstanding() > 0 {
-            self.check_failed()?;
+            self.check_can_send()?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Error::Timeout(timeout));
@@ -649,13 +720,27 @@ impl Connection {
             self.wait_once(Some(left))?;
         }
         self.failure = Some(Failure::Closed);
+        // The close message is delivered: say goodbye on the bootstrap stream, so that the
+        // peer reading its end waits for that message rather than calling us vanished.
+        let bootstrap = &self.waiter.channel().bootstrap;
+        let _ = (&*bootstrap).write_all(&[GOODBYE]);
+        let _ = bootstrap.shutdown(std::net::Shutdown::Both);
         Ok(())
     }
 
+    /// The failure, once every message that arrived before it has been delivered.
     fn check_failed(&self) -> Result<()> {
         match self.failure {
             Some(f) if self.ready.is_empty() => Err(f.into()),
             _ => Ok(()),
+        }
+    }
+
+    /// The failure, at once: nothing is sent after it.
+    fn check_can_send(&self) -> Result<()> {
+        match self.failure {
+            Some(f) => Err(f.into()),
+            None => Ok(()),
         }
     }
 
@@ -668,19 +753,26 @@ impl Connection {
         if !self.pool.going_to_sleep() {
             return self.progress();
         }
-        // A polling wait watches no descriptor: bound it so that liveness is checked.
-        let timeout = match self.config.policy {
-            Policy::Poll => Some(timeout.map_or(POLL_SLICE, |t| t.min(POLL_SLICE))),
-            _ => timeout,
+        // A polling wait watches no descriptor: bound it so that liveness is checked. A
+        // sleeping one wakes at least every `health_check` to poll for errors the provider
+        // did not signal.
+        let slice = match self.config.policy {
+            Policy::Poll => Some(POLL_SLICE),
+            _ => self.config.health_check,
+        };
+        let timeout = match (timeout, slice) {
+            (Some(t), Some(s)) => Some(t.min(s)),
+            (t, s) => t.or(s),
         };
         let mut got = std::mem::take(&mut self.completions);
-        let res = self
-            .waiter
-            .wait(timeout, &mut |key, wc| got.push((key, wc.clone())));
+        let res = self.wait_for_completions(timeout, &mut got);
         self.pool.awake(!matches!(res, Ok(n) if n > 0));
         self.completions = got;
-        let delivered = res?;
         self.handle_completions();
+        let delivered = match res {
+            Ok(n) => n,
+            Err(e) => return Err(self.local_failure("waiting for completions", e)),
+        };
         // Nothing delivered: a timeout, or one of the other descriptors (bootstrap stream,
         // async events) is readable. Look at them now; otherwise now and then.
         let liveness = delivered == 0 || self.liveness_due();
@@ -702,9 +794,27 @@ impl Connection {
         self.busy_steps % 16 == 0 && self.bootstrap_checked.elapsed() >= LIVENESS_EVERY
     }
 
-    /// After completions were handled: optionally looks for a vanished peer and asynchronous
-    /// events, then re-posts and grants.
+    /// The waiter's wait, or the injected fault of a test.
+    fn wait_for_completions(
+        &mut self,
+        timeout: Option<Duration>,
+        got: &mut Vec<(CqKey, WorkCompletion)>,
+    ) -> Result<usize> {
+        #[cfg(feature = "test-hooks")]
+        if self.fault == Some(Fault::Poll) {
+            return Err(injected_fault(Fault::Poll, self.qp.qp_num()));
+        }
+        Ok(self
+            .waiter
+            .wait(timeout, &mut |key, wc| got.push((key, wc.clone())))?)
+    }
+
+    /// After completions were handled: waits for the flushes of a failure, optionally looks
+    /// for a vanished peer and asynchronous events, then re-posts and grants.
     fn settle(&mut self, liveness: bool) -> Result<()> {
+        if self.failure.is_some() {
+            self.drain_flushes();
+        }
         if liveness {
             self.check_bootstrap();
             self.check_async_events()?;
@@ -712,7 +822,29 @@ impl Connection {
         self.maintain()
     }
 
+    /// Turns the error of a verb the connection drives into the sticky failure it stands for
+    /// (a queue that cannot be polled, armed or posted to now will not work later either), and
+    /// hands the error back for this call to report.
+    fn local_failure(&mut self, op: &'static str, e: Error) -> Error {
+        if let Some(known) = self.failure {
+            // Reported once; from then on the connection's failure says it.
+            return known.into();
+        }
+        let errno = errno_of(&e);
+        self.fail(Failure::Local { op, errno });
+        e
+    }
+
+    /// Records a failure and waits (bounded) for the flushes it causes.
     fn fail(&mut self, f: Failure) {
+        self.record_failure(f);
+        self.drain_flushes();
+    }
+
+    /// Records the first failure, tells the peer (the end of the bootstrap stream) and moves
+    /// the queue pair to the error state so that every posted buffer is flushed back. Polls
+    /// nothing: completions being handled right now keep their order.
+    fn record_failure(&mut self, f: Failure) {
         if self.failure.is_some() {
             return;
         }
@@ -725,111 +857,97 @@ impl Connection {
             .bootstrap
             .shutdown(std::net::Shutdown::Both);
         self.stop_watching_bootstrap();
-        // Flush whatever is outstanding so that every receive buffer comes back to its pool.
-        // The flushes are generated promptly; wait a bounded time for them. (Sends are not
-        // waited for: unsignaled sends that had already succeeded never complete again; their
-        // buffers go with the queue pair.)
         let _ = self.qp.to_error();
+    }
+
+    /// Waits (once, bounded) for the flushes of every posted receive, so that every receive
+    /// buffer comes back to its pool; successful receives found among them are delivered.
+    /// (Sends are not waited for: unsignaled sends that had already succeeded never complete
+    /// again; their buffers go with the queue pair.)
+    fn drain_flushes(&mut self) {
+        if std::mem::replace(&mut self.flushed, true) {
+            return;
+        }
         let until = Instant::now() + FLUSH_WAIT;
         while self.qp.recv_outstanding() > 0 && Instant::now() < until {
-            if !matches!(self.poll_and_handle(), Ok(n) if n > 0) {
-                std::thread::sleep(Duration::from_millis(1));
+            match self.poll_and_handle() {
+                Ok(0) => std::thread::sleep(Duration::from_millis(1)),
+                Ok(_) => {}
+                Err(_) => break,
             }
         }
-        let _ = self.poll_and_handle();
     }
 
     /// Polls both queues until empty and handles what they held; returns how many.
     fn poll_and_handle(&mut self) -> Result<usize> {
         let mut got = std::mem::take(&mut self.completions);
-        let polled = self
-            .waiter
-            .poll_all(&mut |key, wc| got.push((key, wc.clone())));
+        let polled = self.poll_completions(&mut got);
         self.completions = got;
         self.handle_completions();
-        Ok(polled?)
+        polled.map_err(|e| self.local_failure("polling the completion queues", e))
     }
 
+    /// The waiter's poll, or the injected fault of a test.
+    fn poll_completions(&mut self, got: &mut Vec<(CqKey, WorkCompletion)>) -> Result<usize> {
+        #[cfg(feature = "test-hooks")]
+        if self.fault == Some(Fault::Poll) {
+            return Err(injected_fault(Fault::Poll, self.qp.qp_num()));
+        }
+        Ok(self
+            .waiter
+            .poll_all(&mut |key, wc| got.push((key, wc.clone())))?)
+    }
+
+    /// Handles polled completions in the order polled (see the `inbound` module): whatever
+    /// arrived before a failure is delivered before the failure is reported.
     fn handle_completions(&mut self) {
         let mut got = std::mem::take(&mut self.completions);
-        // The first real error explains the flushes that follow it (a send that exhausted its
-        // retries moves the queue pair to error, which flushes the receives, and the receive
-        // queue is polled first): record it before any flush is looked at.
-        if self.failure.is_none() {
-            if let Some((_, wc)) = got
-                .iter()
-                .find(|(_, wc)| !wc.is_success() && wc.status() != WcStatus::WrFlushErr)
-            {
-                let f = Failure::of_completion(wc);
-                self.fail(f);
-            }
+        let recv_key = self.recv_key;
+        // Recording polls nothing, so the batch is still handled in order below.
+        if let Some(f) = Inbound::first_error(
+            self.failure,
+            got.iter()
+                .map(|(key, wc)| Completion::of(*key == recv_key, wc)),
+        ) {
+            self.record_failure(f);
         }
         for (key, wc) in got.drain(..) {
-            if key == self.recv_key {
-                self.on_recv(&wc);
+            let c = Completion::of(key == recv_key, &wc);
+            if c.recv {
+                self.on_recv(&c, &wc);
             } else {
                 self.send_bufs.extend(self.qp.complete_send(&wc));
-                if !wc.is_success() && wc.status() != WcStatus::WrFlushErr {
-                    self.fail(Failure::of_completion(&wc));
+                if let Some(f) = Inbound::on_send(&c) {
+                    self.record_failure(f);
                 }
             }
         }
         self.completions = got;
     }
 
-    fn on_recv(&mut self, wc: &WorkCompletion) {
+    fn on_recv(&mut self, c: &Completion, wc: &WorkCompletion) {
         let Some(buf) = self.qp.take_recv(wc) else {
             return;
         };
-        if !wc.is_success() {
-            self.pool.put_back(buf);
-            if wc.status() == WcStatus::WrFlushErr && self.failure.is_none() {
-                // Our queue pair is in error and nothing said why yet: an asynchronous event
-                // (a CQ overrun, a fatal QP error) may be waiting to.
-                let _ = self.check_async_events();
-            }
-            let f = if wc.status() == WcStatus::WrFlushErr {
-                Failure::QpError
-            } else {
-                Failure::of_completion(wc)
-            };
-            self.fail(f);
-            return;
-        }
-        if self.failure.is_some() || self.peer_closed {
-            self.pool.put_back(buf);
-            return;
-        }
-        let Some(word) = wc.imm_data() else {
-            self.pool.put_back(buf);
-            self.fail(Failure::MissingImm);
-            return;
-        };
-        let Some(imm) = Imm::decode(word) else {
-            self.pool.put_back(buf);
-            self.fail(Failure::Protocol(crate::credits::Violation::BadImm));
-            return;
-        };
-        match self.credits.on_receive(imm) {
-            Err(v) => {
-                self.pool.put_back(buf);
-                self.fail(Failure::Protocol(v));
-            }
-            Ok(true) => {
-                self.stats.grants_received += 1;
-                self.pool.put_back(buf);
-            }
-            Ok(false) if imm.flags & Imm::CLOSE != 0 => {
-                self.pool.put_back(buf);
-                // Its slot was a data credit: the buffer is re-posted but never returned.
-                self.peer_closed = true;
-                self.fail(Failure::PeerClosed);
-            }
-            Ok(false) => {
+        let (endpoint, mailbox) = (&self.endpoint, &self.mailbox);
+        // A flush nothing explains yet: an asynchronous event (a CQ overrun, a fatal QP error)
+        // may be waiting to.
+        let (action, failure) = self
+            .inbound
+            .on_recv(c, &mut self.credits, self.failure, || {
+                async_failure_of(endpoint, mailbox).ok().flatten()
+            });
+        match action {
+            RecvAction::Deliver => {
                 self.stats.received += 1;
                 let len = wc.byte_len() as usize;
                 self.ready.push_back(self.pool.lend(buf, len));
             }
+            RecvAction::Recycle => self.pool.put_back(buf),
+        }
+        self.stats.grants_received = self.inbound.grants;
+        if let Some(f) = failure {
+            self.record_failure(f);
         }
     }
 
@@ -855,7 +973,9 @@ impl Connection {
                     self.pool.put_back(b);
                 }
                 self.credits.on_reposted(e.posted as u32);
-                return Err(e.error.into());
+                return Err(
+                    self.local_failure("re-posting receives (ibv_post_recv)", e.error.into())
+                );
             }
             self.stats.refills += 1;
             self.credits.on_reposted(n as u32);
@@ -866,76 +986,220 @@ impl Connection {
                 self.post(SendRequest::empty(), grant.imm, grant.solicited)?;
             }
         }
-        // A full send queue holds back grants: hear of its completions.
-        let mode = if self.qp.send_outstanding() >= self.sq_depth {
-            ArmMode::Next
-        } else {
-            ArmMode::SolicitedOnly
-        };
+        let mode = self.send_arm();
         if self.waiter.mode(self.send_key)? != mode {
             self.waiter.set_mode(self.send_key, mode)?;
         }
         Ok(())
     }
 
+    /// How the send queue is armed: for any completion while sends are outstanding, so that
+    /// a send error wakes a sleeper (rxe never marks send-side errors solicited, although the
+    /// specification has every error completion fire a solicited-only arm) and a full send
+    /// queue does not hold back a due grant. Only signaled completions and errors fire it:
+    /// a streaming or request/response side pays one event per `signal_every` sends at most.
+    fn send_arm(&self) -> ArmMode {
+        if self.qp.send_outstanding() > 0 {
+            ArmMode::Next
+        } else {
+            ArmMode::SolicitedOnly
+        }
+    }
+
     /// Test hook: moves the queue pair to the error state behind the connection's back, as a
-    /// device fault would. Never call it otherwise.
+    /// device fault would.
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn break_queue_pair(&mut self) -> Result<()> {
         Ok(self.qp.to_error()?)
     }
 
-    /// Notices the end of the peer's bootstrap stream.
+    /// Test hook: makes a verb fail from now on, as on a queue that can no longer be used.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn inject_fault(&mut self, fault: Fault) {
+        self.fault = Some(fault);
+    }
+
+    /// Test hook: the raw queue pair, for a test that moves it to the error state from another
+    /// thread while the connection sleeps. Valid while the connection lives.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn raw_queue_pair(&self) -> *mut verbs_core::ffi::ibv_qp {
+        self.qp.as_raw()
+    }
+
+    /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`] may come:
+    /// the peer closed gracefully and its close message is delivered or on its way, so wait
+    /// for it up to `close_timeout`. End-of-file without it means the peer's process is gone
+    /// (a close message may still be in flight: wait 50 ms). Anything else is junk and fails
+    /// the connection at once ([`Failure::BootstrapGarbage`]), which also stops watching the
+    /// stream: junk costs one wake-up, not one per read.
     fn check_bootstrap(&mut self) {
         self.bootstrap_checked = Instant::now();
         let ch = self.waiter.channel();
         if !ch.watch_bootstrap {
             return;
         }
-        let mut byte = [0u8; 16];
-        let eof = match (&ch.bootstrap).read(&mut byte) {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        let mut buf = [0u8; 64];
+        let (n, eof) = match (&ch.bootstrap).read(&mut buf) {
+            Ok(0) => (0, true),
+            Ok(n) => (n, false),
+            Err(e) => (
+                0,
+                !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ),
+            ),
         };
-        if eof {
-            self.stop_watching_bootstrap();
-            // A close message may still be on its way through the RC path; give it a moment.
-            let until = Instant::now() + Duration::from_millis(50);
-            while !self.peer_closed && Instant::now() < until {
-                let _ = self.poll_and_handle();
-                if !self.peer_closed {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }
-            self.fail(Failure::PeerVanished);
+        let got = &buf[..n];
+        if let Some((_, &byte)) = got
+            .iter()
+            .enumerate()
+            .find(|&(i, &b)| i > 0 || b != GOODBYE)
+        {
+            self.fail(Failure::BootstrapGarbage { byte });
+            return;
         }
+        let goodbye = n == 1;
+        if !goodbye && !eof {
+            return;
+        }
+        self.stop_watching_bootstrap();
+        let grace = if goodbye {
+            self.config.close_timeout
+        } else {
+            Duration::from_millis(50)
+        };
+        let until = Instant::now() + grace;
+        while !self.inbound.peer_closed() && Instant::now() < until {
+            let _ = self.poll_and_handle();
+            if !self.inbound.peer_closed() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.fail(Failure::PeerVanished);
     }
 
     fn stop_watching_bootstrap(&mut self) {
         self.waiter.channel_mut().stop_watching_bootstrap();
     }
 
+    /// Fails the connection if an asynchronous event says it is broken.
     fn check_async_events(&mut self) -> Result<()> {
-        let qp_num = self.qp.qp_num();
-        let cqs = [
-            self.waiter.cq(self.recv_key)?.as_raw() as usize,
-            self.waiter.cq(self.send_key)?.as_raw() as usize,
-        ];
-        let events = self.endpoint.take_async_events(|el| match *el {
-            AsyncElement::Qp(n) => n == qp_num,
-            AsyncElement::Cq(addr) => cqs.contains(&addr),
-            _ => false,
-        })?;
-        for ev in events {
-            use verbs_core::AsyncEventKind as K;
-            if matches!(
-                ev.kind,
-                K::QpFatal | K::QpReqErr | K::QpAccessErr | K::CqErr
-            ) {
-                self.fail(Failure::AsyncEvent(ev.kind));
-            }
+        if let Some(f) = self.async_failure() {
+            self.fail(f);
         }
         Ok(())
+    }
+
+    /// Reads the device's pending asynchronous events (routing each to the connection it
+    /// concerns) and returns the failure the first fatal one of ours stands for: a fatal,
+    /// request or access error of our queue pair, an overrun of one of our CQs, a fatal
+    /// device error, or an error of our port.
+    fn async_failure(&mut self) -> Option<Failure> {
+        match async_failure_of(&self.endpoint, &self.mailbox) {
+            Ok(f) => f,
+            Err(e) => {
+                // The descriptor can no longer be read: nothing would tell us of device faults.
+                self.local_failure("reading asynchronous events", e);
+                None
+            }
+        }
+    }
+}
+
+/// Routes the device's pending asynchronous events and returns the failure the first fatal
+/// one in `mailbox` stands for: a fatal, request or access error of the queue pair, an
+/// overrun of a CQ, a fatal device error, or an error of the port.
+fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result<Option<Failure>> {
+    endpoint.route_async_events()?;
+    use verbs_core::AsyncEventKind as K;
+    Ok(mailbox.take().into_iter().find_map(|ev| {
+        matches!(
+            ev.kind,
+            K::QpFatal | K::QpReqErr | K::QpAccessErr | K::CqErr | K::DeviceFatal | K::PortErr
+        )
+        .then_some(Failure::AsyncEvent(ev.kind))
+    }))
+}
+
+/// The error number behind an error, if any of its sources is an OS error.
+fn errno_of(e: &(dyn std::error::Error + 'static)) -> Option<i32> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return io.raw_os_error();
+        }
+        cur = err.source();
+    }
+    None
+}
+
+/// Verbs a test can make fail (feature `test-hooks`).
+#[cfg(feature = "test-hooks")]
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Polling and waiting fail, as on a completion queue or channel that can no longer be
+    /// used.
+    Poll,
+    /// Posting a send fails (after its credit was taken).
+    Post,
+}
+
+/// What an injected fault reports: the error of a queue that can no longer be used (EIO, as
+/// a provider reports for a queue it can no longer reach).
+#[cfg(feature = "test-hooks")]
+fn injected_fault(fault: Fault, qp_num: u32) -> Error {
+    let source = std::io::Error::from_raw_os_error(5);
+    Error::Verbs(match fault {
+        Fault::Poll => verbs_core::Error::PollCq(source),
+        Fault::Post => verbs_core::Error::PostSend { qp_num, source },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retrying_receiver_not_ready_for_ever_is_refused() {
+        assert_eq!(Config::default().path.rnr_retry, 6, "finite by default");
+        let mut c = Config::default();
+        c.path.rnr_retry = 7;
+        assert!(matches!(c.check(), Err(Error::Config(m)) if m.contains("rnr_retry")));
+        c.path.rnr_retry = 6;
+        assert!(c.check().is_ok());
+    }
+
+    #[test]
+    fn the_health_check_is_bounded_and_can_be_turned_off() {
+        assert_eq!(Config::default().health_check, Some(Duration::from_secs(1)));
+        let mut c = Config {
+            health_check: Some(Duration::ZERO),
+            ..Config::default()
+        };
+        assert!(c.check().is_err());
+        c.health_check = None;
+        assert!(c.check().is_ok());
+    }
+
+    #[test]
+    fn errno_is_found_anywhere_in_the_chain() {
+        let e = Error::Verbs(verbs_core::Error::PollCq(
+            std::io::Error::from_raw_os_error(5),
+        ));
+        assert_eq!(errno_of(&e), Some(5));
+        assert_eq!(errno_of(&Error::Config("x".into())), None);
+        let f = Failure::Local {
+            op: "polling the completion queues",
+            errno: Some(5),
+        };
+        assert_eq!(
+            f.to_string(),
+            "polling the completion queues failed (Input/output error (os error 5))"
+        );
     }
 }

@@ -5,12 +5,14 @@ use std::net::{TcpListener, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use verbs_core::{
-    AsyncElement, AsyncEvent, Context, Gid, LinkLayer, Mtu, PortAttr, ProtectionDomain, QueuePair,
-    RemoteAddress, RtrAttr, RtsAttr,
+    AsyncElement, AsyncEventKind, Context, Gid, LinkLayer, Mtu, PortAttr, ProtectionDomain,
+    QueuePair, RemoteAddress, RtrAttr, RtsAttr,
 };
 
 use crate::addr::QpAddress;
+use crate::bootstrap::Listener;
 use crate::connection::{Config, Connection};
+use crate::events::{Mailbox, Router};
 use crate::{Error, Result};
 
 /// Which local GID to send from.
@@ -33,7 +35,11 @@ pub struct PathParams {
     /// Retries before `RetryExcErr`. Default 7: a dead peer is noticed by a sender within about
     /// half a second.
     pub retry_cnt: u8,
-    /// Retries after receiver-not-ready NAKs; 7 is "forever". Default 7 (credits prevent RNR).
+    /// Retries after receiver-not-ready NAKs, each after the peer's `min_rnr_timer`; 7 would
+    /// be "forever". Default 6: credits keep RNR from happening at all, so an RNR NAK means a
+    /// peer that lies about its buffers (or a credit bug), and it must surface as
+    /// `RnrRetryExcErr` (a few milliseconds with the default timer) rather than as a silent
+    /// hang.
     pub rnr_retry: u8,
     /// Delay a peer waits after our RNR NAK, IB-encoded. Default 12 (0.64 ms); **0 is 655 ms**.
     pub min_rnr_timer: u8,
@@ -47,7 +53,7 @@ impl Default for PathParams {
             mtu: None,
             timeout: 14,
             retry_cnt: 7,
-            rnr_retry: 7,
+            rnr_retry: 6,
             min_rnr_timer: 12,
             sl: 0,
         }
@@ -61,8 +67,8 @@ struct Inner {
     port_attr: PortAttr,
     gid_index: Option<u8>,
     gid: Gid,
-    /// Asynchronous events read from the context and not yet claimed by a connection.
-    async_events: Mutex<Vec<AsyncEvent>>,
+    /// Where asynchronous events read from the context go (see the `events` module).
+    router: Mutex<Router>,
 }
 
 /// One port of an opened device, shared by the connections made through it. Cheap to clone.
@@ -81,9 +87,6 @@ impl fmt::Debug for Endpoint {
             .finish()
     }
 }
-
-/// Most unclaimed asynchronous events kept.
-const ASYNC_BACKLOG: usize = 256;
 
 impl Endpoint {
     /// Opens `port` of `ctx`, picking the GID as `gid` says.
@@ -109,7 +112,7 @@ impl Endpoint {
                 port_attr,
                 gid_index,
                 gid,
-                async_events: Mutex::new(Vec::new()),
+                router: Mutex::new(Router::default()),
             }),
         })
     }
@@ -212,10 +215,7 @@ impl Endpoint {
             addr: format!("{addr:?}"),
             source,
         })?;
-        Ok(Listener {
-            endpoint: self.clone(),
-            tcp,
-        })
+        Listener::new(self.clone(), tcp)
     }
 
     /// Connects to a [`Listener`] at `addr`.
@@ -228,72 +228,35 @@ impl Endpoint {
             addr: format!("{addr:?}"),
             source,
         })?;
-        Connection::establish(self, stream, config)
+        crate::bootstrap::connect(self, stream, config)
     }
 
-    /// Reads pending asynchronous events into the backlog and takes out those `claims`
-    /// accepts.
-    pub(crate) fn take_async_events(
-        &self,
-        claims: impl Fn(&AsyncElement) -> bool,
-    ) -> Result<Vec<AsyncEvent>> {
-        let mut backlog = self
-            .inner
-            .async_events
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+    /// Routes asynchronous events to `mailbox` from now on: those naming `qp_num` or one of
+    /// the completion queues at addresses `cqs`, and device-wide failures.
+    pub(crate) fn register_async(&self, qp_num: u32, cqs: Vec<usize>, mailbox: &Arc<Mailbox>) {
+        self.router().register(qp_num, cqs, mailbox);
+    }
+
+    /// Reads every pending asynchronous event of the device and routes it to the mailbox of
+    /// the connection it concerns (device-wide failures to all), waking each recipient.
+    pub(crate) fn route_async_events(&self) -> Result<()> {
+        let mut router = self.router();
         while let Some(ev) = self.inner.ctx.get_async_event()? {
-            if backlog.len() == ASYNC_BACKLOG {
-                backlog.remove(0);
+            if ev.kind == AsyncEventKind::PortActive
+                && ev.element == AsyncElement::Port(self.inner.port)
+            {
+                router.port_active();
             }
-            backlog.push(ev);
+            router.route(ev, self.inner.port);
         }
-        let (mine, rest): (Vec<_>, Vec<_>) = backlog.drain(..).partition(|e| claims(&e.element));
-        *backlog = rest;
-        Ok(mine)
-    }
-}
-
-/// Accepts bootstrap connections for an [`Endpoint`].
-#[derive(Debug)]
-pub struct Listener {
-    endpoint: Endpoint,
-    tcp: TcpListener,
-}
-
-impl Listener {
-    /// The address listened on.
-    pub fn local_addr(&self) -> Result<std::net::SocketAddr> {
-        self.tcp.local_addr().map_err(|source| Error::Bootstrap {
-            stage: "reading the listening address",
-            source,
-        })
+        Ok(())
     }
 
-    /// Accepts one connection and runs the handshake. A peer that sends garbage, stalls, or
-    /// does not match is rejected with an error for this call only; the listener stays usable.
-    pub fn accept(&self, config: &Config) -> Result<Connection> {
-        let (stream, _) = self.tcp.accept().map_err(|source| Error::Bootstrap {
-            stage: "accepting",
-            source,
-        })?;
-        Connection::establish(&self.endpoint, stream, config)
-    }
-
-    /// Accepts one raw TCP stream, for protocols of your own (such as `ibv_rc_pingpong`'s).
-    pub fn accept_stream(&self) -> Result<std::net::TcpStream> {
-        self.tcp
-            .accept()
-            .map(|(s, _)| s)
-            .map_err(|source| Error::Bootstrap {
-                stage: "accepting",
-                source,
-            })
-    }
-
-    /// The endpoint.
-    pub fn endpoint(&self) -> &Endpoint {
-        &self.endpoint
+    fn router(&self) -> std::sync::MutexGuard<'_, Router> {
+        self.inner
+            .router
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 

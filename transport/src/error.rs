@@ -16,10 +16,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// A verb failed.
-    #[error("verbs call failed")]
+    #[error(transparent)]
     Verbs(#[from] verbs_core::Error),
     /// Waiting for completions failed.
-    #[error("completion wait failed")]
+    #[error(transparent)]
     Notify(#[from] notify::Error),
     /// The wake-up pipe of a receive pool could not be set up.
     #[error("cannot create the receive pool's wake-up pipe")]
@@ -76,7 +76,15 @@ pub enum Error {
     Timeout(Duration),
     /// The connection failed; every later call reports the same.
     #[error("connection failed: {0}")]
-    Connection(#[from] Failure),
+    Connection(Failure),
+}
+
+// By hand rather than `#[from]`, which would also make the failure the error's source and print
+// its text twice in a chain.
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Self {
+        Error::Connection(f)
+    }
 }
 
 /// Why a connection stopped working. Sticky: once failed, a connection keeps reporting it.
@@ -99,11 +107,12 @@ pub enum Failure {
     Closed,
     /// A work request completed with an error (for example `RetryExcErr`: the peer's queue
     /// pair no longer answers).
-    #[error("{opcode:?} completed with {status:?} (vendor error {vendor_err:#x})")]
+    #[error("a work request completed with {status:?} (vendor error {vendor_err:#x})")]
     Completion {
         /// Completion status.
         status: WcStatus,
-        /// Completion opcode.
+        /// Completion opcode (undefined on error completions, whose opcode the device may
+        /// leave unset).
         opcode: WcOpcode,
         /// Provider-specific error.
         vendor_err: u32,
@@ -117,6 +126,30 @@ pub enum Failure {
     /// A message without the immediate data every rdmsg message carries.
     #[error("protocol violation: message without immediate data")]
     MissingImm,
+    /// A verb the connection drives failed locally (a send or receive could not be posted,
+    /// a completion queue could not be polled or armed, the channel could not be waited on):
+    /// it would fail again, and credits taken for a lost post cannot be accounted for.
+    #[error("{op} failed{}", errno_suffix(*errno))]
+    Local {
+        /// What the connection was doing.
+        op: &'static str,
+        /// The OS error number, if the failure carried one.
+        errno: Option<i32>,
+    },
+    /// The peer wrote something other than a goodbye on the bootstrap stream after the
+    /// handshake: a buggy or hostile peer, or something else speaking on the stream.
+    #[error("protocol violation: unexpected byte {byte:#04x} on the bootstrap stream after the handshake")]
+    BootstrapGarbage {
+        /// The first unexpected byte.
+        byte: u8,
+    },
+}
+
+fn errno_suffix(errno: Option<i32>) -> String {
+    match errno {
+        Some(n) => format!(" ({})", io::Error::from_raw_os_error(n)),
+        None => String::new(),
+    }
 }
 
 impl Failure {

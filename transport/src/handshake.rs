@@ -1,36 +1,128 @@
-//! rdmsg's own connection handshake, sent over the bootstrap TCP stream.
+//! rdmsg's own connection handshake over the bootstrap TCP stream, as a pure state machine.
 //!
-//! Both sides write a [`Hello`] at once, read the peer's, check it, and write a one-byte
-//! verdict. Only when both verdicts are "accept" do the queue pairs go to RTR and RTS; a final
-//! "ready" byte each way guarantees that the peer is in RTR before the first send. The stream then
-//! stays open: its end-of-file is how a vanished peer process is noticed, and a graceful close
-//! writes [`GOODBYE`] first.
+//! [`Handshake`] does no I/O and reads no clock, like the cores of rustls and quinn-proto:
+//! bytes from the peer go in through [`Handshake::feed`] (at most [`Handshake::wanted`] at a
+//! time, so nothing that follows the handshake is swallowed), bytes for the peer come out of
+//! [`Handshake::output`], and what the driver must do in between comes out of
+//! [`Handshake::poll_action`]: set up and connect the queue pair, then report
+//! [`Handshake::local_ready`] (or [`Handshake::abort`]). Deadlines belong to the driver. The
+//! transport drives the connecting side with a blocking loop and the accepting side from the
+//! [`Listener`](crate::Listener)'s poll loop, where many handshakes proceed at once, each with
+//! its own deadline, so that a silent, slow or garbage-sending client delays nobody; a hub
+//! can drive the same machine from its own epoll.
+//!
+//! # The exchange (version 2)
+//!
+//! ```text
+//! client (QP in INIT, receives posted)                    server (nothing allocated)
+//!   ClientHello: header 'C', hello, nonce        ──▶  checks values, MTU, limits, key presence
+//!        ◀──  ServerHello: header 'A', hello (no QP address), nonce, MAC_s
+//!             or a header carrying a reject code (padded to 56 bytes): end
+//!   checks values, MTU, limits, MAC_s
+//!   'A', MAC_c   or a reject code: end           ──▶  checks MAC_c; only now creates its QP,
+//!                                                     posts its receives, registers its send
+//!                                                     buffers, moves to RTR and RTS
+//!        ◀──  'R', server QP address, MAC_f   or a reject code: end
+//!   checks MAC_f, registers its send buffers,
+//!   moves to RTR and RTS
+//!   'R'   or a reject code: end                  ──▶  done
+//! ```
+//!
+//! The client speaks first and the server allocates nothing until the client's hello passed
+//! every check (and, with a pre-shared key, until the client proved it knows the key), so a
+//! silent or forged client costs the server a socket and a few hundred bytes, nothing pinned.
+//! What a peer announces is bounded by [`Limits`] (from [`Config`](crate::Config)): its buffer
+//! size decides how much memory we register for sending to it. Each side ends in RTS and the
+//! server sends its "ready" (with its address) only from RTS, the client its own from RTS: so
+//! each knows the other is at least in RTR before its first send.
+//!
+//! The stream then stays open: its end-of-file is how a vanished peer process is noticed. On a
+//! graceful close a side writes [`GOODBYE`] (once its close message was delivered) before
+//! shutting the stream down; any other byte after the handshake is a protocol violation
+//! ([`Failure::BootstrapGarbage`](crate::Failure::BootstrapGarbage)).
+//!
+//! # Wire format
+//!
+//! All integers big-endian. A *header* is [`MAGIC`] (8 bytes), the version (2), a kind byte
+//! (`'C'` for a client hello, [`ACCEPT`] or a reject code for the server's answer) and a flags
+//! byte (bit 0: the sender has a pre-shared key). A *hello* is a header followed by 44 bytes:
+//! LID (2), QPN (4), PSN (4), GID (16), path MTU (4), buffer size (4), receive depth (4),
+//! initial credits (4), grant slots (1), zero (1) — [`HELLO_LEN`] in all. Nonces and MACs are
+//! 32 bytes. A server that rejects the client hello answers with a header carrying the reject
+//! code, padded with zeros to 56 bytes (so that a version 1 client, which reads 52 bytes, sees
+//! the other version). Later rejections are the reject code alone; see [`Reject::code`].
+//!
+//! # Pre-shared key
+//!
+//! With [`Config::psk`](crate::Config::psk) set on both sides, each proves it knows the key by
+//! an HMAC-SHA256 over the transcript: `MAC_s` over both hellos and both nonces, `MAC_c` over
+//! all of that plus `MAC_s`, `MAC_f` over all of that plus `MAC_c` and the server's queue pair
+//! address; each under its own label, so that no MAC can stand in for another, and checked in
+//! constant time. Fresh nonces on both sides make a recorded transcript useless. A side with a
+//! key meeting one without is rejected ([`Reject::KeyMissing`]), a wrong key
+//! ([`Reject::BadKey`]) too, on both sides. Without keys the nonce and MAC fields are sent but
+//! mean nothing. The key authenticates the peer; it does not encrypt or protect the stream
+//! afterwards.
 
-use std::io::{self, Read, Write};
+use std::fmt;
+use std::sync::Arc;
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use verbs_core::Gid;
 
 use crate::addr::QpAddress;
+use crate::Error;
 
 /// First bytes of every hello. An `ibv_rc_pingpong` record starts with hex digits instead.
 pub const MAGIC: [u8; 8] = *b"RDMSG\0HS";
 /// Version of the handshake and of the credit protocol it sets up.
-pub const VERSION: u16 = 1;
-/// Length of an encoded hello.
-pub const HELLO_LEN: usize = 52;
-/// Verdict byte: the peer's hello is acceptable.
+pub const VERSION: u16 = 2;
+/// Length of a header: magic, version, kind, flags.
+pub const HEADER_LEN: usize = 12;
+/// Length of an encoded hello, header included.
+pub const HELLO_LEN: usize = 56;
+/// Length of a nonce.
+pub const NONCE_LEN: usize = 32;
+/// Length of a MAC (HMAC-SHA256).
+pub const MAC_LEN: usize = 32;
+/// Length of the client's hello: hello and nonce.
+pub const CLIENT_HELLO_LEN: usize = HELLO_LEN + NONCE_LEN;
+/// Length of the server's accepting answer: hello, nonce, MAC.
+pub const SERVER_HELLO_LEN: usize = HELLO_LEN + NONCE_LEN + MAC_LEN;
+/// Kind byte of a client hello.
+pub const CLIENT_HELLO: u8 = b'C';
+/// Verdict byte: the peer's hello (or proof) is acceptable.
 pub const ACCEPT: u8 = b'A';
 /// Byte written once the queue pair is in RTS.
 pub const READY: u8 = b'R';
-/// Byte written on a graceful close, before shutting the stream down.
+/// Byte written on a graceful close, once the close message was delivered, before shutting
+/// the stream down. The only byte allowed after the handshake.
 pub const GOODBYE: u8 = b'G';
 
 /// Smallest receive buffer a peer may announce.
 pub const MIN_BUF_SIZE: u32 = 64;
-/// Largest receive buffer a peer may announce (1 GiB).
+/// Largest receive buffer a hello may carry at all (1 GiB); [`Limits`] bound it further.
 pub const MAX_BUF_SIZE: u32 = 1 << 30;
+/// Largest receive depth a hello may carry at all; [`Limits`] bound it further.
+pub const MAX_RECV_DEPTH: u32 = 0xff_ffff;
 /// Most grant slots a side may reserve (the grant echo counts modulo 256).
 pub const MAX_GRANT_SLOTS: u8 = 64;
+
+/// Flag bit: the sender has a pre-shared key.
+const FLAG_PSK: u8 = 0x01;
+/// Length of the hello after its header.
+const BODY_LEN: usize = HELLO_LEN - HEADER_LEN;
+/// Length of an encoded queue pair address.
+const ADDR_LEN: usize = 26;
+/// The client's answer to the server hello: verdict and MAC.
+const PROOF_LEN: usize = 1 + MAC_LEN;
+/// The server's last message: "ready", its address, MAC.
+const ADDRESS_LEN: usize = 1 + ADDR_LEN + MAC_LEN;
+
+const LABEL_SERVER: &[u8] = b"rdmsg handshake v2: server hello";
+const LABEL_CLIENT: &[u8] = b"rdmsg handshake v2: client proof";
+const LABEL_FINISH: &[u8] = b"rdmsg handshake v2: server address";
 
 /// What each side announces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +164,21 @@ pub enum Reject {
     /// The peer's path MTU differs from ours.
     #[error("path MTU mismatch")]
     Mtu,
+    /// The peer asks for more than our limits allow ([`Limits`]): bigger buffers or a deeper
+    /// receive queue than we accept, or buffers so big that not one send buffer fits in the
+    /// send memory allowed.
+    #[error("the peer's {0} exceeds our limit")]
+    Limits(&'static str),
+    /// One side has a pre-shared key and the other has none.
+    #[error("a pre-shared key is configured on one side only")]
+    KeyMissing,
+    /// The peer did not prove that it knows our pre-shared key.
+    #[error("pre-shared key authentication failed")]
+    BadKey,
+    /// The peer could not set up its side (creating, registering or connecting its queue
+    /// pair and buffers).
+    #[error("the peer could not set up its side of the connection")]
+    Resources,
     /// A verdict byte we do not know.
     #[error("unknown verdict {0:#04x}")]
     Unknown(u8),
@@ -85,11 +192,16 @@ impl Reject {
             Reject::Version { .. } => b'V',
             Reject::BadValue(_) => b'B',
             Reject::Mtu => b'T',
+            Reject::Limits(_) => b'L',
+            Reject::KeyMissing => b'K',
+            Reject::BadKey => b'P',
+            Reject::Resources => b'E',
             Reject::Unknown(c) => c,
         }
     }
 
-    /// The reason a verdict byte stands for (`None`: accepted).
+    /// The reason a verdict byte stands for (`None`: accepted). Details that do not travel
+    /// (which value, which limit) read as generic.
     pub fn from_code(code: u8) -> Option<Self> {
         match code {
             ACCEPT => None,
@@ -100,64 +212,18 @@ impl Reject {
             }),
             b'B' => Some(Reject::BadValue("value")),
             b'T' => Some(Reject::Mtu),
+            b'L' => Some(Reject::Limits("request")),
+            b'K' => Some(Reject::KeyMissing),
+            b'P' => Some(Reject::BadKey),
+            b'E' => Some(Reject::Resources),
             c => Some(Reject::Unknown(c)),
         }
     }
 }
 
 impl Hello {
-    /// Big-endian wire form.
-    pub fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut out = [0u8; HELLO_LEN];
-        out[0..8].copy_from_slice(&MAGIC);
-        out[8..10].copy_from_slice(&self.version.to_be_bytes());
-        out[10..12].copy_from_slice(&self.addr.lid.to_be_bytes());
-        out[12..16].copy_from_slice(&self.addr.qpn.to_be_bytes());
-        out[16..20].copy_from_slice(&self.addr.psn.to_be_bytes());
-        out[20..36].copy_from_slice(&self.addr.gid.0);
-        out[36..40].copy_from_slice(&self.mtu.to_be_bytes());
-        out[40..44].copy_from_slice(&self.buf_size.to_be_bytes());
-        out[44..48].copy_from_slice(&self.recv_depth.to_be_bytes());
-        out[48] = self.grant_slots;
-        out[49..52].copy_from_slice(&self.initial_credits.to_be_bytes()[1..]);
-        out
-    }
-
-    /// Parses and checks a hello; every field is range-checked.
-    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, Reject> {
-        if b[0..8] != MAGIC {
-            return Err(Reject::BadMagic);
-        }
-        let u16_at = |i: usize| u16::from_be_bytes([b[i], b[i + 1]]);
-        let u32_at = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let version = u16_at(8);
-        if version != VERSION {
-            return Err(Reject::Version {
-                peer: version,
-                ours: VERSION,
-            });
-        }
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[20..36]);
-        let hello = Self {
-            version,
-            addr: QpAddress {
-                lid: u16_at(10),
-                qpn: u32_at(12),
-                psn: u32_at(16),
-                gid: Gid(gid),
-            },
-            mtu: u32_at(36),
-            buf_size: u32_at(40),
-            recv_depth: u32_at(44),
-            grant_slots: b[48],
-            initial_credits: u32::from_be_bytes([0, b[49], b[50], b[51]]),
-        };
-        hello.check()?;
-        Ok(hello)
-    }
-
-    fn check(&self) -> Result<(), Reject> {
+    /// Checks that every field is in range.
+    pub fn check(&self) -> Result<(), Reject> {
         if self.addr.qpn > 0xff_ffff || self.addr.psn > 0xff_ffff {
             return Err(Reject::BadValue("queue pair number or PSN"));
         }
@@ -167,7 +233,7 @@ impl Hello {
         if !(MIN_BUF_SIZE..=MAX_BUF_SIZE).contains(&self.buf_size) {
             return Err(Reject::BadValue("buffer size"));
         }
-        if self.recv_depth == 0 || self.recv_depth > 0xff_ffff {
+        if self.recv_depth == 0 || self.recv_depth > MAX_RECV_DEPTH {
             return Err(Reject::BadValue("receive depth"));
         }
         if self.grant_slots < 3 || self.grant_slots > MAX_GRANT_SLOTS {
@@ -186,29 +252,628 @@ impl Hello {
         }
         Ok(())
     }
+
+    /// The hello as sent, with a header of `kind` and `flags`.
+    fn encode(&self, kind: u8, flags: u8) -> [u8; HELLO_LEN] {
+        let mut out = [0u8; HELLO_LEN];
+        out[..HEADER_LEN].copy_from_slice(&header(kind, flags));
+        let b = &mut out[HEADER_LEN..];
+        b[..ADDR_LEN].copy_from_slice(&encode_addr(&self.addr));
+        b[26..30].copy_from_slice(&self.mtu.to_be_bytes());
+        b[30..34].copy_from_slice(&self.buf_size.to_be_bytes());
+        b[34..38].copy_from_slice(&self.recv_depth.to_be_bytes());
+        b[38..42].copy_from_slice(&self.initial_credits.to_be_bytes());
+        b[42] = self.grant_slots;
+        out
+    }
+
+    /// Parses and range-checks the 44 bytes after a header of `version`.
+    fn decode_body(version: u16, b: &[u8]) -> Result<Self, Reject> {
+        debug_assert_eq!(b.len(), BODY_LEN);
+        let hello = Self {
+            version,
+            addr: decode_addr(&b[..ADDR_LEN]),
+            mtu: u32_at(b, 26),
+            buf_size: u32_at(b, 30),
+            recv_depth: u32_at(b, 34),
+            initial_credits: u32_at(b, 38),
+            grant_slots: b[42],
+        };
+        hello.check()?;
+        Ok(hello)
+    }
 }
 
-/// Reads exactly `buf.len()` bytes; `UnexpectedEof` if the peer closes first.
-pub(crate) fn read_exact(stream: &mut impl Read, buf: &mut [u8]) -> io::Result<()> {
-    stream.read_exact(buf)
+fn u32_at(b: &[u8], i: usize) -> u32 {
+    u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
 }
 
-/// Writes all of `buf`.
-pub(crate) fn write_all(stream: &mut impl Write, buf: &[u8]) -> io::Result<()> {
-    stream.write_all(buf)?;
-    stream.flush()
+fn header(kind: u8, flags: u8) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..8].copy_from_slice(&MAGIC);
+    h[8..10].copy_from_slice(&VERSION.to_be_bytes());
+    h[10] = kind;
+    h[11] = flags;
+    h
+}
+
+/// Magic, version, kind and flags of a header.
+fn parse_header(h: &[u8]) -> Result<(u16, u8, u8), Reject> {
+    if h[..8] != MAGIC {
+        return Err(Reject::BadMagic);
+    }
+    Ok((u16::from_be_bytes([h[8], h[9]]), h[10], h[11]))
+}
+
+fn encode_addr(a: &QpAddress) -> [u8; ADDR_LEN] {
+    let mut b = [0u8; ADDR_LEN];
+    b[0..2].copy_from_slice(&a.lid.to_be_bytes());
+    b[2..6].copy_from_slice(&a.qpn.to_be_bytes());
+    b[6..10].copy_from_slice(&a.psn.to_be_bytes());
+    b[10..26].copy_from_slice(&a.gid.0);
+    b
+}
+
+fn decode_addr(b: &[u8]) -> QpAddress {
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(&b[10..26]);
+    QpAddress {
+        lid: u16::from_be_bytes([b[0], b[1]]),
+        qpn: u32_at(b, 2),
+        psn: u32_at(b, 6),
+        gid: Gid(gid),
+    }
+}
+
+/// What a peer's hello may ask of us. Its buffer size is the size of each of our send
+/// buffers, so it decides how much memory we register for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest receive buffer the peer may announce.
+    pub max_buf_size: u32,
+    /// Deepest receive queue (and so most initial credits) the peer may announce.
+    pub max_recv_depth: u32,
+    /// Most memory registered for send buffers.
+    pub max_send_memory: u64,
+    /// Send buffers wanted (the send queue depth).
+    pub send_depth: u32,
+}
+
+impl Limits {
+    /// Checks `peer` against the limits; returns how many send buffers of the peer's buffer
+    /// size to register: `send_depth`, or fewer if that many would exceed `max_send_memory`
+    /// (at least one).
+    pub fn check(&self, peer: &Hello) -> Result<u32, Reject> {
+        if peer.buf_size > self.max_buf_size {
+            return Err(Reject::Limits("buffer size"));
+        }
+        if peer.recv_depth > self.max_recv_depth {
+            return Err(Reject::Limits("receive depth"));
+        }
+        let fit = self.max_send_memory / u64::from(peer.buf_size.max(1));
+        match u32::try_from(fit.min(u64::from(self.send_depth))) {
+            Ok(0) | Err(_) => Err(Reject::Limits("buffer size")),
+            Ok(n) => Ok(n),
+        }
+    }
+}
+
+/// A pre-shared key for authenticating handshakes. Its `Debug` shows the length only.
+///
+/// Use at least [`Psk::MIN_LEN`] random bytes (32 are best). The bytes are kept in memory
+/// for the life of every `Config` holding the key, and not zeroed on drop.
+#[derive(Clone)]
+pub struct Psk(Arc<[u8]>);
+
+impl Psk {
+    /// Shortest key a [`Config`](crate::Config) accepts.
+    pub const MIN_LEN: usize = 16;
+
+    /// A key of these bytes.
+    pub fn new(key: impl AsRef<[u8]>) -> Self {
+        Self(Arc::from(key.as_ref()))
+    }
+
+    /// Length of the key in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the key is empty (a `Config` rejects it).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn hmac(&self, label: &[u8], parts: &[&[u8]]) -> Hmac<Sha256> {
+        let mut mac =
+            Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC accepts keys of any length");
+        mac.update(label);
+        for p in parts {
+            mac.update(p);
+        }
+        mac
+    }
+
+    fn mac(&self, label: &[u8], parts: &[&[u8]]) -> [u8; MAC_LEN] {
+        self.hmac(label, parts).finalize().into_bytes().into()
+    }
+
+    /// Constant-time comparison of `tag` with the MAC of `parts`.
+    fn verify(&self, label: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
+        self.hmac(label, parts).verify_slice(tag).is_ok()
+    }
+}
+
+impl fmt::Debug for Psk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Psk({} bytes, redacted)", self.0.len())
+    }
+}
+
+/// What the driver of a [`Handshake`] must do before the exchange can go on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Action {
+    /// Set up the local side towards `peer`: on the server create the queue pair and post
+    /// its receives first; register `send_buffers` send buffers of `peer.buf_size` bytes,
+    /// move the queue pair to RTR and RTS, then call [`Handshake::local_ready`] with its
+    /// address, or [`Handshake::abort`] if that failed.
+    Connect {
+        /// The peer's hello, its queue pair address included.
+        peer: Hello,
+        /// Send buffers to register (see [`Limits::check`]).
+        send_buffers: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Server: reading the client hello.
+    ClientHello,
+    /// Client: reading the server hello (or its rejection).
+    ServerHello,
+    /// Server: reading the client's verdict and proof.
+    Proof,
+    /// Client: reading the server's address (or its rejection).
+    Address,
+    /// Both: waiting for the driver to connect the queue pair.
+    Connecting,
+    /// Server: reading the client's "ready".
+    Ready,
+    /// Finished: the queue pairs are connected.
+    Done,
+    /// Failed; the output may still hold a reject code for the peer.
+    Failed,
+}
+
+/// Which side rejected.
+enum Fail {
+    /// We reject the peer (and tell it).
+    Ours(Reject),
+    /// The peer rejected us.
+    Theirs(Reject),
+}
+
+/// One side of the handshake: a byte-in, bytes-and-actions-out state machine (see the module
+/// docs). A driver loops:
+///
+/// 1. write out [`output`](Self::output) and [`consume_output`](Self::consume_output) what
+///    was written (also after an error: it may hold the reject code that tells the peer why);
+/// 2. serve [`poll_action`](Self::poll_action);
+/// 3. stop when [`is_done`](Self::is_done);
+/// 4. otherwise read at most [`wanted`](Self::wanted) bytes from the peer and
+///    [`feed`](Self::feed) them, or give up when the deadline passes.
+pub struct Handshake {
+    is_server: bool,
+    state: State,
+    /// Our hello; on the server its address is filled in by `local_ready`.
+    ours: Hello,
+    limits: Limits,
+    psk: Option<Psk>,
+    nonce: [u8; NONCE_LEN],
+    /// The peer's hello once checked (on the client, its address arrives last).
+    peer: Option<Hello>,
+    send_buffers: u32,
+    /// Client hello, server hello and client proof as sent, for the MACs.
+    transcript: Vec<u8>,
+    inbuf: [u8; SERVER_HELLO_LEN],
+    have: usize,
+    out: Vec<u8>,
+    action: Option<Action>,
+}
+
+impl fmt::Debug for Handshake {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handshake")
+            .field("state", &self.state)
+            .field("ours", &self.ours)
+            .field("peer", &self.peer)
+            .field("psk", &self.psk)
+            .field("have", &self.have)
+            .field("output", &self.out.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Handshake {
+    /// The connecting side, announcing `ours` (its queue pair already exists, in INIT with
+    /// its receives posted); `nonce` must be fresh random bytes. The client hello is queued
+    /// for output at once.
+    pub fn client(ours: Hello, limits: Limits, psk: Option<Psk>, nonce: [u8; NONCE_LEN]) -> Self {
+        let mut hs = Self::new(State::ServerHello, ours, limits, psk, nonce);
+        let mut hello = [0u8; CLIENT_HELLO_LEN];
+        hello[..HELLO_LEN].copy_from_slice(&ours.encode(CLIENT_HELLO, hs.flags()));
+        hello[HELLO_LEN..].copy_from_slice(&nonce);
+        hs.transcript.extend_from_slice(&hello);
+        hs.out.extend_from_slice(&hello);
+        hs
+    }
+
+    /// The accepting side, announcing `ours` (its address is ignored: the queue pair is
+    /// created only once the client passed, see [`Action::Connect`]); `nonce` must be fresh
+    /// random bytes.
+    pub fn server(ours: Hello, limits: Limits, psk: Option<Psk>, nonce: [u8; NONCE_LEN]) -> Self {
+        Self::new(State::ClientHello, ours, limits, psk, nonce)
+    }
+
+    fn new(
+        state: State,
+        ours: Hello,
+        limits: Limits,
+        psk: Option<Psk>,
+        nonce: [u8; NONCE_LEN],
+    ) -> Self {
+        Self {
+            is_server: state == State::ClientHello,
+            state,
+            ours,
+            limits,
+            psk,
+            nonce,
+            peer: None,
+            send_buffers: 0,
+            transcript: Vec::with_capacity(CLIENT_HELLO_LEN + SERVER_HELLO_LEN + MAC_LEN),
+            inbuf: [0; SERVER_HELLO_LEN],
+            have: 0,
+            out: Vec::new(),
+            action: None,
+        }
+    }
+
+    fn flags(&self) -> u8 {
+        if self.psk.is_some() {
+            FLAG_PSK
+        } else {
+            0
+        }
+    }
+
+    /// Bytes to send to the peer.
+    pub fn output(&self) -> &[u8] {
+        &self.out
+    }
+
+    /// Marks the first `n` bytes of [`output`](Self::output) as sent.
+    pub fn consume_output(&mut self, n: usize) {
+        self.out.drain(..n.min(self.out.len()));
+    }
+
+    /// What the driver must do now, if anything (returned once).
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.action.take()
+    }
+
+    /// Whether the handshake completed: both queue pairs are connected.
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// Whether the handshake failed (an error was returned).
+    pub fn is_failed(&self) -> bool {
+        self.state == State::Failed
+    }
+
+    /// The peer's hello once it passed our checks (on the client its address is all zero
+    /// until the server's address arrived).
+    pub fn peer(&self) -> Option<&Hello> {
+        self.peer.as_ref()
+    }
+
+    /// Bytes the machine needs to make progress: read at most this many from the peer.
+    /// 0 while it waits for output to be sent, for the driver, or is finished.
+    pub fn wanted(&self) -> usize {
+        let (checkpoint, total) = match self.state {
+            State::ClientHello => (HEADER_LEN, CLIENT_HELLO_LEN),
+            State::ServerHello => (HEADER_LEN, SERVER_HELLO_LEN),
+            State::Proof => (1, PROOF_LEN),
+            State::Address => (1, ADDRESS_LEN),
+            State::Ready => (1, 1),
+            State::Connecting | State::Done | State::Failed => return 0,
+        };
+        if self.have < checkpoint {
+            checkpoint - self.have
+        } else {
+            total - self.have
+        }
+    }
+
+    /// What the machine is waiting for, for error messages.
+    pub fn stage(&self) -> &'static str {
+        match self.state {
+            State::ClientHello => "reading the client's hello",
+            State::ServerHello => "reading the server's hello",
+            State::Proof => "reading the client's verdict",
+            State::Address => "reading the server's address",
+            State::Connecting => "connecting the queue pair",
+            State::Ready => "waiting for the client's ready",
+            State::Done => "done",
+            State::Failed => "failed",
+        }
+    }
+
+    /// Takes bytes from the peer; returns how many were used (never more than
+    /// [`wanted`](Self::wanted) allowed, so bytes past the handshake are left alone).
+    /// An error ends the handshake: [`Error::BadHandshake`] when we reject the peer (the
+    /// reject code is queued for output), [`Error::Rejected`] when the peer rejected us.
+    pub fn feed(&mut self, mut input: &[u8]) -> Result<usize, Error> {
+        let mut used = 0;
+        loop {
+            let want = self.wanted();
+            if want == 0 || input.is_empty() {
+                return Ok(used);
+            }
+            let n = want.min(input.len());
+            self.inbuf[self.have..self.have + n].copy_from_slice(&input[..n]);
+            self.have += n;
+            used += n;
+            input = &input[n..];
+            if n == want {
+                if let Err(f) = self.step() {
+                    let e = match f {
+                        Fail::Ours(r) => {
+                            self.tell(r);
+                            Error::BadHandshake(r)
+                        }
+                        Fail::Theirs(r) => Error::Rejected(r),
+                    };
+                    self.state = State::Failed;
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// The local queue pair is connected to the peer (in RTS, its send buffers registered);
+    /// `local` is its address. Queues our "ready".
+    pub fn local_ready(&mut self, local: QpAddress) {
+        if self.state != State::Connecting {
+            return;
+        }
+        if self.is_server {
+            self.ours.addr = local;
+            let addr = encode_addr(&local);
+            let mac = match &self.psk {
+                Some(k) => k.mac(LABEL_FINISH, &[&self.transcript, &addr]),
+                None => [0; MAC_LEN],
+            };
+            self.out.push(READY);
+            self.out.extend_from_slice(&addr);
+            self.out.extend_from_slice(&mac);
+            self.state = State::Ready;
+            self.have = 0;
+        } else {
+            self.out.push(READY);
+            self.state = State::Done;
+        }
+    }
+
+    /// Setting up the local side failed: tells the peer `reason` (typically
+    /// [`Reject::Resources`]) and ends the handshake.
+    pub fn abort(&mut self, reason: Reject) {
+        if !matches!(self.state, State::Done | State::Failed) {
+            self.tell(reason);
+            self.state = State::Failed;
+        }
+    }
+
+    /// Queues a reject code where the peer expects our next message.
+    fn tell(&mut self, r: Reject) {
+        if self.state == State::ClientHello {
+            // The server's first answer is a header; pad it to a whole hello so that a
+            // version 1 client, which reads 52 bytes, sees the version.
+            let mut reply = [0u8; HELLO_LEN];
+            reply[..HEADER_LEN].copy_from_slice(&header(r.code(), self.flags()));
+            self.out.extend_from_slice(&reply);
+        } else {
+            self.out.push(r.code());
+        }
+    }
+
+    fn step(&mut self) -> Result<(), Fail> {
+        match self.state {
+            State::ClientHello => self.on_client_hello(),
+            State::ServerHello => self.on_server_hello(),
+            State::Proof => self.on_proof(),
+            State::Address => self.on_address(),
+            State::Ready => self.on_ready(),
+            State::Connecting | State::Done | State::Failed => Ok(()),
+        }
+    }
+
+    fn on_client_hello(&mut self) -> Result<(), Fail> {
+        let (version, kind, flags) = parse_header(&self.inbuf[..HEADER_LEN]).map_err(Fail::Ours)?;
+        if version != VERSION {
+            return Err(Fail::Ours(Reject::Version {
+                peer: version,
+                ours: VERSION,
+            }));
+        }
+        if kind != CLIENT_HELLO {
+            return Err(Fail::Ours(Reject::BadValue("message kind")));
+        }
+        if self.have < CLIENT_HELLO_LEN {
+            return Ok(());
+        }
+        let peer =
+            Hello::decode_body(version, &self.inbuf[HEADER_LEN..HELLO_LEN]).map_err(Fail::Ours)?;
+        if (flags & FLAG_PSK != 0) != self.psk.is_some() {
+            return Err(Fail::Ours(Reject::KeyMissing));
+        }
+        self.ours.check_peer(&peer).map_err(Fail::Ours)?;
+        self.send_buffers = self.limits.check(&peer).map_err(Fail::Ours)?;
+        self.transcript
+            .extend_from_slice(&self.inbuf[..CLIENT_HELLO_LEN]);
+        let mut answer = [0u8; SERVER_HELLO_LEN];
+        let mut ours = self.ours;
+        ours.addr = QpAddress {
+            lid: 0,
+            qpn: 0,
+            psn: 0,
+            gid: Gid([0; 16]),
+        };
+        answer[..HELLO_LEN].copy_from_slice(&ours.encode(ACCEPT, self.flags()));
+        answer[HELLO_LEN..CLIENT_HELLO_LEN].copy_from_slice(&self.nonce);
+        if let Some(k) = &self.psk {
+            let mac = k.mac(
+                LABEL_SERVER,
+                &[&self.transcript, &answer[..CLIENT_HELLO_LEN]],
+            );
+            answer[CLIENT_HELLO_LEN..].copy_from_slice(&mac);
+        }
+        self.transcript.extend_from_slice(&answer);
+        self.out.extend_from_slice(&answer);
+        self.peer = Some(peer);
+        self.state = State::Proof;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_server_hello(&mut self) -> Result<(), Fail> {
+        let (version, kind, flags) = parse_header(&self.inbuf[..HEADER_LEN]).map_err(Fail::Ours)?;
+        if version != VERSION {
+            return Err(Fail::Ours(Reject::Version {
+                peer: version,
+                ours: VERSION,
+            }));
+        }
+        if kind != ACCEPT {
+            return Err(Fail::Theirs(
+                Reject::from_code(kind).unwrap_or(Reject::Unknown(kind)),
+            ));
+        }
+        if self.have < SERVER_HELLO_LEN {
+            return Ok(());
+        }
+        let peer =
+            Hello::decode_body(version, &self.inbuf[HEADER_LEN..HELLO_LEN]).map_err(Fail::Ours)?;
+        if (flags & FLAG_PSK != 0) != self.psk.is_some() {
+            return Err(Fail::Ours(Reject::KeyMissing));
+        }
+        self.ours.check_peer(&peer).map_err(Fail::Ours)?;
+        self.send_buffers = self.limits.check(&peer).map_err(Fail::Ours)?;
+        if let Some(k) = &self.psk {
+            let (signed, tag) = self.inbuf.split_at(CLIENT_HELLO_LEN);
+            if !k.verify(LABEL_SERVER, &[&self.transcript, signed], tag) {
+                return Err(Fail::Ours(Reject::BadKey));
+            }
+        }
+        self.transcript.extend_from_slice(&self.inbuf);
+        let mac = match &self.psk {
+            Some(k) => k.mac(LABEL_CLIENT, &[&self.transcript]),
+            None => [0; MAC_LEN],
+        };
+        self.transcript.extend_from_slice(&mac);
+        self.out.push(ACCEPT);
+        self.out.extend_from_slice(&mac);
+        self.peer = Some(peer);
+        self.state = State::Address;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_proof(&mut self) -> Result<(), Fail> {
+        let verdict = self.inbuf[0];
+        if verdict != ACCEPT {
+            return Err(Fail::Theirs(
+                Reject::from_code(verdict).unwrap_or(Reject::Unknown(verdict)),
+            ));
+        }
+        if self.have < PROOF_LEN {
+            return Ok(());
+        }
+        let tag = &self.inbuf[1..PROOF_LEN];
+        if let Some(k) = &self.psk {
+            if !k.verify(LABEL_CLIENT, &[&self.transcript], tag) {
+                return Err(Fail::Ours(Reject::BadKey));
+            }
+        }
+        self.transcript.extend_from_slice(&self.inbuf[1..PROOF_LEN]);
+        let peer = self.peer.expect("checked with the client hello");
+        self.action = Some(Action::Connect {
+            peer,
+            send_buffers: self.send_buffers,
+        });
+        self.state = State::Connecting;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_address(&mut self) -> Result<(), Fail> {
+        let verdict = self.inbuf[0];
+        if verdict != READY {
+            return Err(Fail::Theirs(
+                Reject::from_code(verdict).unwrap_or(Reject::Unknown(verdict)),
+            ));
+        }
+        if self.have < ADDRESS_LEN {
+            return Ok(());
+        }
+        let addr = &self.inbuf[1..1 + ADDR_LEN];
+        if let Some(k) = &self.psk {
+            if !k.verify(
+                LABEL_FINISH,
+                &[&self.transcript, addr],
+                &self.inbuf[1 + ADDR_LEN..ADDRESS_LEN],
+            ) {
+                return Err(Fail::Ours(Reject::BadKey));
+            }
+        }
+        let mut peer = self.peer.expect("checked with the server hello");
+        peer.addr = decode_addr(addr);
+        peer.check().map_err(Fail::Ours)?;
+        self.peer = Some(peer);
+        self.action = Some(Action::Connect {
+            peer,
+            send_buffers: self.send_buffers,
+        });
+        self.state = State::Connecting;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_ready(&mut self) -> Result<(), Fail> {
+        match self.inbuf[0] {
+            READY => {
+                self.state = State::Done;
+                Ok(())
+            }
+            c => Err(Fail::Theirs(
+                Reject::from_code(c).unwrap_or(Reject::Unknown(c)),
+            )),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn hello() -> Hello {
+    fn hello(qpn: u32) -> Hello {
         Hello {
             version: VERSION,
             addr: QpAddress {
                 lid: 0,
-                qpn: 0x12,
+                qpn,
                 psn: 0xabcdef,
                 gid: Gid([7; 16]),
             },
@@ -220,56 +885,411 @@ mod tests {
         }
     }
 
-    #[test]
-    fn round_trips() {
-        let h = hello();
-        assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+    fn limits() -> Limits {
+        Limits {
+            max_buf_size: 1 << 20,
+            max_recv_depth: 65_535,
+            max_send_memory: 64 << 20,
+            send_depth: 64,
+        }
+    }
+
+    fn key(b: u8) -> Option<Psk> {
+        Some(Psk::new([b; 32]))
+    }
+
+    const CLIENT_QPN: u32 = 0x12;
+    const SERVER_QPN: u32 = 0x34;
+
+    fn client(psk: Option<Psk>, nonce: u8) -> Handshake {
+        Handshake::client(hello(CLIENT_QPN), limits(), psk, [nonce; NONCE_LEN])
+    }
+
+    fn server(psk: Option<Psk>, nonce: u8) -> Handshake {
+        Handshake::server(hello(0), limits(), psk, [nonce; NONCE_LEN])
+    }
+
+    /// What happened when two machines talked.
+    #[derive(Debug, Default)]
+    struct Run {
+        client_err: Option<Error>,
+        server_err: Option<Error>,
+        /// `Connect` actions the server asked for (it allocates only then).
+        server_connects: Vec<Action>,
+        client_connects: Vec<Action>,
+        /// Everything each side sent.
+        c2s: Vec<u8>,
+        s2c: Vec<u8>,
+    }
+
+    /// Serves one side's action, as a driver would.
+    fn serve(hs: &mut Handshake, qpn: u32, seen: &mut Vec<Action>) {
+        if let Some(a) = hs.poll_action() {
+            seen.push(a);
+            let mut addr = hello(qpn).addr;
+            addr.qpn = qpn;
+            hs.local_ready(addr);
+        }
+    }
+
+    /// Feeds `side` from `queue` in chunks of at most `chunk` bytes; records its error.
+    fn pump(side: &mut Handshake, queue: &mut Vec<u8>, chunk: usize, err: &mut Option<Error>) {
+        while err.is_none() && side.wanted() > 0 && !queue.is_empty() {
+            let n = chunk.min(queue.len());
+            match side.feed(&queue[..n]) {
+                Ok(used) => {
+                    queue.drain(..used);
+                    if used == 0 {
+                        break;
+                    }
+                }
+                Err(e) => *err = Some(e),
+            }
+        }
+    }
+
+    /// Drives a client and a server against each other until neither moves, shuttling
+    /// `chunk` bytes at a time.
+    fn talk(mut c: Handshake, mut s: Handshake, chunk: usize) -> (Handshake, Handshake, Run) {
+        let mut run = Run::default();
+        let (mut to_server, mut to_client) = (Vec::new(), Vec::new());
+        for _ in 0..10_000 {
+            serve(&mut c, CLIENT_QPN, &mut run.client_connects);
+            serve(&mut s, SERVER_QPN, &mut run.server_connects);
+            let (co, so) = (c.output().to_vec(), s.output().to_vec());
+            c.consume_output(co.len());
+            s.consume_output(so.len());
+            run.c2s.extend_from_slice(&co);
+            run.s2c.extend_from_slice(&so);
+            to_server.extend_from_slice(&co);
+            to_client.extend_from_slice(&so);
+            let before = (to_server.len(), to_client.len());
+            pump(&mut s, &mut to_server, chunk, &mut run.server_err);
+            pump(&mut c, &mut to_client, chunk, &mut run.client_err);
+            let idle = co.is_empty()
+                && so.is_empty()
+                && before == (to_server.len(), to_client.len())
+                && c.output().is_empty()
+                && s.output().is_empty();
+            if idle {
+                return (c, s, run);
+            }
+        }
+        panic!("the handshake never went idle");
+    }
+
+    fn assert_connected(c: &Handshake, s: &Handshake, run: &Run) {
+        assert!(
+            run.client_err.is_none() && run.server_err.is_none(),
+            "{run:?}"
+        );
+        assert!(c.is_done() && s.is_done());
+        assert_eq!(c.peer().unwrap().addr.qpn, SERVER_QPN);
+        assert_eq!(s.peer().unwrap(), &hello(CLIENT_QPN));
+        assert_eq!(run.server_connects.len(), 1);
+        assert_eq!(run.client_connects.len(), 1);
+        // Nothing after the handshake is taken.
+        assert_eq!((c.wanted(), s.wanted()), (0, 0));
     }
 
     #[test]
-    fn rejects_what_it_should() {
-        let mut pingpong = [0u8; HELLO_LEN];
-        pingpong.copy_from_slice(
-            &QpAddress {
-                lid: 0,
-                qpn: 1,
-                psn: 2,
-                gid: Gid([0; 16]),
-            }
-            .to_record(),
-        );
-        assert_eq!(Hello::decode(&pingpong), Err(Reject::BadMagic));
-        let mut v2 = hello().encode();
-        v2[9] = 2;
-        assert_eq!(
-            Hello::decode(&v2),
-            Err(Reject::Version { peer: 2, ours: 1 })
-        );
-        type Breaker = fn(&mut Hello);
-        let cases: [(Breaker, &str); 6] = [
-            (|h| h.mtu = 1000, "MTU"),
-            (|h| h.buf_size = 8, "buffer size"),
-            (|h| h.recv_depth = 0, "receive depth"),
-            (|h| h.grant_slots = 1, "grant slots"),
-            (|h| h.initial_credits = 65, "initial credits"),
-            (|h| h.addr.psn = 0x100_0000, "queue pair number or PSN"),
-        ];
-        for (break_it, what) in cases {
-            let mut h = hello();
-            break_it(&mut h);
-            assert_eq!(Hello::decode(&h.encode()), Err(Reject::BadValue(what)));
+    fn connects_without_keys_whole_or_byte_by_byte() {
+        for chunk in [usize::MAX, 1, 7] {
+            let (c, s, run) = talk(client(None, 1), server(None, 2), chunk);
+            assert_connected(&c, &s, &run);
+            assert_eq!(
+                run.server_connects[0],
+                Action::Connect {
+                    peer: hello(CLIENT_QPN),
+                    send_buffers: 64
+                }
+            );
+            assert_eq!(
+                run.c2s.len(),
+                CLIENT_HELLO_LEN + PROOF_LEN + 1,
+                "client hello, proof, ready"
+            );
+            assert_eq!(run.s2c.len(), SERVER_HELLO_LEN + ADDRESS_LEN);
         }
-        let mut other = hello();
-        other.mtu = 4096;
-        assert_eq!(hello().check_peer(&other), Err(Reject::Mtu));
+    }
+
+    #[test]
+    fn the_right_key_connects() {
+        for chunk in [usize::MAX, 1] {
+            let (c, s, run) = talk(client(key(9), 1), server(key(9), 2), chunk);
+            assert_connected(&c, &s, &run);
+        }
+    }
+
+    #[test]
+    fn a_wrong_key_is_rejected_on_both_sides_before_the_server_allocates() {
+        let (c, s, run) = talk(client(key(1), 1), server(key(2), 2), usize::MAX);
+        // The client checks the server's MAC first.
+        assert!(
+            matches!(run.client_err, Some(Error::BadHandshake(Reject::BadKey))),
+            "{run:?}"
+        );
+        assert!(
+            matches!(run.server_err, Some(Error::Rejected(Reject::BadKey))),
+            "{run:?}"
+        );
+        assert!(run.server_connects.is_empty() && run.client_connects.is_empty());
+        assert!(c.is_failed() && s.is_failed());
+    }
+
+    #[test]
+    fn a_key_on_one_side_only_is_rejected_on_both_sides() {
+        for (ck, sk) in [(key(1), None), (None, key(1))] {
+            let (_, _, run) = talk(client(ck, 1), server(sk, 2), usize::MAX);
+            assert!(
+                matches!(
+                    run.server_err,
+                    Some(Error::BadHandshake(Reject::KeyMissing))
+                ),
+                "{run:?}"
+            );
+            assert!(
+                matches!(run.client_err, Some(Error::Rejected(Reject::KeyMissing))),
+                "{run:?}"
+            );
+            assert!(run.server_connects.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_replayed_client_transcript_does_not_authenticate() {
+        let (_, _, recorded) = talk(client(key(5), 1), server(key(5), 2), usize::MAX);
+        assert!(recorded.server_err.is_none());
+        // The same client bytes to a server with a fresh nonce: the proof no longer matches.
+        let mut s = server(key(5), 3);
+        let mut input = recorded.c2s.clone();
+        let mut err = None;
+        pump(&mut s, &mut input, usize::MAX, &mut err);
+        assert!(
+            matches!(err, Some(Error::BadHandshake(Reject::BadKey))),
+            "{err:?}"
+        );
+        assert!(s.poll_action().is_none(), "nothing allocated");
+        assert_eq!(s.output().last(), Some(&Reject::BadKey.code()));
+    }
+
+    #[test]
+    fn a_replayed_server_transcript_does_not_authenticate() {
+        let (_, _, recorded) = talk(client(key(5), 1), server(key(5), 2), usize::MAX);
+        let mut c = client(key(5), 4);
+        let mut input = recorded.s2c.clone();
+        let mut err = None;
+        pump(&mut c, &mut input, usize::MAX, &mut err);
+        assert!(
+            matches!(err, Some(Error::BadHandshake(Reject::BadKey))),
+            "{err:?}"
+        );
+        assert!(c.poll_action().is_none());
+    }
+
+    #[test]
+    fn a_tampered_server_address_is_caught_by_the_key() {
+        let mut c = client(key(5), 1);
+        let mut s = server(key(5), 2);
+        let mut err = None;
+        let mut to_s = c.output().to_vec();
+        pump(&mut s, &mut to_s, usize::MAX, &mut err);
+        let mut to_c = s.output().to_vec();
+        s.consume_output(to_c.len());
+        pump(&mut c, &mut to_c, usize::MAX, &mut err);
+        let mut to_s = c.output()[CLIENT_HELLO_LEN..].to_vec();
+        pump(&mut s, &mut to_s, usize::MAX, &mut err);
+        assert!(err.is_none(), "{err:?}");
+        assert!(matches!(s.poll_action(), Some(Action::Connect { .. })));
+        s.local_ready(hello(SERVER_QPN).addr);
+        let mut to_c = s.output().to_vec();
+        to_c[3] ^= 1; // the QPN
+        pump(&mut c, &mut to_c, usize::MAX, &mut err);
+        assert!(
+            matches!(err, Some(Error::BadHandshake(Reject::BadKey))),
+            "{err:?}"
+        );
+        assert!(c.poll_action().is_none());
+    }
+
+    #[test]
+    fn a_hello_beyond_our_limits_is_rejected_before_anything_is_allocated() {
+        let mut forged = hello(CLIENT_QPN);
+        forged.buf_size = 16 << 20;
+        let c = Handshake::client(forged, limits(), None, [1; NONCE_LEN]);
+        let (_, s, run) = talk(c, server(None, 2), usize::MAX);
+        assert!(
+            matches!(
+                run.server_err,
+                Some(Error::BadHandshake(Reject::Limits("buffer size")))
+            ),
+            "{run:?}"
+        );
+        assert!(
+            matches!(run.client_err, Some(Error::Rejected(Reject::Limits(_)))),
+            "{run:?}"
+        );
+        assert!(run.server_connects.is_empty() && s.is_failed());
+        // The answer: a header with the code, padded to a whole hello.
+        assert_eq!(run.s2c.len(), HELLO_LEN);
+        assert_eq!(run.s2c[..8], MAGIC);
+        assert_eq!(run.s2c[10], b'L');
+    }
+
+    #[test]
+    fn limits_bound_buffers_depth_and_send_memory() {
+        let l = limits();
+        let mut h = hello(1);
+        assert_eq!(l.check(&h), Ok(64));
+        h.buf_size = 1 << 20;
+        assert_eq!(l.check(&h), Ok(64), "64 x 1 MiB fits in 64 MiB");
+        h.buf_size = (1 << 20) + 1;
+        assert_eq!(l.check(&h), Err(Reject::Limits("buffer size")));
+        let small = Limits {
+            max_send_memory: 4 << 20,
+            ..l
+        };
+        h.buf_size = 1 << 20;
+        assert_eq!(
+            small.check(&h),
+            Ok(4),
+            "fewer send buffers, not more memory"
+        );
+        let tiny = Limits {
+            max_send_memory: 1000,
+            ..l
+        };
+        h.buf_size = 4096;
+        assert_eq!(tiny.check(&h), Err(Reject::Limits("buffer size")));
+        h.recv_depth = 65_536;
+        h.initial_credits = 65_536;
+        assert_eq!(l.check(&h), Err(Reject::Limits("receive depth")));
+    }
+
+    #[test]
+    fn garbage_and_other_versions_are_rejected_at_the_header() {
+        let mut s = server(None, 2);
+        assert_eq!(s.wanted(), HEADER_LEN);
+        let err = s.feed(&[b'x'; 100]).unwrap_err();
+        assert!(
+            matches!(err, Error::BadHandshake(Reject::BadMagic)),
+            "{err:?}"
+        );
+        assert_eq!(s.output().len(), HELLO_LEN);
+        assert_eq!(s.output()[10], Reject::BadMagic.code());
+        assert_eq!(s.wanted(), 0);
+
+        // A version 1 hello (52 bytes, version at the same place).
+        let mut v1 = [0u8; 52];
+        v1[..8].copy_from_slice(&MAGIC);
+        v1[9] = 1;
+        let mut s = server(None, 2);
+        let err = s.feed(&v1).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::BadHandshake(Reject::Version { peer: 1, ours: 2 })
+            ),
+            "{err:?}"
+        );
+        // What a version 1 client reads first: 52 bytes whose version is 2.
+        assert_eq!(&s.output()[8..10], &2u16.to_be_bytes());
+
+        // A version 1 server writes its hello first: the client sees the version.
+        let mut c = client(None, 1);
+        let err = c.feed(&v1).unwrap_err();
+        assert!(
+            matches!(err, Error::BadHandshake(Reject::Version { peer: 1, .. })),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn out_of_range_values_and_mtu_mismatches_are_rejected() {
+        type Breaker = fn(&mut Hello);
+        let cases: [(Breaker, Reject); 7] = [
+            (|h| h.mtu = 1000, Reject::BadValue("MTU")),
+            (|h| h.buf_size = 8, Reject::BadValue("buffer size")),
+            (|h| h.recv_depth = 0, Reject::BadValue("receive depth")),
+            (|h| h.grant_slots = 1, Reject::BadValue("grant slots")),
+            (
+                |h| h.initial_credits = 65,
+                Reject::BadValue("initial credits"),
+            ),
+            (
+                |h| h.addr.psn = 0x100_0000,
+                Reject::BadValue("queue pair number or PSN"),
+            ),
+            (|h| h.mtu = 4096, Reject::Mtu),
+        ];
+        for (break_it, why) in cases {
+            let mut h = hello(CLIENT_QPN);
+            break_it(&mut h);
+            let c = Handshake::client(h, limits(), None, [1; NONCE_LEN]);
+            let (_, _, run) = talk(c, server(None, 2), usize::MAX);
+            assert!(
+                matches!(run.server_err, Some(Error::BadHandshake(r)) if r == why),
+                "{why:?}: {run:?}"
+            );
+            assert!(
+                matches!(run.client_err, Some(Error::Rejected(r)) if r.code() == why.code()),
+                "{why:?}: {run:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_side_that_cannot_set_up_tells_the_other() {
+        let mut c = client(None, 1);
+        let mut s = server(None, 2);
+        let (mut err_c, mut err_s) = (None, None);
+        let mut q = c.output().to_vec();
+        pump(&mut s, &mut q, usize::MAX, &mut err_s);
+        let mut q = s.output().to_vec();
+        s.consume_output(q.len());
+        pump(&mut c, &mut q, usize::MAX, &mut err_c);
+        let mut q = c.output()[CLIENT_HELLO_LEN..].to_vec();
+        pump(&mut s, &mut q, usize::MAX, &mut err_s);
+        assert!(s.poll_action().is_some());
+        s.abort(Reject::Resources);
+        let mut q = s.output().to_vec();
+        pump(&mut c, &mut q, usize::MAX, &mut err_c);
+        assert!(
+            matches!(err_c, Some(Error::Rejected(Reject::Resources))),
+            "{err_c:?}"
+        );
     }
 
     #[test]
     fn verdict_codes_round_trip() {
         assert_eq!(Reject::from_code(ACCEPT), None);
-        for r in [Reject::BadMagic, Reject::Mtu] {
+        for r in [
+            Reject::BadMagic,
+            Reject::Mtu,
+            Reject::KeyMissing,
+            Reject::BadKey,
+            Reject::Resources,
+        ] {
             assert_eq!(Reject::from_code(r.code()), Some(r));
         }
+        assert_eq!(
+            Reject::from_code(Reject::Limits("buffer size").code()),
+            Some(Reject::Limits("request"))
+        );
         assert_eq!(Reject::from_code(b'z'), Some(Reject::Unknown(b'z')));
+        let codes = [b'M', b'V', b'B', b'T', b'L', b'K', b'P', b'E'];
+        for c in codes {
+            assert!(![ACCEPT, READY, GOODBYE, CLIENT_HELLO].contains(&c));
+        }
+    }
+
+    #[test]
+    fn a_key_does_not_print_its_bytes() {
+        let k = Psk::new(b"very secret key bytes");
+        let shown = format!("{k:?}");
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(shown.contains("21 bytes"), "{shown}");
+        let hs = Handshake::client(hello(1), limits(), Some(k), [0; NONCE_LEN]);
+        assert!(!format!("{hs:?}").contains("secret"));
     }
 }

@@ -20,12 +20,36 @@
 //!
 //! # Connection setup
 //!
-//! The bootstrap TCP stream carries a versioned [`handshake::Hello`] each way (queue pair
-//! address, path MTU, buffer size, receive depth, grant slots, initial credits), a verdict byte
-//! each way (a garbage, mismatched or stalled peer gets a clear error, on both sides where
-//! possible, and the listener stays usable), then a "ready" byte once each queue pair is in
-//! RTS. Every receive buffer is posted before RTR. The stream then stays open: its
-//! end-of-file is how a peer whose process died is noticed, within milliseconds.
+//! The bootstrap TCP stream carries the [`handshake`], a versioned exchange written as a pure
+//! state machine (bytes in, bytes and actions out; no I/O, no clock): the client's
+//! [`handshake::Hello`] (queue pair address, path MTU, buffer size, receive depth, grant slots,
+//! initial credits) and a nonce, the server's hello and verdict, the client's verdict, the
+//! server's queue pair address once it is in RTS, the client's "ready" once it is. Every
+//! receive buffer is posted before RTR.
+//!
+//! Hostile or buggy peers are bounded:
+//!
+//! - **What a peer announces does not decide what we pin.** Its buffer size is the size of
+//!   our send buffers: [`Config::max_peer_buf_size`] (1 MiB), [`Config::max_peer_recv_depth`]
+//!   and [`Config::max_send_memory`] (64 MiB: fewer send buffers beyond it) bound it, and a
+//!   hello beyond them is rejected ([`handshake::Reject::Limits`]), the peer told why.
+//! - **The server allocates nothing for a client before its hello passed** every check (and
+//!   its key proof): the client speaks first, and the server creates its queue pair, receive
+//!   pool and send buffers only then. A silent or forged client costs a socket.
+//! - **Nobody waits for a slow client.** [`Listener::accept`] runs up to
+//!   [`Config::max_pending_handshakes`] handshakes at once from one poll loop, each with its
+//!   own deadline ([`Config::handshake_timeout`] for the whole exchange), and returns the first
+//!   that completes; a silent, trickling or garbage-sending client delays no other (a good
+//!   client behind a silent one connects in about 20 ms on rxe0, where it used to wait the
+//!   whole 5 s timeout). A failed handshake is that call's error; the listener stays usable.
+//! - **Optional authentication.** With [`Config::psk`] ([`Psk`]) both sides prove they know a
+//!   pre-shared key (HMAC-SHA256 over both hellos and both nonces, checked in constant time);
+//!   a wrong key, or a key on one side only, is a typed rejection on both sides.
+//! - **After the handshake the stream carries at most a goodbye.** [`Connection::close`]
+//!   writes [`handshake::GOODBYE`] once its close message was delivered; the peer then waits up
+//!   to its `close_timeout` for that message. End-of-file without it is how a peer whose
+//!   process died is noticed, within milliseconds ([`Failure::PeerVanished`]); any other byte
+//!   fails the connection once ([`Failure::BootstrapGarbage`]).
 //!
 //! For interoperating with rdma-core's examples, [`QpAddress`] speaks the `LID:QPN:PSN:GID`
 //! record of `ibv_rc_pingpong`, and [`Endpoint::connect_qp`] performs the INIT → RTR → RTS
@@ -43,23 +67,42 @@
 //! [`Failure::PeerClosed`] after everything it sent; one whose process dies, whose side of the
 //! connection fails, or whose host stops answering TCP keepalive ([`Config::keepalive`]) as
 //! [`Failure::PeerVanished`]; completion errors, asynchronous events (a CQ overrun is
-//! `AsyncEvent(CqErr)`), a queue pair that entered the error state unexplained
-//! ([`Failure::QpError`]) and protocol violations have their own variants. A failure shuts the
-//! bootstrap stream (so the peer fails at once too) and moves the queue pair to the error state
-//! so that every posted buffer is flushed back to its pool.
+//! `AsyncEvent(CqErr)`; a fatal device error or an error of the port fails every connection
+//! of the device), a queue pair that entered the error state unexplained
+//! ([`Failure::QpError`]), protocol violations, and a verb the connection drives that fails
+//! locally ([`Failure::Local`]: a post, a poll, an arm, a wait) have their own variants.
+//! Failures are sticky: the first is kept and every later call reports it. Messages that
+//! arrived before a failure are delivered before it is reported, whichever way it was
+//! noticed. A failure shuts the bootstrap stream (so the peer fails at once too) and moves the
+//! queue pair to the error state so that every posted buffer is flushed back to its pool.
+//!
+//! A sleeping connection is woken by a solicited message, by any send completion while sends
+//! are outstanding (so send errors wake it: rxe never marks them solicited), by the end of its
+//! bootstrap stream, by an asynchronous event routed to it by its endpoint, and at the latest
+//! after [`Config::health_check`] (1 s), when it polls for errors its provider did not signal
+//! (Linux 6.12's rxe does not wake a solicited-only receiver for flushed receives).
+//! Receiver-not-ready is retried a finite number of times ([`PathParams::rnr_retry`], 6): an
+//! RNR NAK means a peer that lies about its buffers, and it surfaces as `RnrRetryExcErr`.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod addr;
+mod bootstrap;
 mod connection;
 pub mod credits;
 mod endpoint;
 mod error;
+mod events;
 pub mod handshake;
+mod inbound;
 mod pool;
 
 pub use addr::QpAddress;
+pub use bootstrap::Listener;
 pub use connection::{random_psn, Config, ConnStats, Connection};
-pub use endpoint::{loopback_pair, Endpoint, GidChoice, Listener, PathParams};
+#[cfg(feature = "test-hooks")]
+pub use connection::{Fault, TestHooks};
+pub use endpoint::{loopback_pair, Endpoint, GidChoice, PathParams};
 pub use error::{Error, Failure, Result};
+pub use handshake::Psk;
 pub use pool::{PoolStats, Received, RecvPool};

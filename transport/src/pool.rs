@@ -201,6 +201,14 @@ impl RecvPool {
     pub(crate) fn wake_handle(&self) -> std::io::Result<UnixStream> {
         self.wake_rx.try_clone()
     }
+
+    /// A second handle on the write end of the waker pipe, for others that must wake the
+    /// owner (the endpoint's router of asynchronous events). A byte written by it ends the
+    /// owner's sleep as [`notify::Readiness::Other`], which makes the owner look at its
+    /// mailbox, and is drained like any other.
+    pub(crate) fn waker(&self) -> std::io::Result<UnixStream> {
+        self.returns.waker.try_clone()
+    }
 }
 
 /// A received message: borrows its registered buffer (no copy) and gives it back to its

@@ -1,7 +1,9 @@
 //! The credit protocol, simulated between two peers over in-order links with arbitrary
 //! interleavings of sends, deliveries, consumer releases and refills: no message ever finds
-//! its receive queue empty (no RNR), the peers never fall silent while one of them is out of
-//! credits, and an idle pair goes quiet instead of bouncing grants.
+//! its receive queue empty (no RNR), posted buffers always equal the bookkeeping, the peers
+//! never fall silent while one of them is out of credits, and an idle pair goes quiet instead
+//! of bouncing grants. Both with eager re-posting and with the connection's batched rule
+//! ([`Repost::Batched`]), for equal and for unequal receive depths and grant slots.
 
 use std::collections::VecDeque;
 
@@ -10,6 +12,29 @@ use transport::credits::{Credits, Imm};
 
 const DEPTH: u32 = 8;
 const SLOTS: u8 = 3;
+
+/// When free receive buffers go back to the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Repost {
+    /// Every free buffer at once.
+    Eager,
+    /// As `Connection::maintain` does: once an eighth of the depth is free, or at once if a
+    /// grant slot is missing, the peer is down to a quarter of our depth in credits, or may be
+    /// blocked.
+    Batched,
+}
+
+/// One side's receive depth and grant slots.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    depth: u32,
+    slots: u8,
+}
+
+const SYMMETRIC: Shape = Shape {
+    depth: DEPTH,
+    slots: SLOTS,
+};
 
 #[derive(Debug)]
 struct Side {
@@ -20,18 +45,40 @@ struct Side {
     /// The peer said it is exhausted; the next credits we send must be solicited.
     owe_solicited: bool,
     inbox: VecDeque<(Imm, bool)>,
+    repost: Repost,
 }
 
 impl Side {
     fn new() -> Self {
+        Self::shaped(SYMMETRIC, SYMMETRIC, Repost::Eager)
+    }
+
+    /// A side receiving as `ours` says, whose peer receives as `peer` says.
+    fn shaped(ours: Shape, peer: Shape, repost: Repost) -> Self {
         Self {
-            credits: Credits::new(DEPTH, SLOTS, DEPTH, SLOTS, DEPTH),
-            posted: DEPTH + u32::from(SLOTS),
+            credits: Credits::new(ours.depth, ours.slots, peer.depth, peer.slots, peer.depth),
+            posted: ours.depth + u32::from(ours.slots),
             free: 0,
             held: 0,
             owe_solicited: false,
             inbox: VecDeque::new(),
+            repost,
         }
+    }
+
+    /// Whether `maintain` re-posts the free buffers now.
+    fn reposts_now(&self) -> bool {
+        let c = &self.credits;
+        self.free > 0
+            && match self.repost {
+                Repost::Eager => true,
+                Repost::Batched => {
+                    self.free >= (c.depth() / 8).max(1)
+                        || c.slots_missing() > 0
+                        || c.peer_credits() <= c.depth() / 4
+                        || c.peer_may_be_blocked()
+                }
+            }
     }
 
     fn check(&self) {
@@ -94,11 +141,14 @@ fn release(side: &mut Side, n: u32) {
     side.free += n;
 }
 
-/// Re-posts everything free and sends a grant if one is due. Returns whether a grant went out.
+/// Re-posts the free buffers if the side's rule says so, and sends a grant if one is due.
+/// Returns whether a grant went out.
 fn maintain(side: &mut Side, peer: &mut Side) -> bool {
-    side.posted += side.free;
-    side.credits.on_reposted(side.free);
-    side.free = 0;
+    if side.reposts_now() {
+        side.posted += side.free;
+        side.credits.on_reposted(side.free);
+        side.free = 0;
+    }
     side.check();
     match side.credits.take_grant() {
         Some(g) => {
@@ -117,14 +167,21 @@ fn maintain(side: &mut Side, peer: &mut Side) -> bool {
 }
 
 fn run(ops: &[(u8, u8)]) {
-    let (mut a, mut b) = (Side::new(), Side::new());
+    run_shaped(SYMMETRIC, SYMMETRIC, Repost::Eager, ops);
+}
+
+/// Runs `ops` between `a` (receiving as `sa` says) and `b` (as `sb` says), then lets them
+/// settle and checks that they fall quiet with credits on both sides.
+fn run_shaped(sa: Shape, sb: Shape, repost: Repost, ops: &[(u8, u8)]) {
+    let mut a = Side::shaped(sa, sb, repost);
+    let mut b = Side::shaped(sb, sa, repost);
     for &(op, arg) in ops {
         let (x, y) = if arg % 2 == 0 {
             (&mut a, &mut b)
         } else {
             (&mut b, &mut a)
         };
-        match op % 4 {
+        match op % 5 {
             0 => {
                 send_data(x, y);
             }
@@ -132,9 +189,10 @@ fn run(ops: &[(u8, u8)]) {
                 deliver(x);
             }
             2 => release(x, u32::from(arg % 5)),
-            _ => {
+            3 => {
                 maintain(x, y);
             }
+            _ => release(x, u32::MAX),
         }
     }
     // Let the consumers catch up and the links settle: everything must become quiet, with
@@ -142,7 +200,7 @@ fn run(ops: &[(u8, u8)]) {
     release(&mut a, u32::MAX);
     release(&mut b, u32::MAX);
     let mut quiet_rounds = 0;
-    for _ in 0..100 {
+    for _ in 0..400 {
         let mut busy = deliver(&mut a) | deliver(&mut b);
         busy |= maintain(&mut a, &mut b) | maintain(&mut b, &mut a);
         while deliver(&mut a) | deliver(&mut b) {
@@ -187,10 +245,60 @@ fn one_way_stream_with_a_slow_consumer() {
     assert!(sent > 3000, "only {sent} sent");
 }
 
+fn shape() -> impl Strategy<Value = Shape> {
+    (1u32..=64, 3u8..=8).prop_map(|(depth, slots)| Shape { depth, slots })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2048))]
     #[test]
     fn arbitrary_interleavings(ops in prop::collection::vec((0u8..4, any::<u8>()), 0..400)) {
         run(&ops);
+    }
+
+    /// Unequal depths and grant slots, each side re-posting in batches as the connection does.
+    #[test]
+    fn asymmetric_batched_interleavings(
+        sa in shape(),
+        sb in shape(),
+        ops in prop::collection::vec((0u8..5, any::<u8>()), 0..800),
+    ) {
+        run_shaped(sa, sb, Repost::Batched, &ops);
+    }
+}
+
+#[test]
+fn one_way_streams_between_unequal_sides_with_batched_reposts() {
+    let shapes = [(1, 3), (2, 3), (5, 4), (8, 3), (17, 8), (64, 3), (64, 8)];
+    for &(da, sa) in &shapes {
+        for &(db, sb) in &shapes {
+            let (sa, sb) = (
+                Shape {
+                    depth: da,
+                    slots: sa,
+                },
+                Shape {
+                    depth: db,
+                    slots: sb,
+                },
+            );
+            // a streams to b, whose consumer releases one buffer every third step.
+            let mut a = Side::shaped(sa, sb, Repost::Batched);
+            let mut b = Side::shaped(sb, sa, Repost::Batched);
+            let mut sent = 0;
+            for step in 0..3_000 {
+                if send_data(&mut a, &mut b) {
+                    sent += 1;
+                }
+                deliver(&mut b);
+                if step % 3 == 0 {
+                    release(&mut b, 1);
+                }
+                maintain(&mut b, &mut a);
+                deliver(&mut a);
+                maintain(&mut a, &mut b);
+            }
+            assert!(sent > 900, "{sa:?} -> {sb:?}: only {sent} sent");
+        }
     }
 }

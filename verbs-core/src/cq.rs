@@ -36,8 +36,19 @@ impl Drop for ChannelInner {
 
 /// A completion channel (`ibv_comp_channel`): the file descriptor armed CQs report events to.
 ///
-/// One channel may serve several CQs. Cheap to clone.
-#[derive(Clone)]
+/// One channel may serve several CQs, and the CQs attached to it keep it alive. It has one
+/// owner, which reads its events: a channel is deliberately not `Clone`, because two waiters
+/// reading one channel steal each other's events (an event is one-shot) and one of them sleeps
+/// for ever with completions queued. Code that needs to look at it borrows it.
+///
+/// ```compile_fail,E0277
+/// fn clone<T: Clone>(t: &T) -> T {
+///     t.clone()
+/// }
+/// fn two_waiters(channel: &verbs_core::CompletionChannel) {
+///     let _stolen = clone(channel); // error: `CompletionChannel` is not `Clone`
+/// }
+/// ```
 pub struct CompletionChannel {
     inner: Arc<ChannelInner>,
 }
@@ -368,7 +379,9 @@ impl WorkCompletion {
         (0..n).map(|_| Self::default()).collect()
     }
 
-    /// The work request id given when posting.
+    /// The work request id given when posting. Requests posted through [`crate::QueuePair`]
+    /// get ids unique in the process (never 0, never reused), which is how a completion is
+    /// matched to exactly one posted buffer.
     pub fn wr_id(&self) -> u64 {
         self.0.wr_id
     }

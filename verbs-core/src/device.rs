@@ -193,8 +193,13 @@ impl Context {
         // SAFETY: ibv_port_attr is plain old data; all-zero is a valid value.
         let mut attr: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open and `attr` is a valid out-pointer of the right size.
-        check_ret(unsafe { ffi::___ibv_query_port(self.as_raw(), port, &mut attr) })
-            .map_err(|source| Error::QueryPort { port, source })?;
+        check_ret(unsafe { ffi::___ibv_query_port(self.as_raw(), port, &mut attr) }).map_err(
+            |source| Error::QueryPort {
+                device: self.inner.name.clone(),
+                port,
+                source,
+            },
+        )?;
         Ok(PortAttr {
             state: PortState::from_raw(attr.state),
             max_mtu: Mtu::from_raw(attr.max_mtu),
@@ -218,6 +223,7 @@ impl Context {
         // SAFETY: the context is open and `gid` is a valid out-pointer.
         check_ret(unsafe { ffi::ibv_query_gid(self.as_raw(), port, c_index, &mut gid) }).map_err(
             |source| Error::QueryGid {
+                device: self.inner.name.clone(),
                 port,
                 index,
                 source,

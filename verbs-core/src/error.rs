@@ -2,19 +2,22 @@
 
 use std::io;
 
-use crate::QpState;
+use crate::{QpCaps, QpState};
 
 /// Result alias for verbs-core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A failed verb, with the context needed to tell which call failed and why.
 ///
-/// The OS error (`errno`, or the error number a verb returned directly) is the `#[source]`.
+/// Each message names the call, its context and, in short form, the error number (for example
+/// `ibv_post_send on QP 0x11 failed (ENOMEM)`); the OS error itself (`errno`, or the error
+/// number a verb returned directly) is the `#[source]`, so printing the chain (anyhow's `{:#}`)
+/// adds its full text once.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// `ibv_get_device_list` failed (typically: `ib_uverbs` not loaded).
-    #[error("listing RDMA devices")]
+    #[error("ibv_get_device_list failed ({})", Errno(.0))]
     ListDevices(#[source] io::Error),
     /// No device of that name is present.
     #[error("no RDMA device named {name:?} (present: {present:?})")]
@@ -28,7 +31,7 @@ pub enum Error {
     #[error("no RDMA device present")]
     NoDevice,
     /// `ibv_open_device` failed.
-    #[error("opening device {device}")]
+    #[error("ibv_open_device on {device} failed ({})", Errno(.source))]
     OpenDevice {
         /// Device name.
         device: String,
@@ -37,7 +40,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_device` failed.
-    #[error("querying device {device}")]
+    #[error("ibv_query_device on {device} failed ({})", Errno(.source))]
     QueryDevice {
         /// Device name.
         device: String,
@@ -46,8 +49,10 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_port` failed.
-    #[error("querying port {port}")]
+    #[error("ibv_query_port on {device} port {port} failed ({})", Errno(.source))]
     QueryPort {
+        /// Device name.
+        device: String,
         /// Port number.
         port: u8,
         /// Cause.
@@ -55,8 +60,10 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_gid` failed.
-    #[error("querying GID {index} of port {port}")]
+    #[error("ibv_query_gid on {device} port {port} index {index} failed ({})", Errno(.source))]
     QueryGid {
+        /// Device name.
+        device: String,
         /// Port number.
         port: u8,
         /// GID table index.
@@ -72,10 +79,10 @@ pub enum Error {
         port: u8,
     },
     /// `ibv_alloc_pd` failed.
-    #[error("allocating a protection domain")]
+    #[error("ibv_alloc_pd failed ({})", Errno(.0))]
     AllocPd(#[source] io::Error),
-    /// `ibv_reg_mr` failed.
-    #[error("registering {len} bytes of memory")]
+    /// `ibv_reg_mr` failed (or the memory to register could not be allocated: `ENOMEM`).
+    #[error("ibv_reg_mr of {len} bytes failed ({})", Errno(.source))]
     RegisterMemory {
         /// Requested length.
         len: usize,
@@ -84,10 +91,10 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_create_comp_channel` failed.
-    #[error("creating a completion channel")]
+    #[error("ibv_create_comp_channel failed ({})", Errno(.0))]
     CreateCompChannel(#[source] io::Error),
     /// Switching a file descriptor between blocking and non-blocking failed.
-    #[error("setting O_NONBLOCK={nonblocking} on fd {fd}")]
+    #[error("fcntl setting O_NONBLOCK={nonblocking} on fd {fd} failed ({})", Errno(.source))]
     SetNonBlocking {
         /// The file descriptor.
         fd: i32,
@@ -98,7 +105,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_create_cq` failed.
-    #[error("creating a completion queue of {cqe} entries")]
+    #[error("ibv_create_cq of {cqe} entries failed ({})", Errno(.source))]
     CreateCq {
         /// Requested number of entries.
         cqe: u32,
@@ -107,7 +114,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_req_notify_cq` failed.
-    #[error("arming a completion queue (solicited_only={solicited_only})")]
+    #[error("ibv_req_notify_cq (solicited_only={solicited_only}) failed ({})", Errno(.source))]
     ReqNotifyCq {
         /// The arming mode.
         solicited_only: bool,
@@ -116,16 +123,25 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_get_cq_event` failed (other than `EAGAIN` on a non-blocking channel).
-    #[error("reading a completion event")]
+    #[error("ibv_get_cq_event failed ({})", Errno(.0))]
     GetCqEvent(#[source] io::Error),
     /// `ibv_poll_cq` failed.
-    #[error("polling a completion queue")]
+    #[error("ibv_poll_cq failed ({})", Errno(.0))]
     PollCq(#[source] io::Error),
     /// `ibv_create_qp` failed.
-    #[error("creating a queue pair")]
-    CreateQp(#[source] io::Error),
+    #[error(
+        "ibv_create_qp (max_send_wr {}, max_recv_wr {}, max_inline_data {}) failed ({})",
+        .caps.max_send_wr, .caps.max_recv_wr, .caps.max_inline_data, Errno(.source)
+    )]
+    CreateQp {
+        /// The queue sizes requested.
+        caps: QpCaps,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
     /// `ibv_modify_qp` failed.
-    #[error("moving queue pair {qp_num:#x} from {from:?} to {to:?}")]
+    #[error("ibv_modify_qp on QP {qp_num:#x} from {from:?} to {to:?} failed ({})", Errno(.source))]
     ModifyQp {
         /// Queue pair number.
         qp_num: u32,
@@ -138,7 +154,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_qp` failed.
-    #[error("querying queue pair {qp_num:#x}")]
+    #[error("ibv_query_qp on QP {qp_num:#x} failed ({})", Errno(.source))]
     QueryQp {
         /// Queue pair number.
         qp_num: u32,
@@ -147,7 +163,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_post_send` failed.
-    #[error("posting to the send queue of queue pair {qp_num:#x}")]
+    #[error("ibv_post_send on QP {qp_num:#x} failed ({})", Errno(.source))]
     PostSend {
         /// Queue pair number.
         qp_num: u32,
@@ -156,7 +172,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_post_recv` failed.
-    #[error("posting to the receive queue of queue pair {qp_num:#x}")]
+    #[error("ibv_post_recv on QP {qp_num:#x} failed ({})", Errno(.source))]
     PostRecv {
         /// Queue pair number.
         qp_num: u32,
@@ -165,12 +181,15 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_get_async_event` failed (other than `EAGAIN` in non-blocking mode).
-    #[error("reading an asynchronous event")]
+    #[error("ibv_get_async_event failed ({})", Errno(.0))]
     GetAsyncEvent(#[source] io::Error),
-    /// `poll(2)` on a verbs descriptor failed.
-    #[error("waiting for fd {fd} to become readable")]
+    /// A call waiting for verbs descriptors (`poll`, `epoll_create1`, `epoll_ctl`,
+    /// `epoll_wait`) failed.
+    #[error("{call}{} failed ({})", OnFd(.fd), Errno(.source))]
     WaitFd {
-        /// The descriptor.
+        /// The call that failed.
+        call: &'static str,
+        /// The descriptor concerned (-1: none yet).
         fd: i32,
         /// Cause.
         #[source]
@@ -179,6 +198,80 @@ pub enum Error {
     /// An argument was rejected before any verb was called.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+/// The short form of an OS error, for messages: the errno's symbolic name (`ENOMEM`), or
+/// `errno N` for one not in the table; an error that carries no error number is described by
+/// its kind. The full text is the error's own `Display`, reached as the `source()`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Errno<'a>(pub(crate) &'a io::Error);
+
+impl std::fmt::Display for Errno<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.raw_os_error() {
+            Some(n) => match errno_name(n) {
+                Some(name) => f.write_str(name),
+                None => write!(f, "errno {n}"),
+            },
+            None if self.0.kind() == io::ErrorKind::Other => f.write_str("no errno"),
+            None => write!(f, "{}", self.0.kind()),
+        }
+    }
+}
+
+/// `" on fd N"`, or nothing for a call that failed before it had a descriptor (-1).
+struct OnFd<'a>(&'a i32);
+
+impl std::fmt::Display for OnFd<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self.0 >= 0 {
+            write!(f, " on fd {}", self.0)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// The symbolic name of the Linux error numbers verbs and the calls around them return.
+pub(crate) fn errno_name(n: i32) -> Option<&'static str> {
+    Some(match n {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::ESRCH => "ESRCH",
+        libc::EINTR => "EINTR",
+        libc::EIO => "EIO",
+        libc::ENXIO => "ENXIO",
+        libc::E2BIG => "E2BIG",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EFAULT => "EFAULT",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::ENODEV => "ENODEV",
+        libc::EINVAL => "EINVAL",
+        libc::ENFILE => "ENFILE",
+        libc::EMFILE => "EMFILE",
+        libc::ENOSPC => "ENOSPC",
+        libc::ERANGE => "ERANGE",
+        libc::ENOSYS => "ENOSYS",
+        libc::EPROTO => "EPROTO",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::EADDRNOTAVAIL => "EADDRNOTAVAIL",
+        libc::ENETDOWN => "ENETDOWN",
+        libc::ENETUNREACH => "ENETUNREACH",
+        libc::ECONNABORTED => "ECONNABORTED",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::ENOBUFS => "ENOBUFS",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::EHOSTUNREACH => "EHOSTUNREACH",
+        libc::ECANCELED => "ECANCELED",
+        _ => return None,
+    })
 }
 
 /// Converts the return value of a verb that returns 0 or an error number (`ibv_modify_qp`,
@@ -205,4 +298,157 @@ pub(crate) fn last_os_error() -> io::Error {
 /// Converts a pointer returned by a constructor verb (NULL plus errno on failure).
 pub(crate) fn non_null<T>(ptr: *mut T) -> io::Result<std::ptr::NonNull<T>> {
     std::ptr::NonNull::new(ptr).ok_or_else(last_os_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The message chain as anyhow's `{:#}` prints it: each error, then its sources, joined by
+    /// `": "`.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut out = e.to_string();
+        let mut next = e.source();
+        while let Some(s) = next {
+            out.push_str(": ");
+            out.push_str(&s.to_string());
+            next = s.source();
+        }
+        out
+    }
+
+    fn os(n: i32) -> io::Error {
+        io::Error::from_raw_os_error(n)
+    }
+
+    #[test]
+    fn messages_name_the_verb_its_context_and_the_errno() {
+        let cases: Vec<(Error, &str)> = vec![
+            (
+                Error::PostSend {
+                    qp_num: 0x11,
+                    source: os(libc::ENOMEM),
+                },
+                "ibv_post_send on QP 0x11 failed (ENOMEM)",
+            ),
+            (
+                Error::ModifyQp {
+                    qp_num: 0x2a,
+                    from: QpState::Init,
+                    to: QpState::Rtr,
+                    source: os(libc::EINVAL),
+                },
+                "ibv_modify_qp on QP 0x2a from Init to Rtr failed (EINVAL)",
+            ),
+            (
+                Error::QueryPort {
+                    device: "rxe0".into(),
+                    port: 1,
+                    source: os(libc::ENODEV),
+                },
+                "ibv_query_port on rxe0 port 1 failed (ENODEV)",
+            ),
+            (
+                Error::CreateQp {
+                    caps: QpCaps::default(),
+                    source: os(libc::ENOMEM),
+                },
+                "ibv_create_qp (max_send_wr 64, max_recv_wr 64, max_inline_data 64) failed (ENOMEM)",
+            ),
+            (
+                Error::ReqNotifyCq {
+                    solicited_only: true,
+                    source: os(libc::EOPNOTSUPP),
+                },
+                "ibv_req_notify_cq (solicited_only=true) failed (EOPNOTSUPP)",
+            ),
+            (
+                Error::WaitFd {
+                    call: "epoll_ctl",
+                    fd: 7,
+                    source: os(libc::EBADF),
+                },
+                "epoll_ctl on fd 7 failed (EBADF)",
+            ),
+            (
+                Error::WaitFd {
+                    call: "epoll_create1",
+                    fd: -1,
+                    source: os(libc::EMFILE),
+                },
+                "epoll_create1 failed (EMFILE)",
+            ),
+            (Error::PollCq(os(200)), "ibv_poll_cq failed (errno 200)"),
+            (
+                Error::GetCqEvent(last_os_error_of(0)),
+                "ibv_get_cq_event failed (no errno)",
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.to_string(), want);
+        }
+    }
+
+    /// What `last_os_error` makes of an errno value.
+    fn last_os_error_of(n: i32) -> io::Error {
+        if n == 0 {
+            io::Error::other("verb failed without setting errno")
+        } else {
+            os(n)
+        }
+    }
+
+    #[test]
+    fn the_chain_adds_the_full_os_text_once() {
+        let e = Error::PostRecv {
+            qp_num: 0x11,
+            source: os(libc::ENOMEM),
+        };
+        assert_eq!(
+            chain(&e),
+            format!(
+                "ibv_post_recv on QP 0x11 failed (ENOMEM): {}",
+                os(libc::ENOMEM)
+            )
+        );
+        assert!(chain(&e).ends_with("(os error 12)"), "{}", chain(&e));
+        let e = Error::GetCqEvent(last_os_error_of(0));
+        assert_eq!(
+            chain(&e),
+            "ibv_get_cq_event failed (no errno): verb failed without setting errno"
+        );
+    }
+
+    #[test]
+    fn errno_names_cover_the_common_numbers() {
+        for (n, name) in [
+            (libc::EINVAL, "EINVAL"),
+            (libc::ENOMEM, "ENOMEM"),
+            (libc::EAGAIN, "EAGAIN"),
+            (libc::EBUSY, "EBUSY"),
+            (libc::EPERM, "EPERM"),
+            (libc::EACCES, "EACCES"),
+            (libc::ENODEV, "ENODEV"),
+            (libc::ENOENT, "ENOENT"),
+            (libc::EFAULT, "EFAULT"),
+            (libc::EIO, "EIO"),
+            (libc::ENOSYS, "ENOSYS"),
+            (libc::EOPNOTSUPP, "EOPNOTSUPP"),
+            (libc::ETIMEDOUT, "ETIMEDOUT"),
+            (libc::ECONNRESET, "ECONNRESET"),
+            (libc::ENXIO, "ENXIO"),
+            (libc::ESRCH, "ESRCH"),
+            (libc::EEXIST, "EEXIST"),
+            (libc::ENOSPC, "ENOSPC"),
+            (libc::EMFILE, "EMFILE"),
+            (libc::ENFILE, "ENFILE"),
+            (libc::EBADF, "EBADF"),
+            (libc::EINTR, "EINTR"),
+        ] {
+            assert_eq!(Errno(&os(n)).to_string(), name);
+        }
+        assert_eq!(Errno(&os(4095)).to_string(), "errno 4095");
+        let oom = io::Error::from(io::ErrorKind::OutOfMemory);
+        assert_eq!(Errno(&oom).to_string(), "out of memory");
+    }
 }

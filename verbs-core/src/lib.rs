@@ -28,8 +28,11 @@
 //!
 //! Registered memory is reached only through [`Buffer`]s, which never overlap. Posting moves a
 //! buffer into the [`QueuePair`]; it comes back only with the polled completion that covers it
-//! ([`QueuePair::take_recv`], [`QueuePair::complete_send`]). So the CPU never touches memory the
-//! device may be using, and nothing posted can be freed early. This does not compile:
+//! ([`QueuePair::take_recv`] for a receive, [`QueuePair::complete_send`] for a send and the
+//! unsignaled sends before it, [`QueuePair::reclaim`] for either when one CQ serves both
+//! queues and a flushed completion's opcode cannot tell them apart). So the CPU never touches
+//! memory the device may be using, and nothing posted can be freed early. This does not
+//! compile:
 //!
 //! ```compile_fail
 //! # fn misuse(qp: &mut verbs_core::QueuePair, mut buf: verbs_core::Buffer) {
@@ -37,6 +40,14 @@
 //! buf.as_mut_slice()[0] = 1; // error: `buf` was moved into the queue pair
 //! # }
 //! ```
+//!
+//! Whatever completion those calls are given, they hand out only buffers the device is done
+//! with. [`WorkCompletion`] is `Clone` and `Default`, so a completion can be replayed, passed to
+//! the wrong queue pair or direction, or made up; but every work request id is drawn from one
+//! process-wide counter and never reused, so an id names exactly one request ever posted, and
+//! a queue pair hands a buffer back only for the id of a request it still holds: once, in the
+//! direction it was posted, and only to the queue pair that posted it. Anything else yields
+//! nothing ([`Reclaimed::Unknown`]).
 //!
 //! # Completion events
 //!
@@ -78,7 +89,7 @@ pub use loopback::connect_loopback;
 pub use mr::{Access, Buffer};
 pub use pd::ProtectionDomain;
 pub use qp::{
-    PostError, QpCaps, QpState, QueuePair, RemoteAddress, RtrAttr, RtsAttr, SendPayload,
+    PostError, QpCaps, QpState, QueuePair, Reclaimed, RemoteAddress, RtrAttr, RtsAttr, SendPayload,
     SendRequest,
 };
 pub use watch::ReadyWatch;
@@ -144,6 +155,7 @@ pub fn wait_any_readable(
                 continue;
             }
             return Err(Error::WaitFd {
+                call: "poll",
                 fd: fds.first().map_or(-1, |fd| fd.as_raw_fd()),
                 source: err,
             });

@@ -96,7 +96,7 @@ impl ProtectionDomain {
         let base = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| {
             Error::RegisterMemory {
                 len,
-                source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
             }
         })?;
         // SAFETY: `base..base+len` is a live allocation owned by the MrInner built below, which

@@ -2,14 +2,21 @@
 //!
 //! Posting rules live in the types: posting a [`Buffer`] moves it into the queue pair, which hands
 //! it back only for a polled completion that covers it ([`QueuePair::take_recv`],
-//! [`QueuePair::complete_send`]). A buffer the device may still access is thus never reachable.
+//! [`QueuePair::complete_send`], [`QueuePair::reclaim`]). A buffer the device may still access
+//! is thus never reachable.
+//!
+//! Completions are not trusted blindly: [`WorkCompletion`] is `Clone` and `Default`, so safe
+//! code can replay one, pass a receive completion where a send one belongs, or make one up.
+//! Every work request id is therefore drawn from one process-wide counter and never reused, so
+//! an id names exactly one request ever posted in this process; a queue pair hands a buffer
+//! back only for the id of a request it still holds, once.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-use slab::Slab;
 
 use crate::cq::{CompletionQueue, CqInner, WorkCompletion};
 use crate::device::{Gid, Mtu};
@@ -245,16 +252,35 @@ impl<'a> SendRequest<'a> {
 
 /// A post that failed part-way. Requests before the failing one were posted; the buffers of the
 /// failing one and those after it are handed back.
-#[derive(Debug, thiserror::Error)]
-#[error("work requests not posted ({} buffers handed back)", unposted.len())]
+///
+/// Displays as its [`PostError::error`] plus what was posted and handed back; `source()` is that
+/// error's source (the OS error), so a printed chain names each cause once.
+#[derive(Debug)]
 pub struct PostError {
     /// Why.
-    #[source]
     pub error: Error,
     /// Buffers of the requests that were not posted.
     pub unposted: Vec<Buffer>,
     /// How many requests were posted before the failure.
     pub posted: usize,
+}
+
+impl fmt::Display for PostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}; {} work requests posted before it, {} buffers handed back",
+            self.error,
+            self.posted,
+            self.unposted.len()
+        )
+    }
+}
+
+impl std::error::Error for PostError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.error)
+    }
 }
 
 impl From<PostError> for Error {
@@ -263,19 +289,107 @@ impl From<PostError> for Error {
     }
 }
 
+/// The next work request id of this process. Ids start at 1 (0 is what a `Default` completion
+/// carries) and are never reused: at a billion posts a second, 2^63 of them last 292 years.
+static NEXT_WR_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Draws `n` consecutive work request ids no other request of this process ever had; returns
+/// the first.
+fn draw_wr_ids(n: usize) -> u64 {
+    assert!((n as u64) < 1 << 32, "{n} work requests in one post");
+    // Relaxed: only uniqueness matters, and fetch_add on one atomic is totally ordered.
+    let first = NEXT_WR_ID.fetch_add(n as u64, Ordering::Relaxed);
+    // Unreachable in practice; if ever reached, refuse to post rather than reuse an id. The
+    // counter is far from wrapping (another 2^63 ids), so every later call stops here too.
+    assert!(first < 1 << 63, "work request ids exhausted");
+    first
+}
+
+/// A hasher for work request ids, which are distinct integers drawn in sequence: one
+/// multiplication by an odd constant (Fibonacci hashing) spreads them over the low bits, a
+/// bijection so consecutive ids never collide, and the high bits the map also uses.
+#[derive(Debug, Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64` keys are hashed (`write_u64`); this is a correct fallback for anything else.
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// What [`QueuePair::reclaim`] found for a completion.
+#[derive(Debug)]
+pub enum Reclaimed {
+    /// The completion is a receive of this queue pair: its buffer.
+    Recv(Buffer),
+    /// The completion is a send of this queue pair: the buffers of it and of every request
+    /// posted before it on the send queue (empty for inline or empty sends).
+    Send(Vec<Buffer>),
+    /// The completion names no request this queue pair still holds (already handed back, of
+    /// another queue pair, posted outside this crate, or made up): nothing is handed back.
+    Unknown,
+}
+
+/// The requests a queue pair posted and has not handed back, with their buffers. Generic over
+/// the buffer type so that the bookkeeping is tested without a device.
+#[derive(Debug)]
+struct Posted<B> {
+    /// Receive requests by wr_id.
+    recv: HashMap<u64, B, BuildHasherDefault<IdHasher>>,
+    /// Send requests in posting order, so with increasing wr_ids: (wr_id, buffer). Completions
+    /// on one send queue arrive in order, so a completion for one of them retires it and every
+    /// entry before it.
+    send: VecDeque<(u64, Option<B>)>,
+}
+
+impl<B> Posted<B> {
+    fn with_capacity(send: usize, recv: usize) -> Self {
+        Self {
+            recv: HashMap::with_capacity_and_hasher(recv, BuildHasherDefault::default()),
+            send: VecDeque::with_capacity(send),
+        }
+    }
+
+    fn take_recv(&mut self, id: u64) -> Option<B> {
+        self.recv.remove(&id)
+    }
+
+    /// Retires the send request `id` and every one before it into `out`; false (and nothing
+    /// retired) if `id` is not a send request still held.
+    fn complete_send(&mut self, id: u64, out: &mut Vec<B>) -> bool {
+        let Ok(i) = self.send.binary_search_by_key(&id, |&(k, _)| k) else {
+            return false;
+        };
+        out.extend(self.send.drain(..=i).filter_map(|(_, b)| b));
+        true
+    }
+}
+
 /// A reliable-connected queue pair. Holds its PD and both CQs alive (destroying an attached CQ
 /// would fail with `EBUSY`).
+///
+/// Posted buffers stay in the queue pair until a polled completion naming their request is
+/// handed to [`QueuePair::take_recv`], [`QueuePair::complete_send`] or
+/// [`QueuePair::reclaim`]; each request is handed back at most once, whatever completion (a
+/// replayed, cloned, `Default` or other queue pair's one) those are given.
 pub struct QueuePair {
     qp: NonNull<ffi::ibv_qp>,
     qp_num: u32,
     state: QpState,
     caps: QpCaps,
     port: u8,
-    posted_recv: Slab<Buffer>,
-    /// Send requests in posting order: (wr_id, buffer). Completions on one send queue arrive in
-    /// order, so a completion for wr_id N retires every entry up to N.
-    posted_send: VecDeque<(u64, Option<Buffer>)>,
-    next_send_id: u64,
+    posted: Posted<Buffer>,
     _pd: Arc<PdInner>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
@@ -293,8 +407,8 @@ impl fmt::Debug for QueuePair {
             .field("qp_num", &format_args!("{:#x}", self.qp_num))
             .field("state", &self.state)
             .field("caps", &self.caps)
-            .field("posted_recv", &self.posted_recv.len())
-            .field("posted_send", &self.posted_send.len())
+            .field("posted_recv", &self.posted.recv.len())
+            .field("posted_send", &self.posted.send.len())
             .finish()
     }
 }
@@ -322,7 +436,7 @@ impl QueuePair {
         };
         // SAFETY: PD and CQs are alive and kept so by the Arcs stored below; `init` is valid.
         let qp = non_null(unsafe { ffi::ibv_create_qp(pd.as_raw(), &mut init) })
-            .map_err(Error::CreateQp)?;
+            .map_err(|source| Error::CreateQp { caps, source })?;
         // SAFETY: just created; qp_num is immutable.
         let qp_num = unsafe { (*qp.as_ptr()).qp_num };
         Ok(Self {
@@ -336,9 +450,10 @@ impl QueuePair {
                 max_inline_data: init.cap.max_inline_data,
             },
             port: 1,
-            posted_recv: Slab::new(),
-            posted_send: VecDeque::new(),
-            next_send_id: 0,
+            posted: Posted::with_capacity(
+                init.cap.max_send_wr as usize,
+                init.cap.max_recv_wr as usize,
+            ),
             _pd: pd.inner.clone(),
             send_cq: send_cq.inner.clone(),
             recv_cq: recv_cq.inner.clone(),
@@ -496,41 +611,40 @@ impl QueuePair {
         Ok(QpState::from_raw(attr.qp_state))
     }
 
-    /// Posts receive buffers as one linked list of work requests (`ibv_post_recv`). The queue
-    /// pair owns them until [`QueuePair::take_recv`] hands each back with its completion.
+    /// Posts receive buffers as one linked list of work requests (`ibv_post_recv`), with fresh
+    /// wr_ids. The queue pair owns them until [`QueuePair::take_recv`] (or
+    /// [`QueuePair::reclaim`]) hands each back with its completion.
     pub fn post_recv(&mut self, bufs: impl IntoIterator<Item = Buffer>) -> Result<(), PostError> {
         let bufs: Vec<Buffer> = bufs.into_iter().collect();
         if bufs.is_empty() {
             return Ok(());
         }
+        let first_id = draw_wr_ids(bufs.len());
         let mut sges: Vec<ffi::ibv_sge> = bufs.iter().map(|b| b.sge(b.len())).collect();
-        let keys: Vec<usize> = {
-            let mut keys = Vec::with_capacity(bufs.len());
-            for b in bufs {
-                keys.push(self.posted_recv.insert(b));
-            }
-            keys
-        };
-        let mut wrs: Vec<ffi::ibv_recv_wr> = keys
-            .iter()
-            .zip(sges.iter_mut())
-            .map(|(&key, sge)| ffi::ibv_recv_wr {
-                wr_id: key as u64,
+        let mut wrs: Vec<ffi::ibv_recv_wr> = sges
+            .iter_mut()
+            .enumerate()
+            .map(|(i, sge)| ffi::ibv_recv_wr {
+                wr_id: first_id + i as u64,
                 next: std::ptr::null_mut(),
                 sg_list: sge,
                 num_sge: 1,
             })
             .collect();
+        let n = bufs.len();
+        for (i, b) in bufs.into_iter().enumerate() {
+            self.posted.recv.insert(first_id + i as u64, b);
+        }
         link(&mut wrs, |wr, next| wr.next = next);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `wrs` is a valid NULL-terminated list whose SGEs point into
-        // buffers now owned by `posted_recv`, which outlives the requests.
+        // buffers now owned by `posted.recv` (their memory is owned by the region, so moving the
+        // handles does not move the bytes), which outlives the requests.
         let ret = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
         if let Err(source) = check_ret(ret) {
             let posted = failed_index(&wrs, bad);
-            let unposted = keys[posted..]
-                .iter()
-                .filter_map(|&k| self.posted_recv.try_remove(k))
+            let unposted = (posted..n)
+                .filter_map(|i| self.posted.take_recv(first_id + i as u64))
                 .collect();
             return Err(PostError {
                 error: Error::PostRecv {
@@ -544,29 +658,48 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Hands back the buffer of a receive completion of this QP (successful or flushed). `None`
-    /// if the completion is not a receive of this QP.
+    /// Hands back the buffer of a receive completion of this QP (successful or flushed): the
+    /// buffer of the receive request `wc` names, if this QP still holds it. Each buffer comes
+    /// back once: `None` for a completion already handed back, a send completion, another
+    /// QP's completion, or one not polled from a CQ (such as `WorkCompletion::default()`).
     pub fn take_recv(&mut self, wc: &WorkCompletion) -> Option<Buffer> {
         if wc.qp_num() != self.qp_num {
             return None;
         }
-        usize::try_from(wc.wr_id())
-            .ok()
-            .and_then(|k| self.posted_recv.try_remove(k))
+        self.posted.take_recv(wc.wr_id())
     }
 
     /// Receive requests posted and not yet handed back.
     pub fn recv_outstanding(&self) -> usize {
-        self.posted_recv.len()
+        self.posted.recv.len()
     }
 
-    /// Posts send requests as one linked list (`ibv_post_send`). Returns the wr_id of the first;
-    /// the others follow consecutively. Inline payloads longer than the granted
-    /// `max_inline_data` are rejected before anything is posted.
+    /// Hands back what a polled completion of this QP covers, whichever queue it belongs to:
+    /// for a CQ shared by the send and receive queues, where a flushed completion's opcode is
+    /// undefined and cannot tell the direction. Equivalent to [`QueuePair::take_recv`] for a
+    /// receive and [`QueuePair::complete_send`] for a send; [`Reclaimed::Unknown`] for anything
+    /// else (nothing is handed back twice).
+    pub fn reclaim(&mut self, wc: &WorkCompletion) -> Reclaimed {
+        if wc.qp_num() != self.qp_num {
+            return Reclaimed::Unknown;
+        }
+        if let Some(buf) = self.posted.take_recv(wc.wr_id()) {
+            return Reclaimed::Recv(buf);
+        }
+        let mut out = Vec::new();
+        if self.posted.complete_send(wc.wr_id(), &mut out) {
+            Reclaimed::Send(out)
+        } else {
+            Reclaimed::Unknown
+        }
+    }
+
+    /// Posts send requests as one linked list (`ibv_post_send`). Returns the wr_id of the first
+    /// (0 if `reqs` is empty); the others follow consecutively. Inline payloads longer than the
+    /// granted `max_inline_data` are rejected before anything is posted.
     pub fn post_send(&mut self, reqs: Vec<SendRequest<'_>>) -> Result<u64, PostError> {
-        let first_id = self.next_send_id;
         if reqs.is_empty() {
-            return Ok(first_id);
+            return Ok(0);
         }
         if let Some(err) = self.check_send(&reqs) {
             let unposted = reqs.into_iter().filter_map(take_buffer).collect();
@@ -576,6 +709,7 @@ impl QueuePair {
                 posted: 0,
             });
         }
+        let first_id = draw_wr_ids(reqs.len());
         let mut sges: Vec<ffi::ibv_sge> = reqs.iter().map(sge_of).collect();
         let mut wrs: Vec<ffi::ibv_send_wr> = reqs
             .iter()
@@ -586,7 +720,7 @@ impl QueuePair {
         link(&mut wrs, |wr, next| wr.next = next);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `wrs` is a valid NULL-terminated list. Buffer SGEs point into
-        // buffers that are moved into `posted_send` below (their memory is owned by the region,
+        // buffers that are moved into `posted.send` below (their memory is owned by the region,
         // so moving the handle does not move the bytes); inline SGEs point into borrowed slices
         // that outlive this call, after which the device no longer reads them.
         let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
@@ -597,9 +731,8 @@ impl QueuePair {
         let mut reqs = reqs.into_iter();
         for i in 0..posted {
             let buf = reqs.next().and_then(take_buffer);
-            self.posted_send.push_back((first_id + i as u64, buf));
+            self.posted.send.push_back((first_id + i as u64, buf));
         }
-        self.next_send_id = first_id + posted as u64;
         if let Err(source) = check_ret(ret) {
             return Err(PostError {
                 error: Error::PostSend {
@@ -616,7 +749,6 @@ impl QueuePair {
     /// Posts one send request, without the allocations of [`QueuePair::post_send`] (the
     /// common case of a connection's data path). Returns its wr_id.
     pub fn post_send_one(&mut self, req: SendRequest<'_>) -> Result<u64, PostError> {
-        let id = self.next_send_id;
         if let Some(err) = self.check_send(std::slice::from_ref(&req)) {
             return Err(PostError {
                 error: err,
@@ -624,12 +756,13 @@ impl QueuePair {
                 posted: 0,
             });
         }
+        let id = draw_wr_ids(1);
         let mut sge = sge_of(&req);
         let mut wr = send_wr(&req, id, &mut sge);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `wr` is a single request (next is NULL) whose SGE lives on
         // this stack frame for the call. A buffer SGE points into a registered region that the
-        // buffer handle, moved into `posted_send` below, keeps alive; an inline SGE points into a
+        // buffer handle, moved into `posted.send` below, keeps alive; an inline SGE points into a
         // borrowed slice that outlives the call, after which the device no longer reads it.
         let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) };
         if let Err(source) = check_ret(ret) {
@@ -642,8 +775,8 @@ impl QueuePair {
                 posted: 0,
             });
         }
-        self.posted_send.push_back((id, take_buffer(req)));
-        self.next_send_id = id + 1;
+        // No allocation while fewer than the granted `max_send_wr` sends are held.
+        self.posted.send.push_back((id, take_buffer(req)));
         Ok(id)
     }
 
@@ -669,27 +802,22 @@ impl QueuePair {
         None
     }
 
-    /// Retires the send requests a polled send completion of this QP covers (it and every
-    /// unsignaled request before it) and hands back their buffers.
+    /// Retires the send requests a polled send completion of this QP covers and hands back
+    /// their buffers: the request `wc` names, if this QP still holds it, and every request
+    /// posted before it (unsignaled ones complete silently; a completion means every earlier
+    /// request on the send queue is done). Anything else (a receive completion, one already
+    /// handed back, another QP's, `WorkCompletion::default()`) retires nothing.
     pub fn complete_send(&mut self, wc: &WorkCompletion) -> Vec<Buffer> {
         let mut out = Vec::new();
-        if wc.qp_num() != self.qp_num {
-            return out;
-        }
-        while let Some(&(id, _)) = self.posted_send.front() {
-            if id > wc.wr_id() {
-                break;
-            }
-            if let Some((_, Some(buf))) = self.posted_send.pop_front() {
-                out.push(buf);
-            }
+        if wc.qp_num() == self.qp_num {
+            self.posted.complete_send(wc.wr_id(), &mut out);
         }
         out
     }
 
     /// Send requests posted and not yet retired by a completion: the send queue slots in use.
     pub fn send_outstanding(&self) -> usize {
-        self.posted_send.len()
+        self.posted.send.len()
     }
 }
 
@@ -700,8 +828,8 @@ impl Drop for QueuePair {
         if ret != 0 {
             // The device may still own the posted buffers: leak them rather than free memory
             // it could write to.
-            std::mem::forget(std::mem::take(&mut self.posted_recv));
-            std::mem::forget(std::mem::take(&mut self.posted_send));
+            std::mem::forget(std::mem::take(&mut self.posted.recv));
+            std::mem::forget(std::mem::take(&mut self.posted.send));
         }
     }
 }
@@ -820,6 +948,123 @@ mod tests {
         assert_eq!(failed_index(&v, base), 0);
         // Unknown pointers count as "nothing posted".
         assert_eq!(failed_index(&v, std::ptr::null_mut()), 0);
+    }
+
+    #[test]
+    fn wr_ids_are_never_zero_and_never_drawn_twice() {
+        let a = draw_wr_ids(3);
+        let b = draw_wr_ids(1);
+        let c = draw_wr_ids(2);
+        assert!(a >= 1);
+        assert!(b >= a + 3 && c > b, "{a} {b} {c}");
+        // From other threads too.
+        let mut ids: Vec<u64> = (0..4)
+            .map(|_| std::thread::spawn(|| (0..1000).map(|_| draw_wr_ids(1)).collect::<Vec<_>>()))
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 4000);
+    }
+
+    fn posted(recv: &[u64], send: &[(u64, Option<&'static str>)]) -> Posted<&'static str> {
+        let mut p = Posted::with_capacity(4, 4);
+        for &id in recv {
+            p.recv.insert(id, "recv");
+        }
+        p.send.extend(send.iter().copied());
+        p
+    }
+
+    #[test]
+    fn a_receive_buffer_comes_back_once() {
+        let mut p = posted(&[5, 6], &[]);
+        assert_eq!(p.take_recv(5), Some("recv"));
+        assert_eq!(p.take_recv(5), None, "a replayed completion gets nothing");
+        assert_eq!(p.take_recv(0), None, "a default completion gets nothing");
+        assert_eq!(p.recv.len(), 1);
+    }
+
+    #[test]
+    fn a_send_completion_retires_only_an_exact_posted_send_and_those_before_it() {
+        let mut p = posted(
+            &[],
+            &[(3, Some("a")), (7, None), (9, Some("b")), (12, Some("c"))],
+        );
+        let mut out = Vec::new();
+        for absent in [0, 1, 8, 10, 13, u64::MAX] {
+            assert!(!p.complete_send(absent, &mut out), "{absent}");
+        }
+        assert_eq!((out.len(), p.send.len()), (0, 4), "nothing retired");
+        assert!(p.complete_send(7, &mut out));
+        assert_eq!(out, ["a"], "7 and the request before it");
+        assert!(!p.complete_send(3, &mut out), "already retired");
+        assert!(!p.complete_send(7, &mut out), "a replay retires nothing");
+        assert!(p.complete_send(12, &mut out));
+        assert_eq!(out, ["a", "b", "c"]);
+        assert!(p.send.is_empty());
+    }
+
+    #[test]
+    fn receive_ids_never_retire_sends_and_send_ids_never_yield_receives() {
+        // Ids are drawn from one counter, so a receive id lies between send ids.
+        let mut p = posted(
+            &[4, 8],
+            &[(2, Some("s2")), (6, Some("s6")), (10, Some("s10"))],
+        );
+        let mut out = Vec::new();
+        assert!(!p.complete_send(4, &mut out));
+        assert!(!p.complete_send(8, &mut out));
+        assert_eq!(p.send.len(), 3);
+        assert_eq!(p.take_recv(6), None);
+        assert_eq!(p.take_recv(2), None);
+        assert_eq!(p.recv.len(), 2);
+    }
+
+    #[test]
+    fn the_id_map_holds_many_sequential_and_scattered_ids() {
+        let mut p: Posted<u64> = Posted::with_capacity(0, 0);
+        let ids: Vec<u64> = (1..5000u64)
+            .chain((13..64).map(|i| 1u64 << i))
+            .chain([u64::MAX, u64::MAX - 1])
+            .collect();
+        for &id in &ids {
+            p.recv.insert(id, id);
+        }
+        for &id in ids.iter().rev() {
+            assert_eq!(p.take_recv(id), Some(id));
+        }
+        assert!(p.recv.is_empty());
+        // Consecutive ids land in distinct buckets of a power-of-two table.
+        let low = |id: u64| {
+            let mut h = IdHasher::default();
+            h.write_u64(id);
+            h.finish() & 1023
+        };
+        let mut seen: Vec<u64> = (1000..2024).map(low).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 1024);
+    }
+
+    #[test]
+    fn a_post_error_prints_the_verb_why_and_what_was_posted() {
+        let os = std::io::Error::from_raw_os_error(libc::ENOMEM);
+        let e = PostError {
+            error: Error::PostSend {
+                qp_num: 0x11,
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            },
+            unposted: Vec::new(),
+            posted: 2,
+        };
+        let first =
+            "ibv_post_send on QP 0x11 failed (ENOMEM); 2 work requests posted before it, 0 buffers handed back";
+        assert_eq!(e.to_string(), first);
+        // The chain as anyhow's `{:#}` prints it names the OS error once.
+        let source = std::error::Error::source(&e).unwrap();
+        assert_eq!(source.to_string(), os.to_string());
+        assert!(source.source().is_none());
     }
 
     #[test]

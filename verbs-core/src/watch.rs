@@ -26,40 +26,56 @@ impl ReadyWatch {
         // descriptor that we own.
         let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if fd < 0 {
-            return Err(wait_err(-1, std::io::Error::last_os_error()));
+            return Err(wait_err(
+                "epoll_create1",
+                -1,
+                std::io::Error::last_os_error(),
+            ));
         }
         // SAFETY: `fd` was just returned by epoll_create1 and is owned by nobody else.
         let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(Self { epoll })
     }
 
-    fn ctl(&self, op: libc::c_int, fd: RawFd, token: u8) -> Result<()> {
+    fn ctl(&self, op: libc::c_int, fd: RawFd, token: u8, flags: libc::c_int) -> Result<()> {
         let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
+            events: (libc::EPOLLIN | flags) as u32,
             u64: u64::from(token),
         };
         // SAFETY: the epoll descriptor is ours and open; `ev` is a valid epoll_event for the
         // duration of the call (the kernel copies it).
         let ret = unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) };
         if ret < 0 {
-            return Err(wait_err(fd, std::io::Error::last_os_error()));
+            return Err(wait_err("epoll_ctl", fd, std::io::Error::last_os_error()));
         }
         Ok(())
     }
 
     /// Watches `fd` for readability, reporting it as `token` (below 64).
     pub fn add(&self, fd: BorrowedFd<'_>, token: u8) -> Result<()> {
+        self.add_with(fd, token, 0)
+    }
+
+    /// Watches `fd` like [`ReadyWatch::add`], but when several watches share `fd` and sleep on
+    /// it, a new event wakes one of them rather than all (`EPOLLEXCLUSIVE`). For a descriptor
+    /// such as a device's async-event fd that many connections watch and any one of them can
+    /// serve for all: whoever wakes must read it and hand on what is not its own.
+    pub fn add_exclusive(&self, fd: BorrowedFd<'_>, token: u8) -> Result<()> {
+        self.add_with(fd, token, libc::EPOLLEXCLUSIVE)
+    }
+
+    fn add_with(&self, fd: BorrowedFd<'_>, token: u8, flags: libc::c_int) -> Result<()> {
         if token >= 64 {
             return Err(Error::InvalidArgument(format!(
                 "watch token {token} is not below 64"
             )));
         }
-        self.ctl(libc::EPOLL_CTL_ADD, fd.as_raw_fd(), token)
+        self.ctl(libc::EPOLL_CTL_ADD, fd.as_raw_fd(), token, flags)
     }
 
     /// Stops watching `fd`.
     pub fn remove(&self, fd: BorrowedFd<'_>) -> Result<()> {
-        self.ctl(libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0)
+        self.ctl(libc::EPOLL_CTL_DEL, fd.as_raw_fd(), 0, 0)
     }
 
     /// Waits until a watched descriptor is readable or `timeout` passes (`None`: forever).
@@ -85,7 +101,7 @@ impl ReadyWatch {
                 if err.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(wait_err(self.epoll.as_raw_fd(), err));
+                return Err(wait_err("epoll_wait", self.epoll.as_raw_fd(), err));
             }
             return Ok(events[..n as usize]
                 .iter()
@@ -94,8 +110,8 @@ impl ReadyWatch {
     }
 }
 
-fn wait_err(fd: RawFd, source: std::io::Error) -> Error {
-    Error::WaitFd { fd, source }
+fn wait_err(call: &'static str, fd: RawFd, source: std::io::Error) -> Error {
+    Error::WaitFd { call, fd, source }
 }
 
 #[cfg(test)]
@@ -121,5 +137,18 @@ mod tests {
         assert_eq!(w.wait(None).unwrap(), 1);
         assert!(w.add(a_rx.as_fd(), 64).is_err());
         assert!(w.add(a_rx.as_fd(), 1).is_err(), "already watched");
+    }
+
+    #[test]
+    fn an_exclusive_watch_reports_like_any_other() {
+        let (mut tx, rx) = UnixStream::pair().unwrap();
+        let (one, two) = (ReadyWatch::new().unwrap(), ReadyWatch::new().unwrap());
+        one.add_exclusive(rx.as_fd(), 2).unwrap();
+        two.add_exclusive(rx.as_fd(), 5).unwrap();
+        assert_eq!(one.wait(Some(Duration::from_millis(1))).unwrap(), 0);
+        tx.write_all(b"x").unwrap();
+        // Not sleeping when the byte came: each finds it readable when it looks.
+        assert_eq!(one.wait(Some(Duration::from_millis(100))).unwrap(), 1 << 2);
+        assert_eq!(two.wait(Some(Duration::from_millis(100))).unwrap(), 1 << 5);
     }
 }

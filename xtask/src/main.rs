@@ -10,23 +10,35 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use vm::Kernel;
+
 const USAGE: &str = "\
 usage: cargo xtask <task>
 
 tasks:
   setup            install the Debian packages rdmsg needs (apt-get as root; prints the command otherwise)
-  test             fmt, clippy, docs, host tests, the decoder fuzzed for a fixed time, the device
-                   tests inside the Soft-RoCE VM, then the two-host test (as vm2)
-  demo             run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
-  bench [--quick] [-- ARGS]
+  test [--kernel K]
+                   fmt, clippy, docs, host tests, the decoder fuzzed for a fixed time, the device
+                   tests inside the Soft-RoCE VM once per kernel (6.1, then 6.12, one boot each;
+                   --kernel or RDMSG_KERNELS picks), then the two-host test (as vm2, on 6.1).
+                   For work on the driver: --device-only (device tests only, no two-host test),
+                   --bins NAME,... (only the test binaries whose names start so)
+  demo [--kernel K]
+                   run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
+  bench [--quick] [--kernel K] [-- ARGS]
                    benchmarks side by side with perftest in one VM boot, codec on the host;
                    writes target/bench/report.md, report.json, chart.png (ARGS go to
                    `rdmsg-bench run`, e.g. --rounds 3 or --only lat)
-  vm -- CMD...     boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
-  vm2              two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
+  vm [--kernel K] -- CMD...
+                   boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
+  vm2 [--kernel K] two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
                    exchange between them, then one VM is killed; the other must report it
 
+kernels (K): 6.1 (Debian 12's linux-image-amd64, the default), 6.12 (linux-image-6.12-amd64,
+  bookworm-security); each is fetched once into target/vm/kernel-<release>
+
 environment:
+  RDMSG_KERNELS    kernels `test` runs the device tests on, e.g. 6.12 (default 6.1,6.12)
   RDMSG_VM_ACCEL   qemu accelerator (default tcg,thread=multi)
   RDMSG_VM_MEM     guest memory in MiB (default 4096)
   RDMSG_VM_TIMEOUT seconds a VM run may take (default 1500)
@@ -51,24 +63,33 @@ const PACKAGES: &[&str] = &[
     "kmod",
     "cpio",
     "gzip",
+    "xz-utils",
 ];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("setup") => setup(),
-        Some("test") => test(),
-        Some("demo") => demo(),
-        Some("bench") => bench(&args[1..]),
-        Some("vm") => vm_cmd(&args[1..]),
-        Some("vm2") => vm2_cmd(),
-        Some("-h" | "--help" | "help") => {
+    let task = match parse(&args, std::env::var("RDMSG_KERNELS").ok().as_deref()) {
+        Ok(task) => task,
+        Err(usage) => {
+            eprintln!("xtask: {usage}\n");
+            eprint!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match task {
+        Task::Setup => setup(),
+        Task::Test(plan) => test(&plan),
+        Task::Demo(kernel) => demo(kernel),
+        Task::Bench {
+            quick,
+            kernel,
+            run_args,
+        } => bench(quick, kernel, run_args),
+        Task::Vm { kernel, cmd } => vm_cmd(kernel, &cmd),
+        Task::Vm2(kernel) => vm2_cmd(kernel),
+        Task::Help => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)
-        }
-        _ => {
-            eprint!("{USAGE}");
-            Ok(ExitCode::from(2))
         }
     };
     match result {
@@ -78,6 +99,191 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// What the command line asks for.
+#[derive(Debug, PartialEq)]
+enum Task {
+    Setup,
+    Test(TestPlan),
+    Demo(Kernel),
+    Bench {
+        quick: bool,
+        kernel: Kernel,
+        run_args: Vec<String>,
+    },
+    Vm {
+        kernel: Kernel,
+        cmd: Vec<String>,
+    },
+    Vm2(Kernel),
+    Help,
+}
+
+/// What `cargo xtask test` runs.
+#[derive(Debug, PartialEq)]
+struct TestPlan {
+    /// Kernels to run the device tests on, each in its own VM boot, in [`vm::KERNELS`] order.
+    kernels: Vec<Kernel>,
+    /// Skip fmt, clippy, docs, host tests, fuzzing and the two-host test.
+    device_only: bool,
+    /// Only the test binaries whose file names start with one of these (all when empty).
+    bins: Vec<String>,
+}
+
+/// Options given before `--` (or, for `vm`, before the command), and what follows.
+#[derive(Debug, Default)]
+struct Opts {
+    kernel: Option<Kernel>,
+    quick: bool,
+    device_only: bool,
+    bins: Vec<String>,
+    rest: Vec<String>,
+}
+
+/// Reads `task`'s options among `allowed`, up to `--` (what follows is `rest`); with
+/// `command_follows`, the first word that is no option starts `rest` too (`vm ls -l`).
+fn options(
+    task: &str,
+    args: &[String],
+    allowed: &[&str],
+    command_follows: bool,
+) -> Result<Opts, String> {
+    let mut o = Opts::default();
+    let mut i = 0;
+    while i < args.len() {
+        let arg = args[i].as_str();
+        if arg == "--" {
+            o.rest = args[i + 1..].to_vec();
+            break;
+        }
+        if command_follows && !arg.starts_with('-') {
+            o.rest = args[i..].to_vec();
+            break;
+        }
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) => (f, Some(v.to_owned())),
+            None => (arg, None),
+        };
+        if !allowed.contains(&flag) {
+            return Err(format!("`{task}` takes no option {arg:?}"));
+        }
+        let takes_value = matches!(flag, "--kernel" | "--bins");
+        let value = match (takes_value, inline) {
+            (true, Some(v)) => v,
+            (true, None) => {
+                i += 1;
+                args.get(i)
+                    .cloned()
+                    .ok_or_else(|| format!("{flag} needs a value"))?
+            }
+            (false, Some(_)) => return Err(format!("{flag} takes no value")),
+            (false, None) => String::new(),
+        };
+        match flag {
+            "--kernel" => o.kernel = Some(Kernel::parse(&value)?),
+            "--bins" => {
+                o.bins = value
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            }
+            "--quick" => o.quick = true,
+            "--device-only" => o.device_only = true,
+            _ => unreachable!("{flag} is allowed but not handled"),
+        }
+        i += 1;
+    }
+    Ok(o)
+}
+
+/// Kernels listed in `RDMSG_KERNELS` (`6.1,6.12`), in [`vm::KERNELS`] order, each once.
+fn kernel_list(list: &str) -> Result<Vec<Kernel>, String> {
+    let mut kernels = list
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(Kernel::parse)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("RDMSG_KERNELS: {e}"))?;
+    kernels.sort_by_key(|k| vm::KERNELS.iter().position(|known| known == k));
+    kernels.dedup();
+    if kernels.is_empty() {
+        return Err("RDMSG_KERNELS names no kernel".into());
+    }
+    Ok(kernels)
+}
+
+/// Parses the command line (without the program name); `rdmsg_kernels` is `$RDMSG_KERNELS`.
+/// An error is a usage error: `main` prints it with the usage and exits with 2.
+fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
+    let Some((task, rest)) = args.split_first() else {
+        return Err("no task given".into());
+    };
+    let no_rest = |o: Opts| -> Result<Opts, String> {
+        if o.rest.is_empty() {
+            Ok(o)
+        } else {
+            Err(format!("`{task}` takes no arguments {:?}", o.rest))
+        }
+    };
+    let kernel = |o: &Opts| o.kernel.unwrap_or_else(Kernel::default_kernel);
+    Ok(match task.as_str() {
+        "setup" => {
+            no_rest(options(task, rest, &[], false)?)?;
+            Task::Setup
+        }
+        "test" => {
+            let o = no_rest(options(
+                task,
+                rest,
+                &["--kernel", "--device-only", "--bins"],
+                false,
+            )?)?;
+            let kernels = match (o.kernel, rdmsg_kernels) {
+                (Some(k), _) => vec![k],
+                (None, Some(list)) => kernel_list(list)?,
+                (None, None) => vm::KERNELS.to_vec(),
+            };
+            Task::Test(TestPlan {
+                kernels,
+                device_only: o.device_only,
+                bins: o.bins,
+            })
+        }
+        "demo" => Task::Demo(kernel(&no_rest(options(
+            task,
+            rest,
+            &["--kernel"],
+            false,
+        )?)?)),
+        "bench" => {
+            let o = options(task, rest, &["--quick", "--kernel"], false)?;
+            Task::Bench {
+                quick: o.quick,
+                kernel: kernel(&o),
+                run_args: o.rest,
+            }
+        }
+        "vm" => {
+            let o = options(task, rest, &["--kernel"], true)?;
+            if o.rest.is_empty() {
+                return Err("usage: cargo xtask vm [--kernel K] -- CMD...".into());
+            }
+            Task::Vm {
+                kernel: kernel(&o),
+                cmd: o.rest,
+            }
+        }
+        "vm2" => Task::Vm2(kernel(&no_rest(options(
+            task,
+            rest,
+            &["--kernel"],
+            false,
+        )?)?)),
+        "-h" | "--help" | "help" => Task::Help,
+        other => return Err(format!("unknown task {other:?}")),
+    })
 }
 
 fn repo_root() -> PathBuf {
@@ -187,14 +393,7 @@ fn vm_timeout() -> Duration {
     Duration::from_secs(secs)
 }
 
-fn vm_cmd(args: &[String]) -> Result<ExitCode> {
-    let args = match args.first().map(String::as_str) {
-        Some("--") => &args[1..],
-        _ => args,
-    };
-    if args.is_empty() {
-        bail!("usage: cargo xtask vm -- CMD...");
-    }
+fn vm_cmd(kernel: Kernel, args: &[String]) -> Result<ExitCode> {
     ensure_packages()?;
     let script = args
         .iter()
@@ -203,13 +402,16 @@ fn vm_cmd(args: &[String]) -> Result<ExitCode> {
         .join(" ");
     let _s = Step::new(
         "vm",
-        &format!("booting the Soft-RoCE VM to run: {}", args.join(" ")),
+        &format!(
+            "booting the Soft-RoCE VM (Linux {kernel}) to run: {}",
+            args.join(" ")
+        ),
     );
-    let out =
-        vm::Vm::new(&repo_root()).run_script(&script, vm_timeout(), &mut |l| println!("{l}"))?;
+    let out = vm::Vm::new(&repo_root(), kernel)
+        .run_script(&script, vm_timeout(), &mut |l| println!("{l}"))?;
     eprintln!(
-        "==> [vm] booted in {:.1} s; command exited with {}",
-        out.boot_secs, out.code
+        "==> [vm] Linux {} booted in {:.1} s; command exited with {}",
+        out.release, out.boot_secs, out.code
     );
     Ok(exit_code(out.code))
 }
@@ -224,7 +426,7 @@ fn cargo() -> Command {
     c
 }
 
-fn demo() -> Result<ExitCode> {
+fn demo(kernel: Kernel) -> Result<ExitCode> {
     ensure_packages()?;
     {
         let _s = Step::new(
@@ -237,7 +439,7 @@ fn demo() -> Result<ExitCode> {
         "demo",
         "running the telemetry example on rxe0 inside the VM: solicited-only vs next arming",
     );
-    let out = vm::Vm::new(&repo_root()).run_script(
+    let out = vm::Vm::new(&repo_root(), kernel).run_script(
         "./target/release/telemetry --arm both",
         vm_timeout(),
         &mut |l| println!("{l}"),
@@ -245,18 +447,7 @@ fn demo() -> Result<ExitCode> {
     Ok(exit_code(out.code))
 }
 
-fn bench(args: &[String]) -> Result<ExitCode> {
-    let (ours, run_args): (Vec<String>, Vec<String>) = match args.iter().position(|a| a == "--") {
-        Some(i) => (args[..i].to_vec(), args[i + 1..].to_vec()),
-        None => (args.to_vec(), Vec::new()),
-    };
-    let quick = match ours.as_slice() {
-        [] => false,
-        [q] if q == "--quick" => true,
-        other => {
-            bail!("usage: cargo xtask bench [--quick] [-- ARGS for rdmsg-bench run]; not {other:?}")
-        }
-    };
+fn bench(quick: bool, kernel: Kernel, run_args: Vec<String>) -> Result<ExitCode> {
     ensure_packages()?;
     let out_dir = repo_root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
@@ -290,21 +481,24 @@ fn bench(args: &[String]) -> Result<ExitCode> {
     let code = {
         let _s = Step::new(
             "device",
-            "rdmsg vs perftest on rxe0, inside one VM boot (progress below)",
+            &format!(
+                "rdmsg vs perftest on rxe0, inside one VM boot on Linux {kernel} (progress below)"
+            ),
         );
         let mut script = String::from("./target/release/rdmsg-bench run");
         for a in quick_flag.iter().map(|s| s.to_string()).chain(run_args) {
             script.push(' ');
             script.push_str(&sh_quote(&a));
         }
-        let out = vm::Vm::new(&repo_root()).run_script(&script, vm_timeout(), &mut |l| {
-            if l.starts_with("SAMPLE ") {
-                samples.push_str(l);
-                samples.push('\n');
-            } else {
-                println!("{l}");
-            }
-        })?;
+        let out =
+            vm::Vm::new(&repo_root(), kernel).run_script(&script, vm_timeout(), &mut |l| {
+                if l.starts_with("SAMPLE ") {
+                    samples.push_str(l);
+                    samples.push('\n');
+                } else {
+                    println!("{l}");
+                }
+            })?;
         out.code
     };
     std::fs::write(out_dir.join("device.samples"), &samples)?;
@@ -352,13 +546,13 @@ fn fuzz_decoder(secs: u64) -> Result<()> {
     .context("the decoder fuzzer found a crash (see msg/fuzz/artifacts/decode) or did not build")
 }
 
-fn vm2_cmd() -> Result<ExitCode> {
+fn vm2_cmd(kernel: Kernel) -> Result<ExitCode> {
     ensure_packages()?;
     {
         let _s = Step::new("build", "building the two_hosts example");
         run(cargo().args(["build", "-p", "rdmsg-examples", "--bin", "two_hosts"]))?;
     }
-    let r = two_hosts()?;
+    let r = two_hosts(kernel)?;
     println!("{r}");
     Ok(ExitCode::SUCCESS)
 }
@@ -388,7 +582,7 @@ impl std::fmt::Display for TwoHosts {
 /// Two VMs joined by a qemu socket network, each with rxe0 on its own virtio NIC: the server
 /// VM (10.78.0.1) receives a msg exchange from the client VM (10.78.0.2); once it is done the
 /// client's qemu is killed, and the server must report the vanished peer, typed, in time.
-fn two_hosts() -> Result<TwoHosts> {
+fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
     const MESSAGES: u32 = 5000;
@@ -397,7 +591,9 @@ fn two_hosts() -> Result<TwoHosts> {
 
     let _s = Step::new(
         "two-hosts",
-        "two VMs, rxe0 on a virtio NIC each, joined by a qemu socket network",
+        &format!(
+            "two VMs (Linux {kernel}), rxe0 on a virtio NIC each, joined by a qemu socket network"
+        ),
     );
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -407,6 +603,7 @@ fn two_hosts() -> Result<TwoHosts> {
     let host = |name: &str, n: u8, socket: String| {
         vm::Vm::networked(
             &repo,
+            kernel,
             name,
             vm::Nic {
                 socket,
@@ -548,139 +745,144 @@ impl Tally {
     }
 }
 
-fn test() -> Result<ExitCode> {
+fn test(plan: &TestPlan) -> Result<ExitCode> {
     let started = Instant::now();
     ensure_packages()?;
-    let checks: [(&'static str, &str, Vec<&str>); 3] = [
-        ("fmt", "cargo fmt --check", vec!["fmt", "--all", "--check"]),
-        (
-            "clippy",
-            "cargo clippy --workspace --all-targets -- -D warnings",
-            vec![
-                "clippy",
-                "--workspace",
-                "--all-targets",
-                "--",
-                "-D",
-                "warnings",
-            ],
-        ),
-        (
-            "doc",
-            "RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps",
-            vec!["doc", "--workspace", "--no-deps"],
-        ),
-    ];
-    for (name, line, args) in checks {
-        let _s = Step::new(name, line);
-        let status = cargo()
-            .args(&args)
-            .env("RUSTDOCFLAGS", "-Dwarnings")
-            .status()?;
-        if !status.success() {
-            bail!("step `{name}` failed; rerun it alone with: {line}");
-        }
-    }
-
     let mut host = Tally::default();
-    {
-        let _s = Step::new(
-            "host-tests",
-            "cargo test --workspace (device tests are left out)",
-        );
-        let mut child = cargo()
-            .args(["test", "--workspace"])
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let stdout = child.stdout.take().context("cargo test stdout")?;
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
-            let line = line?;
-            println!("{line}");
-            host.add_line(&line);
+    if !plan.device_only {
+        let checks: [(&'static str, &str, Vec<&str>); 3] = [
+            ("fmt", "cargo fmt --check", vec!["fmt", "--all", "--check"]),
+            (
+                "clippy",
+                "cargo clippy --workspace --all-targets -- -D warnings",
+                vec![
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--",
+                    "-D",
+                    "warnings",
+                ],
+            ),
+            (
+                "doc",
+                "RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps",
+                vec!["doc", "--workspace", "--no-deps"],
+            ),
+        ];
+        for (name, line, args) in checks {
+            let _s = Step::new(name, line);
+            let status = cargo()
+                .args(&args)
+                .env("RUSTDOCFLAGS", "-Dwarnings")
+                .status()?;
+            if !status.success() {
+                bail!("step `{name}` failed; rerun it alone with: {line}");
+            }
         }
-        let status = child.wait()?;
-        if !status.success() && host.failed == 0 {
-            bail!(
-                "step `host-tests` failed before running tests; rerun with: cargo test --workspace"
-            );
-        }
-    }
 
-    let fuzz_secs: u64 = std::env::var("RDMSG_FUZZ_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(60);
-    if fuzz_secs > 0 {
-        match fuzz_decoder(fuzz_secs) {
-            Ok(()) => host.passed += 1,
-            Err(e) => {
-                eprintln!("xtask: fuzzing failed: {e:#}");
-                host.failed += 1;
+        {
+            let _s = Step::new(
+                "host-tests",
+                "cargo test --workspace (device tests are left out)",
+            );
+            let mut child = cargo()
+                .args(["test", "--workspace"])
+                .stdout(Stdio::piped())
+                .spawn()?;
+            let stdout = child.stdout.take().context("cargo test stdout")?;
+            for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+                let line = line?;
+                println!("{line}");
+                host.add_line(&line);
+            }
+            let status = child.wait()?;
+            if !status.success() && host.failed == 0 {
+                bail!(
+                    "step `host-tests` failed before running tests; rerun with: cargo test --workspace"
+                );
+            }
+        }
+
+        let fuzz_secs: u64 = std::env::var("RDMSG_FUZZ_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(60);
+        if fuzz_secs > 0 {
+            match fuzz_decoder(fuzz_secs) {
+                Ok(()) => host.passed += 1,
+                Err(e) => {
+                    eprintln!("xtask: fuzzing failed: {e:#}");
+                    host.failed += 1;
+                }
             }
         }
     }
 
     let binaries = {
         let _s = Step::new("build-tests", "building test binaries for the VM");
-        test_binaries()?
+        let all = test_binaries()?;
+        select_binaries(all, &plan.bins)?
     };
-    let mut device = Tally::default();
-    let vm_secs;
-    {
-        let _s = Step::new(
-            "device-tests",
-            &format!(
-                "{} test binaries, device tests only, inside the Soft-RoCE VM",
-                binaries.len()
-            ),
-        );
-        let mut script = String::from("status=0\n");
-        for bin in &binaries {
-            let rel = bin.strip_prefix(repo_root()).unwrap_or(bin);
-            script.push_str(&format!(
-                "echo \"--- {name}\"\ntimeout 600 {bin} --ignored --test-threads=1 --nocapture --color never || status=1\n",
-                name = rel.display(),
-                bin = sh_quote(&bin.to_string_lossy())
-            ));
-        }
-        script.push_str("exit $status\n");
+    let runs: Vec<KernelRun> = plan
+        .kernels
+        .iter()
+        .map(|&kernel| device_tests(kernel, &binaries))
+        .collect();
+    // Two VMs on a socket network: on the default kernel only.
+    let two_host_kernel = Kernel::default_kernel();
+    let two_host = (!plan.device_only).then(|| {
         let vm_started = Instant::now();
-        let out = vm::Vm::new(&repo_root()).run_script(&script, vm_timeout(), &mut |l| {
-            println!("{l}");
-            device.add_line(l);
-        })?;
-        vm_secs = vm_started.elapsed().as_secs_f64();
-        eprintln!("==> [device-tests] VM booted in {:.1} s", out.boot_secs);
-        if out.code != 0 && device.failed == 0 {
-            device.failed += 1;
-            eprintln!("xtask: a device test binary failed without a test failure (crash?)");
+        let result = two_hosts(two_host_kernel);
+        let secs = vm_started.elapsed().as_secs_f64();
+        match &result {
+            Ok(r) => println!("{r}"),
+            Err(e) => eprintln!("xtask: the two-host test failed: {e:#}"),
         }
-        if device.passed == 0 {
-            device.failed += 1;
-            eprintln!("xtask: no device test passed inside the VM: they did not run");
-        }
+        eprintln!("==> [two-hosts] VM run (Linux {two_host_kernel}, two VMs) {secs:.1} s");
+        (result.is_ok(), secs)
+    });
+
+    let mut total = host;
+    let mut counts = Vec::new();
+    let mut times = Vec::new();
+    if !plan.device_only {
+        counts.push(format!(
+            "host: {} passed, {} failed",
+            host.passed, host.failed
+        ));
     }
-    match two_hosts() {
-        Ok(r) => {
-            println!("{r}");
-            device.passed += 1;
-        }
-        Err(e) => {
-            eprintln!("xtask: the two-host test failed: {e:#}");
-            device.failed += 1;
-        }
+    for r in &runs {
+        total.passed += r.tally.passed;
+        total.failed += r.tally.failed;
+        counts.push(format!(
+            "device ({}): {} passed, {} failed",
+            r.kernel, r.tally.passed, r.tally.failed
+        ));
+        times.push(match r.boot_secs {
+            Some(boot) => format!(
+                "device ({}) {:.1} s, booted in {boot:.1} s",
+                r.kernel, r.secs
+            ),
+            None => format!("device ({}) {:.1} s, did not boot", r.kernel, r.secs),
+        });
     }
-    let total = Tally {
-        passed: host.passed + device.passed,
-        failed: host.failed + device.failed,
-    };
+    if let Some((ok, secs)) = two_host {
+        if ok {
+            total.passed += 1;
+        } else {
+            total.failed += 1;
+        }
+        counts.push(format!(
+            "two-host ({two_host_kernel} only): {}",
+            if ok { "passed" } else { "failed" }
+        ));
+        times.push(format!("two-host ({two_host_kernel}) {secs:.1} s"));
+    }
+    eprintln!("==> {}", counts.join("; "));
     eprintln!(
-        "==> host: {} passed, {} failed; device (rxe0): {} passed, {} failed; VM run {:.1} s; total {:.1} s",
-        host.passed,
-        host.failed,
-        device.passed,
-        device.failed,
-        vm_secs,
+        "==> VM runs: {}; total {:.1} s",
+        times.join("; "),
         started.elapsed().as_secs_f64()
     );
     println!("{} passed, {} failed", total.passed, total.failed);
@@ -689,6 +891,98 @@ fn test() -> Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The device tests' run on one kernel.
+#[derive(Debug)]
+struct KernelRun {
+    kernel: Kernel,
+    tally: Tally,
+    /// Seconds the VM ran, boot included (the kernel's first download not).
+    secs: f64,
+    /// Seconds to a ready rxe0; `None`: the VM did not boot.
+    boot_secs: Option<f64>,
+}
+
+/// Runs every test binary with `--ignored` in one VM boot on `kernel`. A VM that does not boot,
+/// a binary that dies without a failed test, and a run where no test passed count as failures:
+/// a device test never passes by not running.
+fn device_tests(kernel: Kernel, binaries: &[PathBuf]) -> KernelRun {
+    let _s = Step::new(
+        "device-tests",
+        &format!(
+            "{} test binaries, device tests only, inside the Soft-RoCE VM on Linux {kernel}",
+            binaries.len()
+        ),
+    );
+    let mut script = String::from("status=0\n");
+    for bin in binaries {
+        let rel = bin.strip_prefix(repo_root()).unwrap_or(bin);
+        script.push_str(&format!(
+            "echo \"--- {name}\"\ntimeout 600 {bin} --ignored --test-threads=1 --nocapture --color never || status=1\n",
+            name = rel.display(),
+            bin = sh_quote(&bin.to_string_lossy())
+        ));
+    }
+    script.push_str("exit $status\n");
+    let vm = vm::Vm::new(&repo_root(), kernel);
+    let mut tally = Tally::default();
+    // The kernel's first download is not part of the run's time.
+    let mut vm_started = Instant::now();
+    let result = vm.prepare().and_then(|()| {
+        vm_started = Instant::now();
+        vm.run_script(&script, vm_timeout(), &mut |l| {
+            println!("{l}");
+            tally.add_line(l);
+        })
+    });
+    let secs = vm_started.elapsed().as_secs_f64();
+    let boot_secs = match result {
+        Ok(out) => {
+            eprintln!(
+                "==> [device-tests] Linux {} ({}): VM run {secs:.1} s, booted in {:.1} s",
+                kernel, out.release, out.boot_secs
+            );
+            if out.code != 0 && tally.failed == 0 {
+                tally.failed += 1;
+                eprintln!("xtask: a device test binary failed without a test failure on Linux {kernel} (crash?)");
+            }
+            if tally.passed == 0 {
+                tally.failed += 1;
+                eprintln!("xtask: no device test passed inside the VM on Linux {kernel}: they did not run");
+            }
+            Some(out.boot_secs)
+        }
+        Err(e) => {
+            eprintln!("xtask: the VM on Linux {kernel} failed: {e:#}");
+            tally.failed += 1;
+            None
+        }
+    };
+    KernelRun {
+        kernel,
+        tally,
+        secs,
+        boot_secs,
+    }
+}
+
+/// The binaries whose file names start with one of `names` (all of them when `names` is empty).
+fn select_binaries(all: Vec<PathBuf>, names: &[String]) -> Result<Vec<PathBuf>> {
+    if names.is_empty() {
+        return Ok(all);
+    }
+    let chosen: Vec<PathBuf> = all
+        .into_iter()
+        .filter(|b| {
+            let file = b.file_name().unwrap_or_default().to_string_lossy();
+            names.iter().any(|n| file.starts_with(n.as_str()))
+        })
+        .collect();
+    if chosen.is_empty() {
+        bail!("no test binary's name starts with any of {names:?}");
+    }
+    Ok(chosen)
 }
 
 /// Paths of the workspace's test executables (as `cargo test --no-run` builds them).
@@ -735,6 +1029,106 @@ mod tests {
         t.add_line("test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured");
         t.add_line("test foo ... ok");
         assert_eq!((t.passed, t.failed), (11, 1));
+    }
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(str::to_owned).collect()
+    }
+
+    fn k(label: &str) -> Kernel {
+        Kernel::parse(label).unwrap()
+    }
+
+    #[test]
+    fn unknown_or_missing_tasks_are_usage_errors() {
+        assert!(parse(&args("bogus"), None).unwrap_err().contains("bogus"));
+        assert!(parse(&[], None).is_err());
+        assert!(parse(&args("test --frobnicate"), None).is_err());
+        assert!(parse(&args("vm --kernel 5.10 -- true"), None).is_err());
+        assert!(parse(&args("vm --kernel"), None).is_err());
+        assert!(
+            parse(&args("vm --kernel 6.12"), None).is_err(),
+            "no command"
+        );
+        assert!(parse(&args("demo extra"), None).is_err());
+        assert_eq!(parse(&args("--help"), None), Ok(Task::Help));
+    }
+
+    #[test]
+    fn vm_takes_a_kernel_then_the_command() {
+        let vm = |kernel: &str, cmd: &str| Task::Vm {
+            kernel: k(kernel),
+            cmd: args(cmd),
+        };
+        assert_eq!(
+            parse(&args("vm -- uname -r"), None),
+            Ok(vm("6.1", "uname -r"))
+        );
+        assert_eq!(
+            parse(&args("vm --kernel 6.12 -- uname -r"), None),
+            Ok(vm("6.12", "uname -r"))
+        );
+        assert_eq!(
+            parse(&args("vm --kernel=6.12 ls --kernel"), None),
+            Ok(vm("6.12", "ls --kernel")),
+            "options end at the command"
+        );
+        assert_eq!(
+            parse(&args("vm2 --kernel 6.12"), None),
+            Ok(Task::Vm2(k("6.12")))
+        );
+        assert_eq!(parse(&args("demo"), None), Ok(Task::Demo(k("6.1"))));
+        assert_eq!(
+            parse(&args("bench --kernel 6.12 --quick -- --rounds 3"), None),
+            Ok(Task::Bench {
+                quick: true,
+                kernel: k("6.12"),
+                run_args: args("--rounds 3"),
+            })
+        );
+    }
+
+    #[test]
+    fn test_runs_on_both_kernels_unless_told() {
+        let kernels = |line: &str, env: Option<&str>| match parse(&args(line), env) {
+            Ok(Task::Test(plan)) => plan.kernels.iter().map(|k| k.label).collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(kernels("test", None), ["6.1", "6.12"]);
+        assert_eq!(kernels("test --kernel 6.12", None), ["6.12"]);
+        assert_eq!(kernels("test", Some("6.12")), ["6.12"]);
+        assert_eq!(kernels("test", Some("6.12, 6.1,6.12")), ["6.1", "6.12"]);
+        assert_eq!(
+            kernels("test --kernel 6.1", Some("6.12")),
+            ["6.1"],
+            "the option wins"
+        );
+        assert!(parse(&args("test"), Some("6.1,4.19")).is_err());
+        assert!(parse(&args("test"), Some("")).is_err());
+        assert_eq!(
+            parse(&args("test --device-only --bins device,soak"), None),
+            Ok(Task::Test(TestPlan {
+                kernels: vm::KERNELS.to_vec(),
+                device_only: true,
+                bins: args("device soak"),
+            }))
+        );
+    }
+
+    #[test]
+    fn binaries_are_chosen_by_name() {
+        let all: Vec<PathBuf> = ["t/device-1", "t/device-2", "t/soak-3", "t/msg-4"]
+            .iter()
+            .map(PathBuf::from)
+            .collect();
+        assert_eq!(select_binaries(all.clone(), &[]).unwrap().len(), 4);
+        assert_eq!(
+            select_binaries(all.clone(), &args("device soak"))
+                .unwrap()
+                .len(),
+            3
+        );
+        assert!(select_binaries(all, &args("nothing")).is_err());
     }
 
     #[test]

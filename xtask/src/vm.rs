@@ -2,6 +2,10 @@
 //! shared read-only over 9p, a writable scratch directory, and `rxe0` on a veth pair.
 //!
 //! The guest has no network card: the veth pair and its address exist only inside it.
+//!
+//! Two Debian 12 kernels can be booted ([`KERNELS`]): 6.1 (`linux-image-amd64`, the default) and
+//! 6.12 (`linux-image-6.12-amd64`, from bookworm-security). Each is cached in its own
+//! `target/vm/kernel-<release>` directory and gets its own initramfs.
 
 use std::collections::HashSet;
 use std::fs;
@@ -9,14 +13,17 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::{run, sh_quote, Step};
+use crate::{is_root, run, sh_quote, Step};
 
 /// Kernel modules the guest loads, in order; their dependencies are resolved from modules.dep.
+/// The same names serve 6.1 and 6.12: there `virtio_pci` is built in (skipped), 9p no longer
+/// needs `fscache` (modules.dep says so), and the modules are shipped xz-compressed (unpacked
+/// on the host, see [`unpack_module`]).
 const MODULES: &[&str] = &[
     "virtio_pci",
     "9pnet_virtio",
@@ -33,10 +40,58 @@ const MODULES: &[&str] = &[
 /// The device name tests see in `$RDMSG_DEVICE`.
 pub const DEVICE: &str = "rxe0";
 
+/// A Debian kernel the VM can boot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernel {
+    /// What `--kernel` and `RDMSG_KERNELS` call it: `6.1`, `6.12`.
+    pub label: &'static str,
+    /// The metapackage whose dependency names the image package of the current ABI.
+    meta: &'static str,
+}
+
+/// The kernels the VM can boot; the first is the default, and `cargo xtask test` runs the
+/// device tests on each, in this order.
+pub const KERNELS: &[Kernel] = &[
+    Kernel {
+        label: "6.1",
+        meta: "linux-image-amd64",
+    },
+    Kernel {
+        label: "6.12",
+        meta: "linux-image-6.12-amd64",
+    },
+];
+
+impl Kernel {
+    /// 6.1, Debian 12's own kernel.
+    pub fn default_kernel() -> Self {
+        KERNELS[0]
+    }
+
+    /// The kernel called `label` (`6.1`, `6.12`).
+    pub fn parse(label: &str) -> std::result::Result<Self, String> {
+        KERNELS
+            .iter()
+            .copied()
+            .find(|k| k.label == label.trim())
+            .ok_or_else(|| {
+                let known: Vec<&str> = KERNELS.iter().map(|k| k.label).collect();
+                format!("unknown kernel {label:?}; known: {}", known.join(", "))
+            })
+    }
+}
+
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label)
+    }
+}
+
 /// Paths of the cached VM artefacts under `target/vm`, and how this VM is set up.
 #[derive(Debug)]
 pub struct Vm {
     dir: PathBuf,
+    kernel: Kernel,
     repo: PathBuf,
     /// Name of this VM's scratch directory under `target/vm`.
     scratch: String,
@@ -67,12 +122,15 @@ pub struct VmRun {
     pub code: i32,
     /// Seconds from qemu start to the command starting.
     pub boot_secs: f64,
+    /// The kernel's release (`uname -r`).
+    pub release: String,
 }
 
 impl Vm {
-    pub fn new(repo: &Path) -> Self {
+    pub fn new(repo: &Path, kernel: Kernel) -> Self {
         Self {
             dir: repo.join("target/vm"),
+            kernel,
             repo: repo.to_path_buf(),
             scratch: "scratch".into(),
             nic: None,
@@ -81,12 +139,12 @@ impl Vm {
     }
 
     /// A VM with its own scratch directory and a network card, `smp` vCPUs.
-    pub fn networked(repo: &Path, name: &str, nic: Nic, smp: u8) -> Self {
+    pub fn networked(repo: &Path, kernel: Kernel, name: &str, nic: Nic, smp: u8) -> Self {
         Self {
             scratch: format!("scratch-{name}"),
             nic: Some(nic),
             smp,
-            ..Self::new(repo)
+            ..Self::new(repo, kernel)
         }
     }
 
@@ -95,28 +153,39 @@ impl Vm {
         self.kernel().map(|_| ())
     }
 
-    /// Downloads and unpacks Debian's kernel once; returns (vmlinuz, modules dir).
-    fn kernel(&self) -> Result<(PathBuf, PathBuf)> {
-        let root = self.dir.join("kernel");
+    /// Downloads and unpacks this VM's kernel once, into `target/vm/kernel-<release>`; returns
+    /// (vmlinuz, modules dir, release). A newer ABI of the same kernel (after `apt-get update`)
+    /// is fetched anew and replaces the older one's directory.
+    fn kernel(&self) -> Result<(PathBuf, PathBuf, String)> {
+        let pkg = image_package(self.kernel)?;
+        let release = pkg
+            .strip_prefix("linux-image-")
+            .context("kernel package name")?
+            .to_owned();
+        let root = self.dir.join(format!("kernel-{release}"));
         let stamp = root.join(".unpacked");
         if !stamp.exists() {
             let _s = Step::new(
                 "vm",
-                "fetching and unpacking Debian's kernel (first run only)",
+                &format!(
+                    "fetching and unpacking {pkg} (Linux {}, first run only)",
+                    self.kernel
+                ),
             );
             let _ = fs::remove_dir_all(&root);
-            let dl = self.dir.join("download");
-            fs::create_dir_all(&dl)?;
-            let depends = capture("apt-cache", &["depends", "linux-image-amd64"])?;
-            let pkg = depends
-                .lines()
-                .filter_map(|l| l.trim().strip_prefix("Depends: "))
-                .find(|p| p.starts_with("linux-image-") && p.ends_with("-amd64"))
-                .context("apt-cache names no kernel package behind linux-image-amd64 (run `apt-get update`)")?
-                .to_owned();
-            for entry in fs::read_dir(&dl)? {
-                fs::remove_file(entry?.path())?;
+            // Older ABIs of this kernel, and the single `kernel` directory of earlier xtasks.
+            let _ = fs::remove_dir_all(self.dir.join("kernel"));
+            if let Ok(entries) = fs::read_dir(&self.dir) {
+                for dir in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+                    let label = fs::read_to_string(dir.join(".label")).unwrap_or_default();
+                    if label == self.kernel.label {
+                        let _ = fs::remove_dir_all(&dir);
+                    }
+                }
             }
+            let dl = self.dir.join(format!("download-{}", self.kernel));
+            let _ = fs::remove_dir_all(&dl);
+            fs::create_dir_all(&dl)?;
             run(Command::new("apt-get")
                 .args(["download", "-q", &pkg])
                 .current_dir(&dl))
@@ -128,13 +197,16 @@ impl Vm {
             run(Command::new("dpkg").arg("-x").arg(&deb).arg(&root))
                 .context("unpacking the kernel package")?;
             let version = only_child(&root.join("lib/modules"))?;
+            if version != release {
+                bail!("{pkg} holds modules for {version}, not {release}");
+            }
             run(Command::new("depmod").arg("-b").arg(&root).arg(&version))
                 .context("running depmod on the unpacked modules")?;
+            fs::write(root.join(".label"), self.kernel.label)?;
             fs::write(&stamp, &version)?;
             let _ = fs::remove_dir_all(&dl);
         }
-        let version = fs::read_to_string(&stamp)?;
-        let vmlinuz = root.join(format!("boot/vmlinuz-{version}"));
+        let vmlinuz = root.join(format!("boot/vmlinuz-{release}"));
         if !vmlinuz.exists() {
             bail!(
                 "{} is missing; delete {} to refetch",
@@ -142,13 +214,15 @@ impl Vm {
                 root.display()
             );
         }
-        Ok((vmlinuz, root.join("lib/modules").join(version)))
+        let modules = root.join("lib/modules").join(&release);
+        Ok((vmlinuz, modules, release))
     }
 
     /// Builds the initramfs: busybox, the modules in load order, and the init script.
-    fn initramfs(&self, modules: &Path) -> Result<PathBuf> {
-        // Per VM: two VMs starting together each pack their own.
-        let tree = self.dir.join(format!("initramfs-{}", self.scratch));
+    fn initramfs(&self, modules: &Path, release: &str) -> Result<PathBuf> {
+        // Per kernel (its own modules) and per VM (two VMs starting together each pack their own).
+        let name = format!("initramfs-{release}-{}", self.scratch);
+        let tree = self.dir.join(&name);
         let _ = fs::remove_dir_all(&tree);
         for d in ["bin", "mods", "proc", "sys", "dev", "host", "tmp"] {
             fs::create_dir_all(tree.join(d))?;
@@ -161,16 +235,15 @@ impl Vm {
         let order = module_order(modules)?;
         let mut names = String::new();
         for rel in &order {
-            let file = Path::new(rel).file_name().context("module path")?;
-            fs::copy(modules.join(rel), tree.join("mods").join(file))?;
-            names.push_str(&file.to_string_lossy());
+            let file = unpack_module(&modules.join(rel), &tree.join("mods"))?;
+            names.push_str(&file);
             names.push('\n');
         }
         fs::write(tree.join("mods/order"), names)?;
         let init = tree.join("init");
         fs::write(&init, INIT_SCRIPT)?;
         run(Command::new("chmod").arg("755").arg(&init))?;
-        let image = self.dir.join(format!("initramfs-{}.cpio.gz", self.scratch));
+        let image = self.dir.join(format!("{name}.cpio.gz"));
         run(Command::new("sh").arg("-c").arg(format!(
             "cd {} && find . | cpio -o -H newc --quiet | gzip -1 > {}",
             sh_quote(&tree.to_string_lossy()),
@@ -205,8 +278,8 @@ impl Vm {
                 bail!("`{tool}` not found: run `cargo xtask setup`");
             }
         }
-        let (vmlinuz, modules) = self.kernel()?;
-        let initrd = self.initramfs(&modules)?;
+        let (vmlinuz, modules, release) = self.kernel()?;
+        let initrd = self.initramfs(&modules, &release)?;
         let scratch = self.dir.join(&self.scratch);
         let _ = fs::remove_dir_all(&scratch);
         fs::create_dir_all(&scratch)?;
@@ -306,6 +379,7 @@ impl Vm {
                 return Ok(VmRun {
                     code: KILLED,
                     boot_secs,
+                    release,
                 });
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -357,6 +431,7 @@ impl Vm {
             Some(code) => Ok(VmRun {
                 code,
                 boot_secs,
+                release,
             }),
             None => bail!(
                 "the VM stopped ({status}) without reporting the command's exit code\nboot log:\n{}",
@@ -367,6 +442,7 @@ impl Vm {
 }
 
 /// Load order of [`MODULES`]: each module after its dependencies, each once; built-ins skipped.
+/// Paths are relative to the modules directory, as modules.dep gives them (`.ko` or compressed).
 fn module_order(modules: &Path) -> Result<Vec<String>> {
     let dep = fs::read_to_string(modules.join("modules.dep")).context("reading modules.dep")?;
     let builtin = fs::read_to_string(modules.join("modules.builtin")).unwrap_or_default();
@@ -400,14 +476,14 @@ fn module_order(modules: &Path) -> Result<Vec<String>> {
         order.push(m.to_owned());
     }
     for name in MODULES {
-        let file = format!("/{name}.ko");
-        if builtin.lines().any(|l| l.ends_with(&file)) {
+        let name = name.replace('-', "_");
+        if builtin.lines().any(|l| module_name(l) == name) {
             continue;
         }
         let path = deps
             .iter()
             .map(|(m, _)| m.as_str())
-            .find(|m| m.ends_with(&file) || m.ends_with(&format!("{file}.xz")))
+            .find(|m| module_name(m) == name)
             .with_context(|| {
                 format!("kernel module {name} is in neither modules.dep nor modules.builtin")
             })?
@@ -415,6 +491,94 @@ fn module_order(modules: &Path) -> Result<Vec<String>> {
         visit(&path, &deps, &mut order, &mut seen);
     }
     Ok(order)
+}
+
+/// Compressed module suffixes, and the tool that unpacks each.
+const COMPRESSED: &[(&str, &str)] = &[(".ko.xz", "xz"), (".ko.zst", "zstd"), (".ko.gz", "gzip")];
+
+/// A module's name from its path in modules.dep or modules.builtin, as the kernel spells it
+/// (`kernel/arch/x86/crypto/crc32-pclmul.ko.xz` is `crc32_pclmul`).
+fn module_name(path: &str) -> String {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    let stem = COMPRESSED
+        .iter()
+        .map(|(ext, _)| *ext)
+        .chain([".ko"])
+        .find_map(|ext| file.strip_suffix(ext))
+        .unwrap_or(file);
+    stem.replace('-', "_")
+}
+
+/// Copies module `src` into `dir` as a plain `.ko`, decompressing it if the kernel ships it
+/// compressed (6.12's are `.ko.xz`); returns the file name. Busybox 1.35's insmod would unpack
+/// xz itself, but not zstd, and unpacking on the host spares the emulated guest the work.
+fn unpack_module(src: &Path, dir: &Path) -> Result<String> {
+    let file = src
+        .file_name()
+        .context("module path")?
+        .to_string_lossy()
+        .into_owned();
+    let Some((ext, tool)) = COMPRESSED.iter().find(|(ext, _)| file.ends_with(ext)) else {
+        fs::copy(src, dir.join(&file))?;
+        return Ok(file);
+    };
+    let plain = format!("{}.ko", &file[..file.len() - ext.len()]);
+    let out = Command::new(tool)
+        .arg("-dc")
+        .arg(src)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {tool} to unpack {file} (run `cargo xtask setup`)"))?;
+    if !out.status.success() || out.stdout.is_empty() {
+        bail!("{tool} -dc {} failed ({})", src.display(), out.status);
+    }
+    fs::write(dir.join(&plain), out.stdout)?;
+    Ok(plain)
+}
+
+/// The image package behind `kernel`'s metapackage (`linux-image-6.12.117+deb12-amd64`). If apt
+/// knows no candidate for the metapackage, runs `apt-get update` (once per xtask run, as root)
+/// and asks again.
+fn image_package(kernel: Kernel) -> Result<String> {
+    static UPDATED: Mutex<bool> = Mutex::new(false);
+    let ask = || -> Result<Option<String>> {
+        let depends = capture("apt-cache", &["depends", kernel.meta])?;
+        Ok(image_dependency(&depends))
+    };
+    if let Some(pkg) = ask()? {
+        return Ok(pkg);
+    }
+    let mut updated = UPDATED.lock().unwrap_or_else(|e| e.into_inner());
+    if !*updated {
+        if !is_root() {
+            bail!(
+                "apt-cache knows no candidate for {} (Linux {kernel}); as root, run:\n  apt-get update",
+                kernel.meta
+            );
+        }
+        let _s = Step::new(
+            "vm",
+            &format!("apt-get update: apt knows no candidate for {}", kernel.meta),
+        );
+        *updated = true;
+        run(Command::new("apt-get").args(["update", "-q"])).context("apt-get update")?;
+    }
+    ask()?.with_context(|| {
+        format!(
+            "apt-cache names no kernel package behind {} even after apt-get update \
+             (is bookworm-security in /etc/apt/sources.list?)",
+            kernel.meta
+        )
+    })
+}
+
+/// The `linux-image-<release>` package among `apt-cache depends` output's dependencies.
+fn image_dependency(depends: &str) -> Option<String> {
+    depends
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("Depends: "))
+        .find(|p| p.starts_with("linux-image-") && p.ends_with("-amd64"))
+        .map(str::to_owned)
 }
 
 fn only_child(dir: &Path) -> Result<String> {
@@ -491,10 +655,17 @@ poweroff -f
 mod tests {
     use super::*;
 
+    /// A scratch directory holding `modules.dep` and `modules.builtin`.
+    fn modules_dir(tag: &str, dep: &str, builtin: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rdmsg-xtask-{tag}-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("modules.dep"), dep).unwrap();
+        fs::write(dir.join("modules.builtin"), builtin).unwrap();
+        dir
+    }
+
     #[test]
     fn modules_load_after_their_dependencies() {
-        let dir = std::env::temp_dir().join(format!("rdmsg-xtask-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
         let mut dep = String::from(
             "k/rdma_rxe.ko: k/ib_uverbs.ko k/ib_core.ko k/udp_tunnel.ko\nk/ib_uverbs.ko: k/ib_core.ko\nk/ib_core.ko:\nk/udp_tunnel.ko:\n",
         );
@@ -504,12 +675,7 @@ mod tests {
         {
             dep.push_str(&format!("k/{m}.ko:\n"));
         }
-        fs::write(dir.join("modules.dep"), dep).unwrap();
-        fs::write(
-            dir.join("modules.builtin"),
-            "kernel/drivers/virtio/virtio_pci.ko\n",
-        )
-        .unwrap();
+        let dir = modules_dir("61", &dep, "kernel/drivers/virtio/virtio_pci.ko\n");
         let order = module_order(&dir).unwrap();
         let pos = |m: &str| order.iter().position(|o| o == m).unwrap();
         assert!(pos("k/ib_core.ko") < pos("k/ib_uverbs.ko"));
@@ -525,5 +691,97 @@ mod tests {
             "each once"
         );
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// 6.12's layout: xz-compressed modules, virtio_pci built in, crc32_generic next to
+    /// crc32c_generic and crc32-pclmul (which must not be mistaken for it).
+    #[test]
+    fn compressed_modules_are_found_by_name() {
+        let mut dep = String::from(
+            "kernel/arch/x86/crypto/crc32-pclmul.ko.xz:\n\
+             kernel/crypto/crc32c_generic.ko.xz:\n\
+             kernel/crypto/crc32_generic.ko.xz:\n\
+             kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.xz: kernel/drivers/infiniband/core/ib_uverbs.ko.xz kernel/drivers/infiniband/core/ib_core.ko.xz\n\
+             kernel/drivers/infiniband/core/ib_uverbs.ko.xz: kernel/drivers/infiniband/core/ib_core.ko.xz\n\
+             kernel/drivers/infiniband/core/ib_core.ko.xz:\n",
+        );
+        for m in MODULES
+            .iter()
+            .filter(|m| !["rdma_rxe", "ib_uverbs", "virtio_pci", "crc32_generic"].contains(m))
+        {
+            dep.push_str(&format!("kernel/x/{m}.ko.xz:\n"));
+        }
+        let dir = modules_dir(
+            "612",
+            &dep,
+            "kernel/lib/crc32.ko\nkernel/drivers/virtio/virtio_pci.ko\n",
+        );
+        let order = module_order(&dir).unwrap();
+        assert!(order.contains(&"kernel/crypto/crc32_generic.ko.xz".to_owned()));
+        assert!(!order
+            .iter()
+            .any(|o| o.contains("crc32c") || o.contains("pclmul")));
+        assert!(!order.iter().any(|o| o.contains("virtio_pci")));
+        assert_eq!(
+            order.last().map(String::as_str),
+            Some("kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.xz")
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_missing_module_is_named() {
+        let dir = modules_dir("missing", "k/veth.ko:\n", "");
+        let err = module_order(&dir).unwrap_err().to_string();
+        assert!(err.contains("virtio_pci"), "{err}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn module_names_as_the_kernel_spells_them() {
+        assert_eq!(
+            module_name("kernel/crypto/crc32_generic.ko"),
+            "crc32_generic"
+        );
+        assert_eq!(
+            module_name("kernel/arch/x86/crypto/crc32-pclmul.ko.xz"),
+            "crc32_pclmul"
+        );
+        assert_eq!(module_name("k/9pnet_virtio.ko.zst"), "9pnet_virtio");
+    }
+
+    #[test]
+    fn xz_modules_are_unpacked() {
+        if !which("xz") {
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("rdmsg-xtask-xz-{}", std::process::id()));
+        fs::create_dir_all(dir.join("out")).unwrap();
+        fs::write(dir.join("m.ko"), b"\x7fELF module").unwrap();
+        run(Command::new("xz").arg(dir.join("m.ko"))).unwrap();
+        let name = unpack_module(&dir.join("m.ko.xz"), &dir.join("out")).unwrap();
+        assert_eq!(name, "m.ko");
+        assert_eq!(fs::read(dir.join("out/m.ko")).unwrap(), b"\x7fELF module");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn apt_cache_depends_names_the_image() {
+        let out = "linux-image-6.12-amd64\n  Depends: linux-image-6.12.117+deb12-amd64\n";
+        assert_eq!(
+            image_dependency(out).as_deref(),
+            Some("linux-image-6.12.117+deb12-amd64")
+        );
+        assert_eq!(image_dependency(""), None);
+    }
+
+    #[test]
+    fn kernels_by_label() {
+        assert_eq!(
+            Kernel::parse("6.12").unwrap().meta,
+            "linux-image-6.12-amd64"
+        );
+        assert_eq!(Kernel::parse("6.1").unwrap(), Kernel::default_kernel());
+        assert!(Kernel::parse("5.10").unwrap_err().contains("6.1, 6.12"));
     }
 }

@@ -22,13 +22,13 @@ fn main() -> Result<()> {
         move || -> Result<(Vec<u64>, u64, Vec<usize>, msg::DispatchStats)> {
             let mut session = Session::new(rx);
             let mut d = Dispatcher::new();
-            let readings = d.channel::<Reading>(256);
-            let commands = d.channel::<Command>(16);
+            let readings = d.channel::<Reading>(256)?;
+            let commands = d.channel::<Command>(16)?;
             let alarms = Arc::new(AtomicU64::new(0));
             let seen = Arc::clone(&alarms);
             d.on::<Alarm>(move |_| {
                 seen.fetch_add(1, Ordering::Relaxed);
-            });
+            })?;
             let workers: Vec<_> = (0..WORKERS)
                 .map(|_| {
                     let rx = readings.clone();

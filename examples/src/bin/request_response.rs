@@ -24,7 +24,7 @@ fn main() -> Result<()> {
     let (server, client) = loopback_pair(&Config::default(), &Config::default())?;
     let server = thread::spawn(move || -> Result<u64> {
         let mut s = Session::new(server);
-        s.register::<Request>();
+        s.register::<Request>()?;
         let mut served = 0;
         loop {
             let req: Request = match s.recv() {
@@ -41,7 +41,7 @@ fn main() -> Result<()> {
         Ok(served)
     });
     let mut c = Session::new(client);
-    c.register::<Response>();
+    c.register::<Response>()?;
     let mut latencies = Vec::with_capacity(rounds as usize);
     for id in 0..rounds {
         let operands: Vec<i64> = (0..(id % 16) as i64).collect();

@@ -76,7 +76,7 @@ fn run(o: &Options, arm: ArmMode) -> Result<Row> {
     let (rx, tx) = loopback_pair(&server, &Config::default())?;
     let receiver = thread::spawn(move || -> Result<(u64, u64, notify::Stats, Duration)> {
         let mut s = Session::new(rx);
-        s.register::<Reading>().register::<Alarm>();
+        s.register::<Reading>()?.register::<Alarm>()?;
         let cpu = verbs_core::thread_cpu_time();
         let (mut readings, mut alarms) = (0u64, 0u64);
         loop {

@@ -1,0 +1,110 @@
+//! The receive loop of [`crate::Session::incoming`] and [`crate::Dispatcher::run`], over any
+//! source of results, so that it can be driven by a scripted sequence as well as by a session.
+
+use crate::{Envelope, Error, Result};
+
+/// Calls `recv` until it yields a message or a fatal error ([`Error::is_fatal`]); each
+/// non-fatal error is handed to `skipped` and the loop goes on. A fatal error is returned at
+/// once: an error that will recur must not be retried (that would spin).
+pub(crate) fn next_message(
+    mut recv: impl FnMut() -> Result<Envelope>,
+    mut skipped: impl FnMut(Error),
+) -> Result<Envelope> {
+    loop {
+        match recv() {
+            Ok(env) => return Ok(env),
+            Err(e) if e.is_fatal() => return Err(e),
+            Err(e) => skipped(e),
+        }
+    }
+}
+
+/// The messages `recv` yields, skipping non-fatal errors, until its first fatal error; after
+/// that `None` for ever, without calling `recv` again.
+pub(crate) fn messages(
+    mut recv: impl FnMut() -> Result<Envelope>,
+) -> impl Iterator<Item = Envelope> {
+    std::iter::from_fn(move || next_message(&mut recv, |_| {}).ok()).fuse()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+    use crate::codec::{Decoder, FrameBytes};
+    use crate::frame::{self, FIRST, LAST};
+
+    fn envelope(seq: u32) -> Envelope {
+        let f = frame::build(FIRST | LAST, crate::tag("drive.test"), seq, 0, &[]);
+        Decoder::new(1024)
+            .push(FrameBytes::Owned(f))
+            .unwrap()
+            .unwrap()
+    }
+
+    fn verbs_error() -> Error {
+        transport::Error::from(verbs_core::Error::InvalidArgument("cq gone".into())).into()
+    }
+
+    /// A source that plays `script`, then repeats `then` for ever, counting its calls; it
+    /// panics past `limit` calls, which a loop that spins on an error reaches.
+    fn scripted(
+        script: Vec<Result<Envelope>>,
+        then: fn() -> Result<Envelope>,
+        calls: &std::cell::Cell<u32>,
+    ) -> impl FnMut() -> Result<Envelope> + '_ {
+        let mut script: VecDeque<_> = script.into();
+        move || {
+            calls.set(calls.get() + 1);
+            assert!(calls.get() <= 100, "the loop retried an error 100 times");
+            script.pop_front().unwrap_or_else(then)
+        }
+    }
+
+    #[test]
+    fn a_persistent_verbs_error_ends_incoming_after_one_call() {
+        let calls = std::cell::Cell::new(0);
+        let mut it = messages(scripted(vec![], || Err(verbs_error()), &calls));
+        assert!(it.next().is_none());
+        assert!(it.next().is_none(), "and stays ended");
+        assert_eq!(calls.get(), 1);
+    }
+
+    #[test]
+    fn non_fatal_errors_are_skipped_and_the_loop_goes_on() {
+        let calls = std::cell::Cell::new(0);
+        let script = vec![
+            Err(Error::UnknownTag(7)),
+            Ok(envelope(1)),
+            Err(Error::BadFrame(frame::FrameError::TooShort(3))),
+            Err(transport::Error::Timeout(std::time::Duration::from_millis(1)).into()),
+            Ok(envelope(2)),
+        ];
+        let seqs: Vec<u32> = messages(scripted(script, || Err(verbs_error()), &calls))
+            .map(|e| e.seq())
+            .collect();
+        assert_eq!(seqs, [1, 2]);
+        assert_eq!(
+            calls.get(),
+            6,
+            "five scripted results, then one fatal error"
+        );
+    }
+
+    #[test]
+    fn next_message_hands_skipped_errors_over_and_returns_the_fatal_one() {
+        let calls = std::cell::Cell::new(0);
+        let script = vec![Err(Error::ReceiverGone(1)), Err(Error::UnknownTag(2))];
+        let mut skipped = Vec::new();
+        let r = next_message(scripted(script, || Err(verbs_error()), &calls), |e| {
+            skipped.push(e.to_string())
+        });
+        assert!(matches!(
+            r,
+            Err(Error::Transport(transport::Error::Verbs(_)))
+        ));
+        assert_eq!(skipped.len(), 2);
+        assert_eq!(calls.get(), 3);
+    }
+}

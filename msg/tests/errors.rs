@@ -1,0 +1,138 @@
+//! Which errors end a session's loops, and the loops driven by scripted error sequences, as a
+//! failing device would produce them, without a device.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::io;
+use std::time::Duration;
+
+use msg::codec::{self, Decoder, FrameBytes};
+use msg::frame::FrameError;
+use msg::{Dispatcher, Envelope, Error, Message};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Ping(u32);
+msg::message!(Ping);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Stray;
+msg::message!(Stray);
+
+fn envelope<M: Message>(m: &M) -> Envelope {
+    let mut buf = vec![0u8; 256];
+    let n = codec::encode_single(m, 0, &mut buf).unwrap().unwrap();
+    buf.truncate(n);
+    Decoder::new(1 << 20)
+        .push(FrameBytes::Owned(buf))
+        .unwrap()
+        .unwrap()
+}
+
+fn verbs() -> Error {
+    transport::Error::from(verbs_core::Error::InvalidArgument("cq gone".into())).into()
+}
+
+fn notify() -> Error {
+    transport::Error::from(notify::Error::UnknownCq(3)).into()
+}
+
+#[test]
+fn every_error_is_classified() {
+    let io = || io::Error::from(io::ErrorKind::BrokenPipe);
+    let fatal: Vec<Error> = vec![
+        verbs(),
+        notify(),
+        transport::Error::WakePipe(io()).into(),
+        transport::Error::Bootstrap {
+            stage: "reading",
+            source: io(),
+        }
+        .into(),
+        transport::Error::Config("depth".into()).into(),
+        transport::Error::Connection(transport::Failure::PeerClosed).into(),
+        transport::Error::Connection(transport::Failure::QpError).into(),
+        Error::DuplicateTag {
+            tag: 1,
+            existing: "a",
+            new: "b",
+        },
+    ];
+    for e in &fatal {
+        assert!(e.is_fatal(), "{e:?} must be fatal");
+    }
+    let per_message: Vec<Error> = vec![
+        transport::Error::Timeout(Duration::from_millis(1)).into(),
+        transport::Error::TooLarge { len: 9, max: 8 }.into(),
+        Error::BadFrame(FrameError::TooShort(1)),
+        Error::UnknownTag(5),
+        Error::ReceiverGone(5),
+        Error::WrongType {
+            expected: 1,
+            got: 2,
+        },
+        Error::TooLarge { len: 9, max: 8 },
+        codec::decode_body::<Ping>(Ping::TAG, &[], 8).unwrap_err(),
+    ];
+    for e in &per_message {
+        assert!(!e.is_fatal(), "{e:?} costs one message only");
+    }
+}
+
+/// Plays `script`, then returns `then()` for ever; counts calls and fails the test past 100,
+/// which a loop retrying a lasting error reaches at once.
+fn scripted(
+    script: Vec<msg::Result<Envelope>>,
+    then: fn() -> Error,
+    calls: &Cell<u32>,
+) -> impl FnMut() -> msg::Result<Envelope> + '_ {
+    let mut script: VecDeque<_> = script.into();
+    move || {
+        calls.set(calls.get() + 1);
+        assert!(calls.get() <= 100, "the loop spins on a lasting error");
+        script.pop_front().unwrap_or_else(|| Err(then()))
+    }
+}
+
+#[test]
+fn a_persistent_verbs_error_ends_the_dispatcher_after_one_call() {
+    let calls = Cell::new(0);
+    let mut d = Dispatcher::new();
+    let e = d.run_from(scripted(vec![], verbs, &calls));
+    assert!(
+        matches!(e, Error::Transport(transport::Error::Verbs(_))),
+        "{e:?}"
+    );
+    assert_eq!(calls.get(), 1);
+    assert_eq!(d.stats().bad_frames, 0);
+}
+
+#[test]
+fn the_dispatcher_skips_per_message_errors_and_goes_on() {
+    let calls = Cell::new(0);
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut d = Dispatcher::new();
+    let sink = got.clone();
+    d.on::<Ping>(move |p| sink.lock().unwrap().push(p.0))
+        .unwrap();
+    let script = vec![
+        Err(Error::BadFrame(FrameError::TooShort(2))),
+        Ok(envelope(&Ping(1))),
+        Err(Error::UnknownTag(9)),
+        Ok(envelope(&Stray)),
+        Err(transport::Error::Timeout(Duration::from_millis(1)).into()),
+        Ok(envelope(&Ping(2))),
+    ];
+    let e = d.run_from(scripted(script, notify, &calls));
+    assert!(
+        matches!(e, Error::Transport(transport::Error::Notify(_))),
+        "{e:?}"
+    );
+    assert_eq!(calls.get(), 7, "six scripted results, then the fatal one");
+    assert_eq!(*got.lock().unwrap(), [1, 2]);
+    let stats = d.stats();
+    assert_eq!(
+        (stats.dispatched, stats.unknown, stats.bad_frames),
+        (2, 1, 3)
+    );
+}
