@@ -5,7 +5,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use msg::{codec, frame, Message};
+use rdmsg::msg::{codec, frame, Message};
 use serde::{Deserialize, Serialize};
 
 use crate::rdmsg::Payload;
@@ -20,7 +20,7 @@ pub struct Reading {
     /// Value.
     pub value: f64,
 }
-msg::message!(Reading, tag = "rdmsg.bench.Reading");
+rdmsg::msg::message!(Reading, tag = "rdmsg.bench.Reading");
 
 /// One codec measurement: ns per message for rdmsg and for plain bincode.
 #[derive(Debug, Clone)]

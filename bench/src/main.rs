@@ -188,7 +188,7 @@ one round trip costs hundreds of µs. Only the ratios mean anything, and single 
 ±20 %. Both peers run on the one device, over its loopback: rdmsg as two threads of one
 process, perftest as two processes.
 
-rdmsg side: `msg::Session`s carrying a byte-string message (20-byte frame header + bincode),
+rdmsg side: `rdmsg::msg::Session`s carrying a byte-string message (20-byte frame header + bincode),
 read in place by the receiver (`decode_borrowed`, as perftest does not touch its data either).
 Latency: `Policy::Sleep` with solicited-only arming (event) or `Policy::Poll` (polling),
 defaults otherwise, one-way = half the round trip, median of 1000 after 50 of warm-up.

@@ -1,14 +1,14 @@
-//! rdmsg's side of each benchmark: typed messages through `msg::Session`s over two connections
+//! rdmsg's side of each benchmark: typed messages through `rdmsg::msg::Session`s over two connections
 //! on the device's loopback, one thread per side (perftest runs one process per side).
 
 use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use msg::Session;
-use notify::{ArmMode, Policy};
+use rdmsg::msg::Session;
+use rdmsg::notify::{ArmMode, Policy};
+use rdmsg::transport::Config;
 use serde::{Deserialize, Serialize};
-use transport::Config;
 
 use crate::join;
 
@@ -19,7 +19,7 @@ pub struct Payload {
     #[serde(with = "serde_bytes")]
     pub bytes: Vec<u8>,
 }
-msg::message!(Payload, tag = "rdmsg.bench.Payload");
+rdmsg::msg::message!(Payload, tag = "rdmsg.bench.Payload");
 
 /// [`Payload`] read in place from the receive buffer, as a receiver that only looks at the
 /// bytes would (perftest does not touch them at all).
@@ -29,7 +29,7 @@ pub struct PayloadView<'a> {
     #[serde(borrow, with = "serde_bytes")]
     pub bytes: &'a [u8],
 }
-msg::message!(PayloadView<'_>, tag = "rdmsg.bench.Payload");
+rdmsg::msg::message!(PayloadView<'_>, tag = "rdmsg.bench.Payload");
 
 /// Round trips before the measured ones (connection warm-up, page faults).
 const WARMUP: usize = 50;
@@ -77,7 +77,7 @@ fn median_one_way(
 /// one-way latency in µs. `events`: both sides sleep solicited-only; otherwise both busy poll.
 pub fn latency(size: usize, iters: usize, events: bool) -> Result<f64> {
     let config = ping_pong_config(size, events);
-    let (server, client) = transport::loopback_pair(&config, &config)?;
+    let (server, client) = rdmsg::transport::loopback_pair(&config, &config)?;
     let total = WARMUP + iters;
     let echo = thread::spawn(move || -> Result<()> {
         let mut s = Session::new(server);
@@ -103,11 +103,11 @@ pub fn latency(size: usize, iters: usize, events: bool) -> Result<f64> {
     Ok(median)
 }
 
-/// [`latency`] one layer down: raw bytes through `transport::Connection`s (credits, pools,
+/// [`latency`] one layer down: raw bytes through `rdmsg::transport::Connection`s (credits, pools,
 /// waiter), without frames or serialization. Both sides solicit every message.
 pub fn latency_transport(size: usize, iters: usize, events: bool) -> Result<f64> {
     let config = ping_pong_config(size, events);
-    let (mut server, mut client) = transport::loopback_pair(&config, &config)?;
+    let (mut server, mut client) = rdmsg::transport::loopback_pair(&config, &config)?;
     let total = WARMUP + iters;
     let echo = thread::spawn(move || -> Result<()> {
         for _ in 0..total {
@@ -115,7 +115,9 @@ pub fn latency_transport(size: usize, iters: usize, events: bool) -> Result<f64>
             server.send(&ping, true)?;
         }
         match server.recv() {
-            Err(transport::Error::Connection(transport::Failure::PeerClosed)) => Ok(()),
+            Err(rdmsg::transport::Error::Connection(rdmsg::transport::Failure::PeerClosed)) => {
+                Ok(())
+            }
             Err(e) => Err(e).context("waiting for the peer to close"),
             Ok(_) => bail!("unexpected message after the last"),
         }
@@ -197,7 +199,7 @@ pub fn throughput(s: Stream) -> Result<f64> {
         send_depth: s.recv_depth.max(64),
         ..Config::default()
     };
-    let (rx, tx) = transport::loopback_pair(&config, &config)?;
+    let (rx, tx) = rdmsg::transport::loopback_pair(&config, &config)?;
     let count = s.count;
     let receiver = thread::spawn(move || -> Result<Instant> {
         let mut r = Session::new(rx);
@@ -284,12 +286,12 @@ pub fn wakeups(mode: RecvMode, batch: usize, count: usize, gap: Duration) -> Res
         ..Config::default()
     };
     mode.apply(&mut rx_config);
-    let (rx, tx) = transport::loopback_pair(&rx_config, &Config::default())?;
+    let (rx, tx) = rdmsg::transport::loopback_pair(&rx_config, &Config::default())?;
     let receiver = thread::spawn(move || -> Result<Wakeups> {
         let mut r = Session::new(rx);
-        let cpu = verbs_core::thread_cpu_time();
+        let cpu = rdmsg::verbs::thread_cpu_time();
         receive_payloads(&mut r, count, 64)?;
-        let cpu = verbs_core::thread_cpu_time() - cpu;
+        let cpu = rdmsg::verbs::thread_cpu_time() - cpu;
         let stats = r.connection().wait_stats();
         expect_close(&mut r)?;
         Ok(Wakeups {

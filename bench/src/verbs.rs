@@ -8,8 +8,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use transport::{Endpoint, PathParams};
-use verbs_core::{
+use rdmsg::transport::{Endpoint, PathParams};
+use rdmsg::verbs::{
     Access, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, SendRequest,
     WorkCompletion,
 };
@@ -74,8 +74,8 @@ fn connected_pair(
     let region = ep.pd().register(RX_DEPTH * size, Access::LOCAL_WRITE)?;
     rx.qp.post_recv(region.chunks(size)?).map_err(|e| e.error)?;
     let (tx_psn, rx_psn) = (
-        transport::random_psn(tx.qp.qp_num()),
-        transport::random_psn(rx.qp.qp_num()),
+        rdmsg::transport::random_psn(tx.qp.qp_num()),
+        rdmsg::transport::random_psn(rx.qp.qp_num()),
     );
     let (tx_addr, rx_addr) = (ep.address_of(&tx.qp, tx_psn), ep.address_of(&rx.qp, rx_psn));
     let path = PathParams::default();
@@ -97,7 +97,7 @@ pub fn wake_floor(batch: usize, batches: usize, gap: Duration) -> Result<f64> {
     rx.recv_cq.req_notify(true)?;
     let receiver = thread::spawn(move || -> Result<f64> {
         let mut r = rx;
-        let cpu = verbs_core::thread_cpu_time();
+        let cpu = rdmsg::verbs::thread_cpu_time();
         let mut wcs = WorkCompletion::buffer(32);
         let mut spare: Vec<Buffer> = Vec::new();
         let mut received = 0u64;
@@ -116,7 +116,7 @@ pub fn wake_floor(batch: usize, batches: usize, gap: Duration) -> Result<f64> {
             }
             r.qp.post_recv(spare.drain(..)).map_err(|e| e.error)?;
         }
-        let cpu = verbs_core::thread_cpu_time() - cpu;
+        let cpu = rdmsg::verbs::thread_cpu_time() - cpu;
         Ok(cpu.as_secs_f64() * 1e6 / count as f64)
     });
     let payload = [7u8; SIZE];

@@ -14,7 +14,7 @@ pub struct Reading {
     /// Measured value.
     pub value: f64,
 }
-msg::message!(Reading, tag = "rdmsg.example.Reading", solicited = false);
+rdmsg::msg::message!(Reading, tag = "rdmsg.example.Reading", solicited = false);
 
 /// An alarm: wakes the receiver.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -24,7 +24,7 @@ pub struct Alarm {
     /// Why.
     pub reason: String,
 }
-msg::message!(Alarm, tag = "rdmsg.example.Alarm");
+rdmsg::msg::message!(Alarm, tag = "rdmsg.example.Alarm");
 
 /// A request: wakes the server.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -34,7 +34,7 @@ pub struct Request {
     /// Operands.
     pub operands: Vec<i64>,
 }
-msg::message!(Request, tag = "rdmsg.example.Request");
+rdmsg::msg::message!(Request, tag = "rdmsg.example.Request");
 
 /// A response: wakes the client.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -44,7 +44,7 @@ pub struct Response {
     /// The sum of the operands.
     pub sum: i64,
 }
-msg::message!(Response, tag = "rdmsg.example.Response");
+rdmsg::msg::message!(Response, tag = "rdmsg.example.Response");
 
 /// A command for a worker: wakes the receiver.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,6 +59,6 @@ pub enum Command {
     /// Ship a firmware image (large: fragmented).
     Firmware(Vec<u8>),
 }
-msg::message!(Command, tag = "rdmsg.example.Command");
+rdmsg::msg::message!(Command, tag = "rdmsg.example.Command");
 
-pub use transport::loopback_pair;
+pub use rdmsg::transport::loopback_pair;

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use transport::{Config, Endpoint, Error, Failure};
+use rdmsg::transport::{Config, Endpoint, Error, Failure};
 
 const OURS: &str = env!("CARGO_BIN_EXE_rc_pingpong");
 const STREAM: &str = env!("CARGO_BIN_EXE_stream");
@@ -218,7 +218,7 @@ fn killed_receiver_is_reported_to_the_sender() {
     let mut conn = ep.connect(("127.0.0.1", port), &Config::default()).unwrap();
     let payload = [0u8; 64];
     let mut seq: u64 = 0;
-    let mut send = |conn: &mut transport::Connection| {
+    let mut send = |conn: &mut rdmsg::transport::Connection| {
         let mut p = payload;
         p[..8].copy_from_slice(&seq.to_le_bytes());
         seq += 1;

@@ -5,10 +5,10 @@
 use std::thread;
 use std::time::Duration;
 
-use msg::frame::{self, FIRST, LAST};
-use msg::{Message, Session};
+use rdmsg::msg::frame::{self, FIRST, LAST};
+use rdmsg::msg::{Message, Session};
+use rdmsg::transport::Config;
 use rdmsg_examples::{loopback_pair, Alarm, Command, Reading, Request, Response};
-use transport::Config;
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
 
@@ -17,7 +17,7 @@ fn sessions() -> (Session, Session) {
     (Session::new(rx), Session::new(tx))
 }
 
-fn recv_one<M: Message + msg::serde::de::DeserializeOwned>(s: &mut Session) -> M {
+fn recv_one<M: Message + rdmsg::msg::serde::de::DeserializeOwned>(s: &mut Session) -> M {
     s.recv_timeout(WAIT)
         .unwrap()
         .expect("a message within 10 s")
@@ -165,7 +165,7 @@ fn bad_frames_over_the_wire_are_typed_counted_and_survived() {
         (wrong_version, "version"),
         (short_length, "length"),
         (
-            frame::build(FIRST | LAST, msg::tag("nobody"), 0, 0, &[]),
+            frame::build(FIRST | LAST, rdmsg::msg::tag("nobody"), 0, 0, &[]),
             "unknown tag",
         ),
         (
@@ -222,10 +222,11 @@ fn a_lasting_verbs_error_ends_the_receive_loops() {
     .unwrap();
     let first = rx.recv_timeout(WAIT).unwrap().expect("delivered");
     assert_eq!(first.decode::<Alarm>().unwrap().reason, "before");
-    rx.connection_mut().inject_fault(transport::Fault::Poll);
+    rx.connection_mut()
+        .inject_fault(rdmsg::transport::Fault::Poll);
     let started = std::time::Instant::now();
     assert_eq!(rx.incoming().count(), 0, "incoming() ends");
-    let mut dispatcher = msg::Dispatcher::new();
+    let mut dispatcher = rdmsg::msg::Dispatcher::new();
     let err = dispatcher.run(&mut rx);
     println!("stats lasting verbs error: {err} / {err:#?}");
     assert!(err.is_fatal(), "{err:?}");

@@ -6,11 +6,11 @@ use std::collections::VecDeque;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use msg::Session;
+use rdmsg::msg::Session;
+use rdmsg::transport::Config;
 use rdmsg_examples::loopback_pair;
+use rdmsg_testkit::{fd_count, rnr_counters};
 use serde::{Deserialize, Serialize};
-use testkit::{fd_count, rnr_counters};
-use transport::Config;
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Soak {
@@ -18,7 +18,7 @@ struct Soak {
     #[serde(with = "serde_bytes")]
     pad: Vec<u8>,
 }
-msg::message!(Soak, tag = "rdmsg.test.Soak", solicited = false);
+rdmsg::msg::message!(Soak, tag = "rdmsg.test.Soak", solicited = false);
 
 #[derive(Debug, Serialize, Deserialize)]
 struct SoakView<'a> {
@@ -26,7 +26,7 @@ struct SoakView<'a> {
     #[serde(borrow, with = "serde_bytes")]
     pad: &'a [u8],
 }
-msg::message!(SoakView<'_>, tag = "rdmsg.test.Soak", solicited = false);
+rdmsg::msg::message!(SoakView<'_>, tag = "rdmsg.test.Soak", solicited = false);
 
 /// xorshift64*: reproducible randomness without a dependency.
 struct Rng(u64);

@@ -137,7 +137,7 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
 #[derive(Debug)]
 pub enum FrameBytes {
     /// A receive buffer of the transport, returned to its pool when dropped.
-    Received(transport::Received),
+    Received(rdmsg_transport::Received),
     /// Owned bytes.
     Owned(Vec<u8>),
 }

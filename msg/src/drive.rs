@@ -44,7 +44,7 @@ mod tests {
     }
 
     fn verbs_error() -> Error {
-        transport::Error::from(verbs_core::Error::InvalidArgument("cq gone".into())).into()
+        rdmsg_transport::Error::from(rdmsg_verbs::Error::InvalidArgument("cq gone".into())).into()
     }
 
     /// A source that plays `script`, then repeats `then` for ever, counting its calls; it
@@ -78,7 +78,7 @@ mod tests {
             Err(Error::UnknownTag(7)),
             Ok(envelope(1)),
             Err(Error::BadFrame(frame::FrameError::TooShort(3))),
-            Err(transport::Error::Timeout(std::time::Duration::from_millis(1)).into()),
+            Err(rdmsg_transport::Error::Timeout(std::time::Duration::from_millis(1)).into()),
             Ok(envelope(2)),
         ];
         let seqs: Vec<u32> = messages(scripted(script, || Err(verbs_error()), &calls))
@@ -102,7 +102,7 @@ mod tests {
         });
         assert!(matches!(
             r,
-            Err(Error::Transport(transport::Error::Verbs(_)))
+            Err(Error::Transport(rdmsg_transport::Error::Verbs(_)))
         ));
         assert_eq!(skipped.len(), 2);
         assert_eq!(calls.get(), 3);

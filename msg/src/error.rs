@@ -11,7 +11,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// The connection failed (fatal) or a transport call was refused.
     #[error(transparent)]
-    Transport(#[from] transport::Error),
+    Transport(#[from] rdmsg_transport::Error),
     /// A message could not be serialized.
     #[error("cannot encode message with tag {tag:#010x}")]
     Encode {
@@ -58,7 +58,7 @@ pub enum Error {
     },
     /// A type was registered for a tag that another registration already holds (two types
     /// with the same name, a type registered twice, or a real FNV-1a collision). Declare a
-    /// distinct tag with `msg::message!(T, tag = "...")`.
+    /// distinct tag with `rdmsg_msg::message!(T, tag = "...")`.
     #[error("tag {tag:#010x} of {new} is already registered for {existing}")]
     DuplicateTag {
         /// The tag.
@@ -97,9 +97,9 @@ impl Error {
     ///
     /// Not fatal, they cost only the message or the call concerned: bad frames, unknown tags,
     /// undecodable or mistyped bodies, messages too large or unencodable, a dispatcher channel
-    /// nobody reads, and the transport's [`Timeout`](transport::Error::Timeout) and
-    /// [`TooLarge`](transport::Error::TooLarge). Fatal: a failed connection
-    /// ([`transport::Failure`]), a verb, wait, wake-up pipe or bootstrap call that failed (it
+    /// nobody reads, and the transport's [`Timeout`](rdmsg_transport::Error::Timeout) and
+    /// [`TooLarge`](rdmsg_transport::Error::TooLarge). Fatal: a failed connection
+    /// ([`rdmsg_transport::Failure`]), a verb, wait, wake-up pipe or bootstrap call that failed (it
     /// would fail again, and retrying it would spin), setup errors, a
     /// [`DuplicateTag`](Error::DuplicateTag), and any transport error this version does not
     /// know.
@@ -121,14 +121,16 @@ impl Error {
     pub fn is_peer_closed(&self) -> bool {
         matches!(
             self,
-            Error::Transport(transport::Error::Connection(transport::Failure::PeerClosed))
+            Error::Transport(rdmsg_transport::Error::Connection(
+                rdmsg_transport::Failure::PeerClosed
+            ))
         )
     }
 }
 
 /// Whether a transport error will recur. Only per-call errors are not fatal.
-fn transport_is_fatal(e: &transport::Error) -> bool {
-    use transport::Error as T;
+fn transport_is_fatal(e: &rdmsg_transport::Error) -> bool {
+    use rdmsg_transport::Error as T;
     match e {
         // This message or this wait only: the next one may succeed.
         T::Timeout(_) | T::TooLarge { .. } => false,
@@ -145,7 +147,7 @@ fn transport_is_fatal(e: &transport::Error) -> bool {
         | T::BadHandshake(_)
         | T::Rejected(_)
         | T::Config(_) => true,
-        // `transport::Error` is non-exhaustive: a variant added later is fatal until it is
+        // `rdmsg_transport::Error` is non-exhaustive: a variant added later is fatal until it is
         // classified here, so that no loop spins on it.
         _ => true,
     }

@@ -4,18 +4,18 @@
 //!
 //! ```no_run
 //! use serde::{Deserialize, Serialize};
-//! use transport::{Config, Endpoint};
+//! use rdmsg_transport::{Config, Endpoint};
 //!
 //! #[derive(Serialize, Deserialize)]
 //! struct Reading { sensor: u16, value: f32 }
 //! #[derive(Serialize, Deserialize)]
 //! struct Alarm { sensor: u16 }
-//! msg::message!(Reading, solicited = false); // telemetry: lands silently; tag of "Reading"
-//! msg::message!(Alarm);                      // wakes the receiver; tag of "Alarm"
+//! rdmsg_msg::message!(Reading, solicited = false); // telemetry: lands silently; tag of "Reading"
+//! rdmsg_msg::message!(Alarm);                      // wakes the receiver; tag of "Alarm"
 //!
-//! # fn main() -> Result<(), msg::Error> {
+//! # fn main() -> Result<(), rdmsg_msg::Error> {
 //! let ep = Endpoint::open_default()?;
-//! let mut tx = msg::Session::new(ep.connect("receiver:18600", &Config::default())?);
+//! let mut tx = rdmsg_msg::Session::new(ep.connect("receiver:18600", &Config::default())?);
 //! tx.send(&Reading { sensor: 1, value: 20.5 })?;
 //! tx.send(&Alarm { sensor: 1 })?; // the receiver wakes once and gets both, in order
 //! # Ok(()) }

@@ -70,12 +70,12 @@ pub const fn tag(name: &str) -> u32 {
 /// #[derive(Serialize, Deserialize)]
 /// struct Blob<'a> { #[serde(borrow)] name: &'a str }
 ///
-/// msg::message!(Reading, solicited = false);         // tag of "Reading"
-/// msg::message!(Alarm);                              // wakes the receiver by default
-/// msg::message!(Ping, tag = "example.ping");         // wire name pinned
-/// msg::message!(Blob<'_>, tag = "example.blob");     // generic: the tag must be declared
-/// assert_eq!(<Reading as msg::Message>::TAG, msg::tag("Reading"));
-/// assert_ne!(<Reading as msg::Message>::TAG, <Alarm as msg::Message>::TAG);
+/// rdmsg_msg::message!(Reading, solicited = false);         // tag of "Reading"
+/// rdmsg_msg::message!(Alarm);                              // wakes the receiver by default
+/// rdmsg_msg::message!(Ping, tag = "example.ping");         // wire name pinned
+/// rdmsg_msg::message!(Blob<'_>, tag = "example.blob");     // generic: the tag must be declared
+/// assert_eq!(<Reading as rdmsg_msg::Message>::TAG, rdmsg_msg::tag("Reading"));
+/// assert_ne!(<Reading as rdmsg_msg::Message>::TAG, <Alarm as rdmsg_msg::Message>::TAG);
 /// ```
 ///
 /// Without a tag, a generic type does not compile:
@@ -83,7 +83,7 @@ pub const fn tag(name: &str) -> u32 {
 /// ```compile_fail
 /// #[derive(serde::Serialize)]
 /// struct Wrapper<T>(T);
-/// msg::message!(Wrapper<u32>);
+/// rdmsg_msg::message!(Wrapper<u32>);
 /// ```
 #[macro_export]
 macro_rules! message {
@@ -104,7 +104,7 @@ macro_rules! message {
     };
     ($ty:ty $(, solicited = $s:expr)?) => {
         compile_error!(concat!(
-            "msg::message!(",
+            "rdmsg_msg::message!(",
             stringify!($ty),
             "): only a plain type name gets a default tag; declare one with `tag = \"...\"`"
         ));

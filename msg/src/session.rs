@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use transport::Connection;
+use rdmsg_transport::Connection;
 
 use crate::codec::{self, Decoder, Envelope, FrameBytes, NUDGE_TAG};
 use crate::frame::{self, FIRST, LAST};
@@ -212,7 +212,7 @@ impl Session {
         Ok(None)
     }
 
-    fn take(&mut self, frame: transport::Received) -> Result<Option<Envelope>> {
+    fn take(&mut self, frame: rdmsg_transport::Received) -> Result<Option<Envelope>> {
         match self.decoder.push(FrameBytes::Received(frame)) {
             Ok(Some(env)) => {
                 self.stats.received += 1;

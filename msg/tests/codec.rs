@@ -2,10 +2,10 @@
 //! path (one frame straight into a buffer, fragments), and every kind of bad input giving its
 //! typed error without a panic.
 
-use msg::codec::{self, Decoder, FrameBytes};
-use msg::frame::{self, FrameError, FIRST, LAST};
-use msg::{Error, Message};
 use proptest::prelude::*;
+use rdmsg_msg::codec::{self, Decoder, FrameBytes};
+use rdmsg_msg::frame::{self, FrameError, FIRST, LAST};
+use rdmsg_msg::{Error, Message};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -15,11 +15,11 @@ struct Sample {
     values: Vec<f64>,
     flag: Option<bool>,
 }
-msg::message!(Sample, solicited = false);
+rdmsg_msg::message!(Sample, solicited = false);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Other(u8);
-msg::message!(Other, tag = "tests.other");
+rdmsg_msg::message!(Other, tag = "tests.other");
 
 fn sample() -> impl Strategy<Value = Sample> {
     (
@@ -89,7 +89,7 @@ proptest! {
     }
 }
 
-fn push(dec: &mut Decoder, f: Vec<u8>) -> msg::Result<Option<msg::Envelope>> {
+fn push(dec: &mut Decoder, f: Vec<u8>) -> rdmsg_msg::Result<Option<rdmsg_msg::Envelope>> {
     dec.push(FrameBytes::Owned(f))
 }
 
@@ -141,7 +141,7 @@ fn body_errors_are_typed() {
     assert!(matches!(
         env.decode::<Other>(),
         Err(Error::Decode {
-            source: msg::DecodeFailure::Trailing(1),
+            source: rdmsg_msg::DecodeFailure::Trailing(1),
             ..
         })
     ));
@@ -203,11 +203,11 @@ fn unknown_tags_and_disordered_fragments_are_dropped_with_errors() {
 
 #[test]
 fn tags_are_stable_and_distinct() {
-    assert_eq!(msg::tag("tests.other"), Other::TAG);
+    assert_eq!(rdmsg_msg::tag("tests.other"), Other::TAG);
     assert_ne!(Sample::TAG, Other::TAG);
-    assert_ne!(msg::tag(""), 0);
+    assert_ne!(rdmsg_msg::tag(""), 0);
     // FNV-1a of "a": a fixed point of the wire format.
-    assert_eq!(msg::tag("a"), 0xe40c_292c);
+    assert_eq!(rdmsg_msg::tag("a"), 0xe40c_292c);
 }
 
 /// An owned message with bulk bytes, and a view of it that borrows them.
@@ -217,7 +217,7 @@ struct Blob {
     #[serde(with = "serde_bytes")]
     bytes: Vec<u8>,
 }
-msg::message!(Blob, tag = "tests.blob");
+rdmsg_msg::message!(Blob, tag = "tests.blob");
 
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 struct BlobView<'a> {
@@ -225,7 +225,7 @@ struct BlobView<'a> {
     #[serde(borrow, with = "serde_bytes")]
     bytes: &'a [u8],
 }
-msg::message!(BlobView<'_>, tag = "tests.blob");
+rdmsg_msg::message!(BlobView<'_>, tag = "tests.blob");
 
 #[test]
 fn views_decode_in_place_and_travel_like_their_owned_type() {
@@ -262,7 +262,7 @@ fn views_decode_in_place_and_travel_like_their_owned_type() {
 
 #[test]
 fn default_tags_are_the_type_name() {
-    assert_eq!(Sample::TAG, msg::tag("Sample"));
+    assert_eq!(Sample::TAG, rdmsg_msg::tag("Sample"));
 }
 
 /// bincode's varint for a length that only exists in the peer's claim.
@@ -276,13 +276,13 @@ fn claimed_len(n: u64) -> Vec<u8> {
 struct Numbers {
     values: Vec<u64>,
 }
-msg::message!(Numbers);
+rdmsg_msg::message!(Numbers);
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Units {
     values: Vec<()>,
 }
-msg::message!(Units);
+rdmsg_msg::message!(Units);
 
 #[test]
 fn decoding_is_bounded_by_max_message() {
@@ -303,7 +303,7 @@ fn decoding_is_bounded_by_max_message() {
         matches!(
             r,
             Err(Error::Decode {
-                source: msg::DecodeFailure::TooLarge { max: 4096 },
+                source: rdmsg_msg::DecodeFailure::TooLarge { max: 4096 },
                 ..
             })
         ),
@@ -322,7 +322,7 @@ fn decoding_is_bounded_by_max_message() {
     assert!(matches!(
         env.decode::<Numbers>(),
         Err(Error::Decode {
-            source: msg::DecodeFailure::TooLarge { .. },
+            source: rdmsg_msg::DecodeFailure::TooLarge { .. },
             ..
         })
     ));
@@ -332,7 +332,7 @@ fn decoding_is_bounded_by_max_message() {
         matches!(
             r,
             Err(Error::Decode {
-                source: msg::DecodeFailure::TooLarge { .. },
+                source: rdmsg_msg::DecodeFailure::TooLarge { .. },
                 ..
             })
         ),
@@ -367,7 +367,7 @@ impl<'de> Deserialize<'de> for HintProbe {
         d.deserialize_seq(V)
     }
 }
-msg::message!(HintProbe);
+rdmsg_msg::message!(HintProbe);
 
 /// Reports how an owned string reached its visitor.
 #[derive(Debug)]
@@ -395,7 +395,7 @@ impl<'de> Deserialize<'de> for StringProbe {
         d.deserialize_string(V)
     }
 }
-msg::message!(StringProbe);
+rdmsg_msg::message!(StringProbe);
 
 #[test]
 fn claimed_lengths_are_never_trusted_for_allocation() {
@@ -413,7 +413,7 @@ fn claimed_lengths_are_never_trusted_for_allocation() {
         matches!(
             r,
             Err(Error::Decode {
-                source: msg::DecodeFailure::Bincode(
+                source: rdmsg_msg::DecodeFailure::Bincode(
                     bincode::error::DecodeError::UnexpectedEnd { .. }
                 ),
                 ..
@@ -475,12 +475,12 @@ fn an_unknown_first_fragment_is_refused_without_buffering() {
 mod sensor {
     #[derive(serde::Serialize, serde::Deserialize)]
     pub struct Reading(pub u8);
-    msg::message!(Reading);
+    rdmsg_msg::message!(Reading);
 }
 mod billing {
     #[derive(serde::Serialize, serde::Deserialize)]
     pub struct Reading(pub u8);
-    msg::message!(Reading);
+    rdmsg_msg::message!(Reading);
 }
 
 #[test]
@@ -510,7 +510,7 @@ fn registering_a_tag_twice_is_an_error() {
     ));
 
     // The dispatcher: any second route for a tag, handler or channel.
-    let mut d = msg::Dispatcher::new();
+    let mut d = rdmsg_msg::Dispatcher::new();
     d.on::<sensor::Reading>(|_| {}).unwrap();
     assert!(matches!(
         d.on::<billing::Reading>(|_| {}),

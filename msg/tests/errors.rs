@@ -6,18 +6,18 @@ use std::collections::VecDeque;
 use std::io;
 use std::time::Duration;
 
-use msg::codec::{self, Decoder, FrameBytes};
-use msg::frame::FrameError;
-use msg::{Dispatcher, Envelope, Error, Message};
+use rdmsg_msg::codec::{self, Decoder, FrameBytes};
+use rdmsg_msg::frame::FrameError;
+use rdmsg_msg::{Dispatcher, Envelope, Error, Message};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Ping(u32);
-msg::message!(Ping);
+rdmsg_msg::message!(Ping);
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Stray;
-msg::message!(Stray);
+rdmsg_msg::message!(Stray);
 
 fn envelope<M: Message>(m: &M) -> Envelope {
     let mut buf = vec![0u8; 256];
@@ -30,11 +30,11 @@ fn envelope<M: Message>(m: &M) -> Envelope {
 }
 
 fn verbs() -> Error {
-    transport::Error::from(verbs_core::Error::InvalidArgument("cq gone".into())).into()
+    rdmsg_transport::Error::from(rdmsg_verbs::Error::InvalidArgument("cq gone".into())).into()
 }
 
 fn notify() -> Error {
-    transport::Error::from(notify::Error::UnknownCq(3)).into()
+    rdmsg_transport::Error::from(rdmsg_notify::Error::UnknownCq(3)).into()
 }
 
 #[test]
@@ -43,15 +43,15 @@ fn every_error_is_classified() {
     let fatal: Vec<Error> = vec![
         verbs(),
         notify(),
-        transport::Error::WakePipe(io()).into(),
-        transport::Error::Bootstrap {
+        rdmsg_transport::Error::WakePipe(io()).into(),
+        rdmsg_transport::Error::Bootstrap {
             stage: "reading",
             source: io(),
         }
         .into(),
-        transport::Error::Config("depth".into()).into(),
-        transport::Error::Connection(transport::Failure::PeerClosed).into(),
-        transport::Error::Connection(transport::Failure::QpError).into(),
+        rdmsg_transport::Error::Config("depth".into()).into(),
+        rdmsg_transport::Error::Connection(rdmsg_transport::Failure::PeerClosed).into(),
+        rdmsg_transport::Error::Connection(rdmsg_transport::Failure::QpError).into(),
         Error::DuplicateTag {
             tag: 1,
             existing: "a",
@@ -62,8 +62,8 @@ fn every_error_is_classified() {
         assert!(e.is_fatal(), "{e:?} must be fatal");
     }
     let per_message: Vec<Error> = vec![
-        transport::Error::Timeout(Duration::from_millis(1)).into(),
-        transport::Error::TooLarge { len: 9, max: 8 }.into(),
+        rdmsg_transport::Error::Timeout(Duration::from_millis(1)).into(),
+        rdmsg_transport::Error::TooLarge { len: 9, max: 8 }.into(),
         Error::BadFrame(FrameError::TooShort(1)),
         Error::UnknownTag(5),
         Error::ReceiverGone(5),
@@ -82,10 +82,10 @@ fn every_error_is_classified() {
 /// Plays `script`, then returns `then()` for ever; counts calls and fails the test past 100,
 /// which a loop retrying a lasting error reaches at once.
 fn scripted(
-    script: Vec<msg::Result<Envelope>>,
+    script: Vec<rdmsg_msg::Result<Envelope>>,
     then: fn() -> Error,
     calls: &Cell<u32>,
-) -> impl FnMut() -> msg::Result<Envelope> + '_ {
+) -> impl FnMut() -> rdmsg_msg::Result<Envelope> + '_ {
     let mut script: VecDeque<_> = script.into();
     move || {
         calls.set(calls.get() + 1);
@@ -100,7 +100,7 @@ fn a_persistent_verbs_error_ends_the_dispatcher_after_one_call() {
     let mut d = Dispatcher::new();
     let e = d.run_from(scripted(vec![], verbs, &calls));
     assert!(
-        matches!(e, Error::Transport(transport::Error::Verbs(_))),
+        matches!(e, Error::Transport(rdmsg_transport::Error::Verbs(_))),
         "{e:?}"
     );
     assert_eq!(calls.get(), 1);
@@ -120,12 +120,12 @@ fn the_dispatcher_skips_per_message_errors_and_goes_on() {
         Ok(envelope(&Ping(1))),
         Err(Error::UnknownTag(9)),
         Ok(envelope(&Stray)),
-        Err(transport::Error::Timeout(Duration::from_millis(1)).into()),
+        Err(rdmsg_transport::Error::Timeout(Duration::from_millis(1)).into()),
         Ok(envelope(&Ping(2))),
     ];
     let e = d.run_from(scripted(script, notify, &calls));
     assert!(
-        matches!(e, Error::Transport(transport::Error::Notify(_))),
+        matches!(e, Error::Transport(rdmsg_transport::Error::Notify(_))),
         "{e:?}"
     );
     assert_eq!(calls.get(), 7, "six scripted results, then the fatal one");

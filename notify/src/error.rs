@@ -9,7 +9,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A verb failed. Displays as the verbs error itself (which names the verb and why).
     #[error(transparent)]
-    Verbs(#[from] verbs_core::Error),
+    Verbs(#[from] rdmsg_verbs::Error),
     /// A key that names no queue of this waiter.
     #[error("no completion queue with key {0}")]
     UnknownCq(usize),
@@ -25,7 +25,7 @@ mod tests {
     #[test]
     fn a_verbs_error_displays_as_the_verb_that_failed_and_why() {
         let os = std::io::Error::from_raw_os_error(EINVAL);
-        let e = Error::from(verbs_core::Error::ReqNotifyCq {
+        let e = Error::from(rdmsg_verbs::Error::ReqNotifyCq {
             solicited_only: true,
             source: std::io::Error::from_raw_os_error(EINVAL),
         });
@@ -34,7 +34,7 @@ mod tests {
             "ibv_req_notify_cq (solicited_only=true) failed (EINVAL)"
         );
         assert_eq!(
-            testkit::error_chain(&e),
+            rdmsg_testkit::error_chain(&e),
             format!("ibv_req_notify_cq (solicited_only=true) failed (EINVAL): {os}")
         );
         assert_eq!(

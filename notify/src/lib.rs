@@ -8,8 +8,8 @@
 //! # Quick start
 //!
 //! ```no_run
-//! use notify::{ArmMode, Policy, Waiter};
-//! use verbs_core::{CompletionChannel, CompletionQueue, Context};
+//! use rdmsg_notify::{ArmMode, Policy, Waiter};
+//! use rdmsg_verbs::{CompletionChannel, CompletionQueue, Context};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let ctx = Context::open("rxe0")?;
@@ -93,10 +93,10 @@ pub use source::{ArmMode, CompletionSource, EventChannel, EventTarget, Readiness
 pub use stats::Stats;
 pub use waiter::{CqKey, Policy, Waiter};
 
-impl Waiter<verbs_core::CompletionQueue, verbs_core::CompletionChannel> {
+impl Waiter<rdmsg_verbs::CompletionQueue, rdmsg_verbs::CompletionChannel> {
     /// A waiter over a verbs completion channel, switched to non-blocking mode (draining reads
     /// events until `EAGAIN`).
-    pub fn new_verbs(channel: verbs_core::CompletionChannel, policy: Policy) -> Result<Self> {
+    pub fn new_verbs(channel: rdmsg_verbs::CompletionChannel, policy: Policy) -> Result<Self> {
         channel.set_nonblocking(true)?;
         Ok(Self::new(channel, policy))
     }

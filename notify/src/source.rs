@@ -4,7 +4,7 @@
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use verbs_core::{CompletionChannel, CompletionQueue, WorkCompletion};
+use rdmsg_verbs::{CompletionChannel, CompletionQueue, WorkCompletion};
 
 use crate::Result;
 
@@ -86,7 +86,7 @@ impl EventChannel<CompletionQueue> for CompletionChannel {
     }
 
     fn wait_readable(&mut self, timeout: Option<Duration>) -> Result<Readiness> {
-        Ok(if verbs_core::wait_readable(self.as_fd(), timeout)? {
+        Ok(if rdmsg_verbs::wait_readable(self.as_fd(), timeout)? {
             Readiness::Events
         } else {
             Readiness::TimedOut

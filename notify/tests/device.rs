@@ -5,14 +5,14 @@ use std::os::fd::AsFd;
 use std::thread;
 use std::time::Duration;
 
-use notify::{ArmMode, EventChannel, Policy, Readiness, Waiter};
-use testkit::{poll_n, Pair};
-use verbs_core::{wait_readable, WcStatus, WorkCompletion};
+use rdmsg_notify::{ArmMode, EventChannel, Policy, Readiness, Waiter};
+use rdmsg_testkit::{poll_n, Pair};
+use rdmsg_verbs::{wait_readable, WcStatus, WorkCompletion};
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
 
 /// Prints a waiter's statistics in the test output (the closing notes quote them).
-fn report(name: &str, s: notify::Stats) {
+fn report(name: &str, s: rdmsg_notify::Stats) {
     println!(
         "stats {name}: wakeups={} spurious={} completions={} per_wakeup={:.1} events={} acked={} ack_calls={} arms={} asleep={:?}",
         s.wakeups,

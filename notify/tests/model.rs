@@ -3,9 +3,11 @@
 
 use std::time::Duration;
 
-use notify::model::{Arrival, Model, ModelChannel, ModelCompletion, ModelCq};
-use notify::{ArmMode, CompletionSource, EventChannel, EventTarget, Policy, Readiness, Waiter};
 use proptest::prelude::*;
+use rdmsg_notify::model::{Arrival, Model, ModelChannel, ModelCompletion, ModelCq};
+use rdmsg_notify::{
+    ArmMode, CompletionSource, EventChannel, EventTarget, Policy, Readiness, Waiter,
+};
 
 fn events(model: &Model, cqs: &[ModelCq]) -> Vec<EventTarget> {
     let mut ch = model.channel();
@@ -209,8 +211,8 @@ fn raising_a_queue_to_next_mode_rearms_it() {
         0,
         "armed solicited-only, asleep"
     );
-    w.set_mode(notify::CqKey(0), ArmMode::Next).unwrap();
-    assert_eq!(w.mode(notify::CqKey(0)).unwrap(), ArmMode::Next);
+    w.set_mode(rdmsg_notify::CqKey(0), ArmMode::Next).unwrap();
+    assert_eq!(w.mode(rdmsg_notify::CqKey(0)).unwrap(), ArmMode::Next);
     m.schedule(m.now() + DURING_FIRST_SLEEP_NEXT, Arrival::recv(0, false));
     assert_eq!(
         wait_now(&mut w, &mut got),

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use verbs_core::{
+use rdmsg_verbs::{
     connect_loopback, Access, Buffer, CompletionChannel, CompletionQueue, Context,
     ProtectionDomain, QpCaps, QueuePair, SendRequest, WorkCompletion,
 };

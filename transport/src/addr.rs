@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use verbs_core::Gid;
+use rdmsg_verbs::Gid;
 
 /// What a peer needs to know to connect a queue pair to ours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

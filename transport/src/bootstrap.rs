@@ -16,7 +16,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 use std::time::Instant;
 
-use verbs_core::{
+use rdmsg_verbs::{
     Access, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, ReadyWatch,
 };
 
@@ -114,7 +114,7 @@ fn our_hello(endpoint: &Endpoint, config: &Config, addr: Option<QpAddress>) -> H
             lid: 0,
             qpn: 0,
             psn: 0,
-            gid: verbs_core::Gid([0; 16]),
+            gid: rdmsg_verbs::Gid([0; 16]),
         }),
         mtu: endpoint.path_mtu(&config.path).bytes() as u32,
         buf_size: config.buf_size + lie_buf,

@@ -7,8 +7,8 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use notify::{ArmMode, CqKey, EventChannel, EventTarget, Policy, Readiness, Waiter};
-use verbs_core::{
+use rdmsg_notify::{ArmMode, CqKey, EventChannel, EventTarget, Policy, Readiness, Waiter};
+use rdmsg_verbs::{
     Buffer, CompletionChannel, CompletionQueue, QueuePair, ReadyWatch, SendRequest, WorkCompletion,
 };
 
@@ -81,7 +81,7 @@ pub struct Config {
     /// receives flushed by a queue pair error, and rxe never marks send-side errors solicited.
     /// The send queue is armed for any completion while sends are outstanding; this bound
     /// covers the rest. Costs one timer wake-up per interval while idle (not counted as a
-    /// wake-up in [`notify::Stats`]). `None`: never. Default 1 s.
+    /// wake-up in [`rdmsg_notify::Stats`]). `None`: never. Default 1 s.
     pub health_check: Option<Duration>,
     /// Fault injection for tests (feature `test-hooks`).
     #[cfg(feature = "test-hooks")]
@@ -283,11 +283,11 @@ impl ConnChannel {
 }
 
 impl EventChannel<CompletionQueue> for ConnChannel {
-    fn next_event(&mut self, cqs: &[CompletionQueue]) -> notify::Result<Option<EventTarget>> {
+    fn next_event(&mut self, cqs: &[CompletionQueue]) -> rdmsg_notify::Result<Option<EventTarget>> {
         self.channel.next_event(cqs)
     }
 
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> notify::Result<Readiness> {
+    fn wait_readable(&mut self, timeout: Option<Duration>) -> rdmsg_notify::Result<Readiness> {
         let ready = self.watch.wait(timeout)?;
         Ok(if ready == 0 {
             Readiness::TimedOut
@@ -476,7 +476,7 @@ impl Connection {
     }
 
     /// Wake-up statistics of this connection's waits.
-    pub fn wait_stats(&self) -> notify::Stats {
+    pub fn wait_stats(&self) -> rdmsg_notify::Stats {
         self.waiter.stats()
     }
 
@@ -580,7 +580,7 @@ impl Connection {
             .signaled(signaled);
         #[cfg(feature = "test-hooks")]
         if self.fault == Some(Fault::Post) {
-            if let verbs_core::SendPayload::Buffer { buf, .. } = req.payload {
+            if let rdmsg_verbs::SendPayload::Buffer { buf, .. } = req.payload {
                 self.send_bufs.push(buf);
             }
             let e = injected_fault(Fault::Post, self.qp.qp_num());
@@ -1025,7 +1025,7 @@ impl Connection {
     /// thread while the connection sleeps. Valid while the connection lives.
     #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
-    pub fn raw_queue_pair(&self) -> *mut verbs_core::ffi::ibv_qp {
+    pub fn raw_queue_pair(&self) -> *mut rdmsg_verbs::ffi::ibv_qp {
         self.qp.as_raw()
     }
 
@@ -1115,7 +1115,7 @@ impl Connection {
 /// overrun of a CQ, a fatal device error, or an error of the port.
 fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result<Option<Failure>> {
     endpoint.route_async_events()?;
-    use verbs_core::AsyncEventKind as K;
+    use rdmsg_verbs::AsyncEventKind as K;
     Ok(mailbox.take().into_iter().find_map(|ev| {
         matches!(
             ev.kind,
@@ -1155,8 +1155,8 @@ pub enum Fault {
 fn injected_fault(fault: Fault, qp_num: u32) -> Error {
     let source = std::io::Error::from_raw_os_error(5);
     Error::Verbs(match fault {
-        Fault::Poll => verbs_core::Error::PollCq(source),
-        Fault::Post => verbs_core::Error::PostSend { qp_num, source },
+        Fault::Poll => rdmsg_verbs::Error::PollCq(source),
+        Fault::Post => rdmsg_verbs::Error::PostSend { qp_num, source },
     })
 }
 
@@ -1188,7 +1188,7 @@ mod tests {
 
     #[test]
     fn errno_is_found_anywhere_in_the_chain() {
-        let e = Error::Verbs(verbs_core::Error::PollCq(
+        let e = Error::Verbs(rdmsg_verbs::Error::PollCq(
             std::io::Error::from_raw_os_error(5),
         ));
         assert_eq!(errno_of(&e), Some(5));

@@ -4,7 +4,7 @@ use std::fmt;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use verbs_core::{
+use rdmsg_verbs::{
     AsyncElement, AsyncEventKind, Context, Gid, LinkLayer, Mtu, PortAttr, ProtectionDomain,
     QueuePair, RemoteAddress, RtrAttr, RtsAttr,
 };

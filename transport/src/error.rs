@@ -3,7 +3,7 @@
 use std::io;
 use std::time::Duration;
 
-use verbs_core::{AsyncEventKind, WcOpcode, WcStatus};
+use rdmsg_verbs::{AsyncEventKind, WcOpcode, WcStatus};
 
 use crate::credits::Violation;
 use crate::handshake::Reject;
@@ -17,10 +17,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A verb failed.
     #[error(transparent)]
-    Verbs(#[from] verbs_core::Error),
+    Verbs(#[from] rdmsg_verbs::Error),
     /// Waiting for completions failed.
     #[error(transparent)]
-    Notify(#[from] notify::Error),
+    Notify(#[from] rdmsg_notify::Error),
     /// The wake-up pipe of a receive pool could not be set up.
     #[error("cannot create the receive pool's wake-up pipe")]
     WakePipe(#[source] io::Error),
@@ -154,7 +154,7 @@ fn errno_suffix(errno: Option<i32>) -> String {
 
 impl Failure {
     /// The failure an unsuccessful work completion stands for.
-    pub fn of_completion(wc: &verbs_core::WorkCompletion) -> Self {
+    pub fn of_completion(wc: &rdmsg_verbs::WorkCompletion) -> Self {
         Failure::Completion {
             status: wc.status(),
             opcode: wc.opcode(),

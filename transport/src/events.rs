@@ -12,7 +12,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use verbs_core::{AsyncElement, AsyncEvent, AsyncEventKind};
+use rdmsg_verbs::{AsyncElement, AsyncEvent, AsyncEventKind};
 
 /// Events nobody claimed (an SRQ's, a queue pair created outside rdmsg's connections) kept for
 /// later claimants, oldest dropped first.

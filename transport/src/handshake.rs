@@ -68,8 +68,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use hmac::{Hmac, Mac};
+use rdmsg_verbs::Gid;
 use sha2::Sha256;
-use verbs_core::Gid;
 
 use crate::addr::QpAddress;
 use crate::Error;
@@ -227,7 +227,7 @@ impl Hello {
         if self.addr.qpn > 0xff_ffff || self.addr.psn > 0xff_ffff {
             return Err(Reject::BadValue("queue pair number or PSN"));
         }
-        if verbs_core::Mtu::from_bytes(self.mtu as usize).is_none() {
+        if rdmsg_verbs::Mtu::from_bytes(self.mtu as usize).is_none() {
             return Err(Reject::BadValue("MTU"));
         }
         if !(MIN_BUF_SIZE..=MAX_BUF_SIZE).contains(&self.buf_size) {

@@ -12,7 +12,7 @@
 //!   error, which flushes the receives, and the receive queue may be polled first: the batch
 //!   is searched for a real (non-flush) error before any flush is explained.
 
-use verbs_core::{WcOpcode, WcStatus};
+use rdmsg_verbs::{WcOpcode, WcStatus};
 
 use crate::credits::{Credits, Imm, Violation};
 use crate::Failure;
@@ -33,7 +33,7 @@ pub(crate) struct Completion {
 }
 
 impl Completion {
-    pub(crate) fn of(recv: bool, wc: &verbs_core::WorkCompletion) -> Self {
+    pub(crate) fn of(recv: bool, wc: &rdmsg_verbs::WorkCompletion) -> Self {
         Self {
             recv,
             status: wc.status(),
@@ -287,7 +287,7 @@ mod tests {
     fn an_unexplained_flush_asks_what_else_explains_it() {
         let (mut inbound, mut credits) = (Inbound::default(), fresh_credits());
         let flush = with(WcStatus::WrFlushErr, true);
-        let overrun = Failure::AsyncEvent(verbs_core::AsyncEventKind::CqErr);
+        let overrun = Failure::AsyncEvent(rdmsg_verbs::AsyncEventKind::CqErr);
         let (_, f) = inbound.on_recv(&flush, &mut credits, None, || Some(overrun));
         assert_eq!(f, Some(overrun));
         let (_, f) = Inbound::default().on_recv(&flush, &mut credits, None, || None);

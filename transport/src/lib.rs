@@ -4,9 +4,9 @@
 //! # Quick start
 //!
 //! ```no_run
-//! use transport::{Config, Endpoint};
+//! use rdmsg_transport::{Config, Endpoint};
 //!
-//! # fn main() -> Result<(), transport::Error> {
+//! # fn main() -> Result<(), rdmsg_transport::Error> {
 //! let endpoint = Endpoint::open_default()?; // $RDMSG_DEVICE, port 1
 //! let listener = endpoint.listen("0.0.0.0:18515")?;
 //! let mut conn = listener.accept(&Config::default())?;

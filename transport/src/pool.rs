@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use verbs_core::{Access, Buffer, ProtectionDomain};
+use rdmsg_verbs::{Access, Buffer, ProtectionDomain};
 
 use crate::Result;
 
@@ -204,7 +204,7 @@ impl RecvPool {
 
     /// A second handle on the write end of the waker pipe, for others that must wake the
     /// owner (the endpoint's router of asynchronous events). A byte written by it ends the
-    /// owner's sleep as [`notify::Readiness::Other`], which makes the owner look at its
+    /// owner's sleep as [`rdmsg_notify::Readiness::Other`], which makes the owner look at its
     /// mailbox, and is drained like any other.
     pub(crate) fn waker(&self) -> std::io::Result<UnixStream> {
         self.returns.waker.try_clone()

@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use transport::handshake::{
+use rdmsg_transport::handshake::{
     Handshake, Hello, Limits, Reject, CLIENT_HELLO_LEN, GOODBYE, MAC_LEN, NONCE_LEN, VERSION,
 };
-use transport::{Config, Connection, Endpoint, Error, Failure, Listener, PathParams, Psk};
+use rdmsg_transport::{Config, Connection, Endpoint, Error, Failure, Listener, PathParams, Psk};
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
 
@@ -24,7 +24,7 @@ fn endpoint() -> Endpoint {
 fn plausible_hello(ep: &Endpoint) -> Hello {
     Hello {
         version: VERSION,
-        addr: transport::QpAddress {
+        addr: rdmsg_transport::QpAddress {
             lid: 0,
             qpn: 1,
             psn: 1,

@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 
 use proptest::prelude::*;
-use transport::credits::{Credits, Imm};
+use rdmsg_transport::credits::{Credits, Imm};
 
 const DEPTH: u32 = 8;
 const SLOTS: u8 = 3;

@@ -7,9 +7,9 @@ use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use testkit::{fd_count, rnr_counters};
-use transport::handshake::{Handshake, Hello, Limits, Reject, HELLO_LEN, NONCE_LEN, VERSION};
-use transport::{Config, Connection, Endpoint, Error, Failure, Listener};
+use rdmsg_testkit::{fd_count, rnr_counters};
+use rdmsg_transport::handshake::{Handshake, Hello, Limits, Reject, HELLO_LEN, NONCE_LEN, VERSION};
+use rdmsg_transport::{Config, Connection, Endpoint, Error, Failure, Listener};
 
 fn endpoint() -> Endpoint {
     Endpoint::open_default().unwrap_or_else(|e| panic!("device test needs an RDMA device: {e}"))
@@ -143,19 +143,19 @@ fn hundred_thousand_messages_through_a_slow_consumer_without_rnr() {
 #[test]
 #[ignore = "device"]
 fn rnr_counters_see_a_receiver_that_is_not_ready() {
-    let mut p = testkit::Pair::new(1);
+    let mut p = rdmsg_testkit::Pair::new(1);
     let device = p.ctx.name().to_owned();
-    let before = rnr_counters(&device, testkit::PORT);
+    let before = rnr_counters(&device, rdmsg_testkit::PORT);
     p.send(b"one", false, None);
     p.send(b"two", false, None); // finds no receive buffer: RNR NAK, retried later
     p.reap_sends(1);
     thread::sleep(Duration::from_millis(20));
     let recv =
-        p.pd.register(testkit::BUF, verbs_core::Access::LOCAL_WRITE)
+        p.pd.register(rdmsg_testkit::BUF, rdmsg_verbs::Access::LOCAL_WRITE)
             .unwrap();
     p.b.post_recv([recv]).unwrap();
     p.reap_sends(1);
-    let after = rnr_counters(&device, testkit::PORT);
+    let after = rnr_counters(&device, rdmsg_testkit::PORT);
     println!("stats rnr control: before={before:?} after={after:?}");
     assert!(
         after.0 > before.0 && after.1 > before.1,
@@ -167,13 +167,13 @@ fn rnr_counters_see_a_receiver_that_is_not_ready() {
 fn plausible_hello(ep: &Endpoint) -> Hello {
     Hello {
         version: VERSION,
-        addr: transport::QpAddress {
+        addr: rdmsg_transport::QpAddress {
             lid: 0,
             qpn: 1,
             psn: 1,
             gid: ep.gid(),
         },
-        mtu: ep.path_mtu(&transport::PathParams::default()).bytes() as u32,
+        mtu: ep.path_mtu(&rdmsg_transport::PathParams::default()).bytes() as u32,
         buf_size: 4096,
         recv_depth: 64,
         grant_slots: 3,
@@ -230,7 +230,7 @@ fn bad_peers_are_rejected_without_disturbing_other_connections() {
     let v1 = thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
         let mut hello = [0u8; 52];
-        hello[..8].copy_from_slice(&transport::handshake::MAGIC);
+        hello[..8].copy_from_slice(&rdmsg_transport::handshake::MAGIC);
         hello[9] = 1;
         s.write_all(&hello).unwrap();
         let mut rest = Vec::new();
@@ -404,7 +404,7 @@ fn a_queue_pair_forced_into_error_fails_both_sides_promptly() {
 #[ignore = "device"]
 fn an_undersized_cq_overruns_into_a_cq_error_event() {
     let small = Config {
-        hooks: transport::TestHooks {
+        hooks: rdmsg_transport::TestHooks {
             recv_cq_entries: Some(4),
             ..Default::default()
         },
@@ -434,7 +434,7 @@ fn an_undersized_cq_overruns_into_a_cq_error_event() {
     assert!(
         matches!(
             err,
-            Error::Connection(Failure::AsyncEvent(verbs_core::AsyncEventKind::CqErr))
+            Error::Connection(Failure::AsyncEvent(rdmsg_verbs::AsyncEventKind::CqErr))
         ),
         "{err:?}"
     );
@@ -477,7 +477,7 @@ fn kernel() -> String {
 #[ignore = "device"]
 fn messages_that_arrived_before_an_error_completion_are_delivered_first() {
     let liar = Config {
-        hooks: transport::TestHooks {
+        hooks: rdmsg_transport::TestHooks {
             overstate_buf_size: 1024,
             ..Default::default()
         },
@@ -504,7 +504,7 @@ fn messages_that_arrived_before_an_error_completion_are_delivered_first() {
         matches!(
             err,
             Error::Connection(Failure::Completion { status, .. })
-                if status != verbs_core::WcStatus::WrFlushErr
+                if status != rdmsg_verbs::WcStatus::WrFlushErr
         ),
         "{err:?}"
     );
@@ -519,7 +519,7 @@ fn messages_that_arrived_before_an_error_completion_are_delivered_first() {
 #[ignore = "device"]
 fn a_peer_lying_about_its_buffers_fails_with_rnr_retry_exceeded() {
     let liar = Config {
-        hooks: transport::TestHooks {
+        hooks: rdmsg_transport::TestHooks {
             overstate_credits: 8,
             ..Default::default()
         },
@@ -542,7 +542,7 @@ fn a_peer_lying_about_its_buffers_fails_with_rnr_retry_exceeded() {
         matches!(
             err,
             Error::Connection(Failure::Completion {
-                status: verbs_core::WcStatus::RnrRetryExcErr,
+                status: rdmsg_verbs::WcStatus::RnrRetryExcErr,
                 ..
             })
         ),
@@ -558,7 +558,7 @@ fn a_failed_post_fails_the_connection_for_good() {
     let (mut rx, mut tx, _l) = pair();
     tx.send(b"fine", true).unwrap();
     assert_eq!(&*rx.recv_timeout(WAIT).unwrap().unwrap(), b"fine");
-    tx.inject_fault(transport::Fault::Post);
+    tx.inject_fault(rdmsg_transport::Fault::Post);
     let err = tx.send(&[7; 200], true).unwrap_err();
     println!("stats failed post: {err}");
     assert!(matches!(err, Error::Verbs(_)), "{err:?}");
@@ -581,7 +581,7 @@ fn a_failed_post_fails_the_connection_for_good() {
 #[ignore = "device"]
 fn a_persistent_poll_error_is_sticky() {
     let (mut rx, _tx, _l) = pair();
-    rx.inject_fault(transport::Fault::Poll);
+    rx.inject_fault(rdmsg_transport::Fault::Poll);
     let first = rx.recv_timeout(WAIT).unwrap_err();
     println!("stats persistent poll error: {first} / {first:?}");
     assert!(matches!(first, Error::Verbs(_)), "{first:?}");
@@ -619,15 +619,15 @@ fn a_qp_error_wakes_a_sleeping_receiver_within_the_health_bound() {
     thread::sleep(Duration::from_millis(300));
     let broke = Instant::now();
     // SAFETY: ibv_qp_attr is plain old data; all-zero is valid.
-    let mut attr: verbs_core::ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
-    attr.qp_state = verbs_core::ffi::ibv_qp_state::IBV_QPS_ERR;
+    let mut attr: rdmsg_verbs::ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    attr.qp_state = rdmsg_verbs::ffi::ibv_qp_state::IBV_QPS_ERR;
     // SAFETY: the queue pair belongs to `rx`, which the sleeping thread keeps alive until it
     // is joined below; ibv_modify_qp may be called from any thread.
     let ret = unsafe {
-        verbs_core::ffi::ibv_modify_qp(
-            qp as *mut verbs_core::ffi::ibv_qp,
+        rdmsg_verbs::ffi::ibv_modify_qp(
+            qp as *mut rdmsg_verbs::ffi::ibv_qp,
             &mut attr,
-            verbs_core::ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+            rdmsg_verbs::ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
         )
     };
     assert_eq!(ret, 0);
@@ -654,7 +654,7 @@ fn an_async_event_reaches_its_own_connection_only() {
     let ep = endpoint();
     let (mut idle_rx, mut idle_tx, _l1) = pair_on(&ep);
     let small = Config {
-        hooks: transport::TestHooks {
+        hooks: rdmsg_transport::TestHooks {
             recv_cq_entries: Some(4),
             ..Default::default()
         },
@@ -690,7 +690,7 @@ fn an_async_event_reaches_its_own_connection_only() {
     assert!(
         matches!(
             err,
-            Error::Connection(Failure::AsyncEvent(verbs_core::AsyncEventKind::CqErr))
+            Error::Connection(Failure::AsyncEvent(rdmsg_verbs::AsyncEventKind::CqErr))
         ),
         "{err:?}"
     );
@@ -767,7 +767,7 @@ fn a_port_error_fails_every_connection_of_the_device() {
         assert!(
             matches!(
                 err,
-                Error::Connection(Failure::AsyncEvent(verbs_core::AsyncEventKind::PortErr))
+                Error::Connection(Failure::AsyncEvent(rdmsg_verbs::AsyncEventKind::PortErr))
             ),
             "{err:?}"
         );

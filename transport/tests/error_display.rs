@@ -8,13 +8,13 @@ const EBADF: i32 = 9;
 
 #[test]
 fn a_failed_verb_prints_as_the_verb_and_why() {
-    let e = transport::Error::from(verbs_core::Error::PostSend {
+    let e = rdmsg_transport::Error::from(rdmsg_verbs::Error::PostSend {
         qp_num: 0x11,
         source: io::Error::from_raw_os_error(ENOMEM),
     });
     assert_eq!(e.to_string(), "ibv_post_send on QP 0x11 failed (ENOMEM)");
     assert_eq!(
-        testkit::error_chain(&e),
+        rdmsg_testkit::error_chain(&e),
         format!(
             "ibv_post_send on QP 0x11 failed (ENOMEM): {}",
             io::Error::from_raw_os_error(ENOMEM)
@@ -24,12 +24,12 @@ fn a_failed_verb_prints_as_the_verb_and_why() {
 
 #[test]
 fn a_failed_wait_prints_as_the_verb_and_why() {
-    let e = transport::Error::from(notify::Error::from(verbs_core::Error::GetCqEvent(
-        io::Error::from_raw_os_error(EBADF),
-    )));
+    let e = rdmsg_transport::Error::from(rdmsg_notify::Error::from(
+        rdmsg_verbs::Error::GetCqEvent(io::Error::from_raw_os_error(EBADF)),
+    ));
     assert_eq!(e.to_string(), "ibv_get_cq_event failed (EBADF)");
     assert_eq!(
-        testkit::error_chain(&e),
+        rdmsg_testkit::error_chain(&e),
         format!(
             "ibv_get_cq_event failed (EBADF): {}",
             io::Error::from_raw_os_error(EBADF)

@@ -45,7 +45,7 @@ impl Drop for ChannelInner {
 /// fn clone<T: Clone>(t: &T) -> T {
 ///     t.clone()
 /// }
-/// fn two_waiters(channel: &verbs_core::CompletionChannel) {
+/// fn two_waiters(channel: &rdmsg_verbs::CompletionChannel) {
 ///     let _stolen = clone(channel); // error: `CompletionChannel` is not `Clone`
 /// }
 /// ```

@@ -7,10 +7,10 @@
 //! # Quick start
 //!
 //! ```no_run
-//! use verbs_core::{Access, CompletionChannel, CompletionQueue, Context, ProtectionDomain,
+//! use rdmsg_verbs::{Access, CompletionChannel, CompletionQueue, Context, ProtectionDomain,
 //!                  QpCaps, QueuePair};
 //!
-//! # fn main() -> verbs_core::Result<()> {
+//! # fn main() -> rdmsg_verbs::Result<()> {
 //! let ctx = Context::open("rxe0")?;
 //! let pd = ProtectionDomain::new(&ctx)?;
 //! let channel = CompletionChannel::new(&ctx)?;
@@ -35,7 +35,7 @@
 //! compile:
 //!
 //! ```compile_fail
-//! # fn misuse(qp: &mut verbs_core::QueuePair, mut buf: verbs_core::Buffer) {
+//! # fn misuse(qp: &mut rdmsg_verbs::QueuePair, mut buf: rdmsg_verbs::Buffer) {
 //! qp.post_recv([buf]).unwrap();
 //! buf.as_mut_slice()[0] = 1; // error: `buf` was moved into the queue pair
 //! # }

@@ -5,17 +5,17 @@
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use verbs_core::{
+use rdmsg_verbs::{
     connect_loopback, wait_readable, Access, Buffer, CompletionQueue, Context, ProtectionDomain,
     QpCaps, QueuePair, Reclaimed, SendRequest, WcOpcode, WcStatus, WorkCompletion,
 };
 
-use testkit::{fd_count, open_device as open, poll_n, Pair, BUF, PORT};
+use rdmsg_testkit::{fd_count, open_device as open, poll_n, Pair, BUF, PORT};
 
 #[test]
 #[ignore = "device"]
 fn open_and_query() {
-    let names: Vec<String> = verbs_core::devices()
+    let names: Vec<String> = rdmsg_verbs::devices()
         .unwrap()
         .into_iter()
         .map(|d| d.name)
@@ -28,14 +28,14 @@ fn open_and_query() {
         "{dev:?}"
     );
     let port = ctx.query_port(PORT).unwrap();
-    assert_eq!(port.state, verbs_core::PortState::Active, "{port:?}");
+    assert_eq!(port.state, rdmsg_verbs::PortState::Active, "{port:?}");
     let (index, gid) = ctx.pick_roce_v2_ipv4_gid(PORT).unwrap();
     assert!(gid.to_ipv4().is_some(), "{gid}");
     assert_eq!(ctx.query_gid(PORT, index).unwrap(), gid);
     assert_eq!(ctx.gid_type(PORT, index).as_deref(), Some("RoCE v2"));
     assert!(matches!(
         Context::open("no-such-device"),
-        Err(verbs_core::Error::DeviceNotFound { .. })
+        Err(rdmsg_verbs::Error::DeviceNotFound { .. })
     ));
 }
 
@@ -164,22 +164,22 @@ fn arming_with_a_completion_already_queued_does_not_fire() {
 fn a_send_with_a_bad_lkey_completes_in_error_with_its_wr_id() {
     let mut p = Pair::new(4);
     let buf = p.sender.bufs.pop().unwrap();
-    let mut sge = verbs_core::ffi::ibv_sge {
+    let mut sge = rdmsg_verbs::ffi::ibv_sge {
         addr: buf.addr(),
         length: 16,
         lkey: buf.lkey() ^ 0x00ff_ff00,
     };
     // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
-    let mut wr: verbs_core::ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+    let mut wr: rdmsg_verbs::ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
     wr.wr_id = 0xbad;
     wr.sg_list = &mut sge;
     wr.num_sge = 1;
-    wr.opcode = verbs_core::ffi::ibv_wr_opcode::IBV_WR_SEND;
-    wr.send_flags = verbs_core::ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.opcode = rdmsg_verbs::ffi::ibv_wr_opcode::IBV_WR_SEND;
+    wr.send_flags = rdmsg_verbs::ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
     let mut bad = std::ptr::null_mut();
     // SAFETY: the QP is alive; `wr` and `sge` outlive the call; the SGE names memory of a live
     // buffer (with a wrong key, which is the point: the device must refuse it).
-    let ret = unsafe { verbs_core::ffi::ibv_post_send(p.sender.qp.as_raw(), &mut wr, &mut bad) };
+    let ret = unsafe { rdmsg_verbs::ffi::ibv_post_send(p.sender.qp.as_raw(), &mut wr, &mut bad) };
     assert_eq!(ret, 0);
     let wc = &poll_n(&mut p.sender.send_cq, 1)[0];
     assert_eq!(wc.wr_id(), 0xbad);
@@ -418,7 +418,7 @@ fn dropping_in_any_order_is_safe_and_leaks_no_fd() {
             b_recv_cq,
             b,
         } = p;
-        let testkit::Sender {
+        let rdmsg_testkit::Sender {
             qp: a,
             send_cq: a_send_cq,
             recv_cq: a_recv_cq,

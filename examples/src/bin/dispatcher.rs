@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::thread;
 
 use anyhow::{bail, Result};
-use msg::{Dispatcher, Session};
+use rdmsg::msg::{Dispatcher, Session};
+use rdmsg::transport::Config;
 use rdmsg_examples::{loopback_pair, Alarm, Command, Reading};
-use transport::Config;
 
 const READINGS: u64 = 3000;
 const WORKERS: usize = 2;
@@ -19,7 +19,7 @@ const WORKERS: usize = 2;
 fn main() -> Result<()> {
     let (rx, tx) = loopback_pair(&Config::default(), &Config::default())?;
     let receiver = thread::spawn(
-        move || -> Result<(Vec<u64>, u64, Vec<usize>, msg::DispatchStats)> {
+        move || -> Result<(Vec<u64>, u64, Vec<usize>, rdmsg::msg::DispatchStats)> {
             let mut session = Session::new(rx);
             let mut d = Dispatcher::new();
             let readings = d.channel::<Reading>(256)?;

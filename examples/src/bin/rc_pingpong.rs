@@ -14,9 +14,9 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
-use notify::{ArmMode, CqKey, Policy, Waiter};
-use transport::{Endpoint, GidChoice, PathParams, QpAddress, RecvPool};
-use verbs_core::{
+use rdmsg::notify::{ArmMode, CqKey, Policy, Waiter};
+use rdmsg::transport::{Endpoint, GidChoice, PathParams, QpAddress, RecvPool};
+use rdmsg::verbs::{
     Access, CompletionChannel, CompletionQueue, Context, Mtu, QpCaps, QueuePair, SendRequest,
     WorkCompletion,
 };
@@ -150,7 +150,7 @@ fn main() -> Result<()> {
     let mut pool = RecvPool::new(ep.pd(), o.rx_depth as usize, o.size)?;
     qp.post_recv(pool.take_free()).map_err(|e| e.error)?;
 
-    let psn = transport::random_psn(qp.qp_num());
+    let psn = rdmsg::transport::random_psn(qp.qp_num());
     let local = ep.address_of(&qp, psn);
     println!("  local address:  {local}");
     let path = PathParams {
@@ -176,7 +176,7 @@ fn main() -> Result<()> {
 
     let mut send_buf = Some(ep.pd().register(o.size, Access::LOCAL_WRITE)?);
     let payload = vec![0x5a; o.size];
-    let post_send = |qp: &mut QueuePair, buf: &mut Option<verbs_core::Buffer>| -> Result<()> {
+    let post_send = |qp: &mut QueuePair, buf: &mut Option<rdmsg::verbs::Buffer>| -> Result<()> {
         let req = if inline {
             SendRequest::inline(&payload)
         } else {

@@ -11,9 +11,9 @@ use std::thread;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use msg::Session;
+use rdmsg::msg::Session;
+use rdmsg::transport::Config;
 use rdmsg_examples::{loopback_pair, Request, Response};
-use transport::Config;
 
 fn main() -> Result<()> {
     let rounds: u64 = std::env::args()

@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
-use transport::{Config, Endpoint, Error, Failure};
+use rdmsg::transport::{Config, Endpoint, Error, Failure};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -13,10 +13,10 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
-use msg::Session;
-use notify::ArmMode;
+use rdmsg::msg::Session;
+use rdmsg::notify::ArmMode;
+use rdmsg::transport::Config;
 use rdmsg_examples::{loopback_pair, Alarm, Reading};
-use transport::Config;
 
 struct Options {
     arms: Vec<ArmMode>,
@@ -74,31 +74,33 @@ fn run(o: &Options, arm: ArmMode) -> Result<Row> {
         ..Config::default()
     };
     let (rx, tx) = loopback_pair(&server, &Config::default())?;
-    let receiver = thread::spawn(move || -> Result<(u64, u64, notify::Stats, Duration)> {
-        let mut s = Session::new(rx);
-        s.register::<Reading>()?.register::<Alarm>()?;
-        let cpu = verbs_core::thread_cpu_time();
-        let (mut readings, mut alarms) = (0u64, 0u64);
-        loop {
-            match s.recv() {
-                Ok(env) if env.is::<Reading>() => {
-                    let r: Reading = env.decode()?;
-                    if r.seq != readings {
-                        bail!("reading {} arrived as number {readings}", r.seq);
+    let receiver = thread::spawn(
+        move || -> Result<(u64, u64, rdmsg::notify::Stats, Duration)> {
+            let mut s = Session::new(rx);
+            s.register::<Reading>()?.register::<Alarm>()?;
+            let cpu = rdmsg::verbs::thread_cpu_time();
+            let (mut readings, mut alarms) = (0u64, 0u64);
+            loop {
+                match s.recv() {
+                    Ok(env) if env.is::<Reading>() => {
+                        let r: Reading = env.decode()?;
+                        if r.seq != readings {
+                            bail!("reading {} arrived as number {readings}", r.seq);
+                        }
+                        readings += 1;
                     }
-                    readings += 1;
+                    Ok(env) => {
+                        env.decode::<Alarm>()?;
+                        alarms += 1;
+                    }
+                    Err(e) if e.is_peer_closed() => break,
+                    Err(e) => return Err(e.into()),
                 }
-                Ok(env) => {
-                    env.decode::<Alarm>()?;
-                    alarms += 1;
-                }
-                Err(e) if e.is_peer_closed() => break,
-                Err(e) => return Err(e.into()),
             }
-        }
-        let cpu = verbs_core::thread_cpu_time() - cpu;
-        Ok((readings, alarms, s.connection().wait_stats(), cpu))
-    });
+            let cpu = rdmsg::verbs::thread_cpu_time() - cpu;
+            Ok((readings, alarms, s.connection().wait_stats(), cpu))
+        },
+    );
     let mut tx = Session::new(tx);
     let mut seq = 0u64;
     while seq < o.messages {

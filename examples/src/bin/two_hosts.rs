@@ -13,9 +13,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use msg::Session;
+use rdmsg::msg::Session;
+use rdmsg::transport::{Config, Endpoint, Error, Failure};
 use rdmsg_examples::{Alarm, Reading, Request, Response};
-use transport::{Config, Endpoint, Error, Failure};
 
 struct Options {
     server: bool,
@@ -98,7 +98,7 @@ fn serve(o: &Options, ep: &Endpoint) -> Result<()> {
     );
     let quiet = Instant::now();
     match s.recv() {
-        Err(msg::Error::Transport(Error::Connection(f @ Failure::PeerVanished))) => {
+        Err(rdmsg::msg::Error::Transport(Error::Connection(f @ Failure::PeerVanished))) => {
             println!(
                 "server: peer failure: {f} after {:.2} s of silence",
                 quiet.elapsed().as_secs_f64()

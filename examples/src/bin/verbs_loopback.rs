@@ -9,7 +9,7 @@ use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use verbs_core::{
+use rdmsg::verbs::{
     connect_loopback, wait_readable, Access, CompletionChannel, CompletionQueue, Context,
     ProtectionDomain, QpCaps, QueuePair, SendRequest, WorkCompletion,
 };

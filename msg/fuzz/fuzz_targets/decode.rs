@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use msg::codec::{Decoder, FrameBytes};
+use rdmsg_msg::codec::{Decoder, FrameBytes};
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize)]
@@ -14,7 +14,7 @@ struct Sample {
     values: Vec<f64>,
     nested: Option<Vec<(u8, String)>>,
 }
-msg::message!(Sample, tag = "fuzz.sample");
+rdmsg_msg::message!(Sample, tag = "fuzz.sample");
 
 fuzz_target!(|data: &[u8]| {
     let mut dec = Decoder::new(1 << 16);

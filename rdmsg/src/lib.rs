@@ -1,0 +1,77 @@
+//! Typed message passing over RDMA reliable-connected queue pairs, with receivers that sleep
+//! until a sender says a message is worth waking up for (`IBV_SEND_SOLICITED` and
+//! solicited-only arming).
+//!
+//! This is the crate to depend on. Its root holds what a typed-message application needs:
+//! an [`Endpoint`] on a device port, connections made by [`Endpoint::connect`] and
+//! [`Listener::accept`] with a [`Config`], [`Session`]s that send and receive [`Message`]s, a
+//! [`Dispatcher`] that routes them. The layers underneath are modules, for whoever needs more.
+//!
+//! # Quick start
+//!
+//! ```no_run
+//! use rdmsg::{message, Config, Endpoint, Session};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct Reading { sensor: u16, value: f64 }
+//! message!(Reading, solicited = false); // lands silently, read on the next wake-up
+//!
+//! # fn main() -> Result<(), rdmsg::Error> {
+//! let endpoint = Endpoint::open_default()?; // $RDMSG_DEVICE, port 1
+//! let mut tx = Session::new(endpoint.connect("collector:18600", &Config::default())?);
+//! let readings: Vec<Reading> = (0..8).map(|i| Reading { sensor: 1, value: i.into() }).collect();
+//! tx.send_batch(&readings)?; // the last one is solicited: one wake-up for the batch
+//! # Ok(()) }
+//! ```
+//!
+//! The receiving side: `Session::new(endpoint.listen(addr)?.accept(&Config::default())?)`,
+//! then `recv()` sleeps until a solicited message arrives and hands out everything that
+//! arrived before it, in order; `env.decode::<Reading>()` deserializes one. The README's
+//! quick start is a complete program with both sides.
+//!
+//! # Which layer do I need
+//!
+//! | you want | use |
+//! |---|---|
+//! | typed messages, one wake-up per batch or alarm, handlers per type | the root: [`Session`], [`Message`], [`message!`], [`Dispatcher`] |
+//! | raw bytes with credits, zero-copy receive buffers, failures typed | [`transport`]: [`transport::Connection`] |
+//! | your own event loop over completion queues: arm, wait, ack, re-arm, drain | [`notify`]: [`notify::Waiter`] |
+//! | queue pairs, memory regions and completion queues as safe RAII handles | [`verbs`] (raw bindings in `verbs::ffi`) |
+//!
+//! Each layer is also a crate of its own (`rdmsg-verbs`, `rdmsg-notify`, `rdmsg-transport`,
+//! `rdmsg-msg`, library names with underscores), so their names never collide with other
+//! crates (the file-system `notify` crate, say). Support for async runtimes will come as an
+//! optional feature of this crate; the default build stays lean.
+//!
+//! # Requirements
+//!
+//! Linux, libibverbs with a provider, and an RDMA device (hardware or Soft-RoCE). Building
+//! needs libclang ≤ 15 for `rdma-sys`' bindgen (Debian 12's works).
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub use rdmsg_msg::{
+    message, tag, DecodeFailure, DispatchStats, Dispatcher, Envelope, Error, Message, Result,
+    Session, SessionConfig, SessionStats,
+};
+pub use rdmsg_transport::{Config, Connection, Endpoint, Failure, Listener, Psk, Received};
+
+/// Safe RAII handles over libibverbs: the only layer with `unsafe` code (crate `rdmsg-verbs`).
+pub use rdmsg_verbs as verbs;
+
+/// Completion-notification policy: arm, wait, ack, re-arm, drain (crate `rdmsg-notify`).
+pub use rdmsg_notify as notify;
+
+/// RC connections: TCP bootstrap, receive pools, credit flow control, typed failures (crate
+/// `rdmsg-transport`).
+pub use rdmsg_transport as transport;
+
+/// Framed typed messages and their sessions (crate `rdmsg-msg`).
+pub use rdmsg_msg as msg;
+
+/// The README's quick start, compiled (not run: it needs a device) with the crate's doctests,
+/// so it cannot drift from the API.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
