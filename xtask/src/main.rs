@@ -2,7 +2,10 @@
 
 #![forbid(unsafe_code)]
 
+mod fuzz;
+mod package;
 mod vm;
+mod worktree;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -18,11 +21,24 @@ usage: cargo xtask <task>
 tasks:
   setup            install the Debian packages rdmsg needs (apt-get as root; prints the command otherwise)
   test [--kernel K]
-                   fmt, clippy, docs, host tests, the decoder fuzzed for a fixed time, the device
+                   fmt, clippy, docs, host tests, the decoder fuzzed for a fixed time (new
+                   inputs go to target/fuzz/corpus/decode, failing ones to target/fuzz/artifacts),
+                   `cargo package` of the published crates (verified, not uploaded), the README's
+                   quick start built as a project of its own (target/scratch/app), the device
                    tests inside the Soft-RoCE VM once per kernel (6.1, then 6.12, one boot each;
-                   --kernel or RDMSG_KERNELS picks), then the two-host test (as vm2, on 6.1).
-                   For work on the driver: --device-only (device tests only, no two-host test),
-                   --bins NAME,... (only the test binaries whose names start so)
+                   --kernel or RDMSG_KERNELS picks; the quick start runs in the first boot), then
+                   the two-host test (as vm2, on 6.1); last, `git status` must show nothing the
+                   run added. For work on the driver: --device-only (device tests only: no
+                   checks, fuzzing, packaging, quick start or two-host test), --bins NAME,...
+                   (only the test binaries whose names start so)
+  package          `cargo package` of the published crates, each verified by building it from
+                   its packaged sources (no upload); lists the .crate files
+  quickstart [--kernel K]
+                   build the README's first ```rust block as a project of its own outside the
+                   workspace (target/scratch/app: the rdmsg facade by path, serde, crates.io's
+                   notify) and run it on rxe0 inside the VM
+  fuzz-merge       merge the fuzzer's working corpus (target/fuzz/corpus/decode) into the kept
+                   one (msg/fuzz/corpus/decode), keeping only inputs that add coverage
   demo [--kernel K]
                    run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
   bench [--quick] [--kernel K] [-- ARGS]
@@ -87,6 +103,9 @@ fn main() -> ExitCode {
         } => bench(quick, kernel, run_args),
         Task::Vm { kernel, cmd } => vm_cmd(kernel, &cmd),
         Task::Vm2(kernel) => vm2_cmd(kernel),
+        Task::FuzzMerge => fuzz::fuzz_merge(),
+        Task::Package => package_cmd(),
+        Task::Quickstart(kernel) => quickstart_cmd(kernel),
         Task::Help => {
             print!("{USAGE}");
             Ok(ExitCode::SUCCESS)
@@ -117,6 +136,9 @@ enum Task {
         cmd: Vec<String>,
     },
     Vm2(Kernel),
+    FuzzMerge,
+    Package,
+    Quickstart(Kernel),
     Help,
 }
 
@@ -125,7 +147,8 @@ enum Task {
 struct TestPlan {
     /// Kernels to run the device tests on, each in its own VM boot, in [`vm::KERNELS`] order.
     kernels: Vec<Kernel>,
-    /// Skip fmt, clippy, docs, host tests, fuzzing and the two-host test.
+    /// Skip fmt, clippy, docs, host tests, fuzzing, packaging, the quick start and the two-host
+    /// test.
     device_only: bool,
     /// Only the test binaries whose file names start with one of these (all when empty).
     bins: Vec<String>,
@@ -276,6 +299,20 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
             }
         }
         "vm2" => Task::Vm2(kernel(&no_rest(options(
+            task,
+            rest,
+            &["--kernel"],
+            false,
+        )?)?)),
+        "fuzz-merge" => {
+            no_rest(options(task, rest, &[], false)?)?;
+            Task::FuzzMerge
+        }
+        "package" => {
+            no_rest(options(task, rest, &[], false)?)?;
+            Task::Package
+        }
+        "quickstart" => Task::Quickstart(kernel(&no_rest(options(
             task,
             rest,
             &["--kernel"],
@@ -514,36 +551,35 @@ fn bench(quick: bool, kernel: Kernel, run_args: Vec<String>) -> Result<ExitCode>
     Ok(exit_code(code))
 }
 
-/// Runs the cargo-fuzz target `decode` (msg/fuzz) for `secs` seconds over its kept corpus.
-/// cargo-fuzz needs the nightly `-Z` sanitizer flags: `RUSTC_BOOTSTRAP=1` allows them on the
-/// stable toolchain. Installs cargo-fuzz first if it is missing.
-fn fuzz_decoder(secs: u64) -> Result<()> {
-    let has_fuzz = cargo()
-        .args(["fuzz", "--version"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_fuzz {
-        let _s = Step::new("fuzz", "installing cargo-fuzz (first run only)");
-        run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
+/// `cargo xtask package`: with `--allow-dirty` when the work tree has uncommitted changes.
+fn package_cmd() -> Result<ExitCode> {
+    let repo = repo_root();
+    let dirty = worktree::Snapshot::take(&repo).is_some_and(|s| !s.is_clean());
+    for (path, size) in package::package(dirty)? {
+        println!(
+            "packaged: {} ({})",
+            path.strip_prefix(&repo).unwrap_or(&path).display(),
+            package::kib(size)
+        );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn quickstart_cmd(kernel: Kernel) -> Result<ExitCode> {
+    ensure_packages()?;
+    let repo = repo_root();
+    let bin = package::build_scratch(&repo, &repo.join("README.md"))?;
     let _s = Step::new(
-        "fuzz",
-        &format!("fuzzing the frame decoder for {secs} s (msg/fuzz, corpus kept in msg/fuzz/corpus/decode)"),
+        "quickstart",
+        &format!("running the quick start on rxe0 inside the VM (Linux {kernel})"),
     );
-    run(cargo()
-        .current_dir(repo_root().join("msg"))
-        .env("RUSTC_BOOTSTRAP", "1")
-        .args([
-            "fuzz",
-            "run",
-            "decode",
-            "--",
-            &format!("-max_total_time={secs}"),
-        ])
-        .args(["-print_final_stats=1"]))
-    .context("the decoder fuzzer found a crash (see msg/fuzz/artifacts/decode) or did not build")
+    let out = vm::Vm::new(&repo, kernel).run_script(
+        &format!("timeout 300 {}", sh_quote(&bin.to_string_lossy())),
+        vm_timeout(),
+        &mut |l| println!("{l}"),
+    )?;
+    eprintln!("==> [quickstart] exited with {}", out.code);
+    Ok(exit_code(out.code))
 }
 
 fn vm2_cmd(kernel: Kernel) -> Result<ExitCode> {
@@ -745,12 +781,24 @@ impl Tally {
     }
 }
 
+/// A step's duration for the closing `step times` line.
+fn took(name: impl std::fmt::Display, since: Instant) -> String {
+    format!("{name} {:.1} s", since.elapsed().as_secs_f64())
+}
+
 fn test(plan: &TestPlan) -> Result<ExitCode> {
     let started = Instant::now();
+    let repo = repo_root();
+    // What is uncommitted before the run is the developer's own work: never counted against it.
+    let tree_before = worktree::Snapshot::take(&repo);
     ensure_packages()?;
     let mut host = Tally::default();
+    // Checks that count as one test each: (name, passed).
+    let mut checks: Vec<(String, bool)> = Vec::new();
+    let mut step_times = Vec::new();
+    let mut quickstart = None;
     if !plan.device_only {
-        let checks: [(&'static str, &str, Vec<&str>); 3] = [
+        let lints: [(&'static str, &str, Vec<&str>); 3] = [
             ("fmt", "cargo fmt --check", vec!["fmt", "--all", "--check"]),
             (
                 "clippy",
@@ -770,7 +818,8 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
                 vec!["doc", "--workspace", "--no-deps"],
             ),
         ];
-        for (name, line, args) in checks {
+        for (name, line, args) in lints {
+            let t = Instant::now();
             let _s = Step::new(name, line);
             let status = cargo()
                 .args(&args)
@@ -779,9 +828,11 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
             if !status.success() {
                 bail!("step `{name}` failed; rerun it alone with: {line}");
             }
+            step_times.push(took(name, t));
         }
 
         {
+            let t = Instant::now();
             let _s = Step::new(
                 "host-tests",
                 "cargo test --workspace (device tests are left out)",
@@ -802,6 +853,7 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
                     "step `host-tests` failed before running tests; rerun with: cargo test --workspace"
                 );
             }
+            step_times.push(took("host-tests", t));
         }
 
         let fuzz_secs: u64 = std::env::var("RDMSG_FUZZ_SECS")
@@ -809,26 +861,83 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
             .and_then(|s| s.parse().ok())
             .unwrap_or(60);
         if fuzz_secs > 0 {
-            match fuzz_decoder(fuzz_secs) {
-                Ok(()) => host.passed += 1,
-                Err(e) => {
-                    eprintln!("xtask: fuzzing failed: {e:#}");
-                    host.failed += 1;
+            let t = Instant::now();
+            let result = fuzz::fuzz_decoder(fuzz_secs);
+            if let Err(e) = &result {
+                eprintln!("xtask: fuzzing failed: {e:#}");
+            }
+            checks.push(("fuzz".into(), result.is_ok()));
+            step_times.push(took("fuzz", t));
+        }
+
+        let t = Instant::now();
+        let allow_dirty = tree_before.as_ref().is_some_and(|s| !s.is_clean());
+        let packaged = package::package(allow_dirty);
+        match &packaged {
+            Ok(crates) => {
+                for (path, size) in crates {
+                    println!(
+                        "packaged: {} ({})",
+                        path.strip_prefix(&repo).unwrap_or(path).display(),
+                        package::kib(*size)
+                    );
                 }
             }
+            Err(e) => eprintln!("xtask: packaging failed (alone: cargo xtask package): {e:#}"),
         }
+        checks.push(("package".into(), packaged.is_ok()));
+        step_times.push(took("package", t));
+
+        let t = Instant::now();
+        match package::build_scratch(&repo, &repo.join("README.md")) {
+            Ok(bin) => quickstart = Some(bin),
+            Err(e) => {
+                eprintln!(
+                    "xtask: the quick start did not build (alone: cargo xtask quickstart): {e:#}"
+                );
+                checks.push(("quickstart".into(), false));
+            }
+        }
+        step_times.push(took("quickstart build", t));
     }
 
     let binaries = {
+        let t = Instant::now();
         let _s = Step::new("build-tests", "building test binaries for the VM");
         let all = test_binaries()?;
-        select_binaries(all, &plan.bins)?
+        let chosen = select_binaries(all, &plan.bins)?;
+        step_times.push(took("build-tests", t));
+        chosen
     };
+    // The quick start runs in the first boot: 6.1's unless the kernels are restricted.
     let runs: Vec<KernelRun> = plan
         .kernels
         .iter()
-        .map(|&kernel| device_tests(kernel, &binaries))
+        .enumerate()
+        .map(|(i, &kernel)| {
+            device_tests(kernel, &binaries, quickstart.as_deref().filter(|_| i == 0))
+        })
         .collect();
+    for r in &runs {
+        let Some(q) = &r.quickstart else { continue };
+        let ok = q.code == Some(0);
+        match q.code {
+            Some(0) => {}
+            Some(code) => eprintln!(
+                "xtask: the quick start exited with {code} on Linux {} (alone: cargo xtask quickstart --kernel {0})",
+                r.kernel
+            ),
+            None => eprintln!("xtask: the quick start did not run on Linux {}", r.kernel),
+        }
+        if q.code.is_some() && q.said.is_empty() {
+            eprintln!("xtask: the quick start printed no line starting `quickstart:`");
+        }
+        for l in &q.said {
+            println!("{l}");
+        }
+        checks.push((format!("quickstart ({})", r.kernel), ok));
+        step_times.push(format!("quickstart run ({}) {:.1} s", r.kernel, q.secs));
+    }
     // Two VMs on a socket network: on the default kernel only.
     let two_host_kernel = Kernel::default_kernel();
     let two_host = (!plan.device_only).then(|| {
@@ -868,18 +977,38 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         });
     }
     if let Some((ok, secs)) = two_host {
-        if ok {
+        checks.push((format!("two-host ({two_host_kernel} only)"), ok));
+        times.push(format!("two-host ({two_host_kernel}) {secs:.1} s"));
+    }
+    match (&tree_before, worktree::Snapshot::take(&repo)) {
+        (Some(before), Some(after)) => {
+            let c = worktree::compare(before, &after);
+            for l in &c.changed {
+                eprintln!("xtask: work tree: {l}; uncommitted before the run already, not counted");
+            }
+            if !c.new.is_empty() {
+                eprintln!(
+                    "xtask: the run left {} new entries in `git status` (clean when it started):",
+                    c.new.len()
+                );
+                for l in &c.new {
+                    eprintln!("  {l}");
+                }
+            }
+            checks.push(("work tree clean".into(), c.new.is_empty()));
+        }
+        _ => eprintln!("==> [work tree] not a git work tree (or no git): check skipped"),
+    }
+    for (name, ok) in &checks {
+        if *ok {
             total.passed += 1;
         } else {
             total.failed += 1;
         }
-        counts.push(format!(
-            "two-host ({two_host_kernel} only): {}",
-            if ok { "passed" } else { "failed" }
-        ));
-        times.push(format!("two-host ({two_host_kernel}) {secs:.1} s"));
+        counts.push(format!("{name}: {}", if *ok { "passed" } else { "failed" }));
     }
     eprintln!("==> {}", counts.join("; "));
+    eprintln!("==> step times: {}", step_times.join("; "));
     eprintln!(
         "==> VM runs: {}; total {:.1} s",
         times.join("; "),
@@ -902,20 +1031,50 @@ struct KernelRun {
     secs: f64,
     /// Seconds to a ready rxe0; `None`: the VM did not boot.
     boot_secs: Option<f64>,
+    /// The quick start's run in this boot, if it was given one.
+    quickstart: Option<QuickstartRun>,
 }
 
-/// Runs every test binary with `--ignored` in one VM boot on `kernel`. A VM that does not boot,
-/// a binary that dies without a failed test, and a run where no test passed count as failures:
-/// a device test never passes by not running.
-fn device_tests(kernel: Kernel, binaries: &[PathBuf]) -> KernelRun {
+/// The README's quick start (built in `target/scratch`) run inside a device-test boot.
+#[derive(Debug, Default)]
+struct QuickstartRun {
+    /// Its exit code; `None`: it did not run (the VM did not boot, or died first).
+    code: Option<i32>,
+    /// The lines it printed that start with `quickstart:`.
+    said: Vec<String>,
+    secs: f64,
+}
+
+/// Marks the quick start's output in a device-test boot; the line after it gives its exit code.
+const QUICKSTART_START: &str = "--- quickstart: ";
+const QUICKSTART_EXIT: &str = "RDMSG-QUICKSTART-EXIT: ";
+
+/// Runs every test binary with `--ignored` in one VM boot on `kernel`, after the quick start's
+/// binary if one is given. A VM that does not boot, a binary that dies without a failed test,
+/// and a run where no test passed count as failures: a device test never passes by not running.
+/// The quick start's exit code is its own result and leaves the device tests' alone.
+fn device_tests(kernel: Kernel, binaries: &[PathBuf], quickstart: Option<&Path>) -> KernelRun {
     let _s = Step::new(
         "device-tests",
         &format!(
-            "{} test binaries, device tests only, inside the Soft-RoCE VM on Linux {kernel}",
-            binaries.len()
+            "{} test binaries, device tests only, inside the Soft-RoCE VM on Linux {kernel}{}",
+            binaries.len(),
+            if quickstart.is_some() {
+                ", after the README's quick start"
+            } else {
+                ""
+            }
         ),
     );
     let mut script = String::from("status=0\n");
+    if let Some(bin) = quickstart {
+        let rel = bin.strip_prefix(repo_root()).unwrap_or(bin);
+        script.push_str(&format!(
+            "echo \"{QUICKSTART_START}{name} (the README's quick start, built outside the workspace)\"\ntimeout 300 {bin}\necho \"{QUICKSTART_EXIT}$?\"\n",
+            name = rel.display(),
+            bin = sh_quote(&bin.to_string_lossy())
+        ));
+    }
     for bin in binaries {
         let rel = bin.strip_prefix(repo_root()).unwrap_or(bin);
         script.push_str(&format!(
@@ -927,6 +1086,8 @@ fn device_tests(kernel: Kernel, binaries: &[PathBuf]) -> KernelRun {
     script.push_str("exit $status\n");
     let vm = vm::Vm::new(&repo_root(), kernel);
     let mut tally = Tally::default();
+    let mut quick = quickstart.map(|_| QuickstartRun::default());
+    let mut quick_started = None;
     // The kernel's first download is not part of the run's time.
     let mut vm_started = Instant::now();
     let result = vm.prepare().and_then(|()| {
@@ -934,6 +1095,15 @@ fn device_tests(kernel: Kernel, binaries: &[PathBuf]) -> KernelRun {
         vm.run_script(&script, vm_timeout(), &mut |l| {
             println!("{l}");
             tally.add_line(l);
+            let Some(q) = quick.as_mut() else { return };
+            if l.starts_with(QUICKSTART_START) {
+                quick_started = Some(Instant::now());
+            } else if let Some(code) = l.strip_prefix(QUICKSTART_EXIT) {
+                q.code = Some(code.trim().parse().unwrap_or(-1));
+                q.secs = quick_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            } else if l.starts_with("quickstart:") && q.code.is_none() {
+                q.said.push(l.to_owned());
+            }
         })
     });
     let secs = vm_started.elapsed().as_secs_f64();
@@ -964,6 +1134,7 @@ fn device_tests(kernel: Kernel, binaries: &[PathBuf]) -> KernelRun {
         tally,
         secs,
         boot_secs,
+        quickstart: quick,
     }
 }
 
@@ -1052,6 +1223,22 @@ mod tests {
         );
         assert!(parse(&args("demo extra"), None).is_err());
         assert_eq!(parse(&args("--help"), None), Ok(Task::Help));
+        assert!(parse(&args("fuzz-merge --kernel 6.1"), None).is_err());
+        assert!(parse(&args("package extra"), None).is_err());
+    }
+
+    #[test]
+    fn corpus_packaging_and_quick_start_tasks() {
+        assert_eq!(parse(&args("fuzz-merge"), None), Ok(Task::FuzzMerge));
+        assert_eq!(parse(&args("package"), None), Ok(Task::Package));
+        assert_eq!(
+            parse(&args("quickstart"), None),
+            Ok(Task::Quickstart(k("6.1")))
+        );
+        assert_eq!(
+            parse(&args("quickstart --kernel 6.12"), None),
+            Ok(Task::Quickstart(k("6.12")))
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Feeds arbitrary frames to the decoder and decodes whatever comes out: nothing may panic,
 //! allocate without bound or hang. Frames are separated by the byte sequence `RDMSG|`.
-//! Run: `cargo fuzz run decode` in `msg/` (needs cargo-fuzz).
+//! Run: `cargo xtask test` fuzzes it for 60 s, growing a corpus under `target/`; `cargo xtask
+//! fuzz-merge` folds that into the kept corpus (`msg/fuzz/corpus/decode`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
