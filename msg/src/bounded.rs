@@ -16,17 +16,45 @@
 //!
 //! The decoded value thus holds at most `max` bytes in its strings and containers (a growing
 //! `Vec` may briefly have twice the capacity of its elements), whatever the input claims.
+//!
+//! Heap allocations behind a pointer (`Box<E>`, `Rc<E>`, `Arc<E>`) are invisible to serde:
+//! the pointer's `Deserialize` decodes an `E` and moves it to the heap. A container element
+//! is charged at the size of its own type, so `Vec<Box<E>>` pays `size_of::<Box<E>>()` (8
+//! bytes) per element while each element allocates `size_of::<E>()` more: such a container
+//! may hold up to `1 + size_of::<E>() / 8` times the bound (likewise for boxes inside a
+//! container element's type). Message types should not box large types in containers (a
+//! `Vec<E>` is charged in full). Boxes outside containers are bounded by the type and by the
+//! depth limit. `Box<[T]>` and `Box<str>` are decoded as a `Vec` and a `String` and charged
+//! in full.
+//!
+//! Recursion is bounded too: bincode has no recursion limit, and a recursive type (`enum Expr
+//! { Lit(u8), Neg(Box<Expr>) }`) nests one level per input byte or so, enough to overflow
+//! the stack within `max`. Every nested value decoded through the wrapper (each seed: the
+//! message itself, a sequence or map element, a map key, an enum variant and its content, an
+//! `Option`'s `Some`, a newtype's content) is one level deeper, and the decode fails beyond
+//! [`MAX_DEPTH`] levels.
 
 use std::cell::Cell;
 
 use serde::de::{self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess};
 use serde::de::{VariantAccess, Visitor};
 
-/// What a decode may still allocate.
+/// How deeply values may nest in a decoded message: the number of nested values (the message
+/// itself, a sequence or map element or key, an enum variant, an `Option`'s `Some`, a newtype's
+/// content) on the path to the innermost one. Deeper input fails to decode
+/// ([`crate::DecodeFailure::TooDeep`]) instead of overflowing the stack. A value of a
+/// recursive type such as `enum Expr { Lit(u8), Neg(Box<Expr>) }` may nest about this many
+/// times (one level per `Neg`, plus the message).
+pub const MAX_DEPTH: usize = 128;
+
+/// What a decode may still allocate, and how deep it is.
 #[derive(Debug)]
 pub(crate) struct Budget {
     left: Cell<usize>,
     exceeded: Cell<bool>,
+    depth: Cell<usize>,
+    max_depth: usize,
+    too_deep: Cell<bool>,
 }
 
 impl Budget {
@@ -34,12 +62,33 @@ impl Budget {
         Self {
             left: Cell::new(max),
             exceeded: Cell::new(false),
+            depth: Cell::new(0),
+            max_depth: MAX_DEPTH,
+            too_deep: Cell::new(false),
         }
     }
 
     /// Whether a decode failed because the budget ran out.
     pub(crate) fn exceeded(&self) -> bool {
         self.exceeded.get()
+    }
+
+    /// Whether a decode failed because values nested deeper than the limit.
+    pub(crate) fn too_deep(&self) -> bool {
+        self.too_deep.get()
+    }
+
+    /// Runs `f` one level deeper, or fails if that is beyond the limit.
+    fn nested<T, E: de::Error>(&self, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+        let depth = self.depth.get();
+        if depth >= self.max_depth {
+            self.too_deep.set(true);
+            return Err(E::custom("decoded message nests too deeply"));
+        }
+        self.depth.set(depth + 1);
+        let r = f();
+        self.depth.set(depth);
+        r
     }
 
     fn charge<E: de::Error>(&self, n: usize) -> Result<(), E> {
@@ -70,10 +119,8 @@ impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for Bounded<'_, S> {
     type Value = S::Value;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<S::Value, D::Error> {
-        self.seed.deserialize(De {
-            inner: de,
-            budget: self.budget,
-        })
+        let budget = self.budget;
+        budget.nested(|| self.seed.deserialize(De { inner: de, budget }))
     }
 }
 
@@ -257,17 +304,13 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Vis<'_, V> {
     }
 
     fn visit_some<D: Deserializer<'de>>(self, de: D) -> Result<V::Value, D::Error> {
-        self.inner.visit_some(De {
-            inner: de,
-            budget: self.budget,
-        })
+        let budget = self.budget;
+        budget.nested(|| self.inner.visit_some(De { inner: de, budget }))
     }
 
     fn visit_newtype_struct<D: Deserializer<'de>>(self, de: D) -> Result<V::Value, D::Error> {
-        self.inner.visit_newtype_struct(De {
-            inner: de,
-            budget: self.budget,
-        })
+        let budget = self.budget;
+        budget.nested(|| self.inner.visit_newtype_struct(De { inner: de, budget }))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<V::Value, A::Error> {

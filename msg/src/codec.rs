@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+pub use crate::bounded::MAX_DEPTH;
 use crate::bounded::{Bounded, Budget};
 use crate::frame::{self, Header, Reassembler, FIRST, HEADER_LEN, LAST};
 use crate::{DecodeFailure, Error, Message, Result};
@@ -91,7 +92,8 @@ pub fn encode_fragments<M: Message>(
 
 /// Decodes a message body into an owned value holding at most `max` bytes in its strings and
 /// containers (see [`DecodeFailure::TooLarge`]; a session passes
-/// [`crate::SessionConfig::max_message`]).
+/// [`crate::SessionConfig::max_message`]) and nesting at most [`MAX_DEPTH`] levels deep
+/// ([`DecodeFailure::TooDeep`]).
 pub fn decode_body<M: Message + DeserializeOwned>(tag: u32, body: &[u8], max: usize) -> Result<M> {
     decode_body_borrowed(tag, body, max)
 }
@@ -117,7 +119,9 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
     let (m, used) = bincode::serde::seed_decode_from_slice(seed, body, config()).map_err(|e| {
         Error::Decode {
             tag,
-            source: if budget.exceeded() {
+            source: if budget.too_deep() {
+                DecodeFailure::TooDeep { max: MAX_DEPTH }
+            } else if budget.exceeded() {
                 DecodeFailure::TooLarge { max }
             } else {
                 DecodeFailure::Bincode(e)

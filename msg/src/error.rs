@@ -88,6 +88,14 @@ pub enum DecodeFailure {
         /// The bound.
         max: usize,
     },
+    /// The decoded value would nest more than [`crate::codec::MAX_DEPTH`] levels deep
+    /// (sequence and map elements, enum variants, options, newtypes), which could overflow the
+    /// stack: a recursive type nested by the peer, refused before it is that deep.
+    #[error("decoded message would nest more than {max} levels deep")]
+    TooDeep {
+        /// The depth limit.
+        max: usize,
+    },
 }
 
 impl Error {

@@ -59,7 +59,8 @@
 //! fragmented message of an unknown tag is refused at its first fragment, before anything of
 //! it is buffered; reassembly stops at [`SessionConfig::max_message`]; and decoding never
 //! preallocates from a claimed length, and fails ([`DecodeFailure::TooLarge`]) once the value's
-//! strings and container elements would exceed `max_message`.
+//! strings and container elements would exceed `max_message`, or
+//! ([`DecodeFailure::TooDeep`]) once values nest deeper than [`codec::MAX_DEPTH`].
 //!
 //! # Errors that end loops
 //!

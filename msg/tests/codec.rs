@@ -340,6 +340,67 @@ fn decoding_is_bounded_by_max_message() {
     );
 }
 
+/// A recursive message type: each `Neg` is one more level of nesting, one byte on the wire.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+enum Expr {
+    Lit(u8),
+    Neg(Box<Expr>),
+}
+rdmsg_msg::message!(Expr);
+
+/// The body of `Neg` nested `depth` times around `Lit(7)`, built as bytes (variant indices as
+/// varints), not by recursion.
+fn nested_expr(depth: usize) -> Vec<u8> {
+    let mut body = vec![1u8; depth];
+    body.extend_from_slice(&[0, 7]);
+    body
+}
+
+#[test]
+fn decoding_is_bounded_in_depth() {
+    // 100 levels decode (and agree with what bincode encodes).
+    let mut expected = Expr::Lit(7);
+    for _ in 0..100 {
+        expected = Expr::Neg(Box::new(expected));
+    }
+    let mut buf = vec![0u8; 256];
+    let len = codec::encode_single(&expected, 0, &mut buf)
+        .unwrap()
+        .unwrap();
+    assert_eq!(&buf[frame::HEADER_LEN..len], &nested_expr(100)[..]);
+    let decoded = codec::decode_body::<Expr>(Expr::TAG, &nested_expr(100), 1 << 24).unwrap();
+    assert_eq!(decoded, expected);
+    // 100 000 levels, within max_message, would overflow the stack: refused, not fatal.
+    let body = nested_expr(100_000);
+    for r in [
+        codec::decode_body::<Expr>(Expr::TAG, &body, 1 << 24),
+        codec::decode_body_borrowed::<Expr>(Expr::TAG, &body, 1 << 24),
+    ] {
+        match r {
+            Err(
+                e @ Error::Decode {
+                    source: rdmsg_msg::DecodeFailure::TooDeep { max },
+                    ..
+                },
+            ) => {
+                assert_eq!(max, codec::MAX_DEPTH);
+                assert!(!e.is_fatal());
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    // Exactly at the limit: the message is one level, each `Neg` one, the `Lit` one.
+    let deepest = codec::MAX_DEPTH - 2;
+    assert!(codec::decode_body::<Expr>(Expr::TAG, &nested_expr(deepest), 1 << 24).is_ok());
+    assert!(matches!(
+        codec::decode_body::<Expr>(Expr::TAG, &nested_expr(deepest + 1), 1 << 24),
+        Err(Error::Decode {
+            source: rdmsg_msg::DecodeFailure::TooDeep { .. },
+            ..
+        })
+    ));
+}
+
 /// Reports the size hint the decoder gives for a sequence (serde's `Vec` preallocates that
 /// many elements, up to 1 MiB, before reading any).
 #[derive(Debug)]

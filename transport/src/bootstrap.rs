@@ -12,9 +12,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::{Mutex, PoisonError};
-#[cfg(test)]
-use std::time::Duration;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{
     Access, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, ReadyWatch,
@@ -35,8 +33,10 @@ pub(crate) struct Setup {
     pub(crate) recv_cq: CompletionQueue,
     pub(crate) qp: QueuePair,
     pub(crate) pool: RecvPool,
-    /// Registered once the peer's buffer size is known and checked.
+    /// Registered only once the handshake is complete (see [`Setup::register_send_buffers`]).
     pub(crate) send_bufs: Vec<Buffer>,
+    /// How many send buffers the handshake settled on.
+    send_buffers: u32,
     pub(crate) psn: u32,
 }
 
@@ -76,12 +76,13 @@ impl Setup {
             qp,
             pool,
             send_bufs: Vec::new(),
+            send_buffers: 0,
             psn,
         })
     }
 
-    /// Registers `send_buffers` send buffers of the peer's buffer size and moves the queue
-    /// pair to RTR and RTS towards `peer`; returns its address.
+    /// Moves the queue pair to RTR and RTS towards `peer` and notes how many send buffers
+    /// the connection will have; returns its address.
     fn connect(
         &mut self,
         endpoint: &Endpoint,
@@ -89,13 +90,21 @@ impl Setup {
         peer: &Hello,
         send_buffers: u32,
     ) -> Result<QpAddress> {
+        self.send_buffers = send_buffers;
+        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
+        Ok(endpoint.address_of(&self.qp, self.psn))
+    }
+
+    /// Registers the send buffers, sized by the peer's receive buffers. Only once the handshake
+    /// is complete: a client that stops before its "ready" (authenticated or not) must not
+    /// hold `send_depth` × its buffer size of pinned memory per pending handshake.
+    fn register_send_buffers(&mut self, endpoint: &Endpoint, peer: &Hello) -> Result<()> {
         let size = peer.buf_size as usize;
         self.send_bufs = endpoint
             .pd()
-            .register(send_buffers as usize * size, Access::LOCAL_WRITE)?
+            .register(self.send_buffers as usize * size, Access::LOCAL_WRITE)?
             .chunks(size)?;
-        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
-        Ok(endpoint.address_of(&self.qp, self.psn))
+        Ok(())
     }
 }
 
@@ -280,9 +289,10 @@ impl Pending {
     /// The connection, once the handshake is done.
     fn finish(self, endpoint: &Endpoint) -> Result<Connection> {
         let peer = *self.hs.peer().expect("a finished handshake knows its peer");
-        let setup = self
+        let mut setup = self
             .setup
             .expect("a finished handshake set up its queue pair");
+        setup.register_send_buffers(endpoint, &peer)?;
         Connection::establish(endpoint, setup, self.stream, &self.config, peer)
     }
 }
@@ -336,7 +346,13 @@ pub struct Listener {
     watch: ReadyWatch,
     /// Slot `i` is watched as token `i + 1`.
     pending: Mutex<Vec<Option<Pending>>>,
+    /// Accepting failed (descriptors or memory exhausted): the listening socket is out of the
+    /// watch until then, so that pending handshakes go on and nothing spins on it.
+    accept_paused: Mutex<Option<Instant>>,
 }
+
+/// How long a listener stops accepting after `accept(2)` failed for want of resources.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 impl fmt::Debug for Listener {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -363,6 +379,7 @@ impl Listener {
             tcp,
             watch,
             pending: Mutex::new(Vec::new()),
+            accept_paused: Mutex::new(None),
         })
     }
 
@@ -387,12 +404,29 @@ impl Listener {
     pub fn accept(&self, config: &Config) -> Result<Connection> {
         config.check()?;
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut paused = self
+            .accept_paused
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         // Look at everything first: bytes may have arrived since the last call.
         let mut ready = u64::MAX;
         loop {
-            if ready & (1 << LISTEN_TOKEN) != 0 {
-                if let Some(evicted) = self.take_new(&mut pending, config)? {
-                    return Err(evicted);
+            if paused.is_some_and(|until| Instant::now() >= until) {
+                self.watch.add(self.tcp.as_fd(), LISTEN_TOKEN)?;
+                *paused = None;
+                ready |= 1 << LISTEN_TOKEN;
+            }
+            if paused.is_none() && ready & (1 << LISTEN_TOKEN) != 0 {
+                match self.take_new(&mut pending, config) {
+                    Ok(None) => {}
+                    Ok(Some(evicted)) => return Err(evicted),
+                    Err(e) => {
+                        // Out of descriptors or memory, most likely: report it, and stop
+                        // accepting for a moment while the pending handshakes go on.
+                        let _ = self.watch.remove(self.tcp.as_fd());
+                        *paused = Some(Instant::now() + ACCEPT_BACKOFF);
+                        return Err(e);
+                    }
                 }
             }
             let now = Instant::now();
@@ -412,7 +446,12 @@ impl Listener {
                 let p = self.remove(&mut pending, i);
                 return outcome.and_then(|()| p.finish(&self.endpoint));
             }
-            let next = pending.iter().flatten().map(|p| p.deadline).min();
+            let next = pending
+                .iter()
+                .flatten()
+                .map(|p| p.deadline)
+                .chain(*paused)
+                .min();
             ready = self
                 .watch
                 .wait(next.map(|d| d.saturating_duration_since(Instant::now())))?;

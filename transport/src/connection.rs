@@ -79,8 +79,8 @@ pub struct Config {
     /// woke it for. The verbs specification has an error completion fire even a solicited-only
     /// arm, but providers bend it: Linux 6.12's rxe does not wake a solicited-only receiver for
     /// receives flushed by a queue pair error, and rxe never marks send-side errors solicited.
-    /// The send queue is armed for any completion while sends are outstanding; this bound
-    /// covers the rest. Costs one timer wake-up per interval while idle (not counted as a
+    /// The send queue is armed for any completion while a signaled send is outstanding;
+    /// this bound covers the rest. Costs one timer wake-up per interval while idle (not counted as a
     /// wake-up in [`rdmsg_notify::Stats`]). `None`: never. Default 1 s.
     pub health_check: Option<Duration>,
     /// Fault injection for tests (feature `test-hooks`).
@@ -244,11 +244,13 @@ struct ConnChannel {
     /// Stop watching the bootstrap stream once it has ended (it stays readable forever).
     watch_bootstrap: bool,
     /// Owns the context whose async-event descriptor is registered in `watch`.
-    _endpoint: Endpoint,
+    endpoint: Endpoint,
 }
 
 /// Token of the completion channel in the watch; the others only interrupt a sleep.
 const CHANNEL_TOKEN: u8 = 0;
+/// Token of the device's async-event descriptor.
+const ASYNC_TOKEN: u8 = 2;
 
 impl ConnChannel {
     fn new(
@@ -262,7 +264,7 @@ impl ConnChannel {
         watch.add(wake.as_fd(), 1)?;
         // Every connection of the device watches its async-event descriptor; one new event
         // wakes one sleeper, which routes it to its owner (see the `events` module).
-        watch.add_exclusive(endpoint.context().async_fd(), 2)?;
+        watch.add_exclusive(endpoint.context().async_fd(), ASYNC_TOKEN)?;
         watch.add(bootstrap.as_fd(), 3)?;
         Ok(Self {
             channel,
@@ -270,7 +272,7 @@ impl ConnChannel {
             _wake: wake,
             bootstrap,
             watch_bootstrap: true,
-            _endpoint: endpoint,
+            endpoint,
         })
     }
 
@@ -289,6 +291,14 @@ impl EventChannel<CompletionQueue> for ConnChannel {
 
     fn wait_readable(&mut self, timeout: Option<Duration>) -> rdmsg_notify::Result<Readiness> {
         let ready = self.watch.wait(timeout)?;
+        if ready & (1 << ASYNC_TOKEN) != 0 {
+            // Exclusive: of the connections asleep on the device's async events, this one was
+            // woken, and it may be the only one. Route them now, whatever else woke us: each
+            // event lands in its owner's mailbox and wakes it (us too, through our wake-up
+            // socket, if one is ours). A failure to read is found again by the owner's own
+            // liveness check.
+            let _ = self.endpoint.route_async_events();
+        }
         Ok(if ready == 0 {
             Readiness::TimedOut
         } else if ready & (1 << CHANNEL_TOKEN) != 0 {
@@ -330,6 +340,8 @@ pub struct Connection {
     flushed: bool,
     /// Asynchronous events the endpoint routed to this connection.
     mailbox: Arc<Mailbox>,
+    /// wr_id of the last signaled send, until a completion retires it.
+    last_signaled: Option<u64>,
     /// Test hook: a verb that fails from now on.
     #[cfg(feature = "test-hooks")]
     fault: Option<Fault>,
@@ -455,6 +467,7 @@ impl Connection {
             failure: None,
             flushed: false,
             mailbox,
+            last_signaled: None,
             #[cfg(feature = "test-hooks")]
             fault: None,
             stats: ConnStats::default(),
@@ -586,13 +599,20 @@ impl Connection {
             let e = injected_fault(Fault::Post, self.qp.qp_num());
             return Err(self.local_failure("posting a send (ibv_post_send)", e));
         }
-        if let Err(e) = self.qp.post_send_one(req) {
-            self.send_bufs.extend(e.unposted);
-            // A credit (or a grant's slot) was taken for this message: carrying on would leave
-            // the two sides' books apart for good.
-            return Err(self.local_failure("posting a send (ibv_post_send)", e.error.into()));
+        match self.qp.post_send_one(req) {
+            Ok(id) => {
+                if signaled {
+                    self.last_signaled = Some(id);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.send_bufs.extend(e.unposted);
+                // A credit (or a grant's slot) was taken for this message: carrying on would
+                // leave the two sides' books apart for good.
+                Err(self.local_failure("posting a send (ibv_post_send)", e.error.into()))
+            }
         }
-        Ok(())
     }
 
     fn can_send(&self) -> bool {
@@ -613,6 +633,8 @@ impl Connection {
         if !plenty || self.sends_since_progress >= SEND_PROGRESS_EVERY || self.pool.has_returns() {
             self.sends_since_progress = 0;
             self.progress()?;
+            // Polling may have found a failure: nothing is posted after it.
+            self.check_can_send()?;
         }
         if self.can_send() {
             return Ok(());
@@ -745,9 +767,12 @@ impl Connection {
     }
 
     /// Sleeps (per the policy) until something happens, then processes it.
+    /// Messages already queued do not stop the wait: a receiver takes them before calling
+    /// this, and a sender blocked on credits must sleep (or poll) for its grant whatever it
+    /// holds undelivered.
     fn wait_once(&mut self, timeout: Option<Duration>) -> Result<()> {
         self.maintain()?;
-        if self.failure.is_some() || !self.ready.is_empty() {
+        if self.failure.is_some() {
             return Ok(());
         }
         if !self.pool.going_to_sleep() {
@@ -917,6 +942,11 @@ impl Connection {
                 self.on_recv(&c, &wc);
             } else {
                 self.send_bufs.extend(self.qp.complete_send(&wc));
+                // Completions come in posting order, and wr_ids grow: this one retires every
+                // signaled send up to it.
+                if self.last_signaled.is_some_and(|id| wc.wr_id() >= id) {
+                    self.last_signaled = None;
+                }
                 if let Some(f) = Inbound::on_send(&c) {
                     self.record_failure(f);
                 }
@@ -993,13 +1023,15 @@ impl Connection {
         Ok(())
     }
 
-    /// How the send queue is armed: for any completion while sends are outstanding, so that
-    /// a send error wakes a sleeper (rxe never marks send-side errors solicited, although the
-    /// specification has every error completion fire a solicited-only arm) and a full send
-    /// queue does not hold back a due grant. Only signaled completions and errors fire it:
-    /// a streaming or request/response side pays one event per `signal_every` sends at most.
+    /// How the send queue is armed: for any completion while a signaled send is outstanding,
+    /// so that its completion, or the error a failed send turns it into, wakes a sleeper (rxe
+    /// never marks send-side errors solicited, although the specification has every error
+    /// completion fire a solicited-only arm), and a full send queue (whose last send is always
+    /// signaled) does not hold back a due grant. Solicited-only otherwise, so that a sleep
+    /// with only unsignaled sends behind it skips the pre-sleep drain of the channel; an error
+    /// among those is caught by `health_check` or the peer's end of the bootstrap stream.
     fn send_arm(&self) -> ArmMode {
-        if self.qp.send_outstanding() > 0 {
+        if self.last_signaled.is_some() {
             ArmMode::Next
         } else {
             ArmMode::SolicitedOnly

@@ -5,14 +5,14 @@ use std::net::{TcpListener, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rdmsg_verbs::{
-    AsyncElement, AsyncEventKind, Context, Gid, LinkLayer, Mtu, PortAttr, ProtectionDomain,
-    QueuePair, RemoteAddress, RtrAttr, RtsAttr,
+    Context, Gid, LinkLayer, Mtu, PortAttr, ProtectionDomain, QueuePair, RemoteAddress, RtrAttr,
+    RtsAttr,
 };
 
 use crate::addr::QpAddress;
 use crate::bootstrap::Listener;
 use crate::connection::{Config, Connection};
-use crate::events::{Mailbox, Router};
+use crate::events::{self, Mailbox, Router};
 use crate::{Error, Result};
 
 /// Which local GID to send from.
@@ -67,8 +67,9 @@ struct Inner {
     port_attr: PortAttr,
     gid_index: Option<u8>,
     gid: Gid,
-    /// Where asynchronous events read from the context go (see the `events` module).
-    router: Mutex<Router>,
+    /// Where asynchronous events read from the context go (see the `events` module); shared
+    /// by every endpoint on the context.
+    router: Arc<Mutex<Router>>,
 }
 
 /// One port of an opened device, shared by the connections made through it. Cheap to clone.
@@ -104,6 +105,7 @@ impl Endpoint {
             GidChoice::Auto => (None, Gid([0; 16])),
         };
         ctx.set_async_nonblocking(true)?;
+        let router = events::router_for(&ctx);
         Ok(Self {
             inner: Arc::new(Inner {
                 ctx,
@@ -112,7 +114,7 @@ impl Endpoint {
                 port_attr,
                 gid_index,
                 gid,
-                router: Mutex::new(Router::default()),
+                router,
             }),
         })
     }
@@ -234,20 +236,17 @@ impl Endpoint {
     /// Routes asynchronous events to `mailbox` from now on: those naming `qp_num` or one of
     /// the completion queues at addresses `cqs`, and device-wide failures.
     pub(crate) fn register_async(&self, qp_num: u32, cqs: Vec<usize>, mailbox: &Arc<Mailbox>) {
-        self.router().register(qp_num, cqs, mailbox);
+        self.router()
+            .register(qp_num, cqs, self.inner.port, mailbox);
     }
 
     /// Reads every pending asynchronous event of the device and routes it to the mailbox of
-    /// the connection it concerns (device-wide failures to all), waking each recipient.
+    /// the connection it concerns (device-wide failures to all), waking each recipient. The
+    /// router is the context's, shared with every other endpoint on it.
     pub(crate) fn route_async_events(&self) -> Result<()> {
         let mut router = self.router();
         while let Some(ev) = self.inner.ctx.get_async_event()? {
-            if ev.kind == AsyncEventKind::PortActive
-                && ev.element == AsyncElement::Port(self.inner.port)
-            {
-                router.port_active();
-            }
-            router.route(ev, self.inner.port);
+            router.route(ev);
         }
         Ok(())
     }

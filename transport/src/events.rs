@@ -1,18 +1,45 @@
-//! Asynchronous events, read once per endpoint and routed to the connections they concern.
+//! Asynchronous events, read once per device context and routed to the connections they
+//! concern.
 //!
-//! A device has one async-event descriptor for all its queue pairs and queues. Every
-//! connection watches it (exclusively: a new event wakes one sleeping connection, not all of
-//! them); whoever reads it routes each event: to the connection whose queue pair or completion
-//! queue it names, to every connection for a device-wide event (`DeviceFatal`, or `PortErr` on
-//! the endpoint's port), waking each recipient through its own waker. So no connection can
-//! consume another's event, and an event for a sleeping connection wakes that one.
+//! A device context has one async-event descriptor for all its queue pairs and queues, shared
+//! by every endpoint opened on it (another port, another GID choice): so one router per
+//! context ([`router_for`]). Every connection watches the descriptor (exclusively: a new event
+//! wakes one sleeping connection, not all of them), and whoever is woken by it, or looks at it
+//! when its liveness check is due, reads it and routes each event: to the connection whose
+//! queue pair or completion queue it names, to every connection of the device for
+//! `DeviceFatal` and of the port for `PortErr`, waking each recipient through its own waker.
+//! So no connection can consume another's event, and an event for a sleeping connection wakes
+//! that one. Events naming a connection that is gone are dropped, not kept for a newcomer
+//! that might reuse its queue pair number or CQ address.
 
 use std::collections::VecDeque;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use rdmsg_verbs::{AsyncElement, AsyncEvent, AsyncEventKind};
+use rdmsg_verbs::{AsyncElement, AsyncEvent, AsyncEventKind, Context};
+
+/// The routers of the open device contexts, by the address of their `ibv_context`. An entry
+/// lives as long as an endpoint holds its router (and with it the context, so the address is
+/// not reused meanwhile).
+static ROUTERS: Mutex<Vec<(usize, Weak<Mutex<Router>>)>> = Mutex::new(Vec::new());
+
+/// The router of `ctx`'s asynchronous events, shared by every endpoint on it.
+pub(crate) fn router_for(ctx: &Context) -> Arc<Mutex<Router>> {
+    let key = ctx.as_raw() as usize;
+    let mut routers = ROUTERS.lock().unwrap_or_else(PoisonError::into_inner);
+    routers.retain(|(_, r)| r.strong_count() > 0);
+    if let Some(r) = routers
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, r)| r.upgrade())
+    {
+        return r;
+    }
+    let r = Arc::new(Mutex::new(Router::default()));
+    routers.push((key, Arc::downgrade(&r)));
+    r
+}
 
 /// Events nobody claimed (an SRQ's, a queue pair created outside rdmsg's connections) kept for
 /// later claimants, oldest dropped first.
@@ -55,6 +82,7 @@ impl Mailbox {
 struct Route {
     qp_num: u32,
     cqs: Vec<usize>,
+    port: u8,
     mailbox: Weak<Mailbox>,
 }
 
@@ -68,23 +96,33 @@ impl Route {
     }
 }
 
-/// The routing table of one endpoint. Pure: the endpoint reads the descriptor and feeds it.
+/// The routing table of one device context. Pure: an endpoint reads the descriptor and feeds
+/// it.
 #[derive(Debug, Default)]
 pub(crate) struct Router {
     routes: Vec<Route>,
     unclaimed: VecDeque<AsyncEvent>,
-    /// The first device-wide failure seen, handed to connections registered later too.
-    device_failure: Option<AsyncEventKind>,
+    /// A fatal device error was seen: connections registered later fail too.
+    device_fatal: bool,
+    /// Ports in error and not active again: their later connections fail too.
+    failed_ports: Vec<u8>,
 }
 
 impl Router {
     /// Registers a connection's queue pair and completion queues; events already read for
     /// them, and an earlier device-wide failure, are delivered at once.
-    pub(crate) fn register(&mut self, qp_num: u32, cqs: Vec<usize>, mailbox: &Arc<Mailbox>) {
+    pub(crate) fn register(
+        &mut self,
+        qp_num: u32,
+        cqs: Vec<usize>,
+        port: u8,
+        mailbox: &Arc<Mailbox>,
+    ) {
         self.routes.retain(|r| r.mailbox.strong_count() > 0);
         let route = Route {
             qp_num,
             cqs,
+            port,
             mailbox: Arc::downgrade(mailbox),
         };
         let (mine, rest): (Vec<_>, Vec<_>) = self
@@ -95,49 +133,61 @@ impl Router {
         for ev in mine {
             mailbox.deliver(ev);
         }
-        if let Some(kind) = self.device_failure {
+        if self.device_fatal {
             mailbox.deliver(AsyncEvent {
-                kind,
+                kind: AsyncEventKind::DeviceFatal,
                 element: AsyncElement::Device,
+            });
+        }
+        if self.failed_ports.contains(&port) {
+            mailbox.deliver(AsyncEvent {
+                kind: AsyncEventKind::PortErr,
+                element: AsyncElement::Port(port),
             });
         }
         self.routes.push(route);
     }
 
-    /// Routes one event read from the device of an endpoint on `port`.
-    pub(crate) fn route(&mut self, ev: AsyncEvent, port: u8) {
-        let device_wide = match (ev.kind, ev.element) {
-            (AsyncEventKind::DeviceFatal, _) => true,
-            (AsyncEventKind::PortErr, AsyncElement::Port(p)) => p == port,
-            _ => false,
-        };
-        if device_wide {
-            self.device_failure.get_or_insert(ev.kind);
-            for mb in self.routes.iter().filter_map(|r| r.mailbox.upgrade()) {
-                mb.deliver(ev);
+    /// Routes one event read from the device.
+    pub(crate) fn route(&mut self, ev: AsyncEvent) {
+        let to_all = |routes: &[Route], port: Option<u8>| {
+            for r in routes.iter().filter(|r| port.map_or(true, |p| r.port == p)) {
+                if let Some(mb) = r.mailbox.upgrade() {
+                    mb.deliver(ev);
+                }
             }
-            return;
+        };
+        match (ev.kind, ev.element) {
+            (AsyncEventKind::DeviceFatal, _) => {
+                self.device_fatal = true;
+                return to_all(&self.routes, None);
+            }
+            (AsyncEventKind::PortErr, AsyncElement::Port(p)) => {
+                if !self.failed_ports.contains(&p) {
+                    self.failed_ports.push(p);
+                }
+                return to_all(&self.routes, Some(p));
+            }
+            (AsyncEventKind::PortActive, AsyncElement::Port(p)) => {
+                // A later PortErr counts anew; connections that failed stay failed.
+                self.failed_ports.retain(|&q| q != p);
+                return;
+            }
+            _ => {}
         }
-        let target = self
-            .routes
-            .iter()
-            .find(|r| r.claims(&ev.element))
-            .and_then(|r| r.mailbox.upgrade());
-        match target {
-            Some(mb) => mb.deliver(ev),
+        match self.routes.iter().find(|r| r.claims(&ev.element)) {
+            // A dead route: its connection is gone, and the event with it.
+            Some(r) => {
+                if let Some(mb) = r.mailbox.upgrade() {
+                    mb.deliver(ev);
+                }
+            }
             None => {
                 if self.unclaimed.len() == UNCLAIMED_BACKLOG {
                     self.unclaimed.pop_front();
                 }
                 self.unclaimed.push_back(ev);
             }
-        }
-    }
-
-    /// Forgets the port failure once the port is active again (a later `PortErr` counts anew).
-    pub(crate) fn port_active(&mut self) {
-        if self.device_failure == Some(AsyncEventKind::PortErr) {
-            self.device_failure = None;
         }
     }
 }
@@ -156,10 +206,10 @@ mod tests {
         let a = Mailbox::new(Some(wake_a));
         let b = Mailbox::new(None);
         let mut r = Router::default();
-        r.register(7, vec![0x1000, 0x2000], &a);
-        r.register(9, vec![0x3000], &b);
-        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(7)), 1);
-        r.route(ev(AsyncEventKind::CqErr, AsyncElement::Cq(0x3000)), 1);
+        r.register(7, vec![0x1000, 0x2000], 1, &a);
+        r.register(9, vec![0x3000], 1, &b);
+        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(7)));
+        r.route(ev(AsyncEventKind::CqErr, AsyncElement::Cq(0x3000)));
         assert_eq!(
             a.take(),
             vec![ev(AsyncEventKind::QpFatal, AsyncElement::Qp(7))]
@@ -176,33 +226,68 @@ mod tests {
     #[test]
     fn device_wide_events_reach_everyone_including_latecomers() {
         let (a, b, c) = (Mailbox::new(None), Mailbox::new(None), Mailbox::new(None));
+        let other_port = Mailbox::new(None);
         let mut r = Router::default();
-        r.register(1, vec![], &a);
-        r.register(2, vec![], &b);
-        r.route(ev(AsyncEventKind::PortErr, AsyncElement::Port(2)), 1);
-        assert!(a.take().is_empty(), "another port's error is not ours");
-        r.route(ev(AsyncEventKind::PortErr, AsyncElement::Port(1)), 1);
+        r.register(1, vec![], 1, &a);
+        r.register(2, vec![], 1, &b);
+        r.register(8, vec![], 2, &other_port);
+        r.route(ev(AsyncEventKind::PortErr, AsyncElement::Port(1)));
         assert_eq!(a.take().len(), 1);
         assert_eq!(b.take().len(), 1);
-        r.register(3, vec![], &c);
+        assert!(
+            other_port.take().is_empty(),
+            "another port's error is not its"
+        );
+        r.register(3, vec![], 1, &c);
         assert_eq!(c.take()[0].kind, AsyncEventKind::PortErr);
-        r.port_active();
+        r.route(ev(AsyncEventKind::PortActive, AsyncElement::Port(1)));
         let d = Mailbox::new(None);
-        r.register(4, vec![], &d);
+        r.register(4, vec![], 1, &d);
         assert!(d.take().is_empty(), "the port came back");
+        r.route(ev(AsyncEventKind::DeviceFatal, AsyncElement::Device));
+        for mb in [&a, &b, &c, &d, &other_port] {
+            assert_eq!(mb.take()[0].kind, AsyncEventKind::DeviceFatal);
+        }
+        let e = Mailbox::new(None);
+        r.register(5, vec![], 2, &e);
+        assert_eq!(e.take()[0].kind, AsyncEventKind::DeviceFatal);
     }
 
     #[test]
     fn events_read_before_registration_wait_for_their_owner() {
         let mut r = Router::default();
-        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(5)), 1);
-        r.route(ev(AsyncEventKind::SrqLimitReached, AsyncElement::Srq(1)), 1);
+        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(5)));
+        r.route(ev(AsyncEventKind::SrqLimitReached, AsyncElement::Srq(1)));
         let a = Mailbox::new(None);
-        r.register(5, vec![], &a);
+        r.register(5, vec![], 1, &a);
         assert_eq!(a.take().len(), 1);
         assert_eq!(r.unclaimed.len(), 1, "the SRQ event stays unclaimed");
         drop(a);
-        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(5)), 1);
-        assert_eq!(r.unclaimed.len(), 2, "a dropped connection claims nothing");
+        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(5)));
+        assert_eq!(
+            r.unclaimed.len(),
+            1,
+            "an event of a connection that is gone is dropped"
+        );
+        let newcomer = Mailbox::new(None);
+        r.register(5, vec![], 1, &newcomer);
+        assert!(
+            newcomer.take().is_empty(),
+            "nothing stale for a reused QP number"
+        );
+    }
+
+    #[test]
+    fn endpoints_on_one_context_share_its_router() {
+        // Without a device: the registry is keyed by address; two lookups of one key share.
+        let mut routers = ROUTERS.lock().unwrap();
+        let r = Arc::new(Mutex::new(Router::default()));
+        routers.push((0xdead_0000, Arc::downgrade(&r)));
+        let found = routers
+            .iter()
+            .find(|(k, _)| *k == 0xdead_0000)
+            .and_then(|(_, w)| w.upgrade())
+            .unwrap();
+        assert!(Arc::ptr_eq(&found, &r));
     }
 }

@@ -76,8 +76,8 @@
 //! noticed. A failure shuts the bootstrap stream (so the peer fails at once too) and moves the
 //! queue pair to the error state so that every posted buffer is flushed back to its pool.
 //!
-//! A sleeping connection is woken by a solicited message, by any send completion while sends
-//! are outstanding (so send errors wake it: rxe never marks them solicited), by the end of its
+//! A sleeping connection is woken by a solicited message, by the completion of a signaled send
+//! (so send errors wake it: rxe never marks them solicited), by the end of its
 //! bootstrap stream, by an asynchronous event routed to it by its endpoint, and at the latest
 //! after [`Config::health_check`] (1 s), when it polls for errors its provider did not signal
 //! (Linux 6.12's rxe does not wake a solicited-only receiver for flushed receives).

@@ -774,3 +774,49 @@ fn a_port_error_fails_every_connection_of_the_device() {
     }
     drop(keep);
 }
+
+/// A sender blocked on credits while messages it received wait undelivered still sleeps for
+/// its grant and goes on (it used to spin without polling, for ever): traffic both ways.
+#[test]
+#[ignore = "device"]
+fn a_sender_with_undelivered_messages_still_waits_for_its_grants() {
+    let (mut a, mut b, _l) = pair();
+    for i in 0..10u8 {
+        b.send(&[i], false).unwrap();
+    }
+    thread::sleep(Duration::from_millis(100));
+    let sender = thread::spawn(move || {
+        for i in 0..200u32 {
+            a.send(&i.to_be_bytes(), i % 16 == 15).unwrap();
+        }
+        let mut got = Vec::new();
+        for _ in 0..10 {
+            got.push(a.recv_timeout(WAIT).unwrap().expect("b's message")[0]);
+        }
+        (got, a)
+    });
+    // Let the sender run out of credits first, with b's ten messages waiting in its queue.
+    thread::sleep(Duration::from_millis(500));
+    for i in 0..200u32 {
+        let m = b.recv_timeout(WAIT).unwrap().expect("a's message");
+        assert_eq!(&*m, &i.to_be_bytes());
+    }
+    let started = Instant::now();
+    while !sender.is_finished() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the sender is stuck"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    let (got, a) = sender.join().unwrap();
+    assert_eq!(got, (0..10).collect::<Vec<u8>>());
+    println!(
+        "stats both ways: a waited for credits {} times",
+        a.stats().credit_waits
+    );
+    assert!(
+        a.stats().credit_waits > 0,
+        "the sender did block on credits"
+    );
+}

@@ -253,15 +253,23 @@ impl<'a> SendRequest<'a> {
 /// A post that failed part-way. Requests before the failing one were posted; the buffers of the
 /// failing one and those after it are handed back.
 ///
+/// The failing request is the one the provider's `bad_wr` points at. If it points at none of
+/// the requests (NULL or garbage: a provider breaking the libibverbs contract), it cannot be
+/// known which ones the device may access, so the post fails closed: every request counts as
+/// posted (`posted` is their number, `unposted` holds only buffers refused before anything
+/// was posted), and their buffers stay with the queue pair until a completion or its
+/// destruction hands them back. The error is returned all the same.
+///
 /// Displays as its [`PostError::error`] plus what was posted and handed back; `source()` is that
 /// error's source (the OS error), so a printed chain names each cause once.
 #[derive(Debug)]
 pub struct PostError {
     /// Why.
     pub error: Error,
-    /// Buffers of the requests that were not posted.
+    /// Buffers of the requests that were certainly not posted.
     pub unposted: Vec<Buffer>,
-    /// How many requests were posted before the failure.
+    /// How many requests were (or, the failing one unknown, may have been) posted before the
+    /// failure.
     pub posted: usize,
 }
 
@@ -614,6 +622,10 @@ impl QueuePair {
     /// Posts receive buffers as one linked list of work requests (`ibv_post_recv`), with fresh
     /// wr_ids. The queue pair owns them until [`QueuePair::take_recv`] (or
     /// [`QueuePair::reclaim`]) hands each back with its completion.
+    ///
+    /// On failure, the buffers of the failing request and those after it are handed back in
+    /// the [`PostError`]; if the provider does not say which request failed, none are (they may
+    /// have been posted) and they stay with the queue pair.
     pub fn post_recv(&mut self, bufs: impl IntoIterator<Item = Buffer>) -> Result<(), PostError> {
         let bufs: Vec<Buffer> = bufs.into_iter().collect();
         if bufs.is_empty() {
@@ -697,6 +709,11 @@ impl QueuePair {
     /// Posts send requests as one linked list (`ibv_post_send`). Returns the wr_id of the first
     /// (0 if `reqs` is empty); the others follow consecutively. Inline payloads longer than the
     /// granted `max_inline_data` are rejected before anything is posted.
+    ///
+    /// On failure, the buffers of the failing request and those after it are handed back in
+    /// the [`PostError`]; if the provider does not say which request failed, none are (they may
+    /// have been posted) and they stay with the queue pair until their completions, like those
+    /// of the requests posted.
     pub fn post_send(&mut self, reqs: Vec<SendRequest<'_>>) -> Result<u64, PostError> {
         if reqs.is_empty() {
             return Ok(0);
@@ -747,7 +764,10 @@ impl QueuePair {
     }
 
     /// Posts one send request, without the allocations of [`QueuePair::post_send`] (the
-    /// common case of a connection's data path). Returns its wr_id.
+    /// common case of a connection's data path). Returns its wr_id. On failure its buffer is
+    /// handed back, unless the provider does not point at the request as the failing one
+    /// (then it may have been posted, and stays with the queue pair as in
+    /// [`QueuePair::post_send`]).
     pub fn post_send_one(&mut self, req: SendRequest<'_>) -> Result<u64, PostError> {
         if let Some(err) = self.check_send(std::slice::from_ref(&req)) {
             return Err(PostError {
@@ -766,13 +786,23 @@ impl QueuePair {
         // borrowed slice that outlives the call, after which the device no longer reads it.
         let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) };
         if let Err(source) = check_ret(ret) {
+            let error = Error::PostSend {
+                qp_num: self.qp_num,
+                source,
+            };
+            if failed_index(std::slice::from_ref(&wr), bad) == 0 {
+                return Err(PostError {
+                    error,
+                    unposted: take_buffer(req).into_iter().collect(),
+                    posted: 0,
+                });
+            }
+            // The provider did not name the request: it may have been posted (fail closed).
+            self.posted.send.push_back((id, take_buffer(req)));
             return Err(PostError {
-                error: Error::PostSend {
-                    qp_num: self.qp_num,
-                    source,
-                },
-                unposted: take_buffer(req).into_iter().collect(),
-                posted: 0,
+                error,
+                unposted: Vec::new(),
+                posted: 1,
             });
         }
         // No allocation while fewer than the granted `max_send_wr` sends are held.
@@ -905,15 +935,22 @@ fn link<T>(wrs: &mut Vec<T>, set_next: impl Fn(&mut T, *mut T)) {
     }
 }
 
-/// Index of the request `bad` points at (the first not posted); all of them if unknown.
+/// Index of the request `bad` points at (the first not posted), which is how many were posted.
+/// If `bad` points at none of them (NULL, outside the list or into the middle of a request: a
+/// provider breaking the libibverbs contract), `wrs.len()`: all of them count as posted, so
+/// that no buffer the device may access is handed back (fail closed).
 fn failed_index<T>(wrs: &[T], bad: *mut T) -> usize {
     let base = wrs.as_ptr() as usize;
     let addr = bad as usize;
     let size = std::mem::size_of::<T>();
-    if addr >= base && addr < base + std::mem::size_of_val(wrs) {
+    if size > 0
+        && addr >= base
+        && addr - base < std::mem::size_of_val(wrs)
+        && (addr - base) % size == 0
+    {
         (addr - base) / size
     } else {
-        0
+        wrs.len()
     }
 }
 
@@ -946,8 +983,18 @@ mod tests {
         let base = v.as_mut_ptr();
         assert_eq!(failed_index(&v, base.wrapping_add(2)), 2);
         assert_eq!(failed_index(&v, base), 0);
-        // Unknown pointers count as "nothing posted".
-        assert_eq!(failed_index(&v, std::ptr::null_mut()), 0);
+        assert_eq!(failed_index(&v, base.wrapping_add(3)), 3);
+        // Pointers at no request fail closed: every request counts as posted, so that no buffer
+        // the device may access is handed back.
+        assert_eq!(failed_index(&v, std::ptr::null_mut()), 4);
+        assert_eq!(failed_index(&v, base.wrapping_add(4)), 4);
+        assert_eq!(failed_index(&v, base.wrapping_sub(1)), 4);
+        assert_eq!(
+            failed_index(&v, base.cast::<u8>().wrapping_add(3).cast()),
+            4
+        );
+        assert_eq!(failed_index(&v, usize::MAX as *mut u64), 4);
+        assert_eq!(failed_index(&v[..0], base), 0);
     }
 
     #[test]
