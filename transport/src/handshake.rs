@@ -415,9 +415,10 @@ impl fmt::Debug for Psk {
 #[non_exhaustive]
 pub enum Action {
     /// Set up the local side towards `peer`: on the server create the queue pair and post
-    /// its receives first; register `send_buffers` send buffers of `peer.buf_size` bytes,
-    /// move the queue pair to RTR and RTS, then call [`Handshake::local_ready`] with its
-    /// address, or [`Handshake::abort`] if that failed.
+    /// its receives first; move the queue pair to RTR and RTS, then call
+    /// [`Handshake::local_ready`] with its address, or [`Handshake::abort`] if that failed.
+    /// The `send_buffers` send buffers of `peer.buf_size` bytes are registered only once the
+    /// handshake is done, so that a peer that stops before its "ready" pins none of them.
     Connect {
         /// The peer's hello, its queue pair address included.
         peer: Hello,

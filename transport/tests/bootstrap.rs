@@ -451,3 +451,67 @@ fn a_graceful_close_says_goodbye_on_the_bootstrap_stream() {
     assert_eq!(sent.len(), handshake + 1, "{sent:?}");
     assert_eq!(sent[handshake], GOODBYE);
 }
+
+/// Clients that pass the handshake up to the server's address and then never say "ready"
+/// (no key configured, so anyone can get that far) pin nothing of their choosing: the server
+/// has its queue pair and its own receive pool, but registers the send buffers, sized by the
+/// client's announced buffer size, only once the client is ready. Four such clients asking for
+/// 1 MiB buffers used to pin 4 × 64 MiB.
+#[test]
+#[ignore = "device"]
+fn clients_that_stop_before_ready_pin_no_send_buffers() {
+    let ep = endpoint();
+    let listener = Arc::new(ep.listen("127.0.0.1:0").unwrap());
+    let addr = listener.local_addr().unwrap();
+    let mut hello = plausible_hello(&ep);
+    hello.buf_size = 1 << 20;
+    let before = vm_rss_kib();
+    let server = {
+        let listener = Arc::clone(&listener);
+        thread::spawn(move || {
+            (0..4)
+                .map(|_| listener.accept(&Config::default()).map(drop))
+                .collect::<Vec<_>>()
+        })
+    };
+    let limits = Limits {
+        max_buf_size: u32::MAX,
+        max_recv_depth: u32::MAX,
+        max_send_memory: u64::MAX,
+        send_depth: 64,
+    };
+    let stalled: Vec<TcpStream> = (0..4u8)
+        .map(|i| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let mut hs = Handshake::client(hello, limits, None, [i; NONCE_LEN]);
+            let mut buf = [0u8; 512];
+            // Speak until the server has connected its queue pair and sent its address; then
+            // stop, as a client that never says "ready".
+            loop {
+                s.write_all(hs.output()).unwrap();
+                let n = hs.output().len();
+                hs.consume_output(n);
+                if hs.poll_action().is_some() {
+                    break s;
+                }
+                let got = s.read(&mut buf[..hs.wanted().clamp(1, 512)]).unwrap();
+                assert!(got > 0, "the server hung up at {}", hs.stage());
+                hs.feed(&buf[..got]).unwrap();
+            }
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(500));
+    let during = vm_rss_kib();
+    drop(stalled);
+    let results = server.join().unwrap();
+    println!(
+        "stats 4 clients stalled before ready, 1 MiB buffers announced: RSS {before} KiB -> {during} KiB ({:+} KiB); accept: {:?}",
+        during as i64 - before as i64,
+        results.iter().map(|r| r.as_ref().err().map(ToString::to_string)).collect::<Vec<_>>()
+    );
+    assert!(results.iter().all(Result::is_err), "none of them got in");
+    assert!(
+        during < before + 16 * 1024,
+        "RSS grew from {before} KiB to {during} KiB"
+    );
+}
