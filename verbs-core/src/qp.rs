@@ -11,9 +11,8 @@
 //! an id names exactly one request ever posted in this process; a queue pair hands a buffer
 //! back only for the id of a request it still holds, once.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -313,26 +312,50 @@ fn draw_wr_ids(n: usize) -> u64 {
     first
 }
 
-/// A hasher for work request ids, which are distinct integers drawn in sequence: one
-/// multiplication by an odd constant (Fibonacci hashing) spreads them over the low bits, a
-/// bijection so consecutive ids never collide, and the high bits the map also uses.
-#[derive(Debug, Default, Clone, Copy)]
-struct IdHasher(u64);
+/// Requests in posting order, so with increasing wr_ids, each with its buffer until handed
+/// back. A queue's completions come in posting order, so the one handed back is nearly always
+/// the oldest: finding it is a look at the front (a binary search otherwise), and no hashing.
+#[derive(Debug)]
+struct InOrder<B> {
+    /// (wr_id, buffer); `None` once handed back, dropped when it reaches the front.
+    queue: VecDeque<(u64, Option<B>)>,
+    held: usize,
+}
 
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `u64` keys are hashed (`write_u64`); this is a correct fallback for anything else.
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+impl<B> InOrder<B> {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            queue: VecDeque::with_capacity(n),
+            held: 0,
         }
     }
 
-    fn write_u64(&mut self, id: u64) {
-        self.0 = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    /// Holds `buf` for request `id`, which is above every id held (ids are drawn in order).
+    fn push(&mut self, id: u64, buf: B) {
+        debug_assert!(self.queue.back().map_or(true, |&(last, _)| last < id));
+        self.queue.push_back((id, Some(buf)));
+        self.held += 1;
+    }
+
+    /// The buffer of request `id`, once.
+    fn take(&mut self, id: u64) -> Option<B> {
+        let i = match self.queue.front() {
+            Some(&(first, _)) if first == id => 0,
+            _ => self.queue.binary_search_by_key(&id, |&(k, _)| k).ok()?,
+        };
+        let buf = self.queue[i].1.take()?;
+        self.held -= 1;
+        while self.queue.front().is_some_and(|(_, b)| b.is_none()) {
+            self.queue.pop_front();
+        }
+        while self.queue.back().is_some_and(|(_, b)| b.is_none()) {
+            self.queue.pop_back();
+        }
+        Some(buf)
+    }
+
+    fn len(&self) -> usize {
+        self.held
     }
 }
 
@@ -353,8 +376,8 @@ pub enum Reclaimed {
 /// the buffer type so that the bookkeeping is tested without a device.
 #[derive(Debug)]
 struct Posted<B> {
-    /// Receive requests by wr_id.
-    recv: HashMap<u64, B, BuildHasherDefault<IdHasher>>,
+    /// Receive requests in posting order.
+    recv: InOrder<B>,
     /// Send requests in posting order, so with increasing wr_ids: (wr_id, buffer). Completions
     /// on one send queue arrive in order, so a completion for one of them retires it and every
     /// entry before it.
@@ -364,13 +387,13 @@ struct Posted<B> {
 impl<B> Posted<B> {
     fn with_capacity(send: usize, recv: usize) -> Self {
         Self {
-            recv: HashMap::with_capacity_and_hasher(recv, BuildHasherDefault::default()),
+            recv: InOrder::with_capacity(recv),
             send: VecDeque::with_capacity(send),
         }
     }
 
     fn take_recv(&mut self, id: u64) -> Option<B> {
-        self.recv.remove(&id)
+        self.recv.take(id)
     }
 
     /// Retires the send request `id` and every one before it into `out`; false (and nothing
@@ -645,7 +668,7 @@ impl QueuePair {
             .collect();
         let n = bufs.len();
         for (i, b) in bufs.into_iter().enumerate() {
-            self.posted.recv.insert(first_id + i as u64, b);
+            self.posted.recv.push(first_id + i as u64, b);
         }
         link(&mut wrs, |wr, next| wr.next = next);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
@@ -858,7 +881,10 @@ impl Drop for QueuePair {
         if ret != 0 {
             // The device may still own the posted buffers: leak them rather than free memory
             // it could write to.
-            std::mem::forget(std::mem::take(&mut self.posted.recv));
+            std::mem::forget(std::mem::replace(
+                &mut self.posted.recv,
+                InOrder::with_capacity(0),
+            ));
             std::mem::forget(std::mem::take(&mut self.posted.send));
         }
     }
@@ -1017,7 +1043,7 @@ mod tests {
     fn posted(recv: &[u64], send: &[(u64, Option<&'static str>)]) -> Posted<&'static str> {
         let mut p = Posted::with_capacity(4, 4);
         for &id in recv {
-            p.recv.insert(id, "recv");
+            p.recv.push(id, "recv");
         }
         p.send.extend(send.iter().copied());
         p
@@ -1069,29 +1095,31 @@ mod tests {
     }
 
     #[test]
-    fn the_id_map_holds_many_sequential_and_scattered_ids() {
+    fn receives_come_back_in_any_order_from_many_sequential_and_scattered_ids() {
         let mut p: Posted<u64> = Posted::with_capacity(0, 0);
         let ids: Vec<u64> = (1..5000u64)
             .chain((13..64).map(|i| 1u64 << i))
-            .chain([u64::MAX, u64::MAX - 1])
+            .chain([u64::MAX - 1, u64::MAX])
             .collect();
         for &id in &ids {
-            p.recv.insert(id, id);
+            p.recv.push(id, id);
         }
-        for &id in ids.iter().rev() {
+        // In order (the usual case), then out of order, then the rest in reverse.
+        for &id in &ids[..100] {
             assert_eq!(p.take_recv(id), Some(id));
         }
-        assert!(p.recv.is_empty());
-        // Consecutive ids land in distinct buckets of a power-of-two table.
-        let low = |id: u64| {
-            let mut h = IdHasher::default();
-            h.write_u64(id);
-            h.finish() & 1023
-        };
-        let mut seen: Vec<u64> = (1000..2024).map(low).collect();
-        seen.sort_unstable();
-        seen.dedup();
-        assert_eq!(seen.len(), 1024);
+        for &id in ids[100..].iter().step_by(3) {
+            assert_eq!(p.take_recv(id), Some(id));
+            assert_eq!(p.take_recv(id), None, "once");
+        }
+        for &id in ids[100..].iter().rev() {
+            let _ = p.take_recv(id);
+        }
+        assert_eq!(p.recv.len(), 0);
+        assert!(
+            p.recv.queue.is_empty(),
+            "handed-back entries do not pile up"
+        );
     }
 
     #[test]
