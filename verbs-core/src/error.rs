@@ -180,6 +180,35 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// `ibv_create_srq` failed.
+    #[error("ibv_create_srq (max_wr {max_wr}) failed ({})", Errno(.source))]
+    CreateSrq {
+        /// Requested number of work requests.
+        max_wr: u32,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_post_srq_recv` failed.
+    #[error("ibv_post_srq_recv of {requests} requests (max_wr {max_wr}) failed ({})", Errno(.source))]
+    PostSrqRecv {
+        /// Requests in the failed post.
+        requests: usize,
+        /// The SRQ's granted size.
+        max_wr: u32,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_modify_srq` setting the SRQ limit failed.
+    #[error("ibv_modify_srq (srq_limit {limit}) failed ({})", Errno(.source))]
+    ModifySrq {
+        /// Requested limit.
+        limit: u32,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
     /// `ibv_get_async_event` failed (other than `EAGAIN` in non-blocking mode).
     #[error("ibv_get_async_event failed ({})", Errno(.0))]
     GetAsyncEvent(#[source] io::Error),
@@ -377,6 +406,28 @@ mod tests {
                     source: os(libc::EMFILE),
                 },
                 "epoll_create1 failed (EMFILE)",
+            ),
+            (
+                Error::CreateSrq {
+                    max_wr: 256,
+                    source: os(libc::ENOMEM),
+                },
+                "ibv_create_srq (max_wr 256) failed (ENOMEM)",
+            ),
+            (
+                Error::PostSrqRecv {
+                    requests: 8,
+                    max_wr: 64,
+                    source: os(libc::ENOMEM),
+                },
+                "ibv_post_srq_recv of 8 requests (max_wr 64) failed (ENOMEM)",
+            ),
+            (
+                Error::ModifySrq {
+                    limit: 100,
+                    source: os(libc::EINVAL),
+                },
+                "ibv_modify_srq (srq_limit 100) failed (EINVAL)",
             ),
             (Error::PollCq(os(200)), "ibv_poll_cq failed (errno 200)"),
             (

@@ -49,6 +49,18 @@
 //! direction it was posted, and only to the queue pair that posted it. Anything else yields
 //! nothing ([`Reclaimed::Unknown`]).
 //!
+//! # Shared receive queues
+//!
+//! A [`SharedReceiveQueue`] holds receive buffers for many queue pairs (created with
+//! [`QueuePair::new_rc_with_srq`], which keep it alive and post no receives of their own). The
+//! same rule applies: posting moves a buffer into the SRQ, and [`SharedReceiveQueue::take_recv`]
+//! hands it back once, for the exact id of a request the SRQ still holds, whichever queue pair
+//! the completion names; a queue pair's own `take_recv` and `reclaim` never hand out SRQ
+//! buffers. Buffers still posted when the handle is dropped stay unreachable until the last
+//! queue pair using the SRQ is gone and the SRQ is destroyed. [`SharedReceiveQueue::arm_limit`]
+//! asks for one [`AsyncEventKind::SrqLimitReached`] event (read with
+//! [`Context::get_async_event`]) when the SRQ runs low, so that it can be refilled in time.
+//!
 //! # Completion events
 //!
 //! [`CompletionQueue::req_notify`] arms a CQ once; [`CompletionChannel::get_event`] reads the
@@ -74,6 +86,7 @@ mod loopback;
 mod mr;
 mod pd;
 mod qp;
+mod srq;
 mod watch;
 
 /// The raw rdma-sys bindings, for verbs this crate does not wrap.
@@ -92,6 +105,7 @@ pub use qp::{
     PostError, QpCaps, QpState, QueuePair, Reclaimed, RemoteAddress, RtrAttr, RtsAttr, SendPayload,
     SendRequest,
 };
+pub use srq::SharedReceiveQueue;
 pub use watch::ReadyWatch;
 
 /// Sets or clears `O_NONBLOCK` on a descriptor owned by a verbs object.

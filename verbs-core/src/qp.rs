@@ -23,6 +23,7 @@ use crate::error::{check_ret, non_null, Error, Result};
 use crate::ffi;
 use crate::mr::Buffer;
 use crate::pd::{PdInner, ProtectionDomain};
+use crate::srq::{SharedReceiveQueue, SrqInner};
 
 /// Queue sizes requested at creation (the device may grant more).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -302,7 +303,7 @@ static NEXT_WR_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Draws `n` consecutive work request ids no other request of this process ever had; returns
 /// the first.
-fn draw_wr_ids(n: usize) -> u64 {
+pub(crate) fn draw_wr_ids(n: usize) -> u64 {
     assert!((n as u64) < 1 << 32, "{n} work requests in one post");
     // Relaxed: only uniqueness matters, and fetch_add on one atomic is totally ordered.
     let first = NEXT_WR_ID.fetch_add(n as u64, Ordering::Relaxed);
@@ -316,14 +317,14 @@ fn draw_wr_ids(n: usize) -> u64 {
 /// back. A queue's completions come in posting order, so the one handed back is nearly always
 /// the oldest: finding it is a look at the front (a binary search otherwise), and no hashing.
 #[derive(Debug)]
-struct InOrder<B> {
+pub(crate) struct InOrder<B> {
     /// (wr_id, buffer); `None` once handed back, dropped when it reaches the front.
     queue: VecDeque<(u64, Option<B>)>,
     held: usize,
 }
 
 impl<B> InOrder<B> {
-    fn with_capacity(n: usize) -> Self {
+    pub(crate) fn with_capacity(n: usize) -> Self {
         Self {
             queue: VecDeque::with_capacity(n),
             held: 0,
@@ -331,14 +332,14 @@ impl<B> InOrder<B> {
     }
 
     /// Holds `buf` for request `id`, which is above every id held (ids are drawn in order).
-    fn push(&mut self, id: u64, buf: B) {
+    pub(crate) fn push(&mut self, id: u64, buf: B) {
         debug_assert!(self.queue.back().map_or(true, |&(last, _)| last < id));
         self.queue.push_back((id, Some(buf)));
         self.held += 1;
     }
 
     /// The buffer of request `id`, once.
-    fn take(&mut self, id: u64) -> Option<B> {
+    pub(crate) fn take(&mut self, id: u64) -> Option<B> {
         let i = match self.queue.front() {
             Some(&(first, _)) if first == id => 0,
             _ => self.queue.binary_search_by_key(&id, |&(k, _)| k).ok()?,
@@ -354,7 +355,7 @@ impl<B> InOrder<B> {
         Some(buf)
     }
 
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.held
     }
 }
@@ -424,6 +425,8 @@ pub struct QueuePair {
     _pd: Arc<PdInner>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
+    /// The shared receive queue this QP receives through, if any (then it posts no receives).
+    srq: Option<Arc<SrqInner>>,
 }
 
 // SAFETY: posting and modifying take `&mut self`; the raw QP may be used from any one thread at
@@ -440,6 +443,7 @@ impl fmt::Debug for QueuePair {
             .field("caps", &self.caps)
             .field("posted_recv", &self.posted.recv.len())
             .field("posted_send", &self.posted.send.len())
+            .field("srq", &self.srq.as_ref().map(|s| s.as_ptr()))
             .finish()
     }
 }
@@ -452,20 +456,54 @@ impl QueuePair {
         recv_cq: &CompletionQueue,
         caps: QpCaps,
     ) -> Result<Self> {
+        Self::create(pd, send_cq, recv_cq, None, caps)
+    }
+
+    /// Creates an RC queue pair (`ibv_create_qp`) that receives through `srq`: its receive
+    /// completions (on `recv_cq`) name requests of the SRQ, whose buffers
+    /// [`SharedReceiveQueue::take_recv`] hands back. The queue pair posts no receives of its
+    /// own ([`QueuePair::post_recv`] fails with [`Error::InvalidArgument`]), and its
+    /// [`QueuePair::take_recv`] and [`QueuePair::reclaim`] never hand out SRQ buffers.
+    /// `caps.max_recv_wr` is ignored (the SRQ's size applies). Keeps the SRQ alive.
+    pub fn new_rc_with_srq(
+        pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        srq: &SharedReceiveQueue,
+        caps: QpCaps,
+    ) -> Result<Self> {
+        let caps = QpCaps {
+            max_recv_wr: 0,
+            ..caps
+        };
+        Self::create(pd, send_cq, recv_cq, Some(srq), caps)
+    }
+
+    fn create(
+        pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        srq: Option<&SharedReceiveQueue>,
+        caps: QpCaps,
+    ) -> Result<Self> {
         // SAFETY: ibv_qp_init_attr is plain old data; all-zero is valid (no SRQ, no context).
         let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = send_cq.as_raw();
         init.recv_cq = recv_cq.as_raw();
+        if let Some(srq) = srq {
+            init.srq = srq.as_raw();
+        }
         init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0;
         init.cap = ffi::ibv_qp_cap {
             max_send_wr: caps.max_send_wr,
             max_recv_wr: caps.max_recv_wr,
             max_send_sge: 1,
-            max_recv_sge: 1,
+            max_recv_sge: if srq.is_some() { 0 } else { 1 },
             max_inline_data: caps.max_inline_data,
         };
-        // SAFETY: PD and CQs are alive and kept so by the Arcs stored below; `init` is valid.
+        // SAFETY: PD, CQs and SRQ are alive and kept so by the Arcs stored below; `init` is
+        // valid.
         let qp = non_null(unsafe { ffi::ibv_create_qp(pd.as_raw(), &mut init) })
             .map_err(|source| Error::CreateQp { caps, source })?;
         // SAFETY: just created; qp_num is immutable.
@@ -477,17 +515,26 @@ impl QueuePair {
             // ibv_create_qp writes the granted sizes back into init.cap.
             caps: QpCaps {
                 max_send_wr: init.cap.max_send_wr,
-                max_recv_wr: init.cap.max_recv_wr,
+                max_recv_wr: if srq.is_some() {
+                    0
+                } else {
+                    init.cap.max_recv_wr
+                },
                 max_inline_data: init.cap.max_inline_data,
             },
             port: 1,
             posted: Posted::with_capacity(
                 init.cap.max_send_wr as usize,
-                init.cap.max_recv_wr as usize,
+                if srq.is_some() {
+                    0
+                } else {
+                    init.cap.max_recv_wr as usize
+                },
             ),
             _pd: pd.inner.clone(),
             send_cq: send_cq.inner.clone(),
             recv_cq: recv_cq.inner.clone(),
+            srq: srq.map(|s| s.inner().clone()),
         })
     }
 
@@ -515,6 +562,13 @@ impl QueuePair {
     /// True if `cq` is this QP's receive CQ.
     pub fn uses_recv_cq(&self, cq: &CompletionQueue) -> bool {
         Arc::ptr_eq(&self.recv_cq, &cq.inner)
+    }
+
+    /// True if this QP receives through `srq`.
+    pub fn uses_srq(&self, srq: &SharedReceiveQueue) -> bool {
+        self.srq
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(s, srq.inner()))
     }
 
     /// The raw QP. Valid while this handle lives.
@@ -648,49 +702,34 @@ impl QueuePair {
     ///
     /// On failure, the buffers of the failing request and those after it are handed back in
     /// the [`PostError`]; if the provider does not say which request failed, none are (they may
-    /// have been posted) and they stay with the queue pair.
+    /// have been posted) and they stay with the queue pair. A queue pair created with a
+    /// [`SharedReceiveQueue`] posts nothing: [`Error::InvalidArgument`], every buffer handed
+    /// back.
     pub fn post_recv(&mut self, bufs: impl IntoIterator<Item = Buffer>) -> Result<(), PostError> {
-        let bufs: Vec<Buffer> = bufs.into_iter().collect();
-        if bufs.is_empty() {
-            return Ok(());
-        }
-        let first_id = draw_wr_ids(bufs.len());
-        let mut sges: Vec<ffi::ibv_sge> = bufs.iter().map(|b| b.sge(b.len())).collect();
-        let mut wrs: Vec<ffi::ibv_recv_wr> = sges
-            .iter_mut()
-            .enumerate()
-            .map(|(i, sge)| ffi::ibv_recv_wr {
-                wr_id: first_id + i as u64,
-                next: std::ptr::null_mut(),
-                sg_list: sge,
-                num_sge: 1,
-            })
-            .collect();
-        let n = bufs.len();
-        for (i, b) in bufs.into_iter().enumerate() {
-            self.posted.recv.push(first_id + i as u64, b);
-        }
-        link(&mut wrs, |wr, next| wr.next = next);
-        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive; `wrs` is a valid NULL-terminated list whose SGEs point into
-        // buffers now owned by `posted.recv` (their memory is owned by the region, so moving the
-        // handles does not move the bytes), which outlives the requests.
-        let ret = unsafe { ffi::ibv_post_recv(self.qp.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
-        if let Err(source) = check_ret(ret) {
-            let posted = failed_index(&wrs, bad);
-            let unposted = (posted..n)
-                .filter_map(|i| self.posted.take_recv(first_id + i as u64))
-                .collect();
+        if self.srq.is_some() {
             return Err(PostError {
-                error: Error::PostRecv {
-                    qp_num: self.qp_num,
-                    source,
-                },
-                unposted,
-                posted,
+                error: Error::InvalidArgument(format!(
+                    "QP {:#x} receives through a shared receive queue: post to the SRQ",
+                    self.qp_num
+                )),
+                unposted: bufs.into_iter().collect(),
+                posted: 0,
             });
         }
-        Ok(())
+        let qp = self.qp.as_ptr();
+        let qp_num = self.qp_num;
+        post_recv_list(
+            &mut self.posted.recv,
+            bufs.into_iter().collect(),
+            |wrs, bad| {
+                // SAFETY: the QP is alive; `wrs` is the valid NULL-terminated list
+                // `post_recv_list` built, whose SGEs point into buffers it moved into
+                // `posted.recv` (their memory is owned by the region, so moving the handles does
+                // not move the bytes), which outlives the requests.
+                unsafe { ffi::ibv_post_recv(qp, wrs, bad) }
+            },
+            |source| Error::PostRecv { qp_num, source },
+        )
     }
 
     /// Hands back the buffer of a receive completion of this QP (successful or flushed): the
@@ -886,8 +925,57 @@ impl Drop for QueuePair {
                 InOrder::with_capacity(0),
             ));
             std::mem::forget(std::mem::take(&mut self.posted.send));
+            // The QP may still consume SRQ requests: keep the SRQ, and with it its buffers.
+            std::mem::forget(self.srq.take());
         }
     }
+}
+
+/// Posts `bufs` as one linked list of receive requests with fresh wr_ids through `post` (which
+/// calls `ibv_post_recv` or `ibv_post_srq_recv` with the list and the `bad_wr` out-pointer),
+/// holding each buffer in `held` first. On failure, the buffers of the failing request and those
+/// after it are handed back with `error` of the OS error; if the provider names no request as
+/// the failing one, all stay held (fail closed).
+pub(crate) fn post_recv_list(
+    held: &mut InOrder<Buffer>,
+    bufs: Vec<Buffer>,
+    post: impl FnOnce(*mut ffi::ibv_recv_wr, &mut *mut ffi::ibv_recv_wr) -> libc::c_int,
+    error: impl FnOnce(std::io::Error) -> Error,
+) -> Result<(), PostError> {
+    if bufs.is_empty() {
+        return Ok(());
+    }
+    let first_id = draw_wr_ids(bufs.len());
+    let mut sges: Vec<ffi::ibv_sge> = bufs.iter().map(|b| b.sge(b.len())).collect();
+    let mut wrs: Vec<ffi::ibv_recv_wr> = sges
+        .iter_mut()
+        .enumerate()
+        .map(|(i, sge)| ffi::ibv_recv_wr {
+            wr_id: first_id + i as u64,
+            next: std::ptr::null_mut(),
+            sg_list: sge,
+            num_sge: 1,
+        })
+        .collect();
+    let n = bufs.len();
+    for (i, b) in bufs.into_iter().enumerate() {
+        held.push(first_id + i as u64, b);
+    }
+    link(&mut wrs, |wr, next| wr.next = next);
+    let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+    let ret = post(wrs.as_mut_ptr(), &mut bad);
+    if let Err(source) = check_ret(ret) {
+        let posted = failed_index(&wrs, bad);
+        let unposted = (posted..n)
+            .filter_map(|i| held.take(first_id + i as u64))
+            .collect();
+        return Err(PostError {
+            error: error(source),
+            unposted,
+            posted,
+        });
+    }
+    Ok(())
 }
 
 /// The scatter/gather entry of a request's payload.
@@ -1120,6 +1208,28 @@ mod tests {
             p.recv.queue.is_empty(),
             "handed-back entries do not pile up"
         );
+    }
+
+    #[test]
+    fn shared_receives_come_back_once_in_any_order_whatever_else_was_drawn_between() {
+        // An SRQ's requests are consumed by several QPs, so their completions arrive in any
+        // order; other queues draw ids in between.
+        let mut srq: InOrder<u64> = InOrder::with_capacity(0);
+        let mut ids = Vec::new();
+        for _ in 0..6 {
+            let id = draw_wr_ids(1);
+            srq.push(id, id);
+            ids.push(id);
+            let _other_queue = draw_wr_ids(2);
+        }
+        for &i in &[3, 0, 5, 1, 4, 2] {
+            assert_eq!(srq.take(ids[i]), Some(ids[i]));
+            assert_eq!(srq.take(ids[i]), None, "once");
+            assert_eq!(srq.take(ids[i] + 1), None, "another queue's id");
+        }
+        assert_eq!(srq.take(0), None, "a default completion");
+        assert_eq!(srq.len(), 0);
+        assert!(srq.queue.is_empty());
     }
 
     #[test]

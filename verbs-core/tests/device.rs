@@ -6,8 +6,9 @@ use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{
-    connect_loopback, wait_readable, Access, Buffer, CompletionQueue, Context, ProtectionDomain,
-    QpCaps, QueuePair, Reclaimed, SendRequest, WcOpcode, WcStatus, WorkCompletion,
+    connect_loopback, wait_readable, Access, AsyncElement, AsyncEventKind, Buffer, CompletionQueue,
+    Context, ProtectionDomain, QpCaps, QueuePair, Reclaimed, SendRequest, SharedReceiveQueue,
+    WcOpcode, WcStatus, WorkCompletion,
 };
 
 use rdmsg_testkit::{fd_count, open_device as open, poll_n, Pair, BUF, PORT};
@@ -451,4 +452,258 @@ fn dropping_in_any_order_is_safe_and_leaks_no_fd() {
         }
     }
     assert_eq!(fd_count(), before, "every descriptor is closed again");
+}
+
+/// Two connected pairs on one device, `a[i]` → `b[i]`, with both `b`s receiving through one
+/// SRQ and completing receives on one CQ.
+struct SrqPairs {
+    ctx: Context,
+    pd: ProtectionDomain,
+    srq: SharedReceiveQueue,
+    recv_cq: CompletionQueue,
+    b_send_cq: CompletionQueue,
+    b: Vec<QueuePair>,
+    a: Vec<QueuePair>,
+    a_send_cq: Vec<CompletionQueue>,
+    a_recv_cq: Vec<CompletionQueue>,
+    a_bufs: Vec<Buffer>,
+    /// A buffer of the region the SRQ's buffers come from.
+    probe: Buffer,
+}
+
+impl SrqPairs {
+    /// Posts `depth` buffers on the SRQ before connecting.
+    fn new(depth: usize) -> Self {
+        let ctx = open();
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let mut srq = SharedReceiveQueue::new(&pd, 32).unwrap();
+        assert!(srq.max_wr() >= 32, "{srq:?}");
+        let (bufs, probe) = region(&pd, depth);
+        srq.post_recv(bufs).unwrap();
+        assert_eq!(srq.recv_outstanding(), depth);
+        let recv_cq = CompletionQueue::new(&ctx, 128, None).unwrap();
+        let b_send_cq = CompletionQueue::new(&ctx, 128, None).unwrap();
+        let (mut a, mut b, mut a_send_cq, mut a_recv_cq) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..2 {
+            let send_cq = CompletionQueue::new(&ctx, 64, None).unwrap();
+            let r_cq = CompletionQueue::new(&ctx, 64, None).unwrap();
+            let caps = QpCaps::default();
+            let mut qa = QueuePair::new_rc(&pd, &send_cq, &r_cq, caps).unwrap();
+            let mut qb = QueuePair::new_rc_with_srq(&pd, &b_send_cq, &recv_cq, &srq, caps).unwrap();
+            assert!(qb.uses_srq(&srq) && !qa.uses_srq(&srq));
+            assert_eq!(qb.caps().max_recv_wr, 0);
+            connect_loopback(&ctx, PORT, &mut qa, &mut qb).unwrap();
+            a.push(qa);
+            b.push(qb);
+            a_send_cq.push(send_cq);
+            a_recv_cq.push(r_cq);
+        }
+        let (a_bufs, _) = region(&pd, 8);
+        Self {
+            ctx,
+            pd,
+            srq,
+            recv_cq,
+            b_send_cq,
+            b,
+            a,
+            a_send_cq,
+            a_recv_cq,
+            a_bufs,
+            probe,
+        }
+    }
+
+    /// Sends `data` from `a[i]` to `b[i]` and waits for the send to complete.
+    fn send(&mut self, i: usize, data: &[u8]) {
+        let mut buf = self.a_bufs.pop().expect("a free send buffer");
+        buf.as_mut_slice()[..data.len()].copy_from_slice(data);
+        self.a[i]
+            .post_send_one(SendRequest::buffer(buf, data.len()))
+            .unwrap();
+        let wc = poll_n(&mut self.a_send_cq[i], 1).remove(0);
+        assert_eq!(wc.status(), WcStatus::Success, "{wc:?}");
+        self.a_bufs.extend(self.a[i].complete_send(&wc));
+    }
+}
+
+#[test]
+#[ignore = "device"]
+fn two_queue_pairs_share_one_srq_and_every_buffer_comes_back_once() {
+    const DEPTH: usize = 8;
+    let mut p = SrqPairs::new(DEPTH);
+    // The queue pairs post no receives of their own.
+    let (extra, _) = region(&p.pd, 2);
+    let err = p.b[0].post_recv(extra).unwrap_err();
+    assert!(
+        matches!(err.error, rdmsg_verbs::Error::InvalidArgument(_)),
+        "{err}"
+    );
+    assert_eq!((err.unposted.len(), err.posted), (2, 0));
+    assert_eq!(p.b[0].recv_outstanding(), 0);
+
+    let messages: Vec<(usize, Vec<u8>)> = (0..6)
+        .map(|i| (i % 2, vec![i as u8 + 1; 100 + i]))
+        .collect();
+    for (to, m) in &messages {
+        p.send(*to, m);
+    }
+    let wcs = poll_n(&mut p.recv_cq, messages.len());
+    let mut replays = Vec::new();
+    for (wc, (to, want)) in wcs.iter().zip(&messages) {
+        assert_eq!(wc.status(), WcStatus::Success, "{wc:?}");
+        assert_eq!(wc.opcode(), WcOpcode::Recv);
+        assert_eq!(wc.qp_num(), p.b[*to].qp_num(), "{wc:?}");
+        assert_eq!(wc.byte_len() as usize, want.len());
+        // The queue pair the completion names holds no SRQ buffer.
+        for qp in &mut p.b {
+            assert!(qp.take_recv(wc).is_none(), "a QP handed out an SRQ buffer");
+            assert!(matches!(qp.reclaim(wc), Reclaimed::Unknown));
+            assert!(qp.complete_send(wc).is_empty());
+        }
+        let buf = p
+            .srq
+            .take_recv(wc)
+            .expect("handed back with its completion");
+        assert!(buf.same_region(&p.probe));
+        assert_eq!(&buf.as_slice()[..want.len()], &want[..]);
+        assert!(p.srq.take_recv(wc).is_none(), "only once");
+        replays.push((wc.clone(), buf));
+    }
+    assert_eq!(p.srq.recv_outstanding(), DEPTH - messages.len());
+    assert!(p.srq.take_recv(&WorkCompletion::default()).is_none());
+
+    // Re-post every buffer: replayed completions must not find them (device-owned again).
+    let (old, bufs): (Vec<WorkCompletion>, Vec<Buffer>) = replays.into_iter().unzip();
+    p.srq.post_recv(bufs).unwrap();
+    assert_eq!(p.srq.recv_outstanding(), DEPTH);
+    for wc in &old {
+        assert!(
+            p.srq.take_recv(wc).is_none(),
+            "replay handed out a posted buffer"
+        );
+    }
+    // Every posted buffer still comes back with its own completion, whichever QP consumed it.
+    for i in 0..DEPTH {
+        p.send(i % 2, &[0xa0 + i as u8; 8]);
+    }
+    let wcs = poll_n(&mut p.recv_cq, DEPTH);
+    for (i, wc) in wcs.iter().enumerate() {
+        assert_eq!(wc.qp_num(), p.b[i % 2].qp_num());
+        let buf = p
+            .srq
+            .take_recv(wc)
+            .expect("handed back with its completion");
+        assert_eq!(buf.as_slice()[..8], [0xa0 + i as u8; 8]);
+    }
+    assert_eq!(p.srq.recv_outstanding(), 0);
+}
+
+/// Reads async events until an `SrqLimitReached` (checked to name `srq`) arrives (true) or
+/// `timeout` passes (false).
+fn srq_event(ctx: &Context, srq: &SharedReceiveQueue, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        while let Some(ev) = ctx.get_async_event().unwrap() {
+            println!("async event {ev:?}");
+            if ev.kind == AsyncEventKind::SrqLimitReached {
+                assert_eq!(ev.element, AsyncElement::Srq(srq.as_raw() as usize));
+                return true;
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || !wait_readable(ctx.async_fd(), Some(left)).unwrap() {
+            return false;
+        }
+    }
+}
+
+#[test]
+#[ignore = "device"]
+fn an_armed_srq_limit_fires_once_when_the_srq_runs_low() {
+    let mut p = SrqPairs::new(8);
+    p.ctx.set_async_nonblocking(true).unwrap();
+    assert!(matches!(
+        p.srq.arm_limit(1 << 30),
+        Err(rdmsg_verbs::Error::ModifySrq { .. })
+    ));
+    p.srq.arm_limit(4).unwrap();
+    // Four consumed, four left: not below the limit yet.
+    for i in 0..4 {
+        p.send(i % 2, b"fill");
+    }
+    let mut wcs = poll_n(&mut p.recv_cq, 4);
+    assert!(
+        !srq_event(&p.ctx, &p.srq, Duration::from_millis(300)),
+        "fired at the limit"
+    );
+    p.send(0, b"low");
+    assert!(
+        srq_event(&p.ctx, &p.srq, Duration::from_secs(5)),
+        "no SrqLimitReached with 3 receives left of limit 4"
+    );
+    // One-shot: running lower does not fire again until re-armed.
+    p.send(1, b"lower");
+    assert!(!srq_event(&p.ctx, &p.srq, Duration::from_millis(300)));
+    p.srq.arm_limit(3).unwrap();
+    p.send(0, b"re-armed");
+    assert!(srq_event(&p.ctx, &p.srq, Duration::from_secs(5)));
+    wcs.extend(poll_n(&mut p.recv_cq, 3));
+    for wc in wcs {
+        assert!(p.srq.take_recv(&wc).is_some());
+    }
+    assert_eq!(p.srq.recv_outstanding(), 1);
+}
+
+#[test]
+#[ignore = "device"]
+fn srq_pairs_drop_in_any_order_without_hanging() {
+    for order in 0..4 {
+        let mut p = SrqPairs::new(6);
+        p.send(0, b"x");
+        p.send(1, b"y");
+        let wcs = poll_n(&mut p.recv_cq, 2);
+        let SrqPairs {
+            ctx,
+            pd,
+            srq,
+            recv_cq,
+            b_send_cq,
+            b,
+            a,
+            a_send_cq,
+            a_recv_cq,
+            a_bufs,
+            probe,
+        } = p;
+        match order {
+            0 => {
+                // The handle goes first, its buffers still posted; the queue pairs keep
+                // receiving into them, and nothing hands them out.
+                drop(srq);
+                let (mut a, mut b, mut a_send_cq, mut recv_cq, mut a_bufs) =
+                    (a, b, a_send_cq, recv_cq, a_bufs);
+                let buf = a_bufs.pop().unwrap();
+                a[0].post_send_one(SendRequest::buffer(buf, 8)).unwrap();
+                assert!(poll_n(&mut a_send_cq[0], 1)[0].is_success());
+                let wc = poll_n(&mut recv_cq, 1).remove(0);
+                assert!(b[0].take_recv(&wc).is_none());
+                drop((ctx, pd, recv_cq, b_send_cq, probe, wcs));
+                drop((b, a_bufs, a, a_send_cq, a_recv_cq));
+            }
+            1 => drop((
+                b, a, srq, recv_cq, b_send_cq, a_send_cq, a_recv_cq, a_bufs, probe, pd, ctx,
+            )),
+            2 => {
+                drop((ctx, pd, recv_cq, b_send_cq, probe));
+                drop((b, wcs));
+                drop((a_bufs, a_send_cq, a_recv_cq, srq, a));
+            }
+            _ => {
+                drop((pd, ctx, srq, probe));
+                drop((a, a_send_cq, a_recv_cq, a_bufs));
+                drop((b, b_send_cq, recv_cq));
+            }
+        }
+    }
 }
