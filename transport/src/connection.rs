@@ -973,9 +973,12 @@ impl Connection {
                 let len = wc.byte_len() as usize;
                 self.ready.push_back(self.pool.lend(buf, len));
             }
+            RecvAction::Grant => {
+                self.stats.grants_received += 1;
+                self.pool.put_back(buf);
+            }
             RecvAction::Recycle => self.pool.put_back(buf),
         }
-        self.stats.grants_received = self.inbound.grants;
         if let Some(f) = failure {
             self.record_failure(f);
         }

@@ -61,7 +61,9 @@ impl Completion {
 pub(crate) enum RecvAction {
     /// A data message: hand it to the user.
     Deliver,
-    /// A grant, a close, an error or a message past a broken point: back to the pool.
+    /// A credit grant: back to the pool (and counted).
+    Grant,
+    /// A close, an error or a message past a broken point: back to the pool.
     Recycle,
 }
 
@@ -72,10 +74,6 @@ pub(crate) struct Inbound {
     broken: bool,
     /// The peer's close message arrived: nothing follows it.
     peer_closed: bool,
-    /// Grants received.
-    pub grants: u64,
-    /// Data messages received.
-    pub data: u64,
 }
 
 impl Inbound {
@@ -132,19 +130,13 @@ impl Inbound {
             Some(None) => Failure::Protocol(Violation::BadImm),
             Some(Some(imm)) => match credits.on_receive(imm) {
                 Err(v) => Failure::Protocol(v),
-                Ok(true) => {
-                    self.grants += 1;
-                    return (RecvAction::Recycle, None);
-                }
+                Ok(true) => return (RecvAction::Grant, None),
                 Ok(false) if imm.flags & Imm::CLOSE != 0 => {
                     // Its slot was a data credit: the buffer is re-posted but never returned.
                     self.peer_closed = true;
                     return (RecvAction::Recycle, Some(Failure::PeerClosed));
                 }
-                Ok(false) => {
-                    self.data += 1;
-                    return (RecvAction::Deliver, None);
-                }
+                Ok(false) => return (RecvAction::Deliver, None),
             },
         };
         self.broken = true;

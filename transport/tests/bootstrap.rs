@@ -9,47 +9,15 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{client_hello, endpoint, plausible_hello};
 use rdmsg_transport::handshake::{
-    Handshake, Hello, Limits, Reject, CLIENT_HELLO_LEN, GOODBYE, MAC_LEN, NONCE_LEN, VERSION,
+    Handshake, Limits, Reject, CLIENT_HELLO_LEN, GOODBYE, MAC_LEN, NONCE_LEN,
 };
-use rdmsg_transport::{Config, Connection, Endpoint, Error, Failure, Listener, PathParams, Psk};
+use rdmsg_transport::{Config, Connection, Error, Failure, Listener, Psk};
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
-
-fn endpoint() -> Endpoint {
-    Endpoint::open_default().unwrap_or_else(|e| panic!("device test needs an RDMA device: {e}"))
-}
-
-/// A hello a client on `ep` could send (its queue pair address made up).
-fn plausible_hello(ep: &Endpoint) -> Hello {
-    Hello {
-        version: VERSION,
-        addr: rdmsg_transport::QpAddress {
-            lid: 0,
-            qpn: 1,
-            psn: 1,
-            gid: ep.gid(),
-        },
-        mtu: ep.path_mtu(&PathParams::default()).bytes() as u32,
-        buf_size: 4096,
-        recv_depth: 64,
-        grant_slots: 3,
-        initial_credits: 64,
-    }
-}
-
-/// The bytes of a client hello announcing `hello`, without a key.
-fn client_hello(hello: Hello) -> Vec<u8> {
-    let limits = Limits {
-        max_buf_size: u32::MAX,
-        max_recv_depth: u32::MAX,
-        max_send_memory: u64::MAX,
-        send_depth: 1,
-    };
-    Handshake::client(hello, limits, None, [7; NONCE_LEN])
-        .output()
-        .to_vec()
-}
 
 /// Resident memory of this process, in KiB.
 fn vm_rss_kib() -> u64 {

@@ -8,23 +8,26 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdmsg_testkit::{fd_count, rnr_counters};
-use rdmsg_transport::handshake::{Handshake, Hello, Limits, Reject, HELLO_LEN, NONCE_LEN, VERSION};
+mod common;
+
+use common::{client_hello, endpoint, plausible_hello};
+use rdmsg_transport::handshake::{Reject, HELLO_LEN, VERSION};
 use rdmsg_transport::{Config, Connection, Endpoint, Error, Failure, Listener};
 
-fn endpoint() -> Endpoint {
-    Endpoint::open_default().unwrap_or_else(|e| panic!("device test needs an RDMA device: {e}"))
-}
-
-/// A listener on an ephemeral loopback port and a connection to it, made with `server` and
-/// `client` configs. Returns (server side, client side, listener).
-fn pair_with(server: Config, client: Config) -> (Connection, Connection, Listener) {
-    let ep = endpoint();
+/// A listener on an ephemeral loopback port of `ep` and a connection to it, made with `server`
+/// and `client` configs (connections of one endpoint share its asynchronous events). Returns
+/// (server side, client side, listener).
+fn pair_on(ep: &Endpoint, server: Config, client: Config) -> (Connection, Connection, Listener) {
     let listener = ep.listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let client_ep = ep.clone();
     let c = thread::spawn(move || client_ep.connect(addr, &client).unwrap());
     let s = listener.accept(&server).unwrap();
     (s, c.join().unwrap(), listener)
+}
+
+fn pair_with(server: Config, client: Config) -> (Connection, Connection, Listener) {
+    pair_on(&endpoint(), server, client)
 }
 
 fn pair() -> (Connection, Connection, Listener) {
@@ -161,37 +164,6 @@ fn rnr_counters_see_a_receiver_that_is_not_ready() {
         after.0 > before.0 && after.1 > before.1,
         "{before:?} -> {after:?}"
     );
-}
-
-/// A hello a client on `ep` could send (its queue pair address made up).
-fn plausible_hello(ep: &Endpoint) -> Hello {
-    Hello {
-        version: VERSION,
-        addr: rdmsg_transport::QpAddress {
-            lid: 0,
-            qpn: 1,
-            psn: 1,
-            gid: ep.gid(),
-        },
-        mtu: ep.path_mtu(&rdmsg_transport::PathParams::default()).bytes() as u32,
-        buf_size: 4096,
-        recv_depth: 64,
-        grant_slots: 3,
-        initial_credits: 64,
-    }
-}
-
-/// The bytes of a client hello announcing `hello`, without a key.
-fn client_hello(hello: Hello) -> Vec<u8> {
-    let limits = Limits {
-        max_buf_size: u32::MAX,
-        max_recv_depth: u32::MAX,
-        max_send_memory: u64::MAX,
-        send_depth: 1,
-    };
-    Handshake::client(hello, limits, None, [7; NONCE_LEN])
-        .output()
-        .to_vec()
 }
 
 #[test]
@@ -452,16 +424,6 @@ fn an_undersized_cq_overruns_into_a_cq_error_event() {
     assert!(matches!(sender_err, Error::Connection(_)), "{sender_err:?}");
 }
 
-/// Connects a pair on `ep` (connections of one endpoint share its asynchronous events).
-fn pair_on(ep: &Endpoint) -> (Connection, Connection, Listener) {
-    let listener = ep.listen("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let client_ep = ep.clone();
-    let c = thread::spawn(move || client_ep.connect(addr, &Config::default()).unwrap());
-    let s = listener.accept(&Config::default()).unwrap();
-    (s, c.join().unwrap(), listener)
-}
-
 fn kernel() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .unwrap_or_default()
@@ -652,7 +614,7 @@ fn a_qp_error_wakes_a_sleeping_receiver_within_the_health_bound() {
 #[ignore = "device"]
 fn an_async_event_reaches_its_own_connection_only() {
     let ep = endpoint();
-    let (mut idle_rx, mut idle_tx, _l1) = pair_on(&ep);
+    let (mut idle_rx, mut idle_tx, _l1) = pair_on(&ep, Config::default(), Config::default());
     let small = Config {
         hooks: rdmsg_transport::TestHooks {
             recv_cq_entries: Some(4),
@@ -660,12 +622,7 @@ fn an_async_event_reaches_its_own_connection_only() {
         },
         ..Config::default()
     };
-    let listener = ep.listen("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let client_ep = ep.clone();
-    let c = thread::spawn(move || client_ep.connect(addr, &Config::default()).unwrap());
-    let mut rx = listener.accept(&small).unwrap();
-    let mut tx = c.join().unwrap();
+    let (mut rx, mut tx, _l2) = pair_on(&ep, small, Config::default());
     let idle = thread::spawn(move || {
         // Sleeps through the other connection's trouble, then gets its own message.
         let m = idle_rx
@@ -729,7 +686,9 @@ fn a_port_error_fails_every_connection_of_the_device() {
     let ep = endpoint();
     let device = ep.context().name().to_owned();
     let netdev = netdev_of(&device);
-    let pairs: Vec<_> = (0..3).map(|_| pair_on(&ep)).collect();
+    let pairs: Vec<_> = (0..3)
+        .map(|_| pair_on(&ep, Config::default(), Config::default()))
+        .collect();
     let mut sleepers = Vec::new();
     let mut keep = Vec::new();
     for (rx, tx, l) in pairs {

@@ -1,0 +1,40 @@
+//! Helpers shared by the transport's device-test files.
+
+use rdmsg_transport::handshake::{Handshake, Hello, Limits, NONCE_LEN, VERSION};
+use rdmsg_transport::{Endpoint, PathParams};
+
+/// The default device's endpoint; a test without a device fails here.
+pub fn endpoint() -> Endpoint {
+    Endpoint::open_default().unwrap_or_else(|e| panic!("device test needs an RDMA device: {e}"))
+}
+
+/// A hello a client on `ep` could send (its queue pair address made up).
+pub fn plausible_hello(ep: &Endpoint) -> Hello {
+    Hello {
+        version: VERSION,
+        addr: rdmsg_transport::QpAddress {
+            lid: 0,
+            qpn: 1,
+            psn: 1,
+            gid: ep.gid(),
+        },
+        mtu: ep.path_mtu(&PathParams::default()).bytes() as u32,
+        buf_size: 4096,
+        recv_depth: 64,
+        grant_slots: 3,
+        initial_credits: 64,
+    }
+}
+
+/// The bytes of a client hello announcing `hello`, without a key.
+pub fn client_hello(hello: Hello) -> Vec<u8> {
+    let limits = Limits {
+        max_buf_size: u32::MAX,
+        max_recv_depth: u32::MAX,
+        max_send_memory: u64::MAX,
+        send_depth: 1,
+    };
+    Handshake::client(hello, limits, None, [7; NONCE_LEN])
+        .output()
+        .to_vec()
+}
