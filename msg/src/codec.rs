@@ -247,6 +247,15 @@ impl Decoder {
         }
     }
 
+    /// A decoder with the same bound and registrations and nothing in progress: how a hub
+    /// gives every new peer the types registered on it.
+    pub(crate) fn fresh(&self) -> Decoder {
+        Self {
+            known: self.known.clone(),
+            ..Decoder::new(self.max_message())
+        }
+    }
+
     /// The bound on a message, reassembled and decoded.
     pub fn max_message(&self) -> usize {
         self.reassembler.max_size()

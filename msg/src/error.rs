@@ -40,6 +40,10 @@ pub enum Error {
     /// Every receiver of a dispatcher channel for this tag is gone: the message was dropped.
     #[error("no receiver left for message tag {0:#010x}")]
     ReceiverGone(u32),
+    /// A message was dispatched without its peer (from a session) to a route that needs one
+    /// (`Dispatcher::on_from`, `Dispatcher::channel_from`): it was dropped.
+    #[error("message tag {0:#010x} is routed to a handler of hub peers but came without a peer")]
+    NoPeer(u32),
     /// `decode` asked for another type than the message has.
     #[error("message has tag {got:#010x}, not {expected:#010x}")]
     WrongType {
@@ -105,12 +109,14 @@ impl Error {
     ///
     /// Not fatal, they cost only the message or the call concerned: bad frames, unknown tags,
     /// undecodable or mistyped bodies, messages too large or unencodable, a dispatcher channel
-    /// nobody reads, and the transport's [`Timeout`](rdmsg_transport::Error::Timeout) and
+    /// nobody reads or a peer route given no peer, and the transport's
+    /// [`Timeout`](rdmsg_transport::Error::Timeout) and
     /// [`TooLarge`](rdmsg_transport::Error::TooLarge). Fatal: a failed connection
     /// ([`rdmsg_transport::Failure`]), a verb, wait, wake-up pipe or bootstrap call that failed (it
     /// would fail again, and retrying it would spin), setup errors, a
     /// [`DuplicateTag`](Error::DuplicateTag), and any transport error this version does not
-    /// know.
+    /// know. For a [`crate::Hub`], a failed connection or an
+    /// [`UnknownPeer`](rdmsg_transport::Error::UnknownPeer) is fatal to that peer only.
     pub fn is_fatal(&self) -> bool {
         match self {
             Error::Transport(e) => transport_is_fatal(e),
@@ -120,6 +126,7 @@ impl Error {
             | Error::BadFrame(_)
             | Error::UnknownTag(_)
             | Error::ReceiverGone(_)
+            | Error::NoPeer(_)
             | Error::WrongType { .. }
             | Error::TooLarge { .. } => false,
         }
@@ -154,7 +161,9 @@ fn transport_is_fatal(e: &rdmsg_transport::Error) -> bool {
         | T::BadRecord(_)
         | T::BadHandshake(_)
         | T::Rejected(_)
-        | T::Config(_) => true,
+        | T::Config(_)
+        // A hub's connection that is gone stays gone.
+        | T::UnknownPeer(_) => true,
         // `rdmsg_transport::Error` is non-exhaustive: a variant added later is fatal until it is
         // classified here, so that no loop spins on it.
         _ => true,

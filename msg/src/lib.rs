@@ -24,6 +24,15 @@
 //! The receiver: `let env = session.recv()?; if env.is::<Alarm>() { env.decode::<Alarm>()? }`,
 //! or a [`Dispatcher`] routing types to handlers or to crossbeam channels read by workers.
 //!
+//! # Many peers
+//!
+//! A [`Hub`] serves many connections from one thread over a transport
+//! [`rdmsg_transport::Hub`]: `send(peer, &m)` and friends per peer, and `recv()` returning
+//! [`HubEvent`]s (connected, a message with its peer, a bad frame, disconnected). Each peer
+//! has what a session has (sequence, solicitation policy, decoder, statistics), by the same
+//! code; types are registered once, for all. [`Dispatcher::on_from`],
+//! [`Dispatcher::channel_from`] and [`Dispatcher::run_hub`] route with the sending peer.
+//!
 //! # Tags
 //!
 //! Each message carries its type's 32-bit tag, the FNV-1a hash of a wire name: by default the
@@ -78,13 +87,16 @@ mod dispatch;
 mod drive;
 mod error;
 pub mod frame;
+mod hub;
 mod message;
+mod peer;
 pub mod policy;
 mod session;
 
 pub use codec::Envelope;
 pub use dispatch::{DispatchStats, Dispatcher};
 pub use error::{DecodeFailure, Error, Result};
+pub use hub::{Hub, HubEvent};
 pub use message::{tag, Message};
 pub use session::{Session, SessionConfig, SessionStats};
 

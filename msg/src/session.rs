@@ -4,9 +4,8 @@ use std::time::Duration;
 
 use rdmsg_transport::Connection;
 
-use crate::codec::{self, Decoder, Envelope, FrameBytes, NUDGE_TAG};
-use crate::frame::{self, FIRST, LAST};
-use crate::policy::SolicitPolicy;
+use crate::codec::{self, Decoder, Envelope, FrameBytes};
+use crate::peer::{self, Receiver, Sender};
 use crate::{Message, Result};
 
 /// Bounds of a session.
@@ -32,7 +31,8 @@ impl Default for SessionConfig {
     }
 }
 
-/// What a session did.
+/// What a session did (or, in a [`crate::Hub`], what was exchanged with one peer, or with
+/// all of them).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SessionStats {
     /// Messages sent.
@@ -51,17 +51,27 @@ pub struct SessionStats {
     pub dropped_frames: u64,
 }
 
+impl SessionStats {
+    /// Adds `other`'s counts: a hub's totals over its peers.
+    pub(crate) fn add(&mut self, other: &SessionStats) {
+        self.sent += other.sent;
+        self.sent_solicited += other.sent_solicited;
+        self.policy_solicited += other.policy_solicited;
+        self.fragmented += other.fragmented;
+        self.frames_sent += other.frames_sent;
+        self.received += other.received;
+        self.dropped_frames += other.dropped_frames;
+    }
+}
+
 /// Typed messages over a [`Connection`]. The sender decides per message whether it wakes the
 /// receiver; the receiver sleeps solicited-only (the connection's default) and drains
 /// everything that arrived before the waking message, in order.
 #[derive(Debug)]
 pub struct Session {
     conn: Connection,
-    config: SessionConfig,
-    policy: SolicitPolicy,
-    decoder: Decoder,
-    seq: u32,
-    stats: SessionStats,
+    sender: Sender,
+    receiver: Receiver,
 }
 
 impl Session {
@@ -72,16 +82,10 @@ impl Session {
 
     /// A session with these bounds.
     pub fn with_config(conn: Connection, config: SessionConfig) -> Self {
-        let run = config
-            .max_unsolicited_run
-            .unwrap_or(conn.peer().recv_depth / 4);
         Self {
-            policy: SolicitPolicy::new(run, config.max_unsolicited_bytes),
-            decoder: Decoder::new(config.max_message),
+            sender: Sender::new(&config, conn.peer().recv_depth),
+            receiver: Receiver::new(Decoder::new(config.max_message)),
             conn,
-            config,
-            seq: 0,
-            stats: SessionStats::default(),
         }
     }
 
@@ -89,7 +93,7 @@ impl Session {
     /// [`crate::Error::UnknownTag`] (a fragmented one at its first fragment, before anything
     /// of it is buffered). [`crate::Error::DuplicateTag`] if `M`'s tag is registered already.
     pub fn register<M: Message>(&mut self) -> Result<&mut Self> {
-        self.decoder.register::<M>()?;
+        self.receiver.register::<M>()?;
         Ok(self)
     }
 
@@ -105,7 +109,7 @@ impl Session {
 
     /// Statistics.
     pub fn stats(&self) -> SessionStats {
-        self.stats
+        peer::stats(&self.sender, &self.receiver)
     }
 
     /// Sends `m`, solicited or not as its type says ([`Message::SOLICITED`]).
@@ -113,42 +117,11 @@ impl Session {
         self.send_as(m, M::SOLICITED)
     }
 
-    /// Sends `m`, solicited or not as given (the policy may still solicit it).
+    /// Sends `m`, solicited or not as given (the policy may still solicit it). Encoded
+    /// straight into a registered send buffer when it fits; larger messages are fragmented,
+    /// only their last fragment solicited.
     pub fn send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
-        let seq = self.seq;
-        let want = self.policy.decide(solicited);
-        // Straight into the registered send buffer when it fits.
-        let mut outcome: Result<Option<usize>> = Ok(None);
-        let sent = self.conn.send_with(want, None, |buf| {
-            outcome = codec::encode_single(m, seq, buf);
-            outcome.as_ref().ok().copied().flatten()
-        })?;
-        let single = outcome?;
-        if sent {
-            self.finish(want, solicited, single.unwrap_or(0), 1);
-            return Ok(());
-        }
-        let frames =
-            codec::encode_fragments(m, seq, self.conn.max_message(), self.config.max_message)?;
-        let count = frames.len();
-        let mut bytes = 0;
-        for (i, f) in frames.iter().enumerate() {
-            let last = i + 1 == count;
-            self.conn.send(f, last && want)?;
-            bytes += f.len();
-        }
-        self.stats.fragmented += 1;
-        self.finish(want, solicited, bytes, count as u64);
-        Ok(())
-    }
-
-    fn finish(&mut self, solicited: bool, requested: bool, bytes: usize, frames: u64) {
-        self.seq = self.seq.wrapping_add(1);
-        self.policy.record(solicited, bytes);
-        self.stats.sent += 1;
-        self.stats.frames_sent += frames;
-        self.stats.sent_solicited += u64::from(solicited);
-        self.stats.policy_solicited += u64::from(solicited && !requested);
+        self.sender.send_as(&mut self.conn, m, solicited)
     }
 
     /// Sends a batch: every message unsolicited but the last, which is solicited. One
@@ -157,25 +130,13 @@ impl Session {
         &mut self,
         batch: impl IntoIterator<Item = &'a M>,
     ) -> Result<usize> {
-        let mut iter = batch.into_iter().peekable();
-        let mut n = 0;
-        while let Some(m) = iter.next() {
-            self.send_as(m, iter.peek().is_none())?;
-            n += 1;
-        }
-        Ok(n)
+        self.sender.send_batch(&mut self.conn, batch)
     }
 
     /// If anything went unsolicited since the last solicited frame, sends a payload-less
     /// solicited frame so that the receiver looks now. Call it when a burst ends.
     pub fn flush(&mut self) -> Result<()> {
-        if !self.policy.pending() {
-            return Ok(());
-        }
-        let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
-        self.conn.send(&nudge, true)?;
-        self.policy.record(true, 0);
-        Ok(())
+        self.sender.flush(&mut self.conn)
     }
 
     /// Receives the next message, waiting as long as it takes. A bad frame gives its error
@@ -196,7 +157,7 @@ impl Session {
             let Some(frame) = self.conn.recv_timeout(left)? else {
                 return Ok(None);
             };
-            if let Some(env) = self.take(frame)? {
+            if let Some(env) = self.receiver.take(FrameBytes::Received(frame))? {
                 return Ok(Some(env));
             }
         }
@@ -205,25 +166,11 @@ impl Session {
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Envelope>> {
         while let Some(frame) = self.conn.try_recv()? {
-            if let Some(env) = self.take(frame)? {
+            if let Some(env) = self.receiver.take(FrameBytes::Received(frame))? {
                 return Ok(Some(env));
             }
         }
         Ok(None)
-    }
-
-    fn take(&mut self, frame: rdmsg_transport::Received) -> Result<Option<Envelope>> {
-        match self.decoder.push(FrameBytes::Received(frame)) {
-            Ok(Some(env)) => {
-                self.stats.received += 1;
-                Ok(Some(env))
-            }
-            Ok(None) => Ok(None),
-            Err(e) => {
-                self.stats.dropped_frames += 1;
-                Err(e)
-            }
-        }
     }
 
     /// An iterator over received messages; it skips non-fatal errors (bad frames, unknown

@@ -67,6 +67,7 @@ fn every_error_is_classified() {
         Error::BadFrame(FrameError::TooShort(1)),
         Error::UnknownTag(5),
         Error::ReceiverGone(5),
+        Error::NoPeer(5),
         Error::WrongType {
             expected: 1,
             got: 2,

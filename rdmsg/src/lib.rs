@@ -5,7 +5,8 @@
 //! This is the crate to depend on. Its root holds what a typed-message application needs:
 //! an [`Endpoint`] on a device port, connections made by [`Endpoint::connect`] and
 //! [`Listener::accept`] with a [`Config`], [`Session`]s that send and receive [`Message`]s, a
-//! [`Dispatcher`] that routes them. The layers underneath are modules, for whoever needs more.
+//! [`Hub`] that does the same with many peers from one thread, a [`Dispatcher`] that routes
+//! them. The layers underneath are modules, for whoever needs more.
 //!
 //! # Quick start
 //!
@@ -35,6 +36,7 @@
 //! | you want | use |
 //! |---|---|
 //! | typed messages, one wake-up per batch or alarm, handlers per type | the root: [`Session`], [`Message`], [`message!`], [`Dispatcher`] |
+//! | the same with many peers, served by one thread | the root: [`Hub`] with a [`HubConfig`], [`HubEvent`]s naming a [`PeerId`] |
 //! | raw bytes with credits, zero-copy receive buffers, failures typed | [`transport`]: [`transport::Connection`] |
 //! | your own event loop over completion queues: arm, wait, ack, re-arm, drain | [`notify`]: [`notify::Waiter`] |
 //! | queue pairs, memory regions and completion queues as safe RAII handles | [`verbs`] (raw bindings in `verbs::ffi`) |
@@ -52,10 +54,12 @@
 #![deny(missing_docs)]
 
 pub use rdmsg_msg::{
-    message, tag, DecodeFailure, DispatchStats, Dispatcher, Envelope, Error, Message, Result,
-    Session, SessionConfig, SessionStats,
+    message, tag, DecodeFailure, DispatchStats, Dispatcher, Envelope, Error, Hub, HubEvent,
+    Message, Result, Session, SessionConfig, SessionStats,
 };
-pub use rdmsg_transport::{Config, Connection, Endpoint, Failure, Listener, Psk, Received};
+pub use rdmsg_transport::{
+    Config, Connection, Endpoint, Failure, HubConfig, Listener, PeerId, Psk, Received,
+};
 
 /// Safe RAII handles over libibverbs: the only layer with `unsafe` code (crate `rdmsg-verbs`).
 pub use rdmsg_verbs as verbs;

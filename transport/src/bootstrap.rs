@@ -81,20 +81,6 @@ impl Setup {
         })
     }
 
-    /// Moves the queue pair to RTR and RTS towards `peer` and notes how many send buffers
-    /// the connection will have; returns its address.
-    fn connect(
-        &mut self,
-        endpoint: &Endpoint,
-        config: &Config,
-        peer: &Hello,
-        send_buffers: u32,
-    ) -> Result<QpAddress> {
-        self.send_buffers = send_buffers;
-        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
-        Ok(endpoint.address_of(&self.qp, self.psn))
-    }
-
     /// Registers the send buffers, sized by the peer's receive buffers. Only once the handshake
     /// is complete: a client that stops before its "ready" (authenticated or not) must not
     /// hold `send_depth` × its buffer size of pinned memory per pending handshake.
@@ -108,8 +94,36 @@ impl Setup {
     }
 }
 
+/// The local half of a connection in the making: its queue pair, created (by the server) only
+/// once the client's hello passed, then connected towards the peer.
+pub(crate) trait LocalSide: Sized {
+    /// Moves the queue pair to RTR and RTS towards `peer`, noting how many send buffers the
+    /// handshake settled on; returns the queue pair's address.
+    fn connect(
+        &mut self,
+        endpoint: &Endpoint,
+        config: &Config,
+        peer: &Hello,
+        send_buffers: u32,
+    ) -> Result<QpAddress>;
+}
+
+impl LocalSide for Setup {
+    fn connect(
+        &mut self,
+        endpoint: &Endpoint,
+        config: &Config,
+        peer: &Hello,
+        send_buffers: u32,
+    ) -> Result<QpAddress> {
+        self.send_buffers = send_buffers;
+        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
+        Ok(endpoint.address_of(&self.qp, self.psn))
+    }
+}
+
 /// What this side announces; `addr` is `None` on the server until its queue pair exists.
-fn our_hello(endpoint: &Endpoint, config: &Config, addr: Option<QpAddress>) -> Hello {
+pub(crate) fn our_hello(endpoint: &Endpoint, config: &Config, addr: Option<QpAddress>) -> Hello {
     #[cfg(feature = "test-hooks")]
     let (lie, lie_buf) = (
         config.hooks.overstate_credits,
@@ -134,7 +148,7 @@ fn our_hello(endpoint: &Endpoint, config: &Config, addr: Option<QpAddress>) -> H
 }
 
 /// Fresh random bytes for a handshake nonce, from the operating system.
-fn nonce() -> Result<[u8; NONCE_LEN]> {
+pub(crate) fn nonce() -> Result<[u8; NONCE_LEN]> {
     let mut n = [0u8; NONCE_LEN];
     getrandom::fill(&mut n).map_err(|e| Error::Bootstrap {
         stage: "drawing a random nonce",
@@ -146,27 +160,27 @@ fn nonce() -> Result<[u8; NONCE_LEN]> {
     Ok(n)
 }
 
-fn bootstrap_err(stage: &'static str) -> impl FnOnce(io::Error) -> Error {
+pub(crate) fn bootstrap_err(stage: &'static str) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Bootstrap { stage, source }
 }
 
 /// One handshake over a non-blocking stream, and the resources it set up so far.
 #[derive(Debug)]
-struct Pending {
-    stream: TcpStream,
+pub(crate) struct Pending<S = Setup> {
+    pub(crate) stream: TcpStream,
     peer_addr: Option<SocketAddr>,
-    hs: Handshake,
+    pub(crate) hs: Handshake,
     /// The client's from the start; the server's once the client passed.
-    setup: Option<Setup>,
+    pub(crate) setup: Option<S>,
     config: Config,
-    deadline: Instant,
+    pub(crate) deadline: Instant,
 }
 
-impl Pending {
-    fn new(
+impl<S: LocalSide> Pending<S> {
+    pub(crate) fn new(
         stream: TcpStream,
         hs: Handshake,
-        setup: Option<Setup>,
+        setup: Option<S>,
         config: &Config,
     ) -> Result<Self> {
         stream
@@ -186,12 +200,17 @@ impl Pending {
     }
 
     /// Moves the handshake on as far as the bytes at hand allow; `Ok(true)` once it is done.
-    /// On an error the reject code, if any, has been sent (best effort).
-    fn advance(&mut self, endpoint: &Endpoint) -> Result<bool> {
+    /// On an error the reject code, if any, has been sent (best effort). `create` makes the
+    /// server's local side once the client passed.
+    pub(crate) fn advance(
+        &mut self,
+        endpoint: &Endpoint,
+        create: &mut dyn FnMut(&Config) -> Result<S>,
+    ) -> Result<bool> {
         loop {
             self.flush()?;
             if let Some(Action::Connect { peer, send_buffers }) = self.hs.poll_action() {
-                match self.connect_local(endpoint, &peer, send_buffers) {
+                match self.connect_local(endpoint, &peer, send_buffers, create) {
                     Ok(addr) => self.hs.local_ready(addr),
                     Err(e) => {
                         self.hs.abort(Reject::Resources);
@@ -240,10 +259,11 @@ impl Pending {
         endpoint: &Endpoint,
         peer: &Hello,
         send_buffers: u32,
+        create: &mut dyn FnMut(&Config) -> Result<S>,
     ) -> Result<QpAddress> {
         let setup = match &mut self.setup {
             Some(s) => s,
-            None => self.setup.insert(Setup::new(endpoint, &self.config)?),
+            None => self.setup.insert(create(&self.config)?),
         };
         setup.connect(endpoint, &self.config, peer, send_buffers)
     }
@@ -267,7 +287,7 @@ impl Pending {
         Ok(())
     }
 
-    fn timed_out(&self) -> Error {
+    pub(crate) fn timed_out(&self) -> Error {
         Error::Bootstrap {
             stage: self.hs.stage(),
             source: io::Error::new(
@@ -281,11 +301,13 @@ impl Pending {
         }
     }
 
-    fn peer_name(&self) -> String {
+    pub(crate) fn peer_name(&self) -> String {
         self.peer_addr
             .map_or_else(|| "the peer".to_owned(), |a| a.to_string())
     }
+}
 
+impl Pending<Setup> {
     /// The connection, once the handshake is done.
     fn finish(self, endpoint: &Endpoint) -> Result<Connection> {
         let peer = *self.hs.peer().expect("a finished handshake knows its peer");
@@ -316,7 +338,7 @@ pub(crate) fn connect(
     let watch = ReadyWatch::new()?;
     watch.add(p.stream.as_fd(), 0)?;
     loop {
-        if p.advance(endpoint)? {
+        if p.advance(endpoint, &mut |c| Setup::new(endpoint, c))? {
             return p.finish(endpoint);
         }
         let left = p.deadline.saturating_duration_since(Instant::now());
@@ -433,7 +455,7 @@ impl Listener {
             for i in 0..pending.len() {
                 let Some(p) = &mut pending[i] else { continue };
                 let advanced = if ready & (1 << (i + 1)) != 0 {
-                    p.advance(&self.endpoint)
+                    p.advance(&self.endpoint, &mut |c| Setup::new(&self.endpoint, c))
                 } else {
                     Ok(false)
                 };

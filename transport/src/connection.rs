@@ -17,8 +17,9 @@ use crate::credits::{Credits, Imm};
 use crate::endpoint::{Endpoint, PathParams};
 use crate::events::Mailbox;
 use crate::handshake::{self, Hello, GOODBYE};
-use crate::inbound::{Completion, Inbound, RecvAction};
+use crate::inbound::{Completion, RecvAction};
 use crate::pool::{PoolStats, Received, RecvPool};
+use crate::protocol::{Outgoing, Protocol};
 use crate::{Error, Failure, Result};
 
 /// How a connection is set up. Both sides announce their receive side in the handshake; the
@@ -325,27 +326,21 @@ pub struct Connection {
     send_key: CqKey,
     pool: RecvPool,
     send_bufs: Vec<Buffer>,
-    credits: Credits,
+    /// Credits, receive rules, failure, signalling, statistics (pure, shared with the hub).
+    proto: Protocol,
     ready: VecDeque<Received>,
     completions: Vec<(CqKey, WorkCompletion)>,
     config: Config,
     peer: Hello,
     sq_depth: usize,
     max_inline: usize,
-    unsignaled: u32,
-    /// What received completions mean (pure rules).
-    inbound: Inbound,
-    failure: Option<Failure>,
     /// The flushes that follow a failure have been waited for.
     flushed: bool,
     /// Asynchronous events the endpoint routed to this connection.
     mailbox: Arc<Mailbox>,
-    /// wr_id of the last signaled send, until a completion retires it.
-    last_signaled: Option<u64>,
     /// Test hook: a verb that fails from now on.
     #[cfg(feature = "test-hooks")]
     fault: Option<Fault>,
-    stats: ConnStats,
     inline_scratch: Vec<u8>,
     bootstrap_checked: Instant,
     /// Calls of `progress` and waits that delivered completions, for rate-limiting the
@@ -369,7 +364,7 @@ const FLUSH_WAIT: Duration = Duration::from_millis(500);
 
 /// Keepalive probing that gives up on a silent peer after about `limit`: the first probe after
 /// half of it, then three more spread over the other half.
-fn keepalive_probes(limit: Duration) -> socket2::TcpKeepalive {
+pub(crate) fn keepalive_probes(limit: Duration) -> socket2::TcpKeepalive {
     let secs = limit.as_secs().max(3);
     socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(secs / 2))
@@ -443,12 +438,15 @@ impl Connection {
         );
         Ok(Self {
             endpoint: endpoint.clone(),
-            credits: Credits::new(
-                config.recv_depth,
-                config.grant_slots,
-                peer.recv_depth,
-                peer.grant_slots,
-                peer.initial_credits,
+            proto: Protocol::new(
+                Credits::new(
+                    config.recv_depth,
+                    config.grant_slots,
+                    peer.recv_depth,
+                    peer.grant_slots,
+                    peer.initial_credits,
+                ),
+                config.signal_every,
             ),
             sq_depth: qp.caps().max_send_wr.min(config.send_depth) as usize,
             qp,
@@ -462,15 +460,10 @@ impl Connection {
             config: config.clone(),
             peer,
             max_inline,
-            unsignaled: 0,
-            inbound: Inbound::default(),
-            failure: None,
             flushed: false,
             mailbox,
-            last_signaled: None,
             #[cfg(feature = "test-hooks")]
             fault: None,
-            stats: ConnStats::default(),
             inline_scratch: vec![0; max_inline],
             bootstrap_checked: Instant::now(),
             busy_steps: 0,
@@ -485,7 +478,7 @@ impl Connection {
 
     /// Statistics of this connection.
     pub fn stats(&self) -> ConnStats {
-        self.stats
+        self.proto.stats()
     }
 
     /// Wake-up statistics of this connection's waits.
@@ -500,7 +493,7 @@ impl Connection {
 
     /// Data messages we may send right now without waiting.
     pub fn credits(&self) -> u32 {
-        self.credits.available()
+        self.proto.credits().available()
     }
 
     /// The queue pair number.
@@ -515,7 +508,7 @@ impl Connection {
 
     /// Why the connection failed, if it did.
     pub fn failure(&self) -> Option<Failure> {
-        self.failure
+        self.proto.failure()
     }
 
     /// Sends `data`, solicited (waking a receiver armed solicited-only) or not. Blocks while
@@ -559,37 +552,32 @@ impl Connection {
                 };
             }
         };
-        let (imm, must_solicit) = self
-            .credits
-            .take_for_data(0)
+        let out = self
+            .proto
+            .data(solicited, 0)
             .expect("wait_to_send ensured a credit");
-        self.stats.sent += 1;
-        self.stats.forced_solicited += u64::from(must_solicit && !solicited);
-        let solicited = solicited || must_solicit;
-        self.stats.sent_solicited += u64::from(solicited);
         if len <= self.max_inline {
             // Inline: the bytes are copied at post time, so the buffer is free again at once.
-            self.stats.sent_inline += 1;
+            self.proto.stats_mut().sent_inline += 1;
             let mut scratch = std::mem::take(&mut self.inline_scratch);
             scratch[..len].copy_from_slice(&buf.as_slice()[..len]);
             self.send_bufs.push(buf);
-            let res = self.post(SendRequest::inline(&scratch[..len]), imm, solicited);
+            let res = self.post(SendRequest::inline(&scratch[..len]), out);
             self.inline_scratch = scratch;
             res?;
         } else {
-            self.post(SendRequest::buffer(buf, len), imm, solicited)?;
+            self.post(SendRequest::buffer(buf, len), out)?;
         }
         Ok(true)
     }
 
-    fn post(&mut self, req: SendRequest<'_>, imm: Imm, solicited: bool) -> Result<()> {
-        let signaled = self.unsignaled + 1 >= self.config.signal_every
-            || self.qp.send_outstanding() + 1 >= self.sq_depth
-            || self.send_bufs.is_empty();
-        self.unsignaled = if signaled { 0 } else { self.unsignaled + 1 };
+    fn post(&mut self, req: SendRequest<'_>, out: Outgoing) -> Result<()> {
+        let signaled = self.proto.signal_next(
+            self.qp.send_outstanding() + 1 >= self.sq_depth || self.send_bufs.is_empty(),
+        );
         let req = req
-            .imm(imm.encode())
-            .solicited(solicited)
+            .imm(out.imm.encode())
+            .solicited(out.solicited)
             .signaled(signaled);
         #[cfg(feature = "test-hooks")]
         if self.fault == Some(Fault::Post) {
@@ -601,9 +589,7 @@ impl Connection {
         }
         match self.qp.post_send_one(req) {
             Ok(id) => {
-                if signaled {
-                    self.last_signaled = Some(id);
-                }
+                self.proto.posted(id, signaled);
                 Ok(())
             }
             Err(e) => {
@@ -616,7 +602,7 @@ impl Connection {
     }
 
     fn can_send(&self) -> bool {
-        self.credits.available() > 0
+        self.proto.credits().available() > 0
             && self.qp.send_outstanding() < self.sq_depth
             && !self.send_bufs.is_empty()
     }
@@ -627,7 +613,7 @@ impl Connection {
         // failures are looked at every few sends, and at once when anything runs low or
         // buffers came back to be re-posted (the peer may be waiting for their credits).
         self.sends_since_progress += 1;
-        let plenty = self.credits.available() > self.peer.recv_depth / 4
+        let plenty = self.proto.credits().available() > self.peer.recv_depth / 4
             && self.send_bufs.len() > 1
             && self.qp.send_outstanding() + 1 < self.sq_depth;
         if !plenty || self.sends_since_progress >= SEND_PROGRESS_EVERY || self.pool.has_returns() {
@@ -639,11 +625,11 @@ impl Connection {
         if self.can_send() {
             return Ok(());
         }
-        let no_credit = self.credits.available() == 0;
+        let no_credit = self.proto.credits().available() == 0;
         if no_credit {
-            self.stats.credit_waits += 1;
+            self.proto.stats_mut().credit_waits += 1;
         } else {
-            self.stats.send_slot_waits += 1;
+            self.proto.stats_mut().send_slot_waits += 1;
         }
         // While blocked, any grant (not only a solicited one) and any send completion must
         // wake us: arm both queues for the next completion.
@@ -725,12 +711,12 @@ impl Connection {
         self.check_can_send()?;
         let timeout = self.config.close_timeout;
         self.wait_to_send(Some(timeout))?;
-        let (imm, _) = self
-            .credits
-            .take_for_data(Imm::CLOSE)
+        let out = self
+            .proto
+            .data(true, Imm::CLOSE)
             .expect("wait_to_send ensured a credit");
-        self.unsignaled = self.config.signal_every;
-        self.post(SendRequest::empty(), imm, true)?;
+        self.proto.force_signal();
+        self.post(SendRequest::empty(), out)?;
         let deadline = Instant::now() + timeout;
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         while self.qp.send_outstanding() > 0 {
@@ -741,7 +727,7 @@ impl Connection {
             }
             self.wait_once(Some(left))?;
         }
-        self.failure = Some(Failure::Closed);
+        let _ = self.proto.record_failure(Failure::Closed);
         // The close message is delivered: say goodbye on the bootstrap stream, so that the
         // peer reading its end waits for that message rather than calling us vanished.
         let bootstrap = &self.waiter.channel().bootstrap;
@@ -752,7 +738,7 @@ impl Connection {
 
     /// The failure, once every message that arrived before it has been delivered.
     fn check_failed(&self) -> Result<()> {
-        match self.failure {
+        match self.proto.failure() {
             Some(f) if self.ready.is_empty() => Err(f.into()),
             _ => Ok(()),
         }
@@ -760,7 +746,7 @@ impl Connection {
 
     /// The failure, at once: nothing is sent after it.
     fn check_can_send(&self) -> Result<()> {
-        match self.failure {
+        match self.proto.failure() {
             Some(f) => Err(f.into()),
             None => Ok(()),
         }
@@ -772,7 +758,7 @@ impl Connection {
     /// holds undelivered.
     fn wait_once(&mut self, timeout: Option<Duration>) -> Result<()> {
         self.maintain()?;
-        if self.failure.is_some() {
+        if self.proto.failure().is_some() {
             return Ok(());
         }
         if !self.pool.going_to_sleep() {
@@ -837,7 +823,7 @@ impl Connection {
     /// After completions were handled: waits for the flushes of a failure, optionally looks
     /// for a vanished peer and asynchronous events, then re-posts and grants.
     fn settle(&mut self, liveness: bool) -> Result<()> {
-        if self.failure.is_some() {
+        if self.proto.failure().is_some() {
             self.drain_flushes();
         }
         if liveness {
@@ -851,7 +837,7 @@ impl Connection {
     /// (a queue that cannot be polled, armed or posted to now will not work later either), and
     /// hands the error back for this call to report.
     fn local_failure(&mut self, op: &'static str, e: Error) -> Error {
-        if let Some(known) = self.failure {
+        if let Some(known) = self.proto.failure() {
             // Reported once; from then on the connection's failure says it.
             return known.into();
         }
@@ -870,10 +856,14 @@ impl Connection {
     /// the queue pair to the error state so that every posted buffer is flushed back. Polls
     /// nothing: completions being handled right now keep their order.
     fn record_failure(&mut self, f: Failure) {
-        if self.failure.is_some() {
-            return;
+        if self.proto.record_failure(f) {
+            self.tell_peer_and_flush();
         }
-        self.failure = Some(f);
+    }
+
+    /// After the first failure: shuts the bootstrap stream and moves the queue pair to the
+    /// error state.
+    fn tell_peer_and_flush(&mut self) {
         // Tell the peer at once: the end of our bootstrap stream fails its side too, rather than
         // leaving it waiting on a queue pair that no longer answers.
         let _ = self
@@ -929,12 +919,11 @@ impl Connection {
         let mut got = std::mem::take(&mut self.completions);
         let recv_key = self.recv_key;
         // Recording polls nothing, so the batch is still handled in order below.
-        if let Some(f) = Inbound::first_error(
-            self.failure,
+        if self.proto.begin_batch(
             got.iter()
                 .map(|(key, wc)| Completion::of(*key == recv_key, wc)),
         ) {
-            self.record_failure(f);
+            self.tell_peer_and_flush();
         }
         for (key, wc) in got.drain(..) {
             let c = Completion::of(key == recv_key, &wc);
@@ -942,13 +931,8 @@ impl Connection {
                 self.on_recv(&c, &wc);
             } else {
                 self.send_bufs.extend(self.qp.complete_send(&wc));
-                // Completions come in posting order, and wr_ids grow: this one retires every
-                // signaled send up to it.
-                if self.last_signaled.is_some_and(|id| wc.wr_id() >= id) {
-                    self.last_signaled = None;
-                }
-                if let Some(f) = Inbound::on_send(&c) {
-                    self.record_failure(f);
+                if self.proto.on_send(&c, wc.wr_id()) {
+                    self.tell_peer_and_flush();
                 }
             }
         }
@@ -962,61 +946,44 @@ impl Connection {
         let (endpoint, mailbox) = (&self.endpoint, &self.mailbox);
         // A flush nothing explains yet: an asynchronous event (a CQ overrun, a fatal QP error)
         // may be waiting to.
-        let (action, failure) = self
-            .inbound
-            .on_recv(c, &mut self.credits, self.failure, || {
-                async_failure_of(endpoint, mailbox).ok().flatten()
-            });
+        let (action, first_failure) = self
+            .proto
+            .on_recv(c, || async_failure_of(endpoint, mailbox).ok().flatten());
         match action {
             RecvAction::Deliver => {
-                self.stats.received += 1;
                 let len = wc.byte_len() as usize;
                 self.ready.push_back(self.pool.lend(buf, len));
             }
-            RecvAction::Grant => {
-                self.stats.grants_received += 1;
-                self.pool.put_back(buf);
-            }
-            RecvAction::Recycle => self.pool.put_back(buf),
+            RecvAction::Grant | RecvAction::Recycle => self.pool.put_back(buf),
         }
-        if let Some(f) = failure {
-            self.record_failure(f);
+        if first_failure {
+            self.tell_peer_and_flush();
         }
     }
 
     /// Re-posts free buffers and sends a credit grant when one is due.
     fn maintain(&mut self) -> Result<()> {
         self.pool.collect_returns();
-        if self.failure.is_some() {
+        if self.proto.failure().is_some() {
             return Ok(());
         }
-        let free = self.pool.free_count();
-        let batch = (self.credits.depth() as usize / 8).max(1);
-        let low = self.credits.depth() / 4;
-        if free > 0
-            && (free >= batch
-                || self.credits.slots_missing() > 0
-                || self.credits.peer_credits() <= low
-                || self.credits.peer_may_be_blocked())
-        {
+        if self.proto.refill_due(self.pool.free_count()) {
             let bufs = self.pool.take_free();
             let n = bufs.len();
             if let Err(e) = self.qp.post_recv(bufs) {
                 for b in e.unposted {
                     self.pool.put_back(b);
                 }
-                self.credits.on_reposted(e.posted as u32);
+                self.proto.reposted(e.posted as u32);
                 return Err(
                     self.local_failure("re-posting receives (ibv_post_recv)", e.error.into())
                 );
             }
-            self.stats.refills += 1;
-            self.credits.on_reposted(n as u32);
+            self.proto.reposted(n as u32);
         }
         if self.qp.send_outstanding() < self.sq_depth {
-            if let Some(grant) = self.credits.take_grant() {
-                self.stats.grants_sent += 1;
-                self.post(SendRequest::empty(), grant.imm, grant.solicited)?;
+            if let Some(grant) = self.proto.grant() {
+                self.post(SendRequest::empty(), grant)?;
             }
         }
         let mode = self.send_arm();
@@ -1034,11 +1001,7 @@ impl Connection {
     /// with only unsignaled sends behind it skips the pre-sleep drain of the channel; an error
     /// among those is caught by `health_check` or the peer's end of the bootstrap stream.
     fn send_arm(&self) -> ArmMode {
-        if self.last_signaled.is_some() {
-            ArmMode::Next
-        } else {
-            ArmMode::SolicitedOnly
-        }
+        self.proto.send_arm()
     }
 
     /// Test hook: moves the queue pair to the error state behind the connection's back, as a
@@ -1108,9 +1071,9 @@ impl Connection {
             Duration::from_millis(50)
         };
         let until = Instant::now() + grace;
-        while !self.inbound.peer_closed() && Instant::now() < until {
+        while !self.proto.peer_closed() && Instant::now() < until {
             let _ = self.poll_and_handle();
-            if !self.inbound.peer_closed() {
+            if !self.proto.peer_closed() {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
@@ -1161,7 +1124,7 @@ fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result<Option<Fai
 }
 
 /// The error number behind an error, if any of its sources is an OS error.
-fn errno_of(e: &(dyn std::error::Error + 'static)) -> Option<i32> {
+pub(crate) fn errno_of(e: &(dyn std::error::Error + 'static)) -> Option<i32> {
     let mut cur = Some(e);
     while let Some(err) = cur {
         if let Some(io) = err.downcast_ref::<std::io::Error>() {

@@ -160,22 +160,67 @@ impl Credits {
         peer_grant_slots: u8,
         initial_credits: u32,
     ) -> Self {
+        Self::shared(
+            depth,
+            grant_slots,
+            peer_depth,
+            peer_grant_slots,
+            initial_credits,
+            depth,
+        )
+    }
+
+    /// Bookkeeping for a connection whose receive buffers come from a pool shared with other
+    /// connections (a shared receive queue, see [`crate::share`]): the peer starts with
+    /// `peer_initial` credits (our announced initial credits, backed by buffers set aside for
+    /// it) and may never hold more than `max_credits` (our announced receive depth), however
+    /// many the pool lends it later. Explicit grants are due after a quarter of
+    /// `peer_initial` until [`Credits::set_grant_threshold`] says otherwise.
+    pub fn shared(
+        max_credits: u32,
+        grant_slots: u8,
+        peer_depth: u32,
+        peer_grant_slots: u8,
+        initial_credits: u32,
+        peer_initial: u32,
+    ) -> Self {
         Self {
             credits: initial_credits,
             peer_depth,
             grants_sent: 0,
             peer_echo: 0,
             peer_grant_slots,
-            peer_credits: depth,
+            peer_credits: peer_initial,
             owed: 0,
             slots_missing: 0,
             grants_seen: 0,
             echo_sent: 0,
             peer_exhausted: false,
-            depth,
+            depth: max_credits,
             grant_slots,
-            grant_threshold: (depth / 4).max(1),
+            grant_threshold: (peer_initial / 4).max(1),
         }
+    }
+
+    /// Makes explicit grants due once `n` credits (at least 1) are owed. A connection whose
+    /// peer may hold only a small share of a pool must return credits after a quarter of that
+    /// share, not of its announced depth, or its peer would block before a grant is due.
+    pub fn set_grant_threshold(&mut self, n: u32) {
+        self.grant_threshold = n.max(1);
+    }
+
+    /// Owed credits from which an explicit grant is due.
+    pub fn grant_threshold(&self) -> u32 {
+        self.grant_threshold
+    }
+
+    /// Takes back up to `n` owed credits (buffers re-posted but not yet announced to the peer),
+    /// so that they can back another connection's credits; returns how many. The peer never
+    /// heard of them, so nothing it may do changes.
+    pub fn withdraw_owed(&mut self, n: u32) -> u32 {
+        let n = n.min(self.owed);
+        self.owed -= n;
+        n
     }
 
     /// Data messages we may send now.
@@ -333,7 +378,7 @@ impl Credits {
         })
     }
 
-    /// Our data receive depth.
+    /// Our data receive depth (with a shared receive side, the most credits the peer may hold).
     pub fn depth(&self) -> u32 {
         self.depth
     }
@@ -385,6 +430,26 @@ mod tests {
         assert!(g.solicited, "the peer said it is out of credits");
         assert_eq!(g.imm.credits, 2);
         assert_eq!(c.unconfirmed_grants(), 1);
+    }
+
+    #[test]
+    fn a_shared_receive_side_starts_its_peer_at_the_minimum() {
+        let mut c = Credits::shared(64, 3, 8, 3, 8, 4);
+        assert_eq!(c.peer_credits(), 4);
+        assert_eq!(c.must_be_posted(), 4 + 3);
+        assert_eq!(c.grant_threshold(), 1, "a quarter of the initial credits");
+        c.set_grant_threshold(0);
+        assert_eq!(c.grant_threshold(), 1, "at least one");
+        c.on_reposted(5);
+        c.set_grant_threshold(8);
+        assert_eq!(c.withdraw_owed(2), 2);
+        assert_eq!(c.withdraw_owed(9), 3, "only what is owed");
+        assert_eq!(c.must_be_posted(), 4 + 3);
+        // Up to 64 may be lent, whatever the initial 4.
+        c.on_reposted(60);
+        assert_eq!(c.take_grant().unwrap().imm.credits, 60);
+        assert_eq!(c.peer_credits(), 64);
+        assert_eq!(Credits::new(8, 3, 8, 3, 8).grant_threshold(), 2);
     }
 
     #[test]

@@ -74,6 +74,9 @@ pub enum Error {
     /// Nothing could be sent within the time given.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
+    /// No connection of the hub has this id (never had, or it was disconnected).
+    #[error("no connection {0} in the hub")]
+    UnknownPeer(crate::PeerId),
     /// The connection failed; every later call reports the same.
     #[error("connection failed: {0}")]
     Connection(Failure),

@@ -94,8 +94,11 @@ mod endpoint;
 mod error;
 mod events;
 pub mod handshake;
+mod hub;
 mod inbound;
 mod pool;
+mod protocol;
+pub mod share;
 
 pub use addr::QpAddress;
 pub use bootstrap::Listener;
@@ -105,4 +108,5 @@ pub use connection::{Fault, TestHooks};
 pub use endpoint::{loopback_pair, Endpoint, GidChoice, PathParams};
 pub use error::{Error, Failure, Result};
 pub use handshake::Psk;
+pub use hub::{Hub, HubConfig, HubEvent, HubStats, PeerId};
 pub use pool::{PoolStats, Received, RecvPool};

@@ -119,6 +119,19 @@ impl RecvPool {
         })
     }
 
+    /// Registers `count` more buffers of the pool's size, in a region of their own (a hub's
+    /// shared pool grows with its connections; the regions stay until the pool is dropped).
+    pub(crate) fn grow(&mut self, pd: &ProtectionDomain, count: usize) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let region = pd.register(count * self.buf_size, Access::LOCAL_WRITE)?;
+        let more = region.chunks(self.buf_size)?;
+        self.total += more.len();
+        self.free.extend(more);
+        Ok(())
+    }
+
     /// Size of each buffer.
     pub fn buf_size(&self) -> usize {
         self.buf_size

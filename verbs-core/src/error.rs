@@ -153,6 +153,16 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// `ibv_destroy_qp` failed (the queue pair's posted buffers are leaked: the device may
+    /// still own them).
+    #[error("ibv_destroy_qp on QP {qp_num:#x} failed ({})", Errno(.source))]
+    DestroyQp {
+        /// Queue pair number.
+        qp_num: u32,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
     /// `ibv_query_qp` failed.
     #[error("ibv_query_qp on QP {qp_num:#x} failed ({})", Errno(.source))]
     QueryQp {

@@ -204,3 +204,29 @@ pub fn thread_cpu_time() -> std::time::Duration {
     }
     std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
+
+/// Raises the soft limit on open descriptors (`RLIMIT_NOFILE`) to `want`, or to the hard
+/// limit if that is lower; never lowers it. Returns the soft limit now in force. Every
+/// connection holds one descriptor (its bootstrap TCP stream), and the usual soft limit is
+/// 1024: a process serving a thousand peers needs more. Here because this is the crate
+/// allowed to call C.
+pub fn raise_fd_limit(want: u64) -> std::io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit to write to.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let target = want.min(lim.rlim_max);
+    if target <= lim.rlim_cur {
+        return Ok(lim.rlim_cur);
+    }
+    lim.rlim_cur = target;
+    // SAFETY: `lim` is a valid rlimit, its soft value within its hard one.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(target)
+}

@@ -358,6 +358,12 @@ impl<B> InOrder<B> {
     pub(crate) fn len(&self) -> usize {
         self.held
     }
+
+    /// Every buffer still held, in posting order.
+    pub(crate) fn drain_all(&mut self) -> Vec<B> {
+        self.held = 0;
+        self.queue.drain(..).filter_map(|(_, b)| b).collect()
+    }
 }
 
 /// What [`QueuePair::reclaim`] found for a completion.
@@ -427,6 +433,8 @@ pub struct QueuePair {
     recv_cq: Arc<CqInner>,
     /// The shared receive queue this QP receives through, if any (then it posts no receives).
     srq: Option<Arc<SrqInner>>,
+    /// Destroyed by [`QueuePair::destroy`]: nothing left for Drop.
+    destroyed: bool,
 }
 
 // SAFETY: posting and modifying take `&mut self`; the raw QP may be used from any one thread at
@@ -535,6 +543,7 @@ impl QueuePair {
             send_cq: send_cq.inner.clone(),
             recv_cq: recv_cq.inner.clone(),
             srq: srq.map(|s| s.inner().clone()),
+            destroyed: false,
         })
     }
 
@@ -913,20 +922,51 @@ impl QueuePair {
     }
 }
 
+impl QueuePair {
+    /// Destroys the queue pair now (`ibv_destroy_qp`) and hands back every buffer it still
+    /// held: sends that will never complete (unsignaled ones that succeeded with nothing
+    /// signaled after them) and receives never consumed. Once the queue pair is destroyed the
+    /// device can no longer touch them. Completions of it still queued in a CQ name requests
+    /// no longer held, so they hand back nothing. If `ibv_destroy_qp` fails, the buffers are
+    /// leaked (the device may still own them), as on drop.
+    pub fn destroy(mut self) -> Result<Vec<Buffer>> {
+        // SAFETY: the QP is alive; `destroyed` below keeps Drop from destroying it again.
+        let ret = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
+        self.destroyed = true;
+        if let Err(source) = check_ret(ret) {
+            self.leak_posted();
+            return Err(Error::DestroyQp {
+                qp_num: self.qp_num,
+                source,
+            });
+        }
+        let mut bufs = self.posted.recv.drain_all();
+        bufs.extend(self.posted.send.drain(..).filter_map(|(_, b)| b));
+        Ok(bufs)
+    }
+
+    /// After a failed `ibv_destroy_qp`: the device may still own the posted buffers; leak them
+    /// rather than free memory it could write to, and keep the SRQ (the QP may still consume
+    /// its requests).
+    fn leak_posted(&mut self) {
+        std::mem::forget(std::mem::replace(
+            &mut self.posted.recv,
+            InOrder::with_capacity(0),
+        ));
+        std::mem::forget(std::mem::take(&mut self.posted.send));
+        std::mem::forget(self.srq.take());
+    }
+}
+
 impl Drop for QueuePair {
     fn drop(&mut self) {
+        if self.destroyed {
+            return;
+        }
         // SAFETY: the QP is alive and destroyed exactly once. Its CQs and PD are still held.
         let ret = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
         if ret != 0 {
-            // The device may still own the posted buffers: leak them rather than free memory
-            // it could write to.
-            std::mem::forget(std::mem::replace(
-                &mut self.posted.recv,
-                InOrder::with_capacity(0),
-            ));
-            std::mem::forget(std::mem::take(&mut self.posted.send));
-            // The QP may still consume SRQ requests: keep the SRQ, and with it its buffers.
-            std::mem::forget(self.srq.take());
+            self.leak_posted();
         }
     }
 }

@@ -37,10 +37,10 @@ impl ReadyWatch {
         Ok(Self { epoll })
     }
 
-    fn ctl(&self, op: libc::c_int, fd: RawFd, token: u8, flags: libc::c_int) -> Result<()> {
+    fn ctl(&self, op: libc::c_int, fd: RawFd, token: u64, flags: libc::c_int) -> Result<()> {
         let mut ev = libc::epoll_event {
             events: (libc::EPOLLIN | flags) as u32,
-            u64: u64::from(token),
+            u64: token,
         };
         // SAFETY: the epoll descriptor is ours and open; `ev` is a valid epoll_event for the
         // duration of the call (the kernel copies it).
@@ -70,7 +70,24 @@ impl ReadyWatch {
                 "watch token {token} is not below 64"
             )));
         }
-        self.ctl(libc::EPOLL_CTL_ADD, fd.as_raw_fd(), token, flags)
+        self.ctl(libc::EPOLL_CTL_ADD, fd.as_raw_fd(), u64::from(token), flags)
+    }
+
+    /// Watches `fd` for readability, reporting it as `key` through [`ReadyWatch::wait_keys`]
+    /// (any 64-bit key: for watches of many descriptors, such as one per connection).
+    pub fn add_keyed(&self, fd: BorrowedFd<'_>, key: u64) -> Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd.as_raw_fd(), key, 0)
+    }
+
+    /// Like [`ReadyWatch::add_keyed`], waking one of several watches sharing `fd`
+    /// (`EPOLLEXCLUSIVE`, see [`ReadyWatch::add_exclusive`]).
+    pub fn add_keyed_exclusive(&self, fd: BorrowedFd<'_>, key: u64) -> Result<()> {
+        self.ctl(
+            libc::EPOLL_CTL_ADD,
+            fd.as_raw_fd(),
+            key,
+            libc::EPOLLEXCLUSIVE,
+        )
     }
 
     /// Stops watching `fd`.
@@ -82,17 +99,39 @@ impl ReadyWatch {
     /// Returns the set of ready tokens as a bit mask (bit `t` for token `t`); 0 on timeout.
     /// Interrupted waits are resumed with the remaining time.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<u64> {
-        let deadline = timeout.map(|t| Instant::now() + t);
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
+        let n = self.wait_raw(timeout, &mut events)?;
+        Ok(events[..n]
+            .iter()
+            .fold(0u64, |mask, ev| mask | (1u64 << (ev.u64 & 63))))
+    }
+
+    /// Waits like [`ReadyWatch::wait`] and appends the keys of up to 64 ready descriptors to
+    /// `ready` (a descriptor added with a token reports the token as its key); returns how
+    /// many. A zero `timeout` only looks. Level-triggered: a descriptor left readable is
+    /// reported again by the next call.
+    pub fn wait_keys(&self, timeout: Option<Duration>, ready: &mut Vec<u64>) -> Result<usize> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        let n = self.wait_raw(timeout, &mut events)?;
+        ready.extend(events[..n].iter().map(|ev| ev.u64));
+        Ok(n)
+    }
+
+    fn wait_raw(
+        &self,
+        timeout: Option<Duration>,
+        events: &mut [libc::epoll_event],
+    ) -> Result<usize> {
+        let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             let ms = crate::poll_timeout_ms(deadline);
-            // SAFETY: `events` is a valid array of MAX_EVENTS epoll_events the kernel may fill;
-            // the epoll descriptor is ours and open.
+            // SAFETY: `events` is a valid array of `events.len()` epoll_events the kernel may
+            // fill; the epoll descriptor is ours and open.
             let n = unsafe {
                 libc::epoll_wait(
                     self.epoll.as_raw_fd(),
                     events.as_mut_ptr(),
-                    MAX_EVENTS as libc::c_int,
+                    events.len() as libc::c_int,
                     ms,
                 )
             };
@@ -103,10 +142,16 @@ impl ReadyWatch {
                 }
                 return Err(wait_err("epoll_wait", self.epoll.as_raw_fd(), err));
             }
-            return Ok(events[..n as usize]
-                .iter()
-                .fold(0u64, |mask, ev| mask | (1u64 << (ev.u64 & 63))));
+            return Ok(n as usize);
         }
+    }
+}
+
+/// The epoll descriptor itself: readable whenever one of the watched descriptors is, so that
+/// an outer event loop (mio, tokio, another epoll) can wait on the whole set.
+impl std::os::fd::AsFd for ReadyWatch {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.epoll.as_fd()
     }
 }
 
@@ -137,6 +182,23 @@ mod tests {
         assert_eq!(w.wait(None).unwrap(), 1);
         assert!(w.add(a_rx.as_fd(), 64).is_err());
         assert!(w.add(a_rx.as_fd(), 1).is_err(), "already watched");
+    }
+
+    #[test]
+    fn keyed_watches_report_their_keys() {
+        let (mut a_tx, a_rx) = UnixStream::pair().unwrap();
+        let (mut b_tx, b_rx) = UnixStream::pair().unwrap();
+        let w = ReadyWatch::new().unwrap();
+        w.add_keyed(a_rx.as_fd(), 1 << 40 | 7).unwrap();
+        w.add_keyed(b_rx.as_fd(), 3).unwrap();
+        let mut ready = Vec::new();
+        let zero = Some(Duration::ZERO);
+        assert_eq!(w.wait_keys(zero, &mut ready).unwrap(), 0);
+        a_tx.write_all(b"x").unwrap();
+        b_tx.write_all(b"y").unwrap();
+        assert_eq!(w.wait_keys(None, &mut ready).unwrap(), 2);
+        ready.sort_unstable();
+        assert_eq!(ready, [3, 1 << 40 | 7]);
     }
 
     #[test]

@@ -1,0 +1,356 @@
+//! Typed messages to and from many peers, served by one thread: the many-peer counterpart of
+//! [`crate::Session`] over a transport [`rdmsg_transport::Hub`].
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId};
+
+use crate::codec::{Decoder, Envelope, FrameBytes};
+use crate::peer::{self, HubLink, PeerTable, Receiver, Sender};
+use crate::{Error, Message, Result, SessionConfig, SessionStats};
+
+/// What happened in a [`Hub`]. Per peer, events come in order: `Connected`, its messages and
+/// bad frames, then `Disconnected`.
+#[derive(Debug)]
+pub enum HubEvent {
+    /// A connection is established: accepted from the hub's listener (`accepted`), or one that
+    /// [`Hub::connect`] started.
+    Connected {
+        /// The connection.
+        peer: PeerId,
+        /// Accepted (else connected by us).
+        accepted: bool,
+    },
+    /// A message from `peer`. A single-frame message is still in its receive buffer, which it
+    /// holds until dropped (holding many holds back that peer, and past the hub's spare
+    /// buffers, others).
+    Message {
+        /// Who sent it.
+        peer: PeerId,
+        /// The message, still encoded: [`Envelope::decode`] it.
+        msg: Envelope,
+    },
+    /// A frame from `peer` was dropped: malformed, out of order, of an unregistered tag
+    /// ([`Error::BadFrame`], [`Error::UnknownTag`]). The peer is not failed: the next good
+    /// message from it is delivered.
+    BadFrame {
+        /// Who sent it.
+        peer: PeerId,
+        /// Why it was dropped (never fatal).
+        error: Error,
+    },
+    /// The connection ended; everything it delivered came before this, and its id is dead.
+    Disconnected {
+        /// The connection.
+        peer: PeerId,
+        /// Why ([`Failure::PeerClosed`] after a graceful close by the peer,
+        /// [`Failure::Closed`] after [`Hub::close`]).
+        failure: Failure,
+    },
+    /// A handshake failed: a client accepted from the listener (`peer: None`), or one that
+    /// [`Hub::connect`] started. The hub and every other connection go on.
+    HandshakeFailed {
+        /// The connection [`Hub::connect`] returned, if it was ours.
+        peer: Option<PeerId>,
+        /// Why.
+        error: Error,
+    },
+}
+
+impl HubEvent {
+    /// The peer the event concerns (`None` for a client that failed its handshake).
+    pub fn peer(&self) -> Option<PeerId> {
+        match self {
+            HubEvent::Connected { peer, .. }
+            | HubEvent::Message { peer, .. }
+            | HubEvent::BadFrame { peer, .. }
+            | HubEvent::Disconnected { peer, .. } => Some(*peer),
+            HubEvent::HandshakeFailed { peer, .. } => *peer,
+        }
+    }
+}
+
+/// What the hub keeps per peer: what a [`crate::Session`] keeps for its connection.
+#[derive(Debug)]
+struct PeerState {
+    sender: Sender,
+    receiver: Receiver,
+}
+
+impl PeerState {
+    fn stats(&self) -> SessionStats {
+        peer::stats(&self.sender, &self.receiver)
+    }
+}
+
+/// Typed messages to and from many peers, driven by one thread.
+///
+/// Each peer gets what a [`crate::Session`] has: its own sequence numbers, solicitation
+/// policy (the bounds of one [`SessionConfig`]; the default run is a quarter of that peer's
+/// announced depth), decoder and statistics, made when it connects and dropped when it
+/// disconnects. Types are registered once, on the hub, for every peer.
+///
+/// [`Hub::recv`] returns [`HubEvent`]s: connections, messages, bad frames (not fatal: the
+/// peer goes on), disconnections. Sending to one peer may wait for its credits; the hub is
+/// driven meanwhile, and whatever happens to others waits as events. Only the hub's own
+/// failure (its queues or completion channel) is an `Err` from `recv`; a failed peer is a
+/// [`HubEvent::Disconnected`], and sending to it gives its failure.
+#[derive(Debug)]
+pub struct Hub {
+    transport: rdmsg_transport::Hub,
+    config: SessionConfig,
+    /// The registered types, never fed a frame: each new peer's decoder is a copy.
+    registry: Decoder,
+    peers: PeerTable<PeerId, PeerState>,
+    /// Counts of peers gone.
+    departed: SessionStats,
+}
+
+impl Hub {
+    /// A hub on `endpoint`, with default per-peer bounds.
+    pub fn new(endpoint: &Endpoint, config: HubConfig) -> Result<Self> {
+        Self::with_config(endpoint, config, SessionConfig::default())
+    }
+
+    /// A hub on `endpoint` whose peers each have the bounds of `session`.
+    pub fn with_config(
+        endpoint: &Endpoint,
+        config: HubConfig,
+        session: SessionConfig,
+    ) -> Result<Self> {
+        let transport = rdmsg_transport::Hub::new(endpoint, config)?;
+        Ok(Self::from_transport(transport, session))
+    }
+
+    /// Typed messages over a transport hub. Its connections so far are taken up as they
+    /// show themselves (an event, a send).
+    pub fn from_transport(transport: rdmsg_transport::Hub, config: SessionConfig) -> Self {
+        Self {
+            transport,
+            registry: Decoder::new(config.max_message),
+            config,
+            peers: PeerTable::default(),
+            departed: SessionStats::default(),
+        }
+    }
+
+    /// Accept only registered types from now on, from every peer, present and future; others
+    /// are [`HubEvent::BadFrame`]s with [`Error::UnknownTag`]. [`Error::DuplicateTag`] if `M`'s
+    /// tag is registered already.
+    pub fn register<M: Message>(&mut self) -> Result<&mut Self> {
+        self.registry.register::<M>()?;
+        for p in self.peers.values_mut() {
+            // Every decoder was made from the registry, so it takes what the registry took.
+            p.receiver.register::<M>()?;
+        }
+        Ok(self)
+    }
+
+    /// Listens for clients at `addr` (`"0.0.0.0:0"` picks a port); returns the address bound.
+    /// Each client is a [`HubEvent::Connected`] with `accepted: true` once its handshake,
+    /// which runs inside the hub, is done.
+    pub fn listen(&mut self, addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<SocketAddr> {
+        Ok(self.transport.listen(addr)?)
+    }
+
+    /// Starts a connection to a listener or another hub at `addr`; its handshake runs inside
+    /// the hub ([`HubEvent::Connected`], or [`HubEvent::HandshakeFailed`], names it later).
+    /// Sending to it before it is connected waits for that.
+    pub fn connect(&mut self, addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<PeerId> {
+        Ok(self.transport.connect(addr)?)
+    }
+
+    /// The transport hub underneath.
+    pub fn transport(&self) -> &rdmsg_transport::Hub {
+        &self.transport
+    }
+
+    /// The transport hub underneath, to send raw bytes or look at a connection. Events taken
+    /// from it directly bypass this hub (a message is not decoded); per-peer state copes.
+    pub fn transport_mut(&mut self) -> &mut rdmsg_transport::Hub {
+        &mut self.transport
+    }
+
+    /// Established connections that have not failed.
+    pub fn peers(&self) -> impl Iterator<Item = PeerId> + '_ {
+        self.transport.peers()
+    }
+
+    /// Totals over every peer, present and past.
+    pub fn stats(&self) -> SessionStats {
+        let mut total = self.departed;
+        for p in self.peers.values() {
+            total.add(&p.stats());
+        }
+        total
+    }
+
+    /// What was exchanged with `peer`, while it is connected.
+    pub fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
+        self.peers.get(peer).map(PeerState::stats)
+    }
+
+    /// Sends `m` to `peer`, solicited or not as its type says ([`Message::SOLICITED`]).
+    pub fn send<M: Message>(&mut self, peer: PeerId, m: &M) -> Result<()> {
+        self.send_as(peer, m, M::SOLICITED)
+    }
+
+    /// Sends `m` to `peer`, solicited or not as given (the peer's policy may still solicit
+    /// it); like [`crate::Session::send_as`]. Waits for the peer's credits (and, if it is
+    /// still connecting, for its handshake), driving the hub meanwhile.
+    pub fn send_as<M: Message>(&mut self, peer: PeerId, m: &M, solicited: bool) -> Result<()> {
+        self.with_sender(peer, |s, link| s.send_as(link, m, solicited))
+    }
+
+    /// Sends a batch to `peer`: every message unsolicited but the last, which is solicited.
+    pub fn send_batch<'a, M: Message + 'a>(
+        &mut self,
+        peer: PeerId,
+        batch: impl IntoIterator<Item = &'a M>,
+    ) -> Result<usize> {
+        self.with_sender(peer, |s, link| s.send_batch(link, batch))
+    }
+
+    /// If anything went unsolicited to `peer` since the last solicited frame, sends it a
+    /// payload-less solicited frame so that it looks now (see [`crate::Session::flush`]).
+    pub fn flush(&mut self, peer: PeerId) -> Result<()> {
+        self.with_sender(peer, |s, link| s.flush(link))
+    }
+
+    /// Closes `peer` gracefully (see [`rdmsg_transport::Hub::close`]): it receives everything
+    /// sent so far, then [`Failure::PeerClosed`]; here [`HubEvent::Disconnected`] follows with
+    /// [`Failure::Closed`].
+    pub fn close(&mut self, peer: PeerId) -> Result<()> {
+        Ok(self.transport.close(peer)?)
+    }
+
+    /// The next event, waiting as long as it takes. An `Err` is the hub's own failure, which
+    /// every later call reports too.
+    pub fn recv(&mut self) -> Result<HubEvent> {
+        loop {
+            if let Some(ev) = self.recv_timeout(None)? {
+                return Ok(ev);
+            }
+        }
+    }
+
+    /// The next event, waiting at most `timeout` (`None`: as long as it takes); `Ok(None)` if
+    /// nothing happened in time.
+    pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let Some(raw) = self.transport.next_event(left)? else {
+                return Ok(None);
+            };
+            if let Some(ev) = self.take(raw) {
+                return Ok(Some(ev));
+            }
+        }
+    }
+
+    /// An event that has already happened, without waiting (for event loops over
+    /// [`AsFd`]: call it until `Ok(None)` whenever the hub's descriptor is readable, and at
+    /// least every [`rdmsg_transport::Hub::next_timeout`]).
+    pub fn try_recv(&mut self) -> Result<Option<HubEvent>> {
+        while let Some(raw) = self.transport.try_event()? {
+            if let Some(ev) = self.take(raw) {
+                return Ok(Some(ev));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The events, until the hub's own failure (which [`Hub::recv`] then reports).
+    pub fn incoming(&mut self) -> impl Iterator<Item = HubEvent> + '_ {
+        std::iter::from_fn(move || self.recv().ok()).fuse()
+    }
+
+    /// Turns a transport event into a typed one, keeping per-peer state: `None` for a frame
+    /// that completed nothing (a fragment, a nudge).
+    fn take(&mut self, raw: rdmsg_transport::HubEvent) -> Option<HubEvent> {
+        use rdmsg_transport::HubEvent as Raw;
+        Some(match raw {
+            Raw::Connected { peer, accepted } => {
+                self.state(peer);
+                HubEvent::Connected { peer, accepted }
+            }
+            Raw::Message { peer, msg } => {
+                match self.state(peer).receiver.take(FrameBytes::Received(msg)) {
+                    Ok(Some(msg)) => HubEvent::Message { peer, msg },
+                    Ok(None) => return None,
+                    Err(error) => HubEvent::BadFrame { peer, error },
+                }
+            }
+            Raw::Disconnected { peer, failure } => {
+                if let Some(gone) = self.peers.remove(peer) {
+                    self.departed.add(&gone.stats());
+                }
+                HubEvent::Disconnected { peer, failure }
+            }
+            Raw::HandshakeFailed { peer, error } => {
+                if let Some(gone) = peer.and_then(|p| self.peers.remove(p)) {
+                    self.departed.add(&gone.stats());
+                }
+                HubEvent::HandshakeFailed {
+                    peer,
+                    error: error.into(),
+                }
+            }
+        })
+    }
+
+    /// `peer`'s state, made on first sight: normally at its `Connected`, but also when that
+    /// event was taken from the transport directly, or a send came first.
+    fn state(&mut self, peer: PeerId) -> &mut PeerState {
+        if self.peers.get(peer).is_none() {
+            // A connected peer has announced its depth; 0 (solicit every other message) only
+            // if it is gone meanwhile, when nothing will be sent to it anyway.
+            let depth = self.transport.peer_hello(peer).map_or(0, |h| h.recv_depth);
+            let fresh = PeerState {
+                sender: Sender::new(&self.config, depth),
+                receiver: Receiver::new(self.registry.fresh()),
+            };
+            // A slot reused before its previous peer's `Disconnected` came through here.
+            if let Some((_, stale)) = self.peers.insert(peer, fresh) {
+                self.departed.add(&stale.stats());
+            }
+        }
+        self.peers.get_mut(peer).expect("inserted above")
+    }
+
+    /// Runs `f` with `peer`'s sender and a link to it. A peer still in its handshake is
+    /// waited for first, as the transport's send would (a send that fills nothing), so that
+    /// its policy starts from its announced depth.
+    fn with_sender<T>(
+        &mut self,
+        peer: PeerId,
+        f: impl FnOnce(&mut Sender, &mut HubLink<'_>) -> Result<T>,
+    ) -> Result<T> {
+        if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
+            self.transport.send_with(peer, false, None, |_| None)?;
+        }
+        self.state(peer);
+        let Self {
+            transport, peers, ..
+        } = self;
+        let state = peers.get_mut(peer).expect("made above");
+        f(
+            &mut state.sender,
+            &mut HubLink {
+                hub: transport,
+                peer,
+            },
+        )
+    }
+}
+
+impl AsFd for Hub {
+    /// The transport hub's descriptor: readable whenever the hub has something to do (see
+    /// [`Hub::try_recv`]).
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.transport.as_fd()
+    }
+}

@@ -1,0 +1,494 @@
+//! What a [`crate::Session`] keeps for its connection and a [`crate::Hub`] keeps for each of
+//! its peers: the sending side (sequence, solicitation policy, encoding and fragmenting) and
+//! the receiving side (decoder), written once over a [`Link`] so that both drive the same code.
+
+use rdmsg_transport::{Connection, PeerId};
+
+use crate::codec::{self, Decoder, Envelope, FrameBytes, NUDGE_TAG};
+use crate::frame::{self, FIRST, LAST};
+use crate::policy::SolicitPolicy;
+use crate::{Message, Result, SessionConfig, SessionStats};
+
+/// Where a [`Sender`]'s frames go: a connection, or one peer of a transport hub.
+pub(crate) trait Link {
+    /// Sends what `fill` writes into a registered send buffer (`None`: nothing sent,
+    /// `Ok(false)`), waiting as long as it takes for a credit.
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool>;
+
+    /// Sends one frame, waiting as long as it takes for a credit.
+    fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()>;
+
+    /// The largest frame the peer accepts.
+    fn max_message(&self) -> rdmsg_transport::Result<usize>;
+}
+
+impl Link for Connection {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        Connection::send_with(self, solicited, None, fill)
+    }
+
+    fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()> {
+        Connection::send(self, frame, solicited)
+    }
+
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        Ok(Connection::max_message(self))
+    }
+}
+
+/// One peer of a transport hub, as a [`Link`].
+#[derive(Debug)]
+pub(crate) struct HubLink<'a> {
+    pub(crate) hub: &'a mut rdmsg_transport::Hub,
+    pub(crate) peer: PeerId,
+}
+
+impl Link for HubLink<'_> {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        self.hub.send_with(self.peer, solicited, None, fill)
+    }
+
+    fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()> {
+        self.hub.send(self.peer, frame, solicited)
+    }
+
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        self.hub.max_message(self.peer)
+    }
+}
+
+/// The sending side of one connection: the next sequence number, the solicitation policy,
+/// and the send counters of [`SessionStats`].
+#[derive(Debug)]
+pub(crate) struct Sender {
+    policy: SolicitPolicy,
+    seq: u32,
+    max_message: usize,
+    stats: SessionStats,
+}
+
+impl Sender {
+    /// The sender for a peer announcing `peer_depth` receive buffers (its credit window),
+    /// within `config`'s bounds.
+    pub(crate) fn new(config: &SessionConfig, peer_depth: u32) -> Self {
+        let run = config.max_unsolicited_run.unwrap_or(peer_depth / 4);
+        Self {
+            policy: SolicitPolicy::new(run, config.max_unsolicited_bytes),
+            seq: 0,
+            max_message: config.max_message,
+            stats: SessionStats::default(),
+        }
+    }
+
+    /// Sends `m`, solicited as asked or as the policy forces: straight into a registered send
+    /// buffer when it fits, else fragmented, the last fragment alone carrying the solicitation.
+    pub(crate) fn send_as<M: Message>(
+        &mut self,
+        link: &mut impl Link,
+        m: &M,
+        solicited: bool,
+    ) -> Result<()> {
+        let seq = self.seq;
+        let want = self.policy.decide(solicited);
+        let mut outcome: Result<Option<usize>> = Ok(None);
+        let sent = link.send_with(want, |buf| {
+            outcome = codec::encode_single(m, seq, buf);
+            outcome.as_ref().ok().copied().flatten()
+        })?;
+        let single = outcome?;
+        if sent {
+            self.finish(want, solicited, single.unwrap_or(0), 1);
+            return Ok(());
+        }
+        let frames = codec::encode_fragments(m, seq, link.max_message()?, self.max_message)?;
+        let count = frames.len();
+        let mut bytes = 0;
+        for (i, f) in frames.iter().enumerate() {
+            let last = i + 1 == count;
+            link.send(f, last && want)?;
+            bytes += f.len();
+        }
+        self.stats.fragmented += 1;
+        self.finish(want, solicited, bytes, count as u64);
+        Ok(())
+    }
+
+    fn finish(&mut self, solicited: bool, requested: bool, bytes: usize, frames: u64) {
+        self.seq = self.seq.wrapping_add(1);
+        self.policy.record(solicited, bytes);
+        self.stats.sent += 1;
+        self.stats.frames_sent += frames;
+        self.stats.sent_solicited += u64::from(solicited);
+        self.stats.policy_solicited += u64::from(solicited && !requested);
+    }
+
+    /// Sends every message unsolicited but the last, which is solicited.
+    pub(crate) fn send_batch<'a, M: Message + 'a>(
+        &mut self,
+        link: &mut impl Link,
+        batch: impl IntoIterator<Item = &'a M>,
+    ) -> Result<usize> {
+        let mut iter = batch.into_iter().peekable();
+        let mut n = 0;
+        while let Some(m) = iter.next() {
+            self.send_as(link, m, iter.peek().is_none())?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// A payload-less solicited frame if anything went unsolicited since the last solicited
+    /// one.
+    pub(crate) fn flush(&mut self, link: &mut impl Link) -> Result<()> {
+        if !self.policy.pending() {
+            return Ok(());
+        }
+        let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
+        link.send(&nudge, true)?;
+        self.policy.record(true, 0);
+        Ok(())
+    }
+}
+
+/// The receiving side of one connection: its decoder (reassembly, registered tags) and the
+/// receive counters of [`SessionStats`].
+#[derive(Debug)]
+pub(crate) struct Receiver {
+    decoder: Decoder,
+    received: u64,
+    dropped_frames: u64,
+}
+
+impl Receiver {
+    pub(crate) fn new(decoder: Decoder) -> Self {
+        Self {
+            decoder,
+            received: 0,
+            dropped_frames: 0,
+        }
+    }
+
+    pub(crate) fn register<M: Message>(&mut self) -> Result<()> {
+        self.decoder.register::<M>()
+    }
+
+    /// Takes one frame: a message once complete, `None` for a stored fragment or a nudge, or
+    /// the typed error of a frame that was dropped (counted).
+    pub(crate) fn take(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
+        match self.decoder.push(frame) {
+            Ok(Some(env)) => {
+                self.received += 1;
+                Ok(Some(env))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => {
+                self.dropped_frames += 1;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The counters of both sides.
+pub(crate) fn stats(sender: &Sender, receiver: &Receiver) -> SessionStats {
+    SessionStats {
+        received: receiver.received,
+        dropped_frames: receiver.dropped_frames,
+        ..sender.stats
+    }
+}
+
+/// A key naming a slot that later keys may reuse ([`PeerId`]).
+pub(crate) trait SlotKey: Copy + Eq {
+    fn index(self) -> usize;
+}
+
+impl SlotKey for PeerId {
+    fn index(self) -> usize {
+        PeerId::index(self)
+    }
+}
+
+/// Per-peer state in a `Vec` indexed by slot, each entry keeping the key it was made for, so
+/// that a stale key (its slot reused by a later connection) finds nothing.
+#[derive(Debug)]
+pub(crate) struct PeerTable<K, V> {
+    slots: Vec<Option<(K, V)>>,
+}
+
+impl<K, V> Default for PeerTable<K, V> {
+    fn default() -> Self {
+        Self { slots: Vec::new() }
+    }
+}
+
+impl<K: SlotKey, V> PeerTable<K, V> {
+    pub(crate) fn get(&self, key: K) -> Option<&V> {
+        match self.slots.get(key.index()) {
+            Some(Some((k, v))) if *k == key => Some(v),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, key: K) -> Option<&mut V> {
+        match self.slots.get_mut(key.index()) {
+            Some(Some((k, v))) if *k == key => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Puts `value` in `key`'s slot; returns what was there, under whatever key (a stale entry
+    /// whose removal was missed).
+    pub(crate) fn insert(&mut self, key: K, value: V) -> Option<(K, V)> {
+        let i = key.index();
+        if self.slots.len() <= i {
+            self.slots.resize_with(i + 1, || None);
+        }
+        self.slots[i].replace((key, value))
+    }
+
+    /// Removes `key`'s entry; a stale key removes nothing.
+    pub(crate) fn remove(&mut self, key: K) -> Option<V> {
+        let slot = self.slots.get_mut(key.index())?;
+        if !matches!(slot, Some((k, _)) if *k == key) {
+            return None;
+        }
+        slot.take().map(|(_, v)| v)
+    }
+
+    pub(crate) fn values(&self) -> impl Iterator<Item = &V> + '_ {
+        self.slots.iter().flatten().map(|(_, v)| v)
+    }
+
+    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> + '_ {
+        self.slots.iter_mut().flatten().map(|(_, v)| v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    /// A slot and a generation, as a transport hub makes them.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct Key(usize, u32);
+
+    impl SlotKey for Key {
+        fn index(self) -> usize {
+            self.0
+        }
+    }
+
+    #[test]
+    fn a_reused_slot_does_not_answer_to_its_old_key() {
+        let mut t = PeerTable::default();
+        assert!(t.insert(Key(3, 1), "a").is_none());
+        assert!(t.insert(Key(0, 2), "b").is_none());
+        assert_eq!(t.get(Key(3, 1)), Some(&"a"));
+        assert_eq!(t.get(Key(3, 9)), None, "another generation");
+        assert_eq!(t.get(Key(7, 1)), None, "beyond the slots");
+        assert_eq!(t.remove(Key(3, 9)), None, "a stale key removes nothing");
+        assert_eq!(t.remove(Key(3, 1)), Some("a"));
+        assert_eq!(t.get(Key(3, 1)), None);
+        assert!(t.insert(Key(3, 4), "c").is_none(), "the slot is reused");
+        assert_eq!(t.get(Key(3, 1)), None);
+        *t.get_mut(Key(3, 4)).unwrap() = "d";
+        assert_eq!(t.get(Key(3, 4)), Some(&"d"));
+        assert_eq!(
+            t.remove(Key(3, 1)),
+            None,
+            "the old key cannot remove the new entry"
+        );
+        let mut all: Vec<_> = t.values().copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, ["b", "d"]);
+    }
+
+    #[test]
+    fn a_missed_removal_is_handed_back_by_the_next_insert() {
+        let mut t = PeerTable::default();
+        t.insert(Key(1, 1), 10);
+        assert_eq!(t.insert(Key(1, 2), 20), Some((Key(1, 1), 10)));
+        assert_eq!(t.get(Key(1, 2)), Some(&20));
+        assert_eq!(t.values().count(), 1);
+        for v in t.values_mut() {
+            *v += 1;
+        }
+        assert_eq!(t.get(Key(1, 2)), Some(&21));
+    }
+
+    /// A link that keeps the frames it is given.
+    struct Wire {
+        max: usize,
+        frames: Vec<(Vec<u8>, bool)>,
+    }
+
+    impl Link for Wire {
+        fn send_with(
+            &mut self,
+            solicited: bool,
+            fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+        ) -> rdmsg_transport::Result<bool> {
+            let mut buf = vec![0; self.max];
+            let Some(n) = fill(&mut buf) else {
+                return Ok(false);
+            };
+            buf.truncate(n);
+            self.frames.push((buf, solicited));
+            Ok(true)
+        }
+
+        fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()> {
+            assert!(frame.len() <= self.max);
+            self.frames.push((frame.to_vec(), solicited));
+            Ok(())
+        }
+
+        fn max_message(&self) -> rdmsg_transport::Result<usize> {
+            Ok(self.max)
+        }
+    }
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Blob(Vec<u8>);
+    crate::message!(Blob, solicited = false);
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Other(u8);
+    crate::message!(Other);
+
+    fn config(run: u32) -> SessionConfig {
+        SessionConfig {
+            max_unsolicited_run: Some(run),
+            ..SessionConfig::default()
+        }
+    }
+
+    /// What a receiver makes of the frames on the wire, in order.
+    fn deliver(wire: &Wire, rx: &mut Receiver) -> Vec<Result<Envelope>> {
+        wire.frames
+            .iter()
+            .filter_map(|(f, _)| rx.take(FrameBytes::Owned(f.clone())).transpose())
+            .collect()
+    }
+
+    #[test]
+    fn small_messages_go_whole_large_ones_in_fragments_solicited_last() {
+        let mut wire = Wire {
+            max: 256,
+            frames: Vec::new(),
+        };
+        let mut tx = Sender::new(&config(100), 0);
+        tx.send_as(&mut wire, &Blob(vec![1; 10]), false).unwrap();
+        tx.send_as(&mut wire, &Blob(vec![2; 1000]), true).unwrap();
+        let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+        assert_eq!(solicited.len(), 1 + 1000usize.div_ceil(256 - 20));
+        assert_eq!(solicited.iter().filter(|s| **s).count(), 1);
+        assert!(
+            solicited.last().unwrap(),
+            "only the last fragment is solicited"
+        );
+        let st = tx.stats;
+        assert_eq!((st.sent, st.fragmented, st.sent_solicited), (2, 1, 1));
+        assert_eq!(st.frames_sent, solicited.len() as u64);
+        let mut rx = Receiver::new(Decoder::new(1 << 20));
+        let got: Vec<Blob> = deliver(&wire, &mut rx)
+            .into_iter()
+            .map(|e| e.unwrap().decode().unwrap())
+            .collect();
+        assert_eq!(got, [Blob(vec![1; 10]), Blob(vec![2; 1000])]);
+        assert_eq!(stats(&tx, &rx).received, 2);
+    }
+
+    #[test]
+    fn the_policy_solicits_long_runs_and_flush_ends_a_burst() {
+        let mut wire = Wire {
+            max: 256,
+            frames: Vec::new(),
+        };
+        let mut tx = Sender::new(&config(3), 64);
+        for i in 0..5 {
+            tx.send_as(&mut wire, &Blob(vec![i]), false).unwrap();
+        }
+        tx.flush(&mut wire).unwrap();
+        tx.flush(&mut wire).unwrap();
+        let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+        assert_eq!(solicited, [false, false, false, true, false, true]);
+        assert_eq!(tx.stats.policy_solicited, 1);
+        let mut rx = Receiver::new(Decoder::new(1 << 20));
+        assert_eq!(
+            deliver(&wire, &mut rx).len(),
+            5,
+            "the nudge carries nothing"
+        );
+    }
+
+    #[test]
+    fn a_batch_solicits_its_last_message_only() {
+        let mut wire = Wire {
+            max: 256,
+            frames: Vec::new(),
+        };
+        let mut tx = Sender::new(&config(100), 0);
+        let batch: Vec<Blob> = (0..4).map(|i| Blob(vec![i])).collect();
+        assert_eq!(tx.send_batch(&mut wire, &batch).unwrap(), 4);
+        let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+        assert_eq!(solicited, [false, false, false, true]);
+        let seqs: Vec<u32> = deliver(&wire, &mut Receiver::new(Decoder::new(1 << 20)))
+            .into_iter()
+            .map(|e| e.unwrap().seq())
+            .collect();
+        assert_eq!(seqs, [0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn the_default_run_is_a_quarter_of_the_peer_depth() {
+        let mut wire = Wire {
+            max: 256,
+            frames: Vec::new(),
+        };
+        let mut tx = Sender::new(&SessionConfig::default(), 8);
+        for _ in 0..3 {
+            tx.send_as(&mut wire, &Blob(vec![]), false).unwrap();
+        }
+        let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+        assert_eq!(solicited, [false, false, true]);
+    }
+
+    #[test]
+    fn a_dropped_frame_is_counted_and_the_next_one_decodes() {
+        let mut wire = Wire {
+            max: 256,
+            frames: Vec::new(),
+        };
+        let mut tx = Sender::new(&config(100), 0);
+        tx.send_as(&mut wire, &Other(1), true).unwrap();
+        tx.send_as(&mut wire, &Blob(vec![1]), true).unwrap();
+        wire.frames.insert(0, (b"garbage".to_vec(), true));
+        let mut decoder = Decoder::new(1 << 20);
+        decoder.register::<Blob>().unwrap();
+        let mut rx = Receiver::new(decoder);
+        let got = deliver(&wire, &mut rx);
+        assert!(matches!(got[0], Err(Error::BadFrame(_))));
+        assert!(matches!(got[1], Err(Error::UnknownTag(t)) if t == Other::TAG));
+        assert_eq!(
+            got[2].as_ref().unwrap().decode::<Blob>().unwrap(),
+            Blob(vec![1])
+        );
+        let st = stats(&tx, &rx);
+        assert_eq!((st.received, st.dropped_frames), (1, 2));
+    }
+}

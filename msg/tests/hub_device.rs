@@ -1,0 +1,303 @@
+//! The typed hub on a real device (`$RDMSG_DEVICE`): a server hub and a client hub in one
+//! process, eight connections between them, requests and responses (one fragmented), batches,
+//! a bad frame that costs one message and not its peer, and graceful closes that come after
+//! everything their peer sent. Ignored on hosts; `cargo xtask test` runs it in the VM.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::ops::ControlFlow;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use rdmsg_msg::{DispatchStats, Dispatcher, Error, Hub, HubEvent, SessionStats};
+use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Request {
+    client: u32,
+    id: u32,
+    x: i64,
+}
+rdmsg_msg::message!(Request);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Response {
+    id: u32,
+    y: i64,
+    pad: Vec<u8>,
+}
+rdmsg_msg::message!(Response);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Note {
+    seq: u32,
+}
+rdmsg_msg::message!(Note, solicited = false);
+
+const PEERS: usize = 8;
+/// The request whose response is larger than a receive buffer (2 KiB): it is fragmented.
+const BIG: u32 = 999;
+/// The client whose peer sends garbage, and the one that closes first after many notes.
+const GARBAGE: usize = 3;
+const CLOSES_FIRST: usize = 5;
+const WAIT: Option<Duration> = Some(Duration::from_secs(10));
+
+fn endpoint() -> Endpoint {
+    Endpoint::open_default().expect("open $RDMSG_DEVICE (device tests need it)")
+}
+
+fn config() -> HubConfig {
+    HubConfig {
+        max_connections: 16,
+        ..HubConfig::default()
+    }
+}
+
+fn notes_of(client: usize) -> u32 {
+    if client == CLOSES_FIRST {
+        32
+    } else {
+        16
+    }
+}
+
+/// What the server saw.
+#[derive(Debug, Default)]
+struct Served {
+    connected: usize,
+    /// Server-side peer → the client index its requests named.
+    clients: HashMap<PeerId, u32>,
+    bad: Vec<PeerId>,
+    /// Each ended peer: why, and the notes it had delivered by then.
+    ended: Vec<(PeerId, Failure, Vec<u32>)>,
+    stats: SessionStats,
+    dispatch: DispatchStats,
+}
+
+/// Answers requests and records notes through a dispatcher until every peer has gone.
+fn serve(addr_tx: mpsc::Sender<SocketAddr>) -> Served {
+    let ep = endpoint();
+    let mut hub = Hub::new(&ep, config()).expect("server hub");
+    hub.register::<Request>()
+        .unwrap()
+        .register::<Note>()
+        .unwrap();
+    addr_tx.send(hub.listen("127.0.0.1:0").unwrap()).unwrap();
+    let notes: Arc<Mutex<HashMap<PeerId, Vec<u32>>>> = Arc::default();
+    let mut d = Dispatcher::new();
+    let sink = notes.clone();
+    d.on_from::<Note>(move |peer, n| sink.lock().unwrap().entry(peer).or_default().push(n.seq))
+        .unwrap();
+    let requests = d.channel_from::<Request>(16).unwrap();
+    let mut served = Served::default();
+    d.run_hub_with(&mut hub, |hub, ev| {
+        // The message just routed, if it was a request: answer it.
+        for (peer, r) in requests.try_iter() {
+            served.clients.insert(peer, r.client);
+            let pad = vec![r.id as u8; if r.id == BIG { 10_000 } else { 0 }];
+            hub.send(
+                peer,
+                &Response {
+                    id: r.id,
+                    y: 2 * r.x,
+                    pad,
+                },
+            )
+            .expect("respond");
+        }
+        match ev {
+            HubEvent::Connected { accepted, .. } => {
+                assert!(accepted);
+                served.connected += 1;
+            }
+            HubEvent::BadFrame { peer, error } => {
+                assert!(!error.is_fatal(), "{error}");
+                assert_eq!(hub.transport().failure(peer), None, "the peer goes on");
+                served.bad.push(peer);
+            }
+            HubEvent::Disconnected { peer, failure } => {
+                assert_eq!(hub.peer_stats(peer), None, "its state is gone");
+                let delivered = notes.lock().unwrap().remove(&peer).unwrap_or_default();
+                served.ended.push((peer, failure, delivered));
+                if served.ended.len() == PEERS {
+                    return ControlFlow::Break(());
+                }
+            }
+            HubEvent::HandshakeFailed { error, .. } => panic!("handshake failed: {error}"),
+            HubEvent::Message { .. } => {}
+        }
+        ControlFlow::Continue(())
+    })
+    .expect("the server hub does not fail");
+    served.stats = hub.stats();
+    served.dispatch = d.stats();
+    served
+}
+
+fn next(hub: &mut Hub) -> HubEvent {
+    hub.recv_timeout(WAIT)
+        .expect("the client hub does not fail")
+        .expect("an event within 10 s")
+}
+
+/// Collects `n` responses (and any `Connected` on the way): id → (peer, y, pad length).
+fn responses(hub: &mut Hub, n: usize, connected: &mut usize) -> HashMap<u32, (PeerId, i64, usize)> {
+    let mut got = HashMap::new();
+    while got.len() < n {
+        match next(hub) {
+            HubEvent::Connected { accepted, .. } => {
+                assert!(!accepted);
+                *connected += 1;
+            }
+            HubEvent::Message { peer, msg } => {
+                let r: Response = msg.decode().expect("a response");
+                assert!(got.insert(r.id, (peer, r.y, r.pad.len())).is_none());
+            }
+            other => panic!("waiting for responses: {other:?}"),
+        }
+    }
+    got
+}
+
+#[test]
+#[ignore = "device"]
+fn a_hub_exchanges_typed_messages_with_many_peers() {
+    let (addr_tx, addr_rx) = mpsc::channel();
+    let server = std::thread::spawn(move || serve(addr_tx));
+    let addr = addr_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("listening");
+
+    let ep = endpoint();
+    let mut hub = Hub::new(&ep, config()).expect("client hub");
+    hub.register::<Response>().unwrap();
+    let peers: Vec<PeerId> = (0..PEERS).map(|_| hub.connect(addr).unwrap()).collect();
+
+    // Sent at once: each waits for its handshake inside the hub.
+    for (i, &p) in peers.iter().enumerate() {
+        let id = i as u32;
+        hub.send(
+            p,
+            &Request {
+                client: id,
+                id,
+                x: i64::from(id),
+            },
+        )
+        .unwrap();
+    }
+    let mut connected = 0;
+    let got = responses(&mut hub, PEERS, &mut connected);
+    for (i, &p) in peers.iter().enumerate() {
+        assert_eq!(
+            got[&(i as u32)],
+            (p, 2 * i as i64, 0),
+            "answered on its own connection"
+        );
+    }
+
+    // Batches of three requests per peer, and one whose response needs many frames.
+    for (i, &p) in peers.iter().enumerate() {
+        let batch: Vec<Request> = (0..3)
+            .map(|k| Request {
+                client: i as u32,
+                id: 100 + 10 * i as u32 + k,
+                x: -1,
+            })
+            .collect();
+        assert_eq!(hub.send_batch(p, &batch).unwrap(), 3);
+    }
+    hub.send(
+        peers[0],
+        &Request {
+            client: 0,
+            id: BIG,
+            x: 21,
+        },
+    )
+    .unwrap();
+    let got = responses(&mut hub, 3 * PEERS + 1, &mut connected);
+    assert_eq!(connected, PEERS, "every connection was reported once");
+    assert_eq!(got[&BIG], (peers[0], 42, 10_000));
+    assert_eq!(got[&(100 + 10 * 7 + 2)], (peers[7], -2, 0));
+
+    // Garbage on one connection: dropped there, the connection still answers.
+    hub.transport_mut()
+        .send(peers[GARBAGE], b"definitely not a frame", true)
+        .unwrap();
+    hub.send(
+        peers[GARBAGE],
+        &Request {
+            client: GARBAGE as u32,
+            id: 500,
+            x: 1,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        responses(&mut hub, 1, &mut connected)[&500],
+        (peers[GARBAGE], 2, 0)
+    );
+
+    // Notes in batches, then graceful closes: the server gets every note before each close.
+    let batch = |n: u32| (0..n).map(|seq| Note { seq }).collect::<Vec<_>>();
+    hub.send_batch(peers[CLOSES_FIRST], &batch(notes_of(CLOSES_FIRST)))
+        .unwrap();
+    hub.close(peers[CLOSES_FIRST]).unwrap();
+    assert!(matches!(
+        hub.send(peers[CLOSES_FIRST], &Note { seq: 0 }),
+        Err(Error::Transport(_))
+    ));
+    for (i, &p) in peers.iter().enumerate() {
+        if i != CLOSES_FIRST {
+            hub.send_batch(p, &batch(notes_of(i))).unwrap();
+            hub.flush(p).unwrap();
+            hub.close(p).unwrap();
+        }
+    }
+    let mut closed = Vec::new();
+    while closed.len() < PEERS {
+        match next(&mut hub) {
+            HubEvent::Disconnected { peer, failure } => {
+                assert_eq!(failure, Failure::Closed);
+                assert_eq!(hub.peer_stats(peer), None);
+                closed.push(peer);
+            }
+            other => panic!("waiting for the closes: {other:?}"),
+        }
+    }
+    closed.sort();
+    let mut sorted = peers.clone();
+    sorted.sort();
+    assert_eq!(closed, sorted);
+    let client = hub.stats();
+    assert_eq!(client.received, 4 * PEERS as u64 + 2, "every response");
+    assert_eq!(client.dropped_frames, 0);
+    let notes: u64 = (0..PEERS).map(|i| u64::from(notes_of(i))).sum();
+    assert_eq!(client.sent, 4 * PEERS as u64 + 2 + notes);
+
+    let served = server.join().expect("server thread");
+    assert_eq!(served.connected, PEERS);
+    assert_eq!(served.bad.len(), 1, "one bad frame");
+    assert_eq!(
+        served.clients[&served.bad[0]], GARBAGE as u32,
+        "from its sender"
+    );
+    assert_eq!(served.ended.len(), PEERS);
+    for (peer, failure, delivered) in &served.ended {
+        let client = served.clients[peer] as usize;
+        assert_eq!(*failure, Failure::PeerClosed, "client {client}");
+        let want: Vec<u32> = (0..notes_of(client)).collect();
+        assert_eq!(
+            *delivered, want,
+            "client {client}: every note, in order, before its close"
+        );
+    }
+    assert_eq!(served.stats.received, 4 * PEERS as u64 + 2 + notes);
+    assert_eq!(served.stats.dropped_frames, 1);
+    assert_eq!(served.stats.fragmented, 1, "the big response");
+    assert_eq!(served.dispatch.bad_frames, 1);
+    assert_eq!(served.dispatch.peer_events, 2 * PEERS as u64);
+    assert_eq!(served.dispatch.dispatched, served.stats.received);
+}

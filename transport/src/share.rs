@@ -1,0 +1,1088 @@
+//! One pool of receive buffers (a shared receive queue) shared among many connections, as pure
+//! bookkeeping (no verbs), so that it can be checked deterministically.
+//!
+//! # The problem
+//!
+//! A hub serves many RC connections whose receives all come from one shared receive queue
+//! (SRQ) of equally sized buffers. Each connection keeps its own [`Credits`]: a credit is still
+//! the right to one posted buffer, and a grant still needs a posted buffer to land in, but any
+//! posted buffer serves any connection. So receiver-not-ready is impossible as long as the SRQ
+//! holds, summed over the connections, what each one's books say must be posted
+//! ([`Credits::must_be_posted`]). [`Share`] decides which connection each posted buffer backs.
+//!
+//! # The rules
+//!
+//! Every posted buffer backs one connection or is *spare*: `posted == spare + Σ backing`, and a
+//! connection's backing is exactly its [`Credits::must_be_posted`] (its peer's credits, the
+//! credits owed to it, its grant slots not in use).
+//!
+//! - **Admission** sets aside `min_credits + grant_slots` spare buffers: the credits the new
+//!   peer starts with ([`Credits::shared`]) and its grant slots.
+//! - **A receive completion** takes one buffer from the connection it came from.
+//! - **A posted buffer** goes, in this order, to a connection missing a grant slot; to a
+//!   *starving* connection (the credits its peer holds or is owed are below `min_credits`, or
+//!   its peer may be blocked); to a connection below its *quota*, the one whose peer holds or
+//!   is owed the fewest credits first and round-robin among equals; else to spare. Spare is
+//!   handed out the moment someone needs it, so spare buffers mean that nobody waits.
+//! - **Quotas** start at `min_credits`. A peer that runs out of credits has its quota doubled
+//!   (at most `max_credits`) into the *headroom*: the buffers left spare after the last
+//!   re-post, less what other quotas grew into since. Quotas thus grow only into buffers
+//!   nobody else needed, not into those that busy peers' consumed messages are about to give
+//!   back (a peer that runs out mid-batch finds spare already spent on refills). What is spare
+//!   is handed out at once; the rest comes with the next re-post, before any ordinary quota.
+//!   A connection that received no data between two [`Share::tick`]s has its quota halved,
+//!   never below `min_credits`, and owed credits beyond it (never announced to the peer) taken
+//!   back. Credits a peer holds cannot be taken back: a shrunk quota only stops them from
+//!   being refilled. A quota is thus about what the connection can really get, and so is the
+//!   grant threshold derived from it.
+//! - **Grants** are due after a quarter of the quota ([`threshold_for_quota`]): a peer allowed
+//!   few credits must get them back long before a quarter of its announced depth is owed.
+//!
+//! # Why nobody waits for ever
+//!
+//! - Every credit a peer holds and every grant slot it may use is backed by a posted buffer,
+//!   and a message takes a buffer only from its own connection's backing: no receiver-not-ready.
+//! - Within a connection, the argument of [`crate::credits`] holds as is: its grant slots are
+//!   always posted or served first, and a grant frees its own buffer at once, so restoring
+//!   grant slots costs the pool nothing.
+//! - A connection falls below `min_credits` only by receiving data, whose buffers come back
+//!   to the pool once the consumer lets go of them, and are posted at once while anyone
+//!   starves ([`Share::urgent`]); starving connections are served before any quota, so what
+//!   they all miss below the minimum never exceeds the buffers held or free. With
+//!   `min_credits >= 1`, each peer then gets a credit back, solicited if it may be blocked.
+//!   This assumes that the consumer eventually lets go: one that keeps every buffer while it
+//!   waits for another message blocks every peer, not only the one that sent them.
+//! - Within a priority, the connection whose peer has the fewest credits is served first and
+//!   equals take turns, so busy peers cannot keep a starved one out.
+//!
+//! `tests/share.rs` checks this over arbitrary interleavings of several peers sending at
+//! different rates, joining and leaving.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::credits::Credits;
+
+/// Access to the credit books of one connection (the hub's connection record implements it).
+pub trait CreditHolder {
+    /// The connection's books.
+    fn credits(&self) -> &Credits;
+    /// The connection's books, to change.
+    fn credits_mut(&mut self) -> &mut Credits;
+}
+
+impl CreditHolder for Credits {
+    fn credits(&self) -> &Credits {
+        self
+    }
+
+    fn credits_mut(&mut self) -> &mut Credits {
+        self
+    }
+}
+
+/// How credits are shared; the same for every connection of the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShareConfig {
+    /// Credits every peer starts with and is refilled to first (its announced initial credits).
+    pub min_credits: u32,
+    /// Most credits a peer may hold (its announced receive depth).
+    pub max_credits: u32,
+    /// Grant slots of every connection.
+    pub grant_slots: u8,
+}
+
+impl ShareConfig {
+    /// Posted buffers a new connection needs set aside: its initial credits and grant slots.
+    pub fn admission_cost(&self) -> u32 {
+        self.min_credits.saturating_add(u32::from(self.grant_slots))
+    }
+}
+
+/// A [`ShareConfig`] the credit protocol cannot work with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// Without a minimum, a peer could be left with no credit and no grant coming.
+    #[error("min_credits must be at least 1")]
+    NoMinimum,
+    /// The most a peer may hold is less than what it starts with.
+    #[error("max_credits ({max}) below min_credits ({min})")]
+    MaxBelowMin {
+        /// The configured minimum.
+        min: u32,
+        /// The configured maximum.
+        max: u32,
+    },
+    /// The grant-slot rule of [`crate::credits`] needs at least 3.
+    #[error("{0} grant slots, at least 3 needed")]
+    TooFewGrantSlots(u8),
+}
+
+/// Why [`Share::admit`] refused a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdmitError {
+    /// Too few spare buffers: post more and admit with [`Share::admit_posted`], or refuse the
+    /// client.
+    #[error("{spare} spare receive buffers, {cost} needed")]
+    NoRoom {
+        /// Spare buffers now.
+        spare: u32,
+        /// Buffers a new connection needs.
+        cost: u32,
+    },
+    /// The slot holds a connection not yet released.
+    #[error("slot {0} is in use")]
+    SlotInUse(usize),
+}
+
+/// What a receive completion polled from the shared queue was to its connection's books.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Receipt {
+    /// A data message that [`Credits::on_receive`] took.
+    Data,
+    /// A grant that [`Credits::on_receive`] took (its buffer is free at once).
+    Grant,
+    /// Anything the books did not count: an error completion, a message breaking the protocol,
+    /// a message after close. The connection gets no more buffers; what it consumed beyond its
+    /// backing is charged to the pool, so that spare never overstates.
+    Unaccounted,
+}
+
+/// A broken invariant found by [`Share::audit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Imbalance {
+    /// The buffers posted are not the spare plus what backs connections (less the deficit).
+    #[error("{posted} posted + {deficit} deficit != {spare} spare + {backed} backing connections")]
+    Totals {
+        /// Buffers posted.
+        posted: u32,
+        /// Buffers consumed that no books covered, not yet made up by posting.
+        deficit: u32,
+        /// Spare buffers.
+        spare: u32,
+        /// Buffers backing connections, summed over them.
+        backed: u32,
+    },
+    /// A connection's backing differs from what its books say must be posted.
+    #[error("connection {slot}: {backing} buffers back it, its books need {needed}")]
+    Mismatch {
+        /// The connection's slot.
+        slot: usize,
+        /// Buffers backing it.
+        backing: u32,
+        /// [`Credits::must_be_posted`].
+        needed: u32,
+    },
+    /// An admitted connection has no books in the slice given.
+    #[error("connection {0} is admitted but has no credit books")]
+    Missing(usize),
+    /// A peer holds or is owed more than `max_credits`.
+    #[error("connection {slot}: its peer holds or is owed {lent} credits, over the maximum")]
+    OverMax {
+        /// The connection's slot.
+        slot: usize,
+        /// Credits its peer holds or is owed.
+        lent: u32,
+    },
+    /// Buffers are spare while a connection waits for some.
+    #[error("{spare} buffers spare while {waiting} connections wait")]
+    SpareWhileWaiting {
+        /// Spare buffers.
+        spare: u32,
+        /// Connections waiting.
+        waiting: usize,
+    },
+}
+
+/// The grant threshold for a connection whose quota is `quota`: a quarter of it, at least 1.
+pub fn threshold_for_quota(quota: u32) -> u32 {
+    (quota / 4).max(1)
+}
+
+/// Credits a connection's peer holds or is owed: the data buffers that back it.
+fn lent(c: &Credits) -> u32 {
+    c.peer_credits() + c.owed()
+}
+
+/// Why a connection waits for buffers, most pressing first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Need {
+    /// A grant slot is not posted.
+    GrantSlot,
+    /// Below `min_credits`, or its peer may be blocked.
+    Starving,
+    /// Below its quota.
+    Quota,
+}
+
+/// A connection's place in the queue.
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    need: Need,
+    /// The stamp of its one valid queue entry (others of the slot are stale).
+    stamp: u64,
+}
+
+/// Queue entries, smallest first: need, then credits lent, then arrival (round-robin).
+type Entry = Reverse<(Need, u32, u64, usize)>;
+
+/// Per-slot state.
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    live: bool,
+    /// Gets no more buffers (closing, or its books no longer match).
+    retired: bool,
+    /// Posted buffers backing the connection.
+    backing: u32,
+    quota: u32,
+    /// Received data since the last tick.
+    busy: bool,
+    waiting: Option<Waiting>,
+    /// Pushed into the caller's `touched` during the current call.
+    touched: bool,
+}
+
+/// Which connection each buffer posted to a shared receive queue backs (see the [module
+/// docs](self)).
+///
+/// # Driving it
+///
+/// Connections are known by slot numbers (small integers, reused after [`Share::release`]);
+/// methods that may hand buffers to any connection take the hub's records as a slice indexed by
+/// slot (`None` for free slots).
+///
+/// 1. Post the initial fill and call [`Share::on_posted`].
+/// 2. Before setting up a connection, [`Share::admit`] its slot; on [`AdmitError::NoRoom`],
+///    post more buffers and [`Share::admit_posted`], or refuse the client. Its books are
+///    [`Credits::shared`]`(max_credits, grant_slots, .., min_credits)`.
+/// 3. For every receive completion polled from the SRQ, after [`Credits::on_receive`], call
+///    [`Share::on_consumed`] with what it was ([`Share::on_stray`] if it names no admitted
+///    connection).
+/// 4. Re-post free buffers once a batch of them is free, or at once if [`Share::urgent`], and
+///    call [`Share::on_posted`].
+/// 5. Look for a due grant ([`Credits::take_grant`]) on every slot the calls pushed into
+///    `touched` (they got buffers, received something or had their threshold changed; each is
+///    pushed at most once per call, not once across calls; a slot may have been released
+///    since) and on every connection you sent data on.
+/// 6. About once a second, [`Share::tick`].
+/// 7. A connection closing or failed may be [`Share::retire`]d (it gets no more buffers).
+///    Once it can consume nothing more (its queue pair gone, its completions polled),
+///    [`Share::release`] it.
+///
+/// Costs: a buffer handed out is O(log n) in the connections waiting; only `tick` and `audit`
+/// visit every connection.
+#[derive(Debug)]
+pub struct Share {
+    cfg: ShareConfig,
+    slots: Vec<Slot>,
+    /// Connections waiting for buffers, with stale entries skipped when popped.
+    queue: BinaryHeap<Entry>,
+    next_stamp: u64,
+    /// Connections waiting.
+    waiting: usize,
+    /// Connections waiting for a grant slot or starving.
+    urgent: usize,
+    posted: u32,
+    spare: u32,
+    /// Sum of the connections' backing.
+    backed: u32,
+    /// Buffers consumed beyond all backing and spare (a peer overrunning its credits), made up
+    /// by the next buffers posted.
+    deficit: u32,
+    /// Spare after the last re-post, less what quotas grew by since.
+    headroom: u32,
+}
+
+impl Share {
+    /// An empty pool; `cfg` must allow at least one credit and three grant slots.
+    pub fn new(cfg: ShareConfig) -> Result<Self, ConfigError> {
+        if cfg.min_credits == 0 {
+            return Err(ConfigError::NoMinimum);
+        }
+        if cfg.max_credits < cfg.min_credits {
+            return Err(ConfigError::MaxBelowMin {
+                min: cfg.min_credits,
+                max: cfg.max_credits,
+            });
+        }
+        if cfg.grant_slots < 3 {
+            return Err(ConfigError::TooFewGrantSlots(cfg.grant_slots));
+        }
+        Ok(Self {
+            cfg,
+            slots: Vec::new(),
+            queue: BinaryHeap::new(),
+            next_stamp: 0,
+            waiting: 0,
+            urgent: 0,
+            posted: 0,
+            spare: 0,
+            backed: 0,
+            deficit: 0,
+            headroom: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> ShareConfig {
+        self.cfg
+    }
+
+    /// Posted buffers a new connection needs set aside.
+    pub fn admission_cost(&self) -> u32 {
+        self.cfg.admission_cost()
+    }
+
+    /// Buffers posted, as the books say.
+    pub fn posted(&self) -> u32 {
+        self.posted
+    }
+
+    /// Posted buffers backing no connection.
+    pub fn spare(&self) -> u32 {
+        self.spare
+    }
+
+    /// Buffers consumed beyond every connection's backing and the spare (only a peer breaking
+    /// the protocol causes this); the next buffers posted make up for them.
+    pub fn deficit(&self) -> u32 {
+        self.deficit
+    }
+
+    /// The quota of the connection in `slot`, if one is admitted there.
+    pub fn quota(&self, slot: usize) -> Option<u32> {
+        self.live(slot).map(|s| s.quota)
+    }
+
+    /// Posted buffers backing the connection in `slot`.
+    pub fn backing(&self, slot: usize) -> Option<u32> {
+        self.live(slot).map(|s| s.backing)
+    }
+
+    /// The grant threshold its quota gives the connection in `slot` (kept set in its books).
+    pub fn grant_threshold(&self, slot: usize) -> Option<u32> {
+        self.quota(slot).map(threshold_for_quota)
+    }
+
+    /// Connections waiting for buffers.
+    pub fn waiting(&self) -> usize {
+        self.waiting
+    }
+
+    /// Whether a connection misses a grant slot or starves: free buffers should be posted now,
+    /// not once a batch is free.
+    pub fn urgent(&self) -> bool {
+        self.urgent > 0
+    }
+
+    /// Admits a connection into `slot`, setting aside the buffers of its initial credits and
+    /// grant slots.
+    pub fn admit(&mut self, slot: usize) -> Result<(), AdmitError> {
+        let cost = self.admission_cost();
+        if self.slots.get(slot).is_some_and(|s| s.live) {
+            return Err(AdmitError::SlotInUse(slot));
+        }
+        if self.spare < cost {
+            return Err(AdmitError::NoRoom {
+                spare: self.spare,
+                cost,
+            });
+        }
+        if slot >= self.slots.len() {
+            self.slots.resize_with(slot + 1, Slot::default);
+        }
+        self.slots[slot] = Slot {
+            live: true,
+            backing: cost,
+            quota: self.cfg.min_credits,
+            ..Slot::default()
+        };
+        self.spare -= cost;
+        self.backed += cost;
+        self.headroom = self.headroom.saturating_sub(cost);
+        Ok(())
+    }
+
+    /// `n` buffers were just posted to make room for a new connection in `slot`: it is
+    /// admitted first (if they and the spare cover its cost), then the rest is handed out as
+    /// by [`Share::on_posted`]. Posting first and admitting after would let the connections
+    /// waiting take them.
+    pub fn admit_posted<H: CreditHolder>(
+        &mut self,
+        slot: usize,
+        n: u32,
+        conns: &mut [Option<H>],
+        touched: &mut Vec<usize>,
+    ) -> Result<(), AdmitError> {
+        self.posted += n;
+        self.spare += n;
+        self.settle();
+        let admitted = self.admit(slot);
+        let mark = touched.len();
+        self.serve(conns, touched);
+        self.untouch(&touched[mark..]);
+        admitted
+    }
+
+    /// `n` more buffers were posted to the SRQ (initial fill, growth, re-posting). They go to
+    /// the connections waiting, most pressing first (see the [module docs](self)); the rest
+    /// are spare.
+    pub fn on_posted<H: CreditHolder>(
+        &mut self,
+        n: u32,
+        conns: &mut [Option<H>],
+        touched: &mut Vec<usize>,
+    ) {
+        let mark = touched.len();
+        self.posted += n;
+        self.spare += n;
+        self.settle();
+        self.serve(conns, touched);
+        self.untouch(&touched[mark..]);
+    }
+
+    /// One posted buffer was consumed by a receive completion (successful or not) of the
+    /// connection in `slot`, whose books are `holder`; `receipt` says what its books made of it.
+    /// The slot is pushed into `touched`: a grant may be due there now.
+    pub fn on_consumed<H: CreditHolder>(
+        &mut self,
+        slot: usize,
+        holder: &mut H,
+        receipt: Receipt,
+        touched: &mut Vec<usize>,
+    ) {
+        debug_assert!(self.posted > 0, "a receive completed with nothing posted");
+        self.posted = self.posted.saturating_sub(1);
+        let Some(s) = self.slots.get_mut(slot).filter(|s| s.live) else {
+            debug_assert!(false, "a receive for slot {slot}: use on_stray");
+            self.charge_pool();
+            return;
+        };
+        match receipt {
+            Receipt::Data => s.busy = true,
+            Receipt::Grant => {}
+            Receipt::Unaccounted => s.retired = true,
+        }
+        let retired = s.retired;
+        if s.backing > 0 {
+            s.backing -= 1;
+            self.backed -= 1;
+        } else {
+            self.charge_pool();
+        }
+        touched.push(slot);
+        if retired {
+            self.dequeue(slot);
+            return;
+        }
+        debug_assert_eq!(
+            self.slots[slot].backing,
+            holder.credits().must_be_posted(),
+            "slot {slot}: backing and books agree"
+        );
+        if receipt == Receipt::Data && holder.credits().peer_may_be_blocked() {
+            self.grow(slot, holder);
+        }
+        self.requeue(slot, holder.credits());
+        // Spare means nobody else waits: this connection may take it.
+        self.slots[slot].touched = true;
+        while self.spare > 0 && self.slots[slot].waiting.is_some() {
+            self.give(slot, holder, touched);
+        }
+        self.slots[slot].touched = false;
+        self.check_totals();
+    }
+
+    /// A receive completion (successful or not) that names no admitted connection, say of a
+    /// queue pair already released: the buffer it consumed is charged to the pool.
+    pub fn on_stray(&mut self) {
+        debug_assert!(self.posted > 0, "a receive completed with nothing posted");
+        self.posted = self.posted.saturating_sub(1);
+        self.charge_pool();
+        self.check_totals();
+    }
+
+    /// Stops handing buffers to the connection in `slot` (it is closing or failed); what backs
+    /// it returns to the pool at [`Share::release`].
+    pub fn retire(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot).filter(|s| s.live) {
+            s.retired = true;
+            self.dequeue(slot);
+        }
+    }
+
+    /// Called about once a second: connections that received no data since the last tick have
+    /// their quota halved (not below `min_credits`) and owed credits beyond it taken back.
+    /// Slots whose threshold changed are pushed into `touched`.
+    pub fn tick<H: CreditHolder>(&mut self, conns: &mut [Option<H>], touched: &mut Vec<usize>) {
+        let mark = touched.len();
+        let min = self.cfg.min_credits;
+        for slot in 0..self.slots.len() {
+            let s = &mut self.slots[slot];
+            if !s.live || s.retired {
+                continue;
+            }
+            let idle = !std::mem::replace(&mut s.busy, false);
+            let Some(holder) = conns.get_mut(slot).and_then(Option::as_mut) else {
+                debug_assert!(false, "connection {slot} has no books");
+                continue;
+            };
+            let mut changed = false;
+            if idle && s.quota > min {
+                s.quota = (s.quota / 2).max(min);
+                holder
+                    .credits_mut()
+                    .set_grant_threshold(threshold_for_quota(s.quota));
+                changed = true;
+            }
+            // Owed credits were never announced: beyond the quota, they can back others.
+            let c = holder.credits_mut();
+            let keep = s.quota.saturating_sub(c.peer_credits());
+            let taken = c.withdraw_owed(c.owed().saturating_sub(keep));
+            if taken > 0 {
+                s.backing -= taken;
+                self.backed -= taken;
+                self.spare += taken;
+                changed = true;
+            }
+            if changed {
+                self.touch(slot, touched);
+                self.requeue(slot, holder.credits());
+            }
+        }
+        self.settle();
+        self.serve(conns, touched);
+        self.untouch(&touched[mark..]);
+        self.compact();
+    }
+
+    /// The connection in `slot` is gone and can consume nothing more (its record in `conns`
+    /// may still be there): what backed it is spare, and goes to those waiting.
+    pub fn release<H: CreditHolder>(
+        &mut self,
+        slot: usize,
+        conns: &mut [Option<H>],
+        touched: &mut Vec<usize>,
+    ) {
+        let Some(s) = self.slots.get_mut(slot).filter(|s| s.live) else {
+            return;
+        };
+        let backing = std::mem::take(&mut s.backing);
+        self.dequeue(slot);
+        self.slots[slot] = Slot::default();
+        self.backed -= backing;
+        self.spare += backing;
+        self.settle();
+        let mark = touched.len();
+        self.serve(conns, touched);
+        self.untouch(&touched[mark..]);
+    }
+
+    /// Checks the invariants against the connections' books (O(connections)): posted buffers
+    /// are the spare plus each connection's [`Credits::must_be_posted`], no peer may hold more
+    /// than `max_credits`, and nothing is spare while a connection waits.
+    pub fn audit<H: CreditHolder>(&self, conns: &[Option<H>]) -> Result<(), Imbalance> {
+        let mut backed = 0;
+        for (slot, s) in self.slots.iter().enumerate().filter(|(_, s)| s.live) {
+            backed += s.backing;
+            let Some(holder) = conns.get(slot).and_then(Option::as_ref) else {
+                return Err(Imbalance::Missing(slot));
+            };
+            let c = holder.credits();
+            let needed = c.must_be_posted();
+            // A connection that consumed unaccounted buffers has fewer than its books say.
+            if needed != s.backing && !(s.retired && s.backing < needed) {
+                return Err(Imbalance::Mismatch {
+                    slot,
+                    backing: s.backing,
+                    needed,
+                });
+            }
+            if lent(c) > self.cfg.max_credits {
+                return Err(Imbalance::OverMax {
+                    slot,
+                    lent: lent(c),
+                });
+            }
+        }
+        if backed != self.backed || self.posted + self.deficit != self.spare + backed {
+            return Err(Imbalance::Totals {
+                posted: self.posted,
+                deficit: self.deficit,
+                spare: self.spare,
+                backed,
+            });
+        }
+        if self.spare > 0 && self.waiting > 0 {
+            return Err(Imbalance::SpareWhileWaiting {
+                spare: self.spare,
+                waiting: self.waiting,
+            });
+        }
+        Ok(())
+    }
+
+    fn live(&self, slot: usize) -> Option<&Slot> {
+        self.slots.get(slot).filter(|s| s.live)
+    }
+
+    /// A buffer consumed that no connection's backing covered.
+    fn charge_pool(&mut self) {
+        if self.spare > 0 {
+            self.spare -= 1;
+        } else {
+            self.deficit += 1;
+        }
+    }
+
+    /// Spare buffers first make up the deficit.
+    fn settle(&mut self) {
+        let paid = self.spare.min(self.deficit);
+        self.spare -= paid;
+        self.deficit -= paid;
+    }
+
+    /// Pushes `slot` into `touched` unless this call did already.
+    fn touch(&mut self, slot: usize, touched: &mut Vec<usize>) {
+        let s = &mut self.slots[slot];
+        if !s.touched {
+            s.touched = true;
+            touched.push(slot);
+        }
+    }
+
+    /// Ends a call: its touched slots may be pushed again by the next.
+    fn untouch(&mut self, pushed: &[usize]) {
+        for &slot in pushed {
+            self.slots[slot].touched = false;
+        }
+    }
+
+    /// What the connection waits for, if anything, and how many credits its peer holds or is
+    /// owed (those with fewer are served first).
+    fn need(&self, slot: usize, c: &Credits) -> Option<(Need, u32)> {
+        let s = &self.slots[slot];
+        if !s.live || s.retired {
+            return None;
+        }
+        if c.slots_missing() > 0 {
+            return Some((Need::GrantSlot, 0));
+        }
+        let lent = lent(c);
+        if lent >= s.quota {
+            return None;
+        }
+        let need = if lent < self.cfg.min_credits || c.peer_may_be_blocked() {
+            Need::Starving
+        } else {
+            Need::Quota
+        };
+        Some((need, lent))
+    }
+
+    /// Queues the connection anew as its books now say (after any change to them).
+    fn requeue(&mut self, slot: usize, c: &Credits) {
+        self.dequeue(slot);
+        let Some((need, lent)) = self.need(slot, c) else {
+            return;
+        };
+        let stamp = self.next_stamp;
+        self.next_stamp += 1;
+        self.queue.push(Reverse((need, lent, stamp, slot)));
+        self.slots[slot].waiting = Some(Waiting { need, stamp });
+        self.waiting += 1;
+        if need < Need::Quota {
+            self.urgent += 1;
+        }
+        if self.queue.len() > 2 * self.waiting + 64 {
+            self.compact();
+        }
+    }
+
+    /// Takes the connection out of the queue (its entry goes stale).
+    fn dequeue(&mut self, slot: usize) {
+        if let Some(w) = self.slots[slot].waiting.take() {
+            self.waiting -= 1;
+            if w.need < Need::Quota {
+                self.urgent -= 1;
+            }
+        }
+    }
+
+    /// Drops stale queue entries.
+    fn compact(&mut self) {
+        let slots = &self.slots;
+        self.queue.retain(|Reverse((_, _, stamp, slot))| {
+            slots[*slot].waiting.map(|w| w.stamp) == Some(*stamp)
+        });
+    }
+
+    /// Hands spare buffers to the connections waiting, most pressing first.
+    fn serve<H: CreditHolder>(&mut self, conns: &mut [Option<H>], touched: &mut Vec<usize>) {
+        while self.spare > 0 {
+            let Some(Reverse((_, _, stamp, slot))) = self.queue.pop() else {
+                break;
+            };
+            if self.slots[slot].waiting.map(|w| w.stamp) != Some(stamp) {
+                continue;
+            }
+            let Some(holder) = conns.get_mut(slot).and_then(Option::as_mut) else {
+                debug_assert!(false, "connection {slot} waits but has no books");
+                self.dequeue(slot);
+                continue;
+            };
+            self.give(slot, holder, touched);
+        }
+        self.headroom = self.spare;
+        self.check_totals();
+    }
+
+    /// Gives a waiting connection its missing grant slots, or one credit, from spare, and
+    /// queues it anew.
+    fn give<H: CreditHolder>(&mut self, slot: usize, holder: &mut H, touched: &mut Vec<usize>) {
+        let c = holder.credits_mut();
+        // `on_reposted` restores grant slots first.
+        let n = c.slots_missing().max(1).min(self.spare);
+        c.on_reposted(n);
+        debug_assert!(lent(c) <= self.cfg.max_credits);
+        self.slots[slot].backing += n;
+        self.backed += n;
+        self.spare -= n;
+        self.touch(slot, touched);
+        self.requeue(slot, holder.credits());
+    }
+
+    /// A peer ran out of credits: with headroom, it may hold more.
+    fn grow<H: CreditHolder>(&mut self, slot: usize, holder: &mut H) {
+        let s = &mut self.slots[slot];
+        if self.headroom == 0 || s.quota >= self.cfg.max_credits {
+            return;
+        }
+        let quota = (s.quota.saturating_mul(2))
+            .min(self.cfg.max_credits)
+            .min(s.quota.saturating_add(self.headroom));
+        self.headroom -= quota - s.quota;
+        s.quota = quota;
+        holder
+            .credits_mut()
+            .set_grant_threshold(threshold_for_quota(quota));
+    }
+
+    fn check_totals(&self) {
+        debug_assert_eq!(
+            self.posted + self.deficit,
+            self.spare + self.backed,
+            "posted buffers are spare or back a connection"
+        );
+        debug_assert!(
+            self.spare == 0 || self.waiting == 0,
+            "nothing is spare while a connection waits"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::credits::Imm;
+
+    const CFG: ShareConfig = ShareConfig {
+        min_credits: 2,
+        max_credits: 16,
+        grant_slots: 3,
+    };
+
+    const GRANT: Imm = Imm {
+        credits: 0,
+        echo: 0,
+        flags: Imm::GRANT,
+    };
+
+    /// Books of a hub connection whose peer receives into 8 buffers and 3 grant slots.
+    fn books() -> Option<Credits> {
+        Some(Credits::shared(
+            CFG.max_credits,
+            CFG.grant_slots,
+            8,
+            3,
+            8,
+            CFG.min_credits,
+        ))
+    }
+
+    /// A pool of `n` connections with `extra` buffers spare.
+    fn pool(n: usize, extra: u32) -> (Share, Vec<Option<Credits>>) {
+        let mut share = Share::new(CFG).unwrap();
+        let mut conns = vec![None; n];
+        share.on_posted(
+            n as u32 * CFG.admission_cost() + extra,
+            &mut conns,
+            &mut Vec::new(),
+        );
+        for (slot, conn) in conns.iter_mut().enumerate() {
+            share.admit(slot).unwrap();
+            *conn = books();
+        }
+        (share, conns)
+    }
+
+    /// The peer of `slot` sends a data message, which the hub takes in.
+    fn receive_data(share: &mut Share, conns: &mut [Option<Credits>], slot: usize, last: bool) {
+        receive_echoing(share, conns, slot, last, 0);
+    }
+
+    /// The same, the message confirming `echo` grants.
+    fn receive_echoing(
+        share: &mut Share,
+        conns: &mut [Option<Credits>],
+        slot: usize,
+        last: bool,
+        echo: u8,
+    ) {
+        let c = conns[slot].as_mut().unwrap();
+        let flags = if last { Imm::EXHAUSTED } else { 0 };
+        let imm = Imm {
+            credits: 0,
+            echo,
+            flags,
+        };
+        assert!(!c.on_receive(imm).unwrap());
+        share.on_consumed(slot, c, Receipt::Data, &mut Vec::new());
+    }
+
+    fn owed(conns: &[Option<Credits>], slot: usize) -> u32 {
+        conns[slot].as_ref().unwrap().owed()
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let cfg = |min_credits, max_credits, grant_slots| ShareConfig {
+            min_credits,
+            max_credits,
+            grant_slots,
+        };
+        assert_eq!(Share::new(cfg(0, 4, 3)).err(), Some(ConfigError::NoMinimum));
+        assert_eq!(
+            Share::new(cfg(4, 2, 3)).err(),
+            Some(ConfigError::MaxBelowMin { min: 4, max: 2 })
+        );
+        assert_eq!(
+            Share::new(cfg(1, 2, 2)).err(),
+            Some(ConfigError::TooFewGrantSlots(2))
+        );
+    }
+
+    #[test]
+    fn admission_needs_room_and_a_free_slot() {
+        let mut share = Share::new(CFG).unwrap();
+        let mut conns: Vec<Option<Credits>> = vec![None, None];
+        assert_eq!(
+            share.admit(0),
+            Err(AdmitError::NoRoom { spare: 0, cost: 5 })
+        );
+        share.on_posted(7, &mut conns, &mut Vec::new());
+        share.admit(0).unwrap();
+        conns[0] = books();
+        assert_eq!(share.admit(0), Err(AdmitError::SlotInUse(0)));
+        assert_eq!(share.spare(), 2);
+        assert_eq!(share.backing(0), Some(5));
+        share.audit(&conns).unwrap();
+    }
+
+    #[test]
+    fn grant_slots_first_then_the_starving_then_quotas() {
+        let (mut share, mut conns) = pool(3, 0);
+        // 1 spends its minimum; 2 receives a grant.
+        receive_data(&mut share, &mut conns, 1, false);
+        receive_data(&mut share, &mut conns, 1, true);
+        let c2 = conns[2].as_mut().unwrap();
+        assert!(c2.on_receive(GRANT).unwrap());
+        share.on_consumed(2, c2, Receipt::Grant, &mut Vec::new());
+        assert!(share.urgent());
+        share.audit(&conns).unwrap();
+        let mut touched = Vec::new();
+        share.on_posted(1, &mut conns, &mut touched);
+        assert_eq!(conns[2].as_ref().unwrap().slots_missing(), 0, "slot first");
+        assert_eq!(owed(&conns, 1), 0);
+        share.on_posted(2, &mut conns, &mut touched);
+        assert_eq!(owed(&conns, 1), 2, "then the starving");
+        assert!(!share.urgent());
+        share.on_posted(1, &mut conns, &mut touched);
+        assert_eq!(share.spare(), 1, "nobody below quota: spare");
+        assert_eq!(touched, [2, 1], "once per call, in the order served");
+        share.audit(&conns).unwrap();
+    }
+
+    #[test]
+    fn fewest_credits_first_and_equals_take_turns() {
+        let (mut share, mut conns) = pool(3, 12);
+        // All three grow to quota 4 from spare; no grants are sent, so what they got is owed.
+        for slot in 0..3 {
+            receive_data(&mut share, &mut conns, slot, false);
+            receive_data(&mut share, &mut conns, slot, true);
+            assert_eq!(share.quota(slot), Some(4));
+        }
+        assert_eq!(share.spare(), 0);
+        // Each peer now holds none and is owed 4; the hub grants: peers hold 4.
+        for c in conns.iter_mut().flatten() {
+            assert_eq!(c.take_grant().unwrap().imm.credits, 4);
+        }
+        // 0 drops to 1 credit, 1 and 2 to 3.
+        for _ in 0..3 {
+            receive_data(&mut share, &mut conns, 0, false);
+        }
+        receive_data(&mut share, &mut conns, 1, false);
+        receive_data(&mut share, &mut conns, 2, false);
+        share.on_posted(3, &mut conns, &mut Vec::new());
+        assert_eq!(
+            owed(&conns, 0),
+            2,
+            "0 was lowest, then level with the others"
+        );
+        assert_eq!(owed(&conns, 1) + owed(&conns, 2), 1);
+        share.on_posted(1, &mut conns, &mut Vec::new());
+        assert_eq!((owed(&conns, 1), owed(&conns, 2)), (1, 1), "turns");
+        share.audit(&conns).unwrap();
+    }
+
+    #[test]
+    fn a_peer_that_runs_out_grows_while_spare_lasts_and_an_idle_one_shrinks() {
+        let (mut share, mut conns) = pool(2, 30);
+        let mut quotas = Vec::new();
+        for grants in 0..3 {
+            let n = conns[0].as_ref().unwrap().peer_credits();
+            for i in 0..n {
+                receive_echoing(&mut share, &mut conns, 0, i + 1 == n, grants);
+            }
+            quotas.push(share.quota(0).unwrap());
+            let g = conns[0].as_mut().unwrap().take_grant().unwrap();
+            assert!(g.solicited, "the peer is out of credits");
+        }
+        assert_eq!(quotas, [4, 8, 16], "doubled, refilled at once");
+        assert_eq!(share.spare(), 2);
+        assert_eq!(conns[0].as_ref().unwrap().grant_threshold(), 4);
+        share.tick(&mut conns, &mut Vec::new());
+        assert_eq!(share.quota(0), Some(16), "busy: kept");
+        assert_eq!(share.quota(1), Some(2));
+        share.tick(&mut conns, &mut Vec::new());
+        assert_eq!(share.quota(0), Some(8));
+        share.tick(&mut conns, &mut Vec::new());
+        share.tick(&mut conns, &mut Vec::new());
+        assert_eq!(share.quota(0), Some(2));
+        assert_eq!(conns[0].as_ref().unwrap().grant_threshold(), 1);
+        // The peer still holds its 16 credits; as it spends them, only the last two are
+        // refilled, from the two spare, and running out grows its quota into that headroom.
+        assert_eq!(share.spare(), 2);
+        for i in 0..16 {
+            receive_echoing(&mut share, &mut conns, 0, i == 15, 3);
+        }
+        assert_eq!(owed(&conns, 0), 2);
+        assert_eq!(share.quota(0), Some(4));
+        assert!(share.urgent(), "its peer is blocked and below its quota");
+        share.on_posted(16, &mut conns, &mut Vec::new());
+        assert_eq!(owed(&conns, 0), 4);
+        assert_eq!(share.spare(), 14);
+        share.audit(&conns).unwrap();
+    }
+
+    #[test]
+    fn owed_credits_beyond_a_shrunk_quota_go_back_to_spare() {
+        let (mut share, mut conns) = pool(1, 10);
+        receive_data(&mut share, &mut conns, 0, false);
+        receive_data(&mut share, &mut conns, 0, true);
+        // Quota 4; the peer holds none and is owed 4, then goes idle.
+        assert_eq!(owed(&conns, 0), 4);
+        assert_eq!(share.spare(), 6);
+        share.tick(&mut conns, &mut Vec::new());
+        assert_eq!(owed(&conns, 0), 4, "it received data since the last tick");
+        let mut touched = Vec::new();
+        share.tick(&mut conns, &mut touched);
+        assert_eq!(touched, [0], "its threshold changed");
+        assert_eq!(share.quota(0), Some(2));
+        assert_eq!(owed(&conns, 0), 2);
+        assert_eq!(share.spare(), 8);
+        share.audit(&conns).unwrap();
+    }
+
+    #[test]
+    fn unaccounted_receives_are_charged_and_released_connections_feed_the_waiting() {
+        let (mut share, mut conns) = pool(2, 0);
+        // 0 breaks the protocol: it overruns its 2 credits and then some.
+        for _ in 0..2 {
+            receive_data(&mut share, &mut conns, 0, false);
+        }
+        let c0 = conns[0].as_mut().unwrap();
+        for _ in 0..4 {
+            share.on_consumed(0, c0, Receipt::Unaccounted, &mut Vec::new());
+        }
+        // 3 grant slots covered 3 of them; the fourth ate a buffer backing 1's credits.
+        assert_eq!(share.backing(0), Some(0));
+        assert_eq!(share.deficit(), 1);
+        share.audit(&conns).unwrap();
+        receive_data(&mut share, &mut conns, 1, false);
+        // 6 buffers come back: one makes up the deficit, 0 gets none, 1 is refilled.
+        share.on_posted(6, &mut conns, &mut Vec::new());
+        assert_eq!(share.deficit(), 0);
+        assert_eq!(owed(&conns, 0), 0);
+        assert_eq!(owed(&conns, 1), 1);
+        assert_eq!(share.spare(), 4);
+        conns[0] = None;
+        share.release(0, &mut conns, &mut Vec::new());
+        assert_eq!(share.spare(), 4);
+        share.audit(&conns).unwrap();
+        share.admit(0).unwrap_err();
+        share.on_stray();
+        assert_eq!(share.spare(), 3, "a stray receive is charged to the pool");
+        share.audit(&conns).unwrap();
+        // 1 spends everything while nothing is spare; a departing connection refills it.
+        let (mut share, mut conns) = pool(2, 0);
+        receive_data(&mut share, &mut conns, 1, false);
+        receive_data(&mut share, &mut conns, 1, true);
+        assert!(share.urgent());
+        conns[0] = None;
+        let mut touched = Vec::new();
+        share.release(0, &mut conns, &mut touched);
+        assert_eq!(owed(&conns, 1), 2);
+        assert_eq!(share.spare(), 3);
+        assert_eq!(touched, [1]);
+        share.audit(&conns).unwrap();
+    }
+
+    #[test]
+    fn buffers_posted_for_a_newcomer_go_to_it_first_and_retired_connections_get_none() {
+        let (mut share, mut conns) = pool(2, 0);
+        conns.push(None);
+        for _ in 0..2 {
+            receive_data(&mut share, &mut conns, 0, false);
+        }
+        assert_eq!(
+            share.admit(2),
+            Err(AdmitError::NoRoom { spare: 0, cost: 5 })
+        );
+        share
+            .admit_posted(2, 6, &mut conns, &mut Vec::new())
+            .unwrap();
+        conns[2] = books();
+        assert_eq!(owed(&conns, 0), 1, "the waiting get what the newcomer left");
+        share.retire(0);
+        assert!(!share.urgent());
+        share.on_posted(1, &mut conns, &mut Vec::new());
+        assert_eq!((owed(&conns, 0), share.spare()), (1, 1));
+        // A closing peer's last message (its credit granted before the hub retired it).
+        assert_eq!(
+            conns[0].as_mut().unwrap().take_grant().unwrap().imm.credits,
+            1
+        );
+        receive_data(&mut share, &mut conns, 0, true);
+        assert_eq!(share.quota(0), Some(2), "retired: no growth");
+        assert_eq!((owed(&conns, 0), share.spare()), (0, 1), "nor refills");
+        share.audit(&conns).unwrap();
+        let mut touched = Vec::new();
+        share.release(0, &mut conns, &mut touched);
+        assert_eq!(share.spare(), 1 + 3, "its grant slots come back");
+        assert!(touched.is_empty());
+    }
+}

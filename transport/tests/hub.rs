@@ -1,0 +1,372 @@
+//! The hub on a real device (`$RDMSG_DEVICE`): many connections served by one thread over one
+//! shared receive queue, with data checked, failures kept to their own connection, and every
+//! buffer, descriptor and credit given back. Run with `--ignored --test-threads=1`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdmsg_testkit::{fd_count, rnr_counters};
+use rdmsg_transport::{Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+
+fn endpoint() -> Endpoint {
+    // Both ends of every connection live in this process: a descriptor each.
+    rdmsg_verbs::raise_fd_limit(8192).expect("raise the descriptor limit");
+    Endpoint::open_default().expect("open $RDMSG_DEVICE (device tests need it)")
+}
+
+fn device_name(ep: &Endpoint) -> String {
+    ep.context().name().to_owned()
+}
+
+/// Connections in the many-peer tests; `RDMSG_HUB_N` overrides.
+fn many() -> usize {
+    std::env::var("RDMSG_HUB_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512)
+}
+
+/// Message `seq` of connection `conn`: its numbers, then a pattern of both.
+fn payload(conn: u32, seq: u32) -> Vec<u8> {
+    let len = 8 + (conn as usize * 7 + seq as usize * 13) % 120;
+    let mut v = Vec::with_capacity(len);
+    v.extend_from_slice(&conn.to_le_bytes());
+    v.extend_from_slice(&seq.to_le_bytes());
+    v.extend((8..len).map(|i| (i as u32 ^ conn ^ seq.rotate_left(3)) as u8));
+    v
+}
+
+fn parse(bytes: &[u8]) -> (u32, u32) {
+    let conn = u32::from_le_bytes(bytes[..4].try_into().unwrap());
+    let seq = u32::from_le_bytes(bytes[4..8].try_into().unwrap());
+    assert_eq!(
+        bytes,
+        payload(conn, seq),
+        "content of message {seq} of {conn}"
+    );
+    (conn, seq)
+}
+
+/// What the server saw of one peer.
+#[derive(Debug, Default)]
+struct Seen {
+    conn: Option<u32>,
+    next: u32,
+    ended: Option<Failure>,
+}
+
+/// Serves until `expect_ended` connections ended; returns what each peer delivered.
+fn serve(hub: &mut Hub, expect_ended: usize, limit: Duration) -> HashMap<PeerId, Seen> {
+    let mut seen: HashMap<PeerId, Seen> = HashMap::new();
+    let deadline = Instant::now() + limit;
+    let mut ended = 0;
+    let mut report = Instant::now();
+    while ended < expect_ended {
+        if report.elapsed() > Duration::from_secs(10) {
+            report = Instant::now();
+            println!(
+                "serve: {} peers, {ended} ended, {:?}",
+                seen.len(),
+                hub.stats()
+            );
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "{ended} of {expect_ended} ended in {limit:?}"
+        );
+        let Some(ev) = hub.next_event(Some(left)).expect("the hub itself works") else {
+            continue;
+        };
+        match ev {
+            HubEvent::Connected { peer, accepted } => {
+                assert!(accepted);
+                assert!(seen.insert(peer, Seen::default()).is_none(), "{peer} twice");
+            }
+            HubEvent::Message { peer, msg } => {
+                let s = seen.get_mut(&peer).expect("a message after Connected");
+                assert!(s.ended.is_none(), "a message after Disconnected");
+                let (conn, seq) = parse(&msg);
+                assert_eq!(*s.conn.get_or_insert(conn), conn, "one peer, one sender");
+                assert_eq!(seq, s.next, "in order, nothing lost, nothing twice");
+                s.next += 1;
+            }
+            HubEvent::Disconnected { peer, failure } => {
+                let s = seen.get_mut(&peer).expect("Disconnected after Connected");
+                assert!(s.ended.replace(failure).is_none());
+                ended += 1;
+            }
+            HubEvent::HandshakeFailed { error, .. } => {
+                println!("handshake failed: {}", rdmsg_testkit::error_chain(&error));
+            }
+        }
+    }
+    seen
+}
+
+/// A client hub opening `n` connections and sending `k` messages on each, in batches of 4
+/// whose last is solicited, round-robin over the connections; then closing each.
+fn client(addr: SocketAddr, n: usize, k: u32) -> (Vec<PeerId>, Hub) {
+    let ep = endpoint();
+    let mut hub = Hub::new(&ep, HubConfig::default()).expect("client hub");
+    let ids: Vec<PeerId> = (0..n)
+        .map(|_| hub.connect(addr).expect("connect"))
+        .collect();
+    let mut up = 0;
+    println!("client: {n} connections started");
+    while up < n {
+        match hub.next_event(Some(Duration::from_secs(60))) {
+            Ok(Some(HubEvent::Connected { accepted, .. })) => {
+                assert!(!accepted);
+                up += 1;
+            }
+            Ok(Some(other)) => panic!("while connecting: {other:?}"),
+            Ok(None) => panic!("{up} of {n} connected in 60 s"),
+            Err(e) => panic!("client hub: {e}"),
+        }
+    }
+    println!("client: {n} connected");
+    for seq in 0..k {
+        for (i, &id) in ids.iter().enumerate() {
+            hub.send(id, &payload(i as u32, seq), seq % 4 == 3 || seq + 1 == k)
+                .expect("send");
+        }
+    }
+    (ids, hub)
+}
+
+#[test]
+#[ignore = "device"]
+fn one_thread_serves_hundreds_of_connections_and_gives_everything_back() {
+    let n = many();
+    let k = 24u32;
+    let ep = endpoint();
+    let dev = device_name(&ep);
+    let fds_before = fd_count();
+    let rnr_before = rnr_counters(&dev, 1);
+    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let started = Instant::now();
+    let client = std::thread::spawn(move || {
+        let (ids, mut hub) = client(addr, n, k);
+        for id in &ids {
+            hub.close(*id).expect("close");
+        }
+        let mut gone = 0;
+        while gone < ids.len() {
+            match hub.next_event(Some(Duration::from_secs(10))).expect("hub") {
+                Some(HubEvent::Disconnected { failure, .. }) => {
+                    assert_eq!(failure, Failure::Closed);
+                    gone += 1;
+                }
+                Some(_) => {}
+                None => panic!("{gone} of {} closed connections reported", ids.len()),
+            }
+        }
+        let s = hub.stats();
+        assert_eq!((s.connections, s.disconnected), (0, n as u64));
+        hub.wait_stats()
+    });
+    let seen = serve(&mut server, n, Duration::from_secs(600));
+    let client_waits = client.join().expect("client thread");
+    let elapsed = started.elapsed();
+    assert_eq!(seen.len(), n, "every connection was accepted");
+    for (peer, s) in &seen {
+        assert_eq!(s.next, k, "{peer}: every message");
+        assert_eq!(
+            s.ended,
+            Some(Failure::PeerClosed),
+            "{peer}: a graceful close"
+        );
+    }
+    let stats = server.stats();
+    let pool = server.pool_stats();
+    let waits = server.wait_stats();
+    println!(
+        "hub: connections={n} messages={} elapsed_ms={} server_wakeups={} \
+         solicited_per_conn={} recv_buffers={} registered_kib={} spare={} srq_posts={} \
+         client_wakeups={}",
+        n as u64 * u64::from(k),
+        elapsed.as_millis(),
+        waits.wakeups,
+        k.div_ceil(4),
+        stats.recv_buffers,
+        stats.registered_bytes / 1024,
+        stats.spare_buffers,
+        stats.srq_posts,
+        client_waits.wakeups,
+    );
+    assert_eq!(stats.received, n as u64 * u64::from(k));
+    assert_eq!((stats.connections, stats.handshakes), (0, 0));
+    assert_eq!(pool.lent, 0, "every message buffer came back");
+    assert_eq!(pool.free + pool.posted, pool.total);
+    assert_eq!(
+        stats.spare_buffers as usize, pool.posted,
+        "every posted buffer is spare again once everyone is gone"
+    );
+    assert!(
+        waits.wakeups <= n as u64 * u64::from(k.div_ceil(4)),
+        "at most one wake-up per solicited message: {} for {}",
+        waits.wakeups,
+        n as u64 * u64::from(k.div_ceil(4))
+    );
+    drop(server);
+    assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
+    assert_eq!(fd_count(), fds_before, "every descriptor closed");
+}
+
+#[test]
+#[ignore = "device"]
+fn a_silent_client_does_not_hold_up_the_others() {
+    let ep = endpoint();
+    let mut cfg = HubConfig::default();
+    cfg.conn.handshake_timeout = Duration::from_secs(2);
+    let mut server = Hub::new(&ep, cfg).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let silent = std::net::TcpStream::connect(addr).expect("a silent client");
+    let started = Instant::now();
+    let client = std::thread::spawn(move || {
+        let (ids, mut hub) = client(addr, 8, 4);
+        for id in ids {
+            hub.close(id).expect("close");
+        }
+    });
+    let mut connected = 0;
+    let mut failed = 0;
+    let mut first_up = None;
+    while connected < 8 || failed < 1 {
+        match server
+            .next_event(Some(Duration::from_secs(10)))
+            .expect("hub")
+        {
+            Some(HubEvent::Connected { .. }) => {
+                connected += 1;
+                first_up.get_or_insert(started.elapsed());
+            }
+            Some(HubEvent::HandshakeFailed { peer: None, error }) => {
+                failed += 1;
+                println!("silent client: {error}");
+            }
+            Some(_) => {}
+            None => panic!("{connected} connected, {failed} failed in 10 s"),
+        }
+    }
+    let first_up = first_up.unwrap();
+    println!("silent: first good client up after {first_up:?}");
+    assert!(
+        first_up < Duration::from_secs(2),
+        "a good client did not wait for the silent one"
+    );
+    client.join().expect("client thread");
+    drop(silent);
+}
+
+/// The killed client of `a_killed_client_fails_only_its_own_connections`: runs only in the
+/// child process that test starts.
+fn killed_child(addr: SocketAddr) -> ! {
+    let (ids, mut hub) = client(addr, 16, 4);
+    println!("child: ready");
+    loop {
+        // Trickle on until killed.
+        for (i, &id) in ids.iter().enumerate() {
+            let _ = hub.send(id, &payload(1000 + i as u32, 0), true);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+#[ignore = "device"]
+fn a_killed_client_fails_only_its_own_connections() {
+    if let Ok(addr) = std::env::var("RDMSG_HUB_CHILD") {
+        killed_child(addr.parse().expect("an address"));
+    }
+    let ep = endpoint();
+    let dev = device_name(&ep);
+    let rnr_before = rnr_counters(&dev, 1);
+    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "a_killed_client_fails_only_its_own_connections",
+            "--nocapture",
+        ])
+        .env("RDMSG_HUB_CHILD", addr.to_string())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the child client");
+    // The survivors: 16 connections from this process.
+    let survivors = std::thread::spawn(move || {
+        let (ids, mut hub) = client(addr, 16, 4);
+        // Keep talking while the other client dies.
+        for seq in 4..400u32 {
+            for (i, &id) in ids.iter().enumerate() {
+                hub.send(id, &payload(i as u32, seq), true)
+                    .expect("survivor send");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        for id in ids {
+            hub.close(id).expect("close");
+        }
+    });
+    let mut peers: HashMap<PeerId, u32> = HashMap::new();
+    let mut from_child: Vec<PeerId> = Vec::new();
+    let mut killed_at = None;
+    let mut vanished = 0;
+    let mut closed = 0;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while closed < 16 || vanished < 16 {
+        assert!(
+            Instant::now() < deadline,
+            "closed {closed}, vanished {vanished}"
+        );
+        let Some(ev) = server
+            .next_event(Some(Duration::from_secs(5)))
+            .expect("the hub itself works")
+        else {
+            continue;
+        };
+        match ev {
+            HubEvent::Connected { peer, .. } => {
+                peers.insert(peer, 0);
+            }
+            HubEvent::Message { peer, msg } => {
+                let (conn, _) = parse(&msg);
+                if conn >= 1000 && !from_child.contains(&peer) {
+                    from_child.push(peer);
+                    if from_child.len() == 16 && killed_at.is_none() {
+                        child.kill().expect("SIGKILL the child");
+                        killed_at = Some(Instant::now());
+                    }
+                }
+                *peers.get_mut(&peer).unwrap() += 1;
+            }
+            HubEvent::Disconnected { peer, failure } => {
+                if from_child.contains(&peer) {
+                    assert_eq!(failure, Failure::PeerVanished, "{peer}");
+                    vanished += 1;
+                    if vanished == 16 {
+                        println!(
+                            "killed client noticed in {:?}",
+                            killed_at.map(|t| t.elapsed())
+                        );
+                    }
+                } else {
+                    assert_eq!(failure, Failure::PeerClosed, "a survivor: {peer}");
+                    closed += 1;
+                }
+            }
+            HubEvent::HandshakeFailed { error, .. } => panic!("handshake failed: {error}"),
+        }
+    }
+    let _ = child.wait();
+    survivors.join().expect("survivors");
+    assert_eq!(server.pool_stats().lent, 0);
+    drop(server);
+    assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
+}
