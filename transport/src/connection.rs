@@ -105,6 +105,9 @@ pub struct TestHooks {
     /// Bytes announced beyond the real size of each receive buffer: the partner's larger
     /// messages complete here with a local length error, a real error completion.
     pub overstate_buf_size: u32,
+    /// Credits this side believes it has beyond what the peer granted: a lying sender, whose
+    /// excess messages break the peer's credit books.
+    pub extra_credits: u32,
 }
 
 impl Default for Config {
@@ -442,9 +445,9 @@ impl Connection {
                 Credits::new(
                     config.recv_depth,
                     config.grant_slots,
-                    peer.recv_depth,
+                    peer.recv_depth + extra_credits(config),
                     peer.grant_slots,
-                    peer.initial_credits,
+                    peer.initial_credits + extra_credits(config),
                 ),
                 config.signal_every,
             ),
@@ -1105,6 +1108,17 @@ impl Connection {
                 None
             }
         }
+    }
+}
+
+/// Test hook: credits a lying sender believes it has beyond the peer's grant.
+fn extra_credits(config: &Config) -> u32 {
+    #[cfg(feature = "test-hooks")]
+    return config.hooks.extra_credits;
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        let _ = config;
+        0
     }
 }
 

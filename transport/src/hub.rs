@@ -329,6 +329,9 @@ struct Link {
     vanish_at: Option<Instant>,
     /// Failed: when its queue pair was moved to the error state.
     draining_since: Option<Instant>,
+    /// Closing: its close message is posted, and it is closed at this deadline if not
+    /// delivered by then.
+    closing: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -785,11 +788,39 @@ impl Hub {
         Ok(true)
     }
 
-    /// Closes `peer` gracefully: a close message after everything sent so far, waited for (up
-    /// to `close_timeout`, driving the hub meanwhile), then a goodbye on the bootstrap stream.
-    /// The peer receives everything, then [`Failure::PeerClosed`]; the hub reports
-    /// [`HubEvent::Disconnected`] with [`Failure::Closed`].
+    /// Closes `peer` gracefully and waits until it is closed: see [`Hub::start_close`]. Waits
+    /// (driving the hub) until the close message is delivered, at most `close_timeout`
+    /// ([`Error::Timeout`]).
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
+        self.start_close(peer)?;
+        let timeout = self.config.conn.close_timeout;
+        let deadline = Instant::now() + timeout;
+        loop {
+            // Released already: its `Disconnected` event, queued, says how it ended.
+            let Ok(slot) = self.find(peer) else {
+                return Ok(());
+            };
+            match self.slot(slot).proto.failure() {
+                Some(Failure::Closed) => return Ok(()),
+                Some(f) => return Err(f.into()),
+                None => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout(timeout));
+            }
+            self.wait_for_progress(Some(left), true)?;
+        }
+    }
+
+    /// Starts closing `peer` gracefully: a close message after everything sent so far (once
+    /// a credit is there: waits for one, driving the hub, at most `close_timeout`); nothing
+    /// more may be sent to it. Once the message is delivered the hub says goodbye on the
+    /// bootstrap stream and reports [`HubEvent::Disconnected`] with [`Failure::Closed`]; the
+    /// peer receives everything, then [`Failure::PeerClosed`]. If it is not delivered within
+    /// `close_timeout`, the connection is failed with [`Failure::Closed`] all the same. Keep
+    /// driving the hub until then: dropping it first fails the peer as vanished.
+    pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
         let slot = self.live_slot(peer)?;
         let timeout = self.config.conn.close_timeout;
         self.wait_to_send(slot, peer, Some(timeout))?;
@@ -800,27 +831,19 @@ impl Hub {
             .expect("wait_to_send ensured a credit");
         self.slot_mut(slot).proto.force_signal();
         self.post(slot, SendRequest::empty(), out)?;
-        let deadline = Instant::now() + timeout;
-        loop {
-            let s = self.slot(slot);
-            if let Some(f) = s.proto.failure() {
-                return Err(f.into());
-            }
-            if s.link().is_some_and(|l| l.qp.send_outstanding() == 0) {
-                break;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout(timeout));
-            }
-            self.wait_for_progress(Some(left), true)?;
+        if let Some(link) = self.slot_mut(slot).link_mut() {
+            link.closing = Some(Instant::now() + timeout);
         }
-        let s = self.slot_mut(slot);
-        if let Some(link) = s.link_mut() {
+        self.timed.push(slot);
+        Ok(())
+    }
+
+    /// The close message of a closing connection was delivered: goodbye, and closed.
+    fn finish_close(&mut self, slot: usize) {
+        if let Some(link) = self.slot_mut(slot).link_mut() {
             let _ = (&link.stream).write_all(&[GOODBYE]);
         }
         self.fail(slot, Failure::Closed);
-        Ok(())
     }
 
     /// The largest message `peer` accepts.
@@ -925,8 +948,10 @@ impl Hub {
     fn live_slot(&self, peer: PeerId) -> Result<usize> {
         self.check_fatal()?;
         let i = self.find(peer)?;
-        match self.slot(i).proto.failure() {
+        let s = self.slot(i);
+        match s.proto.failure() {
             Some(f) => Err(f.into()),
+            None if s.link().is_some_and(|l| l.closing.is_some()) => Err(Failure::Closed.into()),
             None => Ok(i),
         }
     }
@@ -1271,6 +1296,11 @@ impl Hub {
         let c = Completion::of(false, wc);
         if s.proto.on_send(&c, wc.wr_id()) {
             self.after_first_failure(slot);
+        } else if s.proto.failure().is_none()
+            && s.link()
+                .is_some_and(|l| l.closing.is_some() && l.qp.send_outstanding() == 0)
+        {
+            self.finish_close(slot);
         }
         self.touch(slot);
     }
@@ -1605,6 +1635,7 @@ impl Hub {
             watched: true,
             vanish_at: None,
             draining_since: None,
+            closing: None,
         };
         let s = self.slot_mut(slot);
         s.phase = Phase::Linked(Box::new(link));
@@ -1712,7 +1743,9 @@ impl Hub {
         let s = self.slots.get(slot)?.as_ref()?;
         match &s.phase {
             Phase::Handshake(p) => Some(p.deadline),
-            Phase::Linked(l) if s.proto.failure().is_none() => l.vanish_at,
+            Phase::Linked(l) if s.proto.failure().is_none() => {
+                [l.vanish_at, l.closing].into_iter().flatten().min()
+            }
             Phase::Linked(l) => l.draining_since.map(|t| t + FLUSH_WAIT),
             Phase::Retired => None,
         }
@@ -1740,11 +1773,19 @@ impl Hub {
                 Phase::Handshake(p) => Some(p.timed_out()),
                 _ => None,
             };
-            let vanished = matches!(s.phase, Phase::Linked(_)) && s.proto.failure().is_none();
+            let live = s.proto.failure().is_none();
+            let closing = s
+                .link()
+                .is_some_and(|l| l.closing.is_some_and(|c| c <= now));
+            let vanished = s
+                .link()
+                .is_some_and(|l| l.vanish_at.is_some_and(|v| v <= now));
             if let Some(e) = timed_out {
                 self.handshake_failed(slot, e);
-            } else if vanished {
+            } else if live && vanished {
                 self.fail(slot, Failure::PeerVanished);
+            } else if live && closing {
+                self.fail(slot, Failure::Closed);
             }
             false
         });

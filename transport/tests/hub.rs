@@ -370,3 +370,87 @@ fn a_killed_client_fails_only_its_own_connections() {
     drop(server);
     assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
 }
+
+#[test]
+#[ignore = "device"]
+fn a_peer_that_sends_beyond_its_credits_fails_alone() {
+    use rdmsg_transport::credits::Violation;
+    use rdmsg_transport::Config;
+    let ep = endpoint();
+    let dev = device_name(&ep);
+    let rnr_before = rnr_counters(&dev, 1);
+    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let liar = std::thread::spawn(move || {
+        // An ordinary connection that believes it has a thousand credits more than the hub
+        // granted, and sends a hundred messages to a server that holds on to them (so the
+        // hub has no buffers of its own to give it credits back).
+        let mut cfg = Config::default();
+        cfg.hooks.extra_credits = 1000;
+        let mut conn = endpoint().connect(addr, &cfg).expect("connect");
+        for seq in 0..100u32 {
+            if conn.send(&payload(5000, seq), true).is_err() {
+                break;
+            }
+        }
+        // The hub fails it: this side sees its stream end.
+        let err = conn
+            .recv_timeout(Some(Duration::from_secs(20)))
+            .unwrap_err();
+        println!("liar: {err}");
+    });
+    let honest = std::thread::spawn(move || {
+        let (ids, mut hub) = client(addr, 8, 64);
+        for id in ids {
+            hub.close(id).expect("close");
+        }
+    });
+    let mut honest_msgs = 0;
+    let mut held = Vec::new();
+    let mut outcome = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while outcome.len() < 9 {
+        assert!(Instant::now() < deadline, "ended: {outcome:?}");
+        match server
+            .next_event(Some(Duration::from_secs(5)))
+            .expect("the hub itself works")
+        {
+            Some(HubEvent::Message { msg, .. }) => {
+                if parse(&msg).0 < 5000 {
+                    honest_msgs += 1;
+                } else {
+                    held.push(msg);
+                }
+            }
+            Some(HubEvent::Disconnected { failure, .. }) => {
+                if matches!(failure, Failure::Protocol(_)) {
+                    println!("liar failed after {} of its messages", held.len());
+                    held.clear();
+                }
+                outcome.push(failure);
+            }
+            Some(HubEvent::HandshakeFailed { error, .. }) => panic!("{error}"),
+            _ => {}
+        }
+    }
+    liar.join().expect("liar");
+    honest.join().expect("honest clients");
+    let overrun = Failure::Protocol(Violation::Overrun);
+    assert_eq!(
+        outcome.iter().filter(|&&f| f == overrun).count(),
+        1,
+        "the liar fails with a credit overrun: {outcome:?}"
+    );
+    assert_eq!(
+        outcome
+            .iter()
+            .filter(|&&f| f == Failure::PeerClosed)
+            .count(),
+        8,
+        "the others carry on to a graceful close: {outcome:?}"
+    );
+    assert_eq!(honest_msgs, 8 * 64, "nothing of the others lost");
+    assert_eq!(server.pool_stats().lent, 0);
+    drop(server);
+    assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
+}
