@@ -351,6 +351,9 @@ pub struct Connection {
     busy_steps: u32,
     /// Sends since the sender last polled its queues.
     sends_since_progress: u32,
+    /// Our close message is posted: the end of the bootstrap stream is the peer having taken
+    /// it (it shuts its stream at once), not the peer vanishing.
+    closing: bool,
 }
 
 /// Longest busy-poll before a polling connection looks at its bootstrap stream again.
@@ -471,6 +474,7 @@ impl Connection {
             bootstrap_checked: Instant::now(),
             busy_steps: 0,
             sends_since_progress: 0,
+            closing: false,
         })
     }
 
@@ -719,6 +723,7 @@ impl Connection {
             .data(true, Imm::CLOSE)
             .expect("wait_to_send ensured a credit");
         self.proto.force_signal();
+        self.closing = true;
         self.post(SendRequest::empty(), out)?;
         let deadline = Instant::now() + timeout;
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
@@ -1068,6 +1073,10 @@ impl Connection {
             return;
         }
         self.stop_watching_bootstrap();
+        if self.closing {
+            // Our close is delivered or on its way: `close` waits for its completion.
+            return;
+        }
         let grace = if goodbye {
             self.config.close_timeout
         } else {

@@ -67,7 +67,8 @@ pub struct HubConfig {
     /// `max_credits`. Default: [`Config::default`] with 2 KiB buffers and 16 send slots per
     /// queue pair.
     pub conn: Config,
-    /// Credits every connection keeps however idle it is (its initial credits). Default 2.
+    /// Credits every connection keeps however idle it is (its initial credits). With the
+    /// default 2 KiB buffers and 3 grant slots an idle connection holds 14 KiB. Default 4.
     pub min_credits: u32,
     /// Most credits one connection may hold (announced as its receive depth). Default 64.
     pub max_credits: u32,
@@ -91,7 +92,7 @@ impl Default for HubConfig {
                 send_depth: 16,
                 ..Config::default()
             },
-            min_credits: 2,
+            min_credits: 4,
             max_credits: 64,
             max_connections: 1024,
             shared_credits: 256,
@@ -238,6 +239,12 @@ pub struct HubStats {
     pub registered_bytes: u64,
     /// Posted receive buffers backing no connection.
     pub spare_buffers: u32,
+    /// Messages the transport solicited although the sender did not ask (they spent a
+    /// peer's last credit, or returned credits to a peer that may be blocked), all
+    /// connections, past and present.
+    pub forced_solicited: u64,
+    /// Times a send waited for a credit, all connections, past and present.
+    pub credit_waits: u64,
 }
 
 /// Epoll keys: the fixed descriptors, then `SLOT_KEY | slot` for each connection's stream.
@@ -899,6 +906,11 @@ impl Hub {
                 _ => {}
             }
         }
+        for slot in self.slots.iter().flatten() {
+            let c = slot.proto.stats();
+            s.forced_solicited += c.forced_solicited;
+            s.credit_waits += c.credit_waits;
+        }
         s.recv_buffers = self.pool.stats(0).total;
         s.registered_bytes =
             (s.recv_buffers as u64) * u64::from(self.config.conn.buf_size) + self.send_bytes;
@@ -1042,17 +1054,21 @@ impl Hub {
         })
     }
 
-    /// Sets aside a new connection's minimum share, growing the pool when the spare buffers
-    /// do not cover it.
+    /// Sets aside a new connection's minimum share, growing the pool so that
+    /// `shared_credits` buffers stay spare for busy peers beyond everyone's minimum (as far as
+    /// the SRQ's size allows).
     fn admit(&mut self, slot: usize) -> Result<()> {
-        if let Err(AdmitError::NoRoom { .. }) = self.share.admit(slot) {
-            let cost = self.share.admission_cost();
-            let room = u64::from(self.srq.max_wr())
-                .saturating_sub(self.pool.stats(0).total as u64)
-                .min(u64::from(u32::MAX)) as u32;
-            // Grow by a batch (a 64th of the room left, at least one connection's worth).
-            let grow = cost.max(room / 64).min(room);
-            if grow < cost {
+        let cost = self.share.admission_cost();
+        let room = u64::from(self.srq.max_wr())
+            .saturating_sub(self.pool.stats(0).total as u64)
+            .min(u64::from(u32::MAX)) as u32;
+        let short = (cost + self.config.shared_credits).saturating_sub(self.share.spare());
+        let admitted_now = short == 0 || room == 0;
+        let admitted_now = admitted_now && self.share.admit(slot).is_ok();
+        if !admitted_now {
+            // Grow by a batch (a 64th of the room left), at least what is short.
+            let grow = short.max(room / 64).min(room);
+            if grow + self.share.spare() < cost {
                 return Err(Error::Config(format!(
                     "the shared receive queue is full ({} buffers)",
                     self.srq.max_wr()
@@ -1073,9 +1089,19 @@ impl Hub {
                 return Err(self.hub_failure(e.error.into()));
             }
             self.stats.srq_posts += 1;
-            self.share
+            match self
+                .share
                 .admit_posted(slot, n as u32, &mut self.slots, &mut self.touched)
-                .map_err(|e| Error::Config(format!("no room for another connection: {e}")))?;
+            {
+                Ok(()) => {}
+                Err(AdmitError::NoRoom { spare, cost }) => {
+                    return Err(Error::Config(format!(
+                        "no room for another connection: {spare} spare receive buffers, \
+                         {cost} needed"
+                    )))
+                }
+                Err(e) => return Err(Error::Config(e.to_string())),
+            }
         }
         self.slot_mut(slot).admitted = true;
         Ok(())
@@ -1724,7 +1750,11 @@ impl Hub {
             Duration::from_millis(50)
         };
         if let Some(link) = self.slot_mut(slot).link_mut() {
-            link.vanish_at = Some(Instant::now() + grace);
+            // Closing ourselves, the end of the stream is the peer having taken our close
+            // message (it shuts its stream at once): the close completes on its own deadline.
+            if link.closing.is_none() {
+                link.vanish_at = Some(Instant::now() + grace);
+            }
         }
         self.unwatch_stream(slot);
         self.timed.push(slot);
@@ -1904,6 +1934,9 @@ impl Hub {
         }
         let announced = s.announced;
         let peer = s.id(slot);
+        let c = s.proto.stats();
+        self.stats.forced_solicited += c.forced_solicited;
+        self.stats.credit_waits += c.credit_waits;
         let failure = s.proto.failure().unwrap_or(Failure::QpError);
         self.unadmit(slot);
         if announced {

@@ -1,0 +1,826 @@
+//! Many sensors, one collector thread. Each sensor sends telemetry in batches (only the last
+//! sample of a batch is solicited, so a batch costs the collector at most one wake-up) and an
+//! occasional alarm (solicited); one [`Hub`] on one thread serves every sensor.
+//!
+//! With no role, the collector listens on 127.0.0.1, starts a second process that runs the
+//! sensors (this binary again, role `sensors`: one thread, one hub, one connection per
+//! sensor), checks every message it gets (sensor, per-sensor sequence, content) and ends with
+//! one line:
+//!
+//! ```text
+//! collector: connections=1024 server_threads=1 fds=1037 registered_kib=10752 messages=34816 lost=0 wakeups=...
+//! ```
+//!
+//! By default 1024 sensors each send 4 batches of 8 samples, an alarm after every 4th batch
+//! (counting from a different batch for each sensor), and a final `Done` saying how many
+//! messages they sent: 34 messages a sensor, 34816 in all.
+//!
+//! `connections`, `server_threads` (entries of `/proc/self/task`), `fds` (of `/proc/self/fd`)
+//! and `registered_kib` (the hub's receive and send buffers) are measured in the collector
+//! while every sensor is connected (the collector then tells each to start); `messages` is
+//! what it received, `lost` what the sensors say they sent minus that, `wakeups` the hub's
+//! wake-ups. The exit code is non-zero on any loss, disorder or error.
+//!
+//! Other keys: `samples`, `alarms`, `batches` (the sensors' count), `fds_per_conn`,
+//! `registered_kib_per_conn`, `recv_buffers` and `spare_buffers` (the hub's receive pool, and
+//! what of it backs no connection, while all are connected), `forced_solicited` (messages the
+//! sensors' transport solicited because they spent the collector's last credit: each may cost
+//! a wake-up the batching was meant to save), `msgs_per_wakeup`, `spurious_wakeups`, `rnr`
+//! (receiver-not-ready NAKs the device counted during the run: always 0), `errors`,
+//! `connect_ms` (until every sensor was connected), `elapsed_ms`.
+//!
+//! ```text
+//! collector [--sensors N] [--batches B] [--batch K] [--alarm-every A] [HUB]
+//! collector serve --listen ADDR --sensors N [HUB]
+//! collector sensors --connect ADDR [--count N] [--first S] [--batches B] [--batch K] [--alarm-every A]
+//! ```
+//!
+//! `HUB` is `--min-credits C` and `--shared-credits S`, for the collector's [`HubConfig`]
+//! (defaults 2 and 256).
+//!
+//! A hub keeps one descriptor per connection (its bootstrap TCP stream), so 1024 sensors do
+//! not fit the usual soft limit of 1024 descriptors: each process raises its soft limit
+//! (`rdmsg::verbs::raise_fd_limit`) when its hard limit allows.
+
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context as _, Result};
+use rdmsg::{message, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+use serde::{Deserialize, Serialize};
+
+/// A reading: telemetry, sent in batches whose last sample alone wakes the collector.
+#[derive(Debug, Serialize, Deserialize)]
+struct Sample {
+    sensor: u32,
+    /// Per sensor, counting samples and alarms.
+    seq: u64,
+    value: f64,
+}
+message!(
+    Sample,
+    tag = "rdmsg.example.collector.Sample",
+    solicited = false
+);
+
+/// An alarm: wakes the collector at once.
+#[derive(Debug, Serialize, Deserialize)]
+struct Alarm {
+    sensor: u32,
+    seq: u64,
+    reason: String,
+}
+message!(Alarm, tag = "rdmsg.example.collector.Alarm");
+
+/// A sensor's last message: how many samples and alarms it sent.
+#[derive(Debug, Serialize, Deserialize)]
+struct Done {
+    sensor: u32,
+    sent: u64,
+}
+message!(Done, tag = "rdmsg.example.collector.Done");
+
+/// From the collector once every sensor is connected: go.
+#[derive(Debug, Serialize, Deserialize)]
+struct Start {
+    sensors: u32,
+}
+message!(Start, tag = "rdmsg.example.collector.Start");
+
+/// The value sensor `sensor` reads as its `seq`-th message (exact in an `f64`).
+fn value_of(sensor: u32, seq: u64) -> f64 {
+    f64::from(sensor) * 1e6 + seq as f64 * 0.5
+}
+
+fn reason_of(sensor: u32, seq: u64) -> String {
+    format!("sensor {sensor}: reading {seq} over threshold")
+}
+
+/// Whether sensor `sensor` raises an alarm after its batch `batch`.
+fn alarm_due(sensor: u32, batch: u64, every: u64) -> bool {
+    (u64::from(sensor) + batch) % every == 0
+}
+
+/// Longest the collector waits for anything to happen (a handshake costs a few ms, under
+/// emulation tens).
+const IDLE: Duration = Duration::from_secs(120);
+
+#[derive(Debug, Clone)]
+struct Workload {
+    batches: u64,
+    batch: usize,
+    alarm_every: u64,
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Self {
+            batches: 4,
+            batch: 8,
+            alarm_every: 4,
+        }
+    }
+}
+
+impl Workload {
+    fn args(&self) -> Vec<String> {
+        vec![
+            "--batches".into(),
+            self.batches.to_string(),
+            "--batch".into(),
+            self.batch.to_string(),
+            "--alarm-every".into(),
+            self.alarm_every.to_string(),
+        ]
+    }
+}
+
+enum Role {
+    /// Collector and sensors, in two processes.
+    Both {
+        sensors: u32,
+        work: Workload,
+        hub: HubConfig,
+    },
+    /// The collector alone.
+    Serve {
+        listen: String,
+        sensors: u32,
+        hub: HubConfig,
+    },
+    /// Sensors `first..first + count`, connecting to a collector.
+    Sensors {
+        connect: String,
+        count: u32,
+        first: u32,
+        work: Workload,
+    },
+}
+
+fn parse() -> Result<Role> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let role = match args.first().map(String::as_str) {
+        Some("serve" | "sensors") => args.remove(0),
+        _ => String::new(),
+    };
+    let (mut sensors, mut first) = (1024u32, 0u32);
+    let (mut listen, mut connect) = (None, None);
+    let mut work = Workload::default();
+    let mut hub = HubConfig::default();
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        let mut v = || it.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--sensors" | "--count" => sensors = v()?.parse()?,
+            "--first" => first = v()?.parse()?,
+            "--batches" => work.batches = v()?.parse()?,
+            "--batch" => work.batch = v()?.parse()?,
+            "--alarm-every" => work.alarm_every = v()?.parse()?,
+            "--listen" => listen = Some(v()?),
+            "--connect" => connect = Some(v()?),
+            "--min-credits" => hub.min_credits = v()?.parse()?,
+            "--shared-credits" => hub.shared_credits = v()?.parse()?,
+            other => bail!("unknown argument {other} (see the doc at the top of collector.rs)"),
+        }
+    }
+    ensure!(sensors > 0, "--sensors must be positive");
+    hub.max_connections = sensors;
+    ensure!(
+        work.batch > 0 && work.alarm_every > 0,
+        "--batch and --alarm-every must be positive"
+    );
+    Ok(match role.as_str() {
+        "serve" => Role::Serve {
+            listen: listen.context("serve needs --listen ADDR")?,
+            sensors,
+            hub,
+        },
+        "sensors" => Role::Sensors {
+            connect: connect.context("sensors needs --connect ADDR")?,
+            count: sensors,
+            first,
+            work,
+        },
+        _ => Role::Both { sensors, work, hub },
+    })
+}
+
+fn main() -> Result<()> {
+    match parse()? {
+        Role::Both { sensors, work, hub } => both(sensors, &work, hub),
+        Role::Serve {
+            listen,
+            sensors,
+            hub,
+        } => {
+            let report = collect(&listen, sensors, hub, None)?;
+            report.finish(None)
+        }
+        Role::Sensors {
+            connect,
+            count,
+            first,
+            work,
+        } => run_sensors(&connect, count, first, &work),
+    }
+}
+
+// ----- the collector -----
+
+/// The collector and, in a child process, the sensors.
+fn both(sensors: u32, work: &Workload, hub: HubConfig) -> Result<()> {
+    let exe = std::env::current_exe().context("locating this program")?;
+    let mut command = Command::new(exe);
+    command
+        .args(["sensors", "--count", &sensors.to_string()])
+        .args(work.args())
+        .stdout(Stdio::piped());
+    let mut process = Process {
+        command,
+        child: None,
+    };
+    let report = collect("127.0.0.1:0", sensors, hub, Some(&mut process));
+    let Some(child) = process.child else {
+        return report.map(|_| ()); // failed before starting it
+    };
+    let reaped = reap(child);
+    let report = report?;
+    let (status, line) = match reaped {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = report.finish(None);
+            return Err(e);
+        }
+    };
+    if let Some(line) = &line {
+        eprintln!("collector: the sensors process reported: {line}");
+    }
+    // The line first, whatever the sensors process says: it has the collector's view.
+    let checked = report.finish(line.as_deref());
+    ensure!(status.success(), "the sensors process failed: {status}");
+    ensure!(line.is_some(), "the sensors process printed no report");
+    checked
+}
+
+/// The sensors process, started once the collector listens.
+struct Process {
+    command: Command,
+    child: Option<Child>,
+}
+
+impl Process {
+    fn start(&mut self, addr: &str) -> Result<()> {
+        let child = self
+            .command
+            .args(["--connect", addr])
+            .spawn()
+            .context("starting the sensors process")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn ended(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .map_or(true, |c| !matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+/// Waits for the sensors process (killing it if it outlives the collector by a minute): how it
+/// ended, and its report line.
+fn reap(mut child: Child) -> Result<(ExitStatus, Option<String>)> {
+    let until = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            bail!("the sensors process did not end within 60 s of the collector: killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    if let Some(mut o) = child.stdout.take() {
+        o.read_to_string(&mut out)?;
+    }
+    let line = out.lines().rfind(|l| l.starts_with("sensors:"));
+    Ok((status, line.map(str::to_owned)))
+}
+
+/// What one sensor delivered, as the collector sees it.
+#[derive(Debug, Default)]
+struct Track {
+    peer: Option<PeerId>,
+    next_seq: u64,
+    done: Option<u64>,
+}
+
+/// Measured while every sensor is connected.
+#[derive(Debug, Default)]
+struct Snapshot {
+    connections: usize,
+    threads: usize,
+    fds: usize,
+    registered_kib: u64,
+    recv_buffers: usize,
+    spare_buffers: u32,
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    sensors: u32,
+    snapshot: Snapshot,
+    messages: u64,
+    samples: u64,
+    alarms: u64,
+    done: u64,
+    /// Σ over sensors of what their `Done` said they sent (+1 for the `Done`).
+    done_sent: u64,
+    wakeups: u64,
+    spurious: u64,
+    connect_ms: u128,
+    elapsed_ms: u128,
+    rnr: Option<u64>,
+    errors: u64,
+}
+
+impl Report {
+    /// Prints the line (with what the sensors process reported, if it ran here); an error if
+    /// anything was lost, out of order or wrong.
+    fn finish(self, sensors_line: Option<&str>) -> Result<()> {
+        let sent = match sensors_line {
+            Some(line) => {
+                let v = field(line, "sent").context("the sensors' report has no sent=")?;
+                if v != self.done_sent {
+                    eprintln!(
+                        "collector: the sensors report {v} messages sent, their Done messages {}",
+                        self.done_sent
+                    );
+                }
+                v
+            }
+            None => self.done_sent,
+        };
+        let lost = sent as i64 - self.messages as i64;
+        // Batches, and the messages the transport solicited because they spent the last
+        // credit, are the sensors' to count (the collector sees samples, not batch ends).
+        let theirs = |key: &str| {
+            sensors_line
+                .and_then(|l| field(l, key))
+                .map_or("n/a".into(), |n| n.to_string())
+        };
+        let (batches, forced) = (theirs("batches"), theirs("forced_solicited"));
+        let s = &self.snapshot;
+        let conns = s.connections.max(1) as f64;
+        let mut errors = self.errors;
+        if u64::from(self.sensors) != self.done {
+            eprintln!(
+                "collector: {} of {} sensors finished",
+                self.done, self.sensors
+            );
+            errors += 1;
+        }
+        println!(
+            "collector: connections={} server_threads={} fds={} registered_kib={} messages={} lost={lost} wakeups={} \
+             samples={} alarms={} batches={batches} fds_per_conn={:.2} registered_kib_per_conn={:.1} recv_buffers={} \
+             spare_buffers={} forced_solicited={forced} msgs_per_wakeup={:.1} spurious_wakeups={} rnr={} errors={errors} connect_ms={} elapsed_ms={}",
+            s.connections,
+            s.threads,
+            s.fds,
+            s.registered_kib,
+            self.messages,
+            self.wakeups,
+            self.samples,
+            self.alarms,
+            s.fds as f64 / conns,
+            s.registered_kib as f64 / conns,
+            s.recv_buffers,
+            s.spare_buffers,
+            self.messages as f64 / self.wakeups.max(1) as f64,
+            self.spurious,
+            self.rnr.map_or("n/a".into(), |n| n.to_string()),
+            self.connect_ms,
+            self.elapsed_ms,
+        );
+        ensure!(lost == 0, "{lost} messages lost");
+        ensure!(errors == 0, "{errors} errors");
+        ensure!(
+            s.connections == self.sensors as usize,
+            "only {} of {} sensors were connected at once",
+            s.connections,
+            self.sensors
+        );
+        Ok(())
+    }
+}
+
+/// The value of `key=` in a report line.
+fn field(line: &str, key: &str) -> Option<u64> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+}
+
+/// Runs the collector's hub on this thread until every sensor has gone. `process`, if given,
+/// is started once the hub listens, and watched: if it ends early, the collector does not wait
+/// for sensors that will never come.
+fn collect(
+    listen: &str,
+    sensors: u32,
+    config: HubConfig,
+    mut process: Option<&mut Process>,
+) -> Result<Report> {
+    ensure_fds(u64::from(sensors) + 64)?;
+    let t0 = Instant::now();
+    let rnr_before = rnr_counters();
+    let ep = Endpoint::open_default().context("opening $RDMSG_DEVICE")?;
+    let mut hub = Hub::new(&ep, config).context("creating the collector's hub")?;
+    hub.register::<Sample>()?
+        .register::<Alarm>()?
+        .register::<Done>()?;
+    let addr = hub.listen(listen)?;
+    match process.as_deref_mut() {
+        Some(p) => p.start(&addr.to_string())?,
+        None => println!("listening {addr}"),
+    }
+    let mut c = Collector {
+        sensors,
+        tracks: (0..sensors).map(|_| Track::default()).collect(),
+        by_peer: HashMap::new(),
+        report: Report {
+            sensors,
+            ..Report::default()
+        },
+        shown: 0,
+    };
+    let (mut connected, mut ended) = (0u32, 0u32);
+    let mut started_at = None;
+    let mut last_event = Instant::now();
+    while ended < sensors {
+        let Some(ev) = hub.recv_timeout(Some(Duration::from_secs(1)))? else {
+            let live = hub.transport().stats();
+            let orphaned = live.connections + live.handshakes == 0
+                && process.as_deref_mut().is_some_and(Process::ended);
+            if orphaned || last_event.elapsed() > IDLE {
+                c.error(format_args!(
+                    "gave up waiting ({}): {connected} connected, {ended} gone of {sensors}",
+                    if orphaned {
+                        "the sensors process has ended"
+                    } else {
+                        "nothing happened for 2 minutes"
+                    }
+                ));
+                break;
+            }
+            continue;
+        };
+        last_event = Instant::now();
+        match ev {
+            HubEvent::Connected { .. } => {
+                connected += 1;
+                if connected == sensors {
+                    c.report.connect_ms = t0.elapsed().as_millis();
+                    c.report.snapshot = snapshot(&hub);
+                    eprintln!(
+                        "collector: {sensors} sensors connected after {} ms",
+                        c.report.connect_ms
+                    );
+                    let peers: Vec<PeerId> = hub.peers().collect();
+                    for p in peers {
+                        if let Err(e) = hub.send(p, &Start { sensors }) {
+                            c.error(format_args!("sending Start to {p}: {e}"));
+                        }
+                    }
+                    started_at = Some(Instant::now());
+                }
+            }
+            HubEvent::Message { peer, msg } => c.message(peer, &msg),
+            HubEvent::BadFrame { peer, error } => c.error(format_args!("{peer}: {error}")),
+            HubEvent::Disconnected { peer, failure } => {
+                ended += 1;
+                if failure != Failure::PeerClosed {
+                    c.error(format_args!("{peer} ended: {failure}"));
+                }
+            }
+            HubEvent::HandshakeFailed { error, .. } => {
+                ended += 1;
+                c.error(format_args!("a sensor's handshake failed: {error}"));
+            }
+        }
+    }
+    let wait = hub.transport().wait_stats();
+    let r = &mut c.report;
+    r.wakeups = wait.wakeups;
+    r.spurious = wait.spurious_wakeups;
+    r.elapsed_ms = t0.elapsed().as_millis();
+    if let Some(t) = started_at {
+        eprintln!("collector: traffic took {} ms", t.elapsed().as_millis());
+    }
+    r.rnr = rnr_before.and_then(|b| Some(rnr_counters()? - b));
+    Ok(c.report)
+}
+
+fn snapshot(hub: &Hub) -> Snapshot {
+    let stats = hub.transport().stats();
+    Snapshot {
+        connections: stats.connections,
+        threads: count_dir("/proc/self/task"),
+        // Not counting the descriptor that reads the directory.
+        fds: count_dir("/proc/self/fd").saturating_sub(1),
+        registered_kib: stats.registered_bytes / 1024,
+        recv_buffers: stats.recv_buffers,
+        spare_buffers: stats.spare_buffers,
+    }
+}
+
+fn count_dir(path: &str) -> usize {
+    std::fs::read_dir(path).map_or(0, Iterator::count)
+}
+
+struct Collector {
+    sensors: u32,
+    tracks: Vec<Track>,
+    by_peer: HashMap<PeerId, u32>,
+    report: Report,
+    /// Errors printed so far (the rest are only counted).
+    shown: u64,
+}
+
+impl Collector {
+    fn error(&mut self, what: std::fmt::Arguments<'_>) {
+        self.report.errors += 1;
+        if self.shown < 20 {
+            self.shown += 1;
+            eprintln!("collector: error: {what}");
+        }
+    }
+
+    fn message(&mut self, peer: PeerId, msg: &rdmsg::Envelope) {
+        self.report.messages += 1;
+        if let Err(e) = self.check(peer, msg) {
+            self.error(format_args!("{peer}: {e:#}"));
+        }
+    }
+
+    /// Checks one message: its sensor is this peer's (each sensor on one connection only),
+    /// its sequence the next of that sensor, its content what that sensor sends there.
+    fn check(&mut self, peer: PeerId, msg: &rdmsg::Envelope) -> Result<()> {
+        let (sensor, seq) = if msg.is::<Sample>() {
+            let s: Sample = msg.decode()?;
+            ensure!(
+                s.value == value_of(s.sensor, s.seq),
+                "sample {} of sensor {} reads {}",
+                s.seq,
+                s.sensor,
+                s.value
+            );
+            self.report.samples += 1;
+            (s.sensor, Some(s.seq))
+        } else if msg.is::<Alarm>() {
+            let a: Alarm = msg.decode()?;
+            ensure!(
+                a.reason == reason_of(a.sensor, a.seq),
+                "alarm {} of sensor {} says {:?}",
+                a.seq,
+                a.sensor,
+                a.reason
+            );
+            self.report.alarms += 1;
+            (a.sensor, Some(a.seq))
+        } else {
+            let d: Done = msg.decode()?;
+            let t = self.claim(peer, d.sensor)?;
+            ensure!(t.done.is_none(), "sensor {} finished twice", d.sensor);
+            ensure!(
+                d.sent == t.next_seq,
+                "sensor {} sent {} messages, {} arrived",
+                d.sensor,
+                d.sent,
+                t.next_seq
+            );
+            t.done = Some(d.sent);
+            self.report.done += 1;
+            self.report.done_sent += d.sent + 1;
+            (d.sensor, None)
+        };
+        let t = self.claim(peer, sensor)?;
+        if let Some(seq) = seq {
+            ensure!(t.done.is_none(), "sensor {sensor} sent after its Done");
+            ensure!(
+                seq == t.next_seq,
+                "sensor {sensor}: message {seq} arrived where {} was due",
+                t.next_seq
+            );
+            t.next_seq += 1;
+        }
+        Ok(())
+    }
+
+    /// The track of `sensor`, which must be `peer`'s only sensor and nobody else's.
+    fn claim(&mut self, peer: PeerId, sensor: u32) -> Result<&mut Track> {
+        ensure!(
+            sensor < self.sensors,
+            "sensor {sensor} (only {} expected)",
+            self.sensors
+        );
+        match self.by_peer.get(&peer) {
+            Some(&s) => ensure!(s == sensor, "sensor {sensor} on the connection of {s}"),
+            None => {
+                let owner = self.tracks[sensor as usize].peer;
+                ensure!(owner.is_none(), "sensor {sensor} on two connections");
+                self.by_peer.insert(peer, sensor);
+                self.tracks[sensor as usize].peer = Some(peer);
+            }
+        }
+        Ok(&mut self.tracks[sensor as usize])
+    }
+}
+
+// ----- the sensors -----
+
+/// Sensors `first..first + count`, one connection each, all driven by this thread's hub.
+fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result<()> {
+    ensure_fds(u64::from(count) + 64)?;
+    let t0 = Instant::now();
+    let ep = Endpoint::open_default().context("opening $RDMSG_DEVICE")?;
+    let config = HubConfig {
+        max_connections: count,
+        ..HubConfig::default()
+    };
+    let mut hub = Hub::new(&ep, config).context("creating the sensors' hub")?;
+    hub.register::<Start>()?;
+    let mut peers = Vec::with_capacity(count as usize);
+    let mut state = SensorsState::default();
+    for _ in 0..count {
+        peers.push(hub.connect(connect)?);
+        // Moves the handshakes under way on while the others start.
+        while let Some(ev) = hub.try_recv()? {
+            state.event(ev)?;
+        }
+    }
+    while state.connected < count || state.starts < count {
+        let ev = hub
+            .recv_timeout(Some(IDLE))?
+            .with_context(|| format!("waiting for connections and starts: {state:?}"))?;
+        state.event(ev)?;
+    }
+    let connect_ms = t0.elapsed().as_millis();
+    let (mut samples, mut alarms) = (0u64, 0u64);
+    let mut seqs = vec![0u64; count as usize];
+    let mut batch = Vec::with_capacity(work.batch);
+    for b in 0..work.batches {
+        for (i, &peer) in peers.iter().enumerate() {
+            let sensor = first + i as u32;
+            let seq = &mut seqs[i];
+            batch.clear();
+            batch.extend((0..work.batch as u64).map(|j| Sample {
+                sensor,
+                seq: *seq + j,
+                value: value_of(sensor, *seq + j),
+            }));
+            hub.send_batch(peer, &batch)
+                .with_context(|| format!("sensor {sensor}: batch {b}"))?;
+            *seq += work.batch as u64;
+            samples += work.batch as u64;
+            if alarm_due(sensor, b, work.alarm_every) {
+                let reason = reason_of(sensor, *seq);
+                hub.send(
+                    peer,
+                    &Alarm {
+                        sensor,
+                        seq: *seq,
+                        reason,
+                    },
+                )
+                .with_context(|| format!("sensor {sensor}: alarm"))?;
+                *seq += 1;
+                alarms += 1;
+            }
+        }
+        // Nothing but a failure can have come meanwhile.
+        while let Some(ev) = hub.try_recv()? {
+            state.event(ev)?;
+        }
+    }
+    for (i, &peer) in peers.iter().enumerate() {
+        let sensor = first + i as u32;
+        hub.send(
+            peer,
+            &Done {
+                sensor,
+                sent: seqs[i],
+            },
+        )?;
+    }
+    // What the credits cost: sends that waited for one, and messages the transport solicited
+    // because they spent a peer's last credit (each a wake-up of the collector).
+    let (mut credit_waits, mut forced) = (0u64, 0u64);
+    for &peer in &peers {
+        if let Some(s) = hub.transport().conn_stats(peer) {
+            credit_waits += s.credit_waits;
+            forced += s.forced_solicited;
+        }
+    }
+    // Each close waits for its close message to be delivered. One that fails is reported
+    // (and fails the process at the end), the others still close: everything was sent.
+    let closing = Instant::now();
+    state.closing = true;
+    let mut slowest = Duration::ZERO;
+    let mut close_errors = 0u32;
+    for (i, &peer) in peers.iter().enumerate() {
+        let t = Instant::now();
+        if let Err(e) = hub.close(peer) {
+            close_errors += 1;
+            let sensor = first + i as u32;
+            eprintln!(
+                "sensors: closing sensor {sensor} ({peer}) failed after {:?}: {e}",
+                t.elapsed()
+            );
+            if hub.transport().failure(peer).is_none() {
+                state.closed += 1; // still up (a timeout): no Disconnected will come
+            }
+        }
+        slowest = slowest.max(t.elapsed());
+    }
+    let close_ms = closing.elapsed().as_millis();
+    while state.closed < count {
+        let ev = hub
+            .recv_timeout(Some(IDLE))?
+            .with_context(|| format!("waiting for the closes: {state:?}"))?;
+        state.event(ev)?;
+    }
+    let sent = samples + alarms + u64::from(count);
+    let wait = hub.transport().wait_stats();
+    println!(
+        "sensors: connections={count} sent={sent} samples={samples} alarms={alarms} batches={} \
+         solicited={} forced_solicited={forced} credit_waits={credit_waits} wakeups={} threads={} \
+         connect_ms={connect_ms} close_ms={close_ms} slowest_close_us={} close_errors={close_errors} \
+         elapsed_ms={}",
+        work.batches * u64::from(count),
+        hub.stats().sent_solicited,
+        wait.wakeups,
+        count_dir("/proc/self/task"),
+        slowest.as_micros(),
+        t0.elapsed().as_millis()
+    );
+    ensure!(close_errors == 0, "{close_errors} closes failed");
+    Ok(())
+}
+
+#[derive(Debug, Default)]
+struct SensorsState {
+    connected: u32,
+    starts: u32,
+    closed: u32,
+    /// Closing every connection: each ends (a close that failed was reported already).
+    closing: bool,
+}
+
+impl SensorsState {
+    fn event(&mut self, ev: HubEvent) -> Result<()> {
+        match ev {
+            HubEvent::Connected { .. } => self.connected += 1,
+            HubEvent::Message { peer, msg } => {
+                msg.decode::<Start>()
+                    .with_context(|| format!("{peer}: not a Start"))?;
+                self.starts += 1;
+            }
+            HubEvent::Disconnected {
+                failure: Failure::Closed,
+                ..
+            } => self.closed += 1,
+            HubEvent::Disconnected { .. } if self.closing => self.closed += 1,
+            HubEvent::Disconnected { peer, failure } => bail!("{peer} failed: {failure}"),
+            HubEvent::BadFrame { peer, error } => bail!("{peer}: {error}"),
+            HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
+        }
+        Ok(())
+    }
+}
+
+// ----- the process around them -----
+
+/// Makes room for `need` descriptors (a hub holds one per connection): raises the soft limit
+/// if it is lower and the hard limit allows.
+fn ensure_fds(need: u64) -> Result<()> {
+    let soft = rdmsg::verbs::raise_fd_limit(need).context("raising the descriptor limit")?;
+    ensure!(
+        soft >= need,
+        "{need} file descriptors needed, the hard limit allows {soft}: raise it (ulimit -Hn) or use fewer sensors"
+    );
+    Ok(())
+}
+
+/// Receiver-not-ready NAKs counted by the device's port 1 (both directions), if it says.
+fn rnr_counters() -> Option<u64> {
+    let dev = std::env::var("RDMSG_DEVICE").ok()?;
+    let read = |name: &str| -> Option<u64> {
+        let path = format!("/sys/class/infiniband/{dev}/ports/1/hw_counters/{name}");
+        std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    };
+    Some(read("rcvd_rnr_err")? + read("send_rnr_err")?)
+}

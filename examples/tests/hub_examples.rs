@@ -1,0 +1,193 @@
+//! The hub examples as real processes on a real device (rxe0 in the test VM): `collector`
+//! with 256 sensors in a second process (and with sensors split over two processes started
+//! here), `reqresp` with a few dozen clients. Each prints one `key=value` line, checked
+//! here. Ignored on hosts; `cargo xtask test` runs them in the VM.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const COLLECTOR: &str = env!("CARGO_BIN_EXE_collector");
+const REQRESP: &str = env!("CARGO_BIN_EXE_reqresp");
+
+/// Long enough for 256 handshakes and their traffic under emulation (qemu TCG).
+const LIMIT: Duration = Duration::from_secs(300);
+
+fn device() {
+    std::env::var("RDMSG_DEVICE").expect("device tests need $RDMSG_DEVICE");
+}
+
+/// Waits for `child`, killing it after `LIMIT`, and requires success.
+fn finish(child: Child, what: &str) -> Output {
+    let pid = child.id();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let killer = thread::spawn(move || {
+        if done_rx.recv_timeout(LIMIT).is_err() {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+    });
+    let t = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let _ = done_tx.send(());
+    killer.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{what} failed after {:?}: {}\n{text}\n{err}",
+        t.elapsed(),
+        out.status
+    );
+    out
+}
+
+fn run(bin: &str, args: &[&str]) -> Output {
+    let child = Command::new(bin)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(child, &format!("{bin} {args:?}"))
+}
+
+/// The report line starting with `prefix` (the last line of stdout), as key → value.
+fn report(out: &Output, prefix: &str) -> HashMap<String, String> {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with(prefix),
+        "the output does not end with a {prefix} line:\n{text}"
+    );
+    println!("stats {last}");
+    last[prefix.len()..]
+        .split_whitespace()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or_else(|| panic!("{kv:?}"));
+            (k.to_owned(), v.to_owned())
+        })
+        .collect()
+}
+
+fn num(r: &HashMap<String, String>, key: &str) -> u64 {
+    r.get(key)
+        .unwrap_or_else(|| panic!("no {key}= in {r:?}"))
+        .parse()
+        .unwrap_or_else(|e| panic!("{key}: {e}"))
+}
+
+/// Checks a collector line for `sensors` connections and what `sensors` sensors send with
+/// the default workload (4 batches of 8 samples, an alarm every 4th batch, a Done each).
+fn check_collector(r: &HashMap<String, String>, sensors: u64) {
+    for key in [
+        "connections",
+        "server_threads",
+        "fds",
+        "registered_kib",
+        "messages",
+        "lost",
+        "wakeups",
+    ] {
+        num(r, key);
+    }
+    assert_eq!(num(r, "connections"), sensors, "{r:?}");
+    assert_eq!(num(r, "server_threads"), 1, "{r:?}");
+    assert_eq!(num(r, "lost"), 0, "{r:?}");
+    assert_eq!(num(r, "errors"), 0, "{r:?}");
+    // One descriptor per connection (its bootstrap stream) and a few of the hub's and the
+    // process's own.
+    let fds = num(r, "fds");
+    assert!(
+        fds as f64 <= 1.1 * sensors as f64 + 24.0,
+        "{fds} descriptors for {sensors} connections"
+    );
+    assert_eq!(num(r, "samples"), sensors * 4 * 8, "{r:?}");
+    assert_eq!(num(r, "alarms"), sensors, "{r:?}");
+    assert_eq!(num(r, "messages"), sensors * (4 * 8 + 1 + 1), "{r:?}");
+    // Batches wake the collector once, not once per sample: fewer wake-ups than messages
+    // (not one per batch: a sample that spends the collector's last credit for its sensor is
+    // solicited too, see `forced_solicited`).
+    let wakeups = num(r, "wakeups");
+    assert!(wakeups > 0 && wakeups < num(r, "messages"), "{r:?}");
+}
+
+#[test]
+#[ignore = "device"]
+fn collector_256_sensors() {
+    device();
+    let t = Instant::now();
+    let out = run(COLLECTOR, &["--sensors", "256"]);
+    println!("stats collector 256 sensors took {:?}", t.elapsed());
+    check_collector(&report(&out, "collector: "), 256);
+}
+
+/// The collector alone, its sensors in two processes started here (sensors 0-31 and 32-63):
+/// the hub serves connections from several processes at once, and the sensors' `Done`
+/// messages say what was sent.
+#[test]
+#[ignore = "device"]
+fn collector_with_two_sensor_processes() {
+    device();
+    let mut server = Command::new(COLLECTOR)
+        .args(["serve", "--listen", "127.0.0.1:0", "--sensors", "64"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(server.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line
+        .strip_prefix("listening ")
+        .unwrap_or_else(|| panic!("not a listening line: {line:?}"))
+        .trim()
+        .to_owned();
+    let sensors: Vec<Child> = ["0", "32"]
+        .iter()
+        .map(|first| {
+            Command::new(COLLECTOR)
+                .args([
+                    "sensors",
+                    "--connect",
+                    &addr,
+                    "--count",
+                    "32",
+                    "--first",
+                    first,
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for s in sensors {
+        let o = finish(s, "sensors");
+        let r = report(&o, "sensors: ");
+        assert_eq!(num(&r, "sent"), 32 * (4 * 8 + 1 + 1), "{r:?}");
+        assert_eq!(num(&r, "threads"), 1, "{r:?}");
+    }
+    // Its stdout was taken: the rest of it is read here once it has ended.
+    let mut end = finish(server, "collector serve");
+    std::io::Read::read_to_end(&mut out, &mut end.stdout).unwrap();
+    check_collector(&report(&end, "collector: "), 64);
+}
+
+#[test]
+#[ignore = "device"]
+fn reqresp_48_clients() {
+    device();
+    let t = Instant::now();
+    let out = run(REQRESP, &["--clients", "48", "--requests", "40"]);
+    println!("stats reqresp 48 clients took {:?}", t.elapsed());
+    let r = report(&out, "reqresp: ");
+    assert_eq!(num(&r, "clients"), 48, "{r:?}");
+    assert_eq!(num(&r, "requests"), 48 * 40, "{r:?}");
+    assert_eq!(num(&r, "responses"), 48 * 40, "{r:?}");
+    assert_eq!(num(&r, "errors"), 0, "{r:?}");
+    assert_eq!(num(&r, "server_threads"), 1, "{r:?}");
+    let wakeups = num(&r, "wakeups");
+    assert!(wakeups > 0 && wakeups <= 2 * 48 * 40 + 4 * 48, "{r:?}");
+}
