@@ -9,6 +9,7 @@
 
 pub mod chart;
 pub mod codec;
+pub mod fanin;
 pub mod perftest;
 pub mod rdmsg;
 pub mod report;

@@ -1,10 +1,13 @@
 //! `rdmsg-bench`: runs rdmsg's benchmarks next to their anchors and writes the report.
 //!
 //! ```text
-//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake] [--filter TEXT]
-//!                   [--device D] [--gid-index I]
+//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,fanin] [--filter TEXT]
+//!                   [--device D] [--gid-index I] [--fanin-conns 1,16,...]
+//!                   [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
 //! rdmsg-bench codec [--quick] [--rounds N]
 //! rdmsg-bench report --out DIR SAMPLE_FILE...
+//! rdmsg-bench fanin-server ...   (a fan-in's server process, started by `run`)
+//! rdmsg-bench fanin-client ...   (its client process, started by the server)
 //! ```
 //!
 //! `run` (on an RDMA device) and `codec` (anywhere) print one `SAMPLE {json}` line per
@@ -21,13 +24,18 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use bench::perftest::Perftest;
 use bench::runner::{self, Plan};
-use bench::{chart, codec, report, Bench, Sample};
+use bench::{chart, codec, fanin, report, Bench, Sample};
 
 const USAGE: &str = "usage:
-  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake] [--filter TEXT]
-                  [--lat-iters N] [--device D] [--gid-index I]
+  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,fanin] [--filter TEXT]
+                  [--lat-iters N] [--device D] [--gid-index I] [--fanin-conns 1,16,256,1024]
+                  [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
       --filter runs only the measurements whose progress line contains TEXT
       --lat-iters N round trips per latency measurement (default 1000)
+      --fanin-conns connection counts of the fan-in (default 1,16,256,1024; --quick 1,16,64)
+      --fanin-rate messages per second the fan-in client offers, all connections (8192)
+      --fanin-messages messages per fan-in measurement (32768; --quick 16384)
+      --fanin-rounds rounds that include the fan-in (default 1)
   rdmsg-bench codec [--quick] [--rounds N]
   rdmsg-bench report --out DIR SAMPLE_FILE...";
 
@@ -47,6 +55,14 @@ fn real_main() -> Result<ExitCode> {
         Some("run") => run(&args[1..]),
         Some("codec") => codec_rounds(&args[1..]),
         Some("report") => write_report(&args[1..]),
+        Some("fanin-server") => {
+            fanin::server_main(&args[1..])?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some("fanin-client") => {
+            fanin::client_main(&args[1..])?;
+            Ok(ExitCode::SUCCESS)
+        }
         Some("-h" | "--help") => {
             println!("{USAGE}");
             Ok(ExitCode::SUCCESS)
@@ -109,6 +125,20 @@ fn run(args: &[String]) -> Result<ExitCode> {
             "--filter" => plan.filter = Some(value),
             "--lat-iters" => plan.lat_iters = value.parse().context("--lat-iters")?,
             "--gid-index" => perf.gid_index = value.parse().context("--gid-index")?,
+            "--fanin-conns" => {
+                plan.fanin.conns = value
+                    .split(',')
+                    .map(|n| match n.parse::<usize>() {
+                        Ok(n) if n > 0 => Ok(n),
+                        _ => bail!("--fanin-conns takes positive counts, not {n}"),
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            "--fanin-rate" => plan.fanin.rate = value.parse().context("--fanin-rate")?,
+            "--fanin-messages" => {
+                plan.fanin.messages = value.parse().context("--fanin-messages")?;
+            }
+            "--fanin-rounds" => plan.fanin.rounds = value.parse().context("--fanin-rounds")?,
             "--only" => {
                 plan.benches = value
                     .split(',')
@@ -118,8 +148,12 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         "lat-poll" => Ok(vec![Bench::LatPoll]),
                         "bw" => Ok(vec![Bench::Bw]),
                         "wake" => Ok(vec![Bench::Wake]),
+                        "fanin" => Ok(vec![Bench::Fanin]),
                         other => {
-                            bail!("--only takes lat, lat-event, lat-poll, bw, wake; not {other}")
+                            bail!(
+                                "--only takes lat, lat-event, lat-poll, bw, wake, fanin; \
+                                 not {other}"
+                            )
                         }
                     })
                     .collect::<Result<Vec<_>>>()?
@@ -172,6 +206,8 @@ fn codec_rounds(args: &[String]) -> Result<ExitCode> {
                     round,
                     metric: "ns".into(),
                     value: ns,
+                    conns: 0,
+                    note: String::new(),
                 };
                 writeln!(out, "{}", s.to_line())?;
             }
@@ -200,7 +236,7 @@ apart, receiver thread CPU time (`CLOCK_THREAD_CPUTIME_ID`, kernel time included
 `Policy::Poll`; next: `Policy::Sleep` armed for any completion; hybrid: up to 50 µs of spinning,
 then solicited-only sleep; solicited-only: `Policy::Sleep`. Codec (on the host, not in the VM):
 one frame encoded into a buffer, and header check + decode, against `bincode::serde` on the same
-value, timed in alternating chunks.
+value, timed in alternating chunks. Fan-in: see its section.
 ";
 
 fn write_report(args: &[String]) -> Result<ExitCode> {
@@ -232,7 +268,8 @@ fn write_report(args: &[String]) -> Result<ExitCode> {
     }
     let rows = report::rows(&samples);
     fs::create_dir_all(&out_dir)?;
-    let md = report::markdown(&rows, PREAMBLE);
+    let mut md = report::markdown(&rows, PREAMBLE);
+    md.push_str(&report::fanin_markdown(&samples));
     fs::write(out_dir.join("report.md"), &md)?;
     fs::write(out_dir.join("report.json"), report::json(&rows, &samples))?;
     let png = fs::File::create(out_dir.join("chart.png"))?;

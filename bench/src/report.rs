@@ -69,6 +69,8 @@ pub enum Section {
     CpuFloor,
     /// Framing vs plain bincode.
     Codec,
+    /// Many connections into one server: one hub thread vs a thread per connection.
+    Fanin,
 }
 
 impl Section {
@@ -101,6 +103,9 @@ impl Section {
             Section::Codec => {
                 "Encode/decode ns per message on the host: rdmsg framing vs plain bincode"
             }
+            Section::Fanin => {
+                "Fan-in: N connections from one client process into one server, one hub thread (rdmsg column) vs a thread per connection (anchor), server side"
+            }
         }
     }
 
@@ -117,6 +122,7 @@ impl Section {
             Section::Cpu => "cpu/poll",
             Section::CpuFloor => "cpu/floor",
             Section::Codec => "codec",
+            Section::Fanin => "fanin",
         }
     }
 }
@@ -164,6 +170,22 @@ impl Row {
             goal,
             met: goal.map(|g| g.met(checked)),
             rounds: ours.1,
+        }
+    }
+
+    /// A row whose goal (if any) is on its own value, with another figure beside it for
+    /// comparison (no ratio).
+    fn beside(
+        section: Section,
+        label: String,
+        ours: (f64, usize),
+        other: Option<(&str, f64)>,
+        goal: Option<Goal>,
+    ) -> Self {
+        Self {
+            anchor_name: other.map(|(n, _)| n.to_owned()),
+            anchor: other.map(|(_, a)| a),
+            ..Self::new(section, label, ours, None, goal)
         }
     }
 }
@@ -436,8 +458,266 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
             None,
         ));
     }
+    rows.extend(fanin_rows(&fanin_table(samples)));
     rows.sort_by_key(|r| r.section);
     rows
+}
+
+/// One fan-in point (connections × server): medians over its rounds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FaninPoint {
+    /// Connections.
+    pub conns: u32,
+    /// `hub` or `threads`.
+    pub server: String,
+    /// Rounds measured (failed ones not counted).
+    pub rounds: usize,
+    /// Median of each metric over the rounds (see `runner::fanin_samples` for the names).
+    pub figures: BTreeMap<String, f64>,
+    /// Median over the rounds of the worst one-second window's most / least served peer;
+    /// infinite (`null` in JSON) if a peer got nothing in it.
+    pub fairness: Option<f64>,
+    /// Why a round failed, if one did.
+    pub failed: Option<String>,
+}
+
+impl FaninPoint {
+    /// A figure's median.
+    pub fn get(&self, metric: &str) -> Option<f64> {
+        self.figures.get(metric).copied()
+    }
+}
+
+/// The fan-in samples as points, by connections and then hub before threads.
+pub fn fanin_table(samples: &[Sample]) -> Vec<FaninPoint> {
+    type Series = BTreeMap<String, BTreeMap<u32, f64>>;
+    let mut points: BTreeMap<(u32, bool, String), (Series, Option<String>)> = BTreeMap::new();
+    for s in samples.iter().filter(|s| s.bench == Bench::Fanin) {
+        let entry = points
+            .entry((s.conns, s.subject != "hub", s.subject.clone()))
+            .or_default();
+        if s.metric == "failed" {
+            entry.1.get_or_insert_with(|| s.note.clone());
+        } else {
+            entry
+                .0
+                .entry(s.metric.clone())
+                .or_default()
+                .insert(s.round, s.value);
+        }
+    }
+    points
+        .into_iter()
+        .map(|((conns, _, server), (series, failed))| {
+            let figures: BTreeMap<String, f64> = series
+                .iter()
+                .map(|(m, by_round)| {
+                    (
+                        m.clone(),
+                        median(&by_round.values().copied().collect::<Vec<_>>()),
+                    )
+                })
+                .collect();
+            let ratios: Vec<f64> = match (series.get("fair_max"), series.get("fair_min")) {
+                (Some(max), Some(min)) => max
+                    .iter()
+                    .filter_map(|(r, hi)| min.get(r).map(|lo| hi / lo))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            FaninPoint {
+                conns,
+                server,
+                rounds: series.values().map(BTreeMap::len).max().unwrap_or(0),
+                figures,
+                fairness: (!ratios.is_empty()).then(|| median(&ratios)),
+                failed,
+            }
+        })
+        .collect()
+}
+
+/// Connections from which the fan-in's goals apply (fixed costs must be spread thin).
+pub const FANIN_GOALS_FROM: u32 = 1024;
+
+/// The fan-in's rows: the hub's CPU per message against the thread-per-connection server's
+/// at every N (bars of the chart), then, at the largest N the hub was measured at, the
+/// figures with goals (checked only from [`FANIN_GOALS_FROM`] connections): one server
+/// thread, at most 1.1 descriptors and 16 KiB of registered memory per idle connection, no
+/// receiver-not-ready, at most one wake-up per solicited message, CPU per message within
+/// 1.5× of the hub's with one connection, and the most served peer of any one-second window
+/// within 1.5× of the least served.
+fn fanin_rows(points: &[FaninPoint]) -> Vec<Row> {
+    let find = |conns: u32, server: &str| {
+        points
+            .iter()
+            .find(|p| p.conns == conns && p.server == server && p.rounds > 0)
+    };
+    let mut rows = Vec::new();
+    for hub in points.iter().filter(|p| p.server == "hub") {
+        let Some(cpu) = hub.get("cpu_us_per_msg") else {
+            continue;
+        };
+        let threads = find(hub.conns, "threads").and_then(|t| t.get("cpu_us_per_msg"));
+        rows.push(Row::new(
+            Section::Fanin,
+            format!("N={}: CPU µs per message, hub vs threads", hub.conns),
+            (cpu, hub.rounds),
+            threads.map(|t| ("threads", t)),
+            None,
+        ));
+    }
+    let Some(top) = points
+        .iter()
+        .filter(|p| p.server == "hub" && p.rounds > 0)
+        .max_by_key(|p| p.conns)
+    else {
+        return rows;
+    };
+    let n = top.conns;
+    let goal = |g: f64| (n >= FANIN_GOALS_FROM).then_some(Goal::AtMost(g));
+    let threads = find(n, "threads");
+    let beside = |metric: &str| threads.and_then(|t| t.get(metric)).map(|v| ("threads", v));
+    for (metric, what, limit) in [
+        ("threads", "server threads", 1.0),
+        ("fds_per_conn", "descriptors per connection", 1.1),
+        (
+            "registered_kib_per_conn",
+            "registered KiB per idle connection",
+            16.0,
+        ),
+        ("rnr", "RNR NAKs (rcvd + send)", 0.0),
+        (
+            "wakeups_per_solicited",
+            "wake-ups per solicited message",
+            1.0,
+        ),
+    ] {
+        if let Some(v) = top.get(metric) {
+            rows.push(Row::beside(
+                Section::Fanin,
+                format!("N={n}: {what}"),
+                (v, top.rounds),
+                beside(metric),
+                goal(limit),
+            ));
+        }
+    }
+    let one = points
+        .iter()
+        .filter(|p| p.server == "hub" && p.rounds > 0 && p.conns < n)
+        .min_by_key(|p| p.conns);
+    if let (Some(at_n), Some(one)) = (top.get("cpu_us_per_msg"), one) {
+        if let Some(at_one) = one.get("cpu_us_per_msg") {
+            rows.push(Row::new(
+                Section::Fanin,
+                format!("N={n}: hub CPU µs per message vs N={}", one.conns),
+                (at_n, top.rounds),
+                Some((&format!("hub, N={}", one.conns), at_one)),
+                goal(1.5),
+            ));
+        }
+    }
+    if let Some(f) = top.fairness {
+        rows.push(Row::beside(
+            Section::Fanin,
+            format!("N={n}: most / least served peer, worst second"),
+            (f, top.rounds),
+            threads.and_then(|t| t.fairness).map(|v| ("threads", v)),
+            goal(1.5),
+        ));
+    }
+    rows
+}
+
+/// The fan-in's figures as one wide table (empty without fan-in samples).
+pub fn fanin_markdown(samples: &[Sample]) -> String {
+    let points = fanin_table(samples);
+    if points.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\n### Fan-in, every figure (hub and thread-per-connection, same run)\n\n\
+         The client is one process with one client hub: it opens the N connections, then \
+         sends the same number of 64-byte messages on each, in batches of 8 whose last is \
+         solicited, interleaved message by message across the connections and paced to one \
+         total rate, the same at every N. Hub: `HubConfig::default()` on the measuring thread. \
+         Threads: a `Listener` accepting on the measuring thread and a thread per `Connection` \
+         blocked in `recv`, each with the hub's per-connection settings (2 KiB buffers, 16 send \
+         slots) and 64 receive buffers (the hub's `max_credits`). CPU: user + system time of \
+         the whole server process (`/proc/self/stat`, 10 ms ticks) from `GO` to the last \
+         message. Wake-ups: the completion-channel wake-ups of the hub, or of every \
+         connection summed (health-check timer wake-ups are not counted, their CPU is); per \
+         solicited: over the solicited messages the client sent, those the transport forced \
+         (a sender's last credit) included. Per connection: (all connected and idle − before \
+         the server created anything) / N, for descriptors (`/proc/self/fd`), `VmPin` \
+         (registered memory, as pinned pages) and `VmRSS`; registered KiB: the hub's \
+         `registered_bytes` / N, or each connection's receive pool and send buffers. RNR: the \
+         device's `rcvd_rnr_err + send_rnr_err` over the measurement (client side included). \
+         Fairness: per-peer messages received in each whole second from the first message, \
+         most / least served in the worst second (∞: a peer got nothing in a second), with \
+         the mean per peer and second.\n\n\
+         Grants: explicit credit grants the server sent per message (the server sends no \
+         data, so every credit goes back that way); asleep: the share of the messages' time \
+         the hub spent asleep.\n\n\
+         | N | server | CPU µs/msg | wake-ups/msg | wake-ups/solicited | solicited (forced) | \
+         grants/msg | asleep | fds/conn | registered KiB/conn | VmPin KiB/conn | \
+         RSS KiB/conn | threads | RNR | fairness (mean/s) | msgs/s | connect s |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for p in &points {
+        if p.rounds == 0 {
+            let note = p
+                .failed
+                .as_deref()
+                .unwrap_or("no samples")
+                .replace('|', "/");
+            let _ = writeln!(
+                out,
+                "| {} | {} | **failed**: {note} |||||||||||||||",
+                p.conns, p.server
+            );
+            continue;
+        }
+        let f = |metric: &str| p.get(metric).map_or("—".into(), fmt_num);
+        let fairness = match (p.fairness, p.get("fair_mean")) {
+            (Some(r), Some(mean)) => format!("{} ({})", fmt_num(r), fmt_num(mean)),
+            _ => "—".into(),
+        };
+        let _ =
+            writeln!(
+            out,
+            "| {} | {}{} | {} | {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            p.conns,
+            p.server,
+            if p.failed.is_some() { " (a round failed)" } else { "" },
+            f("cpu_us_per_msg"),
+            f("wakeups_per_msg"),
+            f("wakeups_per_solicited"),
+            f("solicited"),
+            f("forced_solicited"),
+            f("grants_per_msg"),
+            f("asleep"),
+            f("fds_per_conn"),
+            f("registered_kib_per_conn"),
+            f("pinned_kib_per_conn"),
+            f("rss_kib_per_conn"),
+            f("threads"),
+            f("rnr"),
+            fairness,
+            f("rate"),
+            f("connect_s"),
+        );
+    }
+    if let Some(p) = points.iter().find(|p| p.get("messages").is_some()) {
+        let _ = writeln!(
+            out,
+            "\nOffered: {} messages per measurement at {} messages/s.",
+            fmt_num(p.get("messages").unwrap_or(0.0)),
+            fmt_num(p.get("offered_rate").unwrap_or(0.0))
+        );
+    }
+    out
 }
 
 fn mode_order(variant: &str) -> usize {
@@ -459,7 +739,11 @@ pub fn fmt_size(bytes: u64) -> String {
 /// A number with three significant digits or so.
 pub fn fmt_num(v: f64) -> String {
     let a = v.abs();
-    if a == 0.0 {
+    if v == f64::INFINITY {
+        "∞".into()
+    } else if !v.is_finite() {
+        format!("{v}")
+    } else if a == 0.0 {
         "0".into()
     } else if a >= 100.0 {
         format!("{v:.0}")
@@ -524,9 +808,15 @@ pub fn json(rows: &[Row], samples: &[Sample]) -> String {
     #[derive(Serialize)]
     struct Report<'a> {
         rows: &'a [Row],
+        fanin: Vec<FaninPoint>,
         samples: &'a [Sample],
     }
-    serde_json::to_string_pretty(&Report { rows, samples }).expect("a report always serializes")
+    serde_json::to_string_pretty(&Report {
+        rows,
+        fanin: fanin_table(samples),
+        samples,
+    })
+    .expect("a report always serializes")
 }
 
 #[cfg(test)]
@@ -551,6 +841,8 @@ mod tests {
             round: 0,
             metric: metric.into(),
             value,
+            conns: 0,
+            note: String::new(),
         }
     }
 
@@ -640,6 +932,149 @@ mod tests {
         assert!(markdown(&rows, "").contains("| 64 B | 30.0 | — | — |  |  |"));
     }
 
+    /// A fan-in sample.
+    fn f(server: &str, conns: u32, round: u32, metric: &str, value: f64) -> Sample {
+        Sample {
+            round,
+            conns,
+            ..s(Bench::Fanin, server, "", (0, 0), metric, value)
+        }
+    }
+
+    /// Every figure the goals look at, for one round of one point.
+    fn point(server: &str, conns: u32, round: u32, cpu: f64, fair: (f64, f64)) -> Vec<Sample> {
+        let hub = server == "hub";
+        [
+            ("cpu_us_per_msg", cpu),
+            ("wakeups_per_solicited", if hub { 0.2 } else { 1.0 }),
+            ("threads", if hub { 1.0 } else { f64::from(conns) + 1.0 }),
+            ("fds_per_conn", if hub { 1.01 } else { 7.0 }),
+            ("registered_kib_per_conn", if hub { 10.5 } else { 166.0 }),
+            ("rnr", 0.0),
+            ("fair_max", fair.0),
+            ("fair_min", fair.1),
+            ("fair_mean", 8.0),
+        ]
+        .into_iter()
+        .map(|(m, v)| f(server, conns, round, m, v))
+        .collect()
+    }
+
+    #[test]
+    fn the_fanin_checks_its_goals_at_the_largest_n() {
+        let mut samples = Vec::new();
+        for round in 0..2 {
+            samples.extend(point("hub", 1, round, 20.0, (8000.0, 8000.0)));
+            samples.extend(point("threads", 1, round, 22.0, (8000.0, 8000.0)));
+            samples.extend(point(
+                "hub",
+                1024,
+                round,
+                28.0 + f64::from(round) * 10.0,
+                (8.0, 7.0),
+            ));
+            samples.extend(point("threads", 1024, round, 40.0, (8.0, 0.0)));
+        }
+        let rows = rows(&samples);
+        let fanin: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.section == Section::Fanin)
+            .collect();
+        let labels: Vec<&str> = fanin.iter().map(|r| r.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "N=1: CPU µs per message, hub vs threads",
+                "N=1024: CPU µs per message, hub vs threads",
+                "N=1024: server threads",
+                "N=1024: descriptors per connection",
+                "N=1024: registered KiB per idle connection",
+                "N=1024: RNR NAKs (rcvd + send)",
+                "N=1024: wake-ups per solicited message",
+                "N=1024: hub CPU µs per message vs N=1",
+                "N=1024: most / least served peer, worst second",
+            ]
+        );
+        // Hub vs threads: a ratio, no goal.
+        assert_eq!(
+            (fanin[1].ours, fanin[1].ratio, fanin[1].met),
+            (33.0, Some(33.0 / 40.0), None)
+        );
+        // Goals on the hub's own figure, the threads' beside it without a ratio.
+        assert_eq!(
+            (fanin[2].ours, fanin[2].anchor, fanin[2].ratio, fanin[2].met),
+            (1.0, Some(1025.0), None, Some(true))
+        );
+        assert!(fanin[2..7].iter().all(|r| r.met == Some(true)));
+        // 33 µs against 20 µs with one connection: 1.65×, missed.
+        assert_eq!(fanin[7].anchor_name.as_deref(), Some("hub, N=1"));
+        assert_eq!(fanin[7].met, Some(false));
+        let fair = fanin[8];
+        assert!((fair.ours - 8.0 / 7.0).abs() < 1e-9);
+        assert_eq!(
+            fair.anchor,
+            Some(f64::INFINITY),
+            "a starved peer among the threads"
+        );
+        assert_eq!(fair.met, Some(true));
+        let md = markdown(&rows, "");
+        assert!(
+            md.contains("| N=1024: server threads | 1.00 | 1025 (threads) | — | ≤ 1.00 | met |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| N=1024: most / least served peer, worst second | 1.14 | ∞ (threads)"),
+            "{md}"
+        );
+        // Serializes, infinities as null.
+        assert!(json(&rows, &samples).contains("\"fanin\": ["));
+        // The quick run's 64 connections: the same figures, no goals.
+        let small: Vec<Sample> = samples
+            .iter()
+            .filter(|s| s.conns == 1)
+            .cloned()
+            .chain(point("hub", 64, 0, 30.0, (8.0, 7.0)))
+            .collect();
+        let small = super::rows(&small);
+        assert_eq!(small.len(), 9);
+        assert!(small.iter().all(|r| r.goal.is_none()), "{small:?}");
+    }
+
+    #[test]
+    fn a_failed_fanin_point_is_a_row_of_the_table() {
+        let mut samples = point("hub", 1024, 0, 30.0, (8.0, 7.0));
+        samples.push(f("hub", 1024, 0, "messages", 32768.0));
+        samples.push(f("hub", 1024, 0, "offered_rate", 8192.0));
+        samples.push(Sample {
+            note: "accepting connection 700 of 1024: out of | descriptors".into(),
+            ..f("threads", 1024, 0, "failed", 1.0)
+        });
+        let table = fanin_table(&samples);
+        assert_eq!(table.len(), 2);
+        assert_eq!((table[0].server.as_str(), table[0].rounds), ("hub", 1));
+        assert_eq!(table[0].fairness, Some(8.0 / 7.0));
+        assert_eq!((table[1].server.as_str(), table[1].rounds), ("threads", 0));
+        assert!(table[1].failed.as_deref().unwrap().starts_with("accepting"));
+        let rows = rows(&samples);
+        let cpu = rows
+            .iter()
+            .find(|r| r.label == "N=1024: CPU µs per message, hub vs threads")
+            .unwrap();
+        assert_eq!((cpu.anchor, cpu.ratio), (None, None));
+        let md = fanin_markdown(&samples);
+        assert!(
+            md.contains("| 1024 | threads | **failed**: accepting connection 700 of 1024: out of / descriptors |"),
+            "{md}"
+        );
+        assert!(md.contains("| 1024 | hub | 30.0 |"), "{md}");
+        assert!(md.contains("1.14 (8.00)"), "{md}");
+        assert!(
+            md.contains("Offered: 32768 messages per measurement at 8192 messages/s."),
+            "{md}"
+        );
+        assert_eq!(fanin_markdown(&[]), "");
+    }
+
     #[test]
     fn formats() {
         assert_eq!(fmt_size(64), "64 B");
@@ -648,5 +1083,7 @@ mod tests {
         assert_eq!(fmt_num(1.0712), "1.07");
         assert_eq!(fmt_num(0.021005), "0.021");
         assert_eq!(fmt_num(0.0004), "4.00e-4");
+        assert_eq!(fmt_num(f64::INFINITY), "∞");
+        assert_eq!(fmt_num(f64::NAN), "NaN");
     }
 }

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
+use crate::fanin::{self, Load, Server};
 use crate::perftest::{self, Perftest};
 use crate::rdmsg::{self, RecvMode, Stream};
 use crate::sample::{Bench, Sample};
@@ -34,6 +35,8 @@ pub struct Plan {
     pub wake_batch_count: usize,
     /// Pause between batches in the wake-up benchmark.
     pub wake_gap: Duration,
+    /// The fan-in.
+    pub fanin: FaninPlan,
     /// Which benchmarks to run.
     pub benches: Vec<Bench>,
     /// Only the measurements whose description contains this.
@@ -56,7 +59,14 @@ impl Plan {
             // A low rate: emulation slows everything some 20 to 200 times, and one sleeping
             // round trip already takes about half a millisecond.
             wake_gap: Duration::from_millis(5),
-            benches: vec![Bench::LatEvent, Bench::LatPoll, Bench::Bw, Bench::Wake],
+            fanin: FaninPlan::full(),
+            benches: vec![
+                Bench::LatEvent,
+                Bench::LatPoll,
+                Bench::Bw,
+                Bench::Wake,
+                Bench::Fanin,
+            ],
             filter: None,
         }
     }
@@ -71,6 +81,11 @@ impl Plan {
             bw: vec![(64, 2_000), (65536, 200)],
             wake_batches: vec![1, 8],
             wake_batch_count: 40,
+            fanin: FaninPlan {
+                conns: vec![1, 16, 64],
+                messages: 16_384,
+                ..FaninPlan::full()
+            },
             ..Self::full()
         }
     }
@@ -123,7 +138,17 @@ impl Plan {
                             });
                         }
                     }
-                    Bench::Codec => {}
+                    Bench::Fanin if round < self.fanin.rounds => {
+                        for &conns in &self.fanin.conns {
+                            for server in Server::ALL {
+                                tasks.push(Task {
+                                    round,
+                                    what: What::Fanin { conns, server },
+                                });
+                            }
+                        }
+                    }
+                    Bench::Fanin | Bench::Codec => {}
                 }
             }
         }
@@ -131,6 +156,47 @@ impl Plan {
             tasks.retain(|t| t.describe().contains(f.as_str()));
         }
         tasks
+    }
+}
+
+/// How much fan-in to measure: every point runs the hub and the thread-per-connection
+/// server one after the other, each with its own client process.
+#[derive(Debug, Clone)]
+pub struct FaninPlan {
+    /// Connection counts.
+    pub conns: Vec<usize>,
+    /// Messages per measurement, all connections together (whole batches per connection, at
+    /// least two).
+    pub messages: usize,
+    /// Messages per second the client offers, all connections together: the same at every
+    /// connection count, so that CPU per message compares like with like.
+    pub rate: f64,
+    /// Messages per batch (the last solicited).
+    pub batch: usize,
+    /// Payload bytes.
+    pub size: usize,
+    /// Rounds with a fan-in (the first ones; at most the plan's rounds).
+    pub rounds: u32,
+}
+
+impl FaninPlan {
+    /// 1 to 1024 connections, 32768 messages at 8192/s: four seconds of messages at every
+    /// point, and 8 per connection and second at 1024 (the fairness windows need a few);
+    /// three rounds, a minute each under emulation.
+    pub fn full() -> Self {
+        Self {
+            conns: vec![1, 16, 256, 1024],
+            messages: 32_768,
+            rate: 8192.0,
+            batch: 8,
+            size: 64,
+            rounds: 3,
+        }
+    }
+
+    /// The load of one point.
+    pub fn load(&self, conns: usize) -> Load {
+        Load::new(conns, self.messages, self.batch, self.size, self.rate)
     }
 }
 
@@ -199,6 +265,13 @@ pub enum What {
         /// Messages per batch.
         batch: usize,
     },
+    /// Many connections into one server.
+    Fanin {
+        /// Connections.
+        conns: usize,
+        /// Who serves them.
+        server: Server,
+    },
 }
 
 /// A measurement of a round.
@@ -228,6 +301,25 @@ impl Task {
             }
             What::Wake { mode, batch } => format!("receiver {} batch {batch}", mode.name()),
             What::WakeFloor { batch } => format!("receiver verbs-core floor batch {batch}"),
+            What::Fanin { conns, server } => {
+                format!("fanin {conns} connections, {}", server.name())
+            }
+        }
+    }
+
+    /// Samples that record this task's failure in the report (the fan-in's: a server that
+    /// cannot take its connections is a result), or none.
+    pub fn failure_samples(&self, error: &anyhow::Error) -> Vec<Sample> {
+        match self.what {
+            What::Fanin { conns, server } => vec![fanin_sample(
+                self.round,
+                conns,
+                server,
+                "failed",
+                1.0,
+                format!("{error:#}"),
+            )],
+            _ => Vec::new(),
         }
     }
 
@@ -243,6 +335,8 @@ impl Task {
                 round: self.round,
                 metric: metric.into(),
                 value,
+                conns: 0,
+                note: String::new(),
             };
         Ok(match self.what {
             What::Latency { bench, size, who } => {
@@ -331,6 +425,10 @@ impl Task {
                 }
                 v
             }
+            What::Fanin { conns, server } => {
+                let m = fanin::measure(server, &plan.fanin.load(conns))?;
+                fanin_samples(self.round, conns, server, &m)
+            }
             What::WakeFloor { batch } => {
                 let cpu = verbs::wake_floor(batch, plan.wake_batch_count, plan.wake_gap)?;
                 vec![sample(
@@ -345,6 +443,69 @@ impl Task {
             }
         })
     }
+}
+
+/// A fan-in sample.
+fn fanin_sample(
+    round: u32,
+    conns: usize,
+    server: Server,
+    metric: &str,
+    value: f64,
+    note: String,
+) -> Sample {
+    Sample {
+        bench: Bench::Fanin,
+        subject: server.name().into(),
+        variant: String::new(),
+        size: 0,
+        batch: 0,
+        round,
+        metric: metric.into(),
+        value,
+        conns: conns as u32,
+        note,
+    }
+}
+
+/// The samples of one fan-in measurement (metric names as the report reads them).
+fn fanin_samples(round: u32, conns: usize, server: Server, m: &fanin::Measured) -> Vec<Sample> {
+    let mut figures = vec![
+        ("cpu_us_per_msg", m.cpu_us_per_msg),
+        ("wakeups_per_msg", m.wakeups_per_msg),
+        ("wakeups_per_solicited", m.wakeups_per_solicited),
+        ("other_wakeups_per_msg", m.other_wakeups_per_msg),
+        ("grants_per_msg", m.grants_per_msg),
+        ("credit_waits_per_msg", m.credit_waits_per_msg),
+        ("client_lag_s", m.client_lag_secs),
+        ("solicited", m.solicited as f64),
+        ("forced_solicited", m.forced_solicited as f64),
+        ("fds_per_conn", m.fds_per_conn),
+        ("registered_kib_per_conn", m.registered_kib_per_conn),
+        ("pinned_kib_per_conn", m.pinned_kib_per_conn),
+        ("rss_kib_per_conn", m.rss_kib_per_conn),
+        ("threads", m.threads as f64),
+        ("rate", m.rate),
+        ("connect_s", m.connect_secs),
+        ("messages", m.messages as f64),
+        ("offered_rate", m.offered_rate),
+    ];
+    if let Some(asleep) = m.asleep {
+        figures.push(("asleep", asleep));
+    }
+    if let Some(rnr) = m.rnr {
+        figures.push(("rnr", rnr as f64));
+    }
+    if let Some(f) = m.fairness {
+        figures.push(("fair_max", f.max as f64));
+        figures.push(("fair_min", f.min as f64));
+        figures.push(("fair_mean", f.mean));
+        figures.push(("fair_windows", f.windows as f64));
+    }
+    figures
+        .into_iter()
+        .map(|(metric, value)| fanin_sample(round, conns, server, metric, value, String::new()))
+        .collect()
 }
 
 /// A program built next to this one (the examples, in the same target directory).
@@ -396,6 +557,10 @@ pub fn run_all(plan: &Plan, perf: &Perftest, out: &mut impl Write) -> Result<usi
             Err(e) => {
                 failed += 1;
                 eprintln!("{what}: FAILED: {e:#}");
+                for s in task.failure_samples(&e) {
+                    writeln!(out, "{}", s.to_line())?;
+                }
+                out.flush()?;
             }
         }
     }
@@ -411,8 +576,8 @@ mod tests {
         let plan = Plan::quick();
         let tasks = plan.tasks();
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
-        // 2 batches × (4 modes + the floor).
-        assert_eq!(tasks.len(), 14 + 6 + 10);
+        // 2 batches × (4 modes + the floor), 3 fan-in points × 2 servers.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 6);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -431,8 +596,54 @@ mod tests {
         let full = Plan::full();
         assert_eq!(
             full.tasks().len(),
-            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5)
+            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5) + 3 * 4 * 2
         );
         assert!(full.tasks().iter().all(|t| t.round < 5));
+    }
+
+    #[test]
+    fn the_fanin_runs_hub_and_threads_side_by_side_in_its_rounds() {
+        let plan = Plan {
+            benches: vec![Bench::Fanin],
+            rounds: 3,
+            fanin: FaninPlan {
+                rounds: 2,
+                ..FaninPlan::full()
+            },
+            ..Plan::full()
+        };
+        let tasks = plan.tasks();
+        let points: Vec<(u32, usize, Server)> = tasks
+            .iter()
+            .map(|t| match t.what {
+                What::Fanin { conns, server } => (t.round, conns, server),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(points.len(), 2 * 4 * 2, "fan-in rounds only");
+        assert_eq!(
+            &points[..4],
+            &[
+                (0, 1, Server::Hub),
+                (0, 1, Server::Threads),
+                (0, 16, Server::Hub),
+                (0, 16, Server::Threads)
+            ]
+        );
+        assert_eq!(tasks[7].describe(), "fanin 1024 connections, threads");
+        let load = plan.fanin.load(1024);
+        assert_eq!((load.per_conn, load.messages()), (32, 32_768));
+        assert_eq!(plan.fanin.load(1).per_conn, 32_768);
+        let failed = tasks[7].failure_samples(&anyhow::anyhow!("out of threads"));
+        assert_eq!(failed.len(), 1);
+        assert_eq!(
+            (
+                failed[0].conns,
+                failed[0].subject.as_str(),
+                failed[0].metric.as_str()
+            ),
+            (1024, "threads", "failed")
+        );
+        assert_eq!(failed[0].note, "out of threads");
     }
 }

@@ -20,6 +20,8 @@ pub enum Bench {
     Wake,
     /// Encoding and decoding on the host; value: ns per message.
     Codec,
+    /// Many connections into one server: one hub thread vs a thread per connection.
+    Fanin,
 }
 
 /// One measurement of one round.
@@ -41,6 +43,16 @@ pub struct Sample {
     pub metric: String,
     /// The measured value.
     pub value: f64,
+    /// Connections into the server (fan-in; 0 when not applicable).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub conns: u32,
+    /// Why a measurement failed (with metric `failed`), or empty.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 impl Sample {
@@ -74,11 +86,23 @@ mod tests {
             round: 2,
             metric: "us".into(),
             value: 171.5,
+            conns: 0,
+            note: String::new(),
         };
         let line = s.to_line();
         assert!(line.starts_with("SAMPLE {\"bench\":\"lat_event\""));
         assert_eq!(Sample::from_line(&line).unwrap().unwrap(), s);
         assert!(Sample::from_line("[3/40] progress").is_none());
         assert!(Sample::from_line("SAMPLE {broken").unwrap().is_err());
+        let fanin = Sample {
+            bench: Bench::Fanin,
+            conns: 1024,
+            metric: "failed".into(),
+            note: "accepting connection 700 of 1024: out of descriptors".into(),
+            ..s
+        };
+        let line = fanin.to_line();
+        assert!(line.contains("\"conns\":1024"), "{line}");
+        assert_eq!(Sample::from_line(&line).unwrap().unwrap(), fanin);
     }
 }

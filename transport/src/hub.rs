@@ -76,9 +76,16 @@ pub struct HubConfig {
     /// SRQ are sized for this many connections at their minimum plus `shared_credits`, which
     /// must fit the device's `max_cqe` and `max_srq_wr`. Default 1024.
     pub max_connections: u32,
-    /// Receive buffers posted beyond every connection's minimum, lent to busy connections.
+    /// Receive buffers kept spare beyond every connection's minimum, lent to busy
+    /// connections at once (the pool grows as connections are admitted to keep them).
     /// Default 256.
     pub shared_credits: u32,
+    /// Most receive buffers beyond every connection's minimum: while busy peers run out of
+    /// credits with nothing spare, the pool grows towards this, so that memory follows the
+    /// traffic (an idle hub holds `shared_credits`). Registered buffers stay registered (a
+    /// shared receive queue cannot give posted buffers back) until the hub is dropped; what
+    /// idle peers no longer use serves others. At least `shared_credits`. Default 8192.
+    pub max_shared_credits: u32,
     /// Send buffers shared by every connection (messages up to `max_inline` need none).
     /// Default 256.
     pub send_buffers: u32,
@@ -96,6 +103,7 @@ impl Default for HubConfig {
             max_credits: 64,
             max_connections: 1024,
             shared_credits: 256,
+            max_shared_credits: 8192,
             send_buffers: 256,
         }
     }
@@ -109,7 +117,9 @@ impl HubConfig {
 
     /// Requests the SRQ (and so the receive CQ) must hold at most.
     fn srq_size(&self) -> u64 {
+        // Room for the growth on demand and for the spare kept at admission, both at once.
         u64::from(self.max_connections) * u64::from(self.per_connection())
+            + u64::from(self.max_shared_credits)
             + u64::from(self.shared_credits)
     }
 
@@ -125,6 +135,9 @@ impl HubConfig {
         if self.max_connections == 0 || self.max_connections > MAX_SLOTS {
             return bad(format!("max_connections must be between 1 and {MAX_SLOTS}"));
         }
+        if self.max_shared_credits < self.shared_credits {
+            return bad("max_shared_credits must be at least shared_credits".into());
+        }
         if self.send_buffers == 0 {
             return bad("send_buffers must be at least 1".into());
         }
@@ -132,7 +145,7 @@ impl HubConfig {
         let need = self.srq_size();
         if need > u64::from(dev.max_cqe) || need > u64::from(dev.max_srq_wr) {
             return bad(format!(
-                "max_connections × (min_credits + grant_slots) + shared_credits = {need} receive \
+                "max_connections × (min_credits + grant_slots) + max_shared_credits + shared_credits = {need} receive \
                  buffers exceeds the device's max_cqe ({}) or max_srq_wr ({}): lower \
                  max_connections or min_credits",
                 dev.max_cqe, dev.max_srq_wr
@@ -233,6 +246,8 @@ pub struct HubStats {
     pub sent: u64,
     /// `ibv_post_srq_recv` calls.
     pub srq_posts: u64,
+    /// Times the receive pool grew because busy peers ran out of credits.
+    pub pool_growths: u64,
     /// Receive buffers registered (the SRQ's pool).
     pub recv_buffers: usize,
     /// Bytes registered for receive and send buffers.
@@ -1221,6 +1236,7 @@ impl Hub {
         self.waiter.channel_mut().ready = ready;
         self.timers();
         self.retire_drained()?;
+        self.grow_for_demand()?;
         self.repost()?;
         self.grants();
         if self.last_tick.elapsed() >= Duration::from_secs(1) {
@@ -1339,6 +1355,26 @@ impl Hub {
     }
 
     // ----- buffers and grants -----
+
+    /// Busy peers ran out of credits with nothing spare: registers more buffers (in chunks of
+    /// at least 64), up to `max_shared_credits` beyond everyone's minimum; `repost` posts them.
+    fn grow_for_demand(&mut self) -> Result<()> {
+        let demand = self.share.take_demand();
+        if demand == 0 {
+            return Ok(());
+        }
+        let admitted = self.slots.iter().flatten().filter(|s| s.admitted).count() as u64;
+        let minimums = admitted * u64::from(self.share.admission_cost());
+        let limit = (minimums + u64::from(self.config.max_shared_credits))
+            .min(u64::from(self.srq.max_wr()));
+        let room = limit.saturating_sub(self.pool.stats(0).total as u64);
+        let grow = u64::from(demand).max(64).min(room);
+        if grow > 0 {
+            self.pool.grow(self.endpoint.pd(), grow as usize)?;
+            self.stats.pool_growths += 1;
+        }
+        Ok(())
+    }
 
     /// Posts every free receive buffer to the SRQ and lets the share hand them out.
     fn repost(&mut self) -> Result<()> {

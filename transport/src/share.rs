@@ -294,6 +294,9 @@ pub struct Share {
     deficit: u32,
     /// Spare after the last re-post, less what quotas grew by since.
     headroom: u32,
+    /// Credits quotas would have grown by had there been headroom, since
+    /// [`Share::take_demand`]: what a pool that may grow should add.
+    demand: u32,
 }
 
 impl Share {
@@ -323,6 +326,7 @@ impl Share {
             backed: 0,
             deficit: 0,
             headroom: 0,
+            demand: 0,
         })
     }
 
@@ -376,6 +380,13 @@ impl Share {
     /// not once a batch is free.
     pub fn urgent(&self) -> bool {
         self.urgent > 0
+    }
+
+    /// Credits that quotas of peers running out would have grown by, had spare buffers been
+    /// there, since the last call: a pool allowed to grow adds about that many buffers (they
+    /// become headroom at the next [`Share::on_posted`]). Resets the count.
+    pub fn take_demand(&mut self) -> u32 {
+        std::mem::take(&mut self.demand)
     }
 
     /// Admits a connection into `slot`, setting aside the buffers of its initial credits and
@@ -758,7 +769,13 @@ impl Share {
     /// A peer ran out of credits: with headroom, it may hold more.
     fn grow<H: CreditHolder>(&mut self, slot: usize, holder: &mut H) {
         let s = &mut self.slots[slot];
-        if self.headroom == 0 || s.quota >= self.cfg.max_credits {
+        if s.quota >= self.cfg.max_credits {
+            return;
+        }
+        if self.headroom == 0 {
+            // Busy, and nothing to grow into: the pool's owner may add buffers.
+            let wanted = s.quota.min(self.cfg.max_credits - s.quota);
+            self.demand = self.demand.saturating_add(wanted);
             return;
         }
         let quota = (s.quota.saturating_mul(2))

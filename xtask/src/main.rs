@@ -42,9 +42,10 @@ tasks:
   demo [--kernel K]
                    run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
   bench [--quick] [--kernel K] [-- ARGS]
-                   benchmarks side by side with perftest in one VM boot, codec on the host;
-                   writes target/bench/report.md, report.json, chart.png (ARGS go to
-                   `rdmsg-bench run`, e.g. --rounds 3 or --only lat)
+                   benchmarks side by side with perftest in one VM boot, codec on the host,
+                   and the fan-in (1 to 1024 connections: one hub thread vs a thread per
+                   connection); writes target/bench/report.md, report.json, chart.png (ARGS
+                   go to `rdmsg-bench run`, e.g. --rounds 3, --only lat or --only fanin)
   vm [--kernel K] -- CMD...
                    boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
   vm2 [--kernel K] two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
