@@ -427,7 +427,16 @@ impl Slot {
     }
 }
 
-/// Many RC connections driven by one thread. See the [module documentation](self).
+/// Many RC connections driven by one thread: one completion channel, one receive and one
+/// send CQ, one shared receive queue and one pool of send buffers for all of them. One
+/// solicited message from any peer wakes the thread, which then takes everything every peer
+/// sent.
+///
+/// Each connection keeps its own credits, backed by buffers of the shared pool: an idle one
+/// keeps `min_credits` and its grant slots, a busy one grows towards `max_credits`, and no
+/// peer ever meets receiver-not-ready. A connection that fails (its peer vanished, broke the
+/// credit protocol, or its queue pair broke) fails alone: everything it delivered comes
+/// first, then [`HubEvent::Disconnected`]; the others carry on.
 ///
 /// Everything goes through it: [`Hub::listen`] and [`Hub::connect`] start handshakes (none
 /// blocks the others: a silent or hostile client holds a socket and a slot, never the hub),

@@ -454,3 +454,57 @@ fn a_peer_that_sends_beyond_its_credits_fails_alone() {
     drop(server);
     assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
 }
+
+#[test]
+#[ignore = "device"]
+fn an_outside_event_loop_drives_the_hub_through_its_descriptor() {
+    use std::os::fd::AsFd;
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    // The application's own loop: an epoll set with the hub's descriptor and one of its own.
+    let (mut poke, poked) = std::os::unix::net::UnixStream::pair().unwrap();
+    let watch = rdmsg_verbs::ReadyWatch::new().unwrap();
+    watch.add(server.as_fd(), 0).unwrap();
+    watch.add(poked.as_fd(), 1).unwrap();
+    let client = std::thread::spawn(move || {
+        let (ids, mut hub) = client(addr, 4, 8);
+        for id in ids {
+            hub.close(id).expect("close");
+        }
+    });
+    std::io::Write::write_all(&mut poke, b"!").unwrap();
+    let (mut messages, mut gone, mut pokes, mut wakes) = (0, 0, 0, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while gone < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "{messages} messages, {gone} gone"
+        );
+        let ready = watch.wait(server.next_timeout()).unwrap();
+        wakes += 1;
+        if ready & 2 != 0 {
+            let mut b = [0u8; 8];
+            let _ = std::io::Read::read(&mut &poked, &mut b);
+            pokes += 1;
+        }
+        // Whatever woke the loop (or a timer), one non-blocking step, then what it queued.
+        server.step().expect("step");
+        while let Some(ev) = server.try_event().expect("try_event") {
+            match ev {
+                HubEvent::Message { msg, .. } => {
+                    parse(&msg);
+                    messages += 1;
+                }
+                HubEvent::Disconnected { failure, .. } => {
+                    assert_eq!(failure, Failure::PeerClosed);
+                    gone += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    client.join().expect("client thread");
+    println!("event loop: {messages} messages in {wakes} wake-ups of the outer loop");
+    assert_eq!((messages, pokes), (4 * 8, 1));
+}
