@@ -41,6 +41,7 @@ pub fn package(allow_dirty: bool) -> Result<Vec<(PathBuf, u64)>> {
     // What this run wrote: older .crate files may lie beside (a second of slack for coarse
     // file-system clocks).
     let started = SystemTime::now() - Duration::from_secs(1);
+    forget_stale_local_registry_sources();
     run(cargo().args(&args)).context("packaging the publishable crates")?;
     let dir = repo_root().join("target/package");
     let mut crates: Vec<(PathBuf, u64)> = std::fs::read_dir(&dir)
@@ -62,6 +63,44 @@ pub fn package(allow_dirty: bool) -> Result<Vec<(PathBuf, u64)>> {
         );
     }
     Ok(crates)
+}
+
+/// Removes what cargo extracted from earlier runs' temporary local registries: it keys them by
+/// the registry's path (the same `target/package/tmp-registry` every run) and by crate name and
+/// version (ours stay 0.1.0), and reuses an extracted directory rather than unpacking the new
+/// `.crate`. Without this, a crate is verified against a dependency's sources of an earlier run
+/// and fails on any API added since. Only local registries (directories named `-<hash>`, no
+/// host) are touched.
+fn forget_stale_local_registry_sources() {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
+    let Some(home) = home else { return };
+    for kind in ["src", "cache"] {
+        let Ok(registries) = std::fs::read_dir(home.join("registry").join(kind)) else {
+            continue;
+        };
+        for reg in registries.flatten() {
+            if !reg.file_name().to_string_lossy().starts_with('-') {
+                continue;
+            }
+            let Ok(entries) = std::fs::read_dir(reg.path()) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let ours = PUBLISHED.iter().any(|p| name.starts_with(&format!("{p}-")));
+                if ours {
+                    let path = e.path();
+                    let _ = if path.is_dir() {
+                        std::fs::remove_dir_all(&path)
+                    } else {
+                        std::fs::remove_file(&path)
+                    };
+                }
+            }
+        }
+    }
 }
 
 /// `12.3 KiB`.
