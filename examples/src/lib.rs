@@ -62,3 +62,89 @@ pub enum Command {
 rdmsg::msg::message!(Command, tag = "rdmsg.example.Command");
 
 pub use rdmsg::transport::loopback_pair;
+
+/// The second process of the many-peer examples (`collector`'s sensors, `reqresp`'s clients):
+/// started once the server listens, watched while it serves, reaped with its report line.
+pub mod peers {
+    use std::io::Read;
+    use std::process::{Child, Command, ExitStatus};
+    use std::time::{Duration, Instant};
+
+    use anyhow::{bail, Context as _, Result};
+
+    /// The process, not started until the server has an address to give it.
+    #[derive(Debug)]
+    pub struct PeerProcess {
+        command: Command,
+        child: Option<Child>,
+        /// What it runs (`sensors`, `clients`): its report line starts with `{what}:`.
+        what: &'static str,
+    }
+
+    impl PeerProcess {
+        /// `command` runs `what` once given `--connect ADDR`.
+        pub fn new(command: Command, what: &'static str) -> Self {
+            Self {
+                command,
+                child: None,
+                what,
+            }
+        }
+
+        /// Starts it towards the server at `addr`.
+        pub fn start(&mut self, addr: &str) -> Result<()> {
+            let child = self
+                .command
+                .args(["--connect", addr])
+                .spawn()
+                .with_context(|| format!("starting the {} process", self.what))?;
+            self.child = Some(child);
+            Ok(())
+        }
+
+        /// Whether it has ended (or was never started): the server waits for no more peers.
+        pub fn ended(&mut self) -> bool {
+            self.child
+                .as_mut()
+                .map_or(true, |c| !matches!(c.try_wait(), Ok(None)))
+        }
+
+        /// Waits for it, killing it if it outlives `owner` (the server) by a minute: how it
+        /// ended and its report line; `None` if it was never started.
+        pub fn reap(self, owner: &str) -> Option<Result<(ExitStatus, Option<String>)>> {
+            let what = self.what;
+            let mut child = self.child?;
+            Some((|| {
+                let until = Instant::now() + Duration::from_secs(60);
+                let status = loop {
+                    if let Some(s) = child.try_wait()? {
+                        break s;
+                    }
+                    if Instant::now() > until {
+                        let _ = child.kill();
+                        bail!("the {what} process did not end within 60 s of the {owner}: killed");
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                };
+                let mut out = String::new();
+                if let Some(mut o) = child.stdout.take() {
+                    o.read_to_string(&mut out)?;
+                }
+                let prefix = format!("{what}:");
+                let line = out.lines().rfind(|l| l.starts_with(&prefix));
+                Ok((status, line.map(str::to_owned)))
+            })())
+        }
+    }
+
+    /// The value of `key=` in a report line.
+    pub fn field(line: &str, key: &str) -> Option<u64> {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+    }
+
+    /// Entries of a directory such as `/proc/self/fd` (0 if unreadable).
+    pub fn count_dir(path: &str) -> usize {
+        std::fs::read_dir(path).map_or(0, Iterator::count)
+    }
+}

@@ -21,7 +21,7 @@ use rdmsg_verbs::{
 use crate::addr::QpAddress;
 use crate::connection::{random_psn, Config, Connection};
 use crate::endpoint::Endpoint;
-use crate::handshake::{Action, Handshake, Hello, Reject, NONCE_LEN, VERSION};
+use crate::handshake::{Action, Handshake, Hello, Reject, GOODBYE, NONCE_LEN, VERSION};
 use crate::pool::RecvPool;
 use crate::{Error, Result};
 
@@ -164,6 +164,79 @@ pub(crate) fn bootstrap_err(stage: &'static str) -> impl FnOnce(io::Error) -> Er
     move |source| Error::Bootstrap { stage, source }
 }
 
+/// What a bootstrap stream brings after the handshake, where at most a goodbye may come. Read
+/// by a connection's liveness check and by the hub when the stream is readable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AfterHandshake {
+    /// Nothing to read now.
+    Nothing,
+    /// Junk (this byte): the connection fails at once.
+    Garbage(u8),
+    /// The peer closed gracefully: its close message is delivered or on its way.
+    Goodbye,
+    /// The stream ended without a goodbye: the peer's process is gone, or its side failed.
+    Ended,
+}
+
+impl AfterHandshake {
+    /// Reads what is there on the non-blocking `stream`.
+    pub(crate) fn read(stream: &TcpStream) -> Self {
+        let mut buf = [0u8; 64];
+        let (n, eof) = match (&*stream).read(&mut buf) {
+            Ok(0) => (0, true),
+            Ok(n) => (n, false),
+            Err(e) => (
+                0,
+                !matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ),
+            ),
+        };
+        if let Some((_, &byte)) = buf[..n]
+            .iter()
+            .enumerate()
+            .find(|&(i, &b)| i > 0 || b != GOODBYE)
+        {
+            Self::Garbage(byte)
+        } else if n == 1 {
+            Self::Goodbye
+        } else if eof {
+            Self::Ended
+        } else {
+            Self::Nothing
+        }
+    }
+
+    /// How long to wait for the peer's close message before calling it vanished: up to
+    /// `close_timeout` after a goodbye, 50 ms after a bare end of stream (one may still be in
+    /// flight).
+    pub(crate) fn grace(self, close_timeout: Duration) -> Duration {
+        if self == Self::Goodbye {
+            close_timeout
+        } else {
+            Duration::from_millis(50)
+        }
+    }
+}
+
+/// Accepts the next waiting client on the non-blocking `tcp`: `Ok(None)` when none waits;
+/// interrupted calls and clients gone before they were accepted are skipped.
+pub(crate) fn accept_next(tcp: &TcpListener) -> io::Result<Option<TcpStream>> {
+    loop {
+        match tcp.accept() {
+            Ok((s, _)) => return Ok(Some(s)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// One handshake over a non-blocking stream, and the resources it set up so far.
 #[derive(Debug)]
 pub(crate) struct Pending<S = Setup> {
@@ -298,6 +371,17 @@ impl<S: LocalSide> Pending<S> {
                     self.config.handshake_timeout
                 ),
             ),
+        }
+    }
+
+    /// The error of a handshake evicted to make room: `max` were pending.
+    pub(crate) fn evicted(&self, max: u32) -> Error {
+        Error::Bootstrap {
+            stage: self.hs.stage(),
+            source: io::Error::other(format!(
+                "handshake with {} evicted: {max} handshakes pending",
+                self.peer_name()
+            )),
         }
     }
 
@@ -490,17 +574,9 @@ impl Listener {
         let max = config.max_pending_handshakes as usize;
         let mut evicted = None;
         loop {
-            let stream = match self.tcp.accept() {
-                Ok((s, _)) => s,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(evicted),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
-                    ) =>
-                {
-                    continue
-                }
+            let stream = match accept_next(&self.tcp) {
+                Ok(Some(s)) => s,
+                Ok(None) => return Ok(evicted),
                 Err(source) => {
                     return Err(Error::Bootstrap {
                         stage: "accepting",
@@ -521,13 +597,7 @@ impl Listener {
                         .min_by_key(|&i| pending[i].as_ref().map(|p| p.deadline))
                         .expect("a full table has a pending handshake");
                     let p = self.remove(pending, oldest);
-                    evicted.get_or_insert(Error::Bootstrap {
-                        stage: p.hs.stage(),
-                        source: io::Error::other(format!(
-                            "handshake with {} evicted: {max} handshakes pending",
-                            p.peer_name()
-                        )),
-                    });
+                    evicted.get_or_insert(p.evicted(max as u32));
                     oldest
                 }
             };

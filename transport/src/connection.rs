@@ -1,7 +1,7 @@
 //! A credit-flow-controlled RC connection.
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::Arc;
@@ -12,10 +12,10 @@ use rdmsg_verbs::{
     Buffer, CompletionChannel, CompletionQueue, QueuePair, ReadyWatch, SendRequest, WorkCompletion,
 };
 
-use crate::bootstrap::Setup;
+use crate::bootstrap::{AfterHandshake, Setup};
 use crate::credits::{Credits, Imm};
 use crate::endpoint::{Endpoint, PathParams};
-use crate::events::Mailbox;
+use crate::events::{self, Mailbox};
 use crate::handshake::{self, Hello, GOODBYE};
 use crate::inbound::{Completion, RecvAction};
 use crate::pool::{PoolStats, Received, RecvPool};
@@ -1047,41 +1047,21 @@ impl Connection {
         if !ch.watch_bootstrap {
             return;
         }
-        let mut buf = [0u8; 64];
-        let (n, eof) = match (&ch.bootstrap).read(&mut buf) {
-            Ok(0) => (0, true),
-            Ok(n) => (n, false),
-            Err(e) => (
-                0,
-                !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                ),
-            ),
-        };
-        let got = &buf[..n];
-        if let Some((_, &byte)) = got
-            .iter()
-            .enumerate()
-            .find(|&(i, &b)| i > 0 || b != GOODBYE)
-        {
-            self.fail(Failure::BootstrapGarbage { byte });
-            return;
-        }
-        let goodbye = n == 1;
-        if !goodbye && !eof {
-            return;
+        let news = AfterHandshake::read(&ch.bootstrap);
+        match news {
+            AfterHandshake::Nothing => return,
+            AfterHandshake::Garbage(byte) => {
+                self.fail(Failure::BootstrapGarbage { byte });
+                return;
+            }
+            AfterHandshake::Goodbye | AfterHandshake::Ended => {}
         }
         self.stop_watching_bootstrap();
         if self.closing {
             // Our close is delivered or on its way: `close` waits for its completion.
             return;
         }
-        let grace = if goodbye {
-            self.config.close_timeout
-        } else {
-            Duration::from_millis(50)
-        };
+        let grace = news.grace(self.config.close_timeout);
         let until = Instant::now() + grace;
         while !self.proto.peer_closed() && Instant::now() < until {
             let _ = self.poll_and_handle();
@@ -1136,14 +1116,10 @@ fn extra_credits(config: &Config) -> u32 {
 /// overrun of a CQ, a fatal device error, or an error of the port.
 fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result<Option<Failure>> {
     endpoint.route_async_events()?;
-    use rdmsg_verbs::AsyncEventKind as K;
-    Ok(mailbox.take().into_iter().find_map(|ev| {
-        matches!(
-            ev.kind,
-            K::QpFatal | K::QpReqErr | K::QpAccessErr | K::CqErr | K::DeviceFatal | K::PortErr
-        )
-        .then_some(Failure::AsyncEvent(ev.kind))
-    }))
+    Ok(mailbox
+        .take()
+        .into_iter()
+        .find_map(|ev| events::is_fatal(ev.kind).then_some(Failure::AsyncEvent(ev.kind))))
 }
 
 /// The error number behind an error, if any of its sources is an OS error.

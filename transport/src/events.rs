@@ -45,6 +45,16 @@ pub(crate) fn router_for(ctx: &Context) -> Arc<Mutex<Router>> {
 /// later claimants, oldest dropped first.
 const UNCLAIMED_BACKLOG: usize = 256;
 
+/// Whether an asynchronous event of this kind breaks what it names: a fatal, request or access
+/// error of a queue pair, an overrun of a CQ, a fatal device error, an error of the port.
+pub(crate) fn is_fatal(kind: AsyncEventKind) -> bool {
+    use AsyncEventKind as K;
+    matches!(
+        kind,
+        K::QpFatal | K::QpReqErr | K::QpAccessErr | K::CqErr | K::DeviceFatal | K::PortErr
+    )
+}
+
 /// Where a connection's events are left for it.
 #[derive(Debug)]
 pub(crate) struct Mailbox {

@@ -31,7 +31,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
@@ -39,16 +39,18 @@ use std::time::{Duration, Instant};
 
 use rdmsg_notify::{ArmMode, CqKey, EventChannel, EventTarget, Readiness, Waiter};
 use rdmsg_verbs::{
-    Access, AsyncElement, AsyncEventKind, Buffer, CompletionChannel, CompletionQueue, QpCaps,
-    QueuePair, ReadyWatch, SendRequest, SharedReceiveQueue, WorkCompletion,
+    Access, AsyncElement, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair,
+    ReadyWatch, SendRequest, SharedReceiveQueue, WorkCompletion,
 };
 
 use crate::addr::QpAddress;
-use crate::bootstrap::{bootstrap_err, nonce, our_hello, LocalSide, Pending};
+use crate::bootstrap::{
+    accept_next, bootstrap_err, nonce, our_hello, AfterHandshake, LocalSide, Pending,
+};
 use crate::connection::{errno_of, keepalive_probes, random_psn, Config, ConnStats};
 use crate::credits::{Credits, Imm};
 use crate::endpoint::Endpoint;
-use crate::events::Mailbox;
+use crate::events::{self, Mailbox};
 use crate::handshake::{Handshake, Hello, GOODBYE};
 use crate::inbound::{Completion, RecvAction};
 use crate::pool::{PoolStats, Received, RecvPool};
@@ -1530,17 +1532,9 @@ impl Hub {
             let Some(listener) = &self.listener else {
                 return;
             };
-            let stream = match listener.accept() {
-                Ok((s, _)) => s,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
-                    ) =>
-                {
-                    continue
-                }
+            let stream = match accept_next(listener) {
+                Ok(Some(s)) => s,
+                Ok(None) => return,
                 Err(source) => {
                     // Out of descriptors, most likely: the listener stays readable, so the next
                     // step tries again; report it once per step.
@@ -1581,24 +1575,10 @@ impl Hub {
                 })
                 .min();
             if let Some((_, i)) = oldest {
-                let name = match &self.slot(i).phase {
-                    Phase::Handshake(p) => p.peer_name(),
-                    _ => String::new(),
-                };
-                let stage = match &self.slot(i).phase {
-                    Phase::Handshake(p) => p.hs.stage(),
-                    _ => "",
-                };
-                self.handshake_failed(
-                    i,
-                    Error::Bootstrap {
-                        stage,
-                        source: io::Error::other(format!(
-                            "handshake with {name} evicted: {} handshakes pending",
-                            self.config.conn.max_pending_handshakes
-                        )),
-                    },
-                );
+                if let Phase::Handshake(p) = &self.slot(i).phase {
+                    let e = p.evicted(self.config.conn.max_pending_handshakes);
+                    self.handshake_failed(i, e);
+                }
             }
         }
         let slot = match self.new_slot(true) {
@@ -1762,44 +1742,23 @@ impl Hub {
     /// Looks at a readable bootstrap stream: after the handshake only a goodbye may come.
     fn check_stream(&mut self, slot: usize) {
         let close_timeout = self.config.conn.close_timeout;
-        let s = self.slot_mut(slot);
-        let Some(link) = s.link_mut() else { return };
-        let mut buf = [0u8; 64];
-        let (n, eof) = match (&link.stream).read(&mut buf) {
-            Ok(0) => (0, true),
-            Ok(n) => (n, false),
-            Err(e) => (
-                0,
-                !matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ),
-            ),
+        let Some(link) = self.slot_mut(slot).link_mut() else {
+            return;
         };
-        if let Some((_, &byte)) = buf[..n]
-            .iter()
-            .enumerate()
-            .find(|&(i, &b)| i > 0 || b != GOODBYE)
-        {
-            self.fail(slot, Failure::BootstrapGarbage { byte });
-            return;
-        }
-        let goodbye = n == 1;
-        if !goodbye && !eof {
-            return;
+        let news = AfterHandshake::read(&link.stream);
+        match news {
+            AfterHandshake::Nothing => return,
+            AfterHandshake::Garbage(byte) => {
+                self.fail(slot, Failure::BootstrapGarbage { byte });
+                return;
+            }
+            AfterHandshake::Goodbye | AfterHandshake::Ended => {}
         }
         // Its close message may still be in flight: wait for it (not here: the hub goes on).
-        let grace = if goodbye {
-            close_timeout
-        } else {
-            Duration::from_millis(50)
-        };
-        if let Some(link) = self.slot_mut(slot).link_mut() {
-            // Closing ourselves, the end of the stream is the peer having taken our close
-            // message (it shuts its stream at once): the close completes on its own deadline.
-            if link.closing.is_none() {
-                link.vanish_at = Some(Instant::now() + grace);
-            }
+        // Closing ourselves, the end of the stream is the peer having taken our close message
+        // (it shuts its stream at once): the close completes on its own deadline.
+        if link.closing.is_none() {
+            link.vanish_at = Some(Instant::now() + news.grace(close_timeout));
         }
         self.unwatch_stream(slot);
         self.timed.push(slot);
@@ -2000,13 +1959,8 @@ impl Hub {
             let _ = self.hub_failure(e);
             return;
         }
-        use AsyncEventKind as K;
         for ev in self.mailbox.take() {
-            let fatal = matches!(
-                ev.kind,
-                K::QpFatal | K::QpReqErr | K::QpAccessErr | K::CqErr | K::DeviceFatal | K::PortErr
-            );
-            if !fatal {
+            if !events::is_fatal(ev.kind) {
                 continue;
             }
             let f = Failure::AsyncEvent(ev.kind);

@@ -45,12 +45,12 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
-use std::io::Read;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
 use rdmsg::{message, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+use rdmsg_examples::peers::{count_dir, field, PeerProcess};
 use serde::{Deserialize, Serialize};
 
 /// A reading: telemetry, sent in batches whose last sample alone wakes the collector.
@@ -239,15 +239,11 @@ fn both(sensors: u32, work: &Workload, hub: HubConfig) -> Result<()> {
         .args(["sensors", "--count", &sensors.to_string()])
         .args(work.args())
         .stdout(Stdio::piped());
-    let mut process = Process {
-        command,
-        child: None,
-    };
+    let mut process = PeerProcess::new(command, "sensors");
     let report = collect("127.0.0.1:0", sensors, hub, Some(&mut process));
-    let Some(child) = process.child else {
+    let Some(reaped) = process.reap("collector") else {
         return report.map(|_| ()); // failed before starting it
     };
-    let reaped = reap(child);
     let report = report?;
     let (status, line) = match reaped {
         Ok(r) => r,
@@ -264,52 +260,6 @@ fn both(sensors: u32, work: &Workload, hub: HubConfig) -> Result<()> {
     ensure!(status.success(), "the sensors process failed: {status}");
     ensure!(line.is_some(), "the sensors process printed no report");
     checked
-}
-
-/// The sensors process, started once the collector listens.
-struct Process {
-    command: Command,
-    child: Option<Child>,
-}
-
-impl Process {
-    fn start(&mut self, addr: &str) -> Result<()> {
-        let child = self
-            .command
-            .args(["--connect", addr])
-            .spawn()
-            .context("starting the sensors process")?;
-        self.child = Some(child);
-        Ok(())
-    }
-
-    fn ended(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .map_or(true, |c| !matches!(c.try_wait(), Ok(None)))
-    }
-}
-
-/// Waits for the sensors process (killing it if it outlives the collector by a minute): how it
-/// ended, and its report line.
-fn reap(mut child: Child) -> Result<(ExitStatus, Option<String>)> {
-    let until = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(s) = child.try_wait()? {
-            break s;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            bail!("the sensors process did not end within 60 s of the collector: killed");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut out = String::new();
-    if let Some(mut o) = child.stdout.take() {
-        o.read_to_string(&mut out)?;
-    }
-    let line = out.lines().rfind(|l| l.starts_with("sensors:"));
-    Ok((status, line.map(str::to_owned)))
 }
 
 /// What one sensor delivered, as the collector sees it.
@@ -419,12 +369,6 @@ impl Report {
     }
 }
 
-/// The value of `key=` in a report line.
-fn field(line: &str, key: &str) -> Option<u64> {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
-}
-
 /// Runs the collector's hub on this thread until every sensor has gone. `process`, if given,
 /// is started once the hub listens, and watched: if it ends early, the collector does not wait
 /// for sensors that will never come.
@@ -432,7 +376,7 @@ fn collect(
     listen: &str,
     sensors: u32,
     config: HubConfig,
-    mut process: Option<&mut Process>,
+    mut process: Option<&mut PeerProcess>,
 ) -> Result<Report> {
     ensure_fds(u64::from(sensors) + 64)?;
     let t0 = Instant::now();
@@ -464,7 +408,7 @@ fn collect(
         let Some(ev) = hub.recv_timeout(Some(Duration::from_secs(1)))? else {
             let live = hub.transport().stats();
             let orphaned = live.connections + live.handshakes == 0
-                && process.as_deref_mut().is_some_and(Process::ended);
+                && process.as_deref_mut().is_some_and(PeerProcess::ended);
             if orphaned || last_event.elapsed() > IDLE {
                 c.error(format_args!(
                     "gave up waiting ({}): {connected} connected, {ended} gone of {sensors}",
@@ -535,10 +479,6 @@ fn snapshot(hub: &Hub) -> Snapshot {
         recv_buffers: stats.recv_buffers,
         spare_buffers: stats.spare_buffers,
     }
-}
-
-fn count_dir(path: &str) -> usize {
-    std::fs::read_dir(path).map_or(0, Iterator::count)
 }
 
 struct Collector {

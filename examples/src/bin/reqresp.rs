@@ -26,13 +26,13 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::io::Read;
 use std::ops::ControlFlow;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
 use rdmsg::{Dispatcher, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+use rdmsg_examples::peers::{count_dir, field, PeerProcess};
 use rdmsg_examples::{Request, Response};
 
 /// Longest a client waits for anything to happen.
@@ -114,15 +114,15 @@ fn both(clients: u32, requests: u64) -> Result<()> {
         .args(["clients", "--count", &clients.to_string()])
         .args(["--requests", &requests.to_string()])
         .stdout(Stdio::piped());
-    let mut process = Process {
-        command,
-        child: None,
-    };
+    let mut process = PeerProcess::new(command, "clients");
     let served = serve("127.0.0.1:0", Some(clients), Some(&mut process));
-    let Some(child) = process.child else {
+    let Some(reaped) = process.reap("server") else {
         return served.map(|_| ());
     };
-    let line = reap(child);
+    let line = reaped.and_then(|(status, line)| {
+        ensure!(status.success(), "the clients process failed: {status}");
+        line.context("the clients process printed no report")
+    });
     match (served, line) {
         (Ok(s), Ok(line)) => s.finish(Some(&line)),
         (Err(e), _) => Err(e),
@@ -131,54 +131,6 @@ fn both(clients: u32, requests: u64) -> Result<()> {
             Err(e)
         }
     }
-}
-
-/// The clients process, started once the server listens.
-struct Process {
-    command: Command,
-    child: Option<Child>,
-}
-
-impl Process {
-    fn start(&mut self, addr: &str) -> Result<()> {
-        let child = self
-            .command
-            .args(["--connect", addr])
-            .spawn()
-            .context("starting the clients process")?;
-        self.child = Some(child);
-        Ok(())
-    }
-
-    fn ended(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .map_or(true, |c| !matches!(c.try_wait(), Ok(None)))
-    }
-}
-
-/// Waits for the clients process (killed if it outlives the server by a minute); its report.
-fn reap(mut child: Child) -> Result<String> {
-    let until = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(s) = child.try_wait()? {
-            break s;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            bail!("the clients process did not end within 60 s of the server: killed");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut out = String::new();
-    if let Some(mut o) = child.stdout.take() {
-        o.read_to_string(&mut out)?;
-    }
-    ensure!(status.success(), "the clients process failed: {status}");
-    out.lines()
-        .rfind(|l| l.starts_with("clients:"))
-        .map(str::to_owned)
-        .context("the clients process printed no report")
 }
 
 // ----- the server -----
@@ -227,7 +179,7 @@ impl Served {
 
 /// Serves on this thread until `clients` clients have come and gone (for ever if `None`).
 /// `process`, if given, is started once the hub listens.
-fn serve(listen: &str, clients: Option<u32>, process: Option<&mut Process>) -> Result<Served> {
+fn serve(listen: &str, clients: Option<u32>, process: Option<&mut PeerProcess>) -> Result<Served> {
     let t0 = Instant::now();
     let ep = Endpoint::open_default().context("opening $RDMSG_DEVICE")?;
     let config = HubConfig {
@@ -326,16 +278,6 @@ fn serve(listen: &str, clients: Option<u32>, process: Option<&mut Process>) -> R
     s.wakeups = hub.transport().wait_stats().wakeups;
     s.elapsed = t0.elapsed();
     Ok(s)
-}
-
-/// The value of `key=` in a report line.
-fn field(line: &str, key: &str) -> Option<u64> {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
-}
-
-fn count_dir(path: &str) -> usize {
-    std::fs::read_dir(path).map_or(0, Iterator::count)
 }
 
 // ----- the clients -----
