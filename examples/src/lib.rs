@@ -61,6 +61,8 @@ pub enum Command {
 }
 rdmsg::msg::message!(Command, tag = "rdmsg.example.Command");
 
+pub mod mesh;
+
 pub use rdmsg::transport::loopback_pair;
 
 /// The second process of the many-peer examples (`collector`'s sensors, `reqresp`'s clients):

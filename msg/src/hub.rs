@@ -204,6 +204,28 @@ impl Hub {
         self.with_sender(peer, |s, link| s.send_as(link, m, solicited))
     }
 
+    /// Sends `m` to `peer` as [`Hub::send_as`] does, but waits at most `timeout` for the
+    /// peer's credit and a send slot: `Ok(false)`, nothing sent, if none came in time.
+    /// `Duration::ZERO` never waits: for a loop that must go on draining its own receives
+    /// (a peer's credits come back only as fast as it reads, and it may be waiting for ours).
+    /// A message too large for one frame has its first frame bounded so; once that is there,
+    /// the rest of its frames wait as long as it takes (a message is never left half sent).
+    pub fn send_timeout<M: Message>(
+        &mut self,
+        peer: PeerId,
+        m: &M,
+        solicited: bool,
+        timeout: Duration,
+    ) -> Result<bool> {
+        match self.with_sender_waiting(peer, Some(timeout), |s, link| {
+            s.send_as(link, m, solicited)
+        }) {
+            Ok(()) => Ok(true),
+            Err(Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Sends a batch to `peer`: every message unsolicited but the last, which is solicited.
     pub fn send_batch<'a, M: Message + 'a>(
         &mut self,
@@ -329,8 +351,19 @@ impl Hub {
         peer: PeerId,
         f: impl FnOnce(&mut Sender, &mut HubLink<'_>) -> Result<T>,
     ) -> Result<T> {
+        self.with_sender_waiting(peer, None, f)
+    }
+
+    /// [`Hub::with_sender`], the first frame waiting at most `timeout` (a peer still
+    /// connecting too).
+    fn with_sender_waiting<T>(
+        &mut self,
+        peer: PeerId,
+        timeout: Option<Duration>,
+        f: impl FnOnce(&mut Sender, &mut HubLink<'_>) -> Result<T>,
+    ) -> Result<T> {
         if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
-            self.transport.send_with(peer, false, None, |_| None)?;
+            self.transport.send_with(peer, false, timeout, |_| None)?;
         }
         self.state(peer);
         let Self {
@@ -342,6 +375,7 @@ impl Hub {
             &mut HubLink {
                 hub: transport,
                 peer,
+                first_timeout: timeout,
             },
         )
     }

@@ -2,6 +2,8 @@
 //! its peers: the sending side (sequence, solicitation policy, encoding and fragmenting) and
 //! the receiving side (decoder), written once over a [`Link`] so that both drive the same code.
 
+use std::time::Duration;
+
 use rdmsg_transport::{Connection, PeerId};
 
 use crate::codec::{self, Decoder, Envelope, FrameBytes, NUDGE_TAG};
@@ -49,6 +51,10 @@ impl Link for Connection {
 pub(crate) struct HubLink<'a> {
     pub(crate) hub: &'a mut rdmsg_transport::Hub,
     pub(crate) peer: PeerId,
+    /// Longest wait for the first frame's credit and send slot (`None`: as long as it
+    /// takes); later frames of the same message wait as long as it takes (a message is never
+    /// left half sent).
+    pub(crate) first_timeout: Option<Duration>,
 }
 
 impl Link for HubLink<'_> {
@@ -57,11 +63,29 @@ impl Link for HubLink<'_> {
         solicited: bool,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool> {
-        self.hub.send_with(self.peer, solicited, None, fill)
+        let timeout = self.first_timeout.take();
+        self.hub.send_with(self.peer, solicited, timeout, fill)
     }
 
     fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()> {
-        self.hub.send(self.peer, frame, solicited)
+        match self.first_timeout.take() {
+            None => self.hub.send(self.peer, frame, solicited),
+            Some(t) => {
+                let max = self.hub.max_message(self.peer)?;
+                if frame.len() > max {
+                    return Err(rdmsg_transport::Error::TooLarge {
+                        len: frame.len(),
+                        max,
+                    });
+                }
+                self.hub
+                    .send_with(self.peer, solicited, Some(t), |buf| {
+                        buf[..frame.len()].copy_from_slice(frame);
+                        Some(frame.len())
+                    })
+                    .map(|_| ())
+            }
+        }
     }
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {

@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+mod cluster;
 mod fuzz;
 mod package;
 mod vm;
@@ -27,9 +28,10 @@ tasks:
                    quick start built as a project of its own (target/scratch/app), the device
                    tests inside the Soft-RoCE VM once per kernel (6.1, then 6.12, one boot each;
                    --kernel or RDMSG_KERNELS picks; the quick start runs in the first boot), then
-                   the two-host test (as vm2, on 6.1); last, `git status` must show nothing the
+                   the two-host test (as vm2, on 6.1), the small cluster (3 VMs, 1 % loss, a
+                   host killed, a link cut; on 6.1); last, `git status` must show nothing the
                    run added. For work on the driver: --device-only (device tests only: no
-                   checks, fuzzing, packaging, quick start or two-host test), --bins NAME,...
+                   checks, fuzzing, packaging, quick start, two-host test or cluster), --bins NAME,...
                    (only the test binaries whose names start so)
   package          `cargo package` of the published crates, each verified by building it from
                    its packaged sources (no upload); lists the .crate files
@@ -50,6 +52,13 @@ tasks:
                    boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
   vm2 [--kernel K] two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
                    exchange between them, then one VM is killed; the other must report it
+  cluster [--kernel K] [--hosts H] [--seconds S] [--sweep]
+                   H VMs (default 4) on a vde_switch, rxe0 on each one's virtio NIC, every host
+                   exchanging checked typed messages with every other (the `mesh` example) under
+                   tc netem loss, delay, reordering and duplication; one host is killed mid-run
+                   and one link cut for a second. Prints `cluster: key=value ...`. --sweep: one
+                   run per loss rate (0, 0.1, 1, 5 %), nobody killed; writes
+                   target/cluster/sweep.md, sweep.json and sweep.svg (throughput against loss)
 
 kernels (K): 6.1 (Debian 12's linux-image-amd64, the default), 6.12 (linux-image-6.12-amd64,
   bookworm-security); each is fetched once into target/vm/kernel-<release>
@@ -75,6 +84,7 @@ const PACKAGES: &[&str] = &[
     "rdmacm-utils",
     "perftest",
     "iproute2",
+    "vde2",
     "qemu-system-x86",
     "busybox-static",
     "kmod",
@@ -104,6 +114,12 @@ fn main() -> ExitCode {
         } => bench(quick, kernel, run_args),
         Task::Vm { kernel, cmd } => vm_cmd(kernel, &cmd),
         Task::Vm2(kernel) => vm2_cmd(kernel),
+        Task::Cluster {
+            kernel,
+            hosts,
+            seconds,
+            sweep,
+        } => cluster_cmd(kernel, hosts, seconds, sweep),
         Task::FuzzMerge => fuzz::fuzz_merge(),
         Task::Package => package_cmd(),
         Task::Quickstart(kernel) => quickstart_cmd(kernel),
@@ -137,6 +153,12 @@ enum Task {
         cmd: Vec<String>,
     },
     Vm2(Kernel),
+    Cluster {
+        kernel: Kernel,
+        hosts: Option<u16>,
+        seconds: Option<f64>,
+        sweep: bool,
+    },
     FuzzMerge,
     Package,
     Quickstart(Kernel),
@@ -162,6 +184,9 @@ struct Opts {
     quick: bool,
     device_only: bool,
     bins: Vec<String>,
+    hosts: Option<u16>,
+    seconds: Option<f64>,
+    sweep: bool,
     rest: Vec<String>,
 }
 
@@ -192,7 +217,7 @@ fn options(
         if !allowed.contains(&flag) {
             return Err(format!("`{task}` takes no option {arg:?}"));
         }
-        let takes_value = matches!(flag, "--kernel" | "--bins");
+        let takes_value = matches!(flag, "--kernel" | "--bins" | "--hosts" | "--seconds");
         let value = match (takes_value, inline) {
             (true, Some(v)) => v,
             (true, None) => {
@@ -213,6 +238,25 @@ fn options(
                     .map(str::to_owned)
                     .collect()
             }
+            "--hosts" => {
+                o.hosts = Some(
+                    value
+                        .parse()
+                        .ok()
+                        .filter(|h| (2..=16).contains(h))
+                        .ok_or("--hosts must be between 2 and 16")?,
+                )
+            }
+            "--seconds" => {
+                o.seconds = Some(
+                    value
+                        .parse()
+                        .ok()
+                        .filter(|s: &f64| *s > 0.0)
+                        .ok_or("--seconds must be a positive number")?,
+                )
+            }
+            "--sweep" => o.sweep = true,
             "--quick" => o.quick = true,
             "--device-only" => o.device_only = true,
             _ => unreachable!("{flag} is allowed but not handled"),
@@ -305,6 +349,20 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
             &["--kernel"],
             false,
         )?)?)),
+        "cluster" => {
+            let o = no_rest(options(
+                task,
+                rest,
+                &["--kernel", "--hosts", "--seconds", "--sweep"],
+                false,
+            )?)?;
+            Task::Cluster {
+                kernel: kernel(&o),
+                hosts: o.hosts,
+                seconds: o.seconds,
+                sweep: o.sweep,
+            }
+        }
         "fuzz-merge" => {
             no_rest(options(task, rest, &[], false)?)?;
             Task::FuzzMerge
@@ -594,6 +652,46 @@ fn vm2_cmd(kernel: Kernel) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn cluster_cmd(
+    kernel: Kernel,
+    hosts: Option<u16>,
+    seconds: Option<f64>,
+    sweep: bool,
+) -> Result<ExitCode> {
+    ensure_packages()?;
+    build_mesh(true)?;
+    if sweep {
+        cluster::sweep(kernel, hosts.unwrap_or(4), seconds)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut plan = cluster::Plan::full(kernel);
+    if let Some(h) = hosts {
+        plan.hosts = h;
+        // The last host dies, the second one's link is cut.
+        plan.kill = plan.kill.map(|(_, at)| (h, at));
+        if h < 3 {
+            plan.kill = None;
+        }
+    }
+    if let Some(s) = seconds {
+        plan.seconds = s;
+        plan.kill = plan.kill.map(|(h, _)| (h, s / 3.0));
+        plan.cut = plan.cut.map(|(h, _, ms)| (h, s / 2.0, ms));
+    }
+    cluster::run(&plan)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn build_mesh(release: bool) -> Result<()> {
+    let _s = Step::new("build", "building the mesh example");
+    let mut cmd = cargo();
+    cmd.args(["build", "-p", "rdmsg-examples", "--bin", "mesh"]);
+    if release {
+        cmd.arg("--release");
+    }
+    run(&mut cmd)
+}
+
 /// What the two-host run showed.
 #[derive(Debug)]
 struct TwoHosts {
@@ -643,7 +741,7 @@ fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
             kernel,
             name,
             vm::Nic {
-                socket,
+                netdev: format!("socket,{socket}"),
                 mac: format!("52:54:00:78:00:{n:02x}"),
                 addr: format!("10.78.0.{n}/24"),
             },
@@ -953,6 +1051,18 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         (result.is_ok(), secs)
     });
 
+    // Several VMs on a switch, with faults: on the default kernel only.
+    let cluster_run = (!plan.device_only).then(|| {
+        let vm_started = Instant::now();
+        let result = build_mesh(false).and_then(|()| cluster::run(&cluster::Plan::small(two_host_kernel)));
+        let secs = vm_started.elapsed().as_secs_f64();
+        if let Err(e) = &result {
+            eprintln!("xtask: the cluster test failed (alone: cargo xtask cluster --hosts 3): {e:#}");
+        }
+        eprintln!("==> [cluster] VM run (Linux {two_host_kernel}, three VMs) {secs:.1} s");
+        (result.is_ok(), secs)
+    });
+
     let mut total = host;
     let mut counts = Vec::new();
     let mut times = Vec::new();
@@ -980,6 +1090,10 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
     if let Some((ok, secs)) = two_host {
         checks.push((format!("two-host ({two_host_kernel} only)"), ok));
         times.push(format!("two-host ({two_host_kernel}) {secs:.1} s"));
+    }
+    if let Some((ok, secs)) = cluster_run {
+        checks.push((format!("cluster ({two_host_kernel} only)"), ok));
+        times.push(format!("cluster ({two_host_kernel}) {secs:.1} s"));
     }
     match (&tree_before, worktree::Snapshot::take(&repo)) {
         (Some(before), Some(after)) => {

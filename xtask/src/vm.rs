@@ -30,6 +30,8 @@ const MODULES: &[&str] = &[
     "9p",
     "veth",
     "virtio_net",
+    // tc netem, for the cluster's lossy links.
+    "sch_netem",
     // rxe computes its ICRC with crc32; without the generic implementation `rdma link add`
     // fails with a bare "failed to add".
     "crc32_generic",
@@ -98,14 +100,17 @@ pub struct Vm {
     /// A network card, for VMs that talk to each other; `None`: rxe0 on a private veth pair.
     nic: Option<Nic>,
     smp: u8,
+    /// Guest memory in MiB (`None`: `$RDMSG_VM_MEM`, else 4096).
+    mem: Option<u32>,
 }
 
-/// A virtio network card on a qemu socket network, carrying rxe0.
+/// A virtio network card on a network of VMs, carrying rxe0.
 #[derive(Debug, Clone)]
 pub struct Nic {
-    /// The `-netdev` backend options after `socket,id=n0,`: `listen=127.0.0.1:P` for the first
-    /// VM, `connect=127.0.0.1:P` for the second.
-    pub socket: String,
+    /// The `-netdev` backend and its options (qemu adds `id=n0`): `socket,listen=127.0.0.1:P`
+    /// and `socket,connect=127.0.0.1:P` join two VMs, `vde,sock=DIR` plugs one into a
+    /// `vde_switch`.
+    pub netdev: String,
     /// MAC address of the card.
     pub mac: String,
     /// The guest's address on it, with prefix length (`10.78.0.1/24`).
@@ -135,6 +140,7 @@ impl Vm {
             scratch: "scratch".into(),
             nic: None,
             smp: 2,
+            mem: None,
         }
     }
 
@@ -145,6 +151,14 @@ impl Vm {
             nic: Some(nic),
             smp,
             ..Self::new(repo, kernel)
+        }
+    }
+
+    /// The same VM with `mib` MiB of memory.
+    pub fn with_mem(self, mib: u32) -> Self {
+        Self {
+            mem: Some(mib),
+            ..self
         }
     }
 
@@ -295,7 +309,10 @@ impl Vm {
             ),
         )?;
         let accel = std::env::var("RDMSG_VM_ACCEL").unwrap_or_else(|_| "tcg,thread=multi".into());
-        let mem = std::env::var("RDMSG_VM_MEM").unwrap_or_else(|_| "4096".into());
+        let mem = match self.mem {
+            Some(mib) => mib.to_string(),
+            None => std::env::var("RDMSG_VM_MEM").unwrap_or_else(|_| "4096".into()),
+        };
         let mut cmd = Command::new("qemu-system-x86_64");
         let smp = self.smp.to_string();
         cmd.args(["-accel", &accel, "-cpu", "max", "-smp", &smp, "-m", &mem])
@@ -310,7 +327,7 @@ impl Vm {
             }
             Some(nic) => {
                 cmd.arg("-netdev")
-                    .arg(format!("socket,id=n0,{}", nic.socket))
+                    .arg(format!("{},id=n0", nic.netdev))
                     .arg("-device")
                     .arg(format!("virtio-net-pci,netdev=n0,mac={}", nic.mac));
                 net_param = format!(" rdmsg.net={}", nic.addr);

@@ -1,0 +1,757 @@
+//! One host of a mesh: every host exchanges typed messages with every other over one [`Hub`]
+//! (one thread), and checks everything it gets for loss, duplication, order and content
+//! (see [`rdmsg_examples::mesh`]). `cargo xtask cluster` runs one per VM, on a virtual switch,
+//! with `tc netem` faults; the device tests run several on one VM's rxe0.
+//!
+//! ```text
+//! mesh --id I --hosts ADDR1,ADDR2,... [--seconds D] [--netem "ARGS" --netdev DEV]
+//!      [--die-after S] [--cut-after S --cut-ms M] [--may-lose J,...] [--ack-timeout T]
+//! ```
+//!
+//! Host `I` (1-based) listens on its own entry's port and connects to every host before it in
+//! the list; the others connect to it. Once connected to all, it sends to each, as fast as
+//! their credits allow, for `D` seconds (default 20): samples in batches of 8 (the last
+//! solicited), queries (each must be answered once, correctly) and alerts, numbered per
+//! stream; then `Done` with the count. A host closes a connection it made once both `Done`s
+//! crossed and every query is answered; the other side waits for that close.
+//!
+//! Faults it makes itself (it runs as root in its VM): `--netem` is applied to `DEV` with
+//! `tc` before anything else; `--cut-after S --cut-ms M` drops every packet leaving `DEV` for
+//! `M` ms, `S` seconds into sending (a link cut shorter than the retry budget: no connection
+//! may fail); `--die-after S` prints `mesh: ready-to-die` `S` seconds into sending, for the
+//! harness to kill the VM. Hosts listed in `--may-lose` may vanish (their streams are then not
+//! counted); any other failure is an error. `--ack-timeout T` is the queue pairs' local ACK
+//! timeout exponent (4.096 µs × 2^T; default 16, 268 ms: with 7 retries a budget of about
+//! 2.1 s).
+//!
+//! Lines: `mesh: connected id=J ...` per peer, `mesh: peer-lost id=J failure="..."` when one
+//! fails, `mesh: cut ...`, and at the end one report:
+//!
+//! ```text
+//! mesh: id=1 hosts=4 peers=3 lost_peers=0 sent=... received=... bytes_received=... secs=...
+//!       msgs_per_s=... bytes_per_s=... lost=0 duplicated=0 reordered=0 corrupt=0
+//!       unanswered=0 wrong_answers=0 hw_<counter>=... ok=1
+//! ```
+//!
+//! `hw_*` are the increases of rxe0's hardware counters (retransmissions among them) while it
+//! ran. The exit code is non-zero on any loss, duplication, disorder, corruption, unanswered
+//! query or unexpected failure.
+
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context as _, Result};
+use rdmsg::{message, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+use rdmsg_examples::mesh::{self, Inbound, Kind, Queries};
+use serde::{Deserialize, Serialize};
+
+/// First message on a connection, from the host that made it: who it is.
+#[derive(Debug, Serialize, Deserialize)]
+struct Join {
+    from: u16,
+    hosts: u16,
+}
+message!(Join, tag = "rdmsg.mesh.Join");
+
+/// Telemetry: unsolicited but for the last of a batch.
+#[derive(Debug, Serialize, Deserialize)]
+struct Sample {
+    seq: u64,
+    body: Vec<u8>,
+}
+message!(Sample, tag = "rdmsg.mesh.Sample", solicited = false);
+
+/// A query the receiver must answer.
+#[derive(Debug, Serialize, Deserialize)]
+struct Query {
+    seq: u64,
+    operands: Vec<u64>,
+}
+message!(Query, tag = "rdmsg.mesh.Query");
+
+/// The answer to query `seq` (outside the sequence).
+#[derive(Debug, Serialize, Deserialize)]
+struct Answer {
+    seq: u64,
+    sum: u64,
+}
+message!(Answer, tag = "rdmsg.mesh.Answer");
+
+/// An alert: solicited on its own.
+#[derive(Debug, Serialize, Deserialize)]
+struct Alert {
+    seq: u64,
+    level: u8,
+}
+message!(Alert, tag = "rdmsg.mesh.Alert");
+
+/// The end of a stream: `sent` messages came before it.
+#[derive(Debug, Serialize, Deserialize)]
+struct Done {
+    sent: u64,
+}
+message!(Done, tag = "rdmsg.mesh.Done");
+
+#[derive(Debug)]
+struct Options {
+    id: u16,
+    hosts: Vec<String>,
+    seconds: f64,
+    netem: Option<String>,
+    netdev: String,
+    die_after: Option<f64>,
+    cut_after: Option<f64>,
+    cut_ms: u64,
+    may_lose: Vec<u16>,
+    ack_timeout: u8,
+}
+
+fn parse() -> Result<Options> {
+    let mut o = Options {
+        id: 0,
+        hosts: Vec::new(),
+        seconds: 20.0,
+        netem: None,
+        netdev: "eth0".into(),
+        die_after: None,
+        cut_after: None,
+        cut_ms: 1000,
+        may_lose: Vec::new(),
+        ack_timeout: 16,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut v = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--id" => o.id = v()?.parse()?,
+            "--hosts" => o.hosts = v()?.split(',').map(str::to_owned).collect(),
+            "--seconds" => o.seconds = v()?.parse()?,
+            "--netem" => o.netem = Some(v()?).filter(|s| !s.trim().is_empty()),
+            "--netdev" => o.netdev = v()?,
+            "--die-after" => o.die_after = Some(v()?.parse()?),
+            "--cut-after" => o.cut_after = Some(v()?.parse()?),
+            "--cut-ms" => o.cut_ms = v()?.parse()?,
+            "--may-lose" => {
+                o.may_lose = v()?
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()?
+            }
+            "--ack-timeout" => o.ack_timeout = v()?.parse()?,
+            other => bail!("unknown argument {other} (see the doc at the top of mesh.rs)"),
+        }
+    }
+    ensure!(o.hosts.len() >= 2, "--hosts needs at least two addresses");
+    ensure!(
+        (1..=o.hosts.len()).contains(&usize::from(o.id)),
+        "--id must be between 1 and the number of hosts"
+    );
+    ensure!(o.seconds > 0.0, "--seconds must be positive");
+    Ok(o)
+}
+
+/// Where a peer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not connected yet (we connect at `retry_at`, if it is ours to make).
+    Waiting,
+    /// Our connection's handshake is under way, or it was accepted and its `Join` is awaited.
+    Handshake,
+    Up,
+    /// Both `Done`s crossed and every query answered; the close is made or awaited.
+    Finished,
+    /// Failed before it finished.
+    Lost,
+}
+
+/// One peer host, as this host sees it.
+#[derive(Debug)]
+struct Peer {
+    id: u16,
+    addr: String,
+    peer: Option<PeerId>,
+    state: State,
+    retry_at: Instant,
+    connect_errors: u32,
+    /// Next sequence number of our stream to it.
+    next_seq: u64,
+    done_sent: bool,
+    inbound: Inbound,
+    queries: Queries,
+    /// Answers owed, sent as credits allow.
+    answers: VecDeque<Answer>,
+    bytes_received: u64,
+    failure: Option<String>,
+}
+
+impl Peer {
+    fn ours_to_connect(&self, me: u16) -> bool {
+        self.id < me
+    }
+
+    fn finished(&self) -> bool {
+        self.done_sent
+            && self.inbound.done.is_some()
+            && self.queries.open() == 0
+            && self.answers.is_empty()
+    }
+}
+
+/// Runs `tc qdisc replace dev DEV root netem ARGS`.
+fn netem(dev: &str, args: &str) -> Result<()> {
+    let status = Command::new("tc")
+        .args(["qdisc", "replace", "dev", dev, "root", "netem"])
+        .args(args.split_whitespace())
+        .status()
+        .context("running tc")?;
+    ensure!(status.success(), "tc qdisc replace dev {dev} root netem {args}: {status}");
+    Ok(())
+}
+
+/// rxe0's hardware counters (retransmissions, duplicates, sequence errors...).
+fn hw_counters() -> BTreeMap<String, u64> {
+    let dir = "/sys/class/infiniband/rxe0/ports/1/hw_counters";
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return BTreeMap::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let v = std::fs::read_to_string(e.path()).ok()?.trim().parse().ok()?;
+            Some((e.file_name().to_string_lossy().into_owned(), v))
+        })
+        .collect()
+}
+
+struct Node {
+    o: Options,
+    hub: Hub,
+    peers: Vec<Peer>,
+    /// Accepted connections whose `Join` has not come yet.
+    unjoined: Vec<PeerId>,
+    by_conn: HashMap<PeerId, usize>,
+    started: Instant,
+    sending_since: Option<Instant>,
+    last_receive: Option<Instant>,
+    sent: u64,
+    received: u64,
+    bad_frames: u64,
+    /// Unexpected events (a second `Join`, a message from nobody), each an error.
+    errors: Vec<String>,
+}
+
+fn main() -> Result<()> {
+    let o = parse()?;
+    if let Some(args) = &o.netem {
+        netem(&o.netdev, args)?;
+        println!("mesh: netem dev={} {args}", o.netdev);
+    }
+    let ep = Endpoint::open_default()?;
+    let mut config = HubConfig::default();
+    config.max_connections = o.hosts.len() as u32;
+    config.conn.path.timeout = o.ack_timeout;
+    // Peers boot at different times, and a lossy link slows handshakes down.
+    config.conn.handshake_timeout = Duration::from_secs(15);
+    let mut hub = Hub::new(&ep, config)?;
+    hub.register::<Join>()?
+        .register::<Sample>()?
+        .register::<Query>()?
+        .register::<Answer>()?
+        .register::<Alert>()?
+        .register::<Done>()?;
+    let own = &o.hosts[usize::from(o.id) - 1];
+    let port = own
+        .rsplit(':')
+        .next()
+        .context("a host address needs a port")?;
+    hub.listen(format!("0.0.0.0:{port}"))?;
+    let now = Instant::now();
+    let peers = o
+        .hosts
+        .iter()
+        .enumerate()
+        .map(|(i, addr)| (i as u16 + 1, addr))
+        .filter(|(id, _)| *id != o.id)
+        .map(|(id, addr)| Peer {
+            id,
+            addr: addr.clone(),
+            peer: None,
+            state: State::Waiting,
+            retry_at: now,
+            connect_errors: 0,
+            next_seq: 0,
+            done_sent: false,
+            inbound: Inbound::default(),
+            queries: Queries::default(),
+            answers: VecDeque::new(),
+            bytes_received: 0,
+            failure: None,
+        })
+        .collect();
+    let mut node = Node {
+        o,
+        hub,
+        peers,
+        unjoined: Vec::new(),
+        by_conn: HashMap::new(),
+        started: now,
+        sending_since: None,
+        last_receive: None,
+        sent: 0,
+        received: 0,
+        bad_frames: 0,
+        errors: Vec::new(),
+    };
+    let ok = node.run()?;
+    ensure!(ok, "mesh host {} saw loss, disorder or failure (see its report)", node.o.id);
+    Ok(())
+}
+
+/// Longest wait for every peer to connect, and for the end of the exchange after sending.
+const CONNECT_LIMIT: Duration = Duration::from_secs(240);
+const FINISH_LIMIT: Duration = Duration::from_secs(120);
+
+impl Node {
+    fn run(&mut self) -> Result<bool> {
+        let hw_before = hw_counters();
+        let mut died = false;
+        let mut cut: Option<Instant> = None;
+        let mut cut_done = false;
+        loop {
+            let now = Instant::now();
+            self.connect_due(now);
+            let mut busy = false;
+            while let Some(ev) = self.hub.try_recv()? {
+                self.on_event(ev);
+                busy = true;
+            }
+            if self.sending_since.is_none() && self.peers.iter().all(|p| p.state != State::Waiting && p.state != State::Handshake) {
+                let since = Instant::now();
+                self.sending_since = Some(since);
+                println!(
+                    "mesh: sending id={} peers={} connect_ms={}",
+                    self.o.id,
+                    self.peers.len(),
+                    since.duration_since(self.started).as_millis()
+                );
+            }
+            let Some(since) = self.sending_since else {
+                if now.duration_since(self.started) > CONNECT_LIMIT {
+                    let missing: Vec<u16> = self
+                        .peers
+                        .iter()
+                        .filter(|p| p.state != State::Up)
+                        .map(|p| p.id)
+                        .collect();
+                    bail!("host {}: peers {missing:?} not connected after {CONNECT_LIMIT:?}", self.o.id);
+                }
+                if !busy {
+                    self.wait(Duration::from_millis(5))?;
+                }
+                continue;
+            };
+            let into = now.duration_since(since).as_secs_f64();
+            if !died && self.o.die_after.is_some_and(|s| into >= s) {
+                died = true;
+                println!("mesh: ready-to-die id={}", self.o.id);
+            }
+            if let (None, false, Some(at)) = (cut, cut_done, self.o.cut_after) {
+                if into >= at {
+                    netem(&self.o.netdev, "loss 100%")?;
+                    cut = Some(Instant::now());
+                    println!("mesh: cut id={} ms={}", self.o.id, self.o.cut_ms);
+                }
+            }
+            if let Some(at) = cut {
+                if at.elapsed() >= Duration::from_millis(self.o.cut_ms) {
+                    let restore = self.o.netem.clone().unwrap_or_else(|| "loss 0%".into());
+                    netem(&self.o.netdev, &restore)?;
+                    println!("mesh: restored id={} after_ms={}", self.o.id, at.elapsed().as_millis());
+                    cut = None;
+                    cut_done = true;
+                }
+            }
+            let sending = into < self.o.seconds;
+            busy |= self.send_round(sending)?;
+            self.close_finished()?;
+            if self
+                .peers
+                .iter()
+                .all(|p| matches!(p.state, State::Finished | State::Lost))
+                && self.peers.iter().all(|p| p.state == State::Lost || p.peer.is_none())
+            {
+                break;
+            }
+            if into > self.o.seconds + FINISH_LIMIT.as_secs_f64() {
+                self.errors.push(format!(
+                    "not finished {FINISH_LIMIT:?} after sending ended: {:?}",
+                    self.peers
+                        .iter()
+                        .filter(|p| !matches!(p.state, State::Finished | State::Lost))
+                        .map(|p| (p.id, p.state, p.inbound.done, p.queries.open(), p.answers.len()))
+                        .collect::<Vec<_>>()
+                ));
+                break;
+            }
+            if !busy {
+                self.wait(Duration::from_millis(2))?;
+            }
+        }
+        Ok(self.report(&hw_before))
+    }
+
+    /// Starts the connections that are ours to make and due.
+    fn connect_due(&mut self, now: Instant) {
+        let me = self.o.id;
+        for i in 0..self.peers.len() {
+            let p = &self.peers[i];
+            if !p.ours_to_connect(me) || p.state != State::Waiting || now < p.retry_at {
+                continue;
+            }
+            let addr = p.addr.clone();
+            match self.hub.connect(addr.as_str()) {
+                Ok(conn) => {
+                    let p = &mut self.peers[i];
+                    p.peer = Some(conn);
+                    p.state = State::Handshake;
+                    self.by_conn.insert(conn, i);
+                }
+                Err(e) => self.retry_later(i, &e.to_string()),
+            }
+        }
+    }
+
+    fn retry_later(&mut self, i: usize, why: &str) {
+        let p = &mut self.peers[i];
+        if p.connect_errors == 0 {
+            println!("mesh: connecting to {} ({}) failed, retrying: {why}", p.id, p.addr);
+        }
+        p.connect_errors += 1;
+        p.state = State::Waiting;
+        p.peer = None;
+        p.retry_at = Instant::now() + Duration::from_millis(300);
+    }
+
+    /// Waits for the hub's next event, at most `limit`.
+    fn wait(&mut self, limit: Duration) -> Result<()> {
+        if let Some(ev) = self.hub.recv_timeout(Some(limit))? {
+            self.on_event(ev);
+        }
+        Ok(())
+    }
+
+    fn on_event(&mut self, ev: HubEvent) {
+        match ev {
+            HubEvent::Connected { peer, accepted } => {
+                if accepted {
+                    self.unjoined.push(peer);
+                } else if let Some(&i) = self.by_conn.get(&peer) {
+                    let (me, hosts) = (self.o.id, self.o.hosts.len() as u16);
+                    let p = &mut self.peers[i];
+                    p.state = State::Up;
+                    println!(
+                        "mesh: connected id={} after_ms={} attempts={}",
+                        p.id,
+                        self.started.elapsed().as_millis(),
+                        p.connect_errors + 1
+                    );
+                    if let Err(e) = self.hub.send(peer, &Join { from: me, hosts }) {
+                        self.errors.push(format!("sending Join to {}: {e}", self.peers[i].id));
+                    }
+                }
+            }
+            HubEvent::HandshakeFailed { peer, error } => match peer.and_then(|c| self.by_conn.remove(&c)) {
+                Some(i) => self.retry_later(i, &error.to_string()),
+                None => println!("mesh: a client failed its handshake: {error}"),
+            },
+            HubEvent::Message { peer, msg } => {
+                self.received += 1;
+                self.last_receive = Some(Instant::now());
+                if msg.is::<Join>() {
+                    self.on_join(peer, msg.decode::<Join>());
+                    return;
+                }
+                let Some(&i) = self.by_conn.get(&peer) else {
+                    self.errors.push(format!("a message from a connection that has not joined: {peer:?}"));
+                    return;
+                };
+                let (me, from) = (self.o.id, self.peers[i].id);
+                let p = &mut self.peers[i];
+                p.bytes_received += msg.body().len() as u64;
+                if msg.is::<Sample>() {
+                    match msg.decode::<Sample>() {
+                        Ok(s) => {
+                            let intact = mesh::kind(s.seq) != Kind::Query
+                                && mesh::kind(s.seq) != Kind::Alert
+                                && s.body == mesh::body(from, me, s.seq);
+                            p.inbound.arrive(s.seq, intact);
+                        }
+                        Err(_) => p.inbound.corrupt += 1,
+                    }
+                } else if msg.is::<Query>() {
+                    match msg.decode::<Query>() {
+                        Ok(q) => {
+                            let intact = mesh::kind(q.seq) == Kind::Query
+                                && q.operands == mesh::operands(from, me, q.seq);
+                            if p.inbound.arrive(q.seq, intact) != mesh::Arrival::Corrupt {
+                                let sum = mesh::answer(&q.operands);
+                                p.answers.push_back(Answer { seq: q.seq, sum });
+                            }
+                        }
+                        Err(_) => p.inbound.corrupt += 1,
+                    }
+                } else if msg.is::<Alert>() {
+                    match msg.decode::<Alert>() {
+                        Ok(a) => {
+                            let intact = mesh::kind(a.seq) == Kind::Alert && a.level == (a.seq % 5) as u8;
+                            p.inbound.arrive(a.seq, intact);
+                        }
+                        Err(_) => p.inbound.corrupt += 1,
+                    }
+                } else if msg.is::<Answer>() {
+                    match msg.decode::<Answer>() {
+                        Ok(a) => p.queries.answer(a.seq, a.sum),
+                        Err(_) => p.inbound.corrupt += 1,
+                    }
+                } else if msg.is::<Done>() {
+                    match msg.decode::<Done>() {
+                        Ok(d) => p.inbound.finish(d.sent),
+                        Err(_) => p.inbound.corrupt += 1,
+                    }
+                } else {
+                    p.inbound.corrupt += 1;
+                }
+            }
+            HubEvent::BadFrame { peer, error } => {
+                self.bad_frames += 1;
+                self.errors.push(format!("bad frame from {peer:?}: {error}"));
+            }
+            HubEvent::Disconnected { peer, failure } => {
+                self.unjoined.retain(|c| *c != peer);
+                let Some(i) = self.by_conn.remove(&peer) else {
+                    return;
+                };
+                let p = &mut self.peers[i];
+                p.peer = None;
+                let graceful = matches!(failure, Failure::PeerClosed | Failure::Closed);
+                if graceful && p.finished() {
+                    p.state = State::Finished;
+                    return;
+                }
+                if p.state == State::Handshake {
+                    // Not up yet: try again.
+                    let why = failure.to_string();
+                    self.retry_later(i, &why);
+                    return;
+                }
+                p.state = State::Lost;
+                p.failure = Some(failure.to_string());
+                println!(
+                    "mesh: peer-lost id={} after_ms={} failure=\"{failure}\"",
+                    p.id,
+                    self.started.elapsed().as_millis()
+                );
+            }
+        }
+    }
+
+    fn on_join(&mut self, conn: PeerId, join: rdmsg::msg::Result<Join>) {
+        let Ok(join) = join else {
+            self.errors.push(format!("an undecodable Join from {conn:?}"));
+            return;
+        };
+        let Some(at) = self.unjoined.iter().position(|c| *c == conn) else {
+            self.errors.push(format!("a Join from {conn:?}, not an accepted connection"));
+            return;
+        };
+        self.unjoined.swap_remove(at);
+        let Some(i) = self.peers.iter().position(|p| p.id == join.from) else {
+            self.errors.push(format!("a Join from unknown host {}", join.from));
+            return;
+        };
+        let p = &mut self.peers[i];
+        if p.ours_to_connect(self.o.id) || p.peer.is_some() || join.hosts as usize != self.o.hosts.len() {
+            self.errors.push(format!("an unexpected Join from host {} ({} hosts)", join.from, join.hosts));
+            return;
+        }
+        p.peer = Some(conn);
+        p.state = State::Up;
+        self.by_conn.insert(conn, i);
+        println!(
+            "mesh: connected id={} after_ms={} accepted=1",
+            p.id,
+            self.started.elapsed().as_millis()
+        );
+    }
+
+    /// One round of sending: answers first, then (while `sending`) up to a batch of the
+    /// stream to each peer that has credits; `Done` once sending is over. Never waits for a
+    /// peer's credits (that would stop this host from draining its own receive queue).
+    fn send_round(&mut self, sending: bool) -> Result<bool> {
+        let me = self.o.id;
+        let mut any = false;
+        for i in 0..self.peers.len() {
+            let Some(conn) = self.peers[i].peer else { continue };
+            if self.peers[i].state != State::Up {
+                continue;
+            }
+            let mut budget = mesh::BATCH as usize;
+            while budget > 0 {
+                let p = &self.peers[i];
+                let (seq, to) = (p.next_seq, p.id);
+                // What goes next; taken off the books only once it went.
+                let went = if let Some(a) = p.answers.front() {
+                    let went = self.hub.send_timeout(conn, a, true, Duration::ZERO);
+                    if let Ok(true) = went {
+                        self.peers[i].answers.pop_front();
+                    }
+                    went
+                } else if sending {
+                    let went = match mesh::kind(seq) {
+                        Kind::Sample { last_of_batch } => self.hub.send_timeout(
+                            conn,
+                            &Sample {
+                                seq,
+                                body: mesh::body(me, to, seq),
+                            },
+                            last_of_batch,
+                            Duration::ZERO,
+                        ),
+                        Kind::Query => {
+                            let operands = mesh::operands(me, to, seq);
+                            let sum = mesh::answer(&operands);
+                            let went = self.hub.send_timeout(conn, &Query { seq, operands }, true, Duration::ZERO);
+                            if let Ok(true) = went {
+                                self.peers[i].queries.asked(seq, sum);
+                            }
+                            went
+                        }
+                        Kind::Alert => self.hub.send_timeout(
+                            conn,
+                            &Alert {
+                                seq,
+                                level: (seq % 5) as u8,
+                            },
+                            true,
+                            Duration::ZERO,
+                        ),
+                    };
+                    if let Ok(true) = went {
+                        self.peers[i].next_seq += 1;
+                    }
+                    went
+                } else if !p.done_sent {
+                    let went = self.hub.send_timeout(conn, &Done { sent: seq }, true, Duration::ZERO);
+                    if let Ok(true) = went {
+                        self.peers[i].done_sent = true;
+                    }
+                    went
+                } else {
+                    break;
+                };
+                match went {
+                    Ok(true) => {
+                        self.sent += 1;
+                        any = true;
+                        budget -= 1;
+                    }
+                    // No credit or send slot now; or the peer is failing (its Disconnected
+                    // event follows).
+                    Ok(false) | Err(_) => break,
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    /// Closes the connections we made that are finished.
+    fn close_finished(&mut self) -> Result<()> {
+        let me = self.o.id;
+        for i in 0..self.peers.len() {
+            let p = &self.peers[i];
+            if p.state != State::Up || !p.finished() {
+                continue;
+            }
+            let conn = p.peer.expect("an Up peer has a connection");
+            self.peers[i].state = State::Finished;
+            if self.peers[i].ours_to_connect(me) {
+                // Its Disconnected (Closed) clears the connection.
+                if let Err(e) = self.hub.transport_mut().start_close(conn) {
+                    self.errors.push(format!("closing host {}: {e}", self.peers[i].id));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Prints the report line; whether everything checked out.
+    fn report(&self, hw_before: &BTreeMap<String, u64>) -> bool {
+        let secs = match (self.sending_since, self.last_receive) {
+            (Some(a), Some(b)) if b > a => b.duration_since(a).as_secs_f64(),
+            _ => 0.0,
+        };
+        let (mut lost, mut missing_done) = (0, 0);
+        let (mut dup, mut reord, mut corrupt, mut unanswered, mut wrong) = (0, 0, 0, 0, 0);
+        let mut bytes = 0;
+        let mut lost_peers = Vec::new();
+        for p in &self.peers {
+            bytes += p.bytes_received;
+            dup += p.inbound.duplicated + p.queries.duplicated;
+            reord += p.inbound.reordered;
+            corrupt += p.inbound.corrupt;
+            wrong += p.queries.wrong;
+            if p.state == State::Lost {
+                lost_peers.push(p.id);
+            } else {
+                lost += p.inbound.lost().unwrap_or(0);
+                missing_done += u64::from(p.inbound.done.is_none());
+                unanswered += p.queries.open() as u64;
+            }
+        }
+        let unexpected: Vec<u16> = lost_peers
+            .iter()
+            .copied()
+            .filter(|id| !self.o.may_lose.contains(id))
+            .collect();
+        let ok = lost == 0
+            && missing_done == 0
+            && dup == 0
+            && reord == 0
+            && corrupt == 0
+            && unanswered == 0
+            && wrong == 0
+            && unexpected.is_empty()
+            && self.errors.is_empty();
+        let hw: String = hw_counters()
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let d = v.saturating_sub(hw_before.get(&k).copied().unwrap_or(0));
+                (d > 0).then(|| format!(" hw_{k}={d}"))
+            })
+            .collect();
+        for e in &self.errors {
+            println!("mesh: error: {e}");
+        }
+        let rate = |n: f64| if secs > 0.0 { n / secs } else { 0.0 };
+        println!(
+            "mesh: id={} hosts={} peers={} lost_peers={} lost_ids={:?} sent={} received={} bytes_received={bytes} secs={secs:.2} msgs_per_s={:.0} bytes_per_s={:.0} lost={lost} missing_done={missing_done} duplicated={dup} reordered={reord} corrupt={corrupt} unanswered={unanswered} wrong_answers={wrong} bad_frames={} errors={}{hw} ok={}",
+            self.o.id,
+            self.o.hosts.len(),
+            self.peers.len(),
+            lost_peers.len(),
+            lost_peers,
+            self.sent,
+            self.received,
+            rate(self.received as f64),
+            rate(bytes as f64),
+            self.bad_frames,
+            self.errors.len(),
+            u8::from(ok),
+        );
+        ok
+    }
+}

@@ -1,0 +1,610 @@
+//! `cargo xtask cluster`: H VMs on one layer-2 segment (a `vde_switch` on this machine: no
+//! traffic leaves it), rxe0 on each one's virtio NIC, every host running the `mesh` example
+//! (a hub exchanging typed, checked messages with every other host) under `tc netem` faults.
+//! One host can be killed mid-run (its qemu dies: no FIN, no RST) and one host's link cut
+//! for a while; the others must report the dead host, typed, and deliver everything else
+//! exactly once, in order.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context as _, Result};
+
+use crate::vm::{self, Kernel};
+use crate::{repo_root, Step};
+
+/// One cluster run.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub kernel: Kernel,
+    pub hosts: u16,
+    /// Seconds each host sends for.
+    pub seconds: f64,
+    /// `tc netem` arguments applied on every host's NIC (empty: none).
+    pub netem: String,
+    /// Host killed this many seconds into its sending.
+    pub kill: Option<(u16, f64)>,
+    /// Host whose link is cut `at` seconds into its sending, for `ms`.
+    pub cut: Option<(u16, f64, u64)>,
+    /// Run the release build of `mesh` (else the debug build, which `cargo xtask test` has).
+    pub release: bool,
+}
+
+impl Plan {
+    /// The run `cargo xtask test` makes: 3 hosts, 1 % loss with delay, reordering and
+    /// duplication, one host killed, one link cut for a second.
+    pub fn small(kernel: Kernel) -> Self {
+        Self {
+            kernel,
+            hosts: 3,
+            seconds: 16.0,
+            netem: faults(1.0),
+            kill: Some((3, 5.0)),
+            cut: Some((2, 9.0, 1000)),
+            release: false,
+        }
+    }
+
+    /// `cargo xtask cluster`: 4 hosts, otherwise the same faults.
+    pub fn full(kernel: Kernel) -> Self {
+        Self {
+            hosts: 4,
+            seconds: 30.0,
+            kill: Some((4, 10.0)),
+            cut: Some((2, 16.0, 1000)),
+            release: true,
+            ..Self::small(kernel)
+        }
+    }
+
+    /// One point of the sweep: loss only, nobody killed, no cut.
+    fn sweep_point(kernel: Kernel, hosts: u16, loss_pct: f64) -> Self {
+        Self {
+            kernel,
+            hosts,
+            seconds: 30.0,
+            netem: format!("loss {loss_pct}%"),
+            kill: None,
+            cut: None,
+            release: true,
+        }
+    }
+
+    fn loss_pct(&self) -> f64 {
+        netem_pct(&self.netem, "loss").unwrap_or(0.0)
+    }
+}
+
+/// The fault mix of the default runs at `loss_pct` % loss.
+pub fn faults(loss_pct: f64) -> String {
+    format!("loss {loss_pct}% duplicate 1% delay 2ms reorder 10% 50%")
+}
+
+/// The percentage after `key` in netem arguments (`loss 1%` → 1).
+fn netem_pct(netem: &str, key: &str) -> Option<f64> {
+    let mut words = netem.split_whitespace();
+    words.find(|w| *w == key)?;
+    words.next()?.trim_end_matches('%').parse().ok()
+}
+
+/// What one host's report line said.
+#[derive(Debug, Clone, Default)]
+struct HostReport {
+    fields: BTreeMap<String, String>,
+}
+
+impl HostReport {
+    fn parse(line: &str) -> Self {
+        Self {
+            fields: line
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        }
+    }
+
+    fn num(&self, key: &str) -> f64 {
+        self.fields
+            .get(key)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+/// What a cluster run showed.
+#[derive(Debug)]
+pub struct Outcome {
+    plan: Plan,
+    /// Reports of the hosts that lived, by host.
+    reports: BTreeMap<u16, HostReport>,
+    /// Seconds from the kill to the last survivor's report of it.
+    dead_noticed_s: Option<f64>,
+    /// How each survivor reported the dead host.
+    dead_reports: Vec<String>,
+    boot_s: f64,
+    wall_s: f64,
+}
+
+impl Outcome {
+    fn sum(&self, key: &str) -> f64 {
+        self.reports.values().map(|r| r.num(key)).sum()
+    }
+
+    fn mean(&self, key: &str) -> f64 {
+        self.sum(key) / self.reports.len().max(1) as f64
+    }
+
+    /// Retransmissions rxe counted (its requester retrying after a timeout or a NAK).
+    fn retransmits(&self) -> f64 {
+        self.sum("hw_completer_retry_err")
+    }
+
+    /// The `cluster: key=value ...` line.
+    pub fn line(&self) -> String {
+        let p = &self.plan;
+        let mut l = format!(
+            "cluster: hosts={} kernel={} build={} loss_pct={} netem=\"{}\" seconds={} messages={} bytes={} lost={} duplicated={} reordered={} corrupt={} unanswered={} missing_done={} msgs_per_s_per_host={:.0} bytes_per_s_per_host={:.0}",
+            p.hosts,
+            p.kernel,
+            if p.release { "release" } else { "debug" },
+            p.loss_pct(),
+            p.netem,
+            p.seconds,
+            self.sum("received"),
+            self.sum("bytes_received"),
+            self.sum("lost"),
+            self.sum("duplicated"),
+            self.sum("reordered"),
+            self.sum("corrupt") + self.sum("wrong_answers") + self.sum("bad_frames"),
+            self.sum("unanswered"),
+            self.sum("missing_done"),
+            self.mean("msgs_per_s"),
+            self.mean("bytes_per_s"),
+        );
+        for (key, name) in [
+            ("hw_completer_retry_err", "retransmits"),
+            ("hw_duplicate_request", "duplicate_request"),
+            ("hw_out_of_seq_request", "out_of_seq_request"),
+            ("hw_rcvd_seq_err", "rcvd_seq_err"),
+            ("hw_retry_exceeded_err", "retry_exceeded_err"),
+            ("hw_rcvd_rnr_err", "rcvd_rnr_err"),
+        ] {
+            let _ = write!(l, " {name}={}", self.sum(key));
+        }
+        match (p.kill, self.dead_noticed_s) {
+            (Some((host, _)), Some(s)) => {
+                let _ = write!(l, " killed_host={host} dead_host_noticed_s={s:.2}");
+            }
+            (Some((host, _)), None) => {
+                let _ = write!(l, " killed_host={host} dead_host_noticed_s=never");
+            }
+            (None, _) => l.push_str(" dead_host_noticed_s=n/a"),
+        }
+        if let Some((host, _, ms)) = p.cut {
+            let _ = write!(l, " cut_host={host} cut_ms={ms} cut_survived=1");
+        }
+        let _ = write!(l, " boot_s={:.1} wall_s={:.1}", self.boot_s, self.wall_s);
+        l
+    }
+}
+
+/// A `vde_switch` daemon, stopped when dropped.
+struct Switch {
+    dir: PathBuf,
+    pidfile: PathBuf,
+}
+
+impl Switch {
+    fn start(dir: &Path) -> Result<Self> {
+        if !vm::which("vde_switch") {
+            bail!("`vde_switch` not found: run `cargo xtask setup` (package vde2)");
+        }
+        let _ = fs::remove_dir_all(dir);
+        fs::create_dir_all(dir.parent().context("switch directory")?)?;
+        let dir = std::path::absolute(dir)?;
+        let pidfile = dir.with_extension("pid");
+        let status = Command::new("vde_switch")
+            .arg("-s")
+            .arg(&dir)
+            .arg("-d")
+            .arg("-p")
+            .arg(&pidfile)
+            .status()
+            .context("starting vde_switch")?;
+        ensure!(status.success(), "vde_switch failed: {status}");
+        Ok(Self { dir, pidfile })
+    }
+}
+
+impl Drop for Switch {
+    fn drop(&mut self) {
+        if let Ok(pid) = fs::read_to_string(&self.pidfile) {
+            let _ = Command::new("kill").arg(pid.trim()).status();
+        }
+        let _ = fs::remove_file(&self.pidfile);
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The base of the cluster's network: host `n` is 10.79.0.n.
+const PORT: u16 = 18900;
+/// How long a survivor may take to report the killed host: keepalive gives up after 5 s, the
+/// queue pairs' retries after about 2 s; the VMs add their slowness.
+const DETECT_LIMIT: Duration = Duration::from_secs(20);
+
+/// Boots the cluster, runs `plan`, checks what every host reported.
+pub fn run(plan: &Plan) -> Result<Outcome> {
+    let _s = Step::new(
+        "cluster",
+        &format!(
+            "{} VMs (Linux {}) on a vde_switch, netem \"{}\"{}{}",
+            plan.hosts,
+            plan.kernel,
+            plan.netem,
+            plan.kill
+                .map(|(h, s)| format!(", host {h} killed {s} s into sending"))
+                .unwrap_or_default(),
+            plan.cut
+                .map(|(h, s, ms)| format!(", host {h}'s link cut {s} s into sending for {ms} ms"))
+                .unwrap_or_default(),
+        ),
+    );
+    ensure!(plan.hosts >= 2, "a cluster needs at least two hosts");
+    let started = Instant::now();
+    let repo = repo_root();
+    let switch = Switch::start(&repo.join(format!("target/cluster/switch-{}", std::process::id())))?;
+    let addrs: Vec<String> = (1..=plan.hosts)
+        .map(|n| format!("10.79.0.{n}:{PORT}"))
+        .collect();
+    let victim = plan.kill.map(|(h, _)| h);
+    let timeout = Duration::from_secs(plan.seconds as u64 + 600);
+    // Set when the run must end: a host failed, or the survivors are given up on.
+    let abort = Arc::new(AtomicBool::new(false));
+    let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let noticed: Arc<Mutex<Vec<(u16, Instant, String)>>> = Arc::default();
+    let reports: Arc<Mutex<BTreeMap<u16, HostReport>>> = Arc::default();
+    let mut threads = Vec::new();
+    let mut first = true;
+    for n in 1..=plan.hosts {
+        let vm = vm::Vm::networked(
+            &repo,
+            plan.kernel,
+            &format!("c{n}"),
+            vm::Nic {
+                netdev: format!("vde,sock={}", switch.dir.display()),
+                mac: format!("52:54:00:79:00:{n:02x}"),
+                addr: format!("10.79.0.{n}/24"),
+            },
+            1,
+        )
+        .with_mem(1536);
+        if first {
+            vm.prepare()?;
+            first = false;
+        }
+        let mut cmd = format!(
+            "./target/{}/mesh --id {n} --hosts {} --seconds {} --netdev eth0",
+            if plan.release { "release" } else { "debug" },
+            addrs.join(","),
+            plan.seconds
+        );
+        if !plan.netem.is_empty() {
+            let _ = write!(cmd, " --netem {}", crate::sh_quote(&plan.netem));
+        }
+        if let Some(v) = victim {
+            if v == n {
+                let _ = write!(cmd, " --die-after {}", plan.kill.unwrap().1);
+            } else {
+                let _ = write!(cmd, " --may-lose {v}");
+            }
+        }
+        if let Some((h, at, ms)) = plan.cut {
+            if h == n {
+                let _ = write!(cmd, " --cut-after {at} --cut-ms {ms}");
+            }
+        }
+        let (abort, killed_at, noticed, reports) = (
+            Arc::clone(&abort),
+            Arc::clone(&killed_at),
+            Arc::clone(&noticed),
+            Arc::clone(&reports),
+        );
+        let kill = Arc::new(AtomicBool::new(false));
+        threads.push((
+            n,
+            std::thread::spawn(move || {
+                let watcher = {
+                    let (abort, kill) = (Arc::clone(&abort), Arc::clone(&kill));
+                    std::thread::spawn(move || {
+                        while !kill.load(Ordering::SeqCst) {
+                            if abort.load(Ordering::SeqCst) {
+                                kill.store(true, Ordering::SeqCst);
+                            }
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                    })
+                };
+                let res = vm.run_script_killable(
+                    &cmd,
+                    timeout,
+                    &mut |l| {
+                        println!("[host {n}] {l}");
+                        if l.contains("mesh: ready-to-die") {
+                            *killed_at.lock().unwrap() = Some(Instant::now());
+                            kill.store(true, Ordering::SeqCst);
+                        }
+                        if let Some(rest) = l.split("mesh: peer-lost ").nth(1) {
+                            noticed.lock().unwrap().push((n, Instant::now(), rest.to_owned()));
+                        }
+                        if let Some(rest) = l.split("mesh: id=").nth(1) {
+                            reports
+                                .lock()
+                                .unwrap()
+                                .insert(n, HostReport::parse(&format!("id={rest}")));
+                        }
+                    },
+                    &kill,
+                );
+                kill.store(true, Ordering::SeqCst);
+                let _ = watcher.join();
+                res
+            }),
+        ));
+    }
+    let mut boot_s: f64 = 0.0;
+    let mut failures = Vec::new();
+    for (n, t) in threads {
+        let res = t.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        match res {
+            Ok(r) if Some(n) == victim && r.code == vm::KILLED => boot_s = boot_s.max(r.boot_secs),
+            Ok(r) if Some(n) == victim => {
+                failures.push(format!("host {n} (the victim) ended by itself (exit {}) instead of being killed", r.code));
+            }
+            Ok(r) if r.code == 0 => boot_s = boot_s.max(r.boot_secs),
+            Ok(r) if r.code == vm::KILLED => failures.push(format!("host {n} was stopped (another host failed)")),
+            Ok(r) => {
+                failures.push(format!("host {n} failed (exit {})", r.code));
+                abort.store(true, Ordering::SeqCst);
+            }
+            Err(e) => {
+                failures.push(format!("host {n}: {e:#}"));
+                abort.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+    drop(switch);
+    let reports = std::mem::take(&mut *reports.lock().unwrap());
+    let mut dead_noticed_s = None;
+    let mut dead_reports = Vec::new();
+    if let Some(v) = victim {
+        let killed = (*killed_at.lock().unwrap()).context("the victim never got ready to die")?;
+        let noticed = noticed.lock().unwrap();
+        let mut worst = Duration::ZERO;
+        for n in (1..=plan.hosts).filter(|n| *n != v) {
+            match noticed
+                .iter()
+                .find(|(host, _, what)| *host == n && what.starts_with(&format!("id={v} ")))
+            {
+                Some((_, at, what)) => {
+                    worst = worst.max(at.saturating_duration_since(killed));
+                    dead_reports.push(format!("host {n}: {what}"));
+                }
+                None => failures.push(format!("host {n} never reported the killed host {v}")),
+            }
+        }
+        if worst > DETECT_LIMIT {
+            failures.push(format!("the killed host was noticed only after {worst:?}"));
+        }
+        dead_noticed_s = Some(worst.as_secs_f64());
+        for (n, _, what) in noticed.iter().filter(|(_, _, w)| !w.starts_with(&format!("id={v} "))) {
+            failures.push(format!("host {n} lost a live peer: {what}"));
+        }
+    }
+    for n in (1..=plan.hosts).filter(|n| Some(*n) != victim) {
+        match reports.get(&n) {
+            Some(r) if r.fields.get("ok").map(String::as_str) == Some("1") => {}
+            Some(_) => failures.push(format!("host {n} reported loss, disorder or failure")),
+            None => failures.push(format!("host {n} printed no report")),
+        }
+    }
+    let outcome = Outcome {
+        plan: plan.clone(),
+        reports,
+        dead_noticed_s,
+        dead_reports,
+        boot_s,
+        wall_s: started.elapsed().as_secs_f64(),
+    };
+    println!("{}", outcome.line());
+    for r in &outcome.dead_reports {
+        println!("cluster: the killed host as reported by {r}");
+    }
+    if !failures.is_empty() {
+        bail!("the cluster run failed:\n  {}", failures.join("\n  "));
+    }
+    Ok(outcome)
+}
+
+/// Loss rates of the sweep, in percent.
+const SWEEP: &[f64] = &[0.0, 0.1, 1.0, 5.0];
+
+/// `cargo xtask cluster --sweep`: one run per loss rate; the table under `target/cluster/`
+/// (`sweep.md`, `sweep.json`) and a plot of throughput against loss (`sweep.svg`).
+pub fn sweep(kernel: Kernel, hosts: u16, seconds: Option<f64>) -> Result<Vec<Outcome>> {
+    let mut outcomes = Vec::new();
+    for &loss in SWEEP {
+        let mut plan = Plan::sweep_point(kernel, hosts, loss);
+        if let Some(s) = seconds {
+            plan.seconds = s;
+        }
+        outcomes.push(run(&plan)?);
+    }
+    let dir = repo_root().join("target/cluster");
+    fs::create_dir_all(&dir)?;
+    fs::write(dir.join("sweep.md"), sweep_markdown(&outcomes))?;
+    fs::write(dir.join("sweep.json"), sweep_json(&outcomes))?;
+    fs::write(dir.join("sweep.svg"), sweep_svg(&outcomes))?;
+    println!("{}", sweep_markdown(&outcomes));
+    eprintln!(
+        "==> [cluster] wrote {0}/sweep.md, {0}/sweep.json, {0}/sweep.svg",
+        dir.display()
+    );
+    Ok(outcomes)
+}
+
+fn sweep_markdown(outcomes: &[Outcome]) -> String {
+    let mut md = String::from(
+        "| loss % | hosts | messages | msgs/s per host | KiB/s per host | lost | duplicated | reordered | corrupt | retransmits | out_of_seq_request | duplicate_request | rcvd_seq_err |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for o in outcomes {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            o.plan.loss_pct(),
+            o.plan.hosts,
+            o.sum("received"),
+            o.mean("msgs_per_s"),
+            o.mean("bytes_per_s") / 1024.0,
+            o.sum("lost") + o.sum("missing_done") + o.sum("unanswered"),
+            o.sum("duplicated"),
+            o.sum("reordered"),
+            o.sum("corrupt") + o.sum("wrong_answers") + o.sum("bad_frames"),
+            o.retransmits(),
+            o.sum("hw_out_of_seq_request"),
+            o.sum("hw_duplicate_request"),
+            o.sum("hw_rcvd_seq_err"),
+        );
+    }
+    md
+}
+
+fn sweep_json(outcomes: &[Outcome]) -> String {
+    let rows: Vec<String> = outcomes
+        .iter()
+        .map(|o| {
+            let hosts: Vec<String> = o
+                .reports
+                .iter()
+                .map(|(n, r)| {
+                    let fields: Vec<String> = r
+                        .fields
+                        .iter()
+                        .filter(|(_, v)| v.parse::<f64>().is_ok())
+                        .map(|(k, v)| format!("\"{k}\": {v}"))
+                        .collect();
+                    format!("      \"{n}\": {{{}}}", fields.join(", "))
+                })
+                .collect();
+            format!(
+                "    {{\"loss_pct\": {}, \"hosts\": {}, \"kernel\": \"{}\", \"seconds\": {}, \"messages\": {}, \"msgs_per_s_per_host\": {:.1}, \"bytes_per_s_per_host\": {:.1}, \"lost\": {}, \"duplicated\": {}, \"reordered\": {}, \"corrupt\": {}, \"retransmits\": {}, \"per_host\": {{\n{}\n    }}}}",
+                o.plan.loss_pct(),
+                o.plan.hosts,
+                o.plan.kernel,
+                o.plan.seconds,
+                o.sum("received"),
+                o.mean("msgs_per_s"),
+                o.mean("bytes_per_s"),
+                o.sum("lost") + o.sum("missing_done") + o.sum("unanswered"),
+                o.sum("duplicated"),
+                o.sum("reordered"),
+                o.sum("corrupt") + o.sum("wrong_answers") + o.sum("bad_frames"),
+                o.retransmits(),
+                hosts.join(",\n"),
+            )
+        })
+        .collect();
+    format!("{{\n  \"sweep\": [\n{}\n  ]\n}}\n", rows.join(",\n"))
+}
+
+/// Messages per second per host against loss (the loss axis is ordinal: 0, 0.1, 1, 5 %).
+fn sweep_svg(outcomes: &[Outcome]) -> String {
+    let (w, h, left, right, top, bottom) = (640.0, 400.0, 70.0, 20.0, 40.0, 50.0);
+    let max = outcomes
+        .iter()
+        .map(|o| o.mean("msgs_per_s"))
+        .fold(1.0, f64::max)
+        * 1.1;
+    let n = outcomes.len().max(2) as f64;
+    let x = |i: usize| left + (w - left - right) * i as f64 / (n - 1.0);
+    let y = |v: f64| top + (h - top - bottom) * (1.0 - v / max);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">rdmsg mesh on rxe: messages/s per host against packet loss</text>\n\
+         <line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{}\" stroke=\"black\"/>\n",
+        w / 2.0,
+        h - bottom,
+        w - right,
+        h - bottom,
+        h - bottom
+    );
+    for k in 0..=4 {
+        let v = max * f64::from(k) / 4.0;
+        let _ = writeln!(
+            svg,
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{v:.0}</text><line x1=\"{left}\" y1=\"{1}\" x2=\"{}\" y2=\"{1}\" stroke=\"#ddd\"/>",
+            left - 6.0,
+            y(v),
+            w - right
+        );
+    }
+    let points: Vec<String> = outcomes
+        .iter()
+        .enumerate()
+        .map(|(i, o)| format!("{:.1},{:.1}", x(i), y(o.mean("msgs_per_s"))))
+        .collect();
+    let _ = writeln!(
+        svg,
+        "<polyline points=\"{}\" fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\"/>",
+        points.join(" ")
+    );
+    for (i, o) in outcomes.iter().enumerate() {
+        let v = o.mean("msgs_per_s");
+        let _ = writeln!(
+            svg,
+            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"#1f77b4\"/><text x=\"{0:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{v:.0}</text><text x=\"{0:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}%</text>",
+            x(i),
+            y(v),
+            y(v) - 8.0,
+            h - bottom + 18.0,
+            o.plan.loss_pct()
+        );
+    }
+    let _ = writeln!(
+        svg,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">packet loss on every host's NIC (tc netem)</text>\n</svg>",
+        w / 2.0,
+        h - 8.0
+    );
+    svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn netem_percentages_are_read() {
+        assert_eq!(netem_pct(&faults(1.0), "loss"), Some(1.0));
+        assert_eq!(netem_pct("loss 0.1%", "loss"), Some(0.1));
+        assert_eq!(netem_pct("delay 2ms", "loss"), None);
+    }
+
+    #[test]
+    fn host_reports_are_parsed() {
+        let r = HostReport::parse("id=2 hosts=3 received=100 msgs_per_s=12.5 lost_ids=[] ok=1");
+        assert_eq!(r.num("received"), 100.0);
+        assert_eq!(r.num("msgs_per_s"), 12.5);
+        assert_eq!(r.num("absent"), 0.0);
+        assert_eq!(r.fields["ok"], "1");
+    }
+}
