@@ -63,7 +63,9 @@ pub fn body(from: u16, to: u16, seq: u64) -> Vec<u8> {
 /// Operands of the query `seq` from `from` to `to`.
 pub fn operands(from: u16, to: u16, seq: u64) -> Vec<u64> {
     let m = mix(from, to, seq);
-    (0..1 + m % 8).map(|i| m.rotate_left(i as u32 * 7)).collect()
+    (0..1 + m % 8)
+        .map(|i| m.rotate_left(i as u32 * 7))
+        .collect()
 }
 
 /// What a query's answer must say.
@@ -195,12 +197,24 @@ mod tests {
         let kinds: Vec<Kind> = (0..CYCLE).map(kind).collect();
         let solicited = kinds
             .iter()
-            .filter(|k| matches!(k, Kind::Sample { last_of_batch: true }))
+            .filter(|k| {
+                matches!(
+                    k,
+                    Kind::Sample {
+                        last_of_batch: true
+                    }
+                )
+            })
             .count();
         assert_eq!(solicited, 4);
         assert_eq!(kinds[32], Kind::Query);
         assert_eq!(kinds[33], Kind::Alert);
-        assert_eq!(kind(CYCLE), Kind::Sample { last_of_batch: false });
+        assert_eq!(
+            kind(CYCLE),
+            Kind::Sample {
+                last_of_batch: false
+            }
+        );
     }
 
     #[test]
@@ -234,7 +248,10 @@ mod tests {
         s.finish(5);
         assert_eq!(s.lost(), Some(2)); // 2 and 4
         assert_eq!(s.arrive(5, true), Arrival::Corrupt); // after Done
-        assert_eq!((s.received, s.duplicated, s.reordered, s.corrupt), (3, 2, 2, 2));
+        assert_eq!(
+            (s.received, s.duplicated, s.reordered, s.corrupt),
+            (3, 2, 2, 2)
+        );
     }
 
     #[test]

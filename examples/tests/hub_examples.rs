@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 const COLLECTOR: &str = env!("CARGO_BIN_EXE_collector");
 const REQRESP: &str = env!("CARGO_BIN_EXE_reqresp");
+const MESH: &str = env!("CARGO_BIN_EXE_mesh");
 
 /// Long enough for 256 handshakes and their traffic under emulation (qemu TCG).
 const LIMIT: Duration = Duration::from_secs(300);
@@ -190,4 +191,98 @@ fn reqresp_48_clients() {
     assert_eq!(num(&r, "server_threads"), 1, "{r:?}");
     let wakeups = num(&r, "wakeups");
     assert!(wakeups > 0 && wakeups <= 2 * 48 * 40 + 4 * 48, "{r:?}");
+}
+
+/// Starts `hosts` mesh processes on one device (ports from `base`); `extra(id)` adds
+/// arguments per host.
+fn mesh_hosts(hosts: u16, base: u16, extra: impl Fn(u16) -> Vec<String>) -> Vec<(u16, Child)> {
+    let addrs: Vec<String> = (1..=hosts)
+        .map(|n| format!("127.0.0.1:{}", base + n))
+        .collect();
+    (1..=hosts)
+        .map(|n| {
+            let child = Command::new(MESH)
+                .args([
+                    "--id",
+                    &n.to_string(),
+                    "--hosts",
+                    &addrs.join(","),
+                    "--seconds",
+                    "4",
+                ])
+                .args(extra(n))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            (n, child)
+        })
+        .collect()
+}
+
+fn check_mesh(out: &Output, hosts: u64, lost_peers: u64) -> HashMap<String, String> {
+    let r = report(out, "mesh: ");
+    assert_eq!(num(&r, "hosts"), hosts, "{r:?}");
+    assert_eq!(num(&r, "lost_peers"), lost_peers, "{r:?}");
+    assert!(num(&r, "received") > 100, "{r:?}");
+    for key in [
+        "lost",
+        "missing_done",
+        "duplicated",
+        "reordered",
+        "corrupt",
+        "unanswered",
+        "wrong_answers",
+        "bad_frames",
+        "errors",
+    ] {
+        assert_eq!(num(&r, key), 0, "{key}: {r:?}");
+    }
+    assert_eq!(r["ok"], "1", "{r:?}");
+    r
+}
+
+#[test]
+#[ignore = "device"]
+fn mesh_four_hosts_on_one_device() {
+    device();
+    let t = Instant::now();
+    for (n, child) in mesh_hosts(4, 19200, |_| Vec::new()) {
+        let out = finish(child, &format!("mesh host {n}"));
+        let r = check_mesh(&out, 4, 0);
+        println!(
+            "stats mesh host {n}: received {} in {} s",
+            r["received"], r["secs"]
+        );
+    }
+    println!("stats mesh 4 hosts took {:?}", t.elapsed());
+}
+
+#[test]
+#[ignore = "device"]
+fn mesh_host_killed_mid_run() {
+    device();
+    let mut hosts = mesh_hosts(4, 19300, |n| match n {
+        4 => vec!["--die-after".into(), "1.5".into()],
+        _ => vec!["--may-lose".into(), "4".into()],
+    });
+    let (_, mut victim) = hosts.pop().unwrap();
+    // SIGKILL once it says so: its connections end without a close.
+    let mut lines = BufReader::new(victim.stdout.take().unwrap()).lines();
+    let said = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .any(|l| l.contains("ready-to-die"));
+    assert!(said, "the victim never got ready");
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    for (n, child) in hosts {
+        let out = finish(child, &format!("mesh host {n}"));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("mesh: peer-lost id=4 ") && text.contains("vanished"),
+            "host {n} did not report host 4 as vanished:\n{text}"
+        );
+        check_mesh(&out, 4, 1);
+    }
 }

@@ -217,9 +217,8 @@ impl Hub {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        match self.with_sender_waiting(peer, Some(timeout), |s, link| {
-            s.send_as(link, m, solicited)
-        }) {
+        match self.with_sender_waiting(peer, Some(timeout), |s, link| s.send_as(link, m, solicited))
+        {
             Ok(()) => Ok(true),
             Err(Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
             Err(e) => Err(e),

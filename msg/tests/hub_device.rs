@@ -301,3 +301,98 @@ fn a_hub_exchanges_typed_messages_with_many_peers() {
     assert_eq!(served.dispatch.peer_events, 2 * PEERS as u64);
     assert_eq!(served.dispatch.dispatched, served.stats.received);
 }
+
+/// `send_timeout` against a peer that does not read: with no wait it returns `false` as soon as
+/// the peer's credits are spent (nothing sent, nothing lost); with a wait it gives up after
+/// it. One thread drives both hubs, which only a send that never blocks allows.
+#[test]
+#[ignore = "device"]
+fn send_timeout_gives_up_instead_of_waiting_for_a_peer_that_does_not_read() {
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, config()).unwrap();
+    let mut client = Hub::new(&ep, config()).unwrap();
+    for hub in [&mut server, &mut client] {
+        hub.register::<Note>().unwrap();
+    }
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    let to_server = client.connect(addr).unwrap();
+    let (mut up, mut accepted) = (false, None);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !up || accepted.is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not connected in 10 s"
+        );
+        if let Some(HubEvent::Connected { peer, .. }) = client.try_recv().unwrap() {
+            assert_eq!(peer, to_server);
+            up = true;
+        }
+        if let Some(HubEvent::Connected { peer, accepted: a }) = server.try_recv().unwrap() {
+            assert!(a);
+            accepted = Some(peer);
+        }
+    }
+    let zero = Duration::ZERO;
+    // The server is not driven: its credits run out, and then nothing waits.
+    let t = std::time::Instant::now();
+    let mut sent = 0u32;
+    while client
+        .send_timeout(to_server, &Note { seq: sent }, false, zero)
+        .unwrap()
+    {
+        sent += 1;
+        assert!(sent < 100_000, "credits never ran out");
+    }
+    let spent = t.elapsed();
+    assert!(sent > 0, "no credit at all");
+    assert!(
+        spent < Duration::from_secs(2),
+        "{sent} sends took {spent:?}"
+    );
+    let t = std::time::Instant::now();
+    let waited = client
+        .send_timeout(
+            to_server,
+            &Note { seq: sent },
+            true,
+            Duration::from_millis(300),
+        )
+        .unwrap();
+    assert!(!waited, "a credit came although the server reads nothing");
+    assert!(
+        t.elapsed() >= Duration::from_millis(290),
+        "{:?}",
+        t.elapsed()
+    );
+    // Now both are driven from this one thread: everything arrives, once, in order.
+    let total = sent + 2000;
+    let mut next_seq = 0u32;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while next_seq < total {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stuck at {next_seq} of {total}"
+        );
+        while sent < total
+            && client
+                .send_timeout(to_server, &Note { seq: sent }, sent % 8 == 7, zero)
+                .unwrap()
+        {
+            sent += 1;
+        }
+        if let Some(ev) = client.try_recv().unwrap() {
+            panic!("the client got {ev:?}");
+        }
+        while let Some(ev) = server.try_recv().unwrap() {
+            match ev {
+                HubEvent::Message { msg, .. } => {
+                    let n: Note = msg.decode().unwrap();
+                    assert_eq!(n.seq, next_seq);
+                    next_seq += 1;
+                }
+                other => panic!("the server got {other:?}"),
+            }
+        }
+    }
+    assert_eq!(client.peer_stats(to_server).unwrap().sent, u64::from(total));
+}

@@ -75,6 +75,10 @@ pub struct Config {
     /// ([`Failure::PeerVanished`]), through TCP keepalive on the bootstrap stream (a peer
     /// process that dies is noticed at once by its stream's end; a host that dies or drops off
     /// the network sends nothing). `None`: never. Default 5 s; whole seconds, at least 3 s.
+    /// The first half of it is idle, the second probes once a second (3 to 30 probes), and
+    /// the peer is declared gone only when every probe went unanswered: on a lossy link,
+    /// where probes are lost too, a longer limit makes false alarms much rarer (at 5 % loss
+    /// each way, 3 probes all fail about once in a thousand rounds, 5 about once in 10^5).
     pub keepalive: Option<Duration>,
     /// Longest a sleeping connection goes without polling its queues for an error nothing
     /// woke it for. The verbs specification has an error completion fire even a solicited-only
@@ -368,14 +372,32 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(1);
 /// Longest wait for the flush completions after a failure.
 const FLUSH_WAIT: Duration = Duration::from_millis(500);
 
-/// Keepalive probing that gives up on a silent peer after about `limit`: the first probe after
-/// half of it, then three more spread over the other half.
+/// Keepalive probing that gives up on a silent peer after about `limit`: see
+/// [`keepalive_schedule`].
 pub(crate) fn keepalive_probes(limit: Duration) -> socket2::TcpKeepalive {
-    let secs = limit.as_secs().max(3);
+    let (idle, interval, probes) = keepalive_schedule(limit);
     socket2::TcpKeepalive::new()
-        .with_time(Duration::from_secs(secs / 2))
-        .with_interval(Duration::from_secs((secs - secs / 2).div_ceil(3).max(1)))
-        .with_retries(3)
+        .with_time(idle)
+        .with_interval(interval)
+        .with_retries(probes)
+}
+
+/// (idle time before the first probe, interval, probes) for a keepalive that gives up after
+/// about `limit`: half of it idle, the other half probing once a second (at least 3 probes, at
+/// most 30, spread out beyond that). A lossy link drops probes and their answers too: at 5 %
+/// loss each way one probe in ten goes unanswered, so a peer is declared gone only after
+/// every probe of a row failed, and the more a row holds, the rarer a false alarm.
+pub(crate) fn keepalive_schedule(limit: Duration) -> (Duration, Duration, u32) {
+    let secs = limit.as_secs().max(3);
+    let idle = secs / 2;
+    let probing = secs - idle;
+    let probes = probing.clamp(3, 30);
+    let interval = (probing / probes).max(1);
+    (
+        Duration::from_secs(idle),
+        Duration::from_secs(interval),
+        probes as u32,
+    )
 }
 
 fn io_err(stage: &'static str) -> impl FnOnce(std::io::Error) -> Error {
@@ -1160,6 +1182,23 @@ fn injected_fault(fault: Fault, qp_num: u32) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keepalive_gives_up_after_about_its_limit_with_more_probes_for_longer_limits() {
+        let total = |(idle, interval, probes): (Duration, Duration, u32)| {
+            (idle + interval * probes).as_secs()
+        };
+        for (limit, probes) in [(3, 3), (5, 3), (10, 5), (20, 10), (60, 30), (7200, 30)] {
+            let s = keepalive_schedule(Duration::from_secs(limit));
+            assert_eq!(s.2, probes, "{limit} s");
+            assert!(s.1 >= Duration::from_secs(1), "{limit} s");
+            let t = total(s);
+            assert!(
+                t >= limit && t <= limit + 1,
+                "{limit} s gives up after {t} s"
+            );
+        }
+    }
 
     #[test]
     fn retrying_receiver_not_ready_for_ever_is_refused() {

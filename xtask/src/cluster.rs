@@ -259,7 +259,8 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
     ensure!(plan.hosts >= 2, "a cluster needs at least two hosts");
     let started = Instant::now();
     let repo = repo_root();
-    let switch = Switch::start(&repo.join(format!("target/cluster/switch-{}", std::process::id())))?;
+    let switch =
+        Switch::start(&repo.join(format!("target/cluster/switch-{}", std::process::id())))?;
     let addrs: Vec<String> = (1..=plan.hosts)
         .map(|n| format!("10.79.0.{n}:{PORT}"))
         .collect();
@@ -341,7 +342,10 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
                             kill.store(true, Ordering::SeqCst);
                         }
                         if let Some(rest) = l.split("mesh: peer-lost ").nth(1) {
-                            noticed.lock().unwrap().push((n, Instant::now(), rest.to_owned()));
+                            noticed
+                                .lock()
+                                .unwrap()
+                                .push((n, Instant::now(), rest.to_owned()));
                         }
                         if let Some(rest) = l.split("mesh: id=").nth(1) {
                             reports
@@ -365,10 +369,15 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
         match res {
             Ok(r) if Some(n) == victim && r.code == vm::KILLED => boot_s = boot_s.max(r.boot_secs),
             Ok(r) if Some(n) == victim => {
-                failures.push(format!("host {n} (the victim) ended by itself (exit {}) instead of being killed", r.code));
+                failures.push(format!(
+                    "host {n} (the victim) ended by itself (exit {}) instead of being killed",
+                    r.code
+                ));
             }
             Ok(r) if r.code == 0 => boot_s = boot_s.max(r.boot_secs),
-            Ok(r) if r.code == vm::KILLED => failures.push(format!("host {n} was stopped (another host failed)")),
+            Ok(r) if r.code == vm::KILLED => {
+                failures.push(format!("host {n} was stopped (another host failed)"))
+            }
             Ok(r) => {
                 failures.push(format!("host {n} failed (exit {})", r.code));
                 abort.store(true, Ordering::SeqCst);
@@ -403,7 +412,10 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
             failures.push(format!("the killed host was noticed only after {worst:?}"));
         }
         dead_noticed_s = Some(worst.as_secs_f64());
-        for (n, _, what) in noticed.iter().filter(|(_, _, w)| !w.starts_with(&format!("id={v} "))) {
+        for (n, _, what) in noticed
+            .iter()
+            .filter(|(_, _, w)| !w.starts_with(&format!("id={v} ")))
+        {
             failures.push(format!("host {n} lost a live peer: {what}"));
         }
     }

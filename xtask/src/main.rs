@@ -29,7 +29,7 @@ tasks:
                    tests inside the Soft-RoCE VM once per kernel (6.1, then 6.12, one boot each;
                    --kernel or RDMSG_KERNELS picks; the quick start runs in the first boot), then
                    the two-host test (as vm2, on 6.1), the small cluster (3 VMs, 1 % loss, a
-                   host killed, a link cut; on 6.1); last, `git status` must show nothing the
+                   host killed, a link cut; on each kernel); last, `git status` must show nothing the
                    run added. For work on the driver: --device-only (device tests only: no
                    checks, fuzzing, packaging, quick start, two-host test or cluster), --bins NAME,...
                    (only the test binaries whose names start so)
@@ -1051,17 +1051,27 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         (result.is_ok(), secs)
     });
 
-    // Several VMs on a switch, with faults: on the default kernel only.
-    let cluster_run = (!plan.device_only).then(|| {
-        let vm_started = Instant::now();
-        let result = build_mesh(false).and_then(|()| cluster::run(&cluster::Plan::small(two_host_kernel)));
-        let secs = vm_started.elapsed().as_secs_f64();
-        if let Err(e) = &result {
-            eprintln!("xtask: the cluster test failed (alone: cargo xtask cluster --hosts 3): {e:#}");
-        }
-        eprintln!("==> [cluster] VM run (Linux {two_host_kernel}, three VMs) {secs:.1} s");
-        (result.is_ok(), secs)
-    });
+    // Several VMs on a switch, with faults: on every kernel the device tests ran on.
+    let cluster_runs: Vec<(Kernel, bool, f64)> = if plan.device_only {
+        Vec::new()
+    } else {
+        plan.kernels
+            .iter()
+            .map(|&kernel| {
+                let vm_started = Instant::now();
+                let result =
+                    build_mesh(false).and_then(|()| cluster::run(&cluster::Plan::small(kernel)));
+                let secs = vm_started.elapsed().as_secs_f64();
+                if let Err(e) = &result {
+                    eprintln!(
+                        "xtask: the cluster test failed on Linux {kernel} (a larger one alone: cargo xtask cluster --kernel {kernel}): {e:#}"
+                    );
+                }
+                eprintln!("==> [cluster] VM run (Linux {kernel}, three VMs) {secs:.1} s");
+                (kernel, result.is_ok(), secs)
+            })
+            .collect()
+    };
 
     let mut total = host;
     let mut counts = Vec::new();
@@ -1091,9 +1101,9 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         checks.push((format!("two-host ({two_host_kernel} only)"), ok));
         times.push(format!("two-host ({two_host_kernel}) {secs:.1} s"));
     }
-    if let Some((ok, secs)) = cluster_run {
-        checks.push((format!("cluster ({two_host_kernel} only)"), ok));
-        times.push(format!("cluster ({two_host_kernel}) {secs:.1} s"));
+    for (kernel, ok, secs) in cluster_runs {
+        checks.push((format!("cluster ({kernel})"), ok));
+        times.push(format!("cluster ({kernel}) {secs:.1} s"));
     }
     match (&tree_before, worktree::Snapshot::take(&repo)) {
         (Some(before), Some(after)) => {
@@ -1354,6 +1364,39 @@ mod tests {
             parse(&args("quickstart --kernel 6.12"), None),
             Ok(Task::Quickstart(k("6.12")))
         );
+    }
+
+    #[test]
+    fn cluster_options() {
+        assert_eq!(
+            parse(&args("cluster"), None),
+            Ok(Task::Cluster {
+                kernel: k("6.1"),
+                hosts: None,
+                seconds: None,
+                sweep: false,
+            })
+        );
+        assert_eq!(
+            parse(
+                &args("cluster --kernel 6.12 --hosts 6 --seconds=12.5 --sweep"),
+                None
+            ),
+            Ok(Task::Cluster {
+                kernel: k("6.12"),
+                hosts: Some(6),
+                seconds: Some(12.5),
+                sweep: true,
+            })
+        );
+        for bad in [
+            "cluster --hosts 1",
+            "cluster --hosts 17",
+            "cluster --seconds 0",
+            "cluster x",
+        ] {
+            assert!(parse(&args(bad), None).is_err(), "{bad}");
+        }
     }
 
     #[test]

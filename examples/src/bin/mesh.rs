@@ -6,6 +6,7 @@
 //! ```text
 //! mesh --id I --hosts ADDR1,ADDR2,... [--seconds D] [--netem "ARGS" --netdev DEV]
 //!      [--die-after S] [--cut-after S --cut-ms M] [--may-lose J,...] [--ack-timeout T]
+//!      [--keepalive S]
 //! ```
 //!
 //! Host `I` (1-based) listens on its own entry's port and connects to every host before it in
@@ -22,7 +23,9 @@
 //! harness to kill the VM. Hosts listed in `--may-lose` may vanish (their streams are then not
 //! counted); any other failure is an error. `--ack-timeout T` is the queue pairs' local ACK
 //! timeout exponent (4.096 µs × 2^T; default 16, 268 ms: with 7 retries a budget of about
-//! 2.1 s).
+//! 2.1 s). `--keepalive S` is the bootstrap streams' keepalive limit (default 10 s: 5 probes,
+//! where the library's default 5 s has 3, which a 5 % lossy link fails all three of too
+//! often).
 //!
 //! Lines: `mesh: connected id=J ...` per peer, `mesh: peer-lost id=J failure="..."` when one
 //! fails, `mesh: cut ...`, and at the end one report:
@@ -107,6 +110,7 @@ struct Options {
     cut_ms: u64,
     may_lose: Vec<u16>,
     ack_timeout: u8,
+    keepalive: u64,
 }
 
 fn parse() -> Result<Options> {
@@ -121,6 +125,7 @@ fn parse() -> Result<Options> {
         cut_ms: 1000,
         may_lose: Vec::new(),
         ack_timeout: 16,
+        keepalive: 10,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -142,6 +147,7 @@ fn parse() -> Result<Options> {
                     .collect::<Result<_, _>>()?
             }
             "--ack-timeout" => o.ack_timeout = v()?.parse()?,
+            "--keepalive" => o.keepalive = v()?.parse()?,
             other => bail!("unknown argument {other} (see the doc at the top of mesh.rs)"),
         }
     }
@@ -208,7 +214,10 @@ fn netem(dev: &str, args: &str) -> Result<()> {
         .args(args.split_whitespace())
         .status()
         .context("running tc")?;
-    ensure!(status.success(), "tc qdisc replace dev {dev} root netem {args}: {status}");
+    ensure!(
+        status.success(),
+        "tc qdisc replace dev {dev} root netem {args}: {status}"
+    );
     Ok(())
 }
 
@@ -221,7 +230,11 @@ fn hw_counters() -> BTreeMap<String, u64> {
     entries
         .flatten()
         .filter_map(|e| {
-            let v = std::fs::read_to_string(e.path()).ok()?.trim().parse().ok()?;
+            let v = std::fs::read_to_string(e.path())
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
             Some((e.file_name().to_string_lossy().into_owned(), v))
         })
         .collect()
@@ -251,9 +264,12 @@ fn main() -> Result<()> {
         println!("mesh: netem dev={} {args}", o.netdev);
     }
     let ep = Endpoint::open_default()?;
-    let mut config = HubConfig::default();
-    config.max_connections = o.hosts.len() as u32;
+    let mut config = HubConfig {
+        max_connections: o.hosts.len() as u32,
+        ..HubConfig::default()
+    };
     config.conn.path.timeout = o.ack_timeout;
+    config.conn.keepalive = Some(Duration::from_secs(o.keepalive));
     // Peers boot at different times, and a lossy link slows handshakes down.
     config.conn.handshake_timeout = Duration::from_secs(15);
     let mut hub = Hub::new(&ep, config)?;
@@ -307,7 +323,11 @@ fn main() -> Result<()> {
         errors: Vec::new(),
     };
     let ok = node.run()?;
-    ensure!(ok, "mesh host {} saw loss, disorder or failure (see its report)", node.o.id);
+    ensure!(
+        ok,
+        "mesh host {} saw loss, disorder or failure (see its report)",
+        node.o.id
+    );
     Ok(())
 }
 
@@ -329,7 +349,12 @@ impl Node {
                 self.on_event(ev);
                 busy = true;
             }
-            if self.sending_since.is_none() && self.peers.iter().all(|p| p.state != State::Waiting && p.state != State::Handshake) {
+            if self.sending_since.is_none()
+                && self
+                    .peers
+                    .iter()
+                    .all(|p| p.state != State::Waiting && p.state != State::Handshake)
+            {
                 let since = Instant::now();
                 self.sending_since = Some(since);
                 println!(
@@ -347,7 +372,10 @@ impl Node {
                         .filter(|p| p.state != State::Up)
                         .map(|p| p.id)
                         .collect();
-                    bail!("host {}: peers {missing:?} not connected after {CONNECT_LIMIT:?}", self.o.id);
+                    bail!(
+                        "host {}: peers {missing:?} not connected after {CONNECT_LIMIT:?}",
+                        self.o.id
+                    );
                 }
                 if !busy {
                     self.wait(Duration::from_millis(5))?;
@@ -370,7 +398,11 @@ impl Node {
                 if at.elapsed() >= Duration::from_millis(self.o.cut_ms) {
                     let restore = self.o.netem.clone().unwrap_or_else(|| "loss 0%".into());
                     netem(&self.o.netdev, &restore)?;
-                    println!("mesh: restored id={} after_ms={}", self.o.id, at.elapsed().as_millis());
+                    println!(
+                        "mesh: restored id={} after_ms={}",
+                        self.o.id,
+                        at.elapsed().as_millis()
+                    );
                     cut = None;
                     cut_done = true;
                 }
@@ -382,7 +414,10 @@ impl Node {
                 .peers
                 .iter()
                 .all(|p| matches!(p.state, State::Finished | State::Lost))
-                && self.peers.iter().all(|p| p.state == State::Lost || p.peer.is_none())
+                && self
+                    .peers
+                    .iter()
+                    .all(|p| p.state == State::Lost || p.peer.is_none())
             {
                 break;
             }
@@ -392,7 +427,13 @@ impl Node {
                     self.peers
                         .iter()
                         .filter(|p| !matches!(p.state, State::Finished | State::Lost))
-                        .map(|p| (p.id, p.state, p.inbound.done, p.queries.open(), p.answers.len()))
+                        .map(|p| (
+                            p.id,
+                            p.state,
+                            p.inbound.done,
+                            p.queries.open(),
+                            p.answers.len()
+                        ))
                         .collect::<Vec<_>>()
                 ));
                 break;
@@ -428,7 +469,10 @@ impl Node {
     fn retry_later(&mut self, i: usize, why: &str) {
         let p = &mut self.peers[i];
         if p.connect_errors == 0 {
-            println!("mesh: connecting to {} ({}) failed, retrying: {why}", p.id, p.addr);
+            println!(
+                "mesh: connecting to {} ({}) failed, retrying: {why}",
+                p.id, p.addr
+            );
         }
         p.connect_errors += 1;
         p.state = State::Waiting;
@@ -460,14 +504,17 @@ impl Node {
                         p.connect_errors + 1
                     );
                     if let Err(e) = self.hub.send(peer, &Join { from: me, hosts }) {
-                        self.errors.push(format!("sending Join to {}: {e}", self.peers[i].id));
+                        self.errors
+                            .push(format!("sending Join to {}: {e}", self.peers[i].id));
                     }
                 }
             }
-            HubEvent::HandshakeFailed { peer, error } => match peer.and_then(|c| self.by_conn.remove(&c)) {
-                Some(i) => self.retry_later(i, &error.to_string()),
-                None => println!("mesh: a client failed its handshake: {error}"),
-            },
+            HubEvent::HandshakeFailed { peer, error } => {
+                match peer.and_then(|c| self.by_conn.remove(&c)) {
+                    Some(i) => self.retry_later(i, &error.to_string()),
+                    None => println!("mesh: a client failed its handshake: {error}"),
+                }
+            }
             HubEvent::Message { peer, msg } => {
                 self.received += 1;
                 self.last_receive = Some(Instant::now());
@@ -476,7 +523,9 @@ impl Node {
                     return;
                 }
                 let Some(&i) = self.by_conn.get(&peer) else {
-                    self.errors.push(format!("a message from a connection that has not joined: {peer:?}"));
+                    self.errors.push(format!(
+                        "a message from a connection that has not joined: {peer:?}"
+                    ));
                     return;
                 };
                 let (me, from) = (self.o.id, self.peers[i].id);
@@ -507,7 +556,8 @@ impl Node {
                 } else if msg.is::<Alert>() {
                     match msg.decode::<Alert>() {
                         Ok(a) => {
-                            let intact = mesh::kind(a.seq) == Kind::Alert && a.level == (a.seq % 5) as u8;
+                            let intact =
+                                mesh::kind(a.seq) == Kind::Alert && a.level == (a.seq % 5) as u8;
                             p.inbound.arrive(a.seq, intact);
                         }
                         Err(_) => p.inbound.corrupt += 1,
@@ -528,7 +578,8 @@ impl Node {
             }
             HubEvent::BadFrame { peer, error } => {
                 self.bad_frames += 1;
-                self.errors.push(format!("bad frame from {peer:?}: {error}"));
+                self.errors
+                    .push(format!("bad frame from {peer:?}: {error}"));
             }
             HubEvent::Disconnected { peer, failure } => {
                 self.unjoined.retain(|c| *c != peer);
@@ -561,21 +612,30 @@ impl Node {
 
     fn on_join(&mut self, conn: PeerId, join: rdmsg::msg::Result<Join>) {
         let Ok(join) = join else {
-            self.errors.push(format!("an undecodable Join from {conn:?}"));
+            self.errors
+                .push(format!("an undecodable Join from {conn:?}"));
             return;
         };
         let Some(at) = self.unjoined.iter().position(|c| *c == conn) else {
-            self.errors.push(format!("a Join from {conn:?}, not an accepted connection"));
+            self.errors
+                .push(format!("a Join from {conn:?}, not an accepted connection"));
             return;
         };
         self.unjoined.swap_remove(at);
         let Some(i) = self.peers.iter().position(|p| p.id == join.from) else {
-            self.errors.push(format!("a Join from unknown host {}", join.from));
+            self.errors
+                .push(format!("a Join from unknown host {}", join.from));
             return;
         };
         let p = &mut self.peers[i];
-        if p.ours_to_connect(self.o.id) || p.peer.is_some() || join.hosts as usize != self.o.hosts.len() {
-            self.errors.push(format!("an unexpected Join from host {} ({} hosts)", join.from, join.hosts));
+        if p.ours_to_connect(self.o.id)
+            || p.peer.is_some()
+            || join.hosts as usize != self.o.hosts.len()
+        {
+            self.errors.push(format!(
+                "an unexpected Join from host {} ({} hosts)",
+                join.from, join.hosts
+            ));
             return;
         }
         p.peer = Some(conn);
@@ -595,7 +655,9 @@ impl Node {
         let me = self.o.id;
         let mut any = false;
         for i in 0..self.peers.len() {
-            let Some(conn) = self.peers[i].peer else { continue };
+            let Some(conn) = self.peers[i].peer else {
+                continue;
+            };
             if self.peers[i].state != State::Up {
                 continue;
             }
@@ -624,7 +686,12 @@ impl Node {
                         Kind::Query => {
                             let operands = mesh::operands(me, to, seq);
                             let sum = mesh::answer(&operands);
-                            let went = self.hub.send_timeout(conn, &Query { seq, operands }, true, Duration::ZERO);
+                            let went = self.hub.send_timeout(
+                                conn,
+                                &Query { seq, operands },
+                                true,
+                                Duration::ZERO,
+                            );
                             if let Ok(true) = went {
                                 self.peers[i].queries.asked(seq, sum);
                             }
@@ -645,7 +712,9 @@ impl Node {
                     }
                     went
                 } else if !p.done_sent {
-                    let went = self.hub.send_timeout(conn, &Done { sent: seq }, true, Duration::ZERO);
+                    let went =
+                        self.hub
+                            .send_timeout(conn, &Done { sent: seq }, true, Duration::ZERO);
                     if let Ok(true) = went {
                         self.peers[i].done_sent = true;
                     }
@@ -681,7 +750,8 @@ impl Node {
             if self.peers[i].ours_to_connect(me) {
                 // Its Disconnected (Closed) clears the connection.
                 if let Err(e) = self.hub.transport_mut().start_close(conn) {
-                    self.errors.push(format!("closing host {}: {e}", self.peers[i].id));
+                    self.errors
+                        .push(format!("closing host {}: {e}", self.peers[i].id));
                 }
             }
         }
