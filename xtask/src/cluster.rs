@@ -259,8 +259,9 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
     ensure!(plan.hosts >= 2, "a cluster needs at least two hosts");
     let started = Instant::now();
     let repo = repo_root();
+    // Under the temporary directory: a unix socket's path must stay short.
     let switch =
-        Switch::start(&repo.join(format!("target/cluster/switch-{}", std::process::id())))?;
+        Switch::start(&std::env::temp_dir().join(format!("rdmsg-vde-{}", std::process::id())))?;
     let addrs: Vec<String> = (1..=plan.hosts)
         .map(|n| format!("10.79.0.{n}:{PORT}"))
         .collect();
@@ -545,7 +546,8 @@ fn sweep_svg(outcomes: &[Outcome]) -> String {
         .fold(1.0, f64::max)
         * 1.1;
     let n = outcomes.len().max(2) as f64;
-    let x = |i: usize| left + (w - left - right) * i as f64 / (n - 1.0);
+    // Points inset from both ends, so that their labels clear the axis and the edge.
+    let x = |i: usize| left + 40.0 + (w - left - right - 80.0) * i as f64 / (n - 1.0);
     let y = |v: f64| top + (h - top - bottom) * (1.0 - v / max);
     let mut svg = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
