@@ -232,3 +232,75 @@ fn a_lasting_verbs_error_ends_the_receive_loops() {
     assert!(err.is_fatal(), "{err:?}");
     assert!(started.elapsed() < Duration::from_secs(1));
 }
+
+/// A request sent unsolicited, then a wait for its answer: the peer sleeps solicited-only,
+/// so it would never look, and both would wait for ever. The receive flushes first.
+#[test]
+#[ignore = "device"]
+fn a_request_sent_unsolicited_is_flushed_before_its_sender_waits() {
+    let (mut server, mut client) = sessions();
+    let answering = thread::spawn(move || {
+        let req: Request = server
+            .recv_timeout(Some(Duration::from_secs(5)))
+            .unwrap()
+            .expect("the request woke the server within 5 s")
+            .decode()
+            .unwrap();
+        let sum = req.operands.iter().sum();
+        server.send(&Response { id: req.id, sum }).unwrap();
+        server
+    });
+    thread::sleep(Duration::from_millis(100)); // the server is asleep
+    let request = Request {
+        id: 1,
+        operands: vec![2, 3],
+    };
+    client.send_as(&request, false).unwrap();
+    let resp: Response = recv_one(&mut client);
+    assert_eq!(resp, Response { id: 1, sum: 5 });
+    // Kept open to the end: its drop would end the connection under the last wait.
+    let _server = answering.join().unwrap();
+    let st = client.stats();
+    assert_eq!((st.sent_solicited, st.wait_flushes), (0, 1), "{st:?}");
+    // Nothing pending: the next wait sends nothing.
+    assert!(client
+        .recv_timeout(Some(Duration::from_millis(50)))
+        .unwrap()
+        .is_none());
+    assert_eq!(client.stats().wait_flushes, 1);
+}
+
+/// `send_timeout` against a peer that does not read: `false` once its credits are spent,
+/// without waiting; everything sent arrives once the peer reads.
+#[test]
+#[ignore = "device"]
+fn send_timeout_gives_up_when_the_peer_does_not_read() {
+    let (mut rx, mut tx) = sessions();
+    let t = std::time::Instant::now();
+    let mut sent = 0u64;
+    let reading = |seq| Reading {
+        sensor: 3,
+        seq,
+        value: 1.0,
+    };
+    while tx
+        .send_timeout(&reading(sent), false, Duration::ZERO)
+        .unwrap()
+    {
+        sent += 1;
+        assert!(sent < 100_000, "credits never ran out");
+    }
+    assert!(
+        sent > 0 && t.elapsed() < Duration::from_secs(2),
+        "{sent} in {:?}",
+        t.elapsed()
+    );
+    let t = std::time::Instant::now();
+    assert!(!tx
+        .send_timeout(&reading(sent), false, Duration::from_millis(300))
+        .unwrap());
+    assert!(t.elapsed() >= Duration::from_millis(290));
+    for seq in 0..sent {
+        assert_eq!(recv_one::<Reading>(&mut rx).seq, seq);
+    }
+}

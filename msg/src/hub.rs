@@ -77,6 +77,8 @@ impl HubEvent {
 struct PeerState {
     sender: Sender,
     receiver: Receiver,
+    /// Listed in [`Hub::unflushed`].
+    listed: bool,
 }
 
 impl PeerState {
@@ -84,6 +86,9 @@ impl PeerState {
         peer::stats(&self.sender, &self.receiver)
     }
 }
+
+/// Longest wait while a peer's flush before a wait found no free send slot.
+const UNFLUSHED_RETRY: Duration = Duration::from_millis(1);
 
 /// Typed messages to and from many peers, driven by one thread.
 ///
@@ -106,6 +111,9 @@ pub struct Hub {
     peers: PeerTable<PeerId, PeerState>,
     /// Counts of peers gone.
     departed: SessionStats,
+    /// Peers that may have been sent something unsolicited since their last solicited frame:
+    /// flushed before the hub waits (see [`Hub::recv`]).
+    unflushed: Vec<PeerId>,
 }
 
 impl Hub {
@@ -133,6 +141,7 @@ impl Hub {
             config,
             peers: PeerTable::default(),
             departed: SessionStats::default(),
+            unflushed: Vec::new(),
         }
     }
 
@@ -217,8 +226,9 @@ impl Hub {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        match self.with_sender_waiting(peer, Some(timeout), |s, link| s.send_as(link, m, solicited))
-        {
+        match self.with_sender_waiting(peer, Some(timeout), |s, link| {
+            s.send_within(link, m, solicited, Some(timeout))
+        }) {
             Ok(()) => Ok(true),
             Err(Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
             Err(e) => Err(e),
@@ -249,6 +259,10 @@ impl Hub {
 
     /// The next event, waiting as long as it takes. An `Err` is the hub's own failure, which
     /// every later call reports too.
+    ///
+    /// Before it waits, every peer sent something unsolicited since its last solicited frame
+    /// is flushed, as [`crate::Session::recv`] does, without waiting for any one of them
+    /// (counted in [`SessionStats::wait_flushes`]).
     pub fn recv(&mut self) -> Result<HubEvent> {
         loop {
             if let Some(ev) = self.recv_timeout(None)? {
@@ -262,8 +276,20 @@ impl Hub {
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !self.unflushed.is_empty() {
+                if let Some(ev) = self.try_recv()? {
+                    return Ok(Some(ev));
+                }
+                if self.flush_before_wait() {
+                    // A send slot frees as soon as an earlier send completes: look again soon.
+                    left = Some(left.map_or(UNFLUSHED_RETRY, |l| l.min(UNFLUSHED_RETRY)));
+                }
+            }
             let Some(raw) = self.transport.next_event(left)? else {
+                if deadline.map_or(true, |d| Instant::now() < d) {
+                    continue;
+                }
                 return Ok(None);
             };
             if let Some(ev) = self.take(raw) {
@@ -333,6 +359,7 @@ impl Hub {
             let fresh = PeerState {
                 sender: Sender::new(&self.config, depth),
                 receiver: Receiver::new(self.registry.fresh()),
+                listed: false,
             };
             // A slot reused before its previous peer's `Disconnected` came through here.
             if let Some((_, stale)) = self.peers.insert(peer, fresh) {
@@ -369,14 +396,61 @@ impl Hub {
             transport, peers, ..
         } = self;
         let state = peers.get_mut(peer).expect("made above");
-        f(
+        let out = f(
             &mut state.sender,
             &mut HubLink {
                 hub: transport,
                 peer,
-                first_timeout: timeout,
             },
-        )
+        );
+        if state.sender.pending() && !state.listed {
+            state.listed = true;
+            self.unflushed.push(peer);
+        }
+        out
+    }
+
+    /// About to wait: flushes every peer left with unsolicited messages (see
+    /// [`crate::Session::recv`] for why), never waiting for any one of them. Whether some
+    /// are still pending (no send slot free just now): the wait should then be short.
+    fn flush_before_wait(&mut self) -> bool {
+        let mut i = 0;
+        while i < self.unflushed.len() {
+            let peer = self.unflushed[i];
+            let credits = self.transport.credits(peer).unwrap_or(0);
+            let Self {
+                transport, peers, ..
+            } = self;
+            let done = match peers.get_mut(peer) {
+                None => true,
+                Some(state) => {
+                    let flushed = state
+                        .sender
+                        .flush_before_wait(
+                            &mut HubLink {
+                                hub: transport,
+                                peer,
+                            },
+                            credits,
+                            Some(Duration::ZERO),
+                        )
+                        // A failing peer: its Disconnected event tells.
+                        .unwrap_or(true);
+                    if flushed || !state.sender.pending() {
+                        state.listed = false;
+                        true
+                    } else {
+                        false
+                    }
+                }
+            };
+            if done {
+                self.unflushed.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        !self.unflushed.is_empty()
     }
 }
 

@@ -14,31 +14,48 @@ use crate::{Message, Result, SessionConfig, SessionStats};
 /// Where a [`Sender`]'s frames go: a connection, or one peer of a transport hub.
 pub(crate) trait Link {
     /// Sends what `fill` writes into a registered send buffer (`None`: nothing sent,
-    /// `Ok(false)`), waiting as long as it takes for a credit.
+    /// `Ok(false)`), waiting at most `timeout` (`None`: as long as it takes) for a credit
+    /// and a send slot ([`rdmsg_transport::Error::Timeout`]).
     fn send_with(
         &mut self,
         solicited: bool,
+        timeout: Option<Duration>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool>;
 
-    /// Sends one frame, waiting as long as it takes for a credit.
-    fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()>;
-
     /// The largest frame the peer accepts.
     fn max_message(&self) -> rdmsg_transport::Result<usize>;
+
+    /// Sends one frame, waiting at most `timeout` as [`Link::send_with`] does.
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<()> {
+        let max = self.max_message()?;
+        if frame.len() > max {
+            return Err(rdmsg_transport::Error::TooLarge {
+                len: frame.len(),
+                max,
+            });
+        }
+        self.send_with(solicited, timeout, |buf| {
+            buf[..frame.len()].copy_from_slice(frame);
+            Some(frame.len())
+        })
+        .map(|_| ())
+    }
 }
 
 impl Link for Connection {
     fn send_with(
         &mut self,
         solicited: bool,
+        timeout: Option<Duration>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool> {
-        Connection::send_with(self, solicited, None, fill)
-    }
-
-    fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()> {
-        Connection::send(self, frame, solicited)
+        Connection::send_with(self, solicited, timeout, fill)
     }
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
@@ -51,41 +68,16 @@ impl Link for Connection {
 pub(crate) struct HubLink<'a> {
     pub(crate) hub: &'a mut rdmsg_transport::Hub,
     pub(crate) peer: PeerId,
-    /// Longest wait for the first frame's credit and send slot (`None`: as long as it
-    /// takes); later frames of the same message wait as long as it takes (a message is never
-    /// left half sent).
-    pub(crate) first_timeout: Option<Duration>,
 }
 
 impl Link for HubLink<'_> {
     fn send_with(
         &mut self,
         solicited: bool,
+        timeout: Option<Duration>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool> {
-        let timeout = self.first_timeout.take();
         self.hub.send_with(self.peer, solicited, timeout, fill)
-    }
-
-    fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()> {
-        match self.first_timeout.take() {
-            None => self.hub.send(self.peer, frame, solicited),
-            Some(t) => {
-                let max = self.hub.max_message(self.peer)?;
-                if frame.len() > max {
-                    return Err(rdmsg_transport::Error::TooLarge {
-                        len: frame.len(),
-                        max,
-                    });
-                }
-                self.hub
-                    .send_with(self.peer, solicited, Some(t), |buf| {
-                        buf[..frame.len()].copy_from_slice(frame);
-                        Some(frame.len())
-                    })
-                    .map(|_| ())
-            }
-        }
     }
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
@@ -124,10 +116,23 @@ impl Sender {
         m: &M,
         solicited: bool,
     ) -> Result<()> {
+        self.send_within(link, m, solicited, None)
+    }
+
+    /// [`Sender::send_as`], its first frame waiting at most `first_timeout` for a credit and a
+    /// send slot ([`rdmsg_transport::Error::Timeout`]: nothing sent); the other frames of a
+    /// fragmented message wait as long as it takes, so that none is left half sent.
+    pub(crate) fn send_within<M: Message>(
+        &mut self,
+        link: &mut impl Link,
+        m: &M,
+        solicited: bool,
+        first_timeout: Option<Duration>,
+    ) -> Result<()> {
         let seq = self.seq;
         let want = self.policy.decide(solicited);
         let mut outcome: Result<Option<usize>> = Ok(None);
-        let sent = link.send_with(want, |buf| {
+        let sent = link.send_with(want, first_timeout, |buf| {
             outcome = codec::encode_single(m, seq, buf);
             outcome.as_ref().ok().copied().flatten()
         })?;
@@ -141,7 +146,7 @@ impl Sender {
         let mut bytes = 0;
         for (i, f) in frames.iter().enumerate() {
             let last = i + 1 == count;
-            link.send(f, last && want)?;
+            link.send(f, last && want, None)?;
             bytes += f.len();
         }
         self.stats.fragmented += 1;
@@ -176,13 +181,52 @@ impl Sender {
     /// A payload-less solicited frame if anything went unsolicited since the last solicited
     /// one.
     pub(crate) fn flush(&mut self, link: &mut impl Link) -> Result<()> {
+        self.flush_within(link, None).map(|_| ())
+    }
+
+    /// [`Sender::flush`], waiting at most `timeout` for a credit: `Ok(false)` if none came
+    /// (nothing sent; still pending).
+    pub(crate) fn flush_within(
+        &mut self,
+        link: &mut impl Link,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
         if !self.policy.pending() {
-            return Ok(());
+            return Ok(true);
         }
         let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
-        link.send(&nudge, true)?;
+        match link.send(&nudge, true, timeout) {
+            Ok(()) => {}
+            Err(rdmsg_transport::Error::Timeout(_)) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
         self.policy.record(true, 0);
-        Ok(())
+        Ok(true)
+    }
+
+    /// Whether something went unsolicited since the last solicited frame.
+    pub(crate) fn pending(&self) -> bool {
+        self.policy.pending()
+    }
+
+    /// The receiving side is about to wait for the peer: what went to it unsolicited has not
+    /// woken it, and if it sleeps solicited-only waiting for exactly that (a request whose
+    /// answer we are about to wait for), both would wait for ever. So it is flushed first,
+    /// waiting at most `timeout` for a send slot; `Ok(false)` if it is still pending. With no
+    /// credit (`credits` 0) nothing is sent: the message that spent the peer's last credit
+    /// went solicited (the transport solicits it), so the peer looks anyway.
+    pub(crate) fn flush_before_wait(
+        &mut self,
+        link: &mut impl Link,
+        credits: u32,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        if !self.policy.pending() || credits == 0 {
+            return Ok(true);
+        }
+        let flushed = self.flush_within(link, timeout)?;
+        self.stats.wait_flushes += u64::from(flushed);
+        Ok(flushed)
     }
 }
 
@@ -354,18 +398,24 @@ mod tests {
         assert_eq!(t.get(Key(1, 2)), Some(&21));
     }
 
-    /// A link that keeps the frames it is given.
+    /// A link that keeps the frames it is given; while `full`, nothing can go (as if no
+    /// credit or send slot came within the timeout).
     struct Wire {
         max: usize,
         frames: Vec<(Vec<u8>, bool)>,
+        full: bool,
     }
 
     impl Link for Wire {
         fn send_with(
             &mut self,
             solicited: bool,
+            timeout: Option<Duration>,
             fill: impl FnOnce(&mut [u8]) -> Option<usize>,
         ) -> rdmsg_transport::Result<bool> {
+            if self.full {
+                return Err(rdmsg_transport::Error::Timeout(timeout.unwrap_or_default()));
+            }
             let mut buf = vec![0; self.max];
             let Some(n) = fill(&mut buf) else {
                 return Ok(false);
@@ -375,15 +425,59 @@ mod tests {
             Ok(true)
         }
 
-        fn send(&mut self, frame: &[u8], solicited: bool) -> rdmsg_transport::Result<()> {
-            assert!(frame.len() <= self.max);
-            self.frames.push((frame.to_vec(), solicited));
-            Ok(())
-        }
-
         fn max_message(&self) -> rdmsg_transport::Result<usize> {
             Ok(self.max)
         }
+    }
+
+    #[test]
+    fn a_wait_flushes_what_went_unsolicited_once_and_only_with_a_credit() {
+        let mut tx = Sender::new(&config(100), 64);
+        let mut wire = Wire {
+            max: 256,
+            frames: Vec::new(),
+            full: false,
+        };
+        let zero = Some(Duration::ZERO);
+        assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+        assert!(wire.frames.is_empty(), "nothing pending, nothing sent");
+        tx.send_as(&mut wire, &Other(1), false).unwrap();
+        // No credit: the transport solicited the message that spent the last one.
+        assert!(tx.flush_before_wait(&mut wire, 0, zero).unwrap());
+        assert_eq!(wire.frames.len(), 1);
+        // No send slot now: still pending, nothing sent, no sequence number used.
+        wire.full = true;
+        assert!(!tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+        assert!(tx.pending());
+        wire.full = false;
+        assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+        assert_eq!(wire.frames.len(), 2);
+        assert!(wire.frames[1].1, "the nudge is solicited");
+        assert!(!tx.pending());
+        assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+        assert_eq!((wire.frames.len(), tx.stats.wait_flushes), (2, 1));
+    }
+
+    #[test]
+    fn a_send_that_times_out_sends_nothing_and_keeps_its_number() {
+        let mut tx = Sender::new(&config(100), 64);
+        let mut wire = Wire {
+            max: 256,
+            frames: Vec::new(),
+            full: true,
+        };
+        let err = tx
+            .send_within(&mut wire, &Other(1), true, Some(Duration::ZERO))
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            crate::Error::Transport(rdmsg_transport::Error::Timeout(_))
+        ));
+        assert_eq!((tx.seq, tx.stats.sent), (0, 0));
+        wire.full = false;
+        tx.send_within(&mut wire, &Other(2), true, Some(Duration::ZERO))
+            .unwrap();
+        assert_eq!((tx.seq, tx.stats.sent, wire.frames.len()), (1, 1, 1));
     }
 
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -414,6 +508,7 @@ mod tests {
         let mut wire = Wire {
             max: 256,
             frames: Vec::new(),
+            full: false,
         };
         let mut tx = Sender::new(&config(100), 0);
         tx.send_as(&mut wire, &Blob(vec![1; 10]), false).unwrap();
@@ -442,6 +537,7 @@ mod tests {
         let mut wire = Wire {
             max: 256,
             frames: Vec::new(),
+            full: false,
         };
         let mut tx = Sender::new(&config(3), 64);
         for i in 0..5 {
@@ -465,6 +561,7 @@ mod tests {
         let mut wire = Wire {
             max: 256,
             frames: Vec::new(),
+            full: false,
         };
         let mut tx = Sender::new(&config(100), 0);
         let batch: Vec<Blob> = (0..4).map(|i| Blob(vec![i])).collect();
@@ -483,6 +580,7 @@ mod tests {
         let mut wire = Wire {
             max: 256,
             frames: Vec::new(),
+            full: false,
         };
         let mut tx = Sender::new(&SessionConfig::default(), 8);
         for _ in 0..3 {
@@ -497,6 +595,7 @@ mod tests {
         let mut wire = Wire {
             max: 256,
             frames: Vec::new(),
+            full: false,
         };
         let mut tx = Sender::new(&config(100), 0);
         tx.send_as(&mut wire, &Other(1), true).unwrap();

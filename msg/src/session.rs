@@ -45,6 +45,9 @@ pub struct SessionStats {
     pub fragmented: u64,
     /// Frames sent.
     pub frames_sent: u64,
+    /// Payload-less solicited frames sent because a receive was about to wait while
+    /// messages sent unsolicited had not woken the peer (see [`Session::recv`]).
+    pub wait_flushes: u64,
     /// Messages received.
     pub received: u64,
     /// Frames dropped as malformed, out of order or of an unknown tag.
@@ -59,6 +62,7 @@ impl SessionStats {
         self.policy_solicited += other.policy_solicited;
         self.fragmented += other.fragmented;
         self.frames_sent += other.frames_sent;
+        self.wait_flushes += other.wait_flushes;
         self.received += other.received;
         self.dropped_frames += other.dropped_frames;
     }
@@ -139,8 +143,34 @@ impl Session {
         self.sender.flush(&mut self.conn)
     }
 
+    /// Sends `m` as [`Session::send_as`] does, but waits at most `timeout` for the peer's
+    /// credit and a send slot: `Ok(false)`, nothing sent, if none came in time.
+    /// `Duration::ZERO` never waits. A message too large for one frame has its first frame
+    /// bounded so; once that is there, the rest wait as long as it takes (a message is never
+    /// left half sent).
+    pub fn send_timeout<M: Message>(
+        &mut self,
+        m: &M,
+        solicited: bool,
+        timeout: Duration,
+    ) -> Result<bool> {
+        match self
+            .sender
+            .send_within(&mut self.conn, m, solicited, Some(timeout))
+        {
+            Ok(()) => Ok(true),
+            Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Receives the next message, waiting as long as it takes. A bad frame gives its error
     /// (not fatal: call again); a failed connection gives a fatal one.
+    ///
+    /// Before it waits, anything this session sent unsolicited since its last solicited
+    /// frame is flushed ([`Session::flush`]; counted in [`SessionStats::wait_flushes`]): a
+    /// peer asleep solicited-only would not see it, and may be waiting for exactly that,
+    /// a request sent unsolicited whose answer this receive waits for.
     pub fn recv(&mut self) -> Result<Envelope> {
         loop {
             if let Some(env) = self.recv_timeout(None)? {
@@ -150,8 +180,18 @@ impl Session {
     }
 
     /// Receives the next message, waiting at most `timeout`; `Ok(None)` if none came.
+    ///
+    /// Flushes first, as [`Session::recv`] does, if it would wait.
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
         let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        if self.sender.pending() {
+            if let Some(env) = self.try_recv()? {
+                return Ok(Some(env));
+            }
+            let credits = self.conn.credits();
+            self.sender
+                .flush_before_wait(&mut self.conn, credits, timeout)?;
+        }
         loop {
             let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
             let Some(frame) = self.conn.recv_timeout(left)? else {

@@ -396,3 +396,44 @@ fn send_timeout_gives_up_instead_of_waiting_for_a_peer_that_does_not_read() {
     }
     assert_eq!(client.peer_stats(to_server).unwrap().sent, u64::from(total));
 }
+
+/// A hub that sent a peer something unsolicited and then waits flushes it first: the peer,
+/// asleep solicited-only, answers.
+#[test]
+#[ignore = "device"]
+fn a_hub_flushes_what_it_sent_unsolicited_before_it_waits() {
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, config()).unwrap();
+    server.register::<Note>().unwrap();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    let answering = std::thread::spawn(move || {
+        // Connected, then the note: each must wake this thread by itself.
+        loop {
+            match server.recv_timeout(Some(Duration::from_secs(5))).unwrap() {
+                Some(HubEvent::Connected { .. }) => continue,
+                Some(HubEvent::Message { peer, msg }) => {
+                    let n: Note = msg.decode().unwrap();
+                    server
+                        .send_as(peer, &Note { seq: n.seq + 1 }, true)
+                        .unwrap();
+                    return server;
+                }
+                other => panic!("the server got {other:?} instead of the note"),
+            }
+        }
+    });
+    let ep2 = endpoint();
+    let mut client = Hub::new(&ep2, config()).unwrap();
+    client.register::<Note>().unwrap();
+    let peer = client.connect(addr).unwrap();
+    assert!(matches!(next(&mut client), HubEvent::Connected { .. }));
+    std::thread::sleep(Duration::from_millis(100)); // the server is asleep
+    client.send_as(peer, &Note { seq: 41 }, false).unwrap();
+    match next(&mut client) {
+        HubEvent::Message { msg, .. } => assert_eq!(msg.decode::<Note>().unwrap().seq, 42),
+        other => panic!("{other:?}"),
+    }
+    let st = client.peer_stats(peer).unwrap();
+    assert_eq!((st.sent_solicited, st.wait_flushes), (0, 1), "{st:?}");
+    answering.join().unwrap();
+}
