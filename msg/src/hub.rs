@@ -226,13 +226,9 @@ impl Hub {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        match self.with_sender_waiting(peer, Some(timeout), |s, link| {
+        peer::in_time(self.with_sender_waiting(peer, Some(timeout), |s, link| {
             s.send_within(link, m, solicited, Some(timeout))
-        }) {
-            Ok(()) => Ok(true),
-            Err(Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
-            Err(e) => Err(e),
-        }
+        }))
     }
 
     /// Sends a batch to `peer`: every message unsolicited but the last, which is solicited.
@@ -392,22 +388,28 @@ impl Hub {
             self.transport.send_with(peer, false, timeout, |_| None)?;
         }
         self.state(peer);
-        let Self {
-            transport, peers, ..
-        } = self;
-        let state = peers.get_mut(peer).expect("made above");
-        let out = f(
-            &mut state.sender,
-            &mut HubLink {
-                hub: transport,
-                peer,
-            },
-        );
-        if state.sender.pending() && !state.listed {
-            state.listed = true;
+        let (state, mut link) = self.split(peer).expect("made above");
+        let out = f(&mut state.sender, &mut link);
+        let list = state.sender.pending() && !state.listed;
+        state.listed |= list;
+        if list {
             self.unflushed.push(peer);
         }
         out
+    }
+
+    /// `peer`'s state and a link to it, borrowed together.
+    fn split(&mut self, peer: PeerId) -> Option<(&mut PeerState, HubLink<'_>)> {
+        let Self {
+            transport, peers, ..
+        } = self;
+        Some((
+            peers.get_mut(peer)?,
+            HubLink {
+                hub: transport,
+                peer,
+            },
+        ))
     }
 
     /// About to wait: flushes every peer left with unsolicited messages (see
@@ -418,30 +420,17 @@ impl Hub {
         while i < self.unflushed.len() {
             let peer = self.unflushed[i];
             let credits = self.transport.credits(peer).unwrap_or(0);
-            let Self {
-                transport, peers, ..
-            } = self;
-            let done = match peers.get_mut(peer) {
+            let done = match self.split(peer) {
                 None => true,
-                Some(state) => {
+                Some((state, mut link)) => {
                     let flushed = state
                         .sender
-                        .flush_before_wait(
-                            &mut HubLink {
-                                hub: transport,
-                                peer,
-                            },
-                            credits,
-                            Some(Duration::ZERO),
-                        )
+                        .flush_before_wait(&mut link, credits, Some(Duration::ZERO))
                         // A failing peer: its Disconnected event tells.
                         .unwrap_or(true);
-                    if flushed || !state.sender.pending() {
-                        state.listed = false;
-                        true
-                    } else {
-                        false
-                    }
+                    let done = flushed || !state.sender.pending();
+                    state.listed = !done;
+                    done
                 }
             };
             if done {

@@ -26,26 +26,14 @@ pub(crate) trait Link {
     /// The largest frame the peer accepts.
     fn max_message(&self) -> rdmsg_transport::Result<usize>;
 
-    /// Sends one frame, waiting at most `timeout` as [`Link::send_with`] does.
+    /// Sends one frame, waiting at most `timeout` as [`Link::send_with`] does; `Ok(false)`
+    /// if nothing came in time (nothing sent).
     fn send(
         &mut self,
         frame: &[u8],
         solicited: bool,
         timeout: Option<Duration>,
-    ) -> rdmsg_transport::Result<()> {
-        let max = self.max_message()?;
-        if frame.len() > max {
-            return Err(rdmsg_transport::Error::TooLarge {
-                len: frame.len(),
-                max,
-            });
-        }
-        self.send_with(solicited, timeout, |buf| {
-            buf[..frame.len()].copy_from_slice(frame);
-            Some(frame.len())
-        })
-        .map(|_| ())
-    }
+    ) -> rdmsg_transport::Result<bool>;
 }
 
 impl Link for Connection {
@@ -58,8 +46,26 @@ impl Link for Connection {
         Connection::send_with(self, solicited, timeout, fill)
     }
 
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        Connection::send_timeout(self, frame, solicited, timeout)
+    }
+
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         Ok(Connection::max_message(self))
+    }
+}
+
+/// What a send bounded by a timeout came to: `Ok(false)` if it timed out (nothing sent).
+pub(crate) fn in_time(sent: Result<()>) -> Result<bool> {
+    match sent {
+        Ok(()) => Ok(true),
+        Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -78,6 +84,15 @@ impl Link for HubLink<'_> {
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool> {
         self.hub.send_with(self.peer, solicited, timeout, fill)
+    }
+
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        self.hub.send_timeout(self.peer, frame, solicited, timeout)
     }
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
@@ -146,6 +161,7 @@ impl Sender {
         let mut bytes = 0;
         for (i, f) in frames.iter().enumerate() {
             let last = i + 1 == count;
+            // Without a timeout a frame always goes (or the link failed).
             link.send(f, last && want, None)?;
             bytes += f.len();
         }
@@ -195,10 +211,8 @@ impl Sender {
             return Ok(true);
         }
         let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
-        match link.send(&nudge, true, timeout) {
-            Ok(()) => {}
-            Err(rdmsg_transport::Error::Timeout(_)) => return Ok(false),
-            Err(e) => return Err(e.into()),
+        if !link.send(&nudge, true, timeout)? {
+            return Ok(false);
         }
         self.policy.record(true, 0);
         Ok(true)
@@ -428,16 +442,39 @@ mod tests {
         fn max_message(&self) -> rdmsg_transport::Result<usize> {
             Ok(self.max)
         }
+
+        fn send(
+            &mut self,
+            frame: &[u8],
+            solicited: bool,
+            timeout: Option<Duration>,
+        ) -> rdmsg_transport::Result<bool> {
+            assert!(frame.len() <= self.max);
+            match self.send_with(solicited, timeout, |buf| {
+                buf[..frame.len()].copy_from_slice(frame);
+                Some(frame.len())
+            }) {
+                Err(rdmsg_transport::Error::Timeout(_)) => Ok(false),
+                other => other,
+            }
+        }
+    }
+
+    impl Wire {
+        /// An empty wire taking frames of up to `max` bytes, not full.
+        fn new(max: usize) -> Self {
+            Self {
+                max,
+                frames: Vec::new(),
+                full: false,
+            }
+        }
     }
 
     #[test]
     fn a_wait_flushes_what_went_unsolicited_once_and_only_with_a_credit() {
         let mut tx = Sender::new(&config(100), 64);
-        let mut wire = Wire {
-            max: 256,
-            frames: Vec::new(),
-            full: false,
-        };
+        let mut wire = Wire::new(256);
         let zero = Some(Duration::ZERO);
         assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
         assert!(wire.frames.is_empty(), "nothing pending, nothing sent");
@@ -462,9 +499,8 @@ mod tests {
     fn a_send_that_times_out_sends_nothing_and_keeps_its_number() {
         let mut tx = Sender::new(&config(100), 64);
         let mut wire = Wire {
-            max: 256,
-            frames: Vec::new(),
             full: true,
+            ..Wire::new(256)
         };
         let err = tx
             .send_within(&mut wire, &Other(1), true, Some(Duration::ZERO))
@@ -505,11 +541,7 @@ mod tests {
 
     #[test]
     fn small_messages_go_whole_large_ones_in_fragments_solicited_last() {
-        let mut wire = Wire {
-            max: 256,
-            frames: Vec::new(),
-            full: false,
-        };
+        let mut wire = Wire::new(256);
         let mut tx = Sender::new(&config(100), 0);
         tx.send_as(&mut wire, &Blob(vec![1; 10]), false).unwrap();
         tx.send_as(&mut wire, &Blob(vec![2; 1000]), true).unwrap();
@@ -534,11 +566,7 @@ mod tests {
 
     #[test]
     fn the_policy_solicits_long_runs_and_flush_ends_a_burst() {
-        let mut wire = Wire {
-            max: 256,
-            frames: Vec::new(),
-            full: false,
-        };
+        let mut wire = Wire::new(256);
         let mut tx = Sender::new(&config(3), 64);
         for i in 0..5 {
             tx.send_as(&mut wire, &Blob(vec![i]), false).unwrap();
@@ -558,11 +586,7 @@ mod tests {
 
     #[test]
     fn a_batch_solicits_its_last_message_only() {
-        let mut wire = Wire {
-            max: 256,
-            frames: Vec::new(),
-            full: false,
-        };
+        let mut wire = Wire::new(256);
         let mut tx = Sender::new(&config(100), 0);
         let batch: Vec<Blob> = (0..4).map(|i| Blob(vec![i])).collect();
         assert_eq!(tx.send_batch(&mut wire, &batch).unwrap(), 4);
@@ -577,11 +601,7 @@ mod tests {
 
     #[test]
     fn the_default_run_is_a_quarter_of_the_peer_depth() {
-        let mut wire = Wire {
-            max: 256,
-            frames: Vec::new(),
-            full: false,
-        };
+        let mut wire = Wire::new(256);
         let mut tx = Sender::new(&SessionConfig::default(), 8);
         for _ in 0..3 {
             tx.send_as(&mut wire, &Blob(vec![]), false).unwrap();
@@ -592,11 +612,7 @@ mod tests {
 
     #[test]
     fn a_dropped_frame_is_counted_and_the_next_one_decodes() {
-        let mut wire = Wire {
-            max: 256,
-            frames: Vec::new(),
-            full: false,
-        };
+        let mut wire = Wire::new(256);
         let mut tx = Sender::new(&config(100), 0);
         tx.send_as(&mut wire, &Other(1), true).unwrap();
         tx.send_as(&mut wire, &Blob(vec![1]), true).unwrap();

@@ -154,14 +154,10 @@ impl Session {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        match self
-            .sender
-            .send_within(&mut self.conn, m, solicited, Some(timeout))
-        {
-            Ok(()) => Ok(true),
-            Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
-            Err(e) => Err(e),
-        }
+        peer::in_time(
+            self.sender
+                .send_within(&mut self.conn, m, solicited, Some(timeout)),
+        )
     }
 
     /// Receives the next message, waiting as long as it takes. A bad frame gives its error

@@ -543,17 +543,30 @@ impl Connection {
     /// Sends `data`, solicited (waking a receiver armed solicited-only) or not. Blocks while
     /// there is no credit or no send slot.
     pub fn send(&mut self, data: &[u8], solicited: bool) -> Result<()> {
+        self.send_timeout(data, solicited, None).map(|_| ())
+    }
+
+    /// Sends `data`, waiting at most `timeout` (`None`: as long as it takes) for a credit
+    /// and a send slot; `Ok(false)` if none came in time (nothing sent).
+    pub fn send_timeout(
+        &mut self,
+        data: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
         if data.len() > self.max_message() {
             return Err(Error::TooLarge {
                 len: data.len(),
                 max: self.max_message(),
             });
         }
-        self.send_with(solicited, None, |buf| {
+        match self.send_with(solicited, timeout, |buf| {
             buf[..data.len()].copy_from_slice(data);
             Some(data.len())
-        })?;
-        Ok(())
+        }) {
+            Err(Error::Timeout(_)) => Ok(false),
+            other => other,
+        }
     }
 
     /// Sends a message that `fill` writes straight into a registered send buffer of

@@ -740,23 +740,24 @@ impl Hub {
     /// Waits while the peer has no credit for us (or no send slot is free), driving the hub
     /// meanwhile: whatever happens to others is queued as events.
     pub fn send(&mut self, peer: PeerId, data: &[u8], solicited: bool) -> Result<()> {
-        let max = self.max_message(peer)?;
-        if data.len() > max {
-            return Err(Error::TooLarge {
-                len: data.len(),
-                max,
-            });
-        }
-        self.send_with(peer, solicited, None, |buf| {
-            buf[..data.len()].copy_from_slice(data);
-            Some(data.len())
-        })?;
-        Ok(())
+        self.send_timeout(peer, data, solicited, None).map(|_| ())
     }
 
     /// Sends `data` if it can go now; `Ok(false)` if `peer` has no credit or no send slot is
     /// free (nothing sent).
     pub fn try_send(&mut self, peer: PeerId, data: &[u8], solicited: bool) -> Result<bool> {
+        self.send_timeout(peer, data, solicited, Some(Duration::ZERO))
+    }
+
+    /// Sends `data`, waiting at most `timeout` (`None`: as long as it takes) for `peer`'s
+    /// credit and a send slot; `Ok(false)` if none came in time (nothing sent).
+    pub fn send_timeout(
+        &mut self,
+        peer: PeerId,
+        data: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
         let max = self.max_message(peer)?;
         if data.len() > max {
             return Err(Error::TooLarge {
@@ -764,7 +765,7 @@ impl Hub {
                 max,
             });
         }
-        match self.send_with(peer, solicited, Some(Duration::ZERO), |buf| {
+        match self.send_with(peer, solicited, timeout, |buf| {
             buf[..data.len()].copy_from_slice(data);
             Some(data.len())
         }) {
