@@ -68,6 +68,11 @@ pub fn operands(from: u16, to: u16, seq: u64) -> Vec<u64> {
         .collect()
 }
 
+/// Level of the alert `seq`.
+pub fn alert_level(seq: u64) -> u8 {
+    (seq % 5) as u8
+}
+
 /// What a query's answer must say.
 pub fn answer(operands: &[u64]) -> u64 {
     operands.iter().fold(0u64, |a, b| a.wrapping_add(*b))

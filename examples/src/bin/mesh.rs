@@ -42,12 +42,12 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
-use rdmsg::{message, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+use rdmsg::{message, Endpoint, Envelope, Failure, Hub, HubConfig, HubEvent, PeerId};
 use rdmsg_examples::mesh::{self, Inbound, Kind, Queries};
 use serde::{Deserialize, Serialize};
 
@@ -199,6 +199,21 @@ impl Peer {
         self.id < me
     }
 
+    /// Lost, or finished and its connection closed: nothing more will come of it.
+    fn ended(&self) -> bool {
+        self.state == State::Lost || (self.state == State::Finished && self.peer.is_none())
+    }
+
+    /// `msg` decoded; one that does not decode counts as corrupt.
+    fn decode<M: rdmsg::Message + serde::de::DeserializeOwned>(
+        &mut self,
+        msg: &Envelope,
+    ) -> Option<M> {
+        let m = msg.decode().ok();
+        self.inbound.corrupt += u64::from(m.is_none());
+        m
+    }
+
     fn finished(&self) -> bool {
         self.done_sent
             && self.inbound.done.is_some()
@@ -246,7 +261,6 @@ struct Node {
     peers: Vec<Peer>,
     /// Accepted connections whose `Join` has not come yet.
     unjoined: Vec<PeerId>,
-    by_conn: HashMap<PeerId, usize>,
     started: Instant,
     sending_since: Option<Instant>,
     last_receive: Option<Instant>,
@@ -313,7 +327,6 @@ fn main() -> Result<()> {
         hub,
         peers,
         unjoined: Vec::new(),
-        by_conn: HashMap::new(),
         started: now,
         sending_since: None,
         last_receive: None,
@@ -408,17 +421,9 @@ impl Node {
                 }
             }
             let sending = into < self.o.seconds;
-            busy |= self.send_round(sending)?;
-            self.close_finished()?;
-            if self
-                .peers
-                .iter()
-                .all(|p| matches!(p.state, State::Finished | State::Lost))
-                && self
-                    .peers
-                    .iter()
-                    .all(|p| p.state == State::Lost || p.peer.is_none())
-            {
+            busy |= self.send_round(sending);
+            self.close_finished();
+            if self.peers.iter().all(Peer::ended) {
                 break;
             }
             if into > self.o.seconds + FINISH_LIMIT.as_secs_f64() {
@@ -426,7 +431,7 @@ impl Node {
                     "not finished {FINISH_LIMIT:?} after sending ended: {:?}",
                     self.peers
                         .iter()
-                        .filter(|p| !matches!(p.state, State::Finished | State::Lost))
+                        .filter(|p| !p.ended())
                         .map(|p| (
                             p.id,
                             p.state,
@@ -459,7 +464,6 @@ impl Node {
                     let p = &mut self.peers[i];
                     p.peer = Some(conn);
                     p.state = State::Handshake;
-                    self.by_conn.insert(conn, i);
                 }
                 Err(e) => self.retry_later(i, &e.to_string()),
             }
@@ -493,7 +497,7 @@ impl Node {
             HubEvent::Connected { peer, accepted } => {
                 if accepted {
                     self.unjoined.push(peer);
-                } else if let Some(&i) = self.by_conn.get(&peer) {
+                } else if let Some(i) = self.index_of(peer) {
                     let (me, hosts) = (self.o.id, self.o.hosts.len() as u16);
                     let p = &mut self.peers[i];
                     p.state = State::Up;
@@ -510,7 +514,7 @@ impl Node {
                 }
             }
             HubEvent::HandshakeFailed { peer, error } => {
-                match peer.and_then(|c| self.by_conn.remove(&c)) {
+                match peer.and_then(|c| self.index_of(c)) {
                     Some(i) => self.retry_later(i, &error.to_string()),
                     None => println!("mesh: a client failed its handshake: {error}"),
                 }
@@ -522,59 +526,13 @@ impl Node {
                     self.on_join(peer, msg.decode::<Join>());
                     return;
                 }
-                let Some(&i) = self.by_conn.get(&peer) else {
+                let Some(i) = self.index_of(peer) else {
                     self.errors.push(format!(
                         "a message from a connection that has not joined: {peer:?}"
                     ));
                     return;
                 };
-                let (me, from) = (self.o.id, self.peers[i].id);
-                let p = &mut self.peers[i];
-                p.bytes_received += msg.body().len() as u64;
-                if msg.is::<Sample>() {
-                    match msg.decode::<Sample>() {
-                        Ok(s) => {
-                            let intact = mesh::kind(s.seq) != Kind::Query
-                                && mesh::kind(s.seq) != Kind::Alert
-                                && s.body == mesh::body(from, me, s.seq);
-                            p.inbound.arrive(s.seq, intact);
-                        }
-                        Err(_) => p.inbound.corrupt += 1,
-                    }
-                } else if msg.is::<Query>() {
-                    match msg.decode::<Query>() {
-                        Ok(q) => {
-                            let intact = mesh::kind(q.seq) == Kind::Query
-                                && q.operands == mesh::operands(from, me, q.seq);
-                            if p.inbound.arrive(q.seq, intact) != mesh::Arrival::Corrupt {
-                                let sum = mesh::answer(&q.operands);
-                                p.answers.push_back(Answer { seq: q.seq, sum });
-                            }
-                        }
-                        Err(_) => p.inbound.corrupt += 1,
-                    }
-                } else if msg.is::<Alert>() {
-                    match msg.decode::<Alert>() {
-                        Ok(a) => {
-                            let intact =
-                                mesh::kind(a.seq) == Kind::Alert && a.level == (a.seq % 5) as u8;
-                            p.inbound.arrive(a.seq, intact);
-                        }
-                        Err(_) => p.inbound.corrupt += 1,
-                    }
-                } else if msg.is::<Answer>() {
-                    match msg.decode::<Answer>() {
-                        Ok(a) => p.queries.answer(a.seq, a.sum),
-                        Err(_) => p.inbound.corrupt += 1,
-                    }
-                } else if msg.is::<Done>() {
-                    match msg.decode::<Done>() {
-                        Ok(d) => p.inbound.finish(d.sent),
-                        Err(_) => p.inbound.corrupt += 1,
-                    }
-                } else {
-                    p.inbound.corrupt += 1;
-                }
+                self.on_message(i, &msg);
             }
             HubEvent::BadFrame { peer, error } => {
                 self.bad_frames += 1;
@@ -583,7 +541,7 @@ impl Node {
             }
             HubEvent::Disconnected { peer, failure } => {
                 self.unjoined.retain(|c| *c != peer);
-                let Some(i) = self.by_conn.remove(&peer) else {
+                let Some(i) = self.index_of(peer) else {
                     return;
                 };
                 let p = &mut self.peers[i];
@@ -607,6 +565,50 @@ impl Node {
                     self.started.elapsed().as_millis()
                 );
             }
+        }
+    }
+
+    /// The peer host on connection `conn` (one that joined, or that we are connecting).
+    fn index_of(&self, conn: PeerId) -> Option<usize> {
+        self.peers.iter().position(|p| p.peer == Some(conn))
+    }
+
+    /// A message on peer `i`'s stream (or an answer), checked.
+    fn on_message(&mut self, i: usize, msg: &Envelope) {
+        let (me, p) = (self.o.id, &mut self.peers[i]);
+        let from = p.id;
+        p.bytes_received += msg.body().len() as u64;
+        if msg.is::<Sample>() {
+            if let Some(s) = p.decode::<Sample>(msg) {
+                let intact = matches!(mesh::kind(s.seq), Kind::Sample { .. })
+                    && s.body == mesh::body(from, me, s.seq);
+                p.inbound.arrive(s.seq, intact);
+            }
+        } else if msg.is::<Query>() {
+            if let Some(q) = p.decode::<Query>(msg) {
+                let intact = mesh::kind(q.seq) == Kind::Query
+                    && q.operands == mesh::operands(from, me, q.seq);
+                if p.inbound.arrive(q.seq, intact) != mesh::Arrival::Corrupt {
+                    let sum = mesh::answer(&q.operands);
+                    p.answers.push_back(Answer { seq: q.seq, sum });
+                }
+            }
+        } else if msg.is::<Alert>() {
+            if let Some(a) = p.decode::<Alert>(msg) {
+                let intact =
+                    mesh::kind(a.seq) == Kind::Alert && a.level == mesh::alert_level(a.seq);
+                p.inbound.arrive(a.seq, intact);
+            }
+        } else if msg.is::<Answer>() {
+            if let Some(a) = p.decode::<Answer>(msg) {
+                p.queries.answer(a.seq, a.sum);
+            }
+        } else if msg.is::<Done>() {
+            if let Some(d) = p.decode::<Done>(msg) {
+                p.inbound.finish(d.sent);
+            }
+        } else {
+            p.inbound.corrupt += 1;
         }
     }
 
@@ -640,7 +642,6 @@ impl Node {
         }
         p.peer = Some(conn);
         p.state = State::Up;
-        self.by_conn.insert(conn, i);
         println!(
             "mesh: connected id={} after_ms={} accepted=1",
             p.id,
@@ -651,7 +652,7 @@ impl Node {
     /// One round of sending: answers first, then (while `sending`) up to a batch of the
     /// stream to each peer that has credits; `Done` once sending is over. Never waits for a
     /// peer's credits (that would stop this host from draining its own receive queue).
-    fn send_round(&mut self, sending: bool) -> Result<bool> {
+    fn send_round(&mut self, sending: bool) -> bool {
         let me = self.o.id;
         let mut any = false;
         for i in 0..self.peers.len() {
@@ -701,7 +702,7 @@ impl Node {
                             conn,
                             &Alert {
                                 seq,
-                                level: (seq % 5) as u8,
+                                level: mesh::alert_level(seq),
                             },
                             true,
                             Duration::ZERO,
@@ -734,11 +735,12 @@ impl Node {
                 }
             }
         }
-        Ok(any)
+        any
     }
 
-    /// Closes the connections we made that are finished.
-    fn close_finished(&mut self) -> Result<()> {
+    /// Marks the peers that are finished, and closes the connections we made to them (the
+    /// other side waits for that close).
+    fn close_finished(&mut self) {
         let me = self.o.id;
         for i in 0..self.peers.len() {
             let p = &self.peers[i];
@@ -755,7 +757,6 @@ impl Node {
                 }
             }
         }
-        Ok(())
     }
 
     /// Prints the report line; whether everything checked out.
