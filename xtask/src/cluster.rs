@@ -141,6 +141,17 @@ impl Outcome {
         self.sum(key) / self.reports.len().max(1) as f64
     }
 
+    /// Messages sent to a live host and never delivered: gaps, streams without their `Done`,
+    /// queries never answered.
+    fn undelivered(&self) -> f64 {
+        self.sum("lost") + self.sum("missing_done") + self.sum("unanswered")
+    }
+
+    /// Messages delivered wrong: bad content or number, wrong answers, undecodable frames.
+    fn corrupt(&self) -> f64 {
+        self.sum("corrupt") + self.sum("wrong_answers") + self.sum("bad_frames")
+    }
+
     /// Retransmissions rxe counted (its requester retrying after a timeout or a NAK).
     fn retransmits(&self) -> f64 {
         self.sum("hw_completer_retry_err")
@@ -162,7 +173,7 @@ impl Outcome {
             self.sum("lost"),
             self.sum("duplicated"),
             self.sum("reordered"),
-            self.sum("corrupt") + self.sum("wrong_answers") + self.sum("bad_frames"),
+            self.corrupt(),
             self.sum("unanswered"),
             self.sum("missing_done"),
             self.mean("msgs_per_s"),
@@ -267,13 +278,14 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
         .collect();
     let victim = plan.kill.map(|(h, _)| h);
     let timeout = Duration::from_secs(plan.seconds as u64 + 600);
-    // Set when the run must end: a host failed, or the survivors are given up on.
-    let abort = Arc::new(AtomicBool::new(false));
+    // Host n's VM is killed once `kills[n - 1]` is set: the victim's when it is ready to die,
+    // every host's as soon as one fails (no run waits out the timeout).
+    let kills: Arc<Vec<AtomicBool>> =
+        Arc::new((0..plan.hosts).map(|_| AtomicBool::new(false)).collect());
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let noticed: Arc<Mutex<Vec<(u16, Instant, String)>>> = Arc::default();
     let reports: Arc<Mutex<BTreeMap<u16, HostReport>>> = Arc::default();
     let mut threads = Vec::new();
-    let mut first = true;
     for n in 1..=plan.hosts {
         let vm = vm::Vm::networked(
             &repo,
@@ -287,9 +299,9 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
             1,
         )
         .with_mem(1536);
-        if first {
+        if n == 1 {
+            // The kernel, fetched and unpacked once before the VMs start together.
             vm.prepare()?;
-            first = false;
         }
         let mut cmd = format!(
             "./target/{}/mesh --id {n} --hosts {} --seconds {} --netdev eth0",
@@ -312,27 +324,16 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
                 let _ = write!(cmd, " --cut-after {at} --cut-ms {ms}");
             }
         }
-        let (abort, killed_at, noticed, reports) = (
-            Arc::clone(&abort),
+        let (kills, killed_at, noticed, reports) = (
+            Arc::clone(&kills),
             Arc::clone(&killed_at),
             Arc::clone(&noticed),
             Arc::clone(&reports),
         );
-        let kill = Arc::new(AtomicBool::new(false));
         threads.push((
             n,
             std::thread::spawn(move || {
-                let watcher = {
-                    let (abort, kill) = (Arc::clone(&abort), Arc::clone(&kill));
-                    std::thread::spawn(move || {
-                        while !kill.load(Ordering::SeqCst) {
-                            if abort.load(Ordering::SeqCst) {
-                                kill.store(true, Ordering::SeqCst);
-                            }
-                            std::thread::sleep(Duration::from_millis(50));
-                        }
-                    })
-                };
+                let kill = &kills[usize::from(n) - 1];
                 let res = vm.run_script_killable(
                     &cmd,
                     timeout,
@@ -355,10 +356,15 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
                                 .insert(n, HostReport::parse(&format!("id={rest}")));
                         }
                     },
-                    &kill,
+                    kill,
                 );
-                kill.store(true, Ordering::SeqCst);
-                let _ = watcher.join();
+                // Killed is how the victim ends, or how another host's failure ended this one.
+                if res
+                    .as_ref()
+                    .map_or(true, |r| r.code != 0 && r.code != vm::KILLED)
+                {
+                    kills.iter().for_each(|k| k.store(true, Ordering::SeqCst));
+                }
                 res
             }),
         ));
@@ -379,14 +385,8 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
             Ok(r) if r.code == vm::KILLED => {
                 failures.push(format!("host {n} was stopped (another host failed)"))
             }
-            Ok(r) => {
-                failures.push(format!("host {n} failed (exit {})", r.code));
-                abort.store(true, Ordering::SeqCst);
-            }
-            Err(e) => {
-                failures.push(format!("host {n}: {e:#}"));
-                abort.store(true, Ordering::SeqCst);
-            }
+            Ok(r) => failures.push(format!("host {n} failed (exit {})", r.code)),
+            Err(e) => failures.push(format!("host {n}: {e:#}")),
         }
     }
     drop(switch);
@@ -486,10 +486,10 @@ fn sweep_markdown(outcomes: &[Outcome]) -> String {
             o.sum("received"),
             o.mean("msgs_per_s"),
             o.mean("bytes_per_s") / 1024.0,
-            o.sum("lost") + o.sum("missing_done") + o.sum("unanswered"),
+            o.undelivered(),
             o.sum("duplicated"),
             o.sum("reordered"),
-            o.sum("corrupt") + o.sum("wrong_answers") + o.sum("bad_frames"),
+            o.corrupt(),
             o.retransmits(),
             o.sum("hw_out_of_seq_request"),
             o.sum("hw_duplicate_request"),
@@ -525,10 +525,10 @@ fn sweep_json(outcomes: &[Outcome]) -> String {
                 o.sum("received"),
                 o.mean("msgs_per_s"),
                 o.mean("bytes_per_s"),
-                o.sum("lost") + o.sum("missing_done") + o.sum("unanswered"),
+                o.undelivered(),
                 o.sum("duplicated"),
                 o.sum("reordered"),
-                o.sum("corrupt") + o.sum("wrong_answers") + o.sum("bad_frames"),
+                o.corrupt(),
                 o.retransmits(),
                 hosts.join(",\n"),
             )
