@@ -114,6 +114,8 @@ pub struct Hub {
     /// Peers that may have been sent something unsolicited since their last solicited frame:
     /// flushed before the hub waits (see [`Hub::recv`]).
     unflushed: Vec<PeerId>,
+    /// When an event loop should step again for a pending flush (see [`Hub::next_timeout`]).
+    retry_at: Option<Instant>,
 }
 
 impl Hub {
@@ -142,6 +144,7 @@ impl Hub {
             peers: PeerTable::default(),
             departed: SessionStats::default(),
             unflushed: Vec::new(),
+            retry_at: None,
         }
     }
 
@@ -253,6 +256,34 @@ impl Hub {
         Ok(self.transport.close(peer)?)
     }
 
+    /// Starts closing `peer` gracefully without waiting (see
+    /// [`rdmsg_transport::Hub::start_close`]); its [`HubEvent::Disconnected`] follows.
+    pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
+        Ok(self.transport.start_close(peer)?)
+    }
+
+    /// Starts a connection over a TCP stream already connected (see
+    /// [`rdmsg_transport::Hub::connect_stream`]): never blocks.
+    pub fn connect_stream(&mut self, stream: std::net::TcpStream) -> Result<PeerId> {
+        Ok(self.transport.connect_stream(stream)?)
+    }
+
+    /// [`Hub::flush`] without waiting: sends `peer`'s committed frames and flush if they can
+    /// go now; whether nothing is left to send to it.
+    pub fn try_flush(&mut self, peer: PeerId) -> Result<bool> {
+        self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
+            s.pump(link)?;
+            s.flush_within(link, Some(Duration::ZERO))?;
+            Ok(!s.pending() && s.queued_frames() == 0)
+        })
+    }
+
+    /// Whether unsolicited sends may wait within a bound
+    /// ([`SessionConfig::max_unsolicited_delay`]; see [`crate::Session::delays_unsolicited`]).
+    pub fn delays_unsolicited(&self) -> bool {
+        self.config.max_unsolicited_delay.is_some()
+    }
+
     /// The next event, waiting as long as it takes. An `Err` is the hub's own failure, which
     /// every later call reports too.
     ///
@@ -277,9 +308,15 @@ impl Hub {
                 if let Some(ev) = self.try_recv()? {
                     return Ok(Some(ev));
                 }
-                if self.flush_before_wait() {
-                    // A send slot frees as soon as an earlier send completes: look again soon.
-                    left = Some(left.map_or(UNFLUSHED_RETRY, |l| l.min(UNFLUSHED_RETRY)));
+                let (stuck, nearest) = self.flush_before_wait();
+                // A send slot frees as soon as an earlier send completes: look again soon.
+                let retry = if stuck {
+                    Some(UNFLUSHED_RETRY)
+                } else {
+                    nearest.map(|d| d.saturating_duration_since(Instant::now()))
+                };
+                if let Some(r) = retry {
+                    left = Some(left.map_or(r, |l| l.min(r)));
                 }
             }
             let Some(raw) = self.transport.next_event(left)? else {
@@ -390,7 +427,7 @@ impl Hub {
         self.state(peer);
         let (state, mut link) = self.split(peer).expect("made above");
         let out = f(&mut state.sender, &mut link);
-        let list = state.sender.pending() && !state.listed;
+        let list = (state.sender.pending() || state.sender.queued_frames() > 0) && !state.listed;
         state.listed |= list;
         if list {
             self.unflushed.push(peer);
@@ -412,23 +449,33 @@ impl Hub {
         ))
     }
 
-    /// About to wait: flushes every peer left with unsolicited messages (see
-    /// [`crate::Session::recv`] for why), never waiting for any one of them. Whether some
-    /// are still pending (no send slot free just now): the wait should then be short.
-    fn flush_before_wait(&mut self) -> bool {
+    /// About to wait: sends what committed frames can go, and flushes every peer left with
+    /// unsolicited messages (see [`crate::Session::recv`] for why; with a
+    /// [`SessionConfig::max_unsolicited_delay`], those whose delay ran out), never waiting for
+    /// any one of them. Returns whether some are still pending for want of a send slot or
+    /// credit (the wait should then be short), and the nearest flush deadline.
+    fn flush_before_wait(&mut self) -> (bool, Option<Instant>) {
         let mut i = 0;
+        let mut stuck = false;
+        let mut nearest: Option<Instant> = None;
         while i < self.unflushed.len() {
             let peer = self.unflushed[i];
             let credits = self.transport.credits(peer).unwrap_or(0);
             let done = match self.split(peer) {
                 None => true,
                 Some((state, mut link)) => {
-                    let flushed = state
-                        .sender
-                        .flush_before_wait(&mut link, credits, Some(Duration::ZERO))
-                        // A failing peer: its Disconnected event tells.
-                        .unwrap_or(true);
-                    let done = flushed || !state.sender.pending();
+                    let sender = &mut state.sender;
+                    // A failing peer: its Disconnected event tells.
+                    let pumped = sender.pump(&mut link).unwrap_or(true);
+                    let flushed = !sender.flush_due()
+                        || sender
+                            .flush_before_wait(&mut link, credits, Some(Duration::ZERO))
+                            .unwrap_or(true);
+                    stuck |= !pumped || !flushed;
+                    if let Some(d) = sender.flush_deadline() {
+                        nearest = Some(nearest.map_or(d, |n| n.min(d)));
+                    }
+                    let done = !sender.pending() && sender.queued_frames() == 0;
                     state.listed = !done;
                     done
                 }
@@ -439,7 +486,63 @@ impl Hub {
                 i += 1;
             }
         }
-        !self.unflushed.is_empty()
+        (stuck, nearest)
+    }
+
+    /// Sends `m` to `peer` if it can go without waiting (see
+    /// [`crate::Session::try_send_as`]): `Ok(false)`, nothing sent, if `peer` has no credit
+    /// or is still connecting, or no send slot is free. A fragmented message is committed
+    /// once its first frame goes; the rest follow as `peer`'s credits come, on later calls.
+    pub fn try_send_as<M: Message>(
+        &mut self,
+        peer: PeerId,
+        m: &M,
+        solicited: bool,
+    ) -> Result<bool> {
+        peer::in_time(
+            self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
+                s.try_send_as(link, m, solicited)
+            })
+            .and_then(|sent| {
+                if sent {
+                    Ok(())
+                } else {
+                    Err(rdmsg_transport::Error::Timeout(Duration::ZERO).into())
+                }
+            }),
+        )
+    }
+
+    /// [`Hub::try_send_as`] with the type's own solicitation.
+    pub fn try_send<M: Message>(&mut self, peer: PeerId, m: &M) -> Result<bool> {
+        self.try_send_as(peer, m, M::SOLICITED)
+    }
+
+    /// The non-blocking step for an event loop over [`AsFd`]: sends committed frames that can
+    /// go, flushes peers as a wait would ([`Hub::recv`]), then steps the transport hub
+    /// ([`rdmsg_transport::Hub::step`]); take its events with [`Hub::try_recv`]. Wait at most
+    /// [`Hub::next_timeout`] before the next step.
+    pub fn step(&mut self) -> Result<usize> {
+        let (stuck, nearest) = self.flush_before_wait();
+        self.retry_at = if stuck {
+            Some(Instant::now() + UNFLUSHED_RETRY)
+        } else {
+            nearest
+        };
+        Ok(self.transport.step()?)
+    }
+
+    /// Longest an event loop may wait before the next [`Hub::step`]: the transport hub's
+    /// timers, and sooner while a flush is pending.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        let flush = self
+            .retry_at
+            .filter(|_| !self.unflushed.is_empty())
+            .map(|d| d.saturating_duration_since(Instant::now()));
+        match (self.transport.next_timeout(), flush) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }
 

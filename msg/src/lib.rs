@@ -92,6 +92,7 @@ mod message;
 mod peer;
 pub mod policy;
 mod session;
+mod split;
 
 pub use codec::Envelope;
 pub use dispatch::{DispatchStats, Dispatcher};
@@ -99,6 +100,7 @@ pub use error::{DecodeFailure, Error, Result};
 pub use hub::{Hub, HubEvent};
 pub use message::{tag, Message};
 pub use session::{Session, SessionConfig, SessionStats};
+pub use split::{RecvHalf, SendHalf};
 
 #[doc(hidden)]
 pub use serde;

@@ -2,7 +2,8 @@
 //! its peers: the sending side (sequence, solicitation policy, encoding and fragmenting) and
 //! the receiving side (decoder), written once over a [`Link`] so that both drive the same code.
 
-use std::time::Duration;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use rdmsg_transport::{Connection, PeerId};
 
@@ -108,6 +109,10 @@ pub(crate) struct Sender {
     seq: u32,
     max_message: usize,
     stats: SessionStats,
+    /// Frames of a fragmented message committed by a non-blocking send (its sequence number
+    /// taken, its first frame gone) that are still to go, each with its solicitation. They
+    /// go before anything else, whoever drives the link next.
+    outgoing: VecDeque<(Vec<u8>, bool)>,
 }
 
 impl Sender {
@@ -116,10 +121,12 @@ impl Sender {
     pub(crate) fn new(config: &SessionConfig, peer_depth: u32) -> Self {
         let run = config.max_unsolicited_run.unwrap_or(peer_depth / 4);
         Self {
-            policy: SolicitPolicy::new(run, config.max_unsolicited_bytes),
+            policy: SolicitPolicy::new(run, config.max_unsolicited_bytes)
+                .with_max_delay(config.max_unsolicited_delay),
             seq: 0,
             max_message: config.max_message,
             stats: SessionStats::default(),
+            outgoing: VecDeque::new(),
         }
     }
 
@@ -144,6 +151,14 @@ impl Sender {
         solicited: bool,
         first_timeout: Option<Duration>,
     ) -> Result<()> {
+        // Frames committed earlier go first; until they have, nothing of `m` is sent.
+        while let Some((f, solicited)) = self.outgoing.front() {
+            if !link.send(f, *solicited, first_timeout)? {
+                let waited = first_timeout.unwrap_or_default();
+                return Err(rdmsg_transport::Error::Timeout(waited).into());
+            }
+            self.outgoing.pop_front();
+        }
         let seq = self.seq;
         let want = self.policy.decide(solicited);
         let mut outcome: Result<Option<usize>> = Ok(None);
@@ -168,6 +183,96 @@ impl Sender {
         self.stats.fragmented += 1;
         self.finish(want, solicited, bytes, count as u64);
         Ok(())
+    }
+
+    /// Sends `m` if it can go without waiting: `Ok(false)` (nothing of it sent) if the peer
+    /// has no credit, no send slot is free, or frames committed earlier are still waiting. A
+    /// message needing fragments is committed once its first frame is sent: the rest are
+    /// queued and go out as credits allow, on any later call that drives the link
+    /// ([`Sender::pump`]), before anything else.
+    pub(crate) fn try_send_as<M: Message>(
+        &mut self,
+        link: &mut impl Link,
+        m: &M,
+        solicited: bool,
+    ) -> Result<bool> {
+        if !self.pump(link)? {
+            return Ok(false);
+        }
+        let seq = self.seq;
+        let want = self.policy.decide(solicited);
+        let mut outcome: Result<Option<usize>> = Ok(None);
+        let mut asked = false;
+        let sent = match link.send_with(want, Some(Duration::ZERO), |buf| {
+            asked = true;
+            outcome = codec::encode_single(m, seq, buf);
+            outcome.as_ref().ok().copied().flatten()
+        }) {
+            Ok(sent) => sent,
+            Err(rdmsg_transport::Error::Timeout(_)) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        let single = outcome?;
+        if sent {
+            self.finish(want, solicited, single.unwrap_or(0), 1);
+            return Ok(true);
+        }
+        if !asked {
+            return Ok(false);
+        }
+        let frames = codec::encode_fragments(m, seq, link.max_message()?, self.max_message)?;
+        let count = frames.len();
+        let mut frames = frames.into_iter().enumerate();
+        let (_, first) = frames.next().expect("a message has a first frame");
+        if !link.send(&first, count == 1 && want, Some(Duration::ZERO))? {
+            // The credit seen a moment ago is still there (only we spend it): a send slot.
+            return Ok(false);
+        }
+        let bytes: usize = first.len();
+        let rest: Vec<(Vec<u8>, bool)> = frames.map(|(i, f)| (f, i + 1 == count && want)).collect();
+        let bytes = bytes + rest.iter().map(|(f, _)| f.len()).sum::<usize>();
+        self.outgoing.extend(rest);
+        self.stats.fragmented += 1;
+        self.finish(want, solicited, bytes, count as u64);
+        self.pump(link)?;
+        Ok(true)
+    }
+
+    /// Sends committed frames that can go without waiting; whether none is left.
+    pub(crate) fn pump(&mut self, link: &mut impl Link) -> Result<bool> {
+        while let Some((f, solicited)) = self.outgoing.front() {
+            if !link.send(f, *solicited, Some(Duration::ZERO))? {
+                return Ok(false);
+            }
+            self.outgoing.pop_front();
+        }
+        Ok(true)
+    }
+
+    /// Frames committed but not sent yet.
+    pub(crate) fn queued_frames(&self) -> usize {
+        self.outgoing.len()
+    }
+
+    /// With [`crate::SessionConfig::max_unsolicited_delay`], when what went unsolicited must be
+    /// flushed at the latest.
+    pub(crate) fn flush_deadline(&self) -> Option<Instant> {
+        self.policy.deadline()
+    }
+
+    /// Whether a session about to wait should flush now: something went unsolicited, and
+    /// either no delay is allowed or it has run out.
+    pub(crate) fn flush_due(&self) -> bool {
+        self.policy.pending()
+            && match self.policy.max_delay() {
+                None => true,
+                Some(_) => self.flush_deadline().is_some_and(|d| Instant::now() >= d),
+            }
+    }
+
+    /// Whether unsolicited sends may wait up to a bound ([`crate::SessionConfig::max_unsolicited_delay`]).
+    pub(crate) fn delay_allowed(&self) -> bool {
+        self.policy.max_delay().is_some()
     }
 
     fn finish(&mut self, solicited: bool, requested: bool, bytes: usize, frames: u64) {
@@ -210,11 +315,35 @@ impl Sender {
         if !self.policy.pending() {
             return Ok(true);
         }
+        // Committed frames go first; the nudge's number follows theirs.
+        if !self.outgoing.is_empty() {
+            let sent = match timeout {
+                Some(t) if t.is_zero() => self.pump(link)?,
+                _ => self.drain(link, timeout)?,
+            };
+            if !sent {
+                return Ok(false);
+            }
+            if !self.policy.pending() {
+                return Ok(true);
+            }
+        }
         let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
         if !link.send(&nudge, true, timeout)? {
             return Ok(false);
         }
         self.policy.record(true, 0);
+        Ok(true)
+    }
+
+    /// Sends every committed frame, waiting at most `timeout` for each; whether all went.
+    fn drain(&mut self, link: &mut impl Link, timeout: Option<Duration>) -> Result<bool> {
+        while let Some((f, solicited)) = self.outgoing.front() {
+            if !link.send(f, *solicited, timeout)? {
+                return Ok(false);
+            }
+            self.outgoing.pop_front();
+        }
         Ok(true)
     }
 
@@ -418,6 +547,8 @@ mod tests {
         max: usize,
         frames: Vec<(Vec<u8>, bool)>,
         full: bool,
+        /// Frames that can go before the wire is full (credits).
+        room: usize,
     }
 
     impl Link for Wire {
@@ -427,7 +558,7 @@ mod tests {
             timeout: Option<Duration>,
             fill: impl FnOnce(&mut [u8]) -> Option<usize>,
         ) -> rdmsg_transport::Result<bool> {
-            if self.full {
+            if self.full || self.room == 0 {
                 return Err(rdmsg_transport::Error::Timeout(timeout.unwrap_or_default()));
             }
             let mut buf = vec![0; self.max];
@@ -436,6 +567,7 @@ mod tests {
             };
             buf.truncate(n);
             self.frames.push((buf, solicited));
+            self.room -= 1;
             Ok(true)
         }
 
@@ -467,6 +599,7 @@ mod tests {
                 max,
                 frames: Vec::new(),
                 full: false,
+                room: usize::MAX,
             }
         }
     }
@@ -514,6 +647,61 @@ mod tests {
         tx.send_within(&mut wire, &Other(2), true, Some(Duration::ZERO))
             .unwrap();
         assert_eq!((tx.seq, tx.stats.sent, wire.frames.len()), (1, 1, 1));
+    }
+
+    #[test]
+    fn a_non_blocking_send_commits_a_fragmented_message_and_queues_its_rest_first() {
+        let mut tx = Sender::new(&config(100), 64);
+        let mut wire = Wire {
+            room: 0,
+            ..Wire::new(256)
+        };
+        // No credit: nothing sent, nothing committed, no number used.
+        assert!(!tx
+            .try_send_as(&mut wire, &Blob(vec![7; 1000]), true)
+            .unwrap());
+        assert_eq!((tx.seq, tx.queued_frames()), (0, 0));
+        // Room for two frames of five: committed, three queued.
+        wire.room = 2;
+        assert!(tx
+            .try_send_as(&mut wire, &Blob(vec![7; 1000]), true)
+            .unwrap());
+        assert_eq!((tx.seq, wire.frames.len(), tx.queued_frames()), (1, 2, 3));
+        // Nothing else goes before them.
+        wire.room = 1;
+        assert!(!tx.try_send_as(&mut wire, &Other(1), true).unwrap());
+        assert_eq!((tx.seq, tx.queued_frames()), (1, 2));
+        wire.room = 10;
+        assert!(tx.pump(&mut wire).unwrap());
+        assert!(tx.try_send_as(&mut wire, &Other(2), true).unwrap());
+        let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+        assert_eq!(solicited, [false, false, false, false, true, true]);
+        let mut rx = Receiver::new(Decoder::new(1 << 20));
+        let got: Vec<Envelope> = deliver(&wire, &mut rx)
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].decode::<Blob>().unwrap(), Blob(vec![7; 1000]));
+        assert_eq!(got[1].decode::<Other>().unwrap(), Other(2));
+    }
+
+    #[test]
+    fn a_flush_goes_after_the_queued_frames() {
+        let mut tx = Sender::new(&config(100), 64);
+        let mut wire = Wire {
+            room: 1,
+            ..Wire::new(256)
+        };
+        assert!(tx
+            .try_send_as(&mut wire, &Blob(vec![1; 600]), false)
+            .unwrap());
+        assert!(tx.pending() && tx.queued_frames() == 2);
+        assert!(!tx.flush_within(&mut wire, Some(Duration::ZERO)).unwrap());
+        wire.room = 10;
+        assert!(tx.flush_within(&mut wire, Some(Duration::ZERO)).unwrap());
+        assert_eq!(wire.frames.len(), 4, "three fragments, then the nudge");
+        assert!(wire.frames[3].1 && !tx.pending());
     }
 
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]

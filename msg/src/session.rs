@@ -1,6 +1,7 @@
 //! A message session over one transport connection.
 
-use std::time::Duration;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::{Duration, Instant};
 
 use rdmsg_transport::Connection;
 
@@ -19,6 +20,20 @@ pub struct SessionConfig {
     pub max_unsolicited_run: Option<u32>,
     /// Unsolicited bytes in a row before the next message is solicited anyway. Default 64 KiB.
     pub max_unsolicited_bytes: usize,
+    /// How long a message sent unsolicited may go unnoticed by a peer asleep solicited-only.
+    ///
+    /// `None` (the default): until this session next waits. Before a receive (or an event
+    /// loop's [`Session::step`]) waits, whatever went unsolicited is flushed at once, and in
+    /// a [split](Session::split) session a message sent while the other half waits goes
+    /// solicited. No wake-up is saved across a wait, and none is missed.
+    ///
+    /// `Some(d)`: at most `d`. The first message sent once `d` has passed since the oldest
+    /// unsolicited one is solicited, and a wait flushes only when `d` runs out (it wakes for
+    /// that), so unsolicited messages keep batching across waits. The bound holds while the
+    /// session is in a call or any thread (or task) waits on it: a split or async session's
+    /// receiver keeps it even when the sender has gone quiet. A session nobody calls cannot
+    /// send, and flushes on its next call.
+    pub max_unsolicited_delay: Option<Duration>,
 }
 
 impl Default for SessionConfig {
@@ -27,6 +42,7 @@ impl Default for SessionConfig {
             max_message: codec::DEFAULT_MAX_MESSAGE,
             max_unsolicited_run: None,
             max_unsolicited_bytes: 64 << 10,
+            max_unsolicited_delay: None,
         }
     }
 }
@@ -177,21 +193,33 @@ impl Session {
 
     /// Receives the next message, waiting at most `timeout`; `Ok(None)` if none came.
     ///
-    /// Flushes first, as [`Session::recv`] does, if it would wait.
+    /// Flushes first, as [`Session::recv`] does, if it would wait (with
+    /// [`SessionConfig::max_unsolicited_delay`], when that runs out).
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
-        let deadline = timeout.map(|t| std::time::Instant::now() + t);
-        if self.sender.pending() {
-            if let Some(env) = self.try_recv()? {
-                return Ok(Some(env));
-            }
-            let credits = self.conn.credits();
-            self.sender
-                .flush_before_wait(&mut self.conn, credits, timeout)?;
-        }
+        let deadline = timeout.map(|t| Instant::now() + t);
         loop {
-            let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
-            let Some(frame) = self.conn.recv_timeout(left)? else {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if self.sender.queued_frames() > 0 || self.sender.flush_due() {
+                // Only if this would wait: what has arrived is taken first.
+                if let Some(env) = self.try_recv()? {
+                    return Ok(Some(env));
+                }
+                self.sender.pump(&mut self.conn)?;
+                if self.sender.flush_due() {
+                    let credits = self.conn.credits();
+                    self.sender
+                        .flush_before_wait(&mut self.conn, credits, left)?;
+                }
+            }
+            let left = earliest(left, self.sender.flush_deadline());
+            if left == Some(Duration::ZERO) && deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(None);
+            }
+            let Some(frame) = self.conn.recv_timeout(left)? else {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(None);
+                }
+                continue;
             };
             if let Some(env) = self.receiver.take(FrameBytes::Received(frame))? {
                 return Ok(Some(env));
@@ -217,8 +245,95 @@ impl Session {
         crate::drive::messages(move || self.recv())
     }
 
-    /// Closes gracefully (see [`Connection::close`]).
-    pub fn close(self) -> Result<()> {
+    /// Closes gracefully (see [`Connection::close`]), once every committed frame went.
+    pub fn close(mut self) -> Result<()> {
+        self.sender.flush_within(&mut self.conn, None)?;
         Ok(self.conn.close()?)
+    }
+
+    /// Sends `m` if it can go without waiting (see [`Session::send_as`] for `solicited`):
+    /// `Ok(false)`, nothing of it sent, if the peer has no credit or no send slot is free.
+    /// A message needing several frames is committed once its first frame goes; the rest
+    /// follow as credits come, driven by any later call (a [`Session::step`] included),
+    /// before anything sent after it. For event loops and async runtimes: it never blocks.
+    pub fn try_send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<bool> {
+        self.sender.try_send_as(&mut self.conn, m, solicited)
+    }
+
+    /// [`Session::try_send_as`] with the type's own solicitation.
+    pub fn try_send<M: Message>(&mut self, m: &M) -> Result<bool> {
+        self.try_send_as(m, M::SOLICITED)
+    }
+
+    /// The non-blocking step for an event loop that waits on the session's descriptor
+    /// ([`AsFd`]): sends committed frames that can go, flushes what went unsolicited if a
+    /// wait would otherwise hide it from the peer (see
+    /// [`SessionConfig::max_unsolicited_delay`]), then steps the connection
+    /// ([`Connection::step`]). Take messages with [`Session::try_recv`] until it finds none,
+    /// then wait until the descriptor is readable or [`Session::next_timeout`] passes.
+    /// Returns whether it handled anything (if so, look again before waiting).
+    pub fn step(&mut self) -> Result<bool> {
+        let sent = self.sender.queued_frames() > 0 && {
+            let before = self.sender.queued_frames();
+            self.sender.pump(&mut self.conn)?;
+            self.sender.queued_frames() != before
+        };
+        if self.sender.flush_due() {
+            let credits = self.conn.credits();
+            self.sender
+                .flush_before_wait(&mut self.conn, credits, Some(Duration::ZERO))?;
+        }
+        Ok(self.conn.step()? || sent)
+    }
+
+    /// Longest an event loop may wait on the descriptor before calling [`Session::step`]:
+    /// the connection's health check, or sooner when an unsolicited message's
+    /// [`SessionConfig::max_unsolicited_delay`] runs out.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        earliest(self.conn.next_timeout(), self.sender.flush_deadline())
+    }
+
+    /// Whether a sent message's frames are still waiting for credits (see
+    /// [`Session::try_send_as`]).
+    pub fn has_queued_frames(&self) -> bool {
+        self.sender.queued_frames() > 0
+    }
+
+    /// Whether anything went unsolicited since the last solicited frame.
+    pub fn unsolicited_pending(&self) -> bool {
+        self.sender.pending()
+    }
+
+    /// [`Session::flush`] without waiting: sends the committed frames and the flush that can
+    /// go now; whether nothing is left to send (no frame queued, nothing unsolicited unflushed).
+    pub fn try_flush(&mut self) -> Result<bool> {
+        self.sender.pump(&mut self.conn)?;
+        self.sender
+            .flush_within(&mut self.conn, Some(Duration::ZERO))?;
+        Ok(!self.sender.pending() && self.sender.queued_frames() == 0)
+    }
+
+    /// Whether unsolicited sends may wait for a solicited one within a bound
+    /// ([`SessionConfig::max_unsolicited_delay`] set). Code that shares the session between
+    /// threads or tasks solicits a message sent while a receiver waits unless this holds
+    /// (see [`Session::split`]).
+    pub fn delays_unsolicited(&self) -> bool {
+        self.sender.delay_allowed()
+    }
+}
+
+impl AsFd for Session {
+    /// The connection's descriptor (see [`Session::step`]).
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.conn.as_fd()
+    }
+}
+
+/// The earlier of a wait's limit and a deadline, as a duration from now.
+fn earliest(limit: Option<Duration>, deadline: Option<Instant>) -> Option<Duration> {
+    let until = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    match (limit, until) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }

@@ -55,7 +55,7 @@
 
 pub use rdmsg_msg::{
     message, tag, DecodeFailure, DispatchStats, Dispatcher, Envelope, Error, Hub, HubEvent,
-    Message, Result, Session, SessionConfig, SessionStats,
+    Message, RecvHalf, Result, SendHalf, Session, SessionConfig, SessionStats,
 };
 pub use rdmsg_transport::{
     Config, Connection, Endpoint, Failure, HubConfig, Listener, PeerId, Psk, Received,
@@ -73,6 +73,11 @@ pub use rdmsg_transport as transport;
 
 /// Framed typed messages and their sessions (crate `rdmsg-msg`).
 pub use rdmsg_msg as msg;
+
+/// Sessions, listeners and hubs on tokio, their waits as futures (crate `rdmsg-tokio`; feature
+/// `tokio`).
+#[cfg(feature = "tokio")]
+pub use rdmsg_tokio as tokio;
 
 /// The README's quick start, compiled (not run: it needs a device) with the crate's doctests,
 /// so it cannot drift from the API.

@@ -474,6 +474,14 @@ impl fmt::Debug for Listener {
     }
 }
 
+impl AsFd for Listener {
+    /// The listener's epoll set (the listening socket and every pending handshake's stream):
+    /// readable when [`Listener::accept_timeout`] has something to do.
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.watch.as_fd()
+    }
+}
+
 impl Listener {
     pub(crate) fn new(endpoint: Endpoint, tcp: TcpListener) -> Result<Self> {
         tcp.set_nonblocking(true)
@@ -508,6 +516,24 @@ impl Listener {
     /// return its error ([`Error::BadHandshake`], [`Error::Rejected`], [`Error::Bootstrap`]):
     /// the listener stays usable and the other pending handshakes go on.
     pub fn accept(&self, config: &Config) -> Result<Connection> {
+        loop {
+            if let Some(conn) = self.accept_timeout(config, None)? {
+                return Ok(conn);
+            }
+        }
+    }
+
+    /// [`Listener::accept`], waiting at most `timeout` (`None`: as long as it takes);
+    /// `Ok(None)` if no handshake completed in time. `Duration::ZERO` moves every handshake
+    /// on as far as it can go and never waits: with [`AsFd`], an event loop or async runtime
+    /// calls it whenever the listener's descriptor is readable, and at least every
+    /// [`Listener::next_timeout`] (handshake deadlines).
+    pub fn accept_timeout(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Connection>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
         config.check()?;
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
         let mut paused = self
@@ -550,14 +576,18 @@ impl Listener {
                     Err(e) => Err(e),
                 };
                 let p = self.remove(&mut pending, i);
-                return outcome.and_then(|()| p.finish(&self.endpoint));
+                return outcome.and_then(|()| p.finish(&self.endpoint)).map(Some);
             }
             let next = pending
                 .iter()
                 .flatten()
                 .map(|p| p.deadline)
                 .chain(*paused)
+                .chain(deadline)
                 .min();
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(None);
+            }
             ready = self
                 .watch
                 .wait(next.map(|d| d.saturating_duration_since(Instant::now())))?;
@@ -625,6 +655,23 @@ impl Listener {
         // The stream goes on as a connection's (or is closed): the listener must not see it.
         let _ = self.watch.remove(p.stream.as_fd());
         p
+    }
+
+    /// Longest an event loop may wait on the listener's descriptor before calling
+    /// [`Listener::accept_timeout`] again: the nearest handshake deadline.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        let pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let paused = *self
+            .accept_paused
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        pending
+            .iter()
+            .flatten()
+            .map(|p| p.deadline)
+            .chain(paused)
+            .min()
+            .map(|d| d.saturating_duration_since(Instant::now()))
     }
 
     /// Accepts one raw TCP stream (blocking), for protocols of your own (such as

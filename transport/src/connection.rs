@@ -358,6 +358,32 @@ pub struct Connection {
     /// Our close message is posted: the end of the bootstrap stream is the peer having taken
     /// it (it shuts its stream at once), not the peer vanishing.
     closing: bool,
+    /// The last bounded send found no credit or send slot: until one goes, [`Connection::step`]
+    /// arms both queues for any completion, so that an event loop hears of the grant.
+    send_blocked: bool,
+    /// Completions handled so far: lets threads sharing the connection tell whether one of
+    /// them moved it on (see [`Connection::handled`]).
+    handled: u64,
+}
+
+impl AsFd for Connection {
+    /// The connection's epoll set (completion channel, wake-up socket, asynchronous events,
+    /// bootstrap stream): readable whenever [`Connection::step`] has something to do.
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.waiter.channel().watch.as_fd()
+    }
+}
+
+/// Makes a connection's descriptor readable from any thread: see [`Connection::waker`].
+#[derive(Debug)]
+pub struct Waker(std::os::unix::net::UnixStream);
+
+impl Waker {
+    /// Writes one byte to the connection's wake-up socket (non-blocking: a full socket
+    /// already wakes it).
+    pub fn wake(&self) {
+        let _ = (&self.0).write(&[1]);
+    }
 }
 
 /// Longest busy-poll before a polling connection looks at its bootstrap stream again.
@@ -497,6 +523,8 @@ impl Connection {
             busy_steps: 0,
             sends_since_progress: 0,
             closing: false,
+            send_blocked: false,
+            handled: 0,
         })
     }
 
@@ -665,6 +693,7 @@ impl Connection {
             self.check_can_send()?;
         }
         if self.can_send() {
+            self.send_blocked = false;
             return Ok(());
         }
         let no_credit = self.proto.credits().available() == 0;
@@ -686,12 +715,16 @@ impl Connection {
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left == Some(Duration::ZERO) {
+                self.send_blocked = true;
                 break Err(Error::Timeout(timeout.unwrap_or_default()));
             }
             if let Err(e) = self.wait_once(left) {
                 break Err(e);
             }
         };
+        if res.is_ok() {
+            self.send_blocked = false;
+        }
         self.waiter.set_mode(self.recv_key, self.config.recv_arm)?;
         self.waiter.set_mode(self.send_key, self.send_arm())?;
         res
@@ -739,6 +772,87 @@ impl Connection {
             let _ = self.maintain();
         }
         Ok(m)
+    }
+
+    /// The non-blocking step, for event loops and async runtimes that wait on the connection's
+    /// descriptor ([`AsFd`]) instead of in [`Connection::recv`]: re-posts returned buffers and
+    /// sends a due grant, reads the completion channel, re-arms both queues (for any
+    /// completion while a bounded send found no credit or send slot, else as configured),
+    /// polls them, looks at the bootstrap stream and the device's asynchronous events, and
+    /// marks the connection asleep, so that a [`Received`] dropped from now on makes the
+    /// descriptor readable (its credit must go back to the peer).
+    ///
+    /// Take what it queued ([`Connection::try_recv`]) before waiting. Once that finds
+    /// nothing, waiting until the descriptor is readable, or [`Connection::next_timeout`] has
+    /// passed, misses nothing: every completion after the arm raises an event. Returns
+    /// whether it handled anything (completions or returned buffers): if so, step again
+    /// before waiting (what it queued for receiving is [`Connection::has_ready`]).
+    pub fn step(&mut self) -> Result<bool> {
+        self.pool.awake(true);
+        let returned = self.pool.collect_returns() > 0;
+        self.maintain()?;
+        let before = self.handled;
+        if self.proto.failure().is_none() {
+            let (recv_mode, send_mode) = if self.send_blocked {
+                (ArmMode::Next, ArmMode::Next)
+            } else {
+                (self.config.recv_arm, self.send_arm())
+            };
+            for (key, mode) in [(self.recv_key, recv_mode), (self.send_key, send_mode)] {
+                if self.waiter.mode(key)? != mode {
+                    self.waiter.set_mode(key, mode)?;
+                }
+            }
+            let mut got = std::mem::take(&mut self.completions);
+            let polled = self.waiter.step(&mut |key, wc| got.push((key, wc.clone())));
+            self.completions = got;
+            self.handle_completions();
+            if let Err(e) = polled {
+                return Err(self.local_failure("stepping the completion queues", e.into()));
+            }
+        }
+        self.settle(true)?;
+        let busy = returned || self.handled != before;
+        // After this, a dropped handle writes to the wake-up socket, which is in the set.
+        let quiet = self.pool.going_to_sleep();
+        Ok(busy || !quiet)
+    }
+
+    /// Longest an event loop may wait on the descriptor before calling
+    /// [`Connection::step`]: the health check, which finds errors a provider did not signal.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        self.config.health_check
+    }
+
+    /// Completions handled since the connection was made. Threads sharing a connection
+    /// compare it before and after a call to learn whether the call moved the connection on
+    /// (messages queued, credits or send slots back), which a thread asleep on the descriptor
+    /// may be waiting for.
+    pub fn handled(&self) -> u64 {
+        self.handled
+    }
+
+    /// Whether the last bounded send found no credit or send slot (and none has gone since):
+    /// [`Connection::step`] then arms for any completion.
+    pub fn send_blocked(&self) -> bool {
+        self.send_blocked
+    }
+
+    /// Whether received messages are queued for [`Connection::try_recv`].
+    pub fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// Whether a credit and a send slot are free now (a send would not wait).
+    pub fn can_send_now(&self) -> bool {
+        self.proto.failure().is_none() && self.can_send()
+    }
+
+    /// A handle that makes the connection's descriptor readable (and ends its blocking
+    /// waits), from any thread: for threads sharing the connection, one of which sleeps on
+    /// it while another changed what it waits for.
+    pub fn waker(&self) -> Result<Waker> {
+        Ok(Waker(self.pool.waker().map_err(Error::WakePipe)?))
     }
 
     /// An iterator of received messages that ends when the connection fails or closes.
@@ -960,6 +1074,7 @@ impl Connection {
     /// arrived before a failure is delivered before the failure is reported.
     fn handle_completions(&mut self) {
         let mut got = std::mem::take(&mut self.completions);
+        self.handled += got.len() as u64;
         let recv_key = self.recv_key;
         // Recording polls nothing, so the batch is still handled in order below.
         if self.proto.begin_batch(

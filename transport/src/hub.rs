@@ -646,6 +646,26 @@ impl Hub {
                 addr: format!("{addr:?}"),
                 source,
             })?;
+        self.connect_stream(stream)
+    }
+
+    /// The hub's configuration.
+    pub fn config(&self) -> &HubConfig {
+        &self.config
+    }
+
+    /// Starts a connection over a TCP stream already connected to a hub or listener (made by
+    /// an async runtime, say): never blocks. Unlike [`Hub::connect`] it does not wait while a
+    /// quarter of `max_pending_handshakes` of our own handshakes are in flight; pace by
+    /// [`Hub::pending_connects`].
+    pub fn connect_stream(&mut self, stream: TcpStream) -> Result<PeerId> {
+        self.check_fatal()?;
+        stream
+            .set_nonblocking(true)
+            .map_err(|source| Error::Bootstrap {
+                stage: "making the stream non-blocking",
+                source,
+            })?;
         let slot = self.new_slot(false)?;
         let conn = self.config.conn.clone();
         let made = self.create_side(slot).and_then(|side| {
@@ -665,6 +685,11 @@ impl Hub {
         // The client speaks first: its hello is written at once.
         self.advance_handshake(slot);
         Ok(id)
+    }
+
+    /// Handshakes started by [`Hub::connect`] or [`Hub::connect_stream`] and not finished.
+    pub fn pending_connects(&self) -> usize {
+        self.outgoing_handshakes()
     }
 
     /// Handshakes started by [`Hub::connect`] and not finished.

@@ -102,7 +102,7 @@ pub mod share;
 
 pub use addr::QpAddress;
 pub use bootstrap::Listener;
-pub use connection::{random_psn, Config, ConnStats, Connection};
+pub use connection::{random_psn, Config, ConnStats, Connection, Waker};
 #[cfg(feature = "test-hooks")]
 pub use connection::{Fault, TestHooks};
 pub use endpoint::{loopback_pair, Endpoint, GidChoice, PathParams};
@@ -110,3 +110,5 @@ pub use error::{Error, Failure, Result};
 pub use handshake::Psk;
 pub use hub::{Hub, HubConfig, HubEvent, HubStats, PeerId};
 pub use pool::{PoolStats, Received, RecvPool};
+/// The epoll set a thread sharing a connection sleeps on (see `rdmsg_msg`'s split halves).
+pub use rdmsg_verbs::ReadyWatch;

@@ -1,0 +1,360 @@
+//! rdmsg on tokio, on rxe0, on the multi-thread runtime: an async listener serving many async
+//! clients (typed request/response), cancellation of `recv` and `send` futures, the
+//! solicitation rule while a task awaits, and an async hub. Ignored on hosts; `cargo xtask
+//! test` runs them in the VM.
+
+use std::time::{Duration, Instant};
+
+use rdmsg::msg::{HubEvent, Session, SessionConfig};
+use rdmsg::tokio::{AsyncHub, AsyncListener, AsyncSession};
+use rdmsg::transport::{Config, Endpoint, HubConfig};
+use rdmsg_examples::{loopback_pair, Request, Response};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Tick {
+    seq: u64,
+    #[serde(with = "serde_bytes")]
+    pad: Vec<u8>,
+}
+rdmsg::msg::message!(Tick, tag = "rdmsg.test.AsyncTick", solicited = false);
+
+const LONG: Duration = Duration::from_secs(20);
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn pair(a: SessionConfig, b: SessionConfig) -> (AsyncSession, AsyncSession) {
+    let (x, y) = loopback_pair(&Config::default(), &Config::default()).expect("device");
+    (
+        AsyncSession::new(Session::with_config(x, a)).unwrap(),
+        AsyncSession::new(Session::with_config(y, b)).unwrap(),
+    )
+}
+
+async fn recv<M: rdmsg::msg::Message + serde::de::DeserializeOwned>(s: &AsyncSession) -> M {
+    tokio::time::timeout(LONG, s.recv())
+        .await
+        .expect("a message within 20 s")
+        .expect("receive")
+        .decode()
+        .expect("decode")
+}
+
+/// An async listener and eight async clients, each with 200 requests in flight one at a time;
+/// the server answers every client from its own task.
+#[test]
+#[ignore = "device"]
+fn an_async_server_answers_many_async_clients() {
+    runtime().block_on(async {
+        let ep = Endpoint::open_default().expect("device");
+        let listener = AsyncListener::bind(
+            &ep,
+            "127.0.0.1:0",
+            Config::default(),
+            SessionConfig::default(),
+        )
+        .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let clients = 8u32;
+        let rounds = 200u32;
+        let server = tokio::spawn(async move {
+            let mut tasks = Vec::new();
+            for _ in 0..clients {
+                let s = listener.accept().await.expect("accept");
+                tasks.push(tokio::spawn(async move {
+                    for _ in 0..rounds {
+                        let req: Request = recv(&s).await;
+                        let sum = req.operands.iter().sum();
+                        s.send(&Response { id: req.id, sum }).await.unwrap();
+                    }
+                    s
+                }));
+            }
+            let mut sessions = Vec::new();
+            for t in tasks {
+                sessions.push(t.await.unwrap());
+            }
+            sessions
+        });
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for c in 0..clients {
+            let ep = ep.clone();
+            tasks.push(tokio::spawn(async move {
+                let s =
+                    AsyncSession::connect(&ep, addr, Config::default(), SessionConfig::default())
+                        .await
+                        .expect("connect");
+                for i in 0..rounds {
+                    let id = u64::from(c) << 32 | u64::from(i);
+                    // Unsolicited: the await below flushes it (the server sleeps solicited-only).
+                    s.send_as(
+                        &Request {
+                            id,
+                            operands: vec![i64::from(i), 1],
+                        },
+                        false,
+                    )
+                    .await
+                    .unwrap();
+                    let r: Response = recv(&s).await;
+                    assert_eq!((r.id, r.sum), (id, i64::from(i) + 1));
+                }
+                s
+            }));
+        }
+        for t in tasks {
+            let s = t.await.expect("client");
+            assert_eq!(s.stats().received, u64::from(rounds));
+        }
+        let served = server.await.unwrap();
+        assert_eq!(served.len(), clients as usize);
+        println!(
+            "async server: {clients} clients x {rounds} round trips in {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+    });
+}
+
+/// `recv` futures dropped again and again (a short timeout, a `select!` that another branch
+/// wins) lose no message: all 3,000 arrive, in order.
+#[test]
+#[ignore = "device"]
+fn dropped_recv_futures_lose_no_message() {
+    runtime().block_on(async {
+        let (rx, tx) = pair(SessionConfig::default(), SessionConfig::default());
+        let n = 3000u64;
+        let sender = tokio::spawn(async move {
+            for seq in 0..n {
+                tx.send_as(&Tick { seq, pad: vec![] }, seq % 7 == 0)
+                    .await
+                    .unwrap();
+                if seq % 100 == 0 {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+            tx.flush().await.unwrap();
+            tx
+        });
+        let mut next = 0u64;
+        let mut dropped = 0u64;
+        let mut tick = tokio::time::interval(Duration::from_micros(300));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while next < n {
+            assert!(Instant::now() < deadline, "{next} of {n} in 60 s");
+            tokio::select! {
+                got = rx.recv() => {
+                    let m: Tick = got.unwrap().decode().unwrap();
+                    assert_eq!(m.seq, next, "lost, duplicated or reordered");
+                    next += 1;
+                }
+                _ = tick.tick() => dropped += 1,
+            }
+        }
+        let _tx = sender.await.unwrap();
+        println!("{n} received across {dropped} dropped recv futures");
+        assert!(dropped > 10, "the futures were dropped: {dropped}");
+    });
+}
+
+/// A `send` future dropped while it waits for credits sent nothing; one dropped after a
+/// fragmented message was committed sent all of it. The peer receives exactly what the
+/// completed (or committed) sends said.
+#[test]
+#[ignore = "device"]
+fn a_dropped_send_either_sent_or_did_not() {
+    runtime().block_on(async {
+        let (peer, me) = pair(SessionConfig::default(), SessionConfig::default());
+        // The peer does not read: credits run out, and a send waits.
+        let mut sent = 0u64;
+        loop {
+            let m = Tick {
+                seq: sent,
+                pad: vec![],
+            };
+            match tokio::time::timeout(Duration::from_millis(200), me.send(&m)).await {
+                Ok(done) => {
+                    done.unwrap();
+                    sent += 1;
+                }
+                Err(_) => break, // dropped while waiting for a credit
+            }
+            assert!(sent < 100_000, "credits never ran out");
+        }
+        assert!(sent > 0);
+        // Now the peer reads: exactly the completed sends arrive, then the next one sent.
+        for seq in 0..sent {
+            let m: Tick = recv(&peer).await;
+            assert_eq!(m.seq, seq);
+        }
+        me.send_as(
+            &Tick {
+                seq: sent,
+                pad: vec![],
+            },
+            true,
+        )
+        .await
+        .unwrap();
+        let m: Tick = recv(&peer).await;
+        assert_eq!(m.seq, sent, "the dropped send left nothing behind");
+        // A message of many frames whose send is dropped once committed arrives whole.
+        let big = Tick {
+            seq: sent + 1,
+            pad: (0..200_000u32).map(|i| i as u8).collect(),
+        };
+        let committed =
+            tokio::time::timeout(Duration::from_millis(1), me.send_as(&big, true)).await;
+        let after = Tick {
+            seq: sent + 2,
+            pad: vec![1],
+        };
+        me.send_as(&after, true).await.unwrap();
+        let m: Tick = recv(&peer).await;
+        let next = if committed.is_err() && m.seq == sent + 2 {
+            // Dropped before its first frame went: it was not sent at all.
+            m
+        } else {
+            assert_eq!(m, big, "committed, so sent whole, before what followed");
+            recv(&peer).await
+        };
+        assert_eq!(next, after);
+    });
+}
+
+/// A task awaits `recv` while another sends a request unsolicited: the peer, asleep
+/// solicited-only, still sees it (the send goes solicited), and answers.
+#[test]
+#[ignore = "device"]
+fn a_request_sent_while_a_task_awaits_wakes_the_peer() {
+    runtime().block_on(async {
+        let (server, client) = pair(SessionConfig::default(), SessionConfig::default());
+        let answering = tokio::spawn(async move {
+            let req: Request = recv(&server).await;
+            let at = Instant::now();
+            server
+                .send(&Response {
+                    id: req.id,
+                    sum: req.operands.iter().sum(),
+                })
+                .await
+                .unwrap();
+            (at, server)
+        });
+        let waiting = {
+            let client = client.clone();
+            tokio::spawn(async move { recv::<Response>(&client).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t = Instant::now();
+        client
+            .send_as(
+                &Request {
+                    id: 5,
+                    operands: vec![2, 2],
+                },
+                false,
+            )
+            .await
+            .unwrap();
+        let (at, _server) = answering.await.unwrap();
+        let r = waiting.await.unwrap();
+        assert_eq!(r, Response { id: 5, sum: 4 });
+        assert!(
+            at - t < Duration::from_secs(1),
+            "noticed after {:?}",
+            at - t
+        );
+        assert_eq!(client.stats().sent_solicited, 1);
+    });
+}
+
+/// An async hub serves blocking clients and async hub peers: connect, messages both ways,
+/// disconnection.
+#[test]
+#[ignore = "device"]
+fn an_async_hub_serves_many_peers() {
+    runtime().block_on(async {
+        let ep = Endpoint::open_default().expect("device");
+        let hub = AsyncHub::new(rdmsg::msg::Hub::new(&ep, HubConfig::default()).unwrap()).unwrap();
+        let addr = hub.with_hub(|h| h.listen("127.0.0.1:0")).unwrap();
+        let clients = 6u64;
+        let rounds = 100u64;
+        let mut threads = Vec::new();
+        for c in 0..clients {
+            let ep = ep.clone();
+            threads.push(std::thread::spawn(move || {
+                let mut s = Session::new(ep.connect(addr, &Config::default()).unwrap());
+                for i in 0..rounds {
+                    s.send(&Request {
+                        id: c * 1000 + i,
+                        operands: vec![1, 2, 3],
+                    })
+                    .unwrap();
+                    let r: Response = s
+                        .recv_timeout(Some(LONG))
+                        .unwrap()
+                        .expect("an answer")
+                        .decode()
+                        .unwrap();
+                    assert_eq!((r.id, r.sum), (c * 1000 + i, 6));
+                }
+                s.close().unwrap();
+            }));
+        }
+        // The hub's own task answers everyone until the blocking clients are gone.
+        let serving = tokio::spawn(async move {
+            let (mut answered, mut gone) = (0u64, 0u64);
+            while gone < clients {
+                let ev = tokio::time::timeout(LONG, hub.recv())
+                    .await
+                    .expect("an event");
+                match ev.unwrap() {
+                    HubEvent::Message { peer, msg } => {
+                        let req: Request = msg.decode().unwrap();
+                        let sum = req.operands.iter().sum();
+                        hub.send(peer, &Response { id: req.id, sum }).await.unwrap();
+                        answered += 1;
+                    }
+                    HubEvent::Disconnected { .. } => gone += 1,
+                    _ => {}
+                }
+            }
+            answered
+        });
+        // And one async hub peer, connected from a second async hub.
+        let other =
+            AsyncHub::new(rdmsg::msg::Hub::new(&ep, HubConfig::default()).unwrap()).unwrap();
+        let to_server = other.connect(addr).await.unwrap();
+        other
+            .send(
+                to_server,
+                &Request {
+                    id: 99,
+                    operands: vec![40, 2],
+                },
+            )
+            .await
+            .unwrap();
+        let other_got = loop {
+            let ev = tokio::time::timeout(LONG, other.recv())
+                .await
+                .expect("an answer");
+            if let HubEvent::Message { msg, .. } = ev.unwrap() {
+                break Some(msg.decode::<Response>().unwrap());
+            }
+        };
+        let answered = serving.await.unwrap();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(answered, clients * rounds + 1);
+        assert_eq!(other_got, Some(Response { id: 99, sum: 42 }));
+    });
+}
