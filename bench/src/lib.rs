@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod asynch;
 pub mod chart;
 pub mod codec;
 pub mod fanin;

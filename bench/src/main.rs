@@ -1,7 +1,7 @@
 //! `rdmsg-bench`: runs rdmsg's benchmarks next to their anchors and writes the report.
 //!
 //! ```text
-//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,fanin] [--filter TEXT]
+//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,fanin] [--filter TEXT]
 //!                   [--device D] [--gid-index I] [--fanin-conns 1,16,...]
 //!                   [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
 //! rdmsg-bench codec [--quick] [--rounds N]
@@ -27,7 +27,7 @@ use bench::runner::{self, Plan};
 use bench::{chart, codec, fanin, report, Bench, Sample};
 
 const USAGE: &str = "usage:
-  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,fanin] [--filter TEXT]
+  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,fanin] [--filter TEXT]
                   [--lat-iters N] [--device D] [--gid-index I] [--fanin-conns 1,16,256,1024]
                   [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
       --filter runs only the measurements whose progress line contains TEXT
@@ -149,9 +149,10 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         "bw" => Ok(vec![Bench::Bw]),
                         "wake" => Ok(vec![Bench::Wake]),
                         "fanin" => Ok(vec![Bench::Fanin]),
+                        "async" => Ok(vec![Bench::Async]),
                         other => {
                             bail!(
-                                "--only takes lat, lat-event, lat-poll, bw, wake, fanin; \
+                                "--only takes lat, lat-event, lat-poll, bw, wake, async, fanin; \
                                  not {other}"
                             )
                         }

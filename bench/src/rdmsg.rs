@@ -32,7 +32,7 @@ pub struct PayloadView<'a> {
 rdmsg::msg::message!(PayloadView<'_>, tag = "rdmsg.bench.Payload");
 
 /// Round trips before the measured ones (connection warm-up, page faults).
-const WARMUP: usize = 50;
+pub(crate) const WARMUP: usize = 50;
 
 /// Receive buffer size for payloads of `size` bytes: room for frame header and length prefix.
 fn buf_size(size: usize) -> u32 {
@@ -41,7 +41,7 @@ fn buf_size(size: usize) -> u32 {
 
 /// Both peers of a ping-pong: buffers for `size`-byte payloads; sleeping solicited-only
 /// (`events`) or busy polling.
-fn ping_pong_config(size: usize, events: bool) -> Config {
+pub(crate) fn ping_pong_config(size: usize, events: bool) -> Config {
     Config {
         buf_size: buf_size(size),
         policy: if events { Policy::Sleep } else { Policy::Poll },
@@ -146,7 +146,7 @@ fn receive_payloads(r: &mut Session, count: usize, size: usize) -> Result<()> {
 
 /// Sends `count` copies of `m` in `send_batch`es of `batch` (the last of each solicited),
 /// pausing `gap` after each batch.
-fn send_in_batches(
+pub(crate) fn send_in_batches(
     t: &mut Session,
     m: &Payload,
     count: usize,

@@ -71,6 +71,8 @@ pub enum Section {
     Codec,
     /// Many connections into one server: one hub thread vs a thread per connection.
     Fanin,
+    /// rdmsg on tokio vs the blocking API.
+    Async,
 }
 
 impl Section {
@@ -106,6 +108,9 @@ impl Section {
             Section::Fanin => {
                 "Fan-in: N connections from one client process into one server, one hub thread (rdmsg column) vs a thread per connection (anchor), server side"
             }
+            Section::Async => {
+                "Async (rdmsg-tokio, a current-thread runtime per side) vs the blocking API: ping-pong one-way median µs, and the low-rate solicited-only receiver's CPU µs and wake-ups per message"
+            }
         }
     }
 
@@ -123,6 +128,7 @@ impl Section {
             Section::CpuFloor => "cpu/floor",
             Section::Codec => "codec",
             Section::Fanin => "fanin",
+            Section::Async => "async",
         }
     }
 }
@@ -458,8 +464,54 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
             None,
         ));
     }
+    rows.extend(async_rows(&m));
     rows.extend(fanin_rows(&fanin_table(samples)));
     rows.sort_by_key(|r| r.section);
+    rows
+}
+
+/// The async rows: each async figure against the blocking one of the same run.
+fn async_rows(m: &Medians) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let pairs = |variant: &str, metric: &str| {
+        m.points(Bench::Async, "rdmsg-tokio", metric)
+            .into_iter()
+            .filter(|(v, _, _)| v == variant)
+            .filter_map(|(v, size, batch)| {
+                let ours = m.get(Bench::Async, "rdmsg-tokio", &v, size, batch, metric)?;
+                let blocking = m.get(Bench::Async, "rdmsg", &v, size, batch, metric)?;
+                Some((size, batch, ours, blocking.0))
+            })
+            .collect::<Vec<_>>()
+    };
+    for (size, _, ours, blocking) in pairs("latency", "us") {
+        rows.push(Row::new(
+            Section::Async,
+            format!("ping-pong {}", fmt_size(size)),
+            ours,
+            Some(("blocking", blocking)),
+            Some(Goal::AtMost(1.1)),
+        ));
+    }
+    for (_, batch, ours, blocking) in pairs("receiver", "cpu_us_per_msg") {
+        rows.push(Row::new(
+            Section::Async,
+            format!("receiver CPU µs/msg, K={batch}"),
+            ours,
+            Some(("blocking", blocking)),
+            Some(Goal::AtMost(1.2)),
+        ));
+    }
+    for (_, batch, ours, blocking) in pairs("receiver", "wakeups_per_msg") {
+        // Unchanged: the same solicited messages wake it (a hundredth of slack per message).
+        rows.push(Row::beside(
+            Section::Async,
+            format!("receiver wake-ups/msg, K={batch}"),
+            ours,
+            Some(("blocking", blocking)),
+            Some(Goal::AtMost(blocking + 0.01)),
+        ));
+    }
     rows
 }
 

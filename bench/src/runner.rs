@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
+use crate::asynch;
 use crate::fanin::{self, Load, Server};
 use crate::perftest::{self, Perftest};
 use crate::rdmsg::{self, RecvMode, Stream};
@@ -35,6 +36,8 @@ pub struct Plan {
     pub wake_batch_count: usize,
     /// Pause between batches in the wake-up benchmark.
     pub wake_gap: Duration,
+    /// Ping-pong sizes of the async-vs-blocking comparison.
+    pub async_sizes: Vec<usize>,
     /// The fan-in.
     pub fanin: FaninPlan,
     /// Which benchmarks to run.
@@ -59,12 +62,14 @@ impl Plan {
             // A low rate: emulation slows everything some 20 to 200 times, and one sleeping
             // round trip already takes about half a millisecond.
             wake_gap: Duration::from_millis(5),
+            async_sizes: vec![8, 4096],
             fanin: FaninPlan::full(),
             benches: vec![
                 Bench::LatEvent,
                 Bench::LatPoll,
                 Bench::Bw,
                 Bench::Wake,
+                Bench::Async,
                 Bench::Fanin,
             ],
             filter: None,
@@ -138,6 +143,27 @@ impl Plan {
                             });
                         }
                     }
+                    Bench::Async => {
+                        for &size in &self.async_sizes {
+                            for asynchronous in [false, true] {
+                                tasks.push(Task {
+                                    round,
+                                    what: What::AsyncLatency { size, asynchronous },
+                                });
+                            }
+                        }
+                        for &batch in &self.wake_batches {
+                            for asynchronous in [false, true] {
+                                tasks.push(Task {
+                                    round,
+                                    what: What::AsyncReceiver {
+                                        batch,
+                                        asynchronous,
+                                    },
+                                });
+                            }
+                        }
+                    }
                     Bench::Fanin if round < self.fanin.rounds => {
                         for &conns in &self.fanin.conns {
                             for server in Server::ALL {
@@ -156,6 +182,15 @@ impl Plan {
             tasks.retain(|t| t.describe().contains(f.as_str()));
         }
         tasks
+    }
+}
+
+/// The subject of an async-vs-blocking sample.
+fn async_name(asynchronous: bool) -> &'static str {
+    if asynchronous {
+        "rdmsg-tokio"
+    } else {
+        "rdmsg"
     }
 }
 
@@ -265,6 +300,20 @@ pub enum What {
         /// Messages per batch.
         batch: usize,
     },
+    /// The ping-pong, blocking sessions or async ones (rdmsg-tokio).
+    AsyncLatency {
+        /// Payload bytes.
+        size: usize,
+        /// On tokio (else the blocking API).
+        asynchronous: bool,
+    },
+    /// The low-rate solicited-only receiver, blocking or async.
+    AsyncReceiver {
+        /// Messages per batch.
+        batch: usize,
+        /// On tokio (else the blocking API).
+        asynchronous: bool,
+    },
     /// Many connections into one server.
     Fanin {
         /// Connections.
@@ -301,6 +350,13 @@ impl Task {
             }
             What::Wake { mode, batch } => format!("receiver {} batch {batch}", mode.name()),
             What::WakeFloor { batch } => format!("receiver verbs-core floor batch {batch}"),
+            What::AsyncLatency { size, asynchronous } => {
+                format!("async latency {size} B, {}", async_name(asynchronous))
+            }
+            What::AsyncReceiver {
+                batch,
+                asynchronous,
+            } => format!("async receiver batch {batch}, {}", async_name(asynchronous)),
             What::Fanin { conns, server } => {
                 format!("fanin {conns} connections, {}", server.name())
             }
@@ -399,6 +455,54 @@ impl Task {
                     }
                 };
                 vec![sample(Bench::Bw, subject, "", size, 0, "mpps", mpps)]
+            }
+            What::AsyncLatency { size, asynchronous } => {
+                let us = if asynchronous {
+                    asynch::latency(size, plan.lat_iters)?
+                } else {
+                    rdmsg::latency(size, plan.lat_iters, true)?
+                };
+                vec![sample(
+                    Bench::Async,
+                    async_name(asynchronous),
+                    "latency",
+                    size,
+                    0,
+                    "us",
+                    us,
+                )]
+            }
+            What::AsyncReceiver {
+                batch,
+                asynchronous,
+            } => {
+                let count = plan.wake_batch_count * batch;
+                let w = if asynchronous {
+                    asynch::receiver(batch, count, plan.wake_gap)?
+                } else {
+                    rdmsg::wakeups(RecvMode::Solicited, batch, count, plan.wake_gap)?
+                };
+                let subject = async_name(asynchronous);
+                vec![
+                    sample(
+                        Bench::Async,
+                        subject,
+                        "receiver",
+                        64,
+                        batch as u32,
+                        "cpu_us_per_msg",
+                        w.cpu_us_per_message,
+                    ),
+                    sample(
+                        Bench::Async,
+                        subject,
+                        "receiver",
+                        64,
+                        batch as u32,
+                        "wakeups_per_msg",
+                        w.per_message,
+                    ),
+                ]
             }
             What::Wake { mode, batch } => {
                 let count = plan.wake_batch_count * batch;

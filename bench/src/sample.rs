@@ -22,6 +22,8 @@ pub enum Bench {
     Codec,
     /// Many connections into one server: one hub thread vs a thread per connection.
     Fanin,
+    /// rdmsg on tokio vs the blocking API: ping-pong, and the low-rate receiver.
+    Async,
 }
 
 /// One measurement of one round.

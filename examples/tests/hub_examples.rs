@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 const COLLECTOR: &str = env!("CARGO_BIN_EXE_collector");
 const REQRESP: &str = env!("CARGO_BIN_EXE_reqresp");
 const MESH: &str = env!("CARGO_BIN_EXE_mesh");
+const TOKIO_SERVER: &str = env!("CARGO_BIN_EXE_tokio_server");
+const EPOLL_HUB: &str = env!("CARGO_BIN_EXE_epoll_hub");
 
 /// Long enough for 256 handshakes and their traffic under emulation (qemu TCG).
 const LIMIT: Duration = Duration::from_secs(300);
@@ -285,4 +287,33 @@ fn mesh_host_killed_mid_run() {
         );
         check_mesh(&out, 4, 1);
     }
+}
+
+/// The tokio example: 24 async clients of an async listener, 100 typed round trips each, one
+/// task per client on the multi-thread runtime.
+#[test]
+#[ignore = "device"]
+fn tokio_server_answers_24_async_clients() {
+    device();
+    let out = run(TOKIO_SERVER, &["--clients", "24", "--requests", "100"]);
+    let r = report(&out, "tokio_server: ");
+    assert_eq!(num(&r, "answered"), 2400);
+    assert_eq!(num(&r, "errors"), 0);
+    // Asleep between requests, woken by each (solicited) one: no busy polling.
+    let w = num(&r, "server_wakeups");
+    assert!(w > 0 && w <= 2 * 2400, "{r:?}");
+}
+
+/// The epoll example: one thread, one epoll set, a hub and a TCP status port; 12 blocking
+/// clients with 200 round trips each.
+#[test]
+#[ignore = "device"]
+fn epoll_hub_serves_rdma_clients_beside_a_tcp_listener() {
+    device();
+    let out = run(EPOLL_HUB, &["--clients", "12", "--requests", "200"]);
+    let r = report(&out, "epoll_hub: ");
+    assert_eq!(num(&r, "answered"), 2400);
+    assert_eq!(num(&r, "status_requests"), 1);
+    assert_eq!(num(&r, "errors"), 0);
+    assert!(num(&r, "loop_waits") > 0, "it slept: {r:?}");
 }

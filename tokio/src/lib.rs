@@ -34,7 +34,7 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -101,6 +101,11 @@ trait Drive: AsFd + Send + 'static {
     fn next_timeout(&self) -> Option<Duration>;
     /// Changes whenever the connection moves on (for waking the other tasks).
     fn mark(&self) -> u64;
+    /// The periodic step (the health check) a ticker task covers, so that waits need no
+    /// timer of their own unless something is due sooner.
+    fn tick(&self) -> Option<Duration>;
+    /// Whether something received waits to be taken without polling.
+    fn has_queued(&self) -> bool;
 }
 
 impl Drive for Session {
@@ -112,6 +117,12 @@ impl Drive for Session {
     }
     fn mark(&self) -> u64 {
         self.connection().handled()
+    }
+    fn tick(&self) -> Option<Duration> {
+        self.connection().next_timeout()
+    }
+    fn has_queued(&self) -> bool {
+        self.connection().has_ready()
     }
 }
 
@@ -126,6 +137,12 @@ impl Drive for Hub {
         let s = self.transport().stats();
         s.received + s.sent + s.accepted + s.connected + s.disconnected + s.handshakes_failed
     }
+    fn tick(&self) -> Option<Duration> {
+        self.transport().config().conn.health_check
+    }
+    fn has_queued(&self) -> bool {
+        true // events are cheap to look for: always take the fast path
+    }
 }
 
 /// The state behind every clone of a handle.
@@ -138,6 +155,8 @@ struct Shared<D> {
     changed: Notify,
     /// Tasks waiting in `recv`.
     receivers: AtomicUsize,
+    /// Waits ended by the descriptor (see [`AsyncSession::wakeups`]).
+    wakeups: AtomicU64,
 }
 
 /// Counts a waiting receiver for as long as its future lives (cancellation included).
@@ -157,6 +176,29 @@ impl Drop for Receiving<'_> {
 }
 
 impl<D: Drive> Shared<D> {
+    /// The shared state, and a ticker task that wakes its waiters every [`Drive::tick`] (the
+    /// health check) for as long as a handle lives.
+    fn start(driven: D) -> Result<Arc<Self>> {
+        let tick = driven.tick();
+        let shared = Arc::new(Self::new(driven)?);
+        if let Some(every) = tick {
+            let weak = Arc::downgrade(&shared);
+            tokio::spawn(async move {
+                let mut interval = tokio::time::interval(every);
+                interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                interval.tick().await;
+                loop {
+                    interval.tick().await;
+                    match weak.upgrade() {
+                        Some(s) => s.changed.notify_waiters(),
+                        None => break,
+                    }
+                }
+            });
+        }
+        Ok(shared)
+    }
+
     fn new(driven: D) -> Result<Self> {
         let fd = driven
             .as_fd()
@@ -167,6 +209,7 @@ impl<D: Drive> Shared<D> {
             fd: register(fd).map_err(io("registering the descriptor with the runtime"))?,
             changed: Notify::new(),
             receivers: AtomicUsize::new(0),
+            wakeups: AtomicU64::new(0),
         })
     }
 
@@ -182,8 +225,38 @@ impl<D: Drive> Shared<D> {
         receiving: bool,
         mut attempt: impl FnMut(&mut D, &Self) -> Result<Option<T>>,
     ) -> Result<T> {
+        // The fast path: what is there already is taken without the bookkeeping of a wait. A
+        // receiver with nothing queued goes straight to the loop, which looks (polls) once.
+        let fast = {
+            let mut d = self.lock();
+            if receiving && !d.has_queued() {
+                None
+            } else {
+                let mark = d.mark();
+                let got = attempt(&mut d, self);
+                if d.mark() != mark {
+                    self.changed.notify_waiters();
+                }
+                Some(got)
+            }
+        };
+        if let Some(got) = fast {
+            if let Some(v) = got? {
+                return Ok(v);
+            }
+        }
+        self.wait_and_run(receiving, attempt).await
+    }
+
+    /// [`Shared::run`] past its fast path.
+    async fn wait_and_run<T>(
+        &self,
+        receiving: bool,
+        mut attempt: impl FnMut(&mut D, &Self) -> Result<Option<T>>,
+    ) -> Result<T> {
         let _counted = receiving.then(|| Receiving::new(&self.receivers));
         loop {
+            // Enabled before looking, so that a signal sent after the look is not missed.
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
@@ -205,7 +278,11 @@ impl<D: Drive> Shared<D> {
                 if busy {
                     continue;
                 }
-                d.next_timeout()
+                // The ticker covers the health check; a timer only for what is due sooner.
+                match (d.next_timeout(), d.tick()) {
+                    (Some(t), Some(tick)) if t >= tick => None,
+                    (t, _) => t,
+                }
             };
             let timer = async {
                 match timeout {
@@ -217,6 +294,7 @@ impl<D: Drive> Shared<D> {
                 ready = self.fd.readable() => {
                     // The next step drains what made it readable (and re-arms).
                     ready.map_err(io("waiting for the descriptor"))?.clear_ready();
+                    self.wakeups.fetch_add(1, Ordering::Relaxed);
                 }
                 _ = &mut notified => {}
                 _ = timer => {}
@@ -237,7 +315,7 @@ impl AsyncSession {
     /// Wraps a session; call within a tokio runtime (its descriptor is registered there).
     pub fn new(session: Session) -> Result<Self> {
         Ok(Self {
-            shared: Arc::new(Shared::new(session)?),
+            shared: Shared::start(session)?,
         })
     }
 
@@ -330,6 +408,13 @@ impl AsyncSession {
     /// The session's statistics.
     pub fn stats(&self) -> SessionStats {
         self.shared.lock().stats()
+    }
+
+    /// How many times a waiting task was woken by the session's descriptor (a completion
+    /// event, a returned buffer, the peer's stream): the async counterpart of the blocking
+    /// receiver's [`rdmsg_transport::Connection::wait_stats`] wake-ups.
+    pub fn wakeups(&self) -> u64 {
+        self.shared.wakeups.load(Ordering::Relaxed)
     }
 
     /// Runs `f` on the session (to register types, read its connection's figures): `f` must
@@ -470,7 +555,7 @@ impl AsyncHub {
     /// Wraps a hub; call within a tokio runtime.
     pub fn new(hub: Hub) -> Result<Self> {
         Ok(Self {
-            shared: Arc::new(Shared::new(hub)?),
+            shared: Shared::start(hub)?,
         })
     }
 
@@ -557,5 +642,10 @@ impl AsyncHub {
     /// The hub's statistics over all peers.
     pub fn stats(&self) -> SessionStats {
         self.shared.lock().stats()
+    }
+
+    /// How many times a waiting task was woken by the hub's descriptor.
+    pub fn wakeups(&self) -> u64 {
+        self.shared.wakeups.load(Ordering::Relaxed)
     }
 }

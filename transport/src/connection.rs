@@ -364,6 +364,12 @@ pub struct Connection {
     /// Completions handled so far: lets threads sharing the connection tell whether one of
     /// them moved it on (see [`Connection::handled`]).
     handled: u64,
+    /// The last [`Connection::step`] marked the pool asleep (for an external wait): the next
+    /// call takes the mark back, so that handles dropped while we are awake do not write to
+    /// the wake-up socket.
+    stepped_asleep: bool,
+    /// The last step found nothing to do, so its caller waited (or will) before the next.
+    step_quiet: bool,
 }
 
 impl AsFd for Connection {
@@ -525,6 +531,8 @@ impl Connection {
             closing: false,
             send_blocked: false,
             handled: 0,
+            stepped_asleep: false,
+            step_quiet: false,
         })
     }
 
@@ -758,6 +766,7 @@ impl Connection {
 
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Received>> {
+        self.wake_from_step();
         if self.ready.is_empty() {
             let progressed = self.progress();
             if self.ready.is_empty() {
@@ -788,10 +797,14 @@ impl Connection {
     /// whether it handled anything (completions or returned buffers): if so, step again
     /// before waiting (what it queued for receiving is [`Connection::has_ready`]).
     pub fn step(&mut self) -> Result<bool> {
-        self.pool.awake(true);
+        // Whether the caller waited since our last step: only then is there a wake-up to
+        // explain.
+        let after_wait = std::mem::take(&mut self.step_quiet);
+        self.wake_from_step();
         let returned = self.pool.collect_returns() > 0;
         self.maintain()?;
         let before = self.handled;
+        let events = self.waiter.stats().events;
         if self.proto.failure().is_none() {
             let (recv_mode, send_mode) = if self.send_blocked {
                 (ArmMode::Next, ArmMode::Next)
@@ -804,18 +817,45 @@ impl Connection {
                 }
             }
             let mut got = std::mem::take(&mut self.completions);
-            let polled = self.waiter.step(&mut |key, wc| got.push((key, wc.clone())));
+            // A send queue armed solicited-only fires only for an error completion, which
+            // this step polls and fails on: its event need not be looked for.
+            let send_key = self.send_key;
+            let may_fire = |key: CqKey, mode: ArmMode| key != send_key || mode == ArmMode::Next;
+            let polled = self
+                .waiter
+                .step_where(&may_fire, &mut |key, wc| got.push((key, wc.clone())));
             self.completions = got;
             self.handle_completions();
             if let Err(e) = polled {
                 return Err(self.local_failure("stepping the completion queues", e.into()));
             }
         }
-        self.settle(true)?;
+        // A completion event explains the wake-up (and a step that follows another without a
+        // wait has none to explain): the other descriptors (wake-up socket, bootstrap stream,
+        // asynchronous events) are then looked at only now and then, as a busy connection
+        // does, and at the latest by the health check's step. Otherwise something else made
+        // the descriptor readable: look at all of them.
+        let explained = !after_wait || self.waiter.stats().events != events;
+        let liveness = !explained || self.liveness_due();
+        if liveness {
+            // Settling reads (and routes) the device's asynchronous events too.
+            self.pool.awake(true);
+        }
+        self.settle(liveness)?;
         let busy = returned || self.handled != before;
         // After this, a dropped handle writes to the wake-up socket, which is in the set.
         let quiet = self.pool.going_to_sleep();
+        self.stepped_asleep = quiet;
+        self.step_quiet = quiet && !busy;
         Ok(busy || !quiet)
+    }
+
+    /// Awake again after a [`Connection::step`]'s external wait: takes the pool's sleeping
+    /// mark back (drains the wake-up socket only if a dropped handle wrote to it).
+    fn wake_from_step(&mut self) {
+        if std::mem::take(&mut self.stepped_asleep) {
+            self.pool.awake(false);
+        }
     }
 
     /// Longest an event loop may wait on the descriptor before calling
@@ -949,6 +989,7 @@ impl Connection {
 
     /// Polls both queues without sleeping and does the bookkeeping.
     fn progress(&mut self) -> Result<()> {
+        self.wake_from_step();
         self.poll_and_handle()?;
         let liveness = self.liveness_due();
         self.settle(liveness)

@@ -19,6 +19,7 @@ pub const PUBLISHED: &[&str] = &[
     "rdmsg-notify",
     "rdmsg-transport",
     "rdmsg-msg",
+    "rdmsg-tokio",
     "rdmsg",
 ];
 
