@@ -680,8 +680,9 @@ mod tests {
         let plan = Plan::quick();
         let tasks = plan.tasks();
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
-        // 2 batches × (4 modes + the floor), 3 fan-in points × 2 servers.
-        assert_eq!(tasks.len(), 14 + 6 + 10 + 6);
+        // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, 3 fan-in points
+        // × 2 servers.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 6);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -700,7 +701,7 @@ mod tests {
         let full = Plan::full();
         assert_eq!(
             full.tasks().len(),
-            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5) + 3 * 4 * 2
+            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2) + 3 * 4 * 2
         );
         assert!(full.tasks().iter().all(|t| t.round < 5));
     }
