@@ -301,7 +301,8 @@ impl Hub {
     /// The next event, waiting at most `timeout` (`None`: as long as it takes); `Ok(None)` if
     /// nothing happened in time.
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if !self.unflushed.is_empty() {
@@ -530,6 +531,12 @@ impl Hub {
             nearest
         };
         Ok(self.transport.step()?)
+    }
+
+    /// See [`rdmsg_transport::Hub::resume`]: after a wait on the descriptor, when nobody else
+    /// waits on it.
+    pub fn resume(&mut self) {
+        self.transport.resume();
     }
 
     /// Longest an event loop may wait before the next [`Hub::step`]: the transport hub's

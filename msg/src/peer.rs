@@ -312,10 +312,8 @@ impl Sender {
         link: &mut impl Link,
         timeout: Option<Duration>,
     ) -> Result<bool> {
-        if !self.policy.pending() {
-            return Ok(true);
-        }
-        // Committed frames go first; the nudge's number follows theirs.
+        // Committed frames go first (a flush promises everything sent so far is on its way,
+        // and the nudge's number follows theirs).
         if !self.outgoing.is_empty() {
             let sent = match timeout {
                 Some(t) if t.is_zero() => self.pump(link)?,
@@ -324,9 +322,9 @@ impl Sender {
             if !sent {
                 return Ok(false);
             }
-            if !self.policy.pending() {
-                return Ok(true);
-            }
+        }
+        if !self.policy.pending() {
+            return Ok(true);
         }
         let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
         if !link.send(&nudge, true, timeout)? {
@@ -337,7 +335,11 @@ impl Sender {
     }
 
     /// Sends every committed frame, waiting at most `timeout` for each; whether all went.
-    fn drain(&mut self, link: &mut impl Link, timeout: Option<Duration>) -> Result<bool> {
+    pub(crate) fn drain(
+        &mut self,
+        link: &mut impl Link,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
         while let Some((f, solicited)) = self.outgoing.front() {
             if !link.send(f, *solicited, timeout)? {
                 return Ok(false);
@@ -364,7 +366,13 @@ impl Sender {
         credits: u32,
         timeout: Option<Duration>,
     ) -> Result<bool> {
-        if !self.policy.pending() || credits == 0 {
+        if !self.policy.pending() {
+            return Ok(true);
+        }
+        if credits == 0 {
+            // The message that spent the peer's last credit went solicited (the transport
+            // solicits it): the run is flushed, and its deadline with it.
+            self.policy.record(true, 0);
             return Ok(true);
         }
         let flushed = self.flush_within(link, timeout)?;
@@ -612,20 +620,23 @@ mod tests {
         assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
         assert!(wire.frames.is_empty(), "nothing pending, nothing sent");
         tx.send_as(&mut wire, &Other(1), false).unwrap();
-        // No credit: the transport solicited the message that spent the last one.
+        // No credit: the transport solicited the message that spent the last one, so the run
+        // counts as flushed (its deadline too).
         assert!(tx.flush_before_wait(&mut wire, 0, zero).unwrap());
         assert_eq!(wire.frames.len(), 1);
+        assert!(!tx.pending());
+        tx.send_as(&mut wire, &Other(2), false).unwrap();
         // No send slot now: still pending, nothing sent, no sequence number used.
         wire.full = true;
         assert!(!tx.flush_before_wait(&mut wire, 5, zero).unwrap());
         assert!(tx.pending());
         wire.full = false;
         assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
-        assert_eq!(wire.frames.len(), 2);
-        assert!(wire.frames[1].1, "the nudge is solicited");
+        assert_eq!(wire.frames.len(), 3);
+        assert!(wire.frames[2].1, "the nudge is solicited");
         assert!(!tx.pending());
         assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
-        assert_eq!((wire.frames.len(), tx.stats.wait_flushes), (2, 1));
+        assert_eq!((wire.frames.len(), tx.stats.wait_flushes), (3, 1));
     }
 
     #[test]
@@ -702,6 +713,21 @@ mod tests {
         assert!(tx.flush_within(&mut wire, Some(Duration::ZERO)).unwrap());
         assert_eq!(wire.frames.len(), 4, "three fragments, then the nudge");
         assert!(wire.frames[3].1 && !tx.pending());
+    }
+
+    #[test]
+    fn a_flush_sends_the_queued_frames_of_a_solicited_message_too() {
+        let mut tx = Sender::new(&config(100), 64);
+        let mut wire = Wire {
+            room: 1,
+            ..Wire::new(256)
+        };
+        assert!(tx.try_send_as(&mut wire, &Blob(vec![3; 600]), true).unwrap());
+        assert!(!tx.pending() && tx.queued_frames() == 2, "solicited: nothing to flush");
+        wire.room = 10;
+        assert!(tx.flush_within(&mut wire, None).unwrap());
+        assert_eq!((wire.frames.len(), tx.queued_frames()), (3, 0), "the tail went");
+        assert!(wire.frames[2].1, "the last fragment carries the solicitation");
     }
 
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]

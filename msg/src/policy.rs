@@ -85,7 +85,7 @@ impl SolicitPolicy {
 
     /// With a `max_delay`, when what went unsolicited must be flushed at the latest.
     pub fn deadline(&self) -> Option<Instant> {
-        Some(self.since? + self.max_delay?)
+        self.since?.checked_add(self.max_delay?)
     }
 
     /// Whether anything went unsolicited since the last solicited frame.

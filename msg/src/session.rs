@@ -196,7 +196,8 @@ impl Session {
     /// Flushes first, as [`Session::recv`] does, if it would wait (with
     /// [`SessionConfig::max_unsolicited_delay`], when that runs out).
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if self.sender.queued_frames() > 0 || self.sender.flush_due() {
@@ -204,7 +205,14 @@ impl Session {
                 if let Some(env) = self.try_recv()? {
                     return Ok(Some(env));
                 }
-                self.sender.pump(&mut self.conn)?;
+                // A message committed earlier goes out whole before we wait for anything: the
+                // peer may be waiting for its rest (the send waits take in what arrives).
+                if !self.sender.drain(&mut self.conn, left)? {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(None);
+                    }
+                    continue;
+                }
                 if self.sender.flush_due() {
                     let credits = self.conn.credits();
                     self.sender
@@ -286,11 +294,20 @@ impl Session {
         Ok(self.conn.step()? || sent)
     }
 
+    /// See [`Connection::resume`]: after a wait on the descriptor, when nobody else waits on it.
+    pub fn resume(&mut self) {
+        self.conn.resume();
+    }
+
     /// Longest an event loop may wait on the descriptor before calling [`Session::step`]:
     /// the connection's health check, or sooner when an unsolicited message's
     /// [`SessionConfig::max_unsolicited_delay`] runs out.
     pub fn next_timeout(&self) -> Option<Duration> {
-        earliest(self.conn.next_timeout(), self.sender.flush_deadline())
+        // A flush already due but stuck (no send slot) is retried a millisecond on, not in a
+        // spin.
+        let retry = Instant::now() + Duration::from_millis(1);
+        let flush = self.sender.flush_deadline().map(|d| d.max(retry));
+        earliest(self.conn.next_timeout(), flush)
     }
 
     /// Whether a sent message's frames are still waiting for credits (see

@@ -161,6 +161,8 @@ impl Shared {
             let slept = self.watch.wait(limit);
             core = self.lock();
             core.sleeping = false;
+            // The only thread on the descriptor is awake.
+            core.session.resume();
             core.receivers_waiting -= u32::from(receiving);
             self.turn.notify_all();
             slept.map_err(rdmsg_transport::Error::from)?;
@@ -203,7 +205,8 @@ impl SendHalf {
         solicited: bool,
         timeout: Option<Duration>,
     ) -> Result<bool> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let sent = self.shared.run(deadline, Role::Send, |core| {
             let others_wait = core.receivers_waiting > 0 || core.sleeping;
             let s = &mut core.session;
@@ -277,7 +280,8 @@ impl RecvHalf {
 
     /// Receives the next message, waiting at most `timeout`; `Ok(None)` if none came.
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         self.shared
             .run(deadline, Role::Receive, |core| core.session.try_recv())
     }

@@ -17,8 +17,8 @@
 //!   it: a dropped future has taken nothing.
 //! - `send`: a dropped future either sent the message or did not. A message that needs several
 //!   frames is committed once its first frame goes; if the future is dropped after that, the
-//!   rest go out, in order, on the next call on the handle (any call), before anything sent
-//!   later.
+//!   rest go out, in order and before anything sent later, on the next call that sends, flushes,
+//!   closes or waits (a `recv` that finds nothing included).
 //! - `flush`: cancel-safe (a flush not sent stays pending).
 //! - [`AsyncListener::accept`]: cancel-safe. Handshakes are moved on by a blocking task whose
 //!   result stays in the listener for the next call.
@@ -106,6 +106,8 @@ trait Drive: AsFd + Send + 'static {
     fn tick(&self) -> Option<Duration>;
     /// Whether something received waits to be taken without polling.
     fn has_queued(&self) -> bool;
+    /// Nobody waits on the descriptor any more (see `Connection::resume`).
+    fn resume(&mut self);
 }
 
 impl Drive for Session {
@@ -123,6 +125,9 @@ impl Drive for Session {
     }
     fn has_queued(&self) -> bool {
         self.connection().has_ready()
+    }
+    fn resume(&mut self) {
+        Session::resume(self);
     }
 }
 
@@ -143,6 +148,9 @@ impl Drive for Hub {
     fn has_queued(&self) -> bool {
         true // events are cheap to look for: always take the fast path
     }
+    fn resume(&mut self) {
+        Hub::resume(self);
+    }
 }
 
 /// The state behind every clone of a handle.
@@ -157,19 +165,23 @@ struct Shared<D> {
     receivers: AtomicUsize,
     /// Waits ended by the descriptor (see [`AsyncSession::wakeups`]).
     wakeups: AtomicU64,
+    /// Tasks awaiting the descriptor (counted under the mutex, after their step marked the
+    /// pool asleep); the last to wake takes the mark back.
+    sleepers: AtomicUsize,
 }
 
-/// Counts a waiting receiver for as long as its future lives (cancellation included).
-struct Receiving<'a>(&'a AtomicUsize);
+/// Counts a waiting task (a receiver, or one on the descriptor) for as long as it waits,
+/// cancellation included.
+struct Counted<'a>(&'a AtomicUsize);
 
-impl<'a> Receiving<'a> {
+impl<'a> Counted<'a> {
     fn new(count: &'a AtomicUsize) -> Self {
         count.fetch_add(1, Ordering::SeqCst);
         Self(count)
     }
 }
 
-impl Drop for Receiving<'_> {
+impl Drop for Counted<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }
@@ -210,6 +222,7 @@ impl<D: Drive> Shared<D> {
             changed: Notify::new(),
             receivers: AtomicUsize::new(0),
             wakeups: AtomicU64::new(0),
+            sleepers: AtomicUsize::new(0),
         })
     }
 
@@ -254,14 +267,19 @@ impl<D: Drive> Shared<D> {
         receiving: bool,
         mut attempt: impl FnMut(&mut D, &Self) -> Result<Option<T>>,
     ) -> Result<T> {
-        let _counted = receiving.then(|| Receiving::new(&self.receivers));
+        let _counted = receiving.then(|| Counted::new(&self.receivers));
+        let mut woke = false;
         loop {
             // Enabled before looking, so that a signal sent after the look is not missed.
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let timeout = {
+            let (timeout, sleeping) = {
                 let mut d = self.lock();
+                if std::mem::take(&mut woke) && self.sleepers.load(Ordering::SeqCst) == 0 {
+                    // The last task on the descriptor is awake.
+                    d.resume();
+                }
                 let mark = d.mark();
                 let got = attempt(&mut d, self);
                 if d.mark() != mark {
@@ -279,10 +297,12 @@ impl<D: Drive> Shared<D> {
                     continue;
                 }
                 // The ticker covers the health check; a timer only for what is due sooner.
-                match (d.next_timeout(), d.tick()) {
+                let timeout = match (d.next_timeout(), d.tick()) {
                     (Some(t), Some(tick)) if t >= tick => None,
                     (t, _) => t,
-                }
+                };
+                // Counted under the mutex, after the step that marked the pool asleep.
+                (timeout, Counted::new(&self.sleepers))
             };
             let timer = async {
                 match timeout {
@@ -299,6 +319,8 @@ impl<D: Drive> Shared<D> {
                 _ = &mut notified => {}
                 _ = timer => {}
             }
+            drop(sleeping);
+            woke = true;
         }
     }
 }
@@ -349,8 +371,8 @@ impl AsyncSession {
                 let solicit = solicited || (waiting && !s.delays_unsolicited());
                 let was_pending = s.unsolicited_pending();
                 let sent = s.try_send_as(m, solicit)?;
-                if sent && waiting && !was_pending && s.unsolicited_pending() {
-                    // A new flush deadline: the waiting receiver must time its wait by it.
+                if sent && !was_pending && s.unsolicited_pending() {
+                    // A new flush deadline: waiting tasks must time their waits by it.
                     shared.changed.notify_waiters();
                 }
                 Ok(sent.then_some(()))
@@ -370,12 +392,14 @@ impl AsyncSession {
     /// Sends `m` only if it can go at once: `Ok(false)`, nothing sent, if the peer has no
     /// credit or no send slot is free.
     pub fn try_send_as<M: Message>(&self, m: &M, solicited: bool) -> Result<bool> {
-        let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
         let mut s = self.shared.lock();
+        // Read under the mutex: a receiver counts itself before it steps (and flushes) under it.
+        let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
         let solicit = solicited || (waiting && !s.delays_unsolicited());
-        let mark = s.mark();
+        let (mark, was_pending) = (s.mark(), s.unsolicited_pending());
         let sent = s.try_send_as(m, solicit)?;
-        if s.mark() != mark || (sent && waiting) {
+        if s.mark() != mark || (!was_pending && s.unsolicited_pending()) {
+            // Moved on, or a new flush deadline that waiters must time their waits by.
             self.shared.changed.notify_waiters();
         }
         Ok(sent)
@@ -451,11 +475,10 @@ struct ListenerInner {
     done: Mutex<std::collections::VecDeque<rdmsg_transport::Result<Connection>>>,
     /// A blocking task is moving handshakes on.
     working: AtomicBool,
+    /// The last task stopped at an error: look again without waiting for readiness.
+    again: AtomicBool,
     finished: Notify,
 }
-
-/// Longest an idle `accept` waits before moving handshakes on again (their deadlines).
-const ACCEPT_SLICE: Duration = Duration::from_millis(50);
 
 impl AsyncListener {
     /// Listens on `addr` for connections made with `config`, each becoming a session with
@@ -479,6 +502,7 @@ impl AsyncListener {
                 fd: register(fd).map_err(io("registering the listener with the runtime"))?,
                 done: Mutex::new(Default::default()),
                 working: AtomicBool::new(false),
+                again: AtomicBool::new(false),
                 finished: Notify::new(),
             }),
         })
@@ -492,54 +516,68 @@ impl AsyncListener {
     /// The next client whose handshake completes, as a session. A client that fails its
     /// handshake makes this return its error; the listener goes on.
     pub async fn accept(&self) -> Result<AsyncSession> {
+        let inner = &self.inner;
         loop {
-            let finished = self.inner.finished.notified();
+            // Enabled before looking: a blocking task finishing after the look is not missed.
+            let finished = inner.finished.notified();
             tokio::pin!(finished);
             finished.as_mut().enable();
-            let next = self
-                .inner
+            let next = inner
                 .done
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .pop_front();
             if let Some(made) = next {
-                return AsyncSession::new(Session::with_config(made?, self.inner.session.clone()));
+                return AsyncSession::new(Session::with_config(made?, inner.session.clone()));
             }
-            if !self.inner.working.swap(true, Ordering::SeqCst) {
-                let inner = self.inner.clone();
-                // Handshakes create queue pairs and register memory: not on the runtime.
+            if inner.working.load(Ordering::SeqCst) {
+                // A blocking task is at it: wait for its result.
+                finished.as_mut().await;
+                continue;
+            }
+            // Wait until there is something to do (a client, handshake bytes, a handshake's
+            // deadline), then let a blocking task move the handshakes on: they create queue
+            // pairs and register memory, which has no place on the runtime's threads.
+            let deadline = inner.listener.next_timeout();
+            let timer = async {
+                match deadline {
+                    Some(t) => tokio::time::sleep(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            if !inner.again.swap(false, Ordering::SeqCst) {
+                tokio::select! {
+                    ready = inner.fd.readable() => {
+                        ready.map_err(io("waiting for the listener"))?.clear_ready();
+                    }
+                    _ = timer => {}
+                }
+            }
+            if !inner.working.swap(true, Ordering::SeqCst) {
+                let task = self.inner.clone();
                 tokio::task::spawn_blocking(move || {
-                    let made = inner
+                    // Everything that can go on now: each call returns at the first handshake
+                    // that completes (or fails), so call again until none does.
+                    while let Some(made) = task
                         .listener
-                        .accept_timeout(&inner.config, Some(Duration::ZERO));
-                    if let Some(made) = made.transpose() {
-                        inner
-                            .done
+                        .accept_timeout(&task.config, Some(Duration::ZERO))
+                        .transpose()
+                    {
+                        let failed = made.is_err();
+                        task.done
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .push_back(made);
+                        if failed {
+                            // One error per look (a bad configuration would recur); the next
+                            // `accept` looks again at once.
+                            task.again.store(true, Ordering::SeqCst);
+                            break;
+                        }
                     }
-                    inner.working.store(false, Ordering::SeqCst);
-                    inner.finished.notify_waiters();
+                    task.working.store(false, Ordering::SeqCst);
+                    task.finished.notify_waiters();
                 });
-                finished.as_mut().await;
-                // Something new may be there already: look again before waiting.
-                let more = self.inner.listener.next_timeout().is_some();
-                if more {
-                    continue;
-                }
-            }
-            let limit = self
-                .inner
-                .listener
-                .next_timeout()
-                .map_or(ACCEPT_SLICE, |t| t.min(ACCEPT_SLICE));
-            tokio::select! {
-                ready = self.inner.fd.readable() => {
-                    ready.map_err(io("waiting for the listener"))?.clear_ready();
-                }
-                _ = &mut finished => {}
-                _ = tokio::time::sleep(limit) => {}
             }
         }
     }
@@ -622,8 +660,9 @@ impl AsyncHub {
 
     /// Sends `m` to `peer` only if it can go at once.
     pub fn try_send_as<M: Message>(&self, peer: PeerId, m: &M, solicited: bool) -> Result<bool> {
-        let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
         self.with_hub(|h| {
+            // Read under the mutex (see `AsyncSession::try_send_as`).
+            let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
             let delays = h.delays_unsolicited();
             Ok(h.try_send_as(peer, m, solicited || (waiting && !delays))?)
         })

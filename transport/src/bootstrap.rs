@@ -533,7 +533,8 @@ impl Listener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         config.check()?;
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
         let mut paused = self

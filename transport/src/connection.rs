@@ -686,7 +686,8 @@ impl Connection {
     }
 
     fn wait_to_send(&mut self, timeout: Option<Duration>) -> Result<()> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         // A streaming sender need not poll before every message: credits, send completions and
         // failures are looked at every few sends, and at once when anything runs low or
         // buffers came back to be re-posted (the peer may be waiting for their credits).
@@ -751,7 +752,8 @@ impl Connection {
     /// none came. Messages that arrived before a failure are delivered before the failure is
     /// reported.
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Received>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             if let Some(m) = self.try_recv()? {
                 return Ok(Some(m));
@@ -766,7 +768,6 @@ impl Connection {
 
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Received>> {
-        self.wake_from_step();
         if self.ready.is_empty() {
             let progressed = self.progress();
             if self.ready.is_empty() {
@@ -856,6 +857,15 @@ impl Connection {
         if std::mem::take(&mut self.stepped_asleep) {
             self.pool.awake(false);
         }
+    }
+
+    /// Tells the connection that nobody waits on its descriptor any more (the last waiter woke
+    /// up): a [`Received`] dropped from now on need not write to the wake-up socket. Until
+    /// this (or the next [`Connection::step`]), each sleep costs the first such drop a write.
+    /// Call it only when no other thread or task still waits on the descriptor: one that does
+    /// would not be woken for the buffers dropped meanwhile.
+    pub fn resume(&mut self) {
+        self.wake_from_step();
     }
 
     /// Longest an event loop may wait on the descriptor before calling
@@ -989,7 +999,6 @@ impl Connection {
 
     /// Polls both queues without sleeping and does the bookkeeping.
     fn progress(&mut self) -> Result<()> {
-        self.wake_from_step();
         self.poll_and_handle()?;
         let liveness = self.liveness_due();
         self.settle(liveness)

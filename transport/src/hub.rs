@@ -480,6 +480,8 @@ pub struct Hub {
     fatal: Option<Failure>,
     stats: HubStats,
     sends_since_progress: u32,
+    /// The last [`Hub::step`] marked the pool asleep for an external wait.
+    stepped_asleep: bool,
 }
 
 impl fmt::Debug for Hub {
@@ -583,6 +585,7 @@ impl Hub {
             fatal: None,
             stats: HubStats::default(),
             sends_since_progress: 0,
+            stepped_asleep: false,
         };
         hub.repost()?;
         Ok(hub)
@@ -734,6 +737,7 @@ impl Hub {
     /// it produces are queued for [`Hub::try_event`]; returns how many are queued.
     pub fn step(&mut self) -> Result<usize> {
         self.check_fatal()?;
+        self.resume();
         let mut got = std::mem::take(&mut self.completions);
         let polled = self.waiter.step(&mut |key, wc| got.push((key, wc.clone())));
         self.completions = got;
@@ -742,7 +746,23 @@ impl Hub {
             return Err(self.hub_failure(e.into()));
         }
         self.after_wake(true)?;
+        // From here a dropped handle makes the descriptor readable (its buffer must be
+        // re-posted and its credit returned), unless one came back meanwhile: re-post first.
+        let mut asleep = self.pool.going_to_sleep();
+        if !asleep {
+            self.after_wake(false)?;
+            asleep = self.pool.going_to_sleep();
+        }
+        self.stepped_asleep = asleep;
         Ok(self.events.len())
+    }
+
+    /// Tells the hub that nobody waits on its descriptor any more: see
+    /// [`crate::Connection::resume`].
+    pub fn resume(&mut self) {
+        if std::mem::take(&mut self.stepped_asleep) {
+            self.pool.awake(false);
+        }
     }
 
     /// Longest an event loop may wait on [`AsFd`] before calling [`Hub::step`]: the nearest
