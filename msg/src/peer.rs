@@ -722,12 +722,24 @@ mod tests {
             room: 1,
             ..Wire::new(256)
         };
-        assert!(tx.try_send_as(&mut wire, &Blob(vec![3; 600]), true).unwrap());
-        assert!(!tx.pending() && tx.queued_frames() == 2, "solicited: nothing to flush");
+        assert!(tx
+            .try_send_as(&mut wire, &Blob(vec![3; 600]), true)
+            .unwrap());
+        assert!(
+            !tx.pending() && tx.queued_frames() == 2,
+            "solicited: nothing to flush"
+        );
         wire.room = 10;
         assert!(tx.flush_within(&mut wire, None).unwrap());
-        assert_eq!((wire.frames.len(), tx.queued_frames()), (3, 0), "the tail went");
-        assert!(wire.frames[2].1, "the last fragment carries the solicitation");
+        assert_eq!(
+            (wire.frames.len(), tx.queued_frames()),
+            (3, 0),
+            "the tail went"
+        );
+        assert!(
+            wire.frames[2].1,
+            "the last fragment carries the solicitation"
+        );
     }
 
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
