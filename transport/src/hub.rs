@@ -1280,7 +1280,14 @@ impl Hub {
         let mut listen = false;
         for key in ready.drain(..) {
             match key {
-                KEY_CHANNEL | KEY_WAKE => {}
+                KEY_CHANNEL => {}
+                KEY_WAKE => {
+                    // A dropped handle, or an asynchronous event routed to our mailbox (the
+                    // last-WQE events of closing queue pairs on 6.12, say): drain the socket,
+                    // or an event loop waiting on the hub would find it readable for ever.
+                    self.pool.awake(true);
+                    self.async_events();
+                }
                 KEY_ASYNC => self.async_events(),
                 KEY_LISTEN => listen = true,
                 k if k & SLOT_KEY != 0 => self.stream_ready((k & !SLOT_KEY) as usize),
