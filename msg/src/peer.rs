@@ -152,12 +152,9 @@ impl Sender {
         first_timeout: Option<Duration>,
     ) -> Result<()> {
         // Frames committed earlier go first; until they have, nothing of `m` is sent.
-        while let Some((f, solicited)) = self.outgoing.front() {
-            if !link.send(f, *solicited, first_timeout)? {
-                let waited = first_timeout.unwrap_or_default();
-                return Err(rdmsg_transport::Error::Timeout(waited).into());
-            }
-            self.outgoing.pop_front();
+        if !self.drain(link, first_timeout)? {
+            let waited = first_timeout.unwrap_or_default();
+            return Err(rdmsg_transport::Error::Timeout(waited).into());
         }
         let seq = self.seq;
         let want = self.policy.decide(solicited);
@@ -240,13 +237,7 @@ impl Sender {
 
     /// Sends committed frames that can go without waiting; whether none is left.
     pub(crate) fn pump(&mut self, link: &mut impl Link) -> Result<bool> {
-        while let Some((f, solicited)) = self.outgoing.front() {
-            if !link.send(f, *solicited, Some(Duration::ZERO))? {
-                return Ok(false);
-            }
-            self.outgoing.pop_front();
-        }
-        Ok(true)
+        self.drain(link, Some(Duration::ZERO))
     }
 
     /// Frames committed but not sent yet.
@@ -314,14 +305,8 @@ impl Sender {
     ) -> Result<bool> {
         // Committed frames go first (a flush promises everything sent so far is on its way,
         // and the nudge's number follows theirs).
-        if !self.outgoing.is_empty() {
-            let sent = match timeout {
-                Some(t) if t.is_zero() => self.pump(link)?,
-                _ => self.drain(link, timeout)?,
-            };
-            if !sent {
-                return Ok(false);
-            }
+        if !self.drain(link, timeout)? {
+            return Ok(false);
         }
         if !self.policy.pending() {
             return Ok(true);

@@ -231,6 +231,17 @@ impl<D: Drive> Shared<D> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Runs `f` on the locked session or hub, and signals the other tasks if it moved the
+    /// connection on (what they wait for may be what it took in).
+    fn signalling<R>(&self, d: &mut D, f: impl FnOnce(&mut D) -> R) -> R {
+        let mark = d.mark();
+        let r = f(d);
+        if d.mark() != mark {
+            self.changed.notify_waiters();
+        }
+        r
+    }
+
     /// Runs `attempt` (under the lock, never blocking) until it gives a value, waiting in
     /// between for the descriptor, another task's signal, or the next timer.
     async fn run<T>(
@@ -245,12 +256,7 @@ impl<D: Drive> Shared<D> {
             if receiving && !d.has_queued() {
                 None
             } else {
-                let mark = d.mark();
-                let got = attempt(&mut d, self);
-                if d.mark() != mark {
-                    self.changed.notify_waiters();
-                }
-                Some(got)
+                Some(self.signalling(&mut d, |d| attempt(d, self)))
             }
         };
         if let Some(got) = fast {
@@ -280,19 +286,10 @@ impl<D: Drive> Shared<D> {
                     // The last task on the descriptor is awake.
                     d.resume();
                 }
-                let mark = d.mark();
-                let got = attempt(&mut d, self);
-                if d.mark() != mark {
-                    self.changed.notify_waiters();
-                }
-                if let Some(v) = got? {
+                if let Some(v) = self.signalling(&mut d, |d| attempt(d, self))? {
                     return Ok(v);
                 }
-                let mark = d.mark();
-                let busy = d.step()?;
-                if d.mark() != mark {
-                    self.changed.notify_waiters();
-                }
+                let busy = self.signalling(&mut d, |d| d.step())?;
                 if busy {
                     continue;
                 }
@@ -413,12 +410,7 @@ impl AsyncSession {
     /// A message that has already arrived, without waiting.
     pub fn try_recv(&self) -> Result<Option<Envelope>> {
         let mut s = self.shared.lock();
-        let mark = s.mark();
-        let got = s.try_recv()?;
-        if s.mark() != mark {
-            self.shared.changed.notify_waiters();
-        }
-        Ok(got)
+        Ok(self.shared.signalling(&mut s, |s| s.try_recv())?)
     }
 
     /// If anything went unsolicited since the last solicited frame, sends a payload-less
@@ -600,12 +592,7 @@ impl AsyncHub {
     /// Runs `f` on the hub (to listen, register types, read figures): `f` must not block.
     pub fn with_hub<R>(&self, f: impl FnOnce(&mut Hub) -> R) -> R {
         let mut hub = self.shared.lock();
-        let mark = hub.mark();
-        let r = f(&mut hub);
-        if hub.mark() != mark {
-            self.shared.changed.notify_waiters();
-        }
-        r
+        self.shared.signalling(&mut hub, f)
     }
 
     /// Starts a connection to the hub or listener at `addr`: the TCP connect is awaited, then

@@ -474,6 +474,16 @@ impl fmt::Debug for Listener {
     }
 }
 
+/// The nearest of the pending handshakes' deadlines and the end of an accept pause.
+fn nearest_deadline(pending: &[Option<Pending>], paused: Option<Instant>) -> Option<Instant> {
+    pending
+        .iter()
+        .flatten()
+        .map(|p| p.deadline)
+        .chain(paused)
+        .min()
+}
+
 impl AsFd for Listener {
     /// The listener's epoll set (the listening socket and every pending handshake's stream):
     /// readable when [`Listener::accept_timeout`] has something to do.
@@ -579,11 +589,8 @@ impl Listener {
                 let p = self.remove(&mut pending, i);
                 return outcome.and_then(|()| p.finish(&self.endpoint)).map(Some);
             }
-            let next = pending
-                .iter()
-                .flatten()
-                .map(|p| p.deadline)
-                .chain(*paused)
+            let next = nearest_deadline(&pending, *paused)
+                .into_iter()
                 .chain(deadline)
                 .min();
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -666,13 +673,7 @@ impl Listener {
             .accept_paused
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        pending
-            .iter()
-            .flatten()
-            .map(|p| p.deadline)
-            .chain(paused)
-            .min()
-            .map(|d| d.saturating_duration_since(Instant::now()))
+        nearest_deadline(&pending, paused).map(|d| d.saturating_duration_since(Instant::now()))
     }
 
     /// Accepts one raw TCP stream (blocking), for protocols of your own (such as

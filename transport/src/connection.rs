@@ -893,11 +893,6 @@ impl Connection {
         !self.ready.is_empty()
     }
 
-    /// Whether a credit and a send slot are free now (a send would not wait).
-    pub fn can_send_now(&self) -> bool {
-        self.proto.failure().is_none() && self.can_send()
-    }
-
     /// A handle that makes the connection's descriptor readable (and ends its blocking
     /// waits), from any thread: for threads sharing the connection, one of which sleeps on
     /// it while another changed what it waits for.
