@@ -854,6 +854,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
                 bail!("{peer} disconnected while connecting: {failure}")
             }
             Some(HubEvent::Message { .. }) => bail!("a message before GO"),
+            Some(HubEvent::Read { .. }) => bail!("a read the bench never posted"),
             None => {}
         }
     }

@@ -11,6 +11,7 @@ pub mod asynch;
 pub mod chart;
 pub mod codec;
 pub mod fanin;
+pub mod large;
 pub mod perftest;
 pub mod rdmsg;
 pub mod report;

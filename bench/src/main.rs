@@ -1,8 +1,8 @@
 //! `rdmsg-bench`: runs rdmsg's benchmarks next to their anchors and writes the report.
 //!
 //! ```text
-//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,fanin] [--filter TEXT]
-//!                   [--device D] [--gid-index I] [--fanin-conns 1,16,...]
+//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin]
+//!                   [--filter TEXT] [--device D] [--gid-index I] [--fanin-conns 1,16,...]
 //!                   [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
 //! rdmsg-bench codec [--quick] [--rounds N]
 //! rdmsg-bench report --out DIR SAMPLE_FILE...
@@ -27,11 +27,14 @@ use bench::runner::{self, Plan};
 use bench::{chart, codec, fanin, report, Bench, Sample};
 
 const USAGE: &str = "usage:
-  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,fanin] [--filter TEXT]
-                  [--lat-iters N] [--device D] [--gid-index I] [--fanin-conns 1,16,256,1024]
-                  [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
+  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin]
+                  [--filter TEXT] [--lat-iters N] [--large-mib N] [--device D] [--gid-index I]
+                  [--fanin-conns 1,16,256,1024] [--fanin-rate R] [--fanin-messages M]
+                  [--fanin-rounds N]
       --filter runs only the measurements whose progress line contains TEXT
       --lat-iters N round trips per latency measurement (default 1000)
+      --large-mib N MiB each large-message run moves, about (default 64; --quick 8): the
+                  message count is N MiB / size, at least 8 and at most 2000
       --fanin-conns connection counts of the fan-in (default 1,16,256,1024; --quick 1,16,64)
       --fanin-rate messages per second the fan-in client offers, all connections (8192)
       --fanin-messages messages per fan-in measurement (32768; --quick 16384)
@@ -124,6 +127,10 @@ fn run(args: &[String]) -> Result<ExitCode> {
             "--device" => perf.device = value,
             "--filter" => plan.filter = Some(value),
             "--lat-iters" => plan.lat_iters = value.parse().context("--lat-iters")?,
+            "--large-mib" => {
+                let mib: usize = value.parse().context("--large-mib")?;
+                plan.large_bytes = mib.saturating_mul(1 << 20);
+            }
             "--gid-index" => perf.gid_index = value.parse().context("--gid-index")?,
             "--fanin-conns" => {
                 plan.fanin.conns = value
@@ -150,10 +157,11 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         "wake" => Ok(vec![Bench::Wake]),
                         "fanin" => Ok(vec![Bench::Fanin]),
                         "async" => Ok(vec![Bench::Async]),
+                        "large" => Ok(vec![Bench::Large]),
                         other => {
                             bail!(
-                                "--only takes lat, lat-event, lat-poll, bw, wake, async, fanin; \
-                                 not {other}"
+                                "--only takes lat, lat-event, lat-poll, bw, wake, async, large, \
+                                 fanin; not {other}"
                             )
                         }
                     })
@@ -237,7 +245,7 @@ apart, receiver thread CPU time (`CLOCK_THREAD_CPUTIME_ID`, kernel time included
 `Policy::Poll`; next: `Policy::Sleep` armed for any completion; hybrid: up to 50 µs of spinning,
 then solicited-only sleep; solicited-only: `Policy::Sleep`. Codec (on the host, not in the VM):
 one frame encoded into a buffer, and header check + decode, against `bincode::serde` on the same
-value, timed in alternating chunks. Fan-in: see its section.
+value, timed in alternating chunks. Large messages: see their section. Fan-in: see its section.
 ";
 
 fn write_report(args: &[String]) -> Result<ExitCode> {
@@ -270,6 +278,7 @@ fn write_report(args: &[String]) -> Result<ExitCode> {
     let rows = report::rows(&samples);
     fs::create_dir_all(&out_dir)?;
     let mut md = report::markdown(&rows, PREAMBLE);
+    md.push_str(&report::large_markdown(&samples));
     md.push_str(&report::fanin_markdown(&samples));
     fs::write(out_dir.join("report.md"), &md)?;
     fs::write(out_dir.join("report.json"), report::json(&rows, &samples))?;

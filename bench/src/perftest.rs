@@ -1,5 +1,5 @@
-//! The anchors: rdma-core's perftest (`ib_send_lat`, `ib_send_bw`) run as a server and a client
-//! process on the same device, and the parsers of their result tables.
+//! The anchors: rdma-core's perftest (`ib_send_lat`, `ib_send_bw`, `ib_read_bw`) run as a server
+//! and a client process on the same device, and the parsers of their result tables.
 
 use std::fs::File;
 use std::path::PathBuf;
@@ -269,6 +269,42 @@ pub fn parse_bw_mpps(output: &str) -> Result<f64> {
     )
 }
 
+/// The average bandwidth of an `ib_*_bw` result table in MiB/s (perftest's `MB/sec` are
+/// 2^20 bytes): its `BW average[MB/sec]` column. Large messages need it rather than the message
+/// rate, whose six decimals leave one or two digits at a few messages per second.
+pub fn parse_bw_average_mib(output: &str) -> Result<f64> {
+    let (header, row) =
+        result_row(output, "BW average").context("no bandwidth table in the perftest output")?;
+    // Column names may be two words (`BW peak[MB/sec]`): a word without its unit in brackets
+    // goes with the next.
+    let mut columns = Vec::new();
+    let mut pending = String::new();
+    for word in header.split_whitespace() {
+        pending.push_str(word);
+        if word.starts_with('#') || word.contains('[') {
+            columns.push(std::mem::take(&mut pending));
+        } else {
+            pending.push(' ');
+        }
+    }
+    let column = columns
+        .iter()
+        .position(|c| c.starts_with("BW average"))
+        .context("no BW average column")?;
+    if !columns[column].ends_with("[MB/sec]") {
+        bail!("bandwidth not in MB/sec: {header:?}");
+    }
+    let value = row
+        .split_whitespace()
+        .nth(column)
+        .with_context(|| format!("short bandwidth row: {row:?}"))?;
+    finite(
+        value
+            .parse()
+            .with_context(|| format!("bad BW average {value:?}"))?,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,10 +322,26 @@ mod tests {
 ---------------------------------------------------------------------------------------
 ";
 
+    /// `ib_read_bw`'s client, 16 MiB reads.
+    const READ_BW: &str = "\
+---------------------------------------------------------------------------------------
+ #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
+ 16777216   8                142.31             138.07 		     0.000009
+---------------------------------------------------------------------------------------
+";
+
     #[test]
     fn reads_perftest_tables() {
         assert_eq!(parse_lat_typical(LAT).unwrap(), 168.0);
         assert_eq!(parse_bw_mpps(BW).unwrap(), 0.019999);
+        assert_eq!(parse_bw_average_mib(BW).unwrap(), 1.22);
+        assert_eq!(parse_bw_average_mib(READ_BW).unwrap(), 138.07);
+        let qos = BW
+            .replace("#bytes     #iterations", "#bytes    #sl      #iterations")
+            .replace(" 64         2000", " 64  0   2000");
+        assert_eq!(parse_bw_average_mib(&qos).unwrap(), 1.22);
+        let gbits = BW.replace("MB/sec", "Gb/sec");
+        assert!(parse_bw_average_mib(&gbits).is_err(), "another unit");
     }
 
     #[test]
@@ -309,6 +361,7 @@ mod tests {
     fn missing_tables_are_errors() {
         assert!(parse_lat_typical("Couldn't connect to 127.0.0.1:18602").is_err());
         assert!(parse_bw_mpps(LAT).is_err());
+        assert!(parse_bw_average_mib(LAT).is_err());
         assert!(parse_lat_typical(" #bytes t_typical\n 8\n").is_err());
     }
 }

@@ -166,7 +166,7 @@ pub(crate) fn send_in_batches(
 }
 
 /// After the last expected message: the peer's graceful close, and nothing else.
-fn expect_close(s: &mut Session) -> Result<()> {
+pub(crate) fn expect_close(s: &mut Session) -> Result<()> {
     match s.recv() {
         Err(e) if e.is_peer_closed() => Ok(()),
         Err(e) => Err(e).context("waiting for the peer to close"),

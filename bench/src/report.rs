@@ -73,6 +73,8 @@ pub enum Section {
     Fanin,
     /// rdmsg on tokio vs the blocking API.
     Async,
+    /// Large messages: rendezvous vs `ib_read_bw` and vs fragmentation.
+    Large,
 }
 
 impl Section {
@@ -111,6 +113,9 @@ impl Section {
             Section::Async => {
                 "Async (rdmsg-tokio, a current-thread runtime per side) vs the blocking API: ping-pong one-way median µs, and the low-rate solicited-only receiver's CPU µs and wake-ups per message"
             }
+            Section::Large => {
+                "Large messages, one-way stream: MiB/s at the receiver, rdmsg by rendezvous (the receiver reads the sender's `Bulk` payload) vs `ib_read_bw` and vs rdmsg fragmenting into 4 KiB receive buffers, fragmentation vs `ib_send_bw`; receiver user-space CPU µs per MiB (Soft-RoCE's kernel work, which a NIC would do, left out)"
+            }
         }
     }
 
@@ -129,6 +134,7 @@ impl Section {
             Section::Codec => "codec",
             Section::Fanin => "fanin",
             Section::Async => "async",
+            Section::Large => "large",
         }
     }
 }
@@ -465,6 +471,7 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
         ));
     }
     rows.extend(async_rows(&m));
+    rows.extend(large_rows(&m));
     rows.extend(fanin_rows(&fanin_table(samples)));
     rows.sort_by_key(|r| r.section);
     rows
@@ -513,6 +520,187 @@ fn async_rows(m: &Medians) -> Vec<Row> {
         ));
     }
     rows
+}
+
+/// Large-message sizes the throughput goal against `ib_read_bw` and the CPU goal apply to
+/// (below, the fixed cost per message weighs more than the bytes).
+const LARGE: u64 = 1 << 20;
+
+/// The large-message rows, per size: rendezvous against `ib_read_bw` (≥ 0.9× from 1 MiB on)
+/// and against fragmentation (≥ 3× at 1 MiB), fragmentation against `ib_send_bw` (no goal),
+/// and the receiver's CPU per MiB by rendezvous against fragmentation (≤ 0.3× from 1 MiB on).
+fn large_rows(m: &Medians) -> Vec<Row> {
+    let get = |subject: &str, variant: &str, size: u64, metric: &str| {
+        m.get(Bench::Large, subject, variant, size, 0, metric)
+    };
+    let mut sizes: Vec<u64> = m
+        .points(Bench::Large, "rdmsg", "mib_per_s")
+        .into_iter()
+        .map(|(_, size, _)| size)
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut rows = Vec::new();
+    for size in sizes {
+        let mut row = |label: &str,
+                       ours: Option<(f64, usize)>,
+                       anchor: Option<(&str, (f64, usize))>,
+                       goal: Option<Goal>| {
+            if let Some(ours) = ours {
+                let anchor = anchor.map(|(name, a)| (name, a.0));
+                rows.push(Row::new(
+                    Section::Large,
+                    format!("{}: {label}", fmt_size(size)),
+                    ours,
+                    anchor,
+                    anchor.and(goal),
+                ));
+            }
+        };
+        let rendezvous = get("rdmsg", "rendezvous", size, "mib_per_s");
+        let fragmentation = get("rdmsg", "fragmentation", size, "mib_per_s");
+        row(
+            "rendezvous vs RDMA read, MiB/s",
+            rendezvous,
+            get("ib_read_bw", "", size, "mib_per_s").map(|r| ("ib_read_bw", r)),
+            (size >= LARGE).then_some(Goal::AtLeast(0.9)),
+        );
+        row(
+            "rendezvous vs fragments, MiB/s",
+            rendezvous,
+            fragmentation.map(|f| ("fragmentation", f)),
+            (size == LARGE).then_some(Goal::AtLeast(3.0)),
+        );
+        row(
+            "fragments vs send, MiB/s",
+            fragmentation,
+            get("ib_send_bw", "", size, "mib_per_s").map(|s| ("ib_send_bw", s)),
+            None,
+        );
+        row(
+            "receiver user CPU µs/MiB, rendezvous vs fragments",
+            get("rdmsg", "rendezvous", size, "cpu_us_per_mib"),
+            get("rdmsg", "fragmentation", size, "cpu_us_per_mib").map(|f| ("fragmentation", f)),
+            (size >= LARGE).then_some(Goal::AtMost(0.3)),
+        );
+    }
+    rows
+}
+
+/// One large-message size: the medians over its rounds of every subject, and their ratios.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LargePoint {
+    /// Payload bytes.
+    pub size: u64,
+    /// Rounds behind rdmsg's rendezvous figure.
+    pub rounds: usize,
+    /// `ib_read_bw`, MiB/s.
+    pub ib_read_bw: Option<f64>,
+    /// `ib_send_bw`, MiB/s.
+    pub ib_send_bw: Option<f64>,
+    /// rdmsg by rendezvous, MiB/s.
+    pub rendezvous: Option<f64>,
+    /// rdmsg in fragments, MiB/s.
+    pub fragmentation: Option<f64>,
+    /// rendezvous / `ib_read_bw`.
+    pub rendezvous_vs_read: Option<f64>,
+    /// rendezvous / fragmentation.
+    pub rendezvous_vs_fragmentation: Option<f64>,
+    /// Receiver CPU µs per MiB, rendezvous.
+    pub rendezvous_cpu_us_per_mib: Option<f64>,
+    /// Receiver CPU µs per MiB, fragmentation.
+    pub fragmentation_cpu_us_per_mib: Option<f64>,
+    /// Their ratio, rendezvous / fragmentation.
+    pub cpu_ratio: Option<f64>,
+}
+
+/// The large-message samples, one point per size, smallest first.
+pub fn large_table(samples: &[Sample]) -> Vec<LargePoint> {
+    let m = Medians::new(samples);
+    let mut sizes: Vec<u64> = samples
+        .iter()
+        .filter(|s| s.bench == Bench::Large)
+        .map(|s| s.size)
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let ratio = |a: Option<f64>, b: Option<f64>| Some(a? / b?);
+    sizes
+        .into_iter()
+        .map(|size| {
+            let get = |subject: &str, variant: &str, metric: &str| {
+                m.get(Bench::Large, subject, variant, size, 0, metric)
+            };
+            let rendezvous = get("rdmsg", "rendezvous", "mib_per_s");
+            let [ib_read_bw, ib_send_bw, fragmentation, rendezvous_cpu, fragmentation_cpu] = [
+                get("ib_read_bw", "", "mib_per_s"),
+                get("ib_send_bw", "", "mib_per_s"),
+                get("rdmsg", "fragmentation", "mib_per_s"),
+                get("rdmsg", "rendezvous", "cpu_us_per_mib"),
+                get("rdmsg", "fragmentation", "cpu_us_per_mib"),
+            ]
+            .map(|v| v.map(|(median, _)| median));
+            let rounds = rendezvous.map_or(0, |r| r.1);
+            let rendezvous = rendezvous.map(|r| r.0);
+            LargePoint {
+                size,
+                rounds,
+                ib_read_bw,
+                ib_send_bw,
+                rendezvous,
+                fragmentation,
+                rendezvous_vs_read: ratio(rendezvous, ib_read_bw),
+                rendezvous_vs_fragmentation: ratio(rendezvous, fragmentation),
+                rendezvous_cpu_us_per_mib: rendezvous_cpu,
+                fragmentation_cpu_us_per_mib: fragmentation_cpu,
+                cpu_ratio: ratio(rendezvous_cpu, fragmentation_cpu),
+            }
+        })
+        .collect()
+}
+
+/// Every large-message figure side by side, one line per size (empty without any).
+pub fn large_markdown(samples: &[Sample]) -> String {
+    let points = large_table(samples);
+    if points.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\n### Large messages, every figure (medians over the rounds, same run)\n\n\
+         MiB/s of payload at the receiver; receiver thread user-space CPU µs per MiB \
+         (Soft-RoCE's kernel work, a NIC's on hardware, left out; `cpu_all_us_per_mib` in \
+         report.json has it). rdmsg, timed at the receiver after a quarter of the messages \
+         (at most 8) warmed up: one sender thread streams `Blob { id, data: Bulk }` messages (one \
+         payload shared by all), the receiver decodes a borrowed view and checks the length \
+         only; rendezvous with the default 16 KiB threshold, fragmentation with \
+         `rendezvous_threshold: None` (4 KiB receive buffers). perftest: the reading client \
+         of `ib_read_bw`, the receiving server of `ib_send_bw`, with as many iterations as \
+         rdmsg sends messages.\n\n\
+         | size | rounds | ib_read_bw | ib_send_bw | rendezvous | fragmentation | \
+         rendezvous / ib_read_bw | rendezvous / fragmentation | CPU µs/MiB rendezvous | \
+         CPU µs/MiB fragmentation | CPU rendezvous / fragmentation |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let f = |v: Option<f64>| v.map_or("—".into(), fmt_num);
+    let x = |v: Option<f64>| v.map_or("—".into(), |v| format!("{}×", fmt_num(v)));
+    for p in &points {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            fmt_size(p.size),
+            p.rounds,
+            f(p.ib_read_bw),
+            f(p.ib_send_bw),
+            f(p.rendezvous),
+            f(p.fragmentation),
+            x(p.rendezvous_vs_read),
+            x(p.rendezvous_vs_fragmentation),
+            f(p.rendezvous_cpu_us_per_mib),
+            f(p.fragmentation_cpu_us_per_mib),
+            x(p.cpu_ratio),
+        );
+    }
+    out
 }
 
 /// One fan-in point (connections × server): medians over its rounds.
@@ -779,9 +967,11 @@ fn mode_order(variant: &str) -> usize {
         .unwrap_or(usize::MAX)
 }
 
-/// `64 B`, `4 KiB`, `64 KiB`.
+/// `64 B`, `4 KiB`, `64 KiB`, `16 MiB`.
 pub fn fmt_size(bytes: u64) -> String {
-    if bytes >= 1024 && bytes % 1024 == 0 {
+    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1024 && bytes % 1024 == 0 {
         format!("{} KiB", bytes / 1024)
     } else {
         format!("{bytes} B")
@@ -861,11 +1051,13 @@ pub fn json(rows: &[Row], samples: &[Sample]) -> String {
     struct Report<'a> {
         rows: &'a [Row],
         fanin: Vec<FaninPoint>,
+        large: Vec<LargePoint>,
         samples: &'a [Sample],
     }
     serde_json::to_string_pretty(&Report {
         rows,
         fanin: fanin_table(samples),
+        large: large_table(samples),
         samples,
     })
     .expect("a report always serializes")
@@ -1128,9 +1320,116 @@ mod tests {
     }
 
     #[test]
+    fn large_messages_set_rendezvous_against_ib_read_bw_and_fragmentation() {
+        let mut samples = Vec::new();
+        // (size, ib_read_bw, ib_send_bw, rendezvous, fragmentation, CPU rendezvous, CPU
+        // fragmentation), per round.
+        for (round, figures) in [
+            [
+                (16 << 10, 60.0, 50.0, 30.0, 20.0, 900.0, 1000.0),
+                (1 << 20, 200.0, 150.0, 190.0, 50.0, 100.0, 1000.0),
+                (16 << 20, 210.0, 160.0, 170.0, 55.0, 500.0, 1000.0),
+            ],
+            [
+                (16 << 10, 62.0, 52.0, 32.0, 21.0, 800.0, 1000.0),
+                (1 << 20, 220.0, 150.0, 200.0, 60.0, 120.0, 1000.0),
+                (16 << 20, 230.0, 170.0, 180.0, 60.0, 400.0, 1000.0),
+            ],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for (size, read, send, rndv, frag, rndv_cpu, frag_cpu) in figures {
+                let at = (size, 0);
+                for (subject, variant, metric, value) in [
+                    ("ib_read_bw", "", "mib_per_s", read),
+                    ("ib_send_bw", "", "mib_per_s", send),
+                    ("rdmsg", "rendezvous", "mib_per_s", rndv),
+                    ("rdmsg", "fragmentation", "mib_per_s", frag),
+                    ("rdmsg", "rendezvous", "cpu_us_per_mib", rndv_cpu),
+                    ("rdmsg", "fragmentation", "cpu_us_per_mib", frag_cpu),
+                ] {
+                    samples.push(Sample {
+                        round: round as u32,
+                        ..s(Bench::Large, subject, variant, at, metric, value)
+                    });
+                }
+            }
+        }
+        let rows = rows(&samples);
+        let large: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.section == Section::Large)
+            .collect();
+        let labels: Vec<&str> = large.iter().map(|r| r.label.as_str()).collect();
+        assert_eq!(
+            &labels[..4],
+            [
+                "16 KiB: rendezvous vs RDMA read, MiB/s",
+                "16 KiB: rendezvous vs fragments, MiB/s",
+                "16 KiB: fragments vs send, MiB/s",
+                "16 KiB: receiver user CPU µs/MiB, rendezvous vs fragments",
+            ]
+        );
+        assert_eq!(large.len(), 3 * 4);
+        // 16 KiB: figures and ratios, no goals.
+        assert!(large[..4].iter().all(|r| r.goal.is_none()), "{large:?}");
+        assert_eq!((large[0].ours, large[0].anchor), (31.0, Some(61.0)));
+        assert_eq!(large[0].anchor_name.as_deref(), Some("ib_read_bw"));
+        assert_eq!(large[2].anchor_name.as_deref(), Some("ib_send_bw"));
+        // 1 MiB: 195 / 210 = 0.93×, met; 195 / 55 = 3.5×, met; CPU 110 / 1000, met.
+        assert_eq!(large[4].goal, Some(Goal::AtLeast(0.9)));
+        assert_eq!(large[5].goal, Some(Goal::AtLeast(3.0)));
+        assert_eq!(large[6].goal, None);
+        assert_eq!(large[7].goal, Some(Goal::AtMost(0.3)));
+        assert!([4, 5, 7].iter().all(|&i| large[i].met == Some(true)));
+        // 16 MiB: 175 / 220 = 0.8×, missed; no 3× goal there; CPU 0.45×, missed.
+        assert_eq!((large[8].met, large[9].goal), (Some(false), None));
+        assert_eq!(large[11].met, Some(false));
+        let table = large_table(&samples);
+        assert_eq!(table.len(), 3);
+        let mib = &table[1];
+        assert_eq!((mib.size, mib.rounds), (1 << 20, 2));
+        assert_eq!(
+            (mib.ib_read_bw, mib.ib_send_bw, mib.fragmentation),
+            (Some(210.0), Some(150.0), Some(55.0))
+        );
+        assert!((mib.rendezvous_vs_read.unwrap() - 195.0 / 210.0).abs() < 1e-9);
+        assert!((mib.cpu_ratio.unwrap() - 0.11).abs() < 1e-9);
+        let md = large_markdown(&samples);
+        assert!(
+            md.contains(
+                "| 1 MiB | 2 | 210 | 150 | 195 | 55.0 | 0.929× | 3.55× | 110 | 1000 | 0.110× |"
+            ),
+            "{md}"
+        );
+        assert!(markdown(&rows, "").contains(
+            "| 1 MiB: rendezvous vs RDMA read, MiB/s | 195 | 210 (ib_read_bw) | 0.929× | ≥ 0.900× | met |"
+        ));
+        let json = json(&rows, &samples);
+        assert!(json.contains("\"section\": \"large\""), "{json}");
+        assert!(json.contains("\"large\": ["), "{json}");
+        assert_eq!(large_markdown(&[]), "");
+        // A size without its anchors: rendezvous alone, no ratio, no goal.
+        let alone = [s(
+            Bench::Large,
+            "rdmsg",
+            "rendezvous",
+            (1 << 20, 0),
+            "mib_per_s",
+            9.0,
+        )];
+        let rows = super::rows(&alone);
+        assert_eq!(rows.len(), 2);
+        assert!(rows.iter().all(|r| r.ratio.is_none() && r.goal.is_none()));
+    }
+
+    #[test]
     fn formats() {
         assert_eq!(fmt_size(64), "64 B");
         assert_eq!(fmt_size(4096), "4 KiB");
+        assert_eq!(fmt_size(16 << 20), "16 MiB");
+        assert_eq!(fmt_size(1536 << 10), "1536 KiB");
         assert_eq!(fmt_num(171.456), "171");
         assert_eq!(fmt_num(1.0712), "1.07");
         assert_eq!(fmt_num(0.021005), "0.021");

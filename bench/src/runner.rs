@@ -8,6 +8,7 @@ use anyhow::Result;
 
 use crate::asynch;
 use crate::fanin::{self, Load, Server};
+use crate::large::{self, Path};
 use crate::perftest::{self, Perftest};
 use crate::rdmsg::{self, RecvMode, Stream};
 use crate::sample::{Bench, Sample};
@@ -38,6 +39,10 @@ pub struct Plan {
     pub wake_gap: Duration,
     /// Ping-pong sizes of the async-vs-blocking comparison.
     pub async_sizes: Vec<usize>,
+    /// Payload sizes of the large-message section.
+    pub large_sizes: Vec<usize>,
+    /// Bytes each large-message run moves, about (see [`large::messages`]).
+    pub large_bytes: usize,
     /// The fan-in.
     pub fanin: FaninPlan,
     /// Which benchmarks to run.
@@ -63,6 +68,11 @@ impl Plan {
             // round trip already takes about half a millisecond.
             wake_gap: Duration::from_millis(5),
             async_sizes: vec![8, 4096],
+            // From the rendezvous threshold up; the goals are on 1 MiB and above.
+            large_sizes: vec![16 << 10, 256 << 10, 1 << 20, 16 << 20],
+            // Under emulation rxe moves some 50 to 300 MB/s: a round of the four subjects at
+            // four sizes (about a GiB) takes a minute or so.
+            large_bytes: 64 << 20,
             fanin: FaninPlan::full(),
             benches: vec![
                 Bench::LatEvent,
@@ -70,6 +80,7 @@ impl Plan {
                 Bench::Bw,
                 Bench::Wake,
                 Bench::Async,
+                Bench::Large,
                 Bench::Fanin,
             ],
             filter: None,
@@ -86,6 +97,8 @@ impl Plan {
             bw: vec![(64, 2_000), (65536, 200)],
             wake_batches: vec![1, 8],
             wake_batch_count: 40,
+            large_sizes: vec![16 << 10, 1 << 20],
+            large_bytes: 8 << 20,
             fanin: FaninPlan {
                 conns: vec![1, 16, 64],
                 messages: 16_384,
@@ -160,6 +173,17 @@ impl Plan {
                                         batch,
                                         asynchronous,
                                     },
+                                });
+                            }
+                        }
+                    }
+                    Bench::Large => {
+                        for &size in &self.large_sizes {
+                            let count = large::messages(size, self.large_bytes);
+                            for who in LargeWho::ALL {
+                                tasks.push(Task {
+                                    round,
+                                    what: What::Large { size, count, who },
                                 });
                             }
                         }
@@ -267,6 +291,36 @@ impl Who {
     }
 }
 
+/// Who is measured in the large-message section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LargeWho {
+    /// `ib_read_bw`: the bytes moved by RDMA read, as rendezvous moves them.
+    IbReadBw,
+    /// `ib_send_bw`: the bytes moved by send, as fragments are.
+    IbSendBw,
+    /// rdmsg, large messages sent by this path.
+    Rdmsg(Path),
+}
+
+impl LargeWho {
+    /// All, in the order each round measures them.
+    pub const ALL: [LargeWho; 4] = [
+        LargeWho::IbReadBw,
+        LargeWho::IbSendBw,
+        LargeWho::Rdmsg(Path::Rendezvous),
+        LargeWho::Rdmsg(Path::Fragmentation),
+    ];
+
+    /// `(subject, variant)` of its samples.
+    pub fn names(self) -> (&'static str, &'static str) {
+        match self {
+            LargeWho::IbReadBw => ("ib_read_bw", ""),
+            LargeWho::IbSendBw => ("ib_send_bw", ""),
+            LargeWho::Rdmsg(path) => ("rdmsg", path.name()),
+        }
+    }
+}
+
 /// One measurement.
 #[derive(Debug, Clone, Copy)]
 pub enum What {
@@ -321,6 +375,15 @@ pub enum What {
         /// Who serves them.
         server: Server,
     },
+    /// A one-way stream of large messages.
+    Large {
+        /// Payload bytes.
+        size: usize,
+        /// Messages (perftest's iterations).
+        count: usize,
+        /// Who.
+        who: LargeWho,
+    },
 }
 
 /// A measurement of a round.
@@ -359,6 +422,14 @@ impl Task {
             } => format!("async receiver batch {batch}, {}", async_name(asynchronous)),
             What::Fanin { conns, server } => {
                 format!("fanin {conns} connections, {}", server.name())
+            }
+            What::Large { size, count, who } => {
+                let (subject, variant) = who.names();
+                format!(
+                    "large {count} × {}, {subject}{}{variant}",
+                    crate::report::fmt_size(size as u64),
+                    if variant.is_empty() { "" } else { " " }
+                )
             }
         }
     }
@@ -533,6 +604,35 @@ impl Task {
                 let m = fanin::measure(server, &plan.fanin.load(conns))?;
                 fanin_samples(self.round, conns, server, &m)
             }
+            What::Large { size, count, who } => {
+                let (subject, variant) = who.names();
+                let large = |metric: &str, value| {
+                    sample(Bench::Large, subject, variant, size, 0, metric, value)
+                };
+                match who {
+                    LargeWho::IbReadBw | LargeWho::IbSendBw => {
+                        let args =
+                            ["-s", &size.to_string(), "-n", &count.to_string()].map(String::from);
+                        let out = perf.run(subject, &args)?;
+                        // The figure of the side the bytes land on, as rdmsg's is its
+                        // receiver's: `ib_read_bw`'s reading client, `ib_send_bw`'s server.
+                        let landed = if who == LargeWho::IbReadBw {
+                            &out.client
+                        } else {
+                            &out.server
+                        };
+                        vec![large("mib_per_s", perftest::parse_bw_average_mib(landed)?)]
+                    }
+                    LargeWho::Rdmsg(path) => {
+                        let m = large::stream(path, size, count)?;
+                        vec![
+                            large("mib_per_s", m.mib_per_s),
+                            large("cpu_us_per_mib", m.cpu_us_per_mib),
+                            large("cpu_all_us_per_mib", m.cpu_all_us_per_mib),
+                        ]
+                    }
+                }
+            }
             What::WakeFloor { batch } => {
                 let cpu = verbs::wake_floor(batch, plan.wake_batch_count, plan.wake_gap)?;
                 vec![sample(
@@ -680,9 +780,9 @@ mod tests {
         let plan = Plan::quick();
         let tasks = plan.tasks();
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
-        // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, 3 fan-in points
-        // × 2 servers.
-        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 6);
+        // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, large: 2 sizes
+        // × 4 subjects, 3 fan-in points × 2 servers.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 6);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -701,9 +801,57 @@ mod tests {
         let full = Plan::full();
         assert_eq!(
             full.tasks().len(),
-            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2) + 3 * 4 * 2
+            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4) + 3 * 4 * 2
         );
         assert!(full.tasks().iter().all(|t| t.round < 5));
+    }
+
+    #[test]
+    fn large_messages_run_perftest_and_both_paths_side_by_side_with_the_same_counts() {
+        let plan = Plan {
+            benches: vec![Bench::Large],
+            rounds: 2,
+            ..Plan::full()
+        };
+        let tasks = plan.tasks();
+        assert_eq!(tasks.len(), 2 * 4 * 4);
+        let points: Vec<(u32, usize, usize, LargeWho)> = tasks
+            .iter()
+            .map(|t| match t.what {
+                What::Large { size, count, who } => (t.round, size, count, who),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            &points[..4],
+            &[
+                (0, 16 << 10, 2000, LargeWho::IbReadBw),
+                (0, 16 << 10, 2000, LargeWho::IbSendBw),
+                (0, 16 << 10, 2000, LargeWho::Rdmsg(Path::Rendezvous)),
+                (0, 16 << 10, 2000, LargeWho::Rdmsg(Path::Fragmentation)),
+            ]
+        );
+        let counts: Vec<(usize, usize)> = points[..16].iter().map(|p| (p.1, p.2)).collect();
+        assert_eq!(
+            counts.iter().step_by(4).copied().collect::<Vec<_>>(),
+            [
+                (16 << 10, 2000),
+                (256 << 10, 256),
+                (1 << 20, 64),
+                (16 << 20, 8)
+            ]
+        );
+        assert_eq!(points[16].0, 1, "the next round measures every size again");
+        assert_eq!(tasks[0].describe(), "large 2000 × 16 KiB, ib_read_bw");
+        assert_eq!(
+            tasks[15].describe(),
+            "large 8 × 16 MiB, rdmsg fragmentation"
+        );
+        let only_rendezvous = Plan {
+            filter: Some("rdmsg rendezvous".into()),
+            ..plan
+        };
+        assert_eq!(only_rendezvous.tasks().len(), 2 * 4);
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub enum Bench {
     Fanin,
     /// rdmsg on tokio vs the blocking API: ping-pong, and the low-rate receiver.
     Async,
+    /// Large messages: rendezvous vs fragmentation vs `ib_read_bw` and `ib_send_bw`; values:
+    /// MiB/s, receiver CPU µs per MiB.
+    Large,
 }
 
 /// One measurement of one round.
@@ -31,9 +34,11 @@ pub enum Bench {
 pub struct Sample {
     /// The benchmark.
     pub bench: Bench,
-    /// Who was measured: `rdmsg`, `ib_send_lat`, `ib_send_bw`, `verbs-core`, `bincode`.
+    /// Who was measured: `rdmsg`, `ib_send_lat`, `ib_send_bw`, `ib_read_bw`, `verbs-core`,
+    /// `bincode`.
     pub subject: String,
-    /// Variant within the benchmark (receiver mode, codec operation), or empty.
+    /// Variant within the benchmark (receiver mode, codec operation, large messages' path), or
+    /// empty.
     pub variant: String,
     /// Message size in bytes (0 when not applicable).
     pub size: u64,
@@ -41,7 +46,8 @@ pub struct Sample {
     pub batch: u32,
     /// Round number, from 0.
     pub round: u32,
-    /// What `value` is: `us`, `mpps`, `wakeups_per_msg`, `cpu_us_per_msg`, `ns`.
+    /// What `value` is: `us`, `mpps`, `wakeups_per_msg`, `cpu_us_per_msg`, `ns`, `mib_per_s`,
+    /// `cpu_us_per_mib` (user space), `cpu_all_us_per_mib` (kernel included).
     pub metric: String,
     /// The measured value.
     pub value: f64,

@@ -8,7 +8,9 @@ use serde::Deserialize;
 
 pub use crate::bounded::MAX_DEPTH;
 use crate::bounded::{Bounded, Budget};
-use crate::frame::{self, Header, Reassembler, FIRST, HEADER_LEN, LAST};
+use crate::bulk::Piece;
+use crate::frame::{self, Header, Reassembler, DONE, FIRST, HEADER_LEN, LAST, RNDV};
+use crate::rendezvous::{self, Descriptor, ReadBuf};
 use crate::{DecodeFailure, Error, Message, Result};
 
 /// Largest message (reassembled body, and decoded value) accepted by default: 16 MiB.
@@ -61,6 +63,17 @@ pub fn encode_fragments<M: Message>(
         tag: M::TAG,
         source,
     })?;
+    fragment(&body, M::TAG, seq, frame_max, max_message)
+}
+
+/// Cuts an encoded body into frames of at most `frame_max` bytes each.
+pub fn fragment(
+    body: &[u8],
+    tag: u32,
+    seq: u32,
+    frame_max: usize,
+    max_message: usize,
+) -> Result<Vec<Vec<u8>>> {
     if body.len() > max_message {
         return Err(Error::TooLarge {
             len: body.len(),
@@ -85,9 +98,18 @@ pub fn encode_fragments<M: Message>(
         if i + 1 == count {
             flags |= LAST;
         }
-        frames.push(frame::build(flags, M::TAG, seq, i as u16, part));
+        frames.push(frame::build(flags, tag, seq, i as u16, part));
     }
     Ok(frames)
+}
+
+/// Encodes `m` into pieces whose concatenation is its body, [`crate::Bulk`] payloads left
+/// by reference (see [`crate::bulk::Piece`]).
+pub fn encode_pieces<M: Message>(m: &M) -> Result<Vec<Piece>> {
+    crate::bulk::encode_pieces(m, config()).map_err(|source| Error::Encode {
+        tag: M::TAG,
+        source,
+    })
 }
 
 /// Decodes a message body into an owned value holding at most `max` bytes in its strings and
@@ -144,15 +166,40 @@ pub enum FrameBytes {
     Received(rdmsg_transport::Received),
     /// Owned bytes.
     Owned(Vec<u8>),
+    /// A message's body read by rendezvous into a registered buffer, returned to its pool
+    /// when dropped (no header: the descriptor carried it).
+    Read(ReadBuf),
 }
 
 impl FrameBytes {
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             FrameBytes::Received(r) => r,
             FrameBytes::Owned(v) => v,
+            FrameBytes::Read(r) => r.bytes(),
         }
     }
+}
+
+/// What one frame came to ([`Decoder::take`]).
+#[derive(Debug)]
+pub enum Decoded {
+    /// A whole message.
+    Message(Envelope),
+    /// Nothing yet (a fragment stored or dropped with its message, a nudge).
+    Nothing,
+    /// A rendezvous descriptor: message `seq` of type `tag` waits to be read (its tag was
+    /// checked against the registered types).
+    Rendezvous {
+        /// The message's tag.
+        tag: u32,
+        /// Its sequence number.
+        seq: u32,
+        /// Where it is.
+        descriptor: Descriptor,
+    },
+    /// The peer is done reading these messages of ours.
+    Done(Vec<u32>),
 }
 
 /// A received message: its tag and body, still encoded. Single-frame messages keep their
@@ -291,10 +338,46 @@ impl Decoder {
         }
     }
 
-    /// Takes one frame. `Ok(None)`: a fragment was stored or dropped with its message, or the
-    /// frame carried no message.
+    /// Takes one frame. `Ok(None)`: a fragment was stored or dropped with its message, the
+    /// frame carried no message, or it was a rendezvous frame (see [`Decoder::take`], which
+    /// hands those out).
     pub fn push(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
+        Ok(match self.take(frame)? {
+            Decoded::Message(env) => Some(env),
+            _ => None,
+        })
+    }
+
+    /// A message read by rendezvous: its body, under the tag and number its descriptor gave.
+    pub fn read_message(&self, tag: u32, seq: u32, body: ReadBuf) -> Envelope {
+        self.envelope(tag, seq, FrameBytes::Read(body), 0)
+    }
+
+    /// Takes one frame: a message, nothing yet, or a rendezvous frame. A descriptor or an
+    /// acknowledgement does not disturb a message being reassembled (they may come between
+    /// its fragments). A descriptor that does not parse, or of a tag not registered, is an
+    /// error (the caller still acknowledges it, so that the sender frees its memory).
+    pub fn take(&mut self, frame: FrameBytes) -> Result<Decoded> {
         let (h, body) = frame::parse(frame.bytes())?;
+        if h.flags & DONE != 0 {
+            return Ok(Decoded::Done(rendezvous::parse_done(body)?));
+        }
+        if h.flags & RNDV != 0 {
+            self.check_tag(h.tag)?;
+            return Ok(Decoded::Rendezvous {
+                tag: h.tag,
+                seq: h.seq,
+                descriptor: Descriptor::parse(body)?,
+            });
+        }
+        self.take_message(h, frame).map(|m| match m {
+            Some(env) => Decoded::Message(env),
+            None => Decoded::Nothing,
+        })
+    }
+
+    fn take_message(&mut self, h: Header, frame: FrameBytes) -> Result<Option<Envelope>> {
+        let body = &frame.bytes()[HEADER_LEN..];
         if h.flags & FIRST != 0 {
             self.skipping = None;
         } else if let Some((tag, seq)) = self.skipping {

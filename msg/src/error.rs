@@ -52,6 +52,16 @@ pub enum Error {
         /// The message's tag.
         got: u32,
     },
+    /// A message sent by rendezvous could not be read (the connection failed under the read,
+    /// or the sender's memory was not what its descriptor said): the message is lost, and
+    /// the connection's failure follows.
+    #[error("message {seq} (tag {tag:#010x}) could not be read from the peer")]
+    ReadFailed {
+        /// Its tag.
+        tag: u32,
+        /// Its sequence number.
+        seq: u32,
+    },
     /// A message larger than the configured bound.
     #[error("message of {len} bytes exceeds {max} bytes")]
     TooLarge {
@@ -128,6 +138,7 @@ impl Error {
             | Error::ReceiverGone(_)
             | Error::NoPeer(_)
             | Error::WrongType { .. }
+            | Error::ReadFailed { .. }
             | Error::TooLarge { .. } => false,
         }
     }

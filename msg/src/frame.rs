@@ -19,6 +19,12 @@ pub const HEADER_LEN: usize = 20;
 pub const FIRST: u8 = 0x01;
 /// Flag: last fragment of a message.
 pub const LAST: u8 = 0x02;
+/// Flag: a rendezvous descriptor (with [`FIRST`] and [`LAST`]): the body says where the
+/// message waits in the sender's memory for us to read it (see the `rendezvous` module).
+pub const RNDV: u8 = 0x04;
+/// Flag: a rendezvous acknowledgement (with [`FIRST`] and [`LAST`], tag 0): the body lists
+/// the sequence numbers of messages the receiver is done reading.
+pub const DONE: u8 = 0x08;
 
 /// A frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +76,9 @@ pub enum FrameError {
     /// A reassembled message would exceed the configured bound.
     #[error("message exceeds {0} bytes")]
     TooLarge(usize),
+    /// A rendezvous descriptor or acknowledgement that cannot be taken apart.
+    #[error("bad rendezvous frame: {0}")]
+    Rendezvous(&'static str),
 }
 
 impl Header {
@@ -114,7 +123,11 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
         return Err(FrameError::BadVersion(frame[2]));
     }
     let flags = frame[3];
-    if flags & !(FIRST | LAST) != 0 || frame[14..16] != [0, 0] {
+    if flags & !(FIRST | LAST | RNDV | DONE) != 0 || frame[14..16] != [0, 0] {
+        return Err(FrameError::Reserved);
+    }
+    if flags & (RNDV | DONE) != 0 && !matches!(flags, 0x07 | 0x0b) {
+        // A descriptor or an acknowledgement is one whole frame, and not both.
         return Err(FrameError::Reserved);
     }
     let u32_at =

@@ -1,6 +1,7 @@
 //! Typed messages to and from many peers, served by one thread: the many-peer counterpart of
 //! [`crate::Session`] over a transport [`rdmsg_transport::Hub`].
 
+use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
@@ -8,7 +9,8 @@ use std::time::{Duration, Instant};
 use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId};
 
 use crate::codec::{Decoder, Envelope, FrameBytes};
-use crate::peer::{self, HubLink, PeerTable, Receiver, Sender};
+use crate::peer::{self, HubLink, Link, PeerTable, Receiver, Sender};
+use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
 
 /// What happened in a [`Hub`]. Per peer, events come in order: `Connected`, its messages and
@@ -116,6 +118,15 @@ pub struct Hub {
     unflushed: Vec<PeerId>,
     /// When an event loop should step again for a pending flush (see [`Hub::next_timeout`]).
     retry_at: Option<Instant>,
+    /// Transport events a send took in while it waited for rendezvous room: taken before
+    /// the transport's next ones.
+    stash: VecDeque<rdmsg_transport::HubEvent>,
+    /// Typed events ready to be returned, in order.
+    ready: VecDeque<HubEvent>,
+    /// The registered buffers rendezvous reads land in, shared by every peer.
+    pool: ReadPool,
+    /// Peers with descriptors waiting for buffer room or a send slot.
+    reads_waiting: Vec<PeerId>,
 }
 
 impl Hub {
@@ -137,7 +148,15 @@ impl Hub {
     /// Typed messages over a transport hub. Its connections so far are taken up as they
     /// show themselves (an event, a send).
     pub fn from_transport(transport: rdmsg_transport::Hub, config: SessionConfig) -> Self {
+        let pool = ReadPool::new(config.max_rendezvous_bytes);
+        if let Ok(waker) = transport.waker() {
+            // A read buffer given back on another thread while a descriptor waits for room
+            // wakes the hub.
+            pool.set_waker(waker);
+        }
         Self {
+            pool,
+            reads_waiting: Vec::new(),
             transport,
             registry: Decoder::new(config.max_message),
             config,
@@ -145,6 +164,8 @@ impl Hub {
             departed: SessionStats::default(),
             unflushed: Vec::new(),
             retry_at: None,
+            stash: VecDeque::new(),
+            ready: VecDeque::new(),
         }
     }
 
@@ -304,6 +325,10 @@ impl Hub {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
+            if let Some(ev) = self.take_ready() {
+                return Ok(Some(ev));
+            }
+            self.advance_reads();
             let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if !self.unflushed.is_empty() {
                 if let Some(ev) = self.try_recv()? {
@@ -326,9 +351,56 @@ impl Hub {
                 }
                 return Ok(None);
             };
-            if let Some(ev) = self.take(raw) {
-                return Ok(Some(ev));
+            self.take(raw);
+        }
+    }
+
+    /// The next typed event ready, taking in what a waiting send stashed first.
+    fn take_ready(&mut self) -> Option<HubEvent> {
+        while self.ready.is_empty() {
+            let raw = self.stash.pop_front()?;
+            self.take(raw);
+        }
+        self.ready.pop_front()
+    }
+
+    /// Posts the reads that wait for buffer room or a send slot, for every peer.
+    fn advance_reads(&mut self) {
+        for peer in std::mem::take(&mut self.reads_waiting) {
+            self.collect(peer);
+        }
+    }
+
+    /// After `peer`'s receiving side took something in: posts its waiting reads, hands
+    /// acknowledgements over (ours go out as they can), and queues its messages that are
+    /// ready, in order.
+    fn collect(&mut self, peer: PeerId) {
+        let Some((state, mut link)) = self.split(peer) else {
+            return;
+        };
+        // A failing peer: its Disconnected event tells.
+        let _ = state.receiver.advance(&mut link);
+        let frame_max = link.max_message().unwrap_or(0);
+        if peer::exchange_acks(&mut state.sender, &mut state.receiver, frame_max) {
+            let _ = state.sender.pump(&mut link);
+        }
+        let list = state.sender.queued_frames() > 0 && !state.listed;
+        state.listed |= list;
+        if state.receiver.has_waiting() && !self.reads_waiting.contains(&peer) {
+            self.reads_waiting.push(peer);
+        }
+        let mut out = std::mem::take(&mut self.ready);
+        if let Some(state) = self.peers.get_mut(peer) {
+            while let Some(r) = state.receiver.pop() {
+                out.push_back(match r {
+                    Ok(msg) => HubEvent::Message { peer, msg },
+                    Err(error) => HubEvent::BadFrame { peer, error },
+                });
             }
+        }
+        self.ready = out;
+        if list {
+            self.unflushed.push(peer);
         }
     }
 
@@ -336,12 +408,15 @@ impl Hub {
     /// [`AsFd`]: call it until `Ok(None)` whenever the hub's descriptor is readable, and at
     /// least every [`rdmsg_transport::Hub::next_timeout`]).
     pub fn try_recv(&mut self) -> Result<Option<HubEvent>> {
-        while let Some(raw) = self.transport.try_event()? {
-            if let Some(ev) = self.take(raw) {
+        loop {
+            if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
             }
+            match self.transport.try_event()? {
+                Some(raw) => self.take(raw),
+                None => return Ok(None),
+            }
         }
-        Ok(None)
     }
 
     /// The events, until the hub's own failure (which [`Hub::recv`] then reports).
@@ -349,21 +424,28 @@ impl Hub {
         std::iter::from_fn(move || self.recv().ok()).fuse()
     }
 
-    /// Turns a transport event into a typed one, keeping per-peer state: `None` for a frame
-    /// that completed nothing (a fragment, a nudge).
-    fn take(&mut self, raw: rdmsg_transport::HubEvent) -> Option<HubEvent> {
+    /// Turns a transport event into typed ones (queued in [`Hub::ready`]), keeping per-peer
+    /// state: none for a frame that completed nothing (a fragment, a nudge, a descriptor
+    /// whose read is under way).
+    fn take(&mut self, raw: rdmsg_transport::HubEvent) {
         use rdmsg_transport::HubEvent as Raw;
-        Some(match raw {
+        let ev = match raw {
             Raw::Connected { peer, accepted } => {
                 self.state(peer);
                 HubEvent::Connected { peer, accepted }
             }
             Raw::Message { peer, msg } => {
-                match self.state(peer).receiver.take(FrameBytes::Received(msg)) {
-                    Ok(Some(msg)) => HubEvent::Message { peer, msg },
-                    Ok(None) => return None,
-                    Err(error) => HubEvent::BadFrame { peer, error },
+                self.state(peer).receiver.arrive(FrameBytes::Received(msg));
+                return self.collect(peer);
+            }
+            Raw::Read { peer, read } => {
+                // A read of a peer already gone was counted out of the pool with it: its
+                // buffer is dropped.
+                if let Some(state) = self.peers.get_mut(peer) {
+                    state.receiver.read_done(read);
+                    self.collect(peer);
                 }
+                return;
             }
             Raw::Disconnected { peer, failure } => {
                 if let Some(gone) = self.peers.remove(peer) {
@@ -380,7 +462,8 @@ impl Hub {
                     error: error.into(),
                 }
             }
-        })
+        };
+        self.ready.push_back(ev);
     }
 
     /// `peer`'s state, made on first sight: normally at its `Connected`, but also when that
@@ -392,7 +475,7 @@ impl Hub {
             let depth = self.transport.peer_hello(peer).map_or(0, |h| h.recv_depth);
             let fresh = PeerState {
                 sender: Sender::new(&self.config, depth),
-                receiver: Receiver::new(self.registry.fresh()),
+                receiver: Receiver::new(self.registry.fresh(), self.pool.clone()),
                 listed: false,
             };
             // A slot reused before its previous peer's `Disconnected` came through here.
@@ -426,12 +509,42 @@ impl Hub {
             self.transport.send_with(peer, false, timeout, |_| None)?;
         }
         self.state(peer);
-        let (state, mut link) = self.split(peer).expect("made above");
-        let out = f(&mut state.sender, &mut link);
-        let list = (state.sender.pending() || state.sender.queued_frames() > 0) && !state.listed;
-        state.listed |= list;
+        // Events an earlier wait stashed go to their peers first: this peer's older ones must
+        // come before what this send's wait takes in.
+        while let Some(raw) = self.stash.pop_front() {
+            self.take(raw);
+        }
+        self.state(peer);
+        let Self {
+            transport,
+            peers,
+            stash,
+            ..
+        } = self;
+        let PeerState {
+            sender,
+            receiver,
+            listed,
+        } = peers.get_mut(peer).expect("made above");
+        let mut link = HubLink {
+            hub: transport,
+            peer,
+            stash: Some(stash),
+            receiver: Some(receiver),
+        };
+        let out = f(sender, &mut link);
+        let list = (sender.pending() || sender.queued_frames() > 0) && !*listed;
+        *listed |= list;
         if list {
             self.unflushed.push(peer);
+        }
+        // What a wait for rendezvous room took in for this peer.
+        if self
+            .peers
+            .get(peer)
+            .is_some_and(|s| s.receiver.has_ready() || s.receiver.has_acks())
+        {
+            self.collect(peer);
         }
         out
     }
@@ -446,6 +559,8 @@ impl Hub {
             HubLink {
                 hub: transport,
                 peer,
+                stash: None,
+                receiver: None,
             },
         ))
     }
@@ -524,13 +639,16 @@ impl Hub {
     /// ([`rdmsg_transport::Hub::step`]); take its events with [`Hub::try_recv`]. Wait at most
     /// [`Hub::next_timeout`] before the next step.
     pub fn step(&mut self) -> Result<usize> {
+        let queued = self.ready.len();
+        self.advance_reads();
         let (stuck, nearest) = self.flush_before_wait();
         self.retry_at = if stuck {
             Some(Instant::now() + UNFLUSHED_RETRY)
         } else {
             nearest
         };
-        Ok(self.transport.step()?)
+        // Events this step queued count as work (those queued before were counted then).
+        Ok(self.transport.step()? + self.ready.len().saturating_sub(queued))
     }
 
     /// See [`rdmsg_transport::Hub::resume`]: after a wait on the descriptor, when nobody else

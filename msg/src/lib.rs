@@ -82,6 +82,7 @@
 #![deny(missing_docs)]
 
 mod bounded;
+mod bulk;
 pub mod codec;
 mod dispatch;
 mod drive;
@@ -91,15 +92,17 @@ mod hub;
 mod message;
 mod peer;
 pub mod policy;
+pub mod rendezvous;
 mod session;
 mod split;
 
+pub use bulk::{Bulk, Piece};
 pub use codec::Envelope;
 pub use dispatch::{DispatchStats, Dispatcher};
 pub use error::{DecodeFailure, Error, Result};
 pub use hub::{Hub, HubEvent};
 pub use message::{tag, Message};
-pub use session::{Session, SessionConfig, SessionStats};
+pub use session::{Session, SessionConfig, SessionStats, DEFAULT_RENDEZVOUS_THRESHOLD};
 pub use split::{RecvHalf, SendHalf};
 
 #[doc(hidden)]

@@ -5,11 +5,16 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use rdmsg_transport::{Connection, PeerId};
+use bytes::Bytes;
+use rdmsg_transport::{
+    Arrival, Buffer, Connection, Exposed, PeerId, ReadDone, ReadPost, ReadSegment,
+};
 
-use crate::codec::{self, Decoder, Envelope, FrameBytes, NUDGE_TAG};
+use crate::bulk::Piece;
+use crate::codec::{self, Decoded, Decoder, Envelope, FrameBytes, NUDGE_TAG};
 use crate::frame::{self, FIRST, LAST};
 use crate::policy::SolicitPolicy;
+use crate::rendezvous::{self, Descriptor, Lent, ReadBuf, ReadPool, Segment};
 use crate::{Message, Result, SessionConfig, SessionStats};
 
 /// Where a [`Sender`]'s frames go: a connection, or one peer of a transport hub.
@@ -26,6 +31,27 @@ pub(crate) trait Link {
 
     /// The largest frame the peer accepts.
     fn max_message(&self) -> rdmsg_transport::Result<usize>;
+
+    /// Exposes `bytes` to the peer's RDMA reads, under a key of their own.
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed>;
+
+    /// Registers `len` bytes that reads may land in.
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer>;
+
+    /// Posts RDMA reads of the peer's memory into `into`.
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost>;
+
+    /// Waits at most `timeout` for anything to arrive and hands it to the receiving side
+    /// (which reads what the peer lends us meanwhile, so that two peers each waiting for the
+    /// other's acknowledgement both go on): how a send short of rendezvous room waits.
+    /// `None` if this link cannot wait so (a send then finds no room and does not wait).
+    fn absorb(&mut self, _timeout: Option<Duration>) -> Result<Option<Absorbed>> {
+        Ok(None)
+    }
 
     /// Sends one frame, waiting at most `timeout` as [`Link::send_with`] does; `Ok(false)`
     /// if nothing came in time (nothing sent).
@@ -59,6 +85,114 @@ impl Link for Connection {
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         Ok(Connection::max_message(self))
     }
+
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
+        Connection::expose(self, bytes)
+    }
+
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
+        Connection::register(self, len)
+    }
+
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost> {
+        Connection::post_read(self, into, segments)
+    }
+}
+
+/// What [`Link::absorb`] took in: acknowledgements each way.
+#[derive(Debug, Default)]
+pub(crate) struct Absorbed {
+    /// The peer is done reading these messages of ours.
+    pub(crate) acked: Vec<u32>,
+    /// We are done reading these messages of the peer's: to be told.
+    pub(crate) acks: Vec<u32>,
+}
+
+impl Absorbed {
+    fn from(receiver: &mut Receiver) -> Self {
+        Self {
+            acked: receiver.take_acked(),
+            acks: receiver.take_acks(),
+        }
+    }
+}
+
+/// A session's connection with its receiving side, for a send that may wait for room
+/// ([`Link::absorb`]).
+#[derive(Debug)]
+pub(crate) struct Absorbing<'a> {
+    pub(crate) conn: &'a mut Connection,
+    pub(crate) receiver: &'a mut Receiver,
+}
+
+impl Link for Absorbing<'_> {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        self.conn.send_with(solicited, timeout, fill)
+    }
+
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        self.conn.send_timeout(frame, solicited, timeout)
+    }
+
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        Ok(self.conn.max_message())
+    }
+
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
+        self.conn.expose(bytes)
+    }
+
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
+        self.conn.register(len)
+    }
+
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost> {
+        self.conn.post_read(into, segments)
+    }
+
+    fn absorb(&mut self, timeout: Option<Duration>) -> Result<Option<Absorbed>> {
+        if let Some(a) = self.conn.recv_any_timeout(timeout)? {
+            self.receiver.accept(a);
+        }
+        self.receiver.advance(self.conn)?;
+        Ok(Some(Absorbed::from(self.receiver)))
+    }
+}
+
+/// Encoded pieces that travel inside a descriptor at most (larger ones are exposed).
+const INLINE_PIECE: usize = 1024;
+
+/// The pieces of a message, joined: its body.
+fn concat(pieces: Vec<Piece>) -> Vec<u8> {
+    match <[Piece; 1]>::try_from(pieces) {
+        Ok([Piece::Encoded(v)]) => v,
+        Ok([p]) => p.bytes().to_vec(),
+        Err(pieces) => {
+            let mut all = Vec::with_capacity(pieces.iter().map(Piece::len).sum());
+            for p in &pieces {
+                all.extend_from_slice(p.bytes());
+            }
+            all
+        }
+    }
 }
 
 /// What a send bounded by a timeout came to: `Ok(false)` if it timed out (nothing sent).
@@ -75,6 +209,11 @@ pub(crate) fn in_time(sent: Result<()>) -> Result<bool> {
 pub(crate) struct HubLink<'a> {
     pub(crate) hub: &'a mut rdmsg_transport::Hub,
     pub(crate) peer: PeerId,
+    /// Where a waiting send keeps the events of other peers it takes (see
+    /// [`Link::absorb`]), and this peer's receiving side; `None`: it does not wait for
+    /// rendezvous room.
+    pub(crate) stash: Option<&'a mut VecDeque<rdmsg_transport::HubEvent>>,
+    pub(crate) receiver: Option<&'a mut Receiver>,
 }
 
 impl Link for HubLink<'_> {
@@ -99,6 +238,68 @@ impl Link for HubLink<'_> {
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         self.hub.max_message(self.peer)
     }
+
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
+        self.hub.expose(bytes)
+    }
+
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
+        self.hub.register(len)
+    }
+
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost> {
+        self.hub.post_read(self.peer, into, segments)
+    }
+
+    fn absorb(&mut self, timeout: Option<Duration>) -> Result<Option<Absorbed>> {
+        let (Some(stash), Some(receiver)) = (self.stash.take(), self.receiver.take()) else {
+            return Ok(None);
+        };
+        let taken = self.hub.next_event(timeout);
+        let out = match taken {
+            Err(e) => Err(e.into()),
+            Ok(ev) => {
+                let gone = match ev {
+                    Some(rdmsg_transport::HubEvent::Message { peer, msg }) if peer == self.peer => {
+                        receiver.arrive(FrameBytes::Received(msg));
+                        None
+                    }
+                    Some(rdmsg_transport::HubEvent::Read { peer, read }) if peer == self.peer => {
+                        receiver.read_done(read);
+                        None
+                    }
+                    Some(other) => {
+                        // Others' events wait for the hub's next call; this peer's end ends
+                        // the wait.
+                        let gone = match &other {
+                            rdmsg_transport::HubEvent::Disconnected { peer, failure }
+                                if *peer == self.peer =>
+                            {
+                                Some(*failure)
+                            }
+                            _ => None,
+                        };
+                        stash.push_back(other);
+                        gone
+                    }
+                    None => None,
+                };
+                match gone {
+                    Some(f) => Err(rdmsg_transport::Error::from(f).into()),
+                    None => receiver
+                        .advance(self)
+                        .map(|()| Some(Absorbed::from(receiver))),
+                }
+            }
+        };
+        self.stash = Some(stash);
+        self.receiver = Some(receiver);
+        out
+    }
 }
 
 /// The sending side of one connection: the next sequence number, the solicitation policy,
@@ -110,9 +311,14 @@ pub(crate) struct Sender {
     max_message: usize,
     stats: SessionStats,
     /// Frames of a fragmented message committed by a non-blocking send (its sequence number
-    /// taken, its first frame gone) that are still to go, each with its solicitation. They
-    /// go before anything else, whoever drives the link next.
+    /// taken, its first frame gone) that are still to go, each with its solicitation, and
+    /// rendezvous acknowledgements. They go before anything else, whoever drives the link
+    /// next.
     outgoing: VecDeque<(Vec<u8>, bool)>,
+    /// Encoded messages at least this long go by rendezvous (`None`: never).
+    rendezvous_threshold: Option<usize>,
+    /// Messages the peer may be reading.
+    lent: Lent,
 }
 
 impl Sender {
@@ -127,7 +333,125 @@ impl Sender {
             max_message: config.max_message,
             stats: SessionStats::default(),
             outgoing: VecDeque::new(),
+            rendezvous_threshold: config.rendezvous_threshold,
+            lent: Lent::new(config.max_rendezvous_bytes),
         }
+    }
+
+    /// A message too large for one frame, encoded once into pieces ([`Bulk`](crate::Bulk)
+    /// payloads by reference), and its length, within `max_message`.
+    fn encode_large<M: Message>(&self, m: &M) -> Result<(Vec<Piece>, usize)> {
+        let pieces = codec::encode_pieces(m)?;
+        let total: usize = pieces.iter().map(Piece::len).sum();
+        if total > self.max_message {
+            return Err(crate::Error::TooLarge {
+                len: total,
+                max: self.max_message,
+            });
+        }
+        Ok((pieces, total))
+    }
+
+    /// Whether a message of `total` encoded bytes goes by rendezvous.
+    fn by_rendezvous(&self, total: usize) -> bool {
+        self.rendezvous_threshold.is_some_and(|t| total >= t)
+            && total <= self.lent.max()
+            && u32::try_from(total).is_ok()
+    }
+
+    /// The peer is done reading these messages: their exposures end.
+    pub(crate) fn acknowledged(&mut self, seqs: &[u32]) {
+        for &seq in seqs {
+            if !self.lent.done(seq) {
+                self.stats.stray_acks += 1;
+            }
+        }
+    }
+
+    /// Messages the peer may still be reading.
+    pub(crate) fn lent(&self) -> usize {
+        self.lent.count()
+    }
+
+    /// Queues acknowledgements of messages we are done reading, solicited (the peer may wait
+    /// for room), to go with the next frames sent.
+    pub(crate) fn queue_acks(&mut self, seqs: &[u32], frame_max: usize) {
+        for f in rendezvous::done_frames(seqs, frame_max) {
+            self.outgoing.push_back((f, true));
+        }
+    }
+
+    /// Sends `pieces` (message `seq` of type `tag`, `total` bytes) by rendezvous: exposes
+    /// what does not travel in the descriptor, then sends the descriptor, solicited, waiting
+    /// at most `timeout` for a credit. `Ok(false)`: not sent (nothing exposed any more).
+    /// `Err` with nothing sent if the descriptor cannot fit a frame.
+    #[allow(clippy::too_many_arguments)]
+    fn send_rendezvous(
+        &mut self,
+        link: &mut impl Link,
+        tag: u32,
+        seq: u32,
+        mut pieces: Vec<Piece>,
+        total: usize,
+        requested: bool,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        let frame_max = link.max_message()?;
+        if pieces.len() > rendezvous::MAX_PIECES {
+            // Too many payloads to name one by one: copy them into one piece.
+            let mut all = Vec::with_capacity(total);
+            for p in &pieces {
+                all.extend_from_slice(p.bytes());
+            }
+            pieces = vec![Piece::Encoded(all)];
+        }
+        // Small encoded pieces travel in the descriptor, as far as the frame allows.
+        let fixed = frame::HEADER_LEN + 8 + 17 * pieces.len();
+        let mut room = frame_max.saturating_sub(fixed);
+        let mut segments = Vec::with_capacity(pieces.len());
+        let mut exposed = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Encoded(v) if v.len() + 5 <= room && v.len() <= INLINE_PIECE => {
+                    room -= v.len() + 5;
+                    segments.push(Segment::Inline(v));
+                }
+                other => {
+                    let bytes = match other {
+                        Piece::Encoded(v) => Bytes::from(v),
+                        Piece::Bulk(b) => b,
+                    };
+                    let e = link.expose(bytes)?;
+                    segments.push(Segment::Remote {
+                        len: e.len() as u32,
+                        addr: e.addr(),
+                        rkey: e.rkey(),
+                    });
+                    exposed.push(e);
+                }
+            }
+        }
+        let descriptor = Descriptor {
+            total: total as u32,
+            segments,
+        };
+        let mut len = 0;
+        let sent = link.send_with(true, timeout, |buf| {
+            len = descriptor.write_frame(tag, seq, buf)?;
+            Some(len)
+        })?;
+        if !sent {
+            return Ok(false);
+        }
+        self.lent.lend(seq, exposed, total);
+        self.stats.rendezvous_sent += 1;
+        self.finish(true, requested, len, 1);
+        Ok(true)
+    }
+
+    /// Whether a descriptor of `pieces` can fit in a frame of `frame_max` bytes.
+    fn descriptor_fits(pieces: usize, frame_max: usize) -> bool {
+        frame::HEADER_LEN + 8 + 17 * pieces.min(rendezvous::MAX_PIECES) <= frame_max
     }
 
     /// Sends `m`, solicited as asked or as the policy forces: straight into a registered send
@@ -168,7 +492,41 @@ impl Sender {
             self.finish(want, solicited, single.unwrap_or(0), 1);
             return Ok(());
         }
-        let frames = codec::encode_fragments(m, seq, link.max_message()?, self.max_message)?;
+        let (pieces, total) = self.encode_large(m)?;
+        let frame_max = link.max_message()?;
+        if self.by_rendezvous(total) && Self::descriptor_fits(pieces.len(), frame_max) {
+            // A timeout too long to add to the clock is no deadline at all.
+            let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
+            let timed_out = || rdmsg_transport::Error::Timeout(first_timeout.unwrap_or_default());
+            while !self.lent.has_room(total) {
+                let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                if left == Some(Duration::ZERO) {
+                    return Err(timed_out().into());
+                }
+                self.stats.rendezvous_waits += 1;
+                match link.absorb(left)? {
+                    Some(got) => {
+                        self.acknowledged(&got.acked);
+                        self.queue_acks(&got.acks, frame_max);
+                        self.pump(link)?;
+                    }
+                    None => return Err(timed_out().into()),
+                }
+            }
+            return match self.send_rendezvous(
+                link,
+                M::TAG,
+                seq,
+                pieces,
+                total,
+                solicited,
+                first_timeout,
+            )? {
+                true => Ok(()),
+                false => Err(timed_out().into()),
+            };
+        }
+        let frames = codec::fragment(&concat(pieces), M::TAG, seq, frame_max, self.max_message)?;
         let count = frames.len();
         let mut bytes = 0;
         for (i, f) in frames.iter().enumerate() {
@@ -217,7 +575,19 @@ impl Sender {
         if !asked {
             return Ok(false);
         }
-        let frames = codec::encode_fragments(m, seq, link.max_message()?, self.max_message)?;
+        let (pieces, total) = self.encode_large(m)?;
+        let frame_max = link.max_message()?;
+        if self.by_rendezvous(total) && Self::descriptor_fits(pieces.len(), frame_max) {
+            if !self.lent.has_room(total) {
+                return Ok(false);
+            }
+            let zero = Some(Duration::ZERO);
+            return match self.send_rendezvous(link, M::TAG, seq, pieces, total, solicited, zero) {
+                Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+                other => other,
+            };
+        }
+        let frames = codec::fragment(&concat(pieces), M::TAG, seq, frame_max, self.max_message)?;
         let count = frames.len();
         let mut frames = frames.into_iter().enumerate();
         let (_, first) = frames.next().expect("a message has a first frame");
@@ -366,21 +736,61 @@ impl Sender {
     }
 }
 
-/// The receiving side of one connection: its decoder (reassembly, registered tags) and the
-/// receive counters of [`SessionStats`].
+/// The receiving side of one connection: its decoder (reassembly, registered tags), the
+/// rendezvous reads under way, and the receive counters of [`SessionStats`]. Messages come
+/// out in their sequence order, a message being read holding back those after it.
 #[derive(Debug)]
 pub(crate) struct Receiver {
     decoder: Decoder,
     received: u64,
     dropped_frames: u64,
+    rendezvous_received: u64,
+    /// Messages (or the errors of dropped frames) in order; some still being read.
+    order: VecDeque<Slot>,
+    /// Descriptors whose reads are not posted yet (no buffer room, or no send slot).
+    waiting: VecDeque<WaitingRead>,
+    /// Reads posted: read id → (seq, tag, length, the buffer's size).
+    reading: std::collections::HashMap<u64, (u32, u32, usize, usize)>,
+    /// Our reads that finished: their senders are to be told.
+    acks: Vec<u32>,
+    /// The peer's acknowledgements of our messages, for the sender.
+    acked: Vec<u32>,
+    pool: ReadPool,
 }
 
+#[derive(Debug)]
+enum Slot {
+    Ready(Result<Envelope>),
+    Reading(u32),
+}
+
+#[derive(Debug)]
+struct WaitingRead {
+    seq: u32,
+    tag: u32,
+    descriptor: Descriptor,
+}
+
+/// Most messages a receiver reads at once (the queue pair keeps up to 16 reads in flight).
+const MAX_READS_POSTED: usize = 8;
+
+/// Most descriptors a receiver keeps waiting for room: an honest sender's are bounded by its
+/// own room; beyond this one is refused (and acknowledged).
+const MAX_WAITING_READS: usize = 1024;
+
 impl Receiver {
-    pub(crate) fn new(decoder: Decoder) -> Self {
+    pub(crate) fn new(decoder: Decoder, pool: ReadPool) -> Self {
         Self {
             decoder,
             received: 0,
             dropped_frames: 0,
+            rendezvous_received: 0,
+            order: VecDeque::new(),
+            waiting: VecDeque::new(),
+            reading: std::collections::HashMap::new(),
+            acks: Vec::new(),
+            acked: Vec::new(),
+            pool,
         }
     }
 
@@ -388,21 +798,231 @@ impl Receiver {
         self.decoder.register::<M>()
     }
 
-    /// Takes one frame: a message once complete, `None` for a stored fragment or a nudge, or
-    /// the typed error of a frame that was dropped (counted).
+    /// Takes one frame: a message (or the typed error of a frame that was dropped, counted)
+    /// joins the queue in order; a descriptor queues its read; an acknowledgement is kept for
+    /// the sender ([`Receiver::take_acked`]).
+    #[cfg(test)]
     pub(crate) fn take(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
-        match self.decoder.push(frame) {
-            Ok(Some(env)) => {
+        self.arrive(frame);
+        self.pop().transpose()
+    }
+
+    /// Takes what a connection handed out.
+    pub(crate) fn accept(&mut self, a: Arrival) {
+        match a {
+            Arrival::Message(m) => self.arrive(FrameBytes::Received(m)),
+            Arrival::Read(r) => self.read_done(r),
+        }
+    }
+
+    /// [`Receiver::take`] without taking the next message out.
+    pub(crate) fn arrive(&mut self, frame: FrameBytes) {
+        let descriptor_seq = frame::parse(frame.bytes())
+            .ok()
+            .filter(|(h, _)| h.flags & frame::RNDV != 0)
+            .map(|(h, _)| h.seq);
+        match self.decoder.take(frame) {
+            Ok(Decoded::Message(env)) => {
                 self.received += 1;
-                Ok(Some(env))
+                self.order.push_back(Slot::Ready(Ok(env)));
             }
-            Ok(None) => Ok(None),
+            Ok(Decoded::Nothing) => {}
+            Ok(Decoded::Done(seqs)) => self.acked.extend(seqs),
+            Ok(Decoded::Rendezvous {
+                tag,
+                seq,
+                descriptor,
+            }) => self.on_descriptor(tag, seq, descriptor),
             Err(e) => {
-                self.dropped_frames += 1;
-                Err(e)
+                // A descriptor refused is acknowledged all the same: its sender frees it.
+                self.acks.extend(descriptor_seq);
+                self.drop_frame(e);
             }
         }
     }
+
+    fn drop_frame(&mut self, e: crate::Error) {
+        self.dropped_frames += 1;
+        self.order.push_back(Slot::Ready(Err(e)));
+    }
+
+    fn on_descriptor(&mut self, tag: u32, seq: u32, descriptor: Descriptor) {
+        let len = descriptor.total as usize;
+        let max = self.decoder.max_message().min(self.pool.max());
+        if len > max {
+            self.acks.push(seq);
+            return self.drop_frame(crate::Error::TooLarge { len, max });
+        }
+        if self.waiting.len() >= MAX_WAITING_READS {
+            self.acks.push(seq);
+            let e = frame::FrameError::Rendezvous("too many messages waiting to be read");
+            return self.drop_frame(e.into());
+        }
+        self.order.push_back(Slot::Reading(seq));
+        self.waiting.push_back(WaitingRead {
+            seq,
+            tag,
+            descriptor,
+        });
+    }
+
+    /// Posts the reads of waiting descriptors, as far as buffer room and send slots allow.
+    pub(crate) fn advance(&mut self, link: &mut impl Link) -> Result<()> {
+        while let Some(w) = self.waiting.front() {
+            if self.reading.len() >= MAX_READS_POSTED {
+                // Enough to keep the link busy; more would only register more buffers.
+                return Ok(());
+            }
+            let len = w.descriptor.total as usize;
+            let Some(mut buf) = self.pool.acquire(len, |n| link.register(n))? else {
+                return Ok(());
+            };
+            let mut segments = Vec::new();
+            let mut at = 0;
+            for seg in &w.descriptor.segments {
+                match seg {
+                    Segment::Inline(v) => {
+                        buf.as_mut_slice()[at..at + v.len()].copy_from_slice(v);
+                    }
+                    Segment::Remote { len, addr, rkey } => segments.push(ReadSegment {
+                        local_offset: at,
+                        len: *len,
+                        remote_addr: *addr,
+                        rkey: *rkey,
+                    }),
+                }
+                at += seg.len();
+            }
+            let (seq, tag) = (w.seq, w.tag);
+            if segments.is_empty() {
+                self.waiting.pop_front();
+                self.acks.push(seq);
+                self.complete(seq, tag, buf, len);
+                continue;
+            }
+            let cap = buf.len();
+            match link.post_read(buf, &segments) {
+                Ok(ReadPost::Posted(id)) => {
+                    self.waiting.pop_front();
+                    self.reading.insert(id, (seq, tag, len, cap));
+                }
+                Ok(ReadPost::Busy(buf)) => {
+                    self.pool.release(buf);
+                    return Ok(());
+                }
+                Err(e) => {
+                    // The buffer went with the refused post: count it out of the pool.
+                    self.pool.forget(cap);
+                    if let rdmsg_transport::Error::Config(_) = e {
+                        // More pieces than our send queue takes at once: refused alone.
+                        self.waiting.pop_front();
+                        self.acks.push(seq);
+                        self.fill(seq, Err(crate::Error::Transport(e)));
+                        continue;
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One of our reads finished: its message takes its place in the order, and its sender
+    /// is to be told.
+    pub(crate) fn read_done(&mut self, done: ReadDone) {
+        let Some((seq, tag, len, _)) = self.reading.remove(&done.id) else {
+            // Not one of ours: it was never counted in the pool.
+            return;
+        };
+        self.acks.push(seq);
+        if done.ok {
+            self.complete(seq, tag, done.buffer, len);
+        } else {
+            self.pool.release(done.buffer);
+            self.fill(seq, Err(crate::Error::ReadFailed { tag, seq }));
+        }
+    }
+
+    fn complete(&mut self, seq: u32, tag: u32, buf: Buffer, len: usize) {
+        let env = self
+            .decoder
+            .read_message(tag, seq, ReadBuf::new(buf, len, self.pool.clone()));
+        self.received += 1;
+        self.rendezvous_received += 1;
+        self.fill(seq, Ok(env));
+    }
+
+    fn fill(&mut self, seq: u32, what: Result<Envelope>) {
+        if let Some(slot) = self
+            .order
+            .iter_mut()
+            .find(|s| matches!(s, Slot::Reading(n) if *n == seq))
+        {
+            *slot = Slot::Ready(what);
+        }
+    }
+
+    /// The next message (or dropped frame's error) in order, if it is there.
+    pub(crate) fn pop(&mut self) -> Option<Result<Envelope>> {
+        match self.order.front()? {
+            Slot::Ready(_) => match self.order.pop_front() {
+                Some(Slot::Ready(r)) => Some(r),
+                _ => None,
+            },
+            Slot::Reading(_) => None,
+        }
+    }
+
+    /// Whether [`Receiver::pop`] has something.
+    pub(crate) fn has_ready(&self) -> bool {
+        matches!(self.order.front(), Some(Slot::Ready(_)))
+    }
+
+    /// Whether descriptors wait for room or a send slot (a step should try again).
+    pub(crate) fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Sequence numbers of the peer's messages we are done reading.
+    pub(crate) fn take_acks(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.acks)
+    }
+
+    /// The peer's acknowledgements of our messages.
+    pub(crate) fn take_acked(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.acked)
+    }
+
+    /// Whether acknowledgements wait to be handed over (either way).
+    pub(crate) fn has_acks(&self) -> bool {
+        !self.acks.is_empty() || !self.acked.is_empty()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        // Reads still under way end with the connection, their buffers with it (a queue pair
+        // destroyed drops them): they leave the pool's count.
+        for &(_, _, _, cap) in self.reading.values() {
+            self.pool.forget(cap);
+        }
+    }
+}
+
+/// Hands acknowledgements between the two sides of one peer: the peer's to our sender, ours
+/// to be sent. Whether any of ours were queued.
+pub(crate) fn exchange_acks(
+    sender: &mut Sender,
+    receiver: &mut Receiver,
+    frame_max: usize,
+) -> bool {
+    if !receiver.has_acks() {
+        return false;
+    }
+    sender.acknowledged(&receiver.take_acked());
+    let ours = receiver.take_acks();
+    sender.queue_acks(&ours, frame_max);
+    !ours.is_empty()
 }
 
 /// The counters of both sides.
@@ -410,6 +1030,8 @@ pub(crate) fn stats(sender: &Sender, receiver: &Receiver) -> SessionStats {
     SessionStats {
         received: receiver.received,
         dropped_frames: receiver.dropped_frames,
+        rendezvous_received: receiver.rendezvous_received,
+        rendezvous_registered: receiver.pool.registered() as u64,
         ..sender.stats
     }
 }
@@ -568,6 +1190,26 @@ mod tests {
             Ok(self.max)
         }
 
+        fn expose(&self, _: Bytes) -> rdmsg_transport::Result<Exposed> {
+            Err(rdmsg_transport::Error::Config(
+                "no device under the test wire".into(),
+            ))
+        }
+
+        fn register(&self, _: usize) -> rdmsg_transport::Result<Buffer> {
+            Err(rdmsg_transport::Error::Config(
+                "no device under the test wire".into(),
+            ))
+        }
+
+        fn post_read(
+            &mut self,
+            into: Buffer,
+            _: &[ReadSegment],
+        ) -> rdmsg_transport::Result<ReadPost> {
+            Ok(ReadPost::Busy(into))
+        }
+
         fn send(
             &mut self,
             frame: &[u8],
@@ -672,7 +1314,7 @@ mod tests {
         assert!(tx.try_send_as(&mut wire, &Other(2), true).unwrap());
         let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
         assert_eq!(solicited, [false, false, false, false, true, true]);
-        let mut rx = Receiver::new(Decoder::new(1 << 20));
+        let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
         let got: Vec<Envelope> = deliver(&wire, &mut rx)
             .into_iter()
             .map(|r| r.unwrap())
@@ -766,7 +1408,7 @@ mod tests {
         let st = tx.stats;
         assert_eq!((st.sent, st.fragmented, st.sent_solicited), (2, 1, 1));
         assert_eq!(st.frames_sent, solicited.len() as u64);
-        let mut rx = Receiver::new(Decoder::new(1 << 20));
+        let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
         let got: Vec<Blob> = deliver(&wire, &mut rx)
             .into_iter()
             .map(|e| e.unwrap().decode().unwrap())
@@ -787,7 +1429,7 @@ mod tests {
         let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
         assert_eq!(solicited, [false, false, false, true, false, true]);
         assert_eq!(tx.stats.policy_solicited, 1);
-        let mut rx = Receiver::new(Decoder::new(1 << 20));
+        let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
         assert_eq!(
             deliver(&wire, &mut rx).len(),
             5,
@@ -803,10 +1445,13 @@ mod tests {
         assert_eq!(tx.send_batch(&mut wire, &batch).unwrap(), 4);
         let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
         assert_eq!(solicited, [false, false, false, true]);
-        let seqs: Vec<u32> = deliver(&wire, &mut Receiver::new(Decoder::new(1 << 20)))
-            .into_iter()
-            .map(|e| e.unwrap().seq())
-            .collect();
+        let seqs: Vec<u32> = deliver(
+            &wire,
+            &mut Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20)),
+        )
+        .into_iter()
+        .map(|e| e.unwrap().seq())
+        .collect();
         assert_eq!(seqs, [0, 1, 2, 3]);
     }
 
@@ -830,7 +1475,7 @@ mod tests {
         wire.frames.insert(0, (b"garbage".to_vec(), true));
         let mut decoder = Decoder::new(1 << 20);
         decoder.register::<Blob>().unwrap();
-        let mut rx = Receiver::new(decoder);
+        let mut rx = Receiver::new(decoder, ReadPool::new(1 << 20));
         let got = deliver(&wire, &mut rx);
         assert!(matches!(got[0], Err(Error::BadFrame(_))));
         assert!(matches!(got[1], Err(Error::UnknownTag(t)) if t == Other::TAG));

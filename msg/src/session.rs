@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 
 use rdmsg_transport::Connection;
 
-use crate::codec::{self, Decoder, Envelope, FrameBytes};
-use crate::peer::{self, Receiver, Sender};
+use crate::codec::{self, Decoder, Envelope};
+use crate::peer::{self, Absorbing, Link, Receiver, Sender};
+use crate::rendezvous::ReadPool;
 use crate::{Message, Result};
 
 /// Bounds of a session.
@@ -34,7 +35,27 @@ pub struct SessionConfig {
     /// receiver keeps it even when the sender has gone quiet. A session nobody calls cannot
     /// send, and flushes on its next call.
     pub max_unsolicited_delay: Option<Duration>,
+    /// Messages whose encoding is at least this long (and longer than one of the peer's
+    /// receive buffers) go by rendezvous: the peer reads them from our memory (see the
+    /// [`rendezvous`](crate::rendezvous) module) instead of receiving them in fragments.
+    /// `None`: always fragments (for a peer that must not read our memory). Messages that fit
+    /// one receive buffer always go whole in one (inline, if small enough for the
+    /// transport's `max_inline`). Default [`DEFAULT_RENDEZVOUS_THRESHOLD`].
+    pub rendezvous_threshold: Option<usize>,
+    /// Bound on rendezvous memory, each way: the bytes of our messages the peer may be
+    /// reading (a send beyond it waits for the peer's acknowledgements, taking in what
+    /// arrives meanwhile), and the registered memory our reads land in (whatever the peer
+    /// announces; a descriptor waits for room, one larger than this is refused with
+    /// [`crate::Error::TooLarge`]). A message larger than this is fragmented. For a hub the
+    /// receiving half is shared by all peers. Holding received messages holds their
+    /// buffers: as with receive buffers, a receiver that keeps this much unread stops the
+    /// peer's large messages. Default 64 MiB.
+    pub max_rendezvous_bytes: usize,
 }
+
+/// Default [`SessionConfig::rendezvous_threshold`]: 16 KiB (see the README for the
+/// measurement behind it).
+pub const DEFAULT_RENDEZVOUS_THRESHOLD: usize = 16 << 10;
 
 impl Default for SessionConfig {
     fn default() -> Self {
@@ -43,6 +64,8 @@ impl Default for SessionConfig {
             max_unsolicited_run: None,
             max_unsolicited_bytes: 64 << 10,
             max_unsolicited_delay: None,
+            rendezvous_threshold: Some(DEFAULT_RENDEZVOUS_THRESHOLD),
+            max_rendezvous_bytes: 64 << 20,
         }
     }
 }
@@ -68,6 +91,17 @@ pub struct SessionStats {
     pub received: u64,
     /// Frames dropped as malformed, out of order or of an unknown tag.
     pub dropped_frames: u64,
+    /// Messages sent by rendezvous (the peer read them from our memory).
+    pub rendezvous_sent: u64,
+    /// Messages received by rendezvous (read from the peer's memory).
+    pub rendezvous_received: u64,
+    /// Times a send waited for the peer to finish reading earlier messages
+    /// ([`SessionConfig::max_rendezvous_bytes`]).
+    pub rendezvous_waits: u64,
+    /// Acknowledgements for messages that were not lent (a confused or lying peer); ignored.
+    pub stray_acks: u64,
+    /// Bytes registered for rendezvous reads now (for a hub: shared by its peers).
+    pub rendezvous_registered: u64,
 }
 
 impl SessionStats {
@@ -81,6 +115,11 @@ impl SessionStats {
         self.wait_flushes += other.wait_flushes;
         self.received += other.received;
         self.dropped_frames += other.dropped_frames;
+        self.rendezvous_sent += other.rendezvous_sent;
+        self.rendezvous_received += other.rendezvous_received;
+        self.rendezvous_waits += other.rendezvous_waits;
+        self.stray_acks += other.stray_acks;
+        self.rendezvous_registered = self.rendezvous_registered.max(other.rendezvous_registered);
     }
 }
 
@@ -94,6 +133,20 @@ pub struct Session {
     receiver: Receiver,
 }
 
+/// The session's fields, borrowed apart: the sender and a link that waits by taking in what
+/// arrives (see [`crate::peer::Link::absorb`]).
+macro_rules! absorbing {
+    ($self:ident) => {
+        (
+            &mut $self.sender,
+            &mut Absorbing {
+                conn: &mut $self.conn,
+                receiver: &mut $self.receiver,
+            },
+        )
+    };
+}
+
 impl Session {
     /// A session with default bounds.
     pub fn new(conn: Connection) -> Self {
@@ -102,9 +155,15 @@ impl Session {
 
     /// A session with these bounds.
     pub fn with_config(conn: Connection, config: SessionConfig) -> Self {
+        let pool = ReadPool::new(config.max_rendezvous_bytes);
+        if let Ok(waker) = conn.waker() {
+            // A read buffer given back on another thread while a descriptor waits for room
+            // wakes whoever waits on the connection.
+            pool.set_waker(waker);
+        }
         Self {
             sender: Sender::new(&config, conn.peer().recv_depth),
-            receiver: Receiver::new(Decoder::new(config.max_message)),
+            receiver: Receiver::new(Decoder::new(config.max_message), pool),
             conn,
         }
     }
@@ -141,7 +200,8 @@ impl Session {
     /// straight into a registered send buffer when it fits; larger messages are fragmented,
     /// only their last fragment solicited.
     pub fn send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
-        self.sender.send_as(&mut self.conn, m, solicited)
+        let (sender, link) = absorbing!(self);
+        sender.send_as(link, m, solicited)
     }
 
     /// Sends a batch: every message unsolicited but the last, which is solicited. One
@@ -150,7 +210,8 @@ impl Session {
         &mut self,
         batch: impl IntoIterator<Item = &'a M>,
     ) -> Result<usize> {
-        self.sender.send_batch(&mut self.conn, batch)
+        let (sender, link) = absorbing!(self);
+        sender.send_batch(link, batch)
     }
 
     /// If anything went unsolicited since the last solicited frame, sends a payload-less
@@ -170,10 +231,15 @@ impl Session {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        peer::in_time(
-            self.sender
-                .send_within(&mut self.conn, m, solicited, Some(timeout)),
-        )
+        peer::in_time(self.sender.send_within(
+            &mut Absorbing {
+                conn: &mut self.conn,
+                receiver: &mut self.receiver,
+            },
+            m,
+            solicited,
+            Some(timeout),
+        ))
     }
 
     /// Receives the next message, waiting as long as it takes. A bad frame gives its error
@@ -223,26 +289,44 @@ impl Session {
             if left == Some(Duration::ZERO) && deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(None);
             }
-            let Some(frame) = self.conn.recv_timeout(left)? else {
+            if let Some(r) = self.receiver.pop() {
+                return r.map(Some);
+            }
+            self.receiver.advance(&mut self.conn)?;
+            let Some(arrival) = self.conn.recv_any_timeout(left)? else {
                 if deadline.is_some_and(|d| Instant::now() >= d) {
                     return Ok(None);
                 }
                 continue;
             };
-            if let Some(env) = self.receiver.take(FrameBytes::Received(frame))? {
-                return Ok(Some(env));
-            }
+            self.receiver.accept(arrival);
+            self.exchange_acks()?;
         }
     }
 
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Envelope>> {
-        while let Some(frame) = self.conn.try_recv()? {
-            if let Some(env) = self.receiver.take(FrameBytes::Received(frame))? {
-                return Ok(Some(env));
+        loop {
+            if let Some(r) = self.receiver.pop() {
+                return r.map(Some);
             }
+            self.receiver.advance(&mut self.conn)?;
+            let Some(arrival) = self.conn.try_recv_any()? else {
+                return Ok(None);
+            };
+            self.receiver.accept(arrival);
+            self.exchange_acks()?;
         }
-        Ok(None)
+    }
+
+    /// Hands acknowledgements over (the peer's to the sender, ours out) and sends ours if
+    /// they can go now.
+    fn exchange_acks(&mut self) -> Result<()> {
+        let frame_max = self.conn.max_message();
+        if peer::exchange_acks(&mut self.sender, &mut self.receiver, frame_max) {
+            self.sender.pump(&mut self.conn)?;
+        }
+        Ok(())
     }
 
     /// An iterator over received messages; it skips non-fatal errors (bad frames, unknown
@@ -255,6 +339,22 @@ impl Session {
 
     /// Closes gracefully (see [`Connection::close`]), once every committed frame went.
     pub fn close(mut self) -> Result<()> {
+        self.sender.flush_within(&mut self.conn, None)?;
+        // The peer may still be reading our messages: closing now would fail its reads.
+        let deadline = Instant::now() + self.conn.config().close_timeout;
+        while self.sender.lent() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let (sender, link) = absorbing!(self);
+            if let Some(got) = link.absorb(Some(left))? {
+                sender.acknowledged(&got.acked);
+                let frame_max = link.max_message()?;
+                sender.queue_acks(&got.acks, frame_max);
+                sender.pump(link)?;
+            }
+        }
         self.sender.flush_within(&mut self.conn, None)?;
         Ok(self.conn.close()?)
     }
@@ -281,6 +381,23 @@ impl Session {
     /// then wait until the descriptor is readable or [`Session::next_timeout`] passes.
     /// Returns whether it handled anything (if so, look again before waiting).
     pub fn step(&mut self) -> Result<bool> {
+        // Take in what the last step polled: a peer's acknowledgement frees rendezvous room
+        // for a sender that waits on the descriptor without receiving, and a descriptor
+        // starts its read. Messages wait in order for `try_recv`.
+        let mut took = false;
+        while self.conn.has_ready() {
+            match self.conn.try_recv_any()? {
+                Some(a) => {
+                    self.receiver.accept(a);
+                    took = true;
+                }
+                None => break,
+            }
+        }
+        self.exchange_acks()?;
+        if self.receiver.has_waiting() {
+            self.receiver.advance(&mut self.conn)?;
+        }
         let sent = self.sender.queued_frames() > 0 && {
             let before = self.sender.queued_frames();
             self.sender.pump(&mut self.conn)?;
@@ -291,7 +408,9 @@ impl Session {
             self.sender
                 .flush_before_wait(&mut self.conn, credits, Some(Duration::ZERO))?;
         }
-        Ok(self.conn.step()? || sent)
+        // What was taken in may have freed room for a send: look again before waiting.
+        // (Messages ready stay ready: callers look with `has_ready`/`try_recv`.)
+        Ok(self.conn.step()? || sent || took)
     }
 
     /// See [`Connection::resume`]: after a wait on the descriptor, when nobody else waits on it.
@@ -308,6 +427,12 @@ impl Session {
         let retry = Instant::now() + Duration::from_millis(1);
         let flush = self.sender.flush_deadline().map(|d| d.max(retry));
         earliest(self.conn.next_timeout(), flush)
+    }
+
+    /// Whether a message (or a frame to take) is there for [`Session::try_recv`] without
+    /// waiting.
+    pub fn has_ready(&self) -> bool {
+        self.receiver.has_ready() || self.conn.has_ready()
     }
 
     /// Whether a sent message's frames are still waiting for credits (see

@@ -146,7 +146,7 @@ impl Shared {
                     return Err(e);
                 }
             };
-            if busy || (receiving && core.session.connection().has_ready()) {
+            if busy || (receiving && core.session.has_ready()) {
                 core.receivers_waiting -= u32::from(receiving);
                 self.turn.notify_all();
                 continue;

@@ -54,7 +54,7 @@
 #![deny(missing_docs)]
 
 pub use rdmsg_msg::{
-    message, tag, DecodeFailure, DispatchStats, Dispatcher, Envelope, Error, Hub, HubEvent,
+    message, tag, Bulk, DecodeFailure, DispatchStats, Dispatcher, Envelope, Error, Hub, HubEvent,
     Message, RecvHalf, Result, SendHalf, Session, SessionConfig, SessionStats,
 };
 pub use rdmsg_transport::{

@@ -124,7 +124,7 @@ impl Drive for Session {
         self.connection().next_timeout()
     }
     fn has_queued(&self) -> bool {
-        self.connection().has_ready()
+        Session::has_ready(self)
     }
     fn resume(&mut self) {
         Session::resume(self);

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use rdmsg_notify::{ArmMode, CqKey, EventChannel, EventTarget, Policy, Readiness, Waiter};
 use rdmsg_verbs::{
-    Buffer, CompletionChannel, CompletionQueue, QueuePair, ReadyWatch, SendRequest, WorkCompletion,
+    Buffer, CompletionChannel, CompletionQueue, Exposed, QueuePair, ReadSegment, ReadyWatch,
+    SendRequest, WorkCompletion,
 };
 
 use crate::bootstrap::{AfterHandshake, Setup};
@@ -20,6 +21,7 @@ use crate::handshake::{self, Hello, GOODBYE};
 use crate::inbound::{Completion, RecvAction};
 use crate::pool::{PoolStats, Received, RecvPool};
 use crate::protocol::{Outgoing, Protocol};
+use crate::read::{self, Arrival, ReadDone, ReadPost};
 use crate::{Error, Failure, Result};
 
 /// How a connection is set up. Both sides announce their receive side in the handshake; the
@@ -336,6 +338,10 @@ pub struct Connection {
     /// Credits, receive rules, failure, signalling, statistics (pure, shared with the hub).
     proto: Protocol,
     ready: VecDeque<Received>,
+    /// Our RDMA reads that finished, for [`Connection::try_recv_any`].
+    reads_done: VecDeque<ReadDone>,
+    /// Scratch for the read buffers a completion retires.
+    read_scratch: Vec<(u64, Buffer)>,
     completions: Vec<(CqKey, WorkCompletion)>,
     config: Config,
     peer: Hello,
@@ -385,6 +391,10 @@ impl AsFd for Connection {
 pub struct Waker(std::os::unix::net::UnixStream);
 
 impl Waker {
+    pub(crate) fn new(socket: std::os::unix::net::UnixStream) -> Self {
+        Self(socket)
+    }
+
     /// Writes one byte to the connection's wake-up socket (non-blocking: a full socket
     /// already wakes it).
     pub fn wake(&self) {
@@ -516,6 +526,8 @@ impl Connection {
             pool,
             send_bufs,
             ready: VecDeque::new(),
+            reads_done: VecDeque::new(),
+            read_scratch: Vec::new(),
             completions: Vec::new(),
             config: config.clone(),
             peer,
@@ -534,6 +546,11 @@ impl Connection {
             stepped_asleep: false,
             step_quiet: false,
         })
+    }
+
+    /// How the connection was set up.
+    pub fn config(&self) -> &Config {
+        &self.config
     }
 
     /// The largest message the peer accepts.
@@ -888,9 +905,92 @@ impl Connection {
         self.send_blocked
     }
 
-    /// Whether received messages are queued for [`Connection::try_recv`].
+    /// Whether received messages (or finished reads, for [`Connection::try_recv_any`]) are
+    /// queued.
     pub fn has_ready(&self) -> bool {
-        !self.ready.is_empty()
+        !self.ready.is_empty() || !self.reads_done.is_empty()
+    }
+
+    /// Exposes `bytes` to RDMA reads by the peer, under a key of their own, until the
+    /// returned [`Exposed`] is dropped (see [`Endpoint::expose`]).
+    pub fn expose(&self, bytes: rdmsg_verbs::Bytes) -> Result<Exposed> {
+        self.endpoint.expose(bytes)
+    }
+
+    /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).
+    pub fn register(&self, len: usize) -> Result<Buffer> {
+        self.endpoint.register(len)
+    }
+
+    /// Posts RDMA reads of the peer's memory into `into` (see
+    /// [`rdmsg_verbs::QueuePair::post_read`]): no credit is spent, but each segment takes a
+    /// send queue slot until the read completes. [`ReadPost::Busy`] (the buffer back) if the
+    /// slots are not free now. The read's end comes out of [`Connection::try_recv_any`] as
+    /// [`Arrival::Read`]. A bad key or address is the peer's doing: the read completes in
+    /// error and the connection fails ([`Failure::Completion`]); the peer's side sees a remote
+    /// access error.
+    pub fn post_read(&mut self, into: Buffer, segments: &[ReadSegment]) -> Result<ReadPost> {
+        self.check_can_send()?;
+        let need = segments.len();
+        if need > self.sq_depth {
+            return Err(Error::Config(format!(
+                "a read of {need} segments needs more than the {} send queue slots",
+                self.sq_depth
+            )));
+        }
+        if self.qp.send_outstanding() + need > self.sq_depth {
+            self.progress()?;
+            self.check_can_send()?;
+            if self.qp.send_outstanding() + need > self.sq_depth {
+                return Ok(ReadPost::Busy(into));
+            }
+        }
+        match self.qp.post_read(into, segments) {
+            Ok(id) => {
+                self.proto.posted(id, true);
+                Ok(ReadPost::Posted(id))
+            }
+            Err(e)
+                if e.posted == 0 && matches!(e.error, rdmsg_verbs::Error::InvalidArgument(_)) =>
+            {
+                Err(e.error.into())
+            }
+            Err(e) => Err(self.local_failure("posting a read (ibv_post_send)", e.error.into())),
+        }
+    }
+
+    /// [`Connection::try_recv`], also handing out this connection's finished RDMA reads
+    /// ([`Connection::post_read`]).
+    pub fn try_recv_any(&mut self) -> Result<Option<Arrival>> {
+        if self.ready.is_empty() && self.reads_done.is_empty() {
+            let progressed = self.progress();
+            if self.ready.is_empty() && self.reads_done.is_empty() {
+                progressed?;
+                self.check_failed()?;
+                return Ok(None);
+            }
+        }
+        if let Some(read) = self.reads_done.pop_front() {
+            return Ok(Some(Arrival::Read(read)));
+        }
+        Ok(self.try_recv()?.map(Arrival::Message))
+    }
+
+    /// [`Connection::recv_timeout`], also handing out finished reads (see
+    /// [`Connection::try_recv_any`]).
+    pub fn recv_any_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Arrival>> {
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        loop {
+            if let Some(a) = self.try_recv_any()? {
+                return Ok(Some(a));
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) {
+                return Ok(None);
+            }
+            self.wait_once(left)?;
+        }
     }
 
     /// A handle that makes the connection's descriptor readable (and ends its blocking
@@ -1133,7 +1233,11 @@ impl Connection {
             if c.recv {
                 self.on_recv(&c, &wc);
             } else {
-                self.send_bufs.extend(self.qp.complete_send(&wc));
+                let mut reads = std::mem::take(&mut self.read_scratch);
+                self.qp
+                    .complete_send_split(&wc, &mut self.send_bufs, &mut reads);
+                self.reads_done.extend(read::finished(&wc, reads.drain(..)));
+                self.read_scratch = reads;
                 if self.proto.on_send(&c, wc.wr_id()) {
                     self.tell_peer_and_flush();
                 }

@@ -70,7 +70,12 @@ struct Inner {
     /// Where asynchronous events read from the context go (see the `events` module); shared
     /// by every endpoint on the context.
     router: Arc<Mutex<Router>>,
+    /// RDMA reads in flight per queue pair, as initiator and as responder.
+    rd_atomic: u8,
 }
+
+/// Most RDMA reads a queue pair keeps in flight (or serves) at once.
+const MAX_READS_IN_FLIGHT: u32 = 16;
 
 /// One port of an opened device, shared by the connections made through it. Cheap to clone.
 #[derive(Clone)]
@@ -105,6 +110,13 @@ impl Endpoint {
             GidChoice::Auto => (None, Gid([0; 16])),
         };
         ctx.set_async_nonblocking(true)?;
+        let dev = ctx.query_device()?;
+        // Reads in flight per queue pair, both ways (a rendezvous receiver reads the sender's
+        // memory): enough to keep a link busy, within what the device allows.
+        let rd_atomic = dev
+            .max_qp_rd_atom
+            .min(dev.max_qp_init_rd_atom)
+            .clamp(1, MAX_READS_IN_FLIGHT) as u8;
         let router = events::router_for(&ctx);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -115,6 +127,7 @@ impl Endpoint {
                 gid_index,
                 gid,
                 router,
+                rd_atomic,
             }),
         })
     }
@@ -128,6 +141,21 @@ impl Endpoint {
     /// The device context.
     pub fn context(&self) -> &Context {
         &self.inner.ctx
+    }
+
+    /// Exposes `bytes` to RDMA reads under a key of their own (see
+    /// [`rdmsg_verbs::Exposed`]): how a rendezvous sender lets its peer read a message.
+    pub fn expose(&self, bytes: rdmsg_verbs::Bytes) -> Result<rdmsg_verbs::Exposed> {
+        Ok(self.inner.pd.expose(bytes)?)
+    }
+
+    /// Registers `len` zeroed bytes with local write (see
+    /// [`rdmsg_verbs::ProtectionDomain::register`]): where RDMA reads may land.
+    pub fn register(&self, len: usize) -> Result<rdmsg_verbs::Buffer> {
+        Ok(self
+            .inner
+            .pd
+            .register(len, rdmsg_verbs::Access::LOCAL_WRITE)?)
     }
 
     /// The protection domain every connection of this endpoint uses.
@@ -202,11 +230,13 @@ impl Endpoint {
         };
         let mut rtr = RtrAttr::new(remote.qpn, remote.psn, self.path_mtu(params), address);
         rtr.min_rnr_timer = params.min_rnr_timer;
+        rtr.max_dest_rd_atomic = self.inner.rd_atomic;
         qp.to_rtr(&rtr)?;
         let mut rts = RtsAttr::new(local_psn & 0xff_ffff);
         rts.timeout = params.timeout;
         rts.retry_cnt = params.retry_cnt;
         rts.rnr_retry = params.rnr_retry;
+        rts.max_rd_atomic = self.inner.rd_atomic;
         qp.to_rts(&rts)?;
         Ok(())
     }

@@ -11,7 +11,7 @@
 //! its own deadline, so that a silent, slow or garbage-sending client delays nobody; a hub
 //! can drive the same machine from its own epoll.
 //!
-//! # The exchange (version 2)
+//! # The exchange (version 3)
 //!
 //! ```text
 //! client (QP in INIT, receives posted)                    server (nothing allocated)
@@ -76,8 +76,10 @@ use crate::Error;
 
 /// First bytes of every hello. An `ibv_rc_pingpong` record starts with hex digits instead.
 pub const MAGIC: [u8; 8] = *b"RDMSG\0HS";
-/// Version of the handshake and of the credit protocol it sets up.
-pub const VERSION: u16 = 2;
+/// Version of the handshake and of the protocols it sets up. 3: queue pairs serve RDMA reads
+/// and sessions send large messages by rendezvous (a version 2 peer would drop those), so
+/// the two refuse each other here rather than lose messages.
+pub const VERSION: u16 = 3;
 /// Length of a header: magic, version, kind, flags.
 pub const HEADER_LEN: usize = 12;
 /// Length of an encoded hello, header included.
@@ -1189,12 +1191,15 @@ mod tests {
         assert!(
             matches!(
                 err,
-                Error::BadHandshake(Reject::Version { peer: 1, ours: 2 })
+                Error::BadHandshake(Reject::Version {
+                    peer: 1,
+                    ours: VERSION
+                })
             ),
             "{err:?}"
         );
-        // What a version 1 client reads first: 52 bytes whose version is 2.
-        assert_eq!(&s.output()[8..10], &2u16.to_be_bytes());
+        // What a version 1 client reads first: 52 bytes whose version is ours.
+        assert_eq!(&s.output()[8..10], &VERSION.to_be_bytes());
 
         // A version 1 server writes its hello first: the client sees the version.
         let mut c = client(None, 1);

@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use rdmsg_notify::{ArmMode, CqKey, EventChannel, EventTarget, Readiness, Waiter};
 use rdmsg_verbs::{
-    Access, AsyncElement, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair,
-    ReadyWatch, SendRequest, SharedReceiveQueue, WorkCompletion,
+    Access, AsyncElement, Buffer, CompletionChannel, CompletionQueue, Exposed, QpCaps, QueuePair,
+    ReadSegment, ReadyWatch, SendRequest, SharedReceiveQueue, WorkCompletion,
 };
 
 use crate::addr::QpAddress;
@@ -55,6 +55,7 @@ use crate::handshake::{Handshake, Hello, GOODBYE};
 use crate::inbound::{Completion, RecvAction};
 use crate::pool::{PoolStats, Received, RecvPool};
 use crate::protocol::{Outgoing, Protocol};
+use crate::read::{self, ReadDone, ReadPost};
 use crate::share::{AdmitError, CreditHolder, Receipt, Share, ShareConfig};
 use crate::{Error, Failure, Result};
 
@@ -214,6 +215,14 @@ pub enum HubEvent {
         /// Why ([`Failure::PeerClosed`] after a graceful close by the peer,
         /// [`Failure::Closed`] after [`Hub::close`]).
         failure: Failure,
+    },
+    /// An RDMA read this hub posted for `peer` ([`Hub::post_read`]) finished (or was flushed
+    /// by the peer's failure: then it comes before its [`HubEvent::Disconnected`]).
+    Read {
+        /// Whose memory it read.
+        peer: PeerId,
+        /// The read.
+        read: ReadDone,
     },
     /// A handshake failed: a client accepted from the listener ( `peer: None`), or one that
     /// [`Hub::connect`] started. The hub and every other connection go on.
@@ -867,6 +876,89 @@ impl Hub {
         Ok(true)
     }
 
+    /// A handle that makes the hub's descriptor readable (and ends its blocking waits) from
+    /// any thread.
+    pub fn waker(&self) -> Result<crate::Waker> {
+        Ok(crate::Waker::new(
+            self.pool.waker().map_err(Error::WakePipe)?,
+        ))
+    }
+
+    /// Exposes `bytes` to RDMA reads by peers under a key of their own (see
+    /// [`Endpoint::expose`]); a rendezvous sender tells only the peer it sends to.
+    pub fn expose(&self, bytes: rdmsg_verbs::Bytes) -> Result<Exposed> {
+        self.endpoint.expose(bytes)
+    }
+
+    /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).
+    pub fn register(&self, len: usize) -> Result<Buffer> {
+        self.endpoint.register(len)
+    }
+
+    /// Posts RDMA reads of `peer`'s memory into `into` (see
+    /// [`crate::Connection::post_read`]); [`ReadPost::Busy`] if its send queue (or the
+    /// hub's send completion queue) has no room for them now. The end of the read is a
+    /// [`HubEvent::Read`]. A bad key or address fails that peer alone.
+    pub fn post_read(
+        &mut self,
+        peer: PeerId,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> Result<ReadPost> {
+        let slot = self.live_slot(peer)?;
+        let need = segments.len();
+        if let Some(depth) = self.slot(slot).link().map(|l| l.sq_depth) {
+            if need > depth {
+                return Err(Error::Config(format!(
+                    "a read of {need} segments needs more than the {depth} send queue slots"
+                )));
+            }
+        }
+        let room = |hub: &Self| {
+            let s = hub.slot(slot);
+            s.link()
+                .is_some_and(|l| l.qp.send_outstanding() + need <= l.sq_depth)
+                && hub.sends_outstanding + need <= hub.send_cq_entries
+        };
+        if !room(self) {
+            self.step()?;
+            self.live_slot(peer)?;
+            if !room(self) {
+                return Ok(ReadPost::Busy(into));
+            }
+        }
+        let s = self.slots[slot].as_mut().expect("a live slot");
+        let link = match &mut s.phase {
+            Phase::Linked(l) => l,
+            _ => return Ok(ReadPost::Busy(into)),
+        };
+        match link.qp.post_read(into, segments) {
+            Ok(id) => {
+                s.proto.posted(id, true);
+                self.sends_outstanding += need;
+                Ok(ReadPost::Posted(id))
+            }
+            Err(e)
+                if e.posted == 0 && matches!(e.error, rdmsg_verbs::Error::InvalidArgument(_)) =>
+            {
+                Err(e.error.into())
+            }
+            Err(e) => {
+                self.sends_outstanding += e.posted;
+                let err: Error = e.error.into();
+                let errno = errno_of(&err);
+                self.fail(
+                    slot,
+                    Failure::Local {
+                        op: "posting a read (ibv_post_send)",
+                        errno,
+                    },
+                );
+                Err(err)
+            }
+        }
+    }
+
     /// Closes `peer` gracefully and waits until it is closed: see [`Hub::start_close`]. Waits
     /// (driving the hub) until the close message is delivered, at most `close_timeout`
     /// ([`Error::Timeout`]).
@@ -1395,10 +1487,15 @@ impl Hub {
         let s = self.slots[slot].as_mut().expect("a mapped slot");
         let Some(qp) = s.qp_mut() else { return };
         let before = qp.send_outstanding();
-        let bufs = qp.complete_send(wc);
+        let mut reads = Vec::new();
+        qp.complete_send_split(wc, &mut self.send_bufs, &mut reads);
         let retired = before - qp.send_outstanding();
-        self.send_bufs.extend(bufs);
         self.sends_outstanding -= retired;
+        if !reads.is_empty() {
+            let peer = s.id(slot);
+            self.events
+                .extend(read::finished(wc, reads).map(|read| HubEvent::Read { peer, read }));
+        }
         let c = Completion::of(false, wc);
         if s.proto.on_send(&c, wc.wr_id()) {
             self.after_first_failure(slot);

@@ -98,6 +98,7 @@ mod hub;
 mod inbound;
 mod pool;
 mod protocol;
+mod read;
 pub mod share;
 
 pub use addr::QpAddress;
@@ -112,3 +113,5 @@ pub use hub::{Hub, HubConfig, HubEvent, HubStats, PeerId};
 pub use pool::{PoolStats, Received, RecvPool};
 /// The epoll set a thread sharing a connection sleeps on (see `rdmsg_msg`'s split halves).
 pub use rdmsg_verbs::ReadyWatch;
+pub use rdmsg_verbs::{Buffer, Bytes, Exposed, ReadSegment};
+pub use read::{Arrival, ReadDone, ReadPost};

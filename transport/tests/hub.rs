@@ -93,6 +93,7 @@ fn serve(hub: &mut Hub, expect_ended: usize, limit: Duration) -> HashMap<PeerId,
                 assert_eq!(seq, s.next, "in order, nothing lost, nothing twice");
                 s.next += 1;
             }
+            HubEvent::Read { .. } => panic!("no read was posted"),
             HubEvent::Disconnected { peer, failure } => {
                 let s = seen.get_mut(&peer).expect("Disconnected after Connected");
                 assert!(s.ended.replace(failure).is_none());
@@ -346,6 +347,7 @@ fn a_killed_client_fails_only_its_own_connections() {
                 }
                 *peers.get_mut(&peer).unwrap() += 1;
             }
+            HubEvent::Read { .. } => panic!("no read was posted"),
             HubEvent::Disconnected { peer, failure } => {
                 if from_child.contains(&peer) {
                     assert_eq!(failure, Failure::PeerVanished, "{peer}");

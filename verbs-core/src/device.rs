@@ -184,6 +184,8 @@ impl Context {
             max_qp: nonneg(attr.max_qp),
             max_cq: nonneg(attr.max_cq),
             max_srq_wr: nonneg(attr.max_srq_wr),
+            max_qp_rd_atom: nonneg(attr.max_qp_rd_atom),
+            max_qp_init_rd_atom: nonneg(attr.max_qp_init_rd_atom),
             phys_port_cnt: attr.phys_port_cnt,
         })
     }
@@ -336,6 +338,10 @@ pub struct DeviceAttr {
     pub max_cq: u32,
     /// Maximum work requests per shared receive queue.
     pub max_srq_wr: u32,
+    /// Most RDMA reads a queue pair serves for its peer at once (responder resources).
+    pub max_qp_rd_atom: u32,
+    /// Most RDMA reads a queue pair may have in flight as initiator.
+    pub max_qp_init_rd_atom: u32,
     /// Number of physical ports.
     pub phys_port_cnt: u8,
 }

@@ -92,6 +92,7 @@ mod watch;
 /// The raw rdma-sys bindings, for verbs this crate does not wrap.
 pub use rdma_sys as ffi;
 
+pub use bytes::Bytes;
 pub use cq::{CompletionChannel, CompletionQueue, CqEvent, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{
     devices, AsyncElement, AsyncEvent, AsyncEventKind, Context, DeviceAttr, DeviceInfo, Gid,
@@ -99,11 +100,11 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use loopback::connect_loopback;
-pub use mr::{Access, Buffer};
+pub use mr::{Access, Buffer, Exposed};
 pub use pd::ProtectionDomain;
 pub use qp::{
-    PostError, QpCaps, QpState, QueuePair, Reclaimed, RemoteAddress, RtrAttr, RtsAttr, SendPayload,
-    SendRequest,
+    PostError, QpCaps, QpState, QueuePair, ReadSegment, Reclaimed, RemoteAddress, RtrAttr, RtsAttr,
+    SendPayload, SendRequest,
 };
 pub use srq::SharedReceiveQueue;
 pub use watch::ReadyWatch;
@@ -203,6 +204,23 @@ pub fn thread_cpu_time() -> std::time::Duration {
         return std::time::Duration::ZERO;
     }
     std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// User-space CPU time of the calling thread (`getrusage(RUSAGE_THREAD)`'s `ru_utime`),
+/// zero if it cannot be read: what a thread spends outside the kernel, so outside Soft-RoCE,
+/// which does a device's work (copies included) in the kernel, often in the posting thread.
+pub fn thread_user_time() -> std::time::Duration {
+    // SAFETY: rusage is plain old data; all-zero is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `usage` is a valid rusage to write to; RUSAGE_THREAD is a constant Linux supports.
+    let ret = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
+    if ret != 0 {
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::new(
+        usage.ru_utime.tv_sec as u64,
+        usage.ru_utime.tv_usec as u32 * 1000,
+    )
 }
 
 /// Raises the soft limit on open descriptors (`RLIMIT_NOFILE`) to `want`, or to the hard

@@ -49,6 +49,7 @@ pub(crate) struct MrInner {
     mr: NonNull<ffi::ibv_mr>,
     base: NonNull<u8>,
     layout: Layout,
+    access: Access,
     _pd: Arc<PdInner>,
 }
 
@@ -116,6 +117,7 @@ impl ProtectionDomain {
                 mr,
                 base,
                 layout,
+                access,
                 _pd: self.inner.clone(),
             }),
             offset: 0,
@@ -175,6 +177,11 @@ impl Buffer {
         self.region.rkey()
     }
 
+    /// The access rights its region was registered with.
+    pub fn access(&self) -> Access {
+        self.region.access
+    }
+
     /// True if both buffers are slices of the same registered region.
     pub fn same_region(&self, other: &Buffer) -> bool {
         Arc::ptr_eq(&self.region, &other.region)
@@ -228,11 +235,147 @@ impl Buffer {
         Ok(out)
     }
 
+    pub(crate) fn sge_at(&self, offset: usize, len: usize) -> ffi::ibv_sge {
+        let offset = offset.min(self.len);
+        ffi::ibv_sge {
+            addr: self.addr() + offset as u64,
+            length: u32::try_from(len.min(self.len - offset)).unwrap_or(u32::MAX),
+            lkey: self.lkey(),
+        }
+    }
+
     pub(crate) fn sge(&self, len: usize) -> ffi::ibv_sge {
         ffi::ibv_sge {
             addr: self.addr(),
             length: u32::try_from(len.min(self.len)).unwrap_or(u32::MAX),
             lkey: self.lkey(),
+        }
+    }
+}
+
+/// Bytes exposed to RDMA reads by peers, under a registration of their own.
+///
+/// The region covers exactly these bytes and only allows remote reads (no local or remote
+/// write): its remote key ([`Exposed::rkey`]) reads nothing else, and is invalid once the
+/// `Exposed` is dropped or [`Exposed::into_bytes`] (the registration is undone first). The
+/// bytes are an immutable [`Bytes`](crate::Bytes) held for the whole registration, so no
+/// safe code can change what a peer may be reading, and they are not freed while a peer could
+/// read them. One registration per exposure gives every exposed message its own key: a peer
+/// that keeps an old key reads nothing once its message is done.
+pub struct Exposed {
+    mr: NonNull<ffi::ibv_mr>,
+    /// Keeps the memory alive and unchanged: `Bytes` gives no mutable access.
+    bytes: crate::Bytes,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: the ibv_mr is only read (keys) through `&self` and deregistered once, in Drop or
+// `into_bytes`; the bytes are immutable and shared-ownership (`Bytes` is Send + Sync).
+unsafe impl Send for Exposed {}
+// SAFETY: as above: shared access reads immutable fields only.
+unsafe impl Sync for Exposed {}
+
+impl fmt::Debug for Exposed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exposed")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("rkey", &self.rkey())
+            .finish()
+    }
+}
+
+impl ProtectionDomain {
+    /// Registers `bytes` for remote read only (`ibv_reg_mr` with `IBV_ACCESS_REMOTE_READ` and
+    /// nothing else), under a key of their own. Empty bytes cannot be registered.
+    pub fn expose(&self, bytes: crate::Bytes) -> Result<Exposed> {
+        if bytes.is_empty() {
+            return Err(Error::InvalidArgument("cannot expose empty bytes".into()));
+        }
+        let access = Access {
+            local_write: false,
+            remote_read: true,
+        };
+        // SAFETY: the bytes stay alive and unchanged (immutable, owned by the Exposed built
+        // below) until the region is deregistered; the device is only allowed to read them.
+        // The libibverbs prototype takes a mutable pointer, but without write access nothing
+        // writes through it.
+        let mr = unsafe {
+            ffi::ibv_reg_mr(
+                self.as_raw(),
+                bytes.as_ptr().cast_mut().cast(),
+                bytes.len(),
+                access.to_raw(),
+            )
+        };
+        let mr = non_null(mr).map_err(|source| Error::RegisterMemory {
+            len: bytes.len(),
+            source,
+        })?;
+        Ok(Exposed {
+            mr,
+            bytes,
+            _pd: self.inner.clone(),
+        })
+    }
+}
+
+impl Exposed {
+    /// Virtual address of the first byte: what a peer names in its read.
+    pub fn addr(&self) -> u64 {
+        self.bytes.as_ptr() as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Never true: empty bytes cannot be exposed.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// The remote key a peer reads these bytes with, and nothing else.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: the ibv_mr is valid while self lives; rkey is immutable after registration.
+        unsafe { (*self.mr.as_ptr()).rkey }
+    }
+
+    /// The bytes (reading them while a peer reads them is fine: nobody writes).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Ends the exposure (deregisters: the key reads nothing from now on) and hands the bytes
+    /// back. If deregistering fails, the device may still read them: they are leaked instead
+    /// (never freed) and the error is returned.
+    pub fn into_bytes(self) -> Result<crate::Bytes> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the region is deregistered once: `this` is never dropped.
+        let ret = unsafe { ffi::ibv_dereg_mr(this.mr.as_ptr()) };
+        // SAFETY: read once out of the ManuallyDrop, which is not used again.
+        let bytes = unsafe { std::ptr::read(&this.bytes) };
+        // SAFETY: as for `bytes`.
+        let pd = unsafe { std::ptr::read(&this._pd) };
+        drop(pd);
+        match crate::error::check_ret(ret) {
+            Ok(()) => Ok(bytes),
+            Err(source) => {
+                std::mem::forget(bytes);
+                Err(Error::DeregisterMemory { source })
+            }
+        }
+    }
+}
+
+impl Drop for Exposed {
+    fn drop(&mut self) {
+        // SAFETY: the region is registered (into_bytes does not drop) and deregistered once.
+        let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        if ret != 0 {
+            // The device may still read the bytes: never free them.
+            std::mem::forget(std::mem::take(&mut self.bytes));
         }
     }
 }

@@ -385,10 +385,10 @@ pub enum Reclaimed {
 struct Posted<B> {
     /// Receive requests in posting order.
     recv: InOrder<B>,
-    /// Send requests in posting order, so with increasing wr_ids: (wr_id, buffer). Completions
-    /// on one send queue arrive in order, so a completion for one of them retires it and every
-    /// entry before it.
-    send: VecDeque<(u64, Option<B>)>,
+    /// Send requests in posting order, so with increasing wr_ids: (wr_id, buffer, whether it
+    /// is an RDMA read). Completions on one send queue arrive in order, so a completion for
+    /// one of them retires it and every entry before it.
+    send: VecDeque<(u64, Option<B>, bool)>,
 }
 
 impl<B> Posted<B> {
@@ -406,10 +406,25 @@ impl<B> Posted<B> {
     /// Retires the send request `id` and every one before it into `out`; false (and nothing
     /// retired) if `id` is not a send request still held.
     fn complete_send(&mut self, id: u64, out: &mut Vec<B>) -> bool {
-        let Ok(i) = self.send.binary_search_by_key(&id, |&(k, _)| k) else {
+        let Ok(i) = self.send.binary_search_by_key(&id, |&(k, _, _)| k) else {
             return false;
         };
-        out.extend(self.send.drain(..=i).filter_map(|(_, b)| b));
+        out.extend(self.send.drain(..=i).filter_map(|(_, b, _)| b));
+        true
+    }
+
+    /// [`Posted::complete_send`], the buffers of reads going to `reads` with their wr_ids.
+    fn complete_split(&mut self, id: u64, sends: &mut Vec<B>, reads: &mut Vec<(u64, B)>) -> bool {
+        let Ok(i) = self.send.binary_search_by_key(&id, |&(k, _, _)| k) else {
+            return false;
+        };
+        for (k, b, read) in self.send.drain(..=i) {
+            match (b, read) {
+                (Some(b), true) => reads.push((k, b)),
+                (Some(b), false) => sends.push(b),
+                (None, _) => {}
+            }
+        }
         true
     }
 }
@@ -611,7 +626,10 @@ impl QueuePair {
         let mut attr = Self::zeroed_attr();
         attr.pkey_index = 0;
         attr.port_num = port;
-        attr.qp_access_flags = 0;
+        // Peers may read what this process exposed (rendezvous): only regions registered with
+        // remote read themselves (`ProtectionDomain::expose`, or `Access::remote_read`) can be
+        // read, each under its own key. Remote write and atomics stay off.
+        attr.qp_access_flags = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
         self.port = port;
         self.modify(
             &mut attr,
@@ -819,7 +837,9 @@ impl QueuePair {
         let mut reqs = reqs.into_iter();
         for i in 0..posted {
             let buf = reqs.next().and_then(take_buffer);
-            self.posted.send.push_back((first_id + i as u64, buf));
+            self.posted
+                .send
+                .push_back((first_id + i as u64, buf, false));
         }
         if let Err(source) = check_ret(ret) {
             return Err(PostError {
@@ -869,7 +889,7 @@ impl QueuePair {
                 });
             }
             // The provider did not name the request: it may have been posted (fail closed).
-            self.posted.send.push_back((id, take_buffer(req)));
+            self.posted.send.push_back((id, take_buffer(req), false));
             return Err(PostError {
                 error,
                 unposted: Vec::new(),
@@ -877,7 +897,7 @@ impl QueuePair {
             });
         }
         // No allocation while fewer than the granted `max_send_wr` sends are held.
-        self.posted.send.push_back((id, take_buffer(req)));
+        self.posted.send.push_back((id, take_buffer(req), false));
         Ok(id)
     }
 
@@ -920,11 +940,144 @@ impl QueuePair {
     pub fn send_outstanding(&self) -> usize {
         self.posted.send.len()
     }
+
+    /// [`QueuePair::complete_send`], telling sends from RDMA reads: the buffers of sends go to
+    /// `sends`, those of reads ([`QueuePair::post_read`]) to `reads` with the wr_id they were
+    /// posted under. Whether `wc` named a request this queue pair held.
+    pub fn complete_send_split(
+        &mut self,
+        wc: &WorkCompletion,
+        sends: &mut Vec<Buffer>,
+        reads: &mut Vec<(u64, Buffer)>,
+    ) -> bool {
+        wc.qp_num() == self.qp_num && self.posted.complete_split(wc.wr_id(), sends, reads)
+    }
+
+    /// Posts RDMA reads (`IBV_WR_RDMA_READ`) of the peer's memory into `buf`, one work request
+    /// per segment, in one list; only the last is signaled, and the buffer is held under its
+    /// wr_id (returned) until a completion covering it hands it back
+    /// ([`QueuePair::complete_send_split`]). `buf` must be registered with local write; each
+    /// segment must lie inside it. What the peer's memory holds, or whether the key is good,
+    /// is for the device to check: a bad one completes in error (and the queue pair fails).
+    ///
+    /// On failure part-way, reads posted before the failing one may still write into `buf`:
+    /// it then stays held (under the last posted wr_id) and is not handed back.
+    pub fn post_read(&mut self, buf: Buffer, segments: &[ReadSegment]) -> Result<u64, PostError> {
+        let refuse = |error: String, buf: Buffer| PostError {
+            error: Error::InvalidArgument(error),
+            unposted: vec![buf],
+            posted: 0,
+        };
+        if segments.is_empty() {
+            return Err(refuse("a read needs at least one segment".into(), buf));
+        }
+        if !buf.access().local_write {
+            return Err(refuse(
+                "a read's buffer must be registered with local write".into(),
+                buf,
+            ));
+        }
+        if segments.len() > self.caps.max_send_wr as usize {
+            return Err(refuse(
+                format!(
+                    "{} read segments exceed the send queue's {} requests",
+                    segments.len(),
+                    self.caps.max_send_wr
+                ),
+                buf,
+            ));
+        }
+        if let Some(s) = segments
+            .iter()
+            .find(|s| s.len == 0 || s.local_offset.saturating_add(s.len as usize) > buf.len())
+        {
+            return Err(refuse(
+                format!(
+                    "read segment of {} bytes at {} in a buffer of {}",
+                    s.len,
+                    s.local_offset,
+                    buf.len()
+                ),
+                buf,
+            ));
+        }
+        let n = segments.len();
+        let first_id = draw_wr_ids(n);
+        let mut sges: Vec<ffi::ibv_sge> = segments
+            .iter()
+            .map(|s| buf.sge_at(s.local_offset, s.len as usize))
+            .collect();
+        let mut wrs: Vec<ffi::ibv_send_wr> = segments
+            .iter()
+            .zip(sges.iter_mut())
+            .enumerate()
+            .map(|(i, (seg, sge))| {
+                // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
+                let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+                wr.wr_id = first_id + i as u64;
+                wr.sg_list = sge;
+                wr.num_sge = 1;
+                wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_READ;
+                if i + 1 == n {
+                    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+                }
+                wr.wr.rdma = ffi::rdma_t {
+                    remote_addr: seg.remote_addr,
+                    rkey: seg.rkey,
+                };
+                wr
+            })
+            .collect();
+        link(&mut wrs, |wr, next| wr.next = next);
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; `wrs` is a valid NULL-terminated list whose SGEs lie inside
+        // `buf` (checked above), a registered region the buffer handle keeps alive; the handle
+        // is moved into `posted.send` below, so no safe code reaches those bytes until a
+        // completion covering the reads hands it back. The device only writes there.
+        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
+        let posted = match check_ret(ret) {
+            Ok(()) => n,
+            Err(_) => failed_index(&wrs, bad),
+        };
+        let mut buf = Some(buf);
+        for i in 0..posted {
+            let held = if i + 1 == posted { buf.take() } else { None };
+            self.posted
+                .send
+                .push_back((first_id + i as u64, held, true));
+        }
+        if let Err(source) = check_ret(ret) {
+            return Err(PostError {
+                error: Error::PostSend {
+                    qp_num: self.qp_num,
+                    source,
+                },
+                unposted: buf.into_iter().collect(),
+                posted,
+            });
+        }
+        Ok(first_id + n as u64 - 1)
+    }
+}
+
+/// One piece of an RDMA read ([`QueuePair::post_read`]): `len` bytes of the peer's memory at
+/// `remote_addr`, under its remote key `rkey`, into `local_offset..local_offset + len` of the
+/// local buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadSegment {
+    /// Where in the local buffer.
+    pub local_offset: usize,
+    /// How many bytes (at least 1).
+    pub len: u32,
+    /// The peer's virtual address.
+    pub remote_addr: u64,
+    /// The peer's remote key.
+    pub rkey: u32,
 }
 
 impl QueuePair {
     /// Destroys the queue pair now (`ibv_destroy_qp`) and hands back every buffer it still
-    /// held: sends that will never complete (unsignaled ones that succeeded with nothing
+    /// held but those of RDMA reads (dropped): sends that will never complete (unsignaled ones that succeeded with nothing
     /// signaled after them) and receives never consumed. Once the queue pair is destroyed the
     /// device can no longer touch them. Completions of it still queued in a CQ name requests
     /// no longer held, so they hand back nothing. If `ibv_destroy_qp` fails, the buffers are
@@ -941,7 +1094,14 @@ impl QueuePair {
             });
         }
         let mut bufs = self.posted.recv.drain_all();
-        bufs.extend(self.posted.send.drain(..).filter_map(|(_, b)| b));
+        // The buffers of reads are dropped (the device is done with them): they are not send
+        // buffers, and a caller pooling those would take them for some.
+        bufs.extend(
+            self.posted
+                .send
+                .drain(..)
+                .filter_map(|(_, b, read)| b.filter(|_| !read)),
+        );
         Ok(bufs)
     }
 
@@ -1173,8 +1333,21 @@ mod tests {
         for &id in recv {
             p.recv.push(id, "recv");
         }
-        p.send.extend(send.iter().copied());
+        p.send.extend(send.iter().map(|&(id, b)| (id, b, false)));
         p
+    }
+
+    #[test]
+    fn a_completion_tells_read_buffers_from_send_buffers() {
+        let mut p = posted(&[], &[(1, Some("send")), (2, None)]);
+        p.send.push_back((3, None, true));
+        p.send.push_back((4, Some("read"), true));
+        p.send.push_back((5, Some("later"), false));
+        let (mut sends, mut reads) = (Vec::new(), Vec::new());
+        assert!(!p.complete_split(9, &mut sends, &mut reads), "not held");
+        assert!(p.complete_split(4, &mut sends, &mut reads));
+        assert_eq!((sends, reads), (vec!["send"], vec![(4, "read")]));
+        assert_eq!(p.send.len(), 1, "the later send stays");
     }
 
     #[test]

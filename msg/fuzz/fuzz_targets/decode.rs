@@ -1,11 +1,14 @@
 //! Feeds arbitrary frames to the decoder and decodes whatever comes out: nothing may panic,
 //! allocate without bound or hang. Frames are separated by the byte sequence `RDMSG|`.
+//! Rendezvous descriptors and acknowledgements come out of `Decoder::take` parsed; a
+//! descriptor's pieces are written back and parsed again (they must round-trip).
 //! Run: `cargo xtask test` fuzzes it for 60 s, growing a corpus under `target/`; `cargo xtask
 //! fuzz-merge` folds that into the kept corpus (`msg/fuzz/corpus/decode`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use rdmsg_msg::codec::{Decoder, FrameBytes};
+use rdmsg_msg::codec::{Decoded, Decoder, FrameBytes};
+use rdmsg_msg::rendezvous::Descriptor;
 use serde::{Deserialize, Serialize};
 
 #[derive(Serialize, Deserialize)]
@@ -30,8 +33,24 @@ fuzz_target!(|data: &[u8]| {
             Some(i) => (&rest[..i], Some(&rest[i + 6..])),
             None => (rest, None),
         };
-        if let Ok(Some(env)) = dec.push(FrameBytes::Owned(frame.to_vec())) {
-            let _ = env.decode::<Sample>();
+        match dec.take(FrameBytes::Owned(frame.to_vec())) {
+            Ok(Decoded::Message(env)) => {
+                let _ = env.decode::<Sample>();
+            }
+            Ok(Decoded::Rendezvous {
+                tag,
+                seq,
+                descriptor,
+            }) => {
+                let mut buf = vec![0u8; descriptor.encoded_len() + 20];
+                let n = descriptor
+                    .write_frame(tag, seq, &mut buf)
+                    .expect("a parsed descriptor fits its own length");
+                let again = Descriptor::parse(&buf[20..n]).expect("round-trips");
+                assert_eq!(again, descriptor);
+            }
+            Ok(Decoded::Done(seqs)) => assert!(!seqs.is_empty()),
+            Ok(Decoded::Nothing) | Err(_) => {}
         }
         match next {
             Some(n) => rest = n,

@@ -1,0 +1,496 @@
+//! Large messages on a real device (`$RDMSG_DEVICE`): every size across the thresholds
+//! (inline, one buffer, fragments, rendezvous) with its content checked, rendezvous both ways
+//! at once, the bound on rendezvous memory, a hub, a forged descriptor, and a peer that dies
+//! while its message is being read. Ignored on hosts; `cargo xtask test` runs it in the VM.
+
+use std::time::{Duration, Instant};
+
+use rdmsg::msg::frame::{self, FIRST, LAST, RNDV};
+use rdmsg::msg::rendezvous::{Descriptor, Segment};
+use rdmsg::msg::{Message, Session};
+use rdmsg::transport::Config;
+use rdmsg::{Bulk, Error, SessionConfig};
+use rdmsg_examples::loopback_pair;
+use serde::{Deserialize, Serialize};
+
+/// A message with a payload that goes by reference when it goes by rendezvous.
+#[derive(Debug, Serialize, Deserialize)]
+struct Blob {
+    id: u32,
+    data: Bulk,
+    tail: String,
+}
+rdmsg::message!(Blob, tag = "large.blob");
+
+/// The same message as a view: the payload read in place, from the receive buffer.
+#[derive(Debug, Serialize, Deserialize)]
+struct BlobView<'a> {
+    id: u32,
+    #[serde(borrow, with = "serde_bytes")]
+    data: &'a [u8],
+    tail: &'a str,
+}
+impl Message for BlobView<'_> {
+    const TAG: u32 = Blob::TAG;
+}
+
+/// A message whose payload is an ordinary vector: encoded (copied) once, then read.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Plain {
+    id: u32,
+    #[serde(with = "serde_bytes")]
+    data: Vec<u8>,
+}
+rdmsg::message!(Plain, tag = "large.plain");
+
+fn pattern(id: u32, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).wrapping_add(id) as u8)
+        .collect()
+}
+
+fn pair(server: SessionConfig, client: SessionConfig) -> (Session, Session) {
+    let (a, b) = loopback_pair(&Config::default(), &Config::default()).expect("device");
+    (
+        Session::with_config(a, server),
+        Session::with_config(b, client),
+    )
+}
+
+const WAIT: Option<Duration> = Some(Duration::from_secs(30));
+
+fn recv(s: &mut Session) -> rdmsg::Envelope {
+    s.recv_timeout(WAIT)
+        .expect("received")
+        .expect("within the wait")
+}
+
+/// Sizes around every threshold: inline (64), one receive buffer (4096), the rendezvous
+/// threshold (16 KiB), and on up to 16 MiB.
+const SIZES: &[usize] = &[
+    0,
+    1,
+    40,
+    64,
+    100,
+    4000,
+    4070,
+    4096,
+    5000,
+    16_000,
+    16_384,
+    16_400,
+    65_536,
+    262_144,
+    1 << 20,
+    (1 << 20) + 1,
+    4 << 20,
+    // The largest message by default is 16 MiB, encoding included.
+    (16 << 20) - 64,
+];
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn every_size_across_the_thresholds_arrives_intact_both_ways() {
+    let (mut a, mut b) = pair(SessionConfig::default(), SessionConfig::default());
+    let sender = std::thread::spawn(move || {
+        for (i, &len) in SIZES.iter().enumerate() {
+            let id = i as u32;
+            b.send(&Blob {
+                id,
+                data: Bulk::from(pattern(id, len)),
+                tail: format!("end {id}"),
+            })
+            .expect("sent");
+            b.send(&Plain {
+                id,
+                data: pattern(id + 1000, len),
+            })
+            .expect("sent");
+        }
+        // Answered in the other direction, by rendezvous too.
+        let back = recv(&mut b);
+        let p: Plain = back.decode().expect("decodes");
+        assert_eq!(p.data, pattern(77, 3 << 20));
+        b
+    });
+    for (i, &len) in SIZES.iter().enumerate() {
+        let id = i as u32;
+        let env = recv(&mut a);
+        let view: BlobView<'_> = env.decode_borrowed().expect("the view decodes in place");
+        assert_eq!((view.id, view.tail), (id, format!("end {id}").as_str()));
+        assert!(
+            view.data == pattern(id, len).as_slice(),
+            "blob {len} bytes intact"
+        );
+        let owned: Blob = env.decode().expect("decodes");
+        assert_eq!(owned.data.len(), len);
+        let env = recv(&mut a);
+        let p: Plain = env.decode().expect("decodes");
+        assert_eq!(p.id, id);
+        assert!(
+            p.data == pattern(id + 1000, len),
+            "plain {len} bytes intact"
+        );
+    }
+    a.send(&Plain {
+        id: 9,
+        data: pattern(77, 3 << 20),
+    })
+    .expect("sent back");
+    let mut b = sender.join().expect("the sender does not panic");
+    let (sa, sb) = (a.stats(), b.stats());
+    // Those of at least 16 KiB went by rendezvous: the last 8 sizes, twice each, and back.
+    let large = SIZES.iter().filter(|&&n| n >= 16_384).count() as u64;
+    assert_eq!(sb.rendezvous_sent, 2 * large, "{sb:?}");
+    assert_eq!(sa.rendezvous_received, 2 * large, "{sa:?}");
+    assert_eq!((sa.rendezvous_sent, sb.rendezvous_received), (1, 1));
+    assert_eq!(sa.dropped_frames + sb.dropped_frames, 0);
+    println!("rendezvous: {sb:?}");
+    // Closing waits for the peer to be done reading; everything was.
+    b.flush().expect("flushed");
+    drop(b);
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn small_and_large_messages_interleaved_keep_their_order() {
+    let (mut a, mut b) = pair(SessionConfig::default(), SessionConfig::default());
+    let sender = std::thread::spawn(move || {
+        for id in 0..60u32 {
+            let len = match id % 3 {
+                0 => 10,
+                1 => 200_000,
+                _ => 9_000,
+            };
+            b.send_as(
+                &Plain {
+                    id,
+                    data: pattern(id, len),
+                },
+                id % 5 == 0,
+            )
+            .expect("sent");
+        }
+        b.flush().expect("flushed");
+        b
+    });
+    for id in 0..60u32 {
+        let p: Plain = recv(&mut a).decode().expect("decodes");
+        assert_eq!(p.id, id, "in order");
+        assert!(p.data == pattern(id, p.data.len()));
+    }
+    let b = sender.join().expect("no panic");
+    assert_eq!(b.stats().rendezvous_sent, 20);
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_slow_reader_makes_the_sender_wait_within_the_bound() {
+    let bounded = SessionConfig {
+        max_rendezvous_bytes: 1 << 20,
+        ..SessionConfig::default()
+    };
+    let (mut a, mut b) = pair(bounded.clone(), bounded);
+    const N: u32 = 30;
+    const LEN: usize = 300_000;
+    let sender = std::thread::spawn(move || {
+        for id in 0..N {
+            b.send(&Plain {
+                id,
+                data: pattern(id, LEN),
+            })
+            .expect("sent");
+        }
+        b.flush().expect("flushed");
+        b
+    });
+    // A slow reader that holds its last two messages: what it registers stays within the
+    // bound, and the sender waits for room.
+    let mut held = Vec::new();
+    for id in 0..N {
+        std::thread::sleep(Duration::from_millis(20));
+        let env = recv(&mut a);
+        let p: Plain = env.decode().expect("decodes");
+        assert_eq!(p.id, id);
+        assert!(p.data == pattern(id, LEN));
+        held.push(env);
+        if held.len() > 2 {
+            held.remove(0);
+        }
+        assert!(a.stats().rendezvous_registered <= 1 << 20);
+    }
+    let b = sender.join().expect("no panic");
+    let sb = b.stats();
+    println!(
+        "sender: {sb:?}
+receiver: {:?}",
+        a.stats()
+    );
+    assert_eq!(sb.rendezvous_sent, N as u64);
+    assert!(sb.rendezvous_waits > 0, "the bound made the sender wait");
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn large_messages_both_ways_at_once_through_split_halves() {
+    let bounded = SessionConfig {
+        max_rendezvous_bytes: 1 << 20,
+        ..SessionConfig::default()
+    };
+    let (a, b) = pair(bounded.clone(), bounded);
+    const N: u32 = 30;
+    const LEN: usize = 300_000;
+    let side = |s: Session| {
+        std::thread::spawn(move || {
+            let (tx, mut rx) = s.split().expect("split");
+            let sending = std::thread::spawn(move || {
+                for id in 0..N {
+                    tx.send(&Plain {
+                        id,
+                        data: pattern(id, LEN),
+                    })
+                    .expect("sent");
+                }
+                tx
+            });
+            for id in 0..N {
+                let env = rx.recv_timeout(WAIT).expect("received").expect("in time");
+                let p: Plain = env.decode().expect("decodes");
+                assert_eq!(p.id, id);
+                assert!(p.data == pattern(id, LEN));
+            }
+            let tx = sending.join().expect("no panic");
+            // Both halves stay until both sides are done: the peer may still be reading.
+            (tx.stats(), tx, rx)
+        })
+    };
+    let (ta, tb) = (side(a), side(b));
+    let (a, b) = (ta.join().expect("no panic"), tb.join().expect("no panic"));
+    let (sa, sb) = (a.0, b.0);
+    println!("a: {sa:?}\nb: {sb:?}");
+    assert_eq!(
+        (sa.rendezvous_sent, sb.rendezvous_sent),
+        (N as u64, N as u64)
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn fragmentation_stays_available() {
+    let fragments = SessionConfig {
+        rendezvous_threshold: None,
+        ..SessionConfig::default()
+    };
+    let (mut a, mut b) = pair(SessionConfig::default(), fragments);
+    let sender = std::thread::spawn(move || {
+        b.send(&Plain {
+            id: 1,
+            data: pattern(1, 1 << 20),
+        })
+        .expect("sent");
+        b
+    });
+    let p: Plain = recv(&mut a).decode().expect("decodes");
+    assert!(p.data == pattern(1, 1 << 20));
+    let b = sender.join().expect("no panic");
+    assert_eq!(b.stats().rendezvous_sent, 0);
+    assert_eq!(b.stats().fragmented, 1);
+}
+
+/// Sends `frame` raw on `conn`, solicited.
+fn send_raw(s: &mut Session, f: &[u8]) {
+    s.connection_mut().send(f, true).expect("raw frame sent");
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn forged_descriptors_cost_their_message_or_fail_the_connection_alone() {
+    let (mut a, mut b) = pair(SessionConfig::default(), SessionConfig::default());
+    let mut buf = vec![0u8; 4096];
+    // Too large for the receiver's bound: refused, acknowledged, the next message arrives.
+    let huge = Descriptor {
+        total: u32::MAX,
+        segments: vec![Segment::Remote {
+            len: u32::MAX,
+            addr: 0x1000,
+            rkey: 7,
+        }],
+    };
+    let n = huge.write_frame(Plain::TAG, 0, &mut buf).expect("fits");
+    send_raw(&mut b, &buf[..n]);
+    match a.recv_timeout(WAIT) {
+        Err(Error::TooLarge { .. }) => {}
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    // A body that does not add up: a bad frame.
+    let mut bad = frame::build(
+        FIRST | LAST | RNDV,
+        Plain::TAG,
+        1,
+        0,
+        &[0, 0, 0, 9, 0, 1, 0, 0],
+    );
+    send_raw(&mut b, &bad);
+    assert!(matches!(a.recv_timeout(WAIT), Err(Error::BadFrame(_))));
+    bad.truncate(10);
+    b.send(&Plain {
+        id: 5,
+        data: vec![1, 2, 3],
+    })
+    .expect("sent");
+    let p: Plain = recv(&mut a).decode().expect("the next message is fine");
+    assert_eq!(p.id, 5);
+    // A descriptor naming memory that is not there: the read fails with a remote access
+    // error, and the connection fails (both sides), with a typed error and no hang.
+    let forged = Descriptor {
+        total: 100_000,
+        segments: vec![Segment::Remote {
+            len: 100_000,
+            addr: 0xdead_0000,
+            rkey: 0x1234,
+        }],
+    };
+    let n = forged.write_frame(Plain::TAG, 2, &mut buf).expect("fits");
+    send_raw(&mut b, &buf[..n]);
+    let started = Instant::now();
+    let first = a.recv_timeout(WAIT);
+    assert!(
+        matches!(
+            first,
+            Err(Error::ReadFailed { .. }) | Err(Error::Transport(_))
+        ),
+        "{first:?}"
+    );
+    let mut last = first;
+    while !matches!(&last, Err(e) if e.is_fatal()) {
+        last = a.recv_timeout(WAIT);
+        assert!(started.elapsed() < Duration::from_secs(20), "no hang");
+    }
+    println!(
+        "forged read: {first_err} after {:?}",
+        started.elapsed(),
+        first_err = last.as_ref().unwrap_err()
+    );
+    // The forger's side fails too (its queue pair saw the access error, or the peer went).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match b.recv_timeout(Some(Duration::from_millis(200))) {
+            Err(e) if e.is_fatal() => break,
+            _ => assert!(Instant::now() < deadline, "the forger's side fails too"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_peer_that_dies_mid_read_fails_the_reader_with_a_typed_error() {
+    let (mut a, mut b) = pair(SessionConfig::default(), SessionConfig::default());
+    b.send(&Blob {
+        id: 1,
+        data: Bulk::from(pattern(1, 8 << 20)),
+        tail: String::new(),
+    })
+    .expect("sent");
+    // The sender goes away at once: its queue pair and registrations with it.
+    drop(b);
+    let started = Instant::now();
+    let mut errors = Vec::new();
+    loop {
+        match a.recv_timeout(WAIT) {
+            Ok(Some(env)) => {
+                // The read may have finished before the end: then it is whole.
+                let v: BlobView<'_> = env.decode_borrowed().expect("decodes");
+                assert!(v.data == pattern(1, 8 << 20).as_slice());
+            }
+            Ok(None) => panic!("no hang"),
+            Err(e) => {
+                let fatal = e.is_fatal();
+                errors.push(e.to_string());
+                if fatal {
+                    break;
+                }
+            }
+        }
+    }
+    println!("after {:?}: {errors:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_hub_reads_large_messages_from_its_peers_and_sends_them_large_answers() {
+    use rdmsg::{Endpoint, Hub, HubConfig, HubEvent};
+    const CLIENTS: u32 = 3;
+    const EACH: u32 = 6;
+    let ep = Endpoint::open_default().expect("device");
+    let mut hub =
+        Hub::with_config(&ep, HubConfig::default(), SessionConfig::default()).expect("hub");
+    let addr = hub.listen("127.0.0.1:0").expect("listening");
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let ep = ep.clone();
+            std::thread::spawn(move || {
+                let conn = ep.connect(addr, &Config::default()).expect("connected");
+                let mut s = Session::new(conn);
+                for i in 0..EACH {
+                    let id = c * 100 + i;
+                    s.send(&Blob {
+                        id,
+                        data: Bulk::from(pattern(id, 100_000 + 50_000 * i as usize)),
+                        tail: String::new(),
+                    })
+                    .expect("sent");
+                    let answer: Plain = recv(&mut s).decode().expect("an answer");
+                    assert_eq!(answer.id, id);
+                    assert!(answer.data == pattern(id + 1, 200_000), "answer intact");
+                }
+                let stats = s.stats();
+                s.close().expect("closed");
+                stats
+            })
+        })
+        .collect();
+    let mut answered = 0;
+    let mut gone = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while gone < CLIENTS {
+        assert!(Instant::now() < deadline, "the hub got everything in time");
+        let Some(ev) = hub
+            .recv_timeout(Some(Duration::from_secs(1)))
+            .expect("hub works")
+        else {
+            continue;
+        };
+        match ev {
+            HubEvent::Message { peer, msg } => {
+                let v: BlobView<'_> = msg.decode_borrowed().expect("decodes");
+                let len = 100_000 + 50_000 * (v.id % 100) as usize;
+                assert!(v.data == pattern(v.id, len).as_slice(), "request intact");
+                let id = v.id;
+                drop(msg);
+                hub.send(
+                    peer,
+                    &Plain {
+                        id,
+                        data: pattern(id + 1, 200_000),
+                    },
+                )
+                .expect("answered");
+                answered += 1;
+            }
+            HubEvent::Disconnected { .. } => gone += 1,
+            HubEvent::Connected { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    for c in clients {
+        let stats = c.join().expect("no panic");
+        assert_eq!((stats.rendezvous_sent, stats.rendezvous_received), (6, 6));
+    }
+    assert_eq!(answered, CLIENTS * EACH);
+    let hs = hub.stats();
+    println!("hub: {hs:?}");
+    assert_eq!(hs.rendezvous_received, u64::from(CLIENTS * EACH));
+    assert_eq!(hs.rendezvous_sent, u64::from(CLIENTS * EACH));
+}
