@@ -494,3 +494,76 @@ fn a_hub_reads_large_messages_from_its_peers_and_sends_them_large_answers() {
     assert_eq!(hs.rendezvous_received, u64::from(CLIENTS * EACH));
     assert_eq!(hs.rendezvous_sent, u64::from(CLIENTS * EACH));
 }
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_hub_closing_a_peer_lets_it_finish_reading_first() {
+    use rdmsg::{Endpoint, Failure, Hub, HubConfig, HubEvent};
+    const LEN: usize = 4 << 20;
+    let ep = Endpoint::open_default().expect("device");
+    let mut hub =
+        Hub::with_config(&ep, HubConfig::default(), SessionConfig::default()).expect("hub");
+    let addr = hub.listen("127.0.0.1:0").expect("listening");
+    let clients: Vec<_> = (0..2u32)
+        .map(|c| {
+            let ep = ep.clone();
+            std::thread::spawn(move || {
+                let conn = ep.connect(addr, &Config::default()).expect("connected");
+                let mut s = Session::new(conn);
+                s.send(&Plain {
+                    id: c,
+                    data: vec![],
+                })
+                .expect("hello sent");
+                let p: Plain = recv(&mut s).decode().expect("the large message");
+                assert!(p.data == pattern(c, LEN), "read whole before the close");
+                match s.recv_timeout(WAIT) {
+                    Err(Error::Transport(rdmsg::transport::Error::Connection(
+                        Failure::PeerClosed,
+                    ))) => {}
+                    other => panic!("a graceful close, not {other:?}"),
+                }
+            })
+        })
+        .collect();
+    let mut gone = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while gone < 2 {
+        assert!(Instant::now() < deadline, "both closed in time");
+        let Some(ev) = hub
+            .recv_timeout(Some(Duration::from_secs(1)))
+            .expect("hub works")
+        else {
+            continue;
+        };
+        match ev {
+            HubEvent::Message { peer, msg } => {
+                let c = msg.decode::<Plain>().expect("hello").id;
+                drop(msg);
+                hub.send(
+                    peer,
+                    &Plain {
+                        id: c,
+                        data: pattern(c, LEN),
+                    },
+                )
+                .expect("sent");
+                // At once, while the peer reads: the close waits for its acknowledgement.
+                if c == 0 {
+                    hub.start_close(peer).expect("closing");
+                } else {
+                    hub.close(peer).expect("closed");
+                }
+            }
+            HubEvent::Disconnected { failure, .. } => {
+                assert_eq!(failure, Failure::Closed);
+                gone += 1;
+            }
+            HubEvent::Connected { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    for c in clients {
+        c.join().expect("the client saw everything, then the close");
+    }
+}

@@ -81,6 +81,8 @@ struct PeerState {
     receiver: Receiver,
     /// Listed in [`Hub::unflushed`].
     listed: bool,
+    /// [`Hub::start_close`] waits for the peer to finish reading our messages, until then.
+    close_at: Option<Instant>,
 }
 
 impl PeerState {
@@ -127,6 +129,8 @@ pub struct Hub {
     pool: ReadPool,
     /// Peers with descriptors waiting for buffer room or a send slot.
     reads_waiting: Vec<PeerId>,
+    /// Peers whose [`Hub::start_close`] waits for them to finish reading our messages.
+    closing: Vec<PeerId>,
 }
 
 impl Hub {
@@ -157,6 +161,7 @@ impl Hub {
         Self {
             pool,
             reads_waiting: Vec::new(),
+            closing: Vec::new(),
             transport,
             registry: Decoder::new(config.max_message),
             config,
@@ -274,13 +279,59 @@ impl Hub {
     /// sent so far, then [`Failure::PeerClosed`]; here [`HubEvent::Disconnected`] follows with
     /// [`Failure::Closed`].
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
+        // The peer may still be reading our messages: closing now would fail its reads.
+        let deadline = Instant::now() + self.transport.config().conn.close_timeout;
+        self.with_sender(peer, |s, link| s.wait_until_returned(link, deadline))?;
         Ok(self.transport.close(peer)?)
     }
 
     /// Starts closing `peer` gracefully without waiting (see
     /// [`rdmsg_transport::Hub::start_close`]); its [`HubEvent::Disconnected`] follows.
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
-        Ok(self.transport.start_close(peer)?)
+        let timeout = self.transport.config().conn.close_timeout;
+        match self.peers.get_mut(peer) {
+            // The peer may still be reading our messages: the close waits for that (at most
+            // `close_timeout`), driven by later calls.
+            Some(state) if state.sender.lent() > 0 => {
+                state.close_at = Some(Instant::now() + timeout);
+                if !self.closing.contains(&peer) {
+                    self.closing.push(peer);
+                }
+                Ok(())
+            }
+            _ => Ok(self.transport.start_close(peer)?),
+        }
+    }
+
+    /// Starts the closes that waited for their peers to finish reading, once they have (or
+    /// their time ran out).
+    fn finish_closes(&mut self) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.closing.len() {
+            let peer = self.closing[i];
+            let due = match self.peers.get_mut(peer) {
+                Some(state) => match state.close_at {
+                    Some(at) if state.sender.lent() == 0 || now >= at => {
+                        state.close_at = None;
+                        true
+                    }
+                    Some(_) => false,
+                    None => true,
+                },
+                None => {
+                    self.closing.swap_remove(i);
+                    continue;
+                }
+            };
+            if due {
+                self.closing.swap_remove(i);
+                // A peer gone meanwhile: its Disconnected tells.
+                let _ = self.transport.start_close(peer);
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// Starts a connection over a TCP stream already connected (see
@@ -368,6 +419,9 @@ impl Hub {
     fn advance_reads(&mut self) {
         for peer in std::mem::take(&mut self.reads_waiting) {
             self.collect(peer);
+        }
+        if !self.closing.is_empty() {
+            self.finish_closes();
         }
     }
 
@@ -477,6 +531,7 @@ impl Hub {
                 sender: Sender::new(&self.config, depth),
                 receiver: Receiver::new(self.registry.fresh(), self.pool.clone()),
                 listed: false,
+                close_at: None,
             };
             // A slot reused before its previous peer's `Disconnected` came through here.
             if let Some((_, stale)) = self.peers.insert(peer, fresh) {
@@ -525,6 +580,7 @@ impl Hub {
             sender,
             receiver,
             listed,
+            ..
         } = peers.get_mut(peer).expect("made above");
         let mut link = HubLink {
             hub: transport,
@@ -660,9 +716,17 @@ impl Hub {
     /// Longest an event loop may wait before the next [`Hub::step`]: the transport hub's
     /// timers, and sooner while a flush is pending.
     pub fn next_timeout(&self) -> Option<Duration> {
+        let close = self
+            .closing
+            .iter()
+            .filter_map(|&p| self.peers.get(p).and_then(|s| s.close_at))
+            .min();
         let flush = self
             .retry_at
             .filter(|_| !self.unflushed.is_empty())
+            .into_iter()
+            .chain(close)
+            .min()
             .map(|d| d.saturating_duration_since(Instant::now()));
         match (self.transport.next_timeout(), flush) {
             (Some(a), Some(b)) => Some(a.min(b)),

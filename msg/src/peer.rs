@@ -373,6 +373,29 @@ impl Sender {
         self.lent.count()
     }
 
+    /// Waits, taking in what arrives ([`Link::absorb`]), until the peer is done reading our
+    /// messages or `deadline` passes: closing under a read would fail it.
+    pub(crate) fn wait_until_returned(
+        &mut self,
+        link: &mut impl Link,
+        deadline: Instant,
+    ) -> Result<()> {
+        while self.lent() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let Some(got) = link.absorb(Some(left))? else {
+                break;
+            };
+            self.acknowledged(&got.acked);
+            let frame_max = link.max_message()?;
+            self.queue_acks(&got.acks, frame_max);
+            self.pump(link)?;
+        }
+        Ok(())
+    }
+
     /// Queues acknowledgements of messages we are done reading, solicited (the peer may wait
     /// for room), to go with the next frames sent.
     pub(crate) fn queue_acks(&mut self, seqs: &[u32], frame_max: usize) {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use rdmsg_transport::Connection;
 
 use crate::codec::{self, Decoder, Envelope};
-use crate::peer::{self, Absorbing, Link, Receiver, Sender};
+use crate::peer::{self, Absorbing, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result};
 
@@ -342,19 +342,8 @@ impl Session {
         self.sender.flush_within(&mut self.conn, None)?;
         // The peer may still be reading our messages: closing now would fail its reads.
         let deadline = Instant::now() + self.conn.config().close_timeout;
-        while self.sender.lent() > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            let (sender, link) = absorbing!(self);
-            if let Some(got) = link.absorb(Some(left))? {
-                sender.acknowledged(&got.acked);
-                let frame_max = link.max_message()?;
-                sender.queue_acks(&got.acks, frame_max);
-                sender.pump(link)?;
-            }
-        }
+        let (sender, link) = absorbing!(self);
+        sender.wait_until_returned(link, deadline)?;
         self.sender.flush_within(&mut self.conn, None)?;
         Ok(self.conn.close()?)
     }

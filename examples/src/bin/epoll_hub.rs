@@ -9,7 +9,7 @@
 //! `--requests` requests, and asks the status port once they are done; then it prints:
 //!
 //! ```text
-//! epoll_hub: clients=16 requests=500 answered=8000 status_requests=1 loop_waits=... hub_wakeups=... deferred=... errors=0
+//! epoll_hub: clients=16 requests=500 answered=8000 status_requests=1 loop_waits=... turns=... other_events=... resent=... hub_wakeups=... deferred=... errors=0
 //! ```
 //!
 //! `deferred` counts answers that found no credit at once and went out on a later turn of the
@@ -96,10 +96,14 @@ fn main() -> Result<()> {
 
     let (mut answered, mut gone, mut status_requests, mut loop_waits, mut deferred) =
         (0u64, 0u64, 0u64, 0u64, 0u64);
+    // Turns of the loop, and events besides requests and departures: a loop that never
+    // waits must owe every turn to something it handled (a busy server), not spin.
+    let (mut turns, mut other_events, mut resent) = (0u64, 0u64, 0u64);
     let mut unsent: VecDeque<(PeerId, Response)> = VecDeque::new();
     let deadline = Instant::now() + Duration::from_secs(300);
     while !(gone == clients && status_requests == 1) {
         ensure!(Instant::now() < deadline, "not done within 300 s");
+        turns += 1;
         hub.step()?;
         let mut busy = false;
         // Answers that found no credit before go first, in order.
@@ -110,6 +114,7 @@ fn main() -> Result<()> {
                 Err(_) => {} // the peer is gone: its Disconnected event tells
             }
             unsent.pop_front();
+            resent += 1;
             busy = true;
         }
         while let Some(ev) = hub.try_recv()? {
@@ -128,7 +133,7 @@ fn main() -> Result<()> {
                     }
                 }
                 HubEvent::Disconnected { .. } => gone += 1,
-                _ => {}
+                _ => other_events += 1,
             }
         }
         loop {
@@ -163,7 +168,7 @@ fn main() -> Result<()> {
     ensure!(line.starts_with("connections="), "status line {line:?}");
     let expected = clients * requests;
     println!(
-        "epoll_hub: clients={clients} requests={requests} answered={answered} status_requests={status_requests} loop_waits={loop_waits} hub_wakeups={} deferred={deferred} errors={}",
+        "epoll_hub: clients={clients} requests={requests} answered={answered} status_requests={status_requests} loop_waits={loop_waits} turns={turns} other_events={other_events} resent={resent} hub_wakeups={} deferred={deferred} errors={}",
         hub.transport().wait_stats().wakeups,
         u64::from(answered != expected)
     );
