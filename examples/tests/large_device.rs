@@ -417,40 +417,52 @@ fn a_peer_that_dies_mid_read_fails_the_reader_with_a_typed_error() {
     assert!(started.elapsed() < Duration::from_secs(20));
 }
 
-#[test]
-#[ignore = "needs an RDMA device"]
-fn a_hub_reads_large_messages_from_its_peers_and_sends_them_large_answers() {
-    use rdmsg::{Endpoint, Hub, HubConfig, HubEvent};
-    const CLIENTS: u32 = 3;
-    const EACH: u32 = 6;
-    let ep = Endpoint::open_default().expect("device");
+/// A typed hub listening on loopback, and `n` client threads, each running `client` with its
+/// number and a session connected to the hub.
+fn hub_with_clients<T: Send + 'static>(
+    n: u32,
+    client: impl Fn(u32, Session) -> T + Clone + Send + 'static,
+) -> (rdmsg::Hub, Vec<std::thread::JoinHandle<T>>) {
+    let ep = rdmsg::Endpoint::open_default().expect("device");
     let mut hub =
-        Hub::with_config(&ep, HubConfig::default(), SessionConfig::default()).expect("hub");
+        rdmsg::Hub::with_config(&ep, rdmsg::HubConfig::default(), SessionConfig::default())
+            .expect("hub");
     let addr = hub.listen("127.0.0.1:0").expect("listening");
-    let clients: Vec<_> = (0..CLIENTS)
+    let clients = (0..n)
         .map(|c| {
-            let ep = ep.clone();
+            let (ep, client) = (ep.clone(), client.clone());
             std::thread::spawn(move || {
                 let conn = ep.connect(addr, &Config::default()).expect("connected");
-                let mut s = Session::new(conn);
-                for i in 0..EACH {
-                    let id = c * 100 + i;
-                    s.send(&Blob {
-                        id,
-                        data: Bulk::from(pattern(id, 100_000 + 50_000 * i as usize)),
-                        tail: String::new(),
-                    })
-                    .expect("sent");
-                    let answer: Plain = recv(&mut s).decode().expect("an answer");
-                    assert_eq!(answer.id, id);
-                    assert!(answer.data == pattern(id + 1, 200_000), "answer intact");
-                }
-                let stats = s.stats();
-                s.close().expect("closed");
-                stats
+                client(c, Session::new(conn))
             })
         })
         .collect();
+    (hub, clients)
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_hub_reads_large_messages_from_its_peers_and_sends_them_large_answers() {
+    use rdmsg::HubEvent;
+    const CLIENTS: u32 = 3;
+    const EACH: u32 = 6;
+    let (mut hub, clients) = hub_with_clients(CLIENTS, |c, mut s| {
+        for i in 0..EACH {
+            let id = c * 100 + i;
+            s.send(&Blob {
+                id,
+                data: Bulk::from(pattern(id, 100_000 + 50_000 * i as usize)),
+                tail: String::new(),
+            })
+            .expect("sent");
+            let answer: Plain = recv(&mut s).decode().expect("an answer");
+            assert_eq!(answer.id, id);
+            assert!(answer.data == pattern(id + 1, 200_000), "answer intact");
+        }
+        let stats = s.stats();
+        s.close().expect("closed");
+        stats
+    });
     let mut answered = 0;
     let mut gone = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -498,34 +510,21 @@ fn a_hub_reads_large_messages_from_its_peers_and_sends_them_large_answers() {
 #[test]
 #[ignore = "needs an RDMA device"]
 fn a_hub_closing_a_peer_lets_it_finish_reading_first() {
-    use rdmsg::{Endpoint, Failure, Hub, HubConfig, HubEvent};
+    use rdmsg::{Failure, HubEvent};
     const LEN: usize = 4 << 20;
-    let ep = Endpoint::open_default().expect("device");
-    let mut hub =
-        Hub::with_config(&ep, HubConfig::default(), SessionConfig::default()).expect("hub");
-    let addr = hub.listen("127.0.0.1:0").expect("listening");
-    let clients: Vec<_> = (0..2u32)
-        .map(|c| {
-            let ep = ep.clone();
-            std::thread::spawn(move || {
-                let conn = ep.connect(addr, &Config::default()).expect("connected");
-                let mut s = Session::new(conn);
-                s.send(&Plain {
-                    id: c,
-                    data: vec![],
-                })
-                .expect("hello sent");
-                let p: Plain = recv(&mut s).decode().expect("the large message");
-                assert!(p.data == pattern(c, LEN), "read whole before the close");
-                match s.recv_timeout(WAIT) {
-                    Err(Error::Transport(rdmsg::transport::Error::Connection(
-                        Failure::PeerClosed,
-                    ))) => {}
-                    other => panic!("a graceful close, not {other:?}"),
-                }
-            })
+    let (mut hub, clients) = hub_with_clients(2, |c, mut s| {
+        s.send(&Plain {
+            id: c,
+            data: vec![],
         })
-        .collect();
+        .expect("hello sent");
+        let p: Plain = recv(&mut s).decode().expect("the large message");
+        assert!(p.data == pattern(c, LEN), "read whole before the close");
+        match s.recv_timeout(WAIT) {
+            Err(Error::Transport(rdmsg::transport::Error::Connection(Failure::PeerClosed))) => {}
+            other => panic!("a graceful close, not {other:?}"),
+        }
+    });
     let mut gone = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
     while gone < 2 {

@@ -563,7 +563,6 @@ impl Hub {
         if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
             self.transport.send_with(peer, false, timeout, |_| None)?;
         }
-        self.state(peer);
         // Events an earlier wait stashed go to their peers first: this peer's older ones must
         // come before what this send's wait takes in.
         while let Some(raw) = self.stash.pop_front() {

@@ -129,6 +129,7 @@ pub(crate) struct Absorbing<'a> {
     pub(crate) receiver: &'a mut Receiver,
 }
 
+/// Everything but [`Link::absorb`] is the connection's own [`Link`].
 impl Link for Absorbing<'_> {
     fn send_with(
         &mut self,
@@ -136,7 +137,7 @@ impl Link for Absorbing<'_> {
         timeout: Option<Duration>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool> {
-        self.conn.send_with(solicited, timeout, fill)
+        Link::send_with(self.conn, solicited, timeout, fill)
     }
 
     fn send(
@@ -145,19 +146,19 @@ impl Link for Absorbing<'_> {
         solicited: bool,
         timeout: Option<Duration>,
     ) -> rdmsg_transport::Result<bool> {
-        self.conn.send_timeout(frame, solicited, timeout)
+        Link::send(self.conn, frame, solicited, timeout)
     }
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
-        Ok(self.conn.max_message())
+        Link::max_message(self.conn)
     }
 
     fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
-        self.conn.expose(bytes)
+        Link::expose(self.conn, bytes)
     }
 
     fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
-        self.conn.register(len)
+        Link::register(self.conn, len)
     }
 
     fn post_read(
@@ -165,7 +166,7 @@ impl Link for Absorbing<'_> {
         into: Buffer,
         segments: &[ReadSegment],
     ) -> rdmsg_transport::Result<ReadPost> {
-        self.conn.post_read(into, segments)
+        Link::post_read(self.conn, into, segments)
     }
 
     fn absorb(&mut self, timeout: Option<Duration>) -> Result<Option<Absorbed>> {
@@ -382,18 +383,24 @@ impl Sender {
     ) -> Result<()> {
         while self.lent() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if left.is_zero() || !self.take_in(link, Some(left))? {
                 break;
             }
-            let Some(got) = link.absorb(Some(left))? else {
-                break;
-            };
-            self.acknowledged(&got.acked);
-            let frame_max = link.max_message()?;
-            self.queue_acks(&got.acks, frame_max);
-            self.pump(link)?;
         }
         Ok(())
+    }
+
+    /// Waits at most `timeout` for what arrives ([`Link::absorb`]), takes in the peer's
+    /// acknowledgements and sends ours as they can go; `false` if the link cannot wait so.
+    fn take_in(&mut self, link: &mut impl Link, timeout: Option<Duration>) -> Result<bool> {
+        let Some(got) = link.absorb(timeout)? else {
+            return Ok(false);
+        };
+        self.acknowledged(&got.acked);
+        let frame_max = link.max_message()?;
+        self.queue_acks(&got.acks, frame_max);
+        self.pump(link)?;
+        Ok(true)
     }
 
     /// Queues acknowledgements of messages we are done reading, solicited (the peer may wait
@@ -422,21 +429,18 @@ impl Sender {
         let frame_max = link.max_message()?;
         if pieces.len() > rendezvous::MAX_PIECES {
             // Too many payloads to name one by one: copy them into one piece.
-            let mut all = Vec::with_capacity(total);
-            for p in &pieces {
-                all.extend_from_slice(p.bytes());
-            }
-            pieces = vec![Piece::Encoded(all)];
+            pieces = vec![Piece::Encoded(concat(pieces))];
         }
         // Small encoded pieces travel in the descriptor, as far as the frame allows.
-        let fixed = frame::HEADER_LEN + 8 + 17 * pieces.len();
-        let mut room = frame_max.saturating_sub(fixed);
+        let mut room = frame_max.saturating_sub(rendezvous::remote_frame_len(pieces.len()));
         let mut segments = Vec::with_capacity(pieces.len());
         let mut exposed = Vec::new();
         for p in pieces {
             match p {
-                Piece::Encoded(v) if v.len() + 5 <= room && v.len() <= INLINE_PIECE => {
-                    room -= v.len() + 5;
+                Piece::Encoded(v)
+                    if v.len() + rendezvous::INLINE_HEAD <= room && v.len() <= INLINE_PIECE =>
+                {
+                    room -= v.len() + rendezvous::INLINE_HEAD;
                     segments.push(Segment::Inline(v));
                 }
                 other => {
@@ -474,7 +478,7 @@ impl Sender {
 
     /// Whether a descriptor of `pieces` can fit in a frame of `frame_max` bytes.
     fn descriptor_fits(pieces: usize, frame_max: usize) -> bool {
-        frame::HEADER_LEN + 8 + 17 * pieces.min(rendezvous::MAX_PIECES) <= frame_max
+        rendezvous::remote_frame_len(pieces.min(rendezvous::MAX_PIECES)) <= frame_max
     }
 
     /// Sends `m`, solicited as asked or as the policy forces: straight into a registered send
@@ -521,19 +525,11 @@ impl Sender {
             // A timeout too long to add to the clock is no deadline at all.
             let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
             let timed_out = || rdmsg_transport::Error::Timeout(first_timeout.unwrap_or_default());
+            self.stats.rendezvous_waits += u64::from(!self.lent.has_room(total));
             while !self.lent.has_room(total) {
                 let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-                if left == Some(Duration::ZERO) {
+                if left == Some(Duration::ZERO) || !self.take_in(link, left)? {
                     return Err(timed_out().into());
-                }
-                self.stats.rendezvous_waits += 1;
-                match link.absorb(left)? {
-                    Some(got) => {
-                        self.acknowledged(&got.acked);
-                        self.queue_acks(&got.acks, frame_max);
-                        self.pump(link)?;
-                    }
-                    None => return Err(timed_out().into()),
                 }
             }
             return match self.send_rendezvous(

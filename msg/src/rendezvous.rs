@@ -30,9 +30,15 @@ pub const MAX_PIECES: usize = 16;
 /// Fixed part of a descriptor body.
 const FIXED: usize = 8;
 /// An inline piece's own bytes besides its data.
-const INLINE_HEAD: usize = 5;
+pub(crate) const INLINE_HEAD: usize = 5;
 /// A remote piece's bytes.
 const REMOTE_LEN: usize = 17;
+
+/// The frame of a descriptor naming `pieces` pieces, all of them remote: what the sender
+/// must have room for before inlining any.
+pub(crate) fn remote_frame_len(pieces: usize) -> usize {
+    HEADER_LEN + FIXED + REMOTE_LEN * pieces
+}
 
 /// Where one piece of a message is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -298,6 +304,17 @@ struct PoolState {
     waker: Option<rdmsg_transport::Waker>,
 }
 
+impl PoolState {
+    /// Room was made: a descriptor waiting for it is told, through the owner's wake-up.
+    fn room_made(&mut self) {
+        if std::mem::take(&mut self.waiting) {
+            if let Some(w) = &self.waker {
+                w.wake();
+            }
+        }
+    }
+}
+
 /// Smallest buffer registered for reads (smaller messages share the size class).
 const MIN_READ_BUFFER: usize = 64 << 10;
 
@@ -382,11 +399,7 @@ impl ReadPool {
     pub(crate) fn release(&self, buf: Buffer) {
         let mut st = self.lock();
         st.free.push(buf);
-        if std::mem::take(&mut st.waiting) {
-            if let Some(w) = &st.waker {
-                w.wake();
-            }
-        }
+        st.room_made();
     }
 
     /// A buffer of `size` bytes that will not come back (it went with a failed post, or its
@@ -394,11 +407,7 @@ impl ReadPool {
     pub(crate) fn forget(&self, size: usize) {
         let mut st = self.lock();
         st.registered = st.registered.saturating_sub(size);
-        if std::mem::take(&mut st.waiting) {
-            if let Some(w) = &st.waker {
-                w.wake();
-            }
-        }
+        st.room_made();
     }
 
     /// Bytes registered now.

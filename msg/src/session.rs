@@ -231,15 +231,8 @@ impl Session {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        peer::in_time(self.sender.send_within(
-            &mut Absorbing {
-                conn: &mut self.conn,
-                receiver: &mut self.receiver,
-            },
-            m,
-            solicited,
-            Some(timeout),
-        ))
+        let (sender, link) = absorbing!(self);
+        peer::in_time(sender.send_within(link, m, solicited, Some(timeout)))
     }
 
     /// Receives the next message, waiting as long as it takes. A bad frame gives its error

@@ -769,11 +769,22 @@ impl Connection {
     /// none came. Messages that arrived before a failure are delivered before the failure is
     /// reported.
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Received>> {
+        self.wait_for(timeout, Self::try_recv)
+    }
+
+    /// Takes what `take` finds, waiting at most `timeout` (`None`: forever) until it finds
+    /// something: the wait of [`Connection::recv_timeout`] and
+    /// [`Connection::recv_any_timeout`].
+    fn wait_for<T>(
+        &mut self,
+        timeout: Option<Duration>,
+        mut take: impl FnMut(&mut Self) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
-            if let Some(m) = self.try_recv()? {
-                return Ok(Some(m));
+            if let Some(got) = take(self)? {
+                return Ok(Some(got));
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left == Some(Duration::ZERO) {
@@ -979,18 +990,7 @@ impl Connection {
     /// [`Connection::recv_timeout`], also handing out finished reads (see
     /// [`Connection::try_recv_any`]).
     pub fn recv_any_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Arrival>> {
-        // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        loop {
-            if let Some(a) = self.try_recv_any()? {
-                return Ok(Some(a));
-            }
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if left == Some(Duration::ZERO) {
-                return Ok(None);
-            }
-            self.wait_once(left)?;
-        }
+        self.wait_for(timeout, Self::try_recv_any)
     }
 
     /// A handle that makes the connection's descriptor readable (and ends its blocking

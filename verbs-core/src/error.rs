@@ -90,13 +90,6 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// `ibv_dereg_mr` of an exposed region failed (its bytes are leaked, never freed).
-    #[error("ibv_dereg_mr failed ({})", Errno(.source))]
-    DeregisterMemory {
-        /// Cause.
-        #[source]
-        source: io::Error,
-    },
     /// `ibv_create_comp_channel` failed.
     #[error("ibv_create_comp_channel failed ({})", Errno(.0))]
     CreateCompChannel(#[source] io::Error),

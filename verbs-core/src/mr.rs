@@ -245,11 +245,7 @@ impl Buffer {
     }
 
     pub(crate) fn sge(&self, len: usize) -> ffi::ibv_sge {
-        ffi::ibv_sge {
-            addr: self.addr(),
-            length: u32::try_from(len.min(self.len)).unwrap_or(u32::MAX),
-            lkey: self.lkey(),
-        }
+        self.sge_at(0, len)
     }
 }
 
@@ -257,7 +253,7 @@ impl Buffer {
 ///
 /// The region covers exactly these bytes and only allows remote reads (no local or remote
 /// write): its remote key ([`Exposed::rkey`]) reads nothing else, and is invalid once the
-/// `Exposed` is dropped or [`Exposed::into_bytes`] (the registration is undone first). The
+/// `Exposed` is dropped (the registration is undone first). The
 /// bytes are an immutable [`Bytes`](crate::Bytes) held for the whole registration, so no
 /// safe code can change what a peer may be reading, and they are not freed while a peer could
 /// read them. One registration per exposure gives every exposed message its own key: a peer
@@ -269,8 +265,8 @@ pub struct Exposed {
     _pd: Arc<PdInner>,
 }
 
-// SAFETY: the ibv_mr is only read (keys) through `&self` and deregistered once, in Drop or
-// `into_bytes`; the bytes are immutable and shared-ownership (`Bytes` is Send + Sync).
+// SAFETY: the ibv_mr is only read (keys) through `&self` and deregistered once, in Drop;
+// the bytes are immutable and shared-ownership (`Bytes` is Send + Sync).
 unsafe impl Send for Exposed {}
 // SAFETY: as above: shared access reads immutable fields only.
 unsafe impl Sync for Exposed {}
@@ -346,32 +342,11 @@ impl Exposed {
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
-
-    /// Ends the exposure (deregisters: the key reads nothing from now on) and hands the bytes
-    /// back. If deregistering fails, the device may still read them: they are leaked instead
-    /// (never freed) and the error is returned.
-    pub fn into_bytes(self) -> Result<crate::Bytes> {
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: the region is deregistered once: `this` is never dropped.
-        let ret = unsafe { ffi::ibv_dereg_mr(this.mr.as_ptr()) };
-        // SAFETY: read once out of the ManuallyDrop, which is not used again.
-        let bytes = unsafe { std::ptr::read(&this.bytes) };
-        // SAFETY: as for `bytes`.
-        let pd = unsafe { std::ptr::read(&this._pd) };
-        drop(pd);
-        match crate::error::check_ret(ret) {
-            Ok(()) => Ok(bytes),
-            Err(source) => {
-                std::mem::forget(bytes);
-                Err(Error::DeregisterMemory { source })
-            }
-        }
-    }
 }
 
 impl Drop for Exposed {
     fn drop(&mut self) {
-        // SAFETY: the region is registered (into_bytes does not drop) and deregistered once.
+        // SAFETY: the region is registered until now and deregistered once, here.
         let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
         if ret != 0 {
             // The device may still read the bytes: never free them.
