@@ -85,6 +85,7 @@ mod error;
 mod loopback;
 mod mr;
 mod pd;
+mod posted;
 mod qp;
 mod srq;
 mod watch;

@@ -15,7 +15,7 @@ use crate::error::{check_ret, non_null, Error, Result};
 use crate::ffi;
 use crate::mr::Buffer;
 use crate::pd::{PdInner, ProtectionDomain};
-use crate::qp::{post_recv_list, InOrder, PostError};
+use crate::posted::{post_recv_list, InOrder, PostError};
 
 /// The SRQ itself, shared by its handle and every queue pair created with it (destroying an SRQ
 /// that queue pairs still use fails with `EBUSY`).
