@@ -706,10 +706,10 @@ impl Hub {
         Ok(self.transport.step()? + self.ready.len().saturating_sub(queued))
     }
 
-    /// See [`rdmsg_transport::Hub::resume`]: after a wait on the descriptor, when nobody else
+    /// See [`rdmsg_transport::Hub::nobody_waits`]: after a wait on the descriptor, when nobody else
     /// waits on it.
-    pub fn resume(&mut self) {
-        self.transport.resume();
+    pub fn nobody_waits(&mut self) {
+        self.transport.nobody_waits();
     }
 
     /// Longest an event loop may wait before the next [`Hub::step`]: the transport hub's

@@ -395,9 +395,9 @@ impl Session {
         Ok(self.conn.step()? || sent || took)
     }
 
-    /// See [`Connection::resume`]: after a wait on the descriptor, when nobody else waits on it.
-    pub fn resume(&mut self) {
-        self.conn.resume();
+    /// See [`Connection::nobody_waits`]: after a wait on the descriptor, when nobody else waits on it.
+    pub fn nobody_waits(&mut self) {
+        self.conn.nobody_waits();
     }
 
     /// Longest an event loop may wait on the descriptor before calling [`Session::step`]:

@@ -162,7 +162,7 @@ impl Shared {
             core = self.lock();
             core.sleeping = false;
             // The only thread on the descriptor is awake.
-            core.session.resume();
+            core.session.nobody_waits();
             core.receivers_waiting -= u32::from(receiving);
             self.turn.notify_all();
             slept.map_err(rdmsg_transport::Error::from)?;

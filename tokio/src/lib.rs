@@ -106,8 +106,8 @@ trait Drive: AsFd + Send + 'static {
     fn tick(&self) -> Option<Duration>;
     /// Whether something received waits to be taken without polling.
     fn has_queued(&self) -> bool;
-    /// Nobody waits on the descriptor any more (see `Connection::resume`).
-    fn resume(&mut self);
+    /// Nobody waits on the descriptor any more (see `Connection::nobody_waits`).
+    fn nobody_waits(&mut self);
 }
 
 impl Drive for Session {
@@ -121,13 +121,13 @@ impl Drive for Session {
         self.connection().handled()
     }
     fn tick(&self) -> Option<Duration> {
-        self.connection().next_timeout()
+        self.connection().config().health_check
     }
     fn has_queued(&self) -> bool {
         Session::has_ready(self)
     }
-    fn resume(&mut self) {
-        Session::resume(self);
+    fn nobody_waits(&mut self) {
+        Session::nobody_waits(self);
     }
 }
 
@@ -148,8 +148,8 @@ impl Drive for Hub {
     fn has_queued(&self) -> bool {
         true // events are cheap to look for: always take the fast path
     }
-    fn resume(&mut self) {
-        Hub::resume(self);
+    fn nobody_waits(&mut self) {
+        Hub::nobody_waits(self);
     }
 }
 
@@ -284,7 +284,7 @@ impl<D: Drive> Shared<D> {
                 let mut d = self.lock();
                 if std::mem::take(&mut woke) && self.sleepers.load(Ordering::SeqCst) == 0 {
                     // The last task on the descriptor is awake.
-                    d.resume();
+                    d.nobody_waits();
                 }
                 if let Some(v) = self.signalling(&mut d, |d| attempt(d, self))? {
                     return Ok(v);

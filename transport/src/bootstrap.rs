@@ -9,233 +9,21 @@
 
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use rdmsg_verbs::{
-    Access, Buffer, CompletionChannel, CompletionQueue, QpCaps, QueuePair, ReadyWatch,
-};
+use rdmsg_verbs::ReadyWatch;
 
 use crate::addr::QpAddress;
-use crate::connection::{random_psn, Config, Connection};
+use crate::config::Config;
+use crate::connection::Connection;
 use crate::endpoint::Endpoint;
-use crate::handshake::{Action, Handshake, Hello, Reject, GOODBYE, NONCE_LEN, VERSION};
-use crate::pool::RecvPool;
-use crate::{Error, Result};
-
-/// The verbs resources of one connection in the making.
-#[derive(Debug)]
-pub(crate) struct Setup {
-    pub(crate) channel: CompletionChannel,
-    pub(crate) send_cq: CompletionQueue,
-    pub(crate) recv_cq: CompletionQueue,
-    pub(crate) qp: QueuePair,
-    pub(crate) pool: RecvPool,
-    /// Registered only once the handshake is complete (see [`Setup::register_send_buffers`]).
-    pub(crate) send_bufs: Vec<Buffer>,
-    /// How many send buffers the handshake settled on.
-    send_buffers: u32,
-    pub(crate) psn: u32,
-}
-
-impl Setup {
-    /// Creates the completion channel, both CQs and the queue pair, moves it to INIT and posts
-    /// every receive buffer (before RTR: the credits the peer starts with are real).
-    fn new(endpoint: &Endpoint, config: &Config) -> Result<Self> {
-        let ctx = endpoint.context();
-        let pd = endpoint.pd();
-        let recv_total = config.recv_depth + u32::from(config.grant_slots);
-        let channel = CompletionChannel::new(ctx)?;
-        let send_cq = CompletionQueue::new(ctx, config.send_depth, Some(&channel))?;
-        let recv_cq = CompletionQueue::new(
-            ctx,
-            config.recv_cq_entries().unwrap_or(recv_total),
-            Some(&channel),
-        )?;
-        let caps = QpCaps {
-            max_send_wr: config.send_depth,
-            max_recv_wr: recv_total,
-            max_inline_data: config.max_inline,
-        };
-        let mut qp = QueuePair::new_rc(pd, &send_cq, &recv_cq, caps)?;
-        qp.to_init(endpoint.port())?;
-        let mut pool = RecvPool::new(pd, recv_total as usize, config.buf_size as usize)?;
-        if let Err(e) = qp.post_recv(pool.take_free()) {
-            for b in e.unposted {
-                pool.put_back(b);
-            }
-            return Err(e.error.into());
-        }
-        let psn = random_psn(qp.qp_num());
-        Ok(Self {
-            channel,
-            send_cq,
-            recv_cq,
-            qp,
-            pool,
-            send_bufs: Vec::new(),
-            send_buffers: 0,
-            psn,
-        })
-    }
-
-    /// Registers the send buffers, sized by the peer's receive buffers. Only once the handshake
-    /// is complete: a client that stops before its "ready" (authenticated or not) must not
-    /// hold `send_depth` × its buffer size of pinned memory per pending handshake.
-    fn register_send_buffers(&mut self, endpoint: &Endpoint, peer: &Hello) -> Result<()> {
-        let size = peer.buf_size as usize;
-        self.send_bufs = endpoint
-            .pd()
-            .register(self.send_buffers as usize * size, Access::LOCAL_WRITE)?
-            .chunks(size)?;
-        Ok(())
-    }
-}
-
-/// The local half of a connection in the making: its queue pair, created (by the server) only
-/// once the client's hello passed, then connected towards the peer.
-pub(crate) trait LocalSide: Sized {
-    /// Moves the queue pair to RTR and RTS towards `peer`, noting how many send buffers the
-    /// handshake settled on; returns the queue pair's address.
-    fn connect(
-        &mut self,
-        endpoint: &Endpoint,
-        config: &Config,
-        peer: &Hello,
-        send_buffers: u32,
-    ) -> Result<QpAddress>;
-}
-
-impl LocalSide for Setup {
-    fn connect(
-        &mut self,
-        endpoint: &Endpoint,
-        config: &Config,
-        peer: &Hello,
-        send_buffers: u32,
-    ) -> Result<QpAddress> {
-        self.send_buffers = send_buffers;
-        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
-        Ok(endpoint.address_of(&self.qp, self.psn))
-    }
-}
-
-/// What this side announces; `addr` is `None` on the server until its queue pair exists.
-pub(crate) fn our_hello(endpoint: &Endpoint, config: &Config, addr: Option<QpAddress>) -> Hello {
-    #[cfg(feature = "test-hooks")]
-    let (lie, lie_buf) = (
-        config.hooks.overstate_credits,
-        config.hooks.overstate_buf_size,
-    );
-    #[cfg(not(feature = "test-hooks"))]
-    let (lie, lie_buf) = (0, 0);
-    Hello {
-        version: VERSION,
-        addr: addr.unwrap_or(QpAddress {
-            lid: 0,
-            qpn: 0,
-            psn: 0,
-            gid: rdmsg_verbs::Gid([0; 16]),
-        }),
-        mtu: endpoint.path_mtu(&config.path).bytes() as u32,
-        buf_size: config.buf_size + lie_buf,
-        recv_depth: config.recv_depth + lie,
-        grant_slots: config.grant_slots,
-        initial_credits: config.recv_depth + lie,
-    }
-}
-
-/// Fresh random bytes for a handshake nonce, from the operating system.
-pub(crate) fn nonce() -> Result<[u8; NONCE_LEN]> {
-    let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n).map_err(|e| Error::Bootstrap {
-        stage: "drawing a random nonce",
-        source: e.raw_os_error().map_or_else(
-            || io::Error::other(e.to_string()),
-            io::Error::from_raw_os_error,
-        ),
-    })?;
-    Ok(n)
-}
-
-pub(crate) fn bootstrap_err(stage: &'static str) -> impl FnOnce(io::Error) -> Error {
-    move |source| Error::Bootstrap { stage, source }
-}
-
-/// What a bootstrap stream brings after the handshake, where at most a goodbye may come. Read
-/// by a connection's liveness check and by the hub when the stream is readable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum AfterHandshake {
-    /// Nothing to read now.
-    Nothing,
-    /// Junk (this byte): the connection fails at once.
-    Garbage(u8),
-    /// The peer closed gracefully: its close message is delivered or on its way.
-    Goodbye,
-    /// The stream ended without a goodbye: the peer's process is gone, or its side failed.
-    Ended,
-}
-
-impl AfterHandshake {
-    /// Reads what is there on the non-blocking `stream`.
-    pub(crate) fn read(stream: &TcpStream) -> Self {
-        let mut buf = [0u8; 64];
-        let (n, eof) = match (&*stream).read(&mut buf) {
-            Ok(0) => (0, true),
-            Ok(n) => (n, false),
-            Err(e) => (
-                0,
-                !matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ),
-            ),
-        };
-        if let Some((_, &byte)) = buf[..n]
-            .iter()
-            .enumerate()
-            .find(|&(i, &b)| i > 0 || b != GOODBYE)
-        {
-            Self::Garbage(byte)
-        } else if n == 1 {
-            Self::Goodbye
-        } else if eof {
-            Self::Ended
-        } else {
-            Self::Nothing
-        }
-    }
-
-    /// How long to wait for the peer's close message before calling it vanished: up to
-    /// `close_timeout` after a goodbye, 50 ms after a bare end of stream (one may still be in
-    /// flight).
-    pub(crate) fn grace(self, close_timeout: Duration) -> Duration {
-        if self == Self::Goodbye {
-            close_timeout
-        } else {
-            Duration::from_millis(50)
-        }
-    }
-}
-
-/// Accepts the next waiting client on the non-blocking `tcp`: `Ok(None)` when none waits;
-/// interrupted calls and clients gone before they were accepted are skipped.
-pub(crate) fn accept_next(tcp: &TcpListener) -> io::Result<Option<TcpStream>> {
-    loop {
-        match tcp.accept() {
-            Ok((s, _)) => return Ok(Some(s)),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
-                ) => {}
-            Err(e) => return Err(e),
-        }
-    }
-}
+use crate::error::{Error, Result};
+use crate::handshake::{Action, Handshake, Hello, Reject};
+use crate::setup::{nonce, our_hello, LocalSide, Setup};
+use crate::stream::{accept_next, bootstrap_err};
 
 /// One handshake over a non-blocking stream, and the resources it set up so far.
 #[derive(Debug)]
@@ -435,8 +223,6 @@ pub(crate) fn connect(
 
 /// Watch token of the listening socket; pending handshake `i` has token `i + 1`.
 const LISTEN_TOKEN: u8 = 0;
-/// Most handshakes a listener runs at once (tokens below 64).
-pub(crate) const MAX_PENDING: u32 = 63;
 
 /// Accepts bootstrap connections for an [`Endpoint`], running their handshakes concurrently.
 ///
@@ -701,6 +487,48 @@ impl Listener {
             }
         }
     }
+}
+
+/// Connecting and listening, the two ways to make a [`Connection`] on an endpoint.
+impl Endpoint {
+    /// Listens for bootstrap connections on `addr`.
+    pub fn listen(&self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<Listener> {
+        let tcp = TcpListener::bind(&addr).map_err(|source| Error::Listen {
+            addr: format!("{addr:?}"),
+            source,
+        })?;
+        Listener::new(self.clone(), tcp)
+    }
+
+    /// Connects to a [`Listener`] at `addr`.
+    pub fn connect(
+        &self,
+        addr: impl ToSocketAddrs + fmt::Debug,
+        config: &Config,
+    ) -> Result<Connection> {
+        let stream = std::net::TcpStream::connect(&addr).map_err(|source| Error::Connect {
+            addr: format!("{addr:?}"),
+            source,
+        })?;
+        connect(self, stream, config)
+    }
+}
+
+/// Connects two connections to each other through TCP on loopback, on the default device
+/// ([`Endpoint::open_default`]): (accepting side, connecting side). For tests, examples and
+/// benchmarks that run both peers in one process.
+pub fn loopback_pair(server: &Config, client: &Config) -> Result<(Connection, Connection)> {
+    let ep = Endpoint::open_default()?;
+    let listener = ep.listen("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let client_ep = ep.clone();
+    let client = client.clone();
+    let connector = std::thread::spawn(move || client_ep.connect(addr, &client));
+    let accepted = listener.accept(server);
+    let connected = connector
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    Ok((accepted?, connected?))
 }
 
 #[cfg(test)]

@@ -1,4 +1,6 @@
-//! A credit-flow-controlled RC connection.
+//! A credit-flow-controlled RC connection: the driver of one [`Core`] on a queue pair with its
+//! own completion queues, receive pool, send buffers and completion channel. It polls, posts,
+//! waits and moves bytes; every protocol rule is the core's.
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -10,236 +12,24 @@ use std::time::{Duration, Instant};
 use rdmsg_notify::{ArmMode, CqKey, EventChannel, EventTarget, Policy, Readiness, Waiter};
 use rdmsg_verbs::{
     Buffer, CompletionChannel, CompletionQueue, Exposed, QueuePair, ReadSegment, ReadyWatch,
-    SendRequest, WorkCompletion,
+    WorkCompletion,
 };
 
-use crate::bootstrap::{AfterHandshake, Setup};
-use crate::credits::{Credits, Imm};
-use crate::endpoint::{Endpoint, PathParams};
-use crate::events::{self, Mailbox};
-use crate::handshake::{self, Hello, GOODBYE};
-use crate::inbound::{Completion, RecvAction};
-use crate::pool::{PoolStats, Received, RecvPool};
-use crate::protocol::{Outgoing, Protocol};
-use crate::read::{self, Arrival, ReadDone, ReadPost};
-use crate::{Error, Failure, Result};
-
-/// How a connection is set up. Both sides announce their receive side in the handshake; the
-/// send side adapts to the peer.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// Size of each receive buffer: the largest message the peer may send us. Default 4096.
-    pub buf_size: u32,
-    /// Receive buffers for data messages: the credits the peer starts with. Default 64.
-    pub recv_depth: u32,
-    /// Extra receive buffers reserved for credit grants (3..=64). Default 3.
-    pub grant_slots: u8,
-    /// Send queue depth and number of send buffers. Default 64.
-    pub send_depth: u32,
-    /// Request a send completion every this many sends (at least 1). Default 16.
-    pub signal_every: u32,
-    /// Payloads up to this size are sent inline, without a send buffer (bounded by what the
-    /// device grants). Default 64.
-    pub max_inline: u32,
-    /// How the receive queue is armed while waiting for messages. Default
-    /// [`ArmMode::SolicitedOnly`]: only solicited messages (and errors) wake a receiver.
-    pub recv_arm: ArmMode,
-    /// How waits wait. Default [`Policy::Sleep`].
-    pub policy: Policy,
-    /// Path parameters of the queue pair.
-    pub path: PathParams,
-    /// Longest a whole handshake may take, whatever the peer does byte by byte (a
-    /// [`Listener`](crate::Listener) runs many at once, each with its own deadline). Default
-    /// 5 s.
-    pub handshake_timeout: Duration,
-    /// Largest receive buffer a peer may announce. Our send buffers are that big, so this is
-    /// what a peer can make us register per send buffer; a bigger announcement is rejected
-    /// ([`Reject::Limits`](crate::handshake::Reject::Limits)) before anything is allocated.
-    /// Default 1 MiB.
-    pub max_peer_buf_size: u32,
-    /// Deepest receive queue a peer may announce (its initial credits are at most that).
-    /// Default 65535 (the most credits one message can return).
-    pub max_peer_recv_depth: u32,
-    /// Most memory registered for send buffers (`send_depth` buffers of the peer's buffer
-    /// size): beyond it, fewer send buffers are registered (at least one; a peer whose one
-    /// buffer does not fit is rejected). Default 64 MiB.
-    pub max_send_memory: u64,
-    /// Most handshakes a [`Listener`](crate::Listener) runs at once (1..=63); a new client
-    /// beyond that evicts the oldest pending one. Default 32.
-    pub max_pending_handshakes: u32,
-    /// A pre-shared key both sides must prove they know (HMAC-SHA256 challenge-response over
-    /// the handshake, see the `handshake` module); the server allocates nothing for a client
-    /// that has not. Both sides must have the same key, or none. Default `None`.
-    pub psk: Option<handshake::Psk>,
-    /// Longest wait in [`Connection::close`] for the close message to be delivered. Default 2 s.
-    pub close_timeout: Duration,
-    /// How long a peer *host* may stay silent before it is declared gone
-    /// ([`Failure::PeerVanished`]), through TCP keepalive on the bootstrap stream (a peer
-    /// process that dies is noticed at once by its stream's end; a host that dies or drops off
-    /// the network sends nothing). `None`: never. Default 5 s; whole seconds, at least 3 s.
-    /// The first half of it is idle, the second probes once a second (3 to 30 probes), and
-    /// the peer is declared gone only when every probe went unanswered: on a lossy link,
-    /// where probes are lost too, a longer limit makes false alarms much rarer (at 5 % loss
-    /// each way, 3 probes all fail about once in a thousand rounds, 5 about once in 10^5).
-    pub keepalive: Option<Duration>,
-    /// Longest a sleeping connection goes without polling its queues for an error nothing
-    /// woke it for. The verbs specification has an error completion fire even a solicited-only
-    /// arm, but providers bend it: Linux 6.12's rxe does not wake a solicited-only receiver for
-    /// receives flushed by a queue pair error, and rxe never marks send-side errors solicited.
-    /// The send queue is armed for any completion while a signaled send is outstanding;
-    /// this bound covers the rest. Costs one timer wake-up per interval while idle (not counted as a
-    /// wake-up in [`rdmsg_notify::Stats`]). `None`: never. Default 1 s.
-    pub health_check: Option<Duration>,
-    /// Fault injection for tests (feature `test-hooks`).
-    #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
-    pub hooks: TestHooks,
-}
-
-/// Faults a test can inject into a connection's setup (feature `test-hooks`); never used
-/// otherwise.
+use crate::config::{extra_credits, Config};
 #[cfg(feature = "test-hooks")]
-#[doc(hidden)]
-#[derive(Debug, Clone, Default)]
-pub struct TestHooks {
-    /// Entries of the receive CQ instead of what the receive queue needs: provokes a CQ
-    /// overrun.
-    pub recv_cq_entries: Option<u32>,
-    /// Credits announced to the peer beyond the receive buffers really posted: a lying peer,
-    /// whose partner's excess sends meet receiver-not-ready.
-    pub overstate_credits: u32,
-    /// Bytes announced beyond the real size of each receive buffer: the partner's larger
-    /// messages complete here with a local length error, a real error completion.
-    pub overstate_buf_size: u32,
-    /// Credits this side believes it has beyond what the peer granted: a lying sender, whose
-    /// excess messages break the peer's credit books.
-    pub extra_credits: u32,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            buf_size: 4096,
-            recv_depth: 64,
-            grant_slots: 3,
-            send_depth: 64,
-            signal_every: 16,
-            max_inline: 64,
-            recv_arm: ArmMode::SolicitedOnly,
-            policy: Policy::Sleep,
-            path: PathParams::default(),
-            handshake_timeout: Duration::from_secs(5),
-            max_peer_buf_size: 1 << 20,
-            max_peer_recv_depth: 65_535,
-            max_send_memory: 64 << 20,
-            max_pending_handshakes: 32,
-            psk: None,
-            close_timeout: Duration::from_secs(2),
-            keepalive: Some(Duration::from_secs(5)),
-            health_check: Some(Duration::from_secs(1)),
-            #[cfg(feature = "test-hooks")]
-            hooks: TestHooks::default(),
-        }
-    }
-}
-
-impl Config {
-    #[cfg(feature = "test-hooks")]
-    pub(crate) fn recv_cq_entries(&self) -> Option<u32> {
-        self.hooks.recv_cq_entries
-    }
-
-    #[cfg(not(feature = "test-hooks"))]
-    pub(crate) fn recv_cq_entries(&self) -> Option<u32> {
-        None
-    }
-
-    /// What a peer's hello may ask of us.
-    pub(crate) fn limits(&self) -> handshake::Limits {
-        handshake::Limits {
-            max_buf_size: self.max_peer_buf_size,
-            max_recv_depth: self.max_peer_recv_depth,
-            max_send_memory: self.max_send_memory,
-            send_depth: self.send_depth,
-        }
-    }
-
-    pub(crate) fn check(&self) -> Result<()> {
-        let bad = |what: &str| Err(Error::Config(what.to_owned()));
-        if !(handshake::MIN_BUF_SIZE..=handshake::MAX_BUF_SIZE).contains(&self.buf_size) {
-            return bad("buf_size must be between 64 bytes and 1 GiB");
-        }
-        if self.recv_depth == 0 || self.recv_depth > 0xff_ffff {
-            return bad("recv_depth must be between 1 and 2^24 - 1");
-        }
-        if self.grant_slots < 3 || self.grant_slots > handshake::MAX_GRANT_SLOTS {
-            return bad("grant_slots must be between 3 and 64");
-        }
-        if self.send_depth == 0 || self.signal_every == 0 {
-            return bad("send_depth and signal_every must be at least 1");
-        }
-        if self.path.rnr_retry > 6 {
-            return bad("path.rnr_retry must be at most 6 (7 retries forever: a peer that lies about its buffers would hang us)");
-        }
-        if self.health_check.is_some_and(|h| h.is_zero()) {
-            return bad("health_check must be longer than zero (None turns it off)");
-        }
-        if self.keepalive.is_some_and(|k| k < Duration::from_secs(3)) {
-            return bad("keepalive must be at least 3 s (TCP keepalive counts whole seconds)");
-        }
-        if self.handshake_timeout.is_zero() {
-            return bad("handshake_timeout must be longer than zero");
-        }
-        if !(handshake::MIN_BUF_SIZE..=handshake::MAX_BUF_SIZE).contains(&self.max_peer_buf_size) {
-            return bad("max_peer_buf_size must be between 64 bytes and 1 GiB");
-        }
-        if self.max_peer_recv_depth == 0 {
-            return bad("max_peer_recv_depth must be at least 1");
-        }
-        if self.max_send_memory < u64::from(handshake::MIN_BUF_SIZE) {
-            return bad("max_send_memory must hold at least one 64-byte buffer");
-        }
-        if self.max_pending_handshakes == 0
-            || self.max_pending_handshakes > crate::bootstrap::MAX_PENDING
-        {
-            return bad("max_pending_handshakes must be between 1 and 63");
-        }
-        if self
-            .psk
-            .as_ref()
-            .is_some_and(|k| k.len() < handshake::Psk::MIN_LEN)
-        {
-            return bad("psk must be at least 16 bytes");
-        }
-        Ok(())
-    }
-}
-
-/// What a connection did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ConnStats {
-    /// Data messages sent.
-    pub sent: u64,
-    /// Data messages sent solicited.
-    pub sent_solicited: u64,
-    /// Of those, messages the transport solicited although the caller did not ask (they
-    /// returned credits to a peer that may be blocked).
-    pub forced_solicited: u64,
-    /// Data messages sent inline.
-    pub sent_inline: u64,
-    /// Data messages received.
-    pub received: u64,
-    /// Explicit credit grants sent.
-    pub grants_sent: u64,
-    /// Credit grants received.
-    pub grants_received: u64,
-    /// Times a send waited for a credit.
-    pub credit_waits: u64,
-    /// Times a send waited for a send buffer or send queue slot.
-    pub send_slot_waits: u64,
-    /// `ibv_post_recv` calls made to refill the receive queue.
-    pub refills: u64,
-}
+use crate::config::{injected_fault, Fault};
+use crate::core::{earliest, Action, Completion, ConnStats, Core, Post, RecvAction, Room};
+use crate::credits::Credits;
+use crate::endpoint::Endpoint;
+use crate::error::{errno_of, Error, Failure, Result};
+use crate::events::{self, Mailbox};
+use crate::handshake::{Hello, GOODBYE};
+use crate::pool::{PoolStats, Received, RecvPool, Waker};
+use crate::read::{self, Arrival, ReadDone, ReadPost};
+use crate::send::{self, Payload, SendBuffers};
+use crate::setup::Setup;
+use crate::stream::{bootstrap_err, keepalive_probes, read_after_handshake};
+use crate::token::Token;
 
 /// The completion channel of a connection plus what else should interrupt its sleep: buffers
 /// coming back to the receive pool, the bootstrap stream (end-of-file: the peer process is
@@ -257,11 +47,6 @@ struct ConnChannel {
     endpoint: Endpoint,
 }
 
-/// Token of the completion channel in the watch; the others only interrupt a sleep.
-const CHANNEL_TOKEN: u8 = 0;
-/// Token of the device's async-event descriptor.
-const ASYNC_TOKEN: u8 = 2;
-
 impl ConnChannel {
     fn new(
         channel: CompletionChannel,
@@ -270,12 +55,12 @@ impl ConnChannel {
         endpoint: Endpoint,
     ) -> Result<Self> {
         let watch = ReadyWatch::new()?;
-        watch.add(channel.as_fd(), CHANNEL_TOKEN)?;
-        watch.add(wake.as_fd(), 1)?;
+        watch.add(channel.as_fd(), Token::Channel.bit())?;
+        watch.add(wake.as_fd(), Token::Wake.bit())?;
         // Every connection of the device watches its async-event descriptor; one new event
         // wakes one sleeper, which routes it to its owner (see the `events` module).
-        watch.add_exclusive(endpoint.context().async_fd(), ASYNC_TOKEN)?;
-        watch.add(bootstrap.as_fd(), 3)?;
+        watch.add_exclusive(endpoint.context().async_fd(), Token::Async.bit())?;
+        watch.add(bootstrap.as_fd(), Token::Stream(0).bit())?;
         Ok(Self {
             channel,
             watch,
@@ -301,7 +86,7 @@ impl EventChannel<CompletionQueue> for ConnChannel {
 
     fn wait_readable(&mut self, timeout: Option<Duration>) -> rdmsg_notify::Result<Readiness> {
         let ready = self.watch.wait(timeout)?;
-        if ready & (1 << ASYNC_TOKEN) != 0 {
+        if Token::Async.in_mask(ready) {
             // Exclusive: of the connections asleep on the device's async events, this one was
             // woken, and it may be the only one. Route them now, whatever else woke us: each
             // event lands in its owner's mailbox and wakes it (us too, through our wake-up
@@ -311,7 +96,7 @@ impl EventChannel<CompletionQueue> for ConnChannel {
         }
         Ok(if ready == 0 {
             Readiness::TimedOut
-        } else if ready & (1 << CHANNEL_TOKEN) != 0 {
+        } else if Token::Channel.in_mask(ready) {
             Readiness::Events
         } else {
             Readiness::Other
@@ -334,9 +119,9 @@ pub struct Connection {
     recv_key: CqKey,
     send_key: CqKey,
     pool: RecvPool,
-    send_bufs: Vec<Buffer>,
-    /// Credits, receive rules, failure, signalling, statistics (pure, shared with the hub).
-    proto: Protocol,
+    send: SendBuffers,
+    /// The protocol: credits, receive rules, failure, signalling, close, deadlines.
+    core: Core,
     ready: VecDeque<Received>,
     /// Our RDMA reads that finished, for [`Connection::try_recv_any`].
     reads_done: VecDeque<ReadDone>,
@@ -346,24 +131,15 @@ pub struct Connection {
     config: Config,
     peer: Hello,
     sq_depth: usize,
-    max_inline: usize,
-    /// The flushes that follow a failure have been waited for.
-    flushed: bool,
     /// Asynchronous events the endpoint routed to this connection.
     mailbox: Arc<Mailbox>,
     /// Test hook: a verb that fails from now on.
     #[cfg(feature = "test-hooks")]
     fault: Option<Fault>,
-    inline_scratch: Vec<u8>,
     bootstrap_checked: Instant,
-    /// Calls of `progress` and waits that delivered completions, for rate-limiting the
-    /// liveness checks without reading the clock every time.
+    /// Polls and waits that delivered completions, for rate-limiting the liveness checks
+    /// without reading the clock every time.
     busy_steps: u32,
-    /// Sends since the sender last polled its queues.
-    sends_since_progress: u32,
-    /// Our close message is posted: the end of the bootstrap stream is the peer having taken
-    /// it (it shuts its stream at once), not the peer vanishing.
-    closing: bool,
     /// The last bounded send found no credit or send slot: until one goes, [`Connection::step`]
     /// arms both queues for any completion, so that an event loop hears of the grant.
     send_blocked: bool,
@@ -386,79 +162,11 @@ impl AsFd for Connection {
     }
 }
 
-/// Makes a connection's descriptor readable from any thread: see [`Connection::waker`].
-#[derive(Debug)]
-pub struct Waker(std::os::unix::net::UnixStream);
-
-impl Waker {
-    pub(crate) fn new(socket: std::os::unix::net::UnixStream) -> Self {
-        Self(socket)
-    }
-
-    /// Writes one byte to the connection's wake-up socket (non-blocking: a full socket
-    /// already wakes it).
-    pub fn wake(&self) {
-        let _ = (&self.0).write(&[1]);
-    }
-}
-
 /// Longest busy-poll before a polling connection looks at its bootstrap stream again.
 const POLL_SLICE: Duration = Duration::from_millis(10);
 
-/// A sender polls its queues at least every this many sends (see `wait_to_send`).
-const SEND_PROGRESS_EVERY: u32 = 16;
-
 /// Shortest interval between liveness checks of a busy connection.
 const LIVENESS_EVERY: Duration = Duration::from_millis(1);
-
-/// Longest wait for the flush completions after a failure.
-const FLUSH_WAIT: Duration = Duration::from_millis(500);
-
-/// Keepalive probing that gives up on a silent peer after about `limit`: see
-/// [`keepalive_schedule`].
-pub(crate) fn keepalive_probes(limit: Duration) -> socket2::TcpKeepalive {
-    let (idle, interval, probes) = keepalive_schedule(limit);
-    socket2::TcpKeepalive::new()
-        .with_time(idle)
-        .with_interval(interval)
-        .with_retries(probes)
-}
-
-/// (idle time before the first probe, interval, probes) for a keepalive that gives up after
-/// about `limit`: half of it idle, the other half probing once a second (at least 3 probes, at
-/// most 30, spread out beyond that). A lossy link drops probes and their answers too: at 5 %
-/// loss each way one probe in ten goes unanswered, so a peer is declared gone only after
-/// every probe of a row failed, and the more a row holds, the rarer a false alarm.
-pub(crate) fn keepalive_schedule(limit: Duration) -> (Duration, Duration, u32) {
-    let secs = limit.as_secs().max(3);
-    let idle = secs / 2;
-    let probing = secs - idle;
-    let probes = probing.clamp(3, 30);
-    let interval = (probing / probes).max(1);
-    (
-        Duration::from_secs(idle),
-        Duration::from_secs(interval),
-        probes as u32,
-    )
-}
-
-fn io_err(stage: &'static str) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Bootstrap { stage, source }
-}
-
-/// A pseudo-random 24-bit starting PSN for the queue pair `qp_num`, different per connection
-/// (a reused PSN could let stale packets of an earlier connection be accepted).
-pub fn random_psn(qp_num: u32) -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(qp_num);
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    (h.finish() as u32) & 0xff_ffff
-}
 
 impl Connection {
     /// Builds the connection once its handshake is done (see the `bootstrap` and `handshake`
@@ -482,11 +190,11 @@ impl Connection {
         } = setup;
         stream
             .set_nonblocking(true)
-            .map_err(io_err("making the stream non-blocking"))?;
+            .map_err(bootstrap_err("making the stream non-blocking"))?;
         if let Some(limit) = config.keepalive {
             socket2::SockRef::from(&stream)
                 .set_tcp_keepalive(&keepalive_probes(limit))
-                .map_err(io_err("enabling TCP keepalive"))?;
+                .map_err(bootstrap_err("enabling TCP keepalive"))?;
         }
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
         channel.set_nonblocking(true)?;
@@ -506,41 +214,34 @@ impl Connection {
             ],
             &mailbox,
         );
+        let books = Credits::new(
+            config.recv_depth,
+            config.grant_slots,
+            peer.recv_depth + extra_credits(config),
+            peer.grant_slots,
+            peer.initial_credits + extra_credits(config),
+        );
         Ok(Self {
             endpoint: endpoint.clone(),
-            proto: Protocol::new(
-                Credits::new(
-                    config.recv_depth,
-                    config.grant_slots,
-                    peer.recv_depth + extra_credits(config),
-                    peer.grant_slots,
-                    peer.initial_credits + extra_credits(config),
-                ),
-                config.signal_every,
-            ),
+            core: Core::new(books, config.signal_every, config.close_timeout),
             sq_depth: qp.caps().max_send_wr.min(config.send_depth) as usize,
             qp,
             waiter,
             recv_key,
             send_key,
             pool,
-            send_bufs,
+            send: SendBuffers::new(send_bufs, max_inline),
             ready: VecDeque::new(),
             reads_done: VecDeque::new(),
             read_scratch: Vec::new(),
             completions: Vec::new(),
             config: config.clone(),
             peer,
-            max_inline,
-            flushed: false,
             mailbox,
             #[cfg(feature = "test-hooks")]
             fault: None,
-            inline_scratch: vec![0; max_inline],
             bootstrap_checked: Instant::now(),
             busy_steps: 0,
-            sends_since_progress: 0,
-            closing: false,
             send_blocked: false,
             handled: 0,
             stepped_asleep: false,
@@ -560,7 +261,7 @@ impl Connection {
 
     /// Statistics of this connection.
     pub fn stats(&self) -> ConnStats {
-        self.proto.stats()
+        self.core.stats()
     }
 
     /// Wake-up statistics of this connection's waits.
@@ -575,7 +276,7 @@ impl Connection {
 
     /// Data messages we may send right now without waiting.
     pub fn credits(&self) -> u32 {
-        self.proto.credits().available()
+        self.core.credits().available()
     }
 
     /// The queue pair number.
@@ -590,7 +291,7 @@ impl Connection {
 
     /// Why the connection failed, if it did.
     pub fn failure(&self) -> Option<Failure> {
-        self.proto.failure()
+        self.core.failure()
     }
 
     /// Sends `data`, solicited (waking a receiver armed solicited-only) or not. Blocks while
@@ -607,19 +308,8 @@ impl Connection {
         solicited: bool,
         timeout: Option<Duration>,
     ) -> Result<bool> {
-        if data.len() > self.max_message() {
-            return Err(Error::TooLarge {
-                len: data.len(),
-                max: self.max_message(),
-            });
-        }
-        match self.send_with(solicited, timeout, |buf| {
-            buf[..data.len()].copy_from_slice(data);
-            Some(data.len())
-        }) {
-            Err(Error::Timeout(_)) => Ok(false),
-            other => other,
-        }
+        let fill = send::copy_of(data, self.max_message())?;
+        send::in_time(self.send_with(solicited, timeout, fill))
     }
 
     /// Sends a message that `fill` writes straight into a registered send buffer of
@@ -635,60 +325,51 @@ impl Connection {
     ) -> Result<bool> {
         self.check_can_send()?;
         self.wait_to_send(timeout)?;
-        let mut buf = self.send_bufs.pop().expect("wait_to_send ensured a buffer");
-        let max = self.max_message();
-        let len = match fill(&mut buf.as_mut_slice()[..max]) {
-            Some(len) if len <= max => len,
-            other => {
-                self.send_bufs.push(buf);
-                return match other {
-                    None => Ok(false),
-                    Some(len) => Err(Error::TooLarge { len, max }),
-                };
-            }
+        let Some(payload) = self.send.fill(self.max_message(), usize::MAX, fill)? else {
+            return Ok(false);
         };
-        let out = self
-            .proto
-            .data(solicited, 0)
-            .expect("wait_to_send ensured a credit");
-        if len <= self.max_inline {
-            // Inline: the bytes are copied at post time, so the buffer is free again at once.
-            self.proto.stats_mut().sent_inline += 1;
-            let mut scratch = std::mem::take(&mut self.inline_scratch);
-            scratch[..len].copy_from_slice(&buf.as_slice()[..len]);
-            self.send_bufs.push(buf);
-            let res = self.post(SendRequest::inline(&scratch[..len]), out);
-            self.inline_scratch = scratch;
-            res?;
-        } else {
-            self.post(SendRequest::buffer(buf, len), out)?;
+        if matches!(payload, Payload::Inline(_)) {
+            self.core.sent_inline();
         }
+        let post = self
+            .core
+            .data(solicited, self.room())
+            .expect("wait_to_send ensured a credit");
+        self.post(payload, post)?;
         Ok(true)
     }
 
-    fn post(&mut self, req: SendRequest<'_>, out: Outgoing) -> Result<()> {
-        let signaled = self.proto.signal_next(
-            self.qp.send_outstanding() + 1 >= self.sq_depth || self.send_bufs.is_empty(),
-        );
-        let req = req
-            .imm(out.imm.encode())
-            .solicited(out.solicited)
-            .signaled(signaled);
+    /// What is free for a send now.
+    fn room(&self) -> Room {
+        Room {
+            sq: self.sq_depth.saturating_sub(self.qp.send_outstanding()),
+            buffers: self.send.free.len(),
+            cq: usize::MAX,
+        }
+    }
+
+    fn post(&mut self, payload: Payload, post: Post) -> Result<()> {
         #[cfg(feature = "test-hooks")]
         if self.fault == Some(Fault::Post) {
-            if let rdmsg_verbs::SendPayload::Buffer { buf, .. } = req.payload {
-                self.send_bufs.push(buf);
+            if let Payload::Buffer(buf, _) = payload {
+                self.send.free.push(buf);
             }
             let e = injected_fault(Fault::Post, self.qp.qp_num());
             return Err(self.local_failure("posting a send (ibv_post_send)", e));
         }
+        let req = self
+            .send
+            .request(payload)
+            .imm(post.imm.encode())
+            .solicited(post.solicited)
+            .signaled(post.signaled);
         match self.qp.post_send_one(req) {
             Ok(id) => {
-                self.proto.posted(id, signaled);
+                self.core.posted(id, post.signaled);
                 Ok(())
             }
             Err(e) => {
-                self.send_bufs.extend(e.unposted);
+                self.send.free.extend(e.unposted);
                 // A credit (or a grant's slot) was taken for this message: carrying on would
                 // leave the two sides' books apart for good.
                 Err(self.local_failure("posting a send (ibv_post_send)", e.error.into()))
@@ -697,24 +378,15 @@ impl Connection {
     }
 
     fn can_send(&self) -> bool {
-        self.proto.credits().available() > 0
-            && self.qp.send_outstanding() < self.sq_depth
-            && !self.send_bufs.is_empty()
+        self.core.may_send(self.room())
     }
 
     fn wait_to_send(&mut self, timeout: Option<Duration>) -> Result<()> {
-        // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         // A streaming sender need not poll before every message: credits, send completions and
         // failures are looked at every few sends, and at once when anything runs low or
         // buffers came back to be re-posted (the peer may be waiting for their credits).
-        self.sends_since_progress += 1;
-        let plenty = self.proto.credits().available() > self.peer.recv_depth / 4
-            && self.send_bufs.len() > 1
-            && self.qp.send_outstanding() + 1 < self.sq_depth;
-        if !plenty || self.sends_since_progress >= SEND_PROGRESS_EVERY || self.pool.has_returns() {
-            self.sends_since_progress = 0;
-            self.progress()?;
+        if self.core.poll_before_send(self.room()) || self.pool.has_returns() {
+            self.poll_now()?;
             // Polling may have found a failure: nothing is posted after it.
             self.check_can_send()?;
         }
@@ -722,12 +394,9 @@ impl Connection {
             self.send_blocked = false;
             return Ok(());
         }
-        let no_credit = self.proto.credits().available() == 0;
-        if no_credit {
-            self.proto.stats_mut().credit_waits += 1;
-        } else {
-            self.proto.stats_mut().send_slot_waits += 1;
-        }
+        self.core.send_waited();
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         // While blocked, any grant (not only a solicited one) and any send completion must
         // wake us: arm both queues for the next completion.
         self.waiter.set_mode(self.recv_key, ArmMode::Next)?;
@@ -752,7 +421,7 @@ impl Connection {
             self.send_blocked = false;
         }
         self.waiter.set_mode(self.recv_key, self.config.recv_arm)?;
-        self.waiter.set_mode(self.send_key, self.send_arm())?;
+        self.waiter.set_mode(self.send_key, self.core.send_arm())?;
         res
     }
 
@@ -797,9 +466,9 @@ impl Connection {
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Received>> {
         if self.ready.is_empty() {
-            let progressed = self.progress();
+            let polled = self.poll_now();
             if self.ready.is_empty() {
-                progressed?;
+                polled?;
                 self.check_failed()?;
                 return Ok(None);
             }
@@ -807,7 +476,7 @@ impl Connection {
         let m = self.ready.pop_front();
         if self.ready.is_empty() {
             // Return the buffer of the previous message promptly.
-            let _ = self.maintain();
+            let _ = self.repost_and_grant();
         }
         Ok(m)
     }
@@ -816,9 +485,10 @@ impl Connection {
     /// descriptor ([`AsFd`]) instead of in [`Connection::recv`]: re-posts returned buffers and
     /// sends a due grant, reads the completion channel, re-arms both queues (for any
     /// completion while a bounded send found no credit or send slot, else as configured),
-    /// polls them, looks at the bootstrap stream and the device's asynchronous events, and
-    /// marks the connection asleep, so that a [`Received`] dropped from now on makes the
-    /// descriptor readable (its credit must go back to the peer).
+    /// polls them, looks at the bootstrap stream and the device's asynchronous events, fires
+    /// the deadlines that passed, and marks the connection asleep, so that a [`Received`]
+    /// dropped from now on makes the descriptor readable (its credit must go back to the
+    /// peer).
     ///
     /// Take what it queued ([`Connection::try_recv`]) before waiting. Once that finds
     /// nothing, waiting until the descriptor is readable, or [`Connection::next_timeout`] has
@@ -831,14 +501,14 @@ impl Connection {
         let after_wait = std::mem::take(&mut self.step_quiet);
         self.wake_from_step();
         let returned = self.pool.collect_returns() > 0;
-        self.maintain()?;
+        self.repost_and_grant()?;
         let before = self.handled;
         let events = self.waiter.stats().events;
-        if self.proto.failure().is_none() {
+        if self.core.failure().is_none() {
             let (recv_mode, send_mode) = if self.send_blocked {
                 (ArmMode::Next, ArmMode::Next)
             } else {
-                (self.config.recv_arm, self.send_arm())
+                (self.config.recv_arm, self.core.send_arm())
             };
             for (key, mode) in [(self.recv_key, recv_mode), (self.send_key, send_mode)] {
                 if self.waiter.mode(key)? != mode {
@@ -867,10 +537,10 @@ impl Connection {
         let explained = !after_wait || self.waiter.stats().events != events;
         let liveness = !explained || self.liveness_due();
         if liveness {
-            // Settling reads (and routes) the device's asynchronous events too.
+            // The liveness check reads (and routes) the device's asynchronous events too.
             self.pool.awake(true);
         }
-        self.settle(liveness)?;
+        self.after_poll(liveness)?;
         let busy = returned || self.handled != before;
         // After this, a dropped handle writes to the wake-up socket, which is in the set.
         let quiet = self.pool.going_to_sleep();
@@ -892,14 +562,19 @@ impl Connection {
     /// this (or the next [`Connection::step`]), each sleep costs the first such drop a write.
     /// Call it only when no other thread or task still waits on the descriptor: one that does
     /// would not be woken for the buffers dropped meanwhile.
-    pub fn resume(&mut self) {
+    pub fn nobody_waits(&mut self) {
         self.wake_from_step();
     }
 
     /// Longest an event loop may wait on the descriptor before calling
-    /// [`Connection::step`]: the health check, which finds errors a provider did not signal.
+    /// [`Connection::step`]: the health check, which finds errors a provider did not signal,
+    /// or a deadline of the protocol (a close, a peer's close message after its goodbye).
     pub fn next_timeout(&self) -> Option<Duration> {
-        self.config.health_check
+        let due = self
+            .core
+            .next_timeout()
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        earliest(self.config.health_check, due)
     }
 
     /// Completions handled since the connection was made. Threads sharing a connection
@@ -936,29 +611,24 @@ impl Connection {
     /// Posts RDMA reads of the peer's memory into `into` (see
     /// [`rdmsg_verbs::QueuePair::post_read`]): no credit is spent, but each segment takes a
     /// send queue slot until the read completes. [`ReadPost::Busy`] (the buffer back) if the
-    /// slots are not free now. The read's end comes out of [`Connection::try_recv_any`] as
-    /// [`Arrival::Read`]. A bad key or address is the peer's doing: the read completes in
-    /// error and the connection fails ([`Failure::Completion`]); the peer's side sees a remote
-    /// access error.
+    /// slots are not free now; [`Error::ReadTooLarge`] if there never are that many. The
+    /// read's end comes out of [`Connection::try_recv_any`] as [`Arrival::Read`]. A bad key
+    /// or address is the peer's doing: the read completes in error and the connection fails
+    /// ([`Failure::Completion`]); the peer's side sees a remote access error.
     pub fn post_read(&mut self, into: Buffer, segments: &[ReadSegment]) -> Result<ReadPost> {
         self.check_can_send()?;
         let need = segments.len();
-        if need > self.sq_depth {
-            return Err(Error::Config(format!(
-                "a read of {need} segments needs more than the {} send queue slots",
-                self.sq_depth
-            )));
-        }
-        if self.qp.send_outstanding() + need > self.sq_depth {
-            self.progress()?;
+        self.core.read_fits(need, self.sq_depth)?;
+        if self.room().sq < need {
+            self.poll_now()?;
             self.check_can_send()?;
-            if self.qp.send_outstanding() + need > self.sq_depth {
+            if self.room().sq < need {
                 return Ok(ReadPost::Busy(into));
             }
         }
         match self.qp.post_read(into, segments) {
             Ok(id) => {
-                self.proto.posted(id, true);
+                self.core.posted(id, true);
                 Ok(ReadPost::Posted(id))
             }
             Err(e)
@@ -974,9 +644,9 @@ impl Connection {
     /// ([`Connection::post_read`]).
     pub fn try_recv_any(&mut self) -> Result<Option<Arrival>> {
         if self.ready.is_empty() && self.reads_done.is_empty() {
-            let progressed = self.progress();
+            let polled = self.poll_now();
             if self.ready.is_empty() && self.reads_done.is_empty() {
-                progressed?;
+                polled?;
                 self.check_failed()?;
                 return Ok(None);
             }
@@ -997,7 +667,7 @@ impl Connection {
     /// waits), from any thread: for threads sharing the connection, one of which sleeps on
     /// it while another changed what it waits for.
     pub fn waker(&self) -> Result<Waker> {
-        Ok(Waker(self.pool.waker().map_err(Error::WakePipe)?))
+        Ok(Waker::new(self.pool.waker().map_err(Error::WakePipe)?))
     }
 
     /// An iterator of received messages that ends when the connection fails or closes.
@@ -1012,35 +682,32 @@ impl Connection {
         self.check_can_send()?;
         let timeout = self.config.close_timeout;
         self.wait_to_send(Some(timeout))?;
-        let out = self
-            .proto
-            .data(true, Imm::CLOSE)
+        let post = self
+            .core
+            .start_close(Instant::now())
             .expect("wait_to_send ensured a credit");
-        self.proto.force_signal();
-        self.closing = true;
-        self.post(SendRequest::empty(), out)?;
-        let deadline = Instant::now() + timeout;
+        self.post(Payload::Empty, post)?;
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
-        while self.qp.send_outstanding() > 0 {
-            self.check_can_send()?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout(timeout));
+        loop {
+            match self.core.failure() {
+                Some(Failure::Closed) if self.core.close_timed_out() => {
+                    return Err(Error::Timeout(timeout))
+                }
+                Some(Failure::Closed) => return Ok(()),
+                Some(f) => return Err(f.into()),
+                None => {}
             }
-            self.wait_once(Some(left))?;
+            let left = self
+                .core
+                .next_timeout()
+                .map(|at| at.saturating_duration_since(Instant::now()));
+            self.wait_once(left)?;
         }
-        let _ = self.proto.record_failure(Failure::Closed);
-        // The close message is delivered: say goodbye on the bootstrap stream, so that the
-        // peer reading its end waits for that message rather than calling us vanished.
-        let bootstrap = &self.waiter.channel().bootstrap;
-        let _ = (&*bootstrap).write_all(&[GOODBYE]);
-        let _ = bootstrap.shutdown(std::net::Shutdown::Both);
-        Ok(())
     }
 
     /// The failure, once every message that arrived before it has been delivered.
     fn check_failed(&self) -> Result<()> {
-        match self.proto.failure() {
+        match self.core.failure() {
             Some(f) if self.ready.is_empty() => Err(f.into()),
             _ => Ok(()),
         }
@@ -1048,10 +715,7 @@ impl Connection {
 
     /// The failure, at once: nothing is sent after it.
     fn check_can_send(&self) -> Result<()> {
-        match self.proto.failure() {
-            Some(f) => Err(f.into()),
-            None => Ok(()),
-        }
+        Ok(self.core.check_send()?)
     }
 
     /// Sleeps (per the policy) until something happens, then processes it.
@@ -1059,24 +723,25 @@ impl Connection {
     /// this, and a sender blocked on credits must sleep (or poll) for its grant whatever it
     /// holds undelivered.
     fn wait_once(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.maintain()?;
-        if self.proto.failure().is_some() {
+        self.repost_and_grant()?;
+        if self.core.failure().is_some() {
             return Ok(());
         }
         if !self.pool.going_to_sleep() {
-            return self.progress();
+            return self.poll_now();
         }
         // A polling wait watches no descriptor: bound it so that liveness is checked. A
         // sleeping one wakes at least every `health_check` to poll for errors the provider
-        // did not signal.
+        // did not signal, and at the protocol's next deadline.
         let slice = match self.config.policy {
             Policy::Poll => Some(POLL_SLICE),
             _ => self.config.health_check,
         };
-        let timeout = match (timeout, slice) {
-            (Some(t), Some(s)) => Some(t.min(s)),
-            (t, s) => t.or(s),
-        };
+        let due = self
+            .core
+            .next_timeout()
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        let timeout = earliest(earliest(timeout, slice), due);
         let mut got = std::mem::take(&mut self.completions);
         let res = self.wait_for_completions(timeout, &mut got);
         self.pool.awake(!matches!(res, Ok(n) if n > 0));
@@ -1089,14 +754,14 @@ impl Connection {
         // Nothing delivered: a timeout, or one of the other descriptors (bootstrap stream,
         // async events) is readable. Look at them now; otherwise now and then.
         let liveness = delivered == 0 || self.liveness_due();
-        self.settle(liveness)
+        self.after_poll(liveness)
     }
 
     /// Polls both queues without sleeping and does the bookkeeping.
-    fn progress(&mut self) -> Result<()> {
+    fn poll_now(&mut self) -> Result<()> {
         self.poll_and_handle()?;
         let liveness = self.liveness_due();
-        self.settle(liveness)
+        self.after_poll(liveness)
     }
 
     /// Whether a busy connection should look at its bootstrap stream and async events: a read
@@ -1122,24 +787,29 @@ impl Connection {
             .wait(timeout, &mut |key, wc| got.push((key, wc.clone())))?)
     }
 
-    /// After completions were handled: waits for the flushes of a failure, optionally looks
-    /// for a vanished peer and asynchronous events, then re-posts and grants.
-    fn settle(&mut self, liveness: bool) -> Result<()> {
-        if self.proto.failure().is_some() {
-            self.drain_flushes();
-        }
+    /// After completions were handled: optionally looks for a vanished peer and asynchronous
+    /// events, fires the deadlines that passed, waits for the flushes of a failure, then
+    /// re-posts and grants.
+    fn after_poll(&mut self, liveness: bool) -> Result<()> {
         if liveness {
             self.check_bootstrap();
-            self.check_async_events()?;
+            self.check_async_events();
         }
-        self.maintain()
+        if self.core.next_timeout().is_some() {
+            self.core.handle_timeout(Instant::now());
+            self.do_actions();
+        }
+        if self.core.failure().is_some() {
+            self.drain_flushes();
+        }
+        self.repost_and_grant()
     }
 
     /// Turns the error of a verb the connection drives into the sticky failure it stands for
     /// (a queue that cannot be polled, armed or posted to now will not work later either), and
     /// hands the error back for this call to report.
     fn local_failure(&mut self, op: &'static str, e: Error) -> Error {
-        if let Some(known) = self.proto.failure() {
+        if let Some(known) = self.core.failure() {
             // Reported once; from then on the connection's failure says it.
             return known.into();
         }
@@ -1150,48 +820,53 @@ impl Connection {
 
     /// Records a failure and waits (bounded) for the flushes it causes.
     fn fail(&mut self, f: Failure) {
-        self.record_failure(f);
+        self.core.handle_failure(f);
+        self.do_actions();
         self.drain_flushes();
     }
 
-    /// Records the first failure, tells the peer (the end of the bootstrap stream) and moves
-    /// the queue pair to the error state so that every posted buffer is flushed back. Polls
-    /// nothing: completions being handled right now keep their order.
-    fn record_failure(&mut self, f: Failure) {
-        if self.proto.record_failure(f) {
-            self.tell_peer_and_flush();
+    /// Does what the core asks for.
+    fn do_actions(&mut self) {
+        while let Some(action) = self.core.poll_action() {
+            let ch = self.waiter.channel_mut();
+            match action {
+                Action::SayGoodbye => {
+                    // The peer reading its end waits for our close message rather than
+                    // calling us vanished.
+                    let _ = (&ch.bootstrap).write_all(&[GOODBYE]);
+                }
+                Action::UnwatchStream => ch.stop_watching_bootstrap(),
+                Action::FailQueuePair => {
+                    // The end of our bootstrap stream fails the peer's side at once, rather
+                    // than leaving it waiting on a queue pair that no longer answers.
+                    let _ = ch.bootstrap.shutdown(std::net::Shutdown::Both);
+                    ch.stop_watching_bootstrap();
+                    let _ = self.qp.to_error();
+                    self.core.flushing_since(Instant::now());
+                }
+            }
         }
     }
 
-    /// After the first failure: shuts the bootstrap stream and moves the queue pair to the
-    /// error state.
-    fn tell_peer_and_flush(&mut self) {
-        // Tell the peer at once: the end of our bootstrap stream fails its side too, rather than
-        // leaving it waiting on a queue pair that no longer answers.
-        let _ = self
-            .waiter
-            .channel()
-            .bootstrap
-            .shutdown(std::net::Shutdown::Both);
-        self.stop_watching_bootstrap();
-        let _ = self.qp.to_error();
-    }
-
-    /// Waits (once, bounded) for the flushes of every posted receive, so that every receive
-    /// buffer comes back to its pool; successful receives found among them are delivered.
-    /// (Sends are not waited for: unsignaled sends that had already succeeded never complete
-    /// again; their buffers go with the queue pair.)
+    /// Waits (bounded by the core's drain deadline) for the flushes of every posted receive,
+    /// so that every receive buffer comes back to its pool; successful receives found among
+    /// them are delivered. (Sends are not waited for: unsignaled sends that had already
+    /// succeeded never complete again; their buffers go with the queue pair.)
     fn drain_flushes(&mut self) {
-        if std::mem::replace(&mut self.flushed, true) {
-            return;
-        }
-        let until = Instant::now() + FLUSH_WAIT;
-        while self.qp.recv_outstanding() > 0 && Instant::now() < until {
+        loop {
+            self.core.handle_flushed(self.qp.recv_outstanding());
+            if self.core.is_drained() {
+                return;
+            }
             match self.poll_and_handle() {
                 Ok(0) => std::thread::sleep(Duration::from_millis(1)),
                 Ok(_) => {}
-                Err(_) => break,
+                Err(_) => {
+                    self.core.stop_draining();
+                    return;
+                }
             }
+            self.core.handle_timeout(Instant::now());
         }
     }
 
@@ -1215,19 +890,20 @@ impl Connection {
             .poll_all(&mut |key, wc| got.push((key, wc.clone())))?)
     }
 
-    /// Handles polled completions in the order polled (see the `inbound` module): whatever
-    /// arrived before a failure is delivered before the failure is reported.
+    /// Hands polled completions to the core in the order polled: whatever arrived before a
+    /// failure is delivered before the failure is reported.
     fn handle_completions(&mut self) {
         let mut got = std::mem::take(&mut self.completions);
+        if got.is_empty() {
+            self.completions = got;
+            return;
+        }
         self.handled += got.len() as u64;
         let recv_key = self.recv_key;
-        // Recording polls nothing, so the batch is still handled in order below.
-        if self.proto.begin_batch(
+        self.core.begin_batch(
             got.iter()
                 .map(|(key, wc)| Completion::of(*key == recv_key, wc)),
-        ) {
-            self.tell_peer_and_flush();
-        }
+        );
         for (key, wc) in got.drain(..) {
             let c = Completion::of(key == recv_key, &wc);
             if c.recv {
@@ -1235,15 +911,15 @@ impl Connection {
             } else {
                 let mut reads = std::mem::take(&mut self.read_scratch);
                 self.qp
-                    .complete_send_split(&wc, &mut self.send_bufs, &mut reads);
+                    .complete_send_split(&wc, &mut self.send.free, &mut reads);
                 self.reads_done.extend(read::finished(&wc, reads.drain(..)));
                 self.read_scratch = reads;
-                if self.proto.on_send(&c, wc.wr_id()) {
-                    self.tell_peer_and_flush();
-                }
+                self.core
+                    .handle_send(&c, wc.wr_id(), self.qp.send_outstanding());
             }
         }
         self.completions = got;
+        self.do_actions();
     }
 
     fn on_recv(&mut self, c: &Completion, wc: &WorkCompletion) {
@@ -1253,62 +929,47 @@ impl Connection {
         let (endpoint, mailbox) = (&self.endpoint, &self.mailbox);
         // A flush nothing explains yet: an asynchronous event (a CQ overrun, a fatal QP error)
         // may be waiting to.
-        let (action, first_failure) = self
-            .proto
-            .on_recv(c, || async_failure_of(endpoint, mailbox).ok().flatten());
-        match action {
+        let receipt = self
+            .core
+            .handle_recv(c, || async_failure_of(endpoint, mailbox).ok().flatten());
+        match receipt.action {
             RecvAction::Deliver => {
                 let len = wc.byte_len() as usize;
                 self.ready.push_back(self.pool.lend(buf, len));
             }
             RecvAction::Grant | RecvAction::Recycle => self.pool.put_back(buf),
         }
-        if first_failure {
-            self.tell_peer_and_flush();
-        }
     }
 
-    /// Re-posts free buffers and sends a credit grant when one is due.
-    fn maintain(&mut self) -> Result<()> {
+    /// Re-posts free buffers and sends a credit grant when the core says so, and re-arms the
+    /// send queue as it says.
+    fn repost_and_grant(&mut self) -> Result<()> {
         self.pool.collect_returns();
-        if self.proto.failure().is_some() {
+        if self.core.failure().is_some() {
             return Ok(());
         }
-        if self.proto.refill_due(self.pool.free_count()) {
+        if self.core.refill_due(self.pool.free_count()) {
             let bufs = self.pool.take_free();
             let n = bufs.len();
             if let Err(e) = self.qp.post_recv(bufs) {
                 for b in e.unposted {
                     self.pool.put_back(b);
                 }
-                self.proto.reposted(e.posted as u32);
+                self.core.reposted(e.posted as u32);
                 return Err(
                     self.local_failure("re-posting receives (ibv_post_recv)", e.error.into())
                 );
             }
-            self.proto.reposted(n as u32);
+            self.core.reposted(n as u32);
         }
-        if self.qp.send_outstanding() < self.sq_depth {
-            if let Some(grant) = self.proto.grant() {
-                self.post(SendRequest::empty(), grant)?;
-            }
+        if let Some(grant) = self.core.grant(self.room()) {
+            self.post(Payload::Empty, grant)?;
         }
-        let mode = self.send_arm();
+        let mode = self.core.send_arm();
         if self.waiter.mode(self.send_key)? != mode {
             self.waiter.set_mode(self.send_key, mode)?;
         }
         Ok(())
-    }
-
-    /// How the send queue is armed: for any completion while a signaled send is outstanding,
-    /// so that its completion, or the error a failed send turns it into, wakes a sleeper (rxe
-    /// never marks send-side errors solicited, although the specification has every error
-    /// completion fire a solicited-only arm), and a full send queue (whose last send is always
-    /// signaled) does not hold back a due grant. Solicited-only otherwise, so that a sleep
-    /// with only unsignaled sends behind it skips the pre-sleep drain of the channel; an error
-    /// among those is caught by `health_check` or the peer's end of the bootstrap stream.
-    fn send_arm(&self) -> ArmMode {
-        self.proto.send_arm()
     }
 
     /// Test hook: moves the queue pair to the error state behind the connection's back, as a
@@ -1334,79 +995,32 @@ impl Connection {
         self.qp.as_raw()
     }
 
-    /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`] may come:
-    /// the peer closed gracefully and its close message is delivered or on its way, so wait
-    /// for it up to `close_timeout`. End-of-file without it means the peer's process is gone
-    /// (a close message may still be in flight: wait 50 ms). Anything else is junk and fails
-    /// the connection at once ([`Failure::BootstrapGarbage`]), which also stops watching the
-    /// stream: junk costs one wake-up, not one per read.
+    /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`] may come,
+    /// and tells the core (see [`crate::core::StreamNews`]).
     fn check_bootstrap(&mut self) {
-        self.bootstrap_checked = Instant::now();
+        let now = Instant::now();
+        self.bootstrap_checked = now;
         let ch = self.waiter.channel();
         if !ch.watch_bootstrap {
             return;
         }
-        let news = AfterHandshake::read(&ch.bootstrap);
-        match news {
-            AfterHandshake::Nothing => return,
-            AfterHandshake::Garbage(byte) => {
-                self.fail(Failure::BootstrapGarbage { byte });
-                return;
-            }
-            AfterHandshake::Goodbye | AfterHandshake::Ended => {}
-        }
-        self.stop_watching_bootstrap();
-        if self.closing {
-            // Our close is delivered or on its way: `close` waits for its completion.
-            return;
-        }
-        let grace = news.grace(self.config.close_timeout);
-        let until = Instant::now() + grace;
-        while !self.proto.peer_closed() && Instant::now() < until {
-            let _ = self.poll_and_handle();
-            if !self.proto.peer_closed() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        self.fail(Failure::PeerVanished);
+        let news = read_after_handshake(&ch.bootstrap);
+        self.core.handle_stream(news, now);
+        self.do_actions();
     }
 
-    fn stop_watching_bootstrap(&mut self) {
-        self.waiter.channel_mut().stop_watching_bootstrap();
-    }
-
-    /// Fails the connection if an asynchronous event says it is broken.
-    fn check_async_events(&mut self) -> Result<()> {
-        if let Some(f) = self.async_failure() {
-            self.fail(f);
-        }
-        Ok(())
-    }
-
-    /// Reads the device's pending asynchronous events (routing each to the connection it
-    /// concerns) and returns the failure the first fatal one of ours stands for: a fatal,
-    /// request or access error of our queue pair, an overrun of one of our CQs, a fatal
-    /// device error, or an error of our port.
-    fn async_failure(&mut self) -> Option<Failure> {
+    /// Fails the connection if an asynchronous event says it is broken: a fatal, request or
+    /// access error of our queue pair, an overrun of one of our CQs, a fatal device error, or
+    /// an error of our port.
+    fn check_async_events(&mut self) {
         match async_failure_of(&self.endpoint, &self.mailbox) {
-            Ok(f) => f,
+            Ok(Some(f)) => self.fail(f),
+            Ok(None) => {}
             Err(e) => {
                 // The descriptor can no longer be read: nothing would tell us of device faults.
-                self.local_failure("reading asynchronous events", e);
-                None
+                let _ = self.local_failure("reading asynchronous events", e);
             }
         }
-    }
-}
-
-/// Test hook: credits a lying sender believes it has beyond the peer's grant.
-fn extra_credits(config: &Config) -> u32 {
-    #[cfg(feature = "test-hooks")]
-    return config.hooks.extra_credits;
-    #[cfg(not(feature = "test-hooks"))]
-    {
-        let _ = config;
-        0
     }
 }
 
@@ -1419,100 +1033,4 @@ fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result<Option<Fai
         .take()
         .into_iter()
         .find_map(|ev| events::is_fatal(ev.kind).then_some(Failure::AsyncEvent(ev.kind))))
-}
-
-/// The error number behind an error, if any of its sources is an OS error.
-pub(crate) fn errno_of(e: &(dyn std::error::Error + 'static)) -> Option<i32> {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            return io.raw_os_error();
-        }
-        cur = err.source();
-    }
-    None
-}
-
-/// Verbs a test can make fail (feature `test-hooks`).
-#[cfg(feature = "test-hooks")]
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
-    /// Polling and waiting fail, as on a completion queue or channel that can no longer be
-    /// used.
-    Poll,
-    /// Posting a send fails (after its credit was taken).
-    Post,
-}
-
-/// What an injected fault reports: the error of a queue that can no longer be used (EIO, as
-/// a provider reports for a queue it can no longer reach).
-#[cfg(feature = "test-hooks")]
-fn injected_fault(fault: Fault, qp_num: u32) -> Error {
-    let source = std::io::Error::from_raw_os_error(5);
-    Error::Verbs(match fault {
-        Fault::Poll => rdmsg_verbs::Error::PollCq(source),
-        Fault::Post => rdmsg_verbs::Error::PostSend { qp_num, source },
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keepalive_gives_up_after_about_its_limit_with_more_probes_for_longer_limits() {
-        let total = |(idle, interval, probes): (Duration, Duration, u32)| {
-            (idle + interval * probes).as_secs()
-        };
-        for (limit, probes) in [(3, 3), (5, 3), (10, 5), (20, 10), (60, 30), (7200, 30)] {
-            let s = keepalive_schedule(Duration::from_secs(limit));
-            assert_eq!(s.2, probes, "{limit} s");
-            assert!(s.1 >= Duration::from_secs(1), "{limit} s");
-            let t = total(s);
-            assert!(
-                t >= limit && t <= limit + 1,
-                "{limit} s gives up after {t} s"
-            );
-        }
-    }
-
-    #[test]
-    fn retrying_receiver_not_ready_for_ever_is_refused() {
-        assert_eq!(Config::default().path.rnr_retry, 6, "finite by default");
-        let mut c = Config::default();
-        c.path.rnr_retry = 7;
-        assert!(matches!(c.check(), Err(Error::Config(m)) if m.contains("rnr_retry")));
-        c.path.rnr_retry = 6;
-        assert!(c.check().is_ok());
-    }
-
-    #[test]
-    fn the_health_check_is_bounded_and_can_be_turned_off() {
-        assert_eq!(Config::default().health_check, Some(Duration::from_secs(1)));
-        let mut c = Config {
-            health_check: Some(Duration::ZERO),
-            ..Config::default()
-        };
-        assert!(c.check().is_err());
-        c.health_check = None;
-        assert!(c.check().is_ok());
-    }
-
-    #[test]
-    fn errno_is_found_anywhere_in_the_chain() {
-        let e = Error::Verbs(rdmsg_verbs::Error::PollCq(
-            std::io::Error::from_raw_os_error(5),
-        ));
-        assert_eq!(errno_of(&e), Some(5));
-        assert_eq!(errno_of(&Error::Config("x".into())), None);
-        let f = Failure::Local {
-            op: "polling the completion queues",
-            errno: Some(5),
-        };
-        assert_eq!(
-            f.to_string(),
-            "polling the completion queues failed (Input/output error (os error 5))"
-        );
-    }
 }

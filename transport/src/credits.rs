@@ -31,9 +31,16 @@
 //! grant whose echo is news. A sender out of credits holding `grant_slots - 1` unechoed grants
 //! sends an echo-only grant (solicited, no credits) into that slot, since no data message of
 //! its will carry the echo now. So a peer owing credits to a blocked sender always regains a
-//! slot and grants them, solicited. At least 3 grant slots are required. The property test in `tests/credits.rs`
-//! checks this over arbitrary interleavings; it found the echo-only case, and the crossing of
-//! two peers that each held all the other's slots.
+//! slot and grants them, solicited. At least 3 grant slots are required.
+//!
+//! One case is the driver's to cover: grants sent *before* the peer saw us exhausted are not
+//! solicited, and they may hold every ordinary grant slot while they sit unpolled in our
+//! completion queue; the peer then owes us more but may not grant it. So a sender out of
+//! credits must wait for *any* completion, not only a solicited one (the connection and the
+//! hub arm both queues for the next completion while a send waits). The simulator found this
+//! crossing (`sim`: random schedules of two peers, and of many peers on a hub, driving the real
+//! connection core); its predecessors found the echo-only case, and the crossing of two peers
+//! that each held all the other's slots.
 
 /// The 32 bits of immediate data of every rdmsg message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,6 +233,11 @@ impl Credits {
     /// Data messages we may send now.
     pub fn available(&self) -> u32 {
         self.credits
+    }
+
+    /// Most credits we can ever hold: the peer's data receive depth.
+    pub fn peer_depth(&self) -> u32 {
+        self.peer_depth
     }
 
     /// Credits the peer holds as far as we know.

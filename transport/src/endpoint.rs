@@ -1,7 +1,6 @@
 //! A device port ready to make connections: context, protection domain, addressing.
 
 use std::fmt;
-use std::net::{TcpListener, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rdmsg_verbs::{
@@ -10,8 +9,6 @@ use rdmsg_verbs::{
 };
 
 use crate::addr::QpAddress;
-use crate::bootstrap::Listener;
-use crate::connection::{Config, Connection};
 use crate::events::{self, Mailbox, Router};
 use crate::{Error, Result};
 
@@ -241,28 +238,6 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Listens for bootstrap connections on `addr`.
-    pub fn listen(&self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<Listener> {
-        let tcp = TcpListener::bind(&addr).map_err(|source| Error::Listen {
-            addr: format!("{addr:?}"),
-            source,
-        })?;
-        Listener::new(self.clone(), tcp)
-    }
-
-    /// Connects to a [`Listener`] at `addr`.
-    pub fn connect(
-        &self,
-        addr: impl ToSocketAddrs + fmt::Debug,
-        config: &Config,
-    ) -> Result<Connection> {
-        let stream = std::net::TcpStream::connect(&addr).map_err(|source| Error::Connect {
-            addr: format!("{addr:?}"),
-            source,
-        })?;
-        crate::bootstrap::connect(self, stream, config)
-    }
-
     /// Routes asynchronous events to `mailbox` from now on: those naming `qp_num` or one of
     /// the completion queues at addresses `cqs`, and device-wide failures.
     pub(crate) fn register_async(&self, qp_num: u32, cqs: Vec<usize>, mailbox: &Arc<Mailbox>) {
@@ -287,21 +262,4 @@ impl Endpoint {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
-}
-
-/// Connects two connections to each other through TCP on loopback, on the default device
-/// ([`Endpoint::open_default`]): (accepting side, connecting side). For tests, examples and
-/// benchmarks that run both peers in one process.
-pub fn loopback_pair(server: &Config, client: &Config) -> Result<(Connection, Connection)> {
-    let ep = Endpoint::open_default()?;
-    let listener = ep.listen("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let client_ep = ep.clone();
-    let client = client.clone();
-    let connector = std::thread::spawn(move || client_ep.connect(addr, &client));
-    let accepted = listener.accept(server);
-    let connected = connector
-        .join()
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-    Ok((accepted?, connected?))
 }

@@ -63,6 +63,32 @@ pub enum Error {
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// An RDMA read in more pieces than the queue pair's send queue has slots: it could never
+    /// be posted.
+    #[error("a read of {segments} segments needs more than the {send_slots} send queue slots; split it, or raise send_depth")]
+    ReadTooLarge {
+        /// Pieces of the read.
+        segments: usize,
+        /// Slots of the send queue.
+        send_slots: usize,
+    },
+    /// The hub has `max_connections` connections (counting handshakes under way): close one,
+    /// or raise `HubConfig::max_connections`.
+    #[error("the hub has its max_connections ({max}) connections; close one or raise HubConfig::max_connections")]
+    HubFull {
+        /// `max_connections`.
+        max: u32,
+    },
+    /// The hub's shared receive queue cannot back another connection's minimum credits.
+    #[error("no receive buffers for another connection: {spare} spare, {needed} needed, the shared receive queue holds {capacity}; lower min_credits or max_connections")]
+    ReceiveQueueFull {
+        /// Buffers spare now.
+        spare: u32,
+        /// Buffers a connection needs (its minimum credits and grant slots).
+        needed: u32,
+        /// Most requests the shared receive queue holds.
+        capacity: u32,
+    },
     /// A message larger than the peer's receive buffers.
     #[error("message of {len} bytes exceeds the peer's buffer size of {max} bytes")]
     TooLarge {
@@ -163,5 +189,37 @@ impl Failure {
             opcode: wc.opcode(),
             vendor_err: wc.vendor_err(),
         }
+    }
+}
+
+/// The error number behind an error, if any of its sources is an OS error.
+pub(crate) fn errno_of(e: &(dyn std::error::Error + 'static)) -> Option<i32> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return io.raw_os_error();
+        }
+        cur = err.source();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errno_is_found_anywhere_in_the_chain() {
+        let e = Error::Verbs(rdmsg_verbs::Error::PollCq(io::Error::from_raw_os_error(5)));
+        assert_eq!(errno_of(&e), Some(5));
+        assert_eq!(errno_of(&Error::Config("x".into())), None);
+        let f = Failure::Local {
+            op: "polling the completion queues",
+            errno: Some(5),
+        };
+        assert_eq!(
+            f.to_string(),
+            "polling the completion queues failed (Input/output error (os error 5))"
+        );
     }
 }

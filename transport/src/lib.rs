@@ -88,30 +88,40 @@
 
 pub mod addr;
 mod bootstrap;
+mod config;
 mod connection;
+mod core;
 pub mod credits;
 mod endpoint;
 mod error;
 mod events;
 pub mod handshake;
 mod hub;
-mod inbound;
 mod pool;
-mod protocol;
 mod read;
+mod send;
+mod setup;
 pub mod share;
+#[cfg(test)]
+mod sim;
+mod stream;
+mod token;
 
+pub use crate::core::ConnStats;
 pub use addr::QpAddress;
+pub use bootstrap::loopback_pair;
 pub use bootstrap::Listener;
-pub use connection::{random_psn, Config, ConnStats, Connection, Waker};
+pub use config::Config;
 #[cfg(feature = "test-hooks")]
-pub use connection::{Fault, TestHooks};
-pub use endpoint::{loopback_pair, Endpoint, GidChoice, PathParams};
+pub use config::{Fault, TestHooks};
+pub use connection::Connection;
+pub use endpoint::{Endpoint, GidChoice, PathParams};
 pub use error::{Error, Failure, Result};
 pub use handshake::Psk;
 pub use hub::{Hub, HubConfig, HubEvent, HubStats, PeerId};
-pub use pool::{PoolStats, Received, RecvPool};
+pub use pool::{PoolStats, Received, RecvPool, Waker};
 /// The epoll set a thread sharing a connection sleeps on (see `rdmsg_msg`'s split halves).
 pub use rdmsg_verbs::ReadyWatch;
 pub use rdmsg_verbs::{Buffer, Bytes, Exposed, ReadSegment};
 pub use read::{Arrival, ReadDone, ReadPost};
+pub use setup::random_psn;

@@ -266,3 +266,19 @@ impl Drop for Received {
         }
     }
 }
+
+/// Makes a connection's (or a hub's) descriptor readable from any thread: see
+/// [`Connection::waker`](crate::Connection::waker).
+#[derive(Debug)]
+pub struct Waker(UnixStream);
+
+impl Waker {
+    pub(crate) fn new(socket: UnixStream) -> Self {
+        Self(socket)
+    }
+
+    /// Writes one byte to the wake-up socket (non-blocking: a full socket already wakes it).
+    pub fn wake(&self) {
+        let _ = (&self.0).write(&[1]);
+    }
+}

@@ -55,8 +55,8 @@
 //! - Within a priority, the connection whose peer has the fewest credits is served first and
 //!   equals take turns, so busy peers cannot keep a starved one out.
 //!
-//! `tests/share.rs` checks this over arbitrary interleavings of several peers sending at
-//! different rates, joining and leaving.
+//! The simulator (`sim`) checks this over random schedules of many peers sending at different
+//! rates, joining and dying, driving the real connection cores and the hub's rules.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

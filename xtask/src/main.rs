@@ -4,6 +4,8 @@
 
 mod cluster;
 mod fuzz;
+#[cfg(test)]
+mod imports;
 mod package;
 mod vm;
 mod worktree;

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use crate::mr::Buffer;
 use crate::posted::InOrder;
 
-/// What [`QueuePair::reclaim`] found for a completion.
+/// What [`QueuePair::reclaim`](super::QueuePair::reclaim) found for a completion.
 #[derive(Debug)]
 pub enum Reclaimed {
     /// The completion is a receive of this queue pair: its buffer.

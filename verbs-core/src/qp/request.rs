@@ -80,7 +80,7 @@ impl<'a> SendRequest<'a> {
     }
 }
 
-/// One piece of an RDMA read ([`QueuePair::post_read`]): `len` bytes of the peer's memory at
+/// One piece of an RDMA read ([`QueuePair::post_read`](super::QueuePair::post_read)): `len` bytes of the peer's memory at
 /// `remote_addr`, under its remote key `rkey`, into `local_offset..local_offset + len` of the
 /// local buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

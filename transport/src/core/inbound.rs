@@ -15,7 +15,7 @@
 use rdmsg_verbs::{WcOpcode, WcStatus};
 
 use crate::credits::{Credits, Imm, Violation};
-use crate::Failure;
+use crate::error::Failure;
 
 /// A polled completion, as the rules see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

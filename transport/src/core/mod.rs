@@ -1,0 +1,622 @@
+//! The protocol of one RC queue pair, without I/O: credits and grants, the receive rules, which
+//! failure wins, signalling, how the queues are armed, graceful close, a peer that leaves, the
+//! drain after a failure, and their deadlines. No verbs, no socket, no clock: a
+//! [`Connection`](crate::Connection) (one queue pair on its own queues), a
+//! [`Hub`](crate::Hub) (a slab of cores on shared queues) and the host simulator (`sim`,
+//! tests only) drive the same [`Core`], so that every rule has one home.
+//!
+//! # A driver's manual
+//!
+//! The methods come in four kinds, as in quinn-proto's `Connection`:
+//!
+//! - **getters** (`credits`, `stats`, `failure`, `may_send`, `send_arm`, `refill_due`,
+//!   `next_timeout`, …) read the state;
+//! - **`handle_*` inputs** tell it what happened: a polled batch (`begin_batch`, then
+//!   `handle_recv` / `handle_send` for each completion in polling order), what the bootstrap
+//!   stream brought (`handle_stream`), a failure found elsewhere (`handle_failure`: a verb
+//!   that failed, an asynchronous event), the passing of time (`handle_timeout`), and how many
+//!   requests are still posted after a failure (`handle_flushed`);
+//! - **commands** from the application: `data` (a message to post), `start_close`, `grant`,
+//!   `read_fits`, and the bookkeeping of what the driver then posted (`posted`, `reposted`);
+//! - **`poll_action`**, the one output besides the commands' answers: what the driver must do
+//!   on its side of the wire.
+//!
+//! After *every* input or command, call `poll_action` until it returns `None` and do each
+//! [`Action`] in order; each comes at most once per connection. Before waiting, wait at most
+//! until `next_timeout`, and call `handle_timeout` with the time once it has passed. `now`
+//! never goes backwards. A driver posts a data message only when `may_send` says so, and then
+//! as `data` says (its immediate data, whether solicited, whether signaled); it re-posts
+//! receive buffers when `refill_due` says so (own receive queue; a shared one follows
+//! [`Share`](crate::share::Share)) and tells `reposted`; it sends `grant` whenever one is due.
+//!
+//! # Phases
+//!
+//! A core is *handshaking* (a hub's queue pair whose handshake runs: nothing may be sent),
+//! *linked*, *closing* (our close message is posted: closed once it completes, failed at the
+//! close deadline), *leaving* (the peer's stream said goodbye or ended: its close message is
+//! waited for until the vanish deadline), or *failed* (the first failure is kept; the queue
+//! pair is being flushed until it is drained or the drain deadline passes).
+
+mod inbound;
+mod stats;
+mod timers;
+
+use std::time::{Duration, Instant};
+
+use rdmsg_notify::ArmMode;
+
+pub(crate) use inbound::{Completion, RecvAction};
+pub use stats::ConnStats;
+
+use crate::credits::{Credits, Imm};
+use crate::error::{Error, Failure};
+use inbound::Inbound;
+use timers::{Timer, TimerTable};
+
+/// Longest wait for a failed queue pair's posted requests to be flushed back.
+pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(500);
+
+/// A sender polls its queues at least every this many sends.
+pub(crate) const SEND_PROGRESS_EVERY: u32 = 16;
+
+/// The sooner of two optional durations (`None`: no bound).
+pub(crate) fn earliest(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// What may still come on the bootstrap stream once the handshake is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamNews {
+    /// Nothing to read now.
+    Nothing,
+    /// Junk (this byte): the connection fails at once.
+    Garbage(u8),
+    /// The peer closed gracefully: its close message is delivered or on its way.
+    Goodbye,
+    /// The stream ended without a goodbye: the peer's process is gone, or its side failed.
+    Ended,
+}
+
+impl StreamNews {
+    /// How long to wait for the peer's close message before calling it vanished: up to
+    /// `close_timeout` after a goodbye, 50 ms after a bare end of stream (one may still be in
+    /// flight).
+    fn grace(self, close_timeout: Duration) -> Duration {
+        if self == Self::Goodbye {
+            close_timeout
+        } else {
+            Duration::from_millis(50)
+        }
+    }
+}
+
+/// What the driver must do on its side, in the order given (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Our close message was delivered: write the goodbye on the bootstrap stream (a
+    /// [`Action::FailQueuePair`] with [`Failure::Closed`] follows).
+    SayGoodbye,
+    /// Stop watching the bootstrap stream: it said goodbye, ended, or sent junk, and stays
+    /// readable for ever.
+    UnwatchStream,
+    /// The first failure: shut the bootstrap stream (so that the peer fails at once too) and
+    /// move the queue pair to the error state, so that every posted request is flushed back;
+    /// then [`Core::flushing_since`] with the time.
+    FailQueuePair,
+}
+
+/// What the driver has free for a send right now (`usize::MAX` for what it does not count).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Room {
+    /// Free slots of the queue pair's send queue.
+    pub sq: usize,
+    /// Free send buffers.
+    pub buffers: usize,
+    /// Free entries of the send completion queue, where queue pairs share it.
+    pub cq: usize,
+}
+
+/// A message to post: its immediate data and flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Post {
+    /// Immediate data (credits returned, echo, flags).
+    pub imm: Imm,
+    /// Posted solicited.
+    pub solicited: bool,
+    /// Posted signaled.
+    pub signaled: bool,
+}
+
+/// What to do with a receive completion's buffer, and whether it spent a credit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Receipt {
+    /// Deliver, count as a grant, or recycle.
+    pub action: RecvAction,
+    /// It used one of the receive buffers the peer's credits stand for (a data message or a
+    /// close; not a grant, nor anything past a broken point).
+    pub spent_credit: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Handshaking,
+    Linked,
+    Closing,
+    Leaving,
+    Failed {
+        /// The close deadline passed before our close message completed.
+        close_timed_out: bool,
+        /// The posted requests are flushed back, or the drain deadline passed.
+        drained: bool,
+    },
+}
+
+/// The protocol state of one RC queue pair (see the module docs for how to drive it).
+#[derive(Debug)]
+pub(crate) struct Core {
+    credits: Credits,
+    /// The real books replaced the placeholder a hub starts a handshake with.
+    books_known: bool,
+    inbound: Inbound,
+    phase: Phase,
+    failure: Option<Failure>,
+    timers: TimerTable,
+    actions: ActionQueue,
+    stats: ConnStats,
+    signal_every: u32,
+    unsignaled: u32,
+    /// wr_id of the last signaled send, until a completion retires it.
+    last_signaled: Option<u64>,
+    close_timeout: Duration,
+    /// Sends since the sender last polled its queues.
+    sends_since_poll: u32,
+}
+
+/// Actions waiting for the driver, in order; each at most once.
+#[derive(Debug, Default)]
+struct ActionQueue {
+    queue: [Option<Action>; 3],
+    len: u8,
+}
+
+impl ActionQueue {
+    fn push(&mut self, a: Action) {
+        if self.queue[..usize::from(self.len)].contains(&Some(a)) {
+            return;
+        }
+        self.queue[usize::from(self.len)] = Some(a);
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<Action> {
+        if self.len == 0 {
+            return None;
+        }
+        let a = self.queue[0].take();
+        self.queue.rotate_left(1);
+        self.len -= 1;
+        a
+    }
+}
+
+impl Core {
+    /// A linked connection with these books.
+    pub(crate) fn new(credits: Credits, signal_every: u32, close_timeout: Duration) -> Self {
+        Self {
+            credits,
+            books_known: true,
+            inbound: Inbound::default(),
+            phase: Phase::Linked,
+            failure: None,
+            timers: TimerTable::default(),
+            actions: ActionQueue::default(),
+            stats: ConnStats::default(),
+            signal_every: signal_every.max(1),
+            unsignaled: 0,
+            last_signaled: None,
+            close_timeout,
+            sends_since_poll: 0,
+        }
+    }
+
+    /// A connection whose handshake runs, with placeholder books until the peer is known
+    /// ([`Core::learn_peer`]).
+    pub(crate) fn handshaking(
+        placeholder: Credits,
+        signal_every: u32,
+        close_timeout: Duration,
+    ) -> Self {
+        let mut c = Self::new(placeholder, signal_every, close_timeout);
+        c.books_known = false;
+        c.phase = Phase::Handshaking;
+        c
+    }
+
+    // ----- getters -----
+
+    pub(crate) fn credits(&self) -> &Credits {
+        &self.credits
+    }
+
+    pub(crate) fn credits_mut(&mut self) -> &mut Credits {
+        &mut self.credits
+    }
+
+    pub(crate) fn stats(&self) -> ConnStats {
+        self.stats
+    }
+
+    /// The first failure, if any.
+    pub(crate) fn failure(&self) -> Option<Failure> {
+        self.failure
+    }
+
+    /// Whether the handshake is done (the connection may carry messages).
+    pub(crate) fn is_linked(&self) -> bool {
+        self.phase != Phase::Handshaking
+    }
+
+    /// Whether the close deadline passed before our close message completed.
+    pub(crate) fn close_timed_out(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Failed {
+                close_timed_out: true,
+                ..
+            }
+        )
+    }
+
+    /// Whether the connection failed and its queue pair's requests are flushed back (or the
+    /// drain deadline passed): a hub may destroy it.
+    pub(crate) fn is_drained(&self) -> bool {
+        matches!(self.phase, Phase::Failed { drained: true, .. })
+    }
+
+    /// Whether the peer's close message has arrived.
+    pub(crate) fn peer_closed(&self) -> bool {
+        self.inbound.peer_closed()
+    }
+
+    /// Whether the application may send: the failure if not, and [`Failure::Closed`] once
+    /// our close is under way.
+    pub(crate) fn check_send(&self) -> Result<(), Failure> {
+        match (self.failure, self.phase) {
+            (Some(f), _) => Err(f),
+            (None, Phase::Closing) => Err(Failure::Closed),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a data message can be posted now: linked, not failed nor closing, a credit,
+    /// and room on the driver's side.
+    pub(crate) fn may_send(&self, room: Room) -> bool {
+        matches!(self.phase, Phase::Linked | Phase::Leaving)
+            && self.failure.is_none()
+            && self.credits.available() > 0
+            && room.sq > 0
+            && room.buffers > 0
+            && room.cq > 0
+    }
+
+    /// Whether a streaming sender should poll its queues before this send: every
+    /// [`SEND_PROGRESS_EVERY`] sends, and at once when credits or room run low (the peer may
+    /// be waiting for credits we hold).
+    pub(crate) fn poll_before_send(&mut self, room: Room) -> bool {
+        self.sends_since_poll += 1;
+        let plenty = self.credits.available() > self.credits.peer_depth() / 4
+            && room.buffers > 1
+            && room.sq > 1
+            && room.cq > 1;
+        if !plenty || self.sends_since_poll >= SEND_PROGRESS_EVERY {
+            self.sends_since_poll = 0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// How the send queue is armed: for any completion while a signaled send is outstanding,
+    /// so that its completion, or the error a failed send turns it into, wakes a sleeper (rxe
+    /// never marks send-side errors solicited, although the specification has every error
+    /// completion fire a solicited-only arm), and a full send queue (whose last send is always
+    /// signaled) does not hold back a due grant. Solicited-only otherwise, so that a sleep
+    /// with only unsignaled sends behind it skips the pre-sleep drain of the channel; an error
+    /// among those is caught by the health check or the peer's end of the bootstrap stream.
+    pub(crate) fn send_arm(&self) -> ArmMode {
+        if self.last_signaled.is_some() {
+            ArmMode::Next
+        } else {
+            ArmMode::SolicitedOnly
+        }
+    }
+
+    /// Whether `free` buffers should be re-posted now (own receive queue): once an eighth of
+    /// the depth is free, or at once if a grant slot is missing, or the peer runs low or may be
+    /// blocked.
+    pub(crate) fn refill_due(&self, free: usize) -> bool {
+        let c = &self.credits;
+        let batch = (c.depth() as usize / 8).max(1);
+        free > 0
+            && self.failure.is_none()
+            && (free >= batch
+                || c.slots_missing() > 0
+                || c.peer_credits() <= c.depth() / 4
+                || c.peer_may_be_blocked())
+    }
+
+    /// The earliest deadline: wait at most until then, then [`Core::handle_timeout`].
+    pub(crate) fn next_timeout(&self) -> Option<Instant> {
+        self.timers.next()
+    }
+
+    /// The next thing the driver must do.
+    pub(crate) fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop()
+    }
+
+    // ----- inputs -----
+
+    /// The peer's hello is known: its real books replace the placeholder (once).
+    pub(crate) fn learn_peer(&mut self, books: Credits) {
+        if !std::mem::replace(&mut self.books_known, true) {
+            debug_assert_eq!(books.must_be_posted(), self.credits.must_be_posted());
+            self.credits = books;
+        }
+    }
+
+    /// The handshake is done.
+    pub(crate) fn link(&mut self) {
+        if self.phase == Phase::Handshaking {
+            self.phase = Phase::Linked;
+        }
+    }
+
+    /// Before a polled batch is handled: records the failure its first real error stands for,
+    /// so that flushes in the batch are explained by it.
+    pub(crate) fn begin_batch(&mut self, batch: impl IntoIterator<Item = Completion>) {
+        if let Some(f) = Inbound::first_error(self.failure, batch) {
+            self.handle_failure(f);
+        }
+    }
+
+    /// A receive completion whose buffer came back. `explain_flush` is asked what explains a
+    /// flush nothing else does (an asynchronous event).
+    pub(crate) fn handle_recv(
+        &mut self,
+        c: &Completion,
+        explain_flush: impl FnOnce() -> Option<Failure>,
+    ) -> Receipt {
+        let before = self.credits.must_be_posted();
+        let (action, failure) =
+            self.inbound
+                .on_recv(c, &mut self.credits, self.failure, explain_flush);
+        match action {
+            RecvAction::Deliver => self.stats.received += 1,
+            RecvAction::Grant => self.stats.grants_received += 1,
+            RecvAction::Recycle => {}
+        }
+        let spent_credit = action != RecvAction::Grant && self.credits.must_be_posted() < before;
+        if let Some(f) = failure {
+            self.handle_failure(f);
+        }
+        Receipt {
+            action,
+            spent_credit,
+        }
+    }
+
+    /// A send completion of request `wr_id`; `outstanding` requests remain on the send queue
+    /// after it. Retires the signaled send it covers; our close completes when nothing of
+    /// ours is left.
+    pub(crate) fn handle_send(&mut self, c: &Completion, wr_id: u64, outstanding: usize) {
+        // Completions come in posting order and wr_ids grow: this one retires every signaled
+        // send up to it.
+        if self.last_signaled.is_some_and(|id| wr_id >= id) {
+            self.last_signaled = None;
+        }
+        if let Some(f) = Inbound::on_send(c) {
+            self.handle_failure(f);
+        } else if self.phase == Phase::Closing && outstanding == 0 {
+            // The close message is delivered: goodbye, and closed.
+            self.timers.stop(Timer::Close);
+            self.actions.push(Action::SayGoodbye);
+            self.handle_failure(Failure::Closed);
+        }
+    }
+
+    /// What the bootstrap stream brought at `now`.
+    pub(crate) fn handle_stream(&mut self, news: StreamNews, now: Instant) {
+        match news {
+            StreamNews::Nothing => {}
+            StreamNews::Garbage(byte) => {
+                self.actions.push(Action::UnwatchStream);
+                self.handle_failure(Failure::BootstrapGarbage { byte });
+            }
+            StreamNews::Goodbye | StreamNews::Ended => {
+                self.actions.push(Action::UnwatchStream);
+                // Closing ourselves, the end of the stream is the peer having taken our close
+                // message (it shuts its stream at once): the close completes on its own.
+                if matches!(self.phase, Phase::Linked | Phase::Handshaking) && !self.peer_closed() {
+                    self.phase = Phase::Leaving;
+                    self.timers
+                        .set(Timer::Vanish, now + news.grace(self.close_timeout));
+                }
+            }
+        }
+    }
+
+    /// A failure found by the driver (a verb that failed, an asynchronous event, a dead
+    /// peer). The first one is kept: every later call reports it.
+    pub(crate) fn handle_failure(&mut self, f: Failure) {
+        if self.failure.is_some() {
+            return;
+        }
+        self.failure = Some(f);
+        self.phase = Phase::Failed {
+            close_timed_out: false,
+            drained: false,
+        };
+        self.timers.stop(Timer::Close);
+        self.timers.stop(Timer::Vanish);
+        self.actions.push(Action::FailQueuePair);
+    }
+
+    /// The driver moved the queue pair to the error state at `now`: its requests are flushed
+    /// back from now on, waited for at most [`FLUSH_WAIT`].
+    pub(crate) fn flushing_since(&mut self, now: Instant) {
+        if matches!(self.phase, Phase::Failed { drained: false, .. })
+            && self.timers.get(Timer::Drain).is_none()
+        {
+            self.timers.set(Timer::Drain, now + FLUSH_WAIT);
+        }
+    }
+
+    /// After a failure: `outstanding` requests of the queue pair are still posted (those the
+    /// driver waits for). Drained once none is.
+    pub(crate) fn handle_flushed(&mut self, outstanding: usize) {
+        if outstanding == 0 {
+            self.drained();
+        }
+    }
+
+    /// The time is `now`: fires what is due.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        for t in self.timers.expired(now) {
+            match (t, self.phase) {
+                (Timer::Close, Phase::Closing) => {
+                    self.handle_failure(Failure::Closed);
+                    self.phase = Phase::Failed {
+                        close_timed_out: true,
+                        drained: false,
+                    };
+                }
+                (Timer::Vanish, Phase::Leaving) => self.handle_failure(Failure::PeerVanished),
+                (Timer::Drain, _) => self.drained(),
+                _ => {}
+            }
+        }
+    }
+
+    /// The driver can no longer poll for the flushes: it stops waiting for them.
+    pub(crate) fn stop_draining(&mut self) {
+        self.drained();
+    }
+
+    fn drained(&mut self) {
+        if let Phase::Failed { drained, .. } = &mut self.phase {
+            *drained = true;
+            self.timers.stop(Timer::Drain);
+        }
+    }
+
+    // ----- commands -----
+
+    /// A data message to post now, spending a credit: its immediate data, solicited if the
+    /// caller asked or the protocol needs it (our last credit, or credits for a peer that may
+    /// be blocked), signaled as [`Core::signal_for`] decides given the `room` left once it is
+    /// posted. `None` without a credit or while the connection may not send.
+    pub(crate) fn data(&mut self, solicited: bool, room: Room) -> Option<Post> {
+        if self.check_send().is_err() || !self.is_linked() {
+            return None;
+        }
+        let (imm, must) = self.credits.take_for_data(0)?;
+        self.stats.sent += 1;
+        self.stats.forced_solicited += u64::from(must && !solicited);
+        self.stats.sent_solicited += u64::from(solicited || must);
+        Some(Post {
+            imm,
+            solicited: solicited || must,
+            signaled: self.signal_for(room),
+        })
+    }
+
+    /// A data message went inline (counted).
+    pub(crate) fn sent_inline(&mut self) {
+        self.stats.sent_inline += 1;
+    }
+
+    /// Starts a graceful close at `now`: the close message to post (solicited, signaled,
+    /// spending a credit), after which nothing more may be sent; closed once it completes, or
+    /// failed with [`Failure::Closed`] (and [`Core::close_timed_out`]) `close_timeout` after
+    /// `now`. `None` without a credit, or when the connection may not send.
+    pub(crate) fn start_close(&mut self, now: Instant) -> Option<Post> {
+        if self.check_send().is_err() || !self.is_linked() {
+            return None;
+        }
+        let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
+        self.phase = Phase::Closing;
+        self.timers.set(Timer::Close, now + self.close_timeout);
+        self.unsignaled = 0;
+        Some(Post {
+            imm,
+            solicited: true,
+            signaled: true,
+        })
+    }
+
+    /// A credit grant, if one is due and there is room to post it (its credits count as
+    /// returned: post it).
+    pub(crate) fn grant(&mut self, room: Room) -> Option<Post> {
+        if self.failure.is_some() || room.sq == 0 || room.cq == 0 {
+            return None;
+        }
+        let g = self.credits.take_grant()?;
+        self.stats.grants_sent += 1;
+        Some(Post {
+            imm: g.imm,
+            solicited: g.solicited,
+            signaled: self.signal_for(room),
+        })
+    }
+
+    /// Whether the next send is signaled: every `signal_every`-th, and always when the send
+    /// queue, the send buffers or the send CQ are about to run out (`room` is what is left
+    /// once it is posted), so that a blocked sender has a completion coming.
+    fn signal_for(&mut self, room: Room) -> bool {
+        let must = room.sq <= 1 || room.buffers == 0 || room.cq <= 1;
+        let signaled = must || self.unsignaled + 1 >= self.signal_every;
+        self.unsignaled = if signaled { 0 } else { self.unsignaled + 1 };
+        signaled
+    }
+
+    /// A send (or read) was posted as `wr_id`.
+    pub(crate) fn posted(&mut self, wr_id: u64, signaled: bool) {
+        if signaled {
+            self.last_signaled = Some(wr_id);
+        }
+    }
+
+    /// Whether an RDMA read of `segments` pieces can ever be posted on a send queue of
+    /// `sq_depth` slots.
+    pub(crate) fn read_fits(&self, segments: usize, sq_depth: usize) -> Result<(), Error> {
+        if segments > sq_depth {
+            return Err(Error::ReadTooLarge {
+                segments,
+                send_slots: sq_depth,
+            });
+        }
+        Ok(())
+    }
+
+    /// A send waited for a credit, or else for a send slot (counted).
+    pub(crate) fn send_waited(&mut self) {
+        if self.credits.available() == 0 {
+            self.stats.credit_waits += 1;
+        } else {
+            self.stats.send_slot_waits += 1;
+        }
+    }
+
+    /// `n` receive buffers were re-posted for this connection.
+    pub(crate) fn reposted(&mut self, n: u32) {
+        self.stats.refills += 1;
+        self.credits.on_reposted(n);
+    }
+}
+
+#[cfg(test)]
+mod tests;

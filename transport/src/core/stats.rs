@@ -1,0 +1,27 @@
+//! What a connection did, counted by its core.
+
+/// What a connection did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnStats {
+    /// Data messages sent.
+    pub sent: u64,
+    /// Data messages sent solicited.
+    pub sent_solicited: u64,
+    /// Of those, messages the transport solicited although the caller did not ask (they
+    /// returned credits to a peer that may be blocked).
+    pub forced_solicited: u64,
+    /// Data messages sent inline.
+    pub sent_inline: u64,
+    /// Data messages received.
+    pub received: u64,
+    /// Explicit credit grants sent.
+    pub grants_sent: u64,
+    /// Credit grants received.
+    pub grants_received: u64,
+    /// Times a send waited for a credit.
+    pub credit_waits: u64,
+    /// Times a send waited for a send buffer or send queue slot.
+    pub send_slot_waits: u64,
+    /// `ibv_post_recv` calls made to refill the receive queue.
+    pub refills: u64,
+}

@@ -1,0 +1,274 @@
+//! The hub's listener, the handshakes it runs (accepted and its own), and the bootstrap
+//! streams of established connections.
+
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::time::Instant;
+
+use rdmsg_verbs::{QpCaps, QueuePair};
+
+use super::slots::{HubSide, Link, Phase};
+use super::{Hub, HubEvent};
+use crate::bootstrap::Pending;
+use crate::config::Config;
+use crate::error::{Error, Failure, Result};
+use crate::handshake::Handshake;
+use crate::setup::{nonce, random_psn};
+use crate::stream::{accept_next, keepalive_probes, read_after_handshake};
+use crate::token::Token;
+
+impl Hub {
+    pub(super) fn accept_all(&mut self) {
+        loop {
+            let Some(listener) = &self.listener else {
+                return;
+            };
+            let stream = match accept_next(listener) {
+                Ok(Some(s)) => s,
+                Ok(None) => return,
+                Err(source) => {
+                    // Out of descriptors, most likely: the listener stays readable, so the next
+                    // step tries again; report it once per step.
+                    self.stats.handshakes_failed += 1;
+                    self.events.push_back(HubEvent::HandshakeFailed {
+                        peer: None,
+                        error: Error::Bootstrap {
+                            stage: "accepting",
+                            source,
+                        },
+                    });
+                    return;
+                }
+            };
+            self.take_client(stream);
+        }
+    }
+
+    fn take_client(&mut self, stream: TcpStream) {
+        let max_pending = self.config.conn.max_pending_handshakes;
+        let pending_accepted = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|s| s.accepted && s.is_handshaking())
+            .count();
+        if pending_accepted >= max_pending as usize {
+            // Evict the oldest pending client.
+            let oldest = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| {
+                    let s = s.as_ref()?;
+                    match &s.phase {
+                        Phase::Handshake(p) if s.accepted => Some((p.deadline, i)),
+                        _ => None,
+                    }
+                })
+                .min();
+            if let Some((_, i)) = oldest {
+                if let Phase::Handshake(p) = &self.slot(i).phase {
+                    let e = p.evicted(max_pending);
+                    self.handshake_failed(i, e);
+                }
+            }
+        }
+        let Ok(slot) = self.new_slot(true) else {
+            // Full: the client sees its stream end.
+            self.stats.refused += 1;
+            return;
+        };
+        let conn = self.config.conn.clone();
+        let made = nonce().and_then(|n| {
+            let hs = Handshake::server(self.hello(None), conn.limits(), conn.psk.clone(), n);
+            Pending::new(stream, hs, None, &conn)
+        });
+        match made {
+            Ok(p) => {
+                if self.start_handshake(slot, p).is_err() {
+                    self.stats.handshakes_failed += 1;
+                }
+            }
+            Err(error) => {
+                self.abandon(slot);
+                self.stats.handshakes_failed += 1;
+                self.events
+                    .push_back(HubEvent::HandshakeFailed { peer: None, error });
+            }
+        }
+    }
+
+    /// Creates the queue pair of slot `slot` on the hub's queues, with its share of the
+    /// receive buffers set aside (the pool grows if it must).
+    pub(super) fn create_side(&mut self, slot: usize) -> Result<HubSide> {
+        self.admit(slot)?;
+        let caps = QpCaps {
+            max_send_wr: self.config.conn.send_depth,
+            max_recv_wr: 0,
+            max_inline_data: self.config.conn.max_inline,
+        };
+        let made = (|| {
+            let mut qp = QueuePair::new_rc_with_srq(
+                self.endpoint.pd(),
+                self.waiter.cq(self.send_key)?,
+                self.waiter.cq(self.recv_key)?,
+                &self.srq,
+                caps,
+            )?;
+            qp.to_init(self.endpoint.port())?;
+            Ok::<_, Error>(qp)
+        })();
+        let qp = match made {
+            Ok(qp) => qp,
+            Err(e) => {
+                // Nothing can have been consumed: no queue pair.
+                self.unadmit(slot);
+                return Err(e);
+            }
+        };
+        self.by_qpn.insert(qp.qp_num(), slot);
+        self.slot_mut(slot).qpn = Some(qp.qp_num());
+        self.endpoint
+            .register_async(qp.qp_num(), Vec::new(), &self.mailbox);
+        Ok(HubSide {
+            psn: random_psn(qp.qp_num()),
+            qp,
+            peer: None,
+        })
+    }
+
+    pub(super) fn start_handshake(&mut self, slot: usize, pending: Pending<HubSide>) -> Result<()> {
+        let key = Token::Stream(slot as u32).key();
+        if let Err(e) = self.watch().add_keyed(pending.stream.as_fd(), key) {
+            self.abandon(slot);
+            return Err(e.into());
+        }
+        self.slot_mut(slot).phase = Phase::Handshake(Box::new(pending));
+        self.timed.push(slot);
+        Ok(())
+    }
+
+    pub(super) fn stream_ready(&mut self, slot: usize) {
+        let Some(s) = self.slots.get(slot).and_then(Option::as_ref) else {
+            return;
+        };
+        match s.phase {
+            Phase::Handshake(_) => self.advance_handshake(slot),
+            Phase::Linked(_) => self.check_stream(slot),
+            Phase::Retired => {}
+        }
+    }
+
+    pub(super) fn advance_handshake(&mut self, slot: usize) {
+        let Phase::Handshake(mut pending) =
+            std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired)
+        else {
+            return;
+        };
+        let endpoint = self.endpoint.clone();
+        let res = {
+            let mut create = |_: &Config| self.create_side(slot);
+            pending.advance(&endpoint, &mut create)
+        };
+        // Once the peer's hello is known and the queue pair connected, the books are real
+        // (the peer may send as soon as its side is in RTS).
+        if let Some(peer) = pending.setup.as_ref().and_then(|side| side.peer) {
+            let books = self.books_for(&peer);
+            self.slot_mut(slot).core.learn_peer(books);
+        }
+        match res {
+            Ok(false) => self.slot_mut(slot).phase = Phase::Handshake(pending),
+            Ok(true) => self.establish(slot, *pending),
+            Err(e) => {
+                self.slot_mut(slot).phase = Phase::Handshake(pending);
+                self.handshake_failed(slot, e);
+            }
+        }
+    }
+
+    /// The handshake of `slot` is done: the connection is announced, with what arrived early.
+    fn establish(&mut self, slot: usize, pending: Pending<HubSide>) {
+        let Pending {
+            stream, setup, hs, ..
+        } = pending;
+        let side = setup.expect("a finished handshake has its queue pair");
+        let peer = *hs.peer().expect("a finished handshake knows its peer");
+        if let Some(limit) = self.config.conn.keepalive {
+            let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive_probes(limit));
+        }
+        let conn = &self.config.conn;
+        let caps = side.qp.caps();
+        let link = Link {
+            max_message: peer.buf_size.min(conn.buf_size) as usize,
+            max_inline: caps.max_inline_data.min(conn.max_inline) as usize,
+            sq_depth: caps.max_send_wr.min(conn.send_depth) as usize,
+            qp: side.qp,
+            stream,
+            peer,
+            watched: true,
+        };
+        let s = self.slot_mut(slot);
+        s.phase = Phase::Linked(Box::new(link));
+        s.core.link();
+        s.announced = true;
+        let id = s.id(slot);
+        let accepted = s.accepted;
+        let early = std::mem::take(&mut s.early);
+        if accepted {
+            self.stats.accepted += 1;
+        } else {
+            self.stats.connected += 1;
+        }
+        self.events
+            .push_back(HubEvent::Connected { peer: id, accepted });
+        for msg in early {
+            self.events.push_back(HubEvent::Message { peer: id, msg });
+        }
+        if self.slot(slot).core.failure().is_some() {
+            // Failed while finishing (its first message broke the protocol, say): its
+            // queue pair is failed now that it has one.
+            self.fail_queue_pair(slot);
+        }
+        self.touch(slot);
+    }
+
+    pub(super) fn handshake_failed(&mut self, slot: usize, error: Error) {
+        self.stats.handshakes_failed += 1;
+        let s = self.slot(slot);
+        let peer = (!s.accepted).then(|| s.id(slot));
+        self.events
+            .push_back(HubEvent::HandshakeFailed { peer, error });
+        let Phase::Handshake(pending) =
+            std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired)
+        else {
+            return;
+        };
+        let _ = self.watch().remove(pending.stream.as_fd());
+        let _ = pending.stream.shutdown(std::net::Shutdown::Both);
+        let core = &mut self.slot_mut(slot).core;
+        core.handle_failure(Failure::PeerVanished);
+        // Its queue pair (if any) goes now, not through the core's actions.
+        while core.poll_action().is_some() {}
+        match pending.setup {
+            // A queue pair may have received already: destroy it, poll, then release.
+            Some(side) => {
+                let _ = side.qp.destroy();
+                self.retired.push(slot);
+            }
+            None => self.abandon(slot),
+        }
+    }
+
+    /// Looks at a readable bootstrap stream: after the handshake only a goodbye may come.
+    fn check_stream(&mut self, slot: usize) {
+        let Some(link) = self.slot(slot).link() else {
+            return;
+        };
+        let news = read_after_handshake(&link.stream);
+        self.slot_mut(slot).core.handle_stream(news, Instant::now());
+        self.do_actions(slot);
+        // Its close message may still be in flight: waited for (not here: the hub goes on)
+        // until the core's deadline.
+        self.timed.push(slot);
+    }
+}

@@ -1,0 +1,236 @@
+//! The shared receive pool (admission, growth on demand, re-posting), credit grants, and
+//! posting sends on a connection's queue pair within the hub's send buffers and send CQ.
+
+use std::time::{Duration, Instant};
+
+use super::slots::Phase;
+use super::{Hub, PeerId};
+use crate::core::{Post, Room};
+use crate::error::{errno_of, Error, Failure, Result};
+use crate::send::Payload;
+use crate::share::AdmitError;
+
+impl Hub {
+    /// Sets aside a new connection's minimum share, growing the pool so that
+    /// `shared_credits` buffers stay spare for busy peers beyond everyone's minimum (as far as
+    /// the SRQ's size allows).
+    pub(super) fn admit(&mut self, slot: usize) -> Result<()> {
+        let cost = self.share.admission_cost();
+        let room = u64::from(self.srq.max_wr())
+            .saturating_sub(self.pool.stats(0).total as u64)
+            .min(u64::from(u32::MAX)) as u32;
+        let short = (cost + self.config.shared_credits).saturating_sub(self.share.spare());
+        let admitted_now = (short == 0 || room == 0) && self.share.admit(slot).is_ok();
+        if !admitted_now {
+            // Grow by a batch (a 64th of the room left), at least what is short.
+            let grow = short.max(room / 64).min(room);
+            let full = |spare| Error::ReceiveQueueFull {
+                spare,
+                needed: cost,
+                capacity: self.srq.max_wr(),
+            };
+            if grow + self.share.spare() < cost {
+                return Err(full(self.share.spare()));
+            }
+            self.pool.grow(self.endpoint.pd(), grow as usize)?;
+            // Admitted before the connections waiting take the new buffers.
+            self.pool.collect_returns();
+            let bufs = self.pool.take_free();
+            let n = bufs.len();
+            if let Err(e) = self.srq.post_recv(bufs) {
+                for b in e.unposted {
+                    self.pool.put_back(b);
+                }
+                let posted = e.posted as u32;
+                self.share
+                    .on_posted(posted, &mut self.slots, &mut self.touched);
+                return Err(self.hub_failure(e.error.into()));
+            }
+            self.stats.srq_posts += 1;
+            match self
+                .share
+                .admit_posted(slot, n as u32, &mut self.slots, &mut self.touched)
+            {
+                Ok(()) => {}
+                Err(AdmitError::NoRoom { spare, .. }) => {
+                    return Err(Error::ReceiveQueueFull {
+                        spare,
+                        needed: cost,
+                        capacity: self.srq.max_wr(),
+                    })
+                }
+                Err(e) => return Err(Error::Config(e.to_string())),
+            }
+        }
+        self.slot_mut(slot).admitted = true;
+        Ok(())
+    }
+
+    /// Gives a connection's share of the buffers back (its queue pair can consume nothing
+    /// more, and everything it did consume has been polled).
+    pub(super) fn unadmit(&mut self, slot: usize) {
+        let s = self.slots[slot].as_mut().expect("a live slot");
+        if std::mem::take(&mut s.admitted) {
+            self.share.release(slot, &mut self.slots, &mut self.touched);
+        }
+    }
+
+    /// Busy peers ran out of credits with nothing spare: registers more buffers (in chunks of
+    /// at least 64), up to `max_shared_credits` beyond everyone's minimum; `repost` posts them.
+    pub(super) fn grow_for_demand(&mut self) -> Result<()> {
+        let demand = self.share.take_demand();
+        if demand == 0 {
+            return Ok(());
+        }
+        let admitted = self.slots.iter().flatten().filter(|s| s.admitted).count() as u64;
+        let minimums = admitted * u64::from(self.share.admission_cost());
+        let limit = (minimums + u64::from(self.config.max_shared_credits))
+            .min(u64::from(self.srq.max_wr()));
+        let room = limit.saturating_sub(self.pool.stats(0).total as u64);
+        let grow = u64::from(demand).max(64).min(room);
+        if grow > 0 {
+            self.pool.grow(self.endpoint.pd(), grow as usize)?;
+            self.stats.pool_growths += 1;
+        }
+        Ok(())
+    }
+
+    /// Posts every free receive buffer to the SRQ and lets the share hand them out.
+    pub(super) fn repost(&mut self) -> Result<()> {
+        self.pool.collect_returns();
+        if self.pool.free_count() == 0 {
+            return Ok(());
+        }
+        let bufs = self.pool.take_free();
+        let n = bufs.len();
+        let posted = match self.srq.post_recv(bufs) {
+            Ok(()) => n,
+            Err(e) => {
+                let posted = e.posted;
+                for b in e.unposted {
+                    self.pool.put_back(b);
+                }
+                self.share
+                    .on_posted(posted as u32, &mut self.slots, &mut self.touched);
+                return Err(self.hub_failure(e.error.into()));
+            }
+        };
+        self.stats.srq_posts += 1;
+        self.share
+            .on_posted(posted as u32, &mut self.slots, &mut self.touched);
+        Ok(())
+    }
+
+    /// Sends the grants due on connections touched this round; one without room for its
+    /// grant now stays touched (a send completion will bring the hub back).
+    pub(super) fn grants(&mut self) {
+        let mut touched = std::mem::take(&mut self.touched);
+        let mut keep = Vec::new();
+        for slot in touched.drain(..) {
+            let Some(s) = self.slots[slot].as_mut() else {
+                continue;
+            };
+            s.touched = false;
+            if s.core.failure().is_some() || s.link().is_none() {
+                continue;
+            }
+            let room = self.room(slot);
+            if room.sq == 0 || room.cq == 0 {
+                keep.push(slot);
+                continue;
+            }
+            if let Some(grant) = self.slot_mut(slot).core.grant(room) {
+                let _ = self.post(slot, Payload::Empty, grant);
+            }
+        }
+        for slot in keep {
+            self.touch(slot);
+        }
+        if self.touched.is_empty() {
+            self.touched = touched;
+        }
+    }
+
+    /// What is free for a send on `slot` now (nothing before it is linked).
+    pub(super) fn room(&self, slot: usize) -> Room {
+        let sq = self
+            .slot(slot)
+            .link()
+            .map_or(0, |l| l.sq_depth.saturating_sub(l.qp.send_outstanding()));
+        Room {
+            sq,
+            buffers: self.send.free.len(),
+            cq: self.send_cq_entries.saturating_sub(self.sends_outstanding),
+        }
+    }
+
+    pub(super) fn post(&mut self, slot: usize, payload: Payload, post: Post) -> Result<()> {
+        let s = self.slots[slot].as_mut().expect("a live slot");
+        let Phase::Linked(link) = &mut s.phase else {
+            unreachable!("posting needs a link")
+        };
+        let req = self
+            .send
+            .request(payload)
+            .imm(post.imm.encode())
+            .solicited(post.solicited)
+            .signaled(post.signaled);
+        match link.qp.post_send_one(req) {
+            Ok(id) => {
+                s.core.posted(id, post.signaled);
+                self.sends_outstanding += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.send.free.extend(e.unposted);
+                Err(self.local_failure(slot, "posting a send (ibv_post_send)", e.error.into()))
+            }
+        }
+    }
+
+    /// Fails `slot` for the error of a verb it drove, and hands the error back.
+    pub(super) fn local_failure(&mut self, slot: usize, op: &'static str, e: Error) -> Error {
+        let errno = errno_of(&e);
+        self.fail(slot, Failure::Local { op, errno });
+        e
+    }
+
+    fn can_send(&self, slot: usize) -> bool {
+        let s = self.slot(slot);
+        s.announced && s.core.may_send(self.room(slot))
+    }
+
+    pub(super) fn wait_to_send(
+        &mut self,
+        slot: usize,
+        peer: PeerId,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let room = self.room(slot);
+        let poll = self.slot_mut(slot).core.poll_before_send(room);
+        if poll || !self.can_send(slot) || self.pool.has_returns() {
+            self.step()?;
+            self.live_slot(peer)?;
+        }
+        if self.can_send(slot) {
+            self.send_blocked = false;
+            return Ok(());
+        }
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        self.slot_mut(slot).core.send_waited();
+        loop {
+            self.live_slot(peer)?;
+            if self.can_send(slot) {
+                self.send_blocked = false;
+                return Ok(());
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) {
+                self.send_blocked = true;
+                return Err(Error::Timeout(timeout.unwrap_or_default()));
+            }
+            self.wait_for_progress(left, true)?;
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! Polled completions go to the core of the connection whose queue pair they name, and the
+//! hub does what the cores then ask for.
+
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::time::Instant;
+
+use rdmsg_verbs::{WcStatus, WorkCompletion};
+
+use super::slots::Phase;
+use super::{Hub, HubEvent};
+use crate::core::{Action, Completion, RecvAction};
+use crate::error::Error;
+use crate::handshake::GOODBYE;
+use crate::read;
+use crate::share::Receipt;
+
+impl Hub {
+    pub(super) fn handle_completions(&mut self) {
+        let mut got = std::mem::take(&mut self.completions);
+        let recv_key = self.recv_key;
+        // The first real error of each connection is recorded before its flushes are looked at.
+        for (key, wc) in &got {
+            if matches!(wc.status(), WcStatus::Success | WcStatus::WrFlushErr) {
+                continue;
+            }
+            if let Some(&slot) = self.by_qpn.get(&wc.qp_num()) {
+                let c = Completion::of(*key == recv_key, wc);
+                self.slot_mut(slot).core.begin_batch([c]);
+                self.do_actions(slot);
+            }
+        }
+        for (key, wc) in got.drain(..) {
+            if key == recv_key {
+                self.on_recv(&wc);
+            } else {
+                self.on_send(&wc);
+            }
+        }
+        self.completions = got;
+    }
+
+    fn on_recv(&mut self, wc: &WorkCompletion) {
+        let Some(buf) = self.srq.take_recv(wc) else {
+            return;
+        };
+        let Some(&slot) = self.by_qpn.get(&wc.qp_num()) else {
+            // A queue pair already released: nothing of it is accounted any more.
+            self.share.on_stray();
+            self.pool.put_back(buf);
+            return;
+        };
+        let c = Completion::of(true, wc);
+        let s = self.slots[slot].as_mut().expect("a mapped slot");
+        // SRQ receives are not flushed by a queue pair's error: nothing to explain.
+        let receipt = s.core.handle_recv(&c, || None);
+        let share_receipt = match receipt.action {
+            RecvAction::Grant => Receipt::Grant,
+            // A close message spends a data credit too.
+            _ if receipt.spent_credit => Receipt::Data,
+            _ => Receipt::Unaccounted,
+        };
+        if s.admitted {
+            self.share
+                .on_consumed(slot, s, share_receipt, &mut self.touched);
+        } else {
+            self.share.on_stray();
+        }
+        match receipt.action {
+            RecvAction::Deliver => {
+                self.stats.received += 1;
+                let msg = self.pool.lend(buf, wc.byte_len() as usize);
+                let s = self.slots[slot].as_mut().expect("a mapped slot");
+                if s.announced {
+                    let peer = s.id(slot);
+                    self.events.push_back(HubEvent::Message { peer, msg });
+                } else {
+                    s.early.push(msg);
+                }
+            }
+            RecvAction::Grant | RecvAction::Recycle => self.pool.put_back(buf),
+        }
+        self.touch(slot);
+        self.do_actions(slot);
+    }
+
+    fn on_send(&mut self, wc: &WorkCompletion) {
+        let Some(&slot) = self.by_qpn.get(&wc.qp_num()) else {
+            return;
+        };
+        let s = self.slots[slot].as_mut().expect("a mapped slot");
+        let Some(qp) = s.qp_mut() else { return };
+        let before = qp.send_outstanding();
+        let mut reads = Vec::new();
+        qp.complete_send_split(wc, &mut self.send.free, &mut reads);
+        let outstanding = qp.send_outstanding();
+        self.sends_outstanding -= before - outstanding;
+        if !reads.is_empty() {
+            let peer = s.id(slot);
+            self.events
+                .extend(read::finished(wc, reads).map(|read| HubEvent::Read { peer, read }));
+        }
+        s.core
+            .handle_send(&Completion::of(false, wc), wc.wr_id(), outstanding);
+        self.touch(slot);
+        self.do_actions(slot);
+    }
+
+    /// Does what the core of `slot` asks for.
+    pub(super) fn do_actions(&mut self, slot: usize) {
+        while let Some(action) = self.slot_mut(slot).core.poll_action() {
+            match action {
+                Action::SayGoodbye => {
+                    if let Some(link) = self.slot_mut(slot).link_mut() {
+                        let _ = (&link.stream).write_all(&[GOODBYE]);
+                    }
+                }
+                Action::UnwatchStream => self.unwatch_stream(slot),
+                Action::FailQueuePair => self.fail_queue_pair(slot),
+            }
+        }
+    }
+
+    /// After a connection's first failure: tells the peer (the end of the bootstrap stream),
+    /// moves the queue pair to error so that its sends are flushed back, and queues it to be
+    /// retired; a handshake under way fails as a handshake.
+    pub(super) fn fail_queue_pair(&mut self, slot: usize) {
+        self.unwatch_stream(slot);
+        let s = self.slot_mut(slot);
+        if s.is_handshaking() {
+            let e = s.core.failure().map(Error::from);
+            if let Some(e) = e {
+                self.handshake_failed(slot, e);
+            }
+            return;
+        }
+        let admitted = s.admitted;
+        let Some(link) = s.link_mut() else {
+            return;
+        };
+        let _ = link.stream.shutdown(std::net::Shutdown::Both);
+        let _ = link.qp.to_error();
+        s.core.flushing_since(Instant::now());
+        if admitted {
+            // Its buffers stop being refilled; what backs it comes back at release.
+            self.share.retire(slot);
+        }
+        self.draining.push(slot);
+        self.timed.push(slot);
+    }
+
+    pub(super) fn unwatch_stream(&mut self, slot: usize) {
+        let s = self.slots[slot].as_mut().expect("a live slot");
+        if let Phase::Linked(link) = &mut s.phase {
+            if std::mem::take(&mut link.watched) {
+                let _ = self.waiter.channel().watch.remove(link.stream.as_fd());
+            }
+        }
+    }
+}

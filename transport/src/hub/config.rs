@@ -1,0 +1,107 @@
+//! How a hub is set up, checked against the device before anything is created.
+
+use crate::config::Config;
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result};
+
+/// How a [`Hub`](super::Hub) is set up.
+#[derive(Debug, Clone)]
+pub struct HubConfig {
+    /// Settings of each connection: `buf_size` is the size of the shared receive buffers (the
+    /// largest message a peer may send us) and of the send buffers; `grant_slots`,
+    /// `send_depth` (per queue pair), `signal_every`, `max_inline`, `path`, `keepalive`,
+    /// `psk`, the handshake's limits and timeouts, `close_timeout` and `health_check` apply
+    /// as for a single connection. `recv_depth` is not used: see `min_credits` and
+    /// `max_credits`. Default: [`Config::default`](crate::Config::default) with 2 KiB buffers and 16 send slots per
+    /// queue pair.
+    pub conn: Config,
+    /// Credits every connection keeps however idle it is (its initial credits). With the
+    /// default 2 KiB buffers and 3 grant slots an idle connection holds 14 KiB. Default 4.
+    pub min_credits: u32,
+    /// Most credits one connection may hold (announced as its receive depth). Default 64.
+    pub max_credits: u32,
+    /// Most connections at once (accepted, connected and in handshake). The receive CQ and the
+    /// SRQ are sized for this many connections at their minimum plus `shared_credits`, which
+    /// must fit the device's `max_cqe` and `max_srq_wr`. Default 1024.
+    pub max_connections: u32,
+    /// Receive buffers kept spare beyond every connection's minimum, lent to busy
+    /// connections at once (the pool grows as connections are admitted to keep them).
+    /// Default 256.
+    pub shared_credits: u32,
+    /// Most receive buffers beyond every connection's minimum: while busy peers run out of
+    /// credits with nothing spare, the pool grows towards this, so that memory follows the
+    /// traffic (an idle hub holds `shared_credits`). Registered buffers stay registered (a
+    /// shared receive queue cannot give posted buffers back) until the hub is dropped; what
+    /// idle peers no longer use serves others. At least `shared_credits`. Default 8192.
+    pub max_shared_credits: u32,
+    /// Send buffers shared by every connection (messages up to `max_inline` need none).
+    /// Default 256.
+    pub send_buffers: u32,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        Self {
+            conn: Config {
+                buf_size: 2048,
+                send_depth: 16,
+                ..Config::default()
+            },
+            min_credits: 4,
+            max_credits: 64,
+            max_connections: 1024,
+            shared_credits: 256,
+            max_shared_credits: 8192,
+            send_buffers: 256,
+        }
+    }
+}
+
+impl HubConfig {
+    /// Buffers reserved per connection: its minimum credits and its grant slots.
+    pub(super) fn per_connection(&self) -> u32 {
+        self.min_credits + u32::from(self.conn.grant_slots)
+    }
+
+    /// Requests the SRQ (and so the receive CQ) must hold at most.
+    pub(super) fn srq_size(&self) -> u64 {
+        // Room for the growth on demand and for the spare kept at admission, both at once.
+        u64::from(self.max_connections) * u64::from(self.per_connection())
+            + u64::from(self.max_shared_credits)
+            + u64::from(self.shared_credits)
+    }
+
+    pub(super) fn check(&self, endpoint: &Endpoint) -> Result<()> {
+        self.conn.check()?;
+        let bad = |what: String| Err(Error::Config(what));
+        if self.min_credits == 0 || self.min_credits > self.max_credits {
+            return bad("min_credits must be between 1 and max_credits".into());
+        }
+        if self.max_credits > u32::from(u16::MAX) {
+            return bad("max_credits must be at most 65535".into());
+        }
+        if self.max_connections == 0 || self.max_connections > MAX_SLOTS {
+            return bad(format!("max_connections must be between 1 and {MAX_SLOTS}"));
+        }
+        if self.max_shared_credits < self.shared_credits {
+            return bad("max_shared_credits must be at least shared_credits".into());
+        }
+        if self.send_buffers == 0 {
+            return bad("send_buffers must be at least 1".into());
+        }
+        let dev = endpoint.context().query_device()?;
+        let need = self.srq_size();
+        if need > u64::from(dev.max_cqe) || need > u64::from(dev.max_srq_wr) {
+            return bad(format!(
+                "max_connections × (min_credits + grant_slots) + max_shared_credits + shared_credits = {need} receive \
+                 buffers exceeds the device's max_cqe ({}) or max_srq_wr ({}): lower \
+                 max_connections or min_credits",
+                dev.max_cqe, dev.max_srq_wr
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Most connection slots of a hub (keys of the epoll set keep the slot in 32 bits).
+pub(super) const MAX_SLOTS: u32 = 1 << 20;

@@ -1,0 +1,120 @@
+//! What a hub tells its user: who a connection is ([`PeerId`]), what happened
+//! ([`HubEvent`]), and what it did ([`HubStats`]).
+
+use std::fmt;
+
+use crate::error::{Error, Failure};
+use crate::pool::Received;
+use crate::read::ReadDone;
+
+/// A connection of a [`Hub`](super::Hub): small, copyable, never reused for another connection (a slot's
+/// generation changes when it is).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId {
+    pub(super) slot: u32,
+    pub(super) generation: u32,
+}
+
+impl PeerId {
+    /// The slot of this connection in the hub: below the number of slots the hub ever used, so
+    /// usable as an index into a `Vec` of per-peer state (a later connection may reuse it).
+    pub fn index(self) -> usize {
+        self.slot as usize
+    }
+}
+
+impl fmt::Debug for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PeerId({}.{})", self.slot, self.generation)
+    }
+}
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer {}.{}", self.slot, self.generation)
+    }
+}
+
+/// What happened in a [`Hub`](super::Hub).
+#[derive(Debug)]
+pub enum HubEvent {
+    /// A connection is established: accepted from the hub's listener (`accepted`), or one that
+    /// [`Hub::connect`](super::Hub::connect) started.
+    Connected {
+        /// The connection.
+        peer: PeerId,
+        /// Accepted (else connected by us).
+        accepted: bool,
+    },
+    /// A message from `peer`. Its buffer is the hub's until dropped: holding many holds back
+    /// that peer (and, past the spare buffers, others).
+    Message {
+        /// Who sent it.
+        peer: PeerId,
+        /// The bytes, in their receive buffer.
+        msg: Received,
+    },
+    /// The connection ended; everything it delivered came before this, and its id is dead.
+    Disconnected {
+        /// The connection.
+        peer: PeerId,
+        /// Why ([`Failure::PeerClosed`] after a graceful close by the peer,
+        /// [`Failure::Closed`] after [`Hub::close`](super::Hub::close)).
+        failure: Failure,
+    },
+    /// An RDMA read this hub posted for `peer` ([`Hub::post_read`](super::Hub::post_read)) finished (or was flushed
+    /// by the peer's failure: then it comes before its [`HubEvent::Disconnected`]).
+    Read {
+        /// Whose memory it read.
+        peer: PeerId,
+        /// The read.
+        read: ReadDone,
+    },
+    /// A handshake failed: a client accepted from the listener ( `peer: None`), or one that
+    /// [`Hub::connect`](super::Hub::connect) started. The hub and every other connection go on.
+    HandshakeFailed {
+        /// The connection [`Hub::connect`](super::Hub::connect) returned, if it was ours.
+        peer: Option<PeerId>,
+        /// Why.
+        error: Error,
+    },
+}
+
+/// What a hub did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HubStats {
+    /// Connections established now.
+    pub connections: usize,
+    /// Handshakes under way now.
+    pub handshakes: usize,
+    /// Connections accepted, ever.
+    pub accepted: u64,
+    /// Connections established by [`Hub::connect`](super::Hub::connect), ever.
+    pub connected: u64,
+    /// Handshakes that failed.
+    pub handshakes_failed: u64,
+    /// Clients turned away at once because `max_connections` were open.
+    pub refused: u64,
+    /// Connections that ended.
+    pub disconnected: u64,
+    /// Data messages received, all connections.
+    pub received: u64,
+    /// Data messages sent, all connections.
+    pub sent: u64,
+    /// `ibv_post_srq_recv` calls.
+    pub srq_posts: u64,
+    /// Times the receive pool grew because busy peers ran out of credits.
+    pub pool_growths: u64,
+    /// Receive buffers registered (the SRQ's pool).
+    pub recv_buffers: usize,
+    /// Bytes registered for receive and send buffers.
+    pub registered_bytes: u64,
+    /// Posted receive buffers backing no connection.
+    pub spare_buffers: u32,
+    /// Messages the transport solicited although the sender did not ask (they spent a
+    /// peer's last credit, or returned credits to a peer that may be blocked), all
+    /// connections, past and present.
+    pub forced_solicited: u64,
+    /// Times a send waited for a credit, all connections, past and present.
+    pub credit_waits: u64,
+}

@@ -1,0 +1,672 @@
+//! Many connections served by one thread: a slab of protocol [`Core`]s over one completion
+//! channel, one receive and one send CQ, one shared receive queue, one pool of send buffers and
+//! one epoll set. The hub is their driver: it polls, posts, waits and moves bytes; every rule
+//! of a connection is its core's, and every rule of the shared buffers is [`Share`]'s.
+//!
+//! # Data path
+//!
+//! Every connection's queue pair receives through the hub's shared receive queue (SRQ) and
+//! completes on the hub's two CQs, both on one completion channel; the receive CQ is armed
+//! solicited-only, so one thread sleeps in `epoll_wait` until a solicited message from *any*
+//! peer (or an error, a client, a bootstrap stream, a returned buffer) wakes it, and then
+//! drains everything that arrived from every peer in one pass. A completion names its queue
+//! pair; the hub maps that number to the connection and hands the completion to that
+//! connection's core (the same rules a single [`Connection`](crate::Connection) runs).
+//!
+//! # Credits over a shared receive queue
+//!
+//! Each connection still has its own credits, but the buffers behind them are shared: the
+//! hub's [`Share`] hands every buffer posted to the SRQ to a connection (a missing grant slot
+//! first, then one below its minimum, then a busy one below its quota) or keeps it spare.
+//! Every credit a peer holds and every grant slot it may use is backed by a posted buffer, so
+//! no peer meets receiver-not-ready; an idle connection keeps `min_credits` and its grant
+//! slots, a busy one grows towards `max_credits` from the spare buffers.
+//!
+//! # Failure isolation
+//!
+//! A connection that fails (its peer vanished, lied about credits, or its queue pair broke)
+//! is failed alone: its bootstrap stream is shut, its queue pair moved to error and, once its
+//! sends are flushed back, destroyed; the CQs are polled once more so that everything that
+//! arrived from it is delivered, and only then is its share of the buffers released and
+//! [`HubEvent::Disconnected`] reported. The others carry on.
+//!
+//! # Files
+//!
+//! `slots` (the connection table), `accept` (listener, handshakes, bootstrap streams),
+//! `completions` (polled completions to cores, the cores' actions), `buffers` (receive pool,
+//! admission, grants, posting sends), `wait` (the channel, sleeping, what follows a wake-up),
+//! `retire` (deadlines, failures, draining and releasing connections).
+
+mod accept;
+mod buffers;
+mod completions;
+mod config;
+mod events;
+mod retire;
+mod slots;
+mod wait;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdmsg_notify::{ArmMode, CqKey, Waiter};
+use rdmsg_verbs::{
+    Access, Buffer, CompletionChannel, CompletionQueue, Exposed, ReadSegment, ReadyWatch,
+    SharedReceiveQueue, WorkCompletion,
+};
+
+pub use config::HubConfig;
+pub use events::{HubEvent, HubStats, PeerId};
+
+use crate::core::{earliest, ConnStats};
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Failure, Result};
+use crate::events::Mailbox;
+use crate::handshake::{Handshake, Hello};
+use crate::pool::{PoolStats, RecvPool, Waker};
+use crate::read::ReadPost;
+use crate::send::{self, Payload, SendBuffers};
+use crate::setup::nonce;
+use crate::share::{Share, ShareConfig};
+use crate::stream::bootstrap_err;
+use crate::token::Token;
+use slots::{Phase, Slot};
+use wait::HubChannel;
+
+/// Many RC connections driven by one thread: one completion channel, one receive and one
+/// send CQ, one shared receive queue and one pool of send buffers for all of them. One
+/// solicited message from any peer wakes the thread, which then takes everything every peer
+/// sent.
+///
+/// Each connection keeps its own credits, backed by buffers of the shared pool: an idle one
+/// keeps `min_credits` and its grant slots, a busy one grows towards `max_credits`, and no
+/// peer ever meets receiver-not-ready. A connection that fails (its peer vanished, broke the
+/// credit protocol, or its queue pair broke) fails alone: everything it delivered comes
+/// first, then [`HubEvent::Disconnected`]; the others carry on.
+///
+/// Everything goes through it: [`Hub::listen`] and [`Hub::connect`] start handshakes (none
+/// blocks the others: a silent or hostile client holds a socket and a slot, never the hub),
+/// [`Hub::next_event`] sleeps until something happens and returns it (a connection, a message,
+/// a disconnection), [`Hub::send`] sends to one peer. [`Hub::step`] is the non-blocking
+/// step, and the hub is [`AsFd`], for an application's own event loop.
+pub struct Hub {
+    endpoint: Endpoint,
+    config: HubConfig,
+    waiter: Waiter<CompletionQueue, HubChannel>,
+    recv_key: CqKey,
+    send_key: CqKey,
+    srq: SharedReceiveQueue,
+    pool: RecvPool,
+    share: Share,
+    send: SendBuffers,
+    send_bytes: u64,
+    /// Sends posted and not yet retired, all queue pairs: bounded by the send CQ's size.
+    sends_outstanding: usize,
+    send_cq_entries: usize,
+    slots: Vec<Option<Slot>>,
+    free_slots: Vec<usize>,
+    next_generation: u32,
+    by_qpn: HashMap<u32, usize>,
+    listener: Option<TcpListener>,
+    events: VecDeque<HubEvent>,
+    completions: Vec<(CqKey, WorkCompletion)>,
+    /// Slots whose credits changed this round: grants may be due.
+    touched: Vec<usize>,
+    /// Slots whose queue pair is in the error state, waiting to be retired.
+    draining: Vec<usize>,
+    /// Slots whose queue pair was destroyed, released after the next poll.
+    retired: Vec<usize>,
+    /// Slots with a deadline: a handshake, or one of their core's.
+    timed: Vec<usize>,
+    mailbox: Arc<Mailbox>,
+    last_tick: Instant,
+    /// A failure of the whole hub (its queues or channel): every later call reports it.
+    fatal: Option<Failure>,
+    stats: HubStats,
+    /// The last [`Hub::step`] marked the pool asleep for an external wait.
+    stepped_asleep: bool,
+    /// A bounded send found no credit or send slot, and none has gone since: [`Hub::step`]
+    /// arms both queues for any completion, so that an event loop hears of the grant (one
+    /// sent before the peer saw us exhausted is not solicited).
+    send_blocked: bool,
+}
+
+impl fmt::Debug for Hub {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Hub")
+            .field("endpoint", &self.endpoint)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AsFd for Hub {
+    /// The hub's epoll set: readable whenever the hub has something to do. Call
+    /// [`Hub::step`] (then [`Hub::try_event`]) when it is; the hub also has timers (handshake
+    /// deadlines, the health check), so step at least every [`Hub::next_timeout`].
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.waiter.channel().watch.as_fd()
+    }
+}
+
+/// Route key of the hub's own queues in the device's event router (no queue pair has this
+/// number: they are 24 bits).
+const HUB_ROUTE: u32 = u32::MAX;
+
+impl Hub {
+    /// A hub on `endpoint`'s device and port.
+    pub fn new(endpoint: &Endpoint, config: HubConfig) -> Result<Self> {
+        config.check(endpoint)?;
+        let ctx = endpoint.context();
+        let pd = endpoint.pd();
+        let srq_size = config.srq_size() as u32;
+        let channel = CompletionChannel::new(ctx)?;
+        channel.set_nonblocking(true)?;
+        let dev = ctx.query_device()?;
+        let send_cq_entries = (4 * config.send_buffers).max(1024).min(dev.max_cqe.max(1));
+        let recv_cq = CompletionQueue::new(ctx, srq_size, Some(&channel))?;
+        let send_cq = CompletionQueue::new(ctx, send_cq_entries, Some(&channel))?;
+        let srq = SharedReceiveQueue::new(pd, srq_size)?;
+        let buf_size = config.conn.buf_size as usize;
+        let pool = RecvPool::new(pd, config.shared_credits.max(1) as usize, buf_size)?;
+        let send_bufs = pd
+            .register(config.send_buffers as usize * buf_size, Access::LOCAL_WRITE)?
+            .chunks(buf_size)?;
+        let watch = ReadyWatch::new()?;
+        watch.add_keyed(channel.as_fd(), Token::Channel.key())?;
+        let wake = pool.wake_handle().map_err(Error::WakePipe)?;
+        watch.add_keyed(wake.as_fd(), Token::Wake.key())?;
+        // Shared with any connection of the device asleep on it: one of the sleepers is woken
+        // and routes every event to its owner (see the `events` module).
+        watch.add_keyed_exclusive(ctx.async_fd(), Token::Async.key())?;
+        let mut waiter = Waiter::new(HubChannel::new(channel, watch, wake), config.conn.policy);
+        let recv_key = waiter.add(recv_cq, config.conn.recv_arm);
+        let send_key = waiter.add(send_cq, ArmMode::SolicitedOnly);
+        let mailbox = Mailbox::new(Some(pool.waker().map_err(Error::WakePipe)?));
+        // Events of the hub's CQs and SRQ; each queue pair registers itself too.
+        endpoint.register_async(
+            HUB_ROUTE,
+            vec![
+                waiter.cq(recv_key)?.as_raw() as usize,
+                waiter.cq(send_key)?.as_raw() as usize,
+            ],
+            &mailbox,
+        );
+        let share = Share::new(ShareConfig {
+            min_credits: config.min_credits,
+            max_credits: config.max_credits,
+            grant_slots: config.conn.grant_slots,
+        })
+        .map_err(|e| Error::Config(e.to_string()))?;
+        let mut hub = Self {
+            endpoint: endpoint.clone(),
+            send_bytes: send_bufs.len() as u64 * buf_size as u64,
+            send: SendBuffers::new(send_bufs, config.conn.max_inline as usize),
+            config,
+            waiter,
+            recv_key,
+            send_key,
+            srq,
+            pool,
+            share,
+            sends_outstanding: 0,
+            send_cq_entries: send_cq_entries as usize,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            next_generation: 1,
+            by_qpn: HashMap::new(),
+            listener: None,
+            events: VecDeque::new(),
+            completions: Vec::new(),
+            touched: Vec::new(),
+            draining: Vec::new(),
+            retired: Vec::new(),
+            timed: Vec::new(),
+            mailbox,
+            last_tick: Instant::now(),
+            fatal: None,
+            stats: HubStats::default(),
+            stepped_asleep: false,
+            send_blocked: false,
+        };
+        hub.repost()?;
+        Ok(hub)
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The hub's configuration.
+    pub fn config(&self) -> &HubConfig {
+        &self.config
+    }
+
+    /// Listens for clients at `addr` (`"0.0.0.0:0"` picks a port); returns the address bound.
+    /// Their handshakes run inside the hub; each established one is a
+    /// [`HubEvent::Connected`] with `accepted: true`.
+    pub fn listen(&mut self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<SocketAddr> {
+        let tcp = TcpListener::bind(&addr).map_err(|source| Error::Listen {
+            addr: format!("{addr:?}"),
+            source,
+        })?;
+        tcp.set_nonblocking(true)
+            .map_err(bootstrap_err("making the listener non-blocking"))?;
+        let local = tcp
+            .local_addr()
+            .map_err(bootstrap_err("reading the listening address"))?;
+        if let Some(old) = self.listener.take() {
+            let _ = self.watch().remove(old.as_fd());
+        }
+        self.watch().add_keyed(tcp.as_fd(), Token::Listen.key())?;
+        self.listener = Some(tcp);
+        Ok(local)
+    }
+
+    /// Starts a connection to a [`Listener`](crate::Listener) or another hub at `addr`: the
+    /// TCP connection is made here (within `handshake_timeout`), the handshake runs inside
+    /// the hub. The connection is usable once [`HubEvent::Connected`] names it (sending to it
+    /// before waits for that); if the handshake fails, [`HubEvent::HandshakeFailed`] does.
+    ///
+    /// At most a quarter of `max_pending_handshakes` of ours run at once: a server evicts the
+    /// oldest of its pending handshakes beyond its own bound (32 by default), and counts ours
+    /// pending until it has read our last byte, a little after we are done. Beyond that, this
+    /// drives the hub until one finishes.
+    pub fn connect(&mut self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<PeerId> {
+        self.check_fatal()?;
+        let timeout = self.config.conn.handshake_timeout;
+        let most = (self.config.conn.max_pending_handshakes as usize / 4).max(1);
+        while self.outgoing_handshakes() >= most {
+            self.wait_for_progress(Some(timeout), false)?;
+        }
+        let connect_err = |source| Error::Connect {
+            addr: format!("{addr:?}"),
+            source,
+        };
+        let resolved = addr
+            .to_socket_addrs()
+            .map_err(connect_err)?
+            .next()
+            .ok_or_else(|| connect_err(io::ErrorKind::NotFound.into()))?;
+        let stream = TcpStream::connect_timeout(&resolved, timeout).map_err(connect_err)?;
+        self.connect_stream(stream)
+    }
+
+    /// Starts a connection over a TCP stream already connected to a hub or listener (made by
+    /// an async runtime, say): never blocks. Unlike [`Hub::connect`] it does not wait while a
+    /// quarter of `max_pending_handshakes` of our own handshakes are in flight; pace by
+    /// [`Hub::pending_connects`].
+    pub fn connect_stream(&mut self, stream: TcpStream) -> Result<PeerId> {
+        self.check_fatal()?;
+        stream
+            .set_nonblocking(true)
+            .map_err(bootstrap_err("making the stream non-blocking"))?;
+        let slot = self.new_slot(false)?;
+        let conn = self.config.conn.clone();
+        let made = self.create_side(slot).and_then(|side| {
+            let ours = self.hello(Some(self.endpoint.address_of(&side.qp, side.psn)));
+            let hs = Handshake::client(ours, conn.limits(), conn.psk.clone(), nonce()?);
+            crate::bootstrap::Pending::new(stream, hs, Some(side), &conn)
+        });
+        let pending = match made {
+            Ok(p) => p,
+            Err(e) => {
+                self.abandon(slot);
+                return Err(e);
+            }
+        };
+        self.start_handshake(slot, pending)?;
+        let id = self.slot(slot).id(slot);
+        // The client speaks first: its hello is written at once.
+        self.advance_handshake(slot);
+        Ok(id)
+    }
+
+    /// Handshakes started by [`Hub::connect`] or [`Hub::connect_stream`] and not finished.
+    pub fn pending_connects(&self) -> usize {
+        self.outgoing_handshakes()
+    }
+
+    /// The next event, waiting at most `timeout` (`None`: as long as it takes); `Ok(None)` if
+    /// nothing happened in time. An error is the hub's own (its queues or channel failed):
+    /// every connection has been failed with it.
+    pub fn next_event(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        loop {
+            if let Some(ev) = self.events.pop_front() {
+                return Ok(Some(ev));
+            }
+            self.check_fatal()?;
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) {
+                return Ok(None);
+            }
+            self.wait_for_progress(left, false)?;
+        }
+    }
+
+    /// An event already queued, after one non-blocking [`Hub::step`].
+    pub fn try_event(&mut self) -> Result<Option<HubEvent>> {
+        if self.events.is_empty() {
+            self.check_fatal()?;
+            self.step()?;
+        }
+        Ok(self.events.pop_front())
+    }
+
+    /// The non-blocking step, for event loops: reads the completion channel, polls both CQs,
+    /// accepts clients, moves handshakes on, looks at every readable bootstrap stream and the
+    /// device's asynchronous events, fires the deadlines that passed, re-posts returned
+    /// buffers and sends due grants. Events it produces are queued for [`Hub::try_event`];
+    /// returns how many are queued.
+    pub fn step(&mut self) -> Result<usize> {
+        self.check_fatal()?;
+        self.nobody_waits();
+        self.arm(self.send_blocked)?;
+        let mut got = std::mem::take(&mut self.completions);
+        let polled = self.waiter.step(&mut |key, wc| got.push((key, wc.clone())));
+        self.completions = got;
+        self.handle_completions();
+        if let Err(e) = polled {
+            return Err(self.hub_failure(e.into()));
+        }
+        self.after_wake(true)?;
+        // From here a dropped handle makes the descriptor readable (its buffer must be
+        // re-posted and its credit returned), unless one came back meanwhile: re-post first.
+        let mut asleep = self.pool.going_to_sleep();
+        if !asleep {
+            self.after_wake(false)?;
+            asleep = self.pool.going_to_sleep();
+        }
+        self.stepped_asleep = asleep;
+        Ok(self.events.len())
+    }
+
+    /// Tells the hub that nobody waits on its descriptor any more: see
+    /// [`crate::Connection::nobody_waits`].
+    pub fn nobody_waits(&mut self) {
+        if std::mem::take(&mut self.stepped_asleep) {
+            self.pool.awake(false);
+        }
+    }
+
+    /// Longest an event loop may wait on [`AsFd`] before calling [`Hub::step`]: the nearest
+    /// deadline (a handshake's, a close's, a peer's after its goodbye), or the health check.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let nearest = self
+            .timed
+            .iter()
+            .filter_map(|&s| self.deadline_of(s))
+            .min()
+            .map(|d| d.saturating_duration_since(now));
+        earliest(nearest, self.config.conn.health_check)
+    }
+
+    /// Sends `data` to `peer`, solicited (waking a receiver asleep solicited-only) or not.
+    /// Waits while the peer has no credit for us (or no send slot is free), driving the hub
+    /// meanwhile: whatever happens to others is queued as events.
+    pub fn send(&mut self, peer: PeerId, data: &[u8], solicited: bool) -> Result<()> {
+        self.send_timeout(peer, data, solicited, None).map(|_| ())
+    }
+
+    /// Sends `data` if it can go now; `Ok(false)` if `peer` has no credit or no send slot is
+    /// free (nothing sent).
+    pub fn try_send(&mut self, peer: PeerId, data: &[u8], solicited: bool) -> Result<bool> {
+        self.send_timeout(peer, data, solicited, Some(Duration::ZERO))
+    }
+
+    /// Sends `data`, waiting at most `timeout` (`None`: as long as it takes) for `peer`'s
+    /// credit and a send slot; `Ok(false)` if none came in time (nothing sent).
+    pub fn send_timeout(
+        &mut self,
+        peer: PeerId,
+        data: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        let fill = send::copy_of(data, self.max_message(peer)?)?;
+        send::in_time(self.send_with(peer, solicited, timeout, fill))
+    }
+
+    /// Sends a message that `fill` writes straight into a registered send buffer of
+    /// [`Hub::max_message`] bytes, returning its length (`None`: nothing is sent, no credit
+    /// spent, `Ok(false)`). Waits at most `timeout` (`None`: as long as it takes) for a credit
+    /// and a send slot ([`Error::Timeout`]).
+    pub fn send_with(
+        &mut self,
+        peer: PeerId,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<bool> {
+        let slot = self.live_slot(peer)?;
+        self.wait_to_send(slot, peer, timeout)?;
+        let link = self.slot(slot).link().expect("wait_to_send ensured a link");
+        let (max, max_inline) = (link.max_message, link.max_inline);
+        let Some(payload) = self.send.fill(max, max_inline, fill)? else {
+            return Ok(false);
+        };
+        if matches!(payload, Payload::Inline(_)) {
+            self.slot_mut(slot).core.sent_inline();
+        }
+        let room = self.room(slot);
+        let post = self
+            .slot_mut(slot)
+            .core
+            .data(solicited, room)
+            .expect("wait_to_send ensured a credit");
+        self.stats.sent += 1;
+        self.post(slot, payload, post)?;
+        Ok(true)
+    }
+
+    /// A handle that makes the hub's descriptor readable (and ends its blocking waits) from
+    /// any thread.
+    pub fn waker(&self) -> Result<Waker> {
+        Ok(Waker::new(self.pool.waker().map_err(Error::WakePipe)?))
+    }
+
+    /// Exposes `bytes` to RDMA reads by peers under a key of their own (see
+    /// [`Endpoint::expose`]); a rendezvous sender tells only the peer it sends to.
+    pub fn expose(&self, bytes: rdmsg_verbs::Bytes) -> Result<Exposed> {
+        self.endpoint.expose(bytes)
+    }
+
+    /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).
+    pub fn register(&self, len: usize) -> Result<Buffer> {
+        self.endpoint.register(len)
+    }
+
+    /// Posts RDMA reads of `peer`'s memory into `into` (see
+    /// [`crate::Connection::post_read`]); [`ReadPost::Busy`] if its send queue (or the
+    /// hub's send completion queue) has no room for them now. The end of the read is a
+    /// [`HubEvent::Read`]. A bad key or address fails that peer alone.
+    pub fn post_read(
+        &mut self,
+        peer: PeerId,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> Result<ReadPost> {
+        let slot = self.live_slot(peer)?;
+        let need = segments.len();
+        if let Some(depth) = self.slot(slot).link().map(|l| l.sq_depth) {
+            self.slot(slot).core.read_fits(need, depth)?;
+        }
+        let room = |hub: &Self| {
+            let r = hub.room(slot);
+            hub.slot(slot).link().is_some() && r.sq >= need && r.cq >= need
+        };
+        if !room(self) {
+            self.step()?;
+            self.live_slot(peer)?;
+            if !room(self) {
+                return Ok(ReadPost::Busy(into));
+            }
+        }
+        let s = self.slots[slot].as_mut().expect("a live slot");
+        let Phase::Linked(link) = &mut s.phase else {
+            return Ok(ReadPost::Busy(into));
+        };
+        match link.qp.post_read(into, segments) {
+            Ok(id) => {
+                s.core.posted(id, true);
+                self.sends_outstanding += need;
+                Ok(ReadPost::Posted(id))
+            }
+            Err(e)
+                if e.posted == 0 && matches!(e.error, rdmsg_verbs::Error::InvalidArgument(_)) =>
+            {
+                Err(e.error.into())
+            }
+            Err(e) => {
+                self.sends_outstanding += e.posted;
+                Err(self.local_failure(slot, "posting a read (ibv_post_send)", e.error.into()))
+            }
+        }
+    }
+
+    /// Closes `peer` gracefully and waits until it is closed: see [`Hub::start_close`]. Waits
+    /// (driving the hub) until the close message is delivered, at most `close_timeout`
+    /// ([`Error::Timeout`]).
+    pub fn close(&mut self, peer: PeerId) -> Result<()> {
+        self.start_close(peer)?;
+        let timeout = self.config.conn.close_timeout;
+        loop {
+            // Released already: its `Disconnected` event, queued, says how it ended.
+            let Ok(slot) = self.find(peer) else {
+                return Ok(());
+            };
+            let core = &self.slot(slot).core;
+            match core.failure() {
+                Some(Failure::Closed) if core.close_timed_out() => {
+                    return Err(Error::Timeout(timeout))
+                }
+                Some(Failure::Closed) => return Ok(()),
+                Some(f) => return Err(f.into()),
+                None => {}
+            }
+            let left = core
+                .next_timeout()
+                .map(|at| at.saturating_duration_since(Instant::now()));
+            self.wait_for_progress(left, true)?;
+        }
+    }
+
+    /// Starts closing `peer` gracefully: a close message after everything sent so far (once
+    /// a credit is there: waits for one, driving the hub, at most `close_timeout`); nothing
+    /// more may be sent to it. Once the message is delivered the hub says goodbye on the
+    /// bootstrap stream and reports [`HubEvent::Disconnected`] with [`Failure::Closed`]; the
+    /// peer receives everything, then [`Failure::PeerClosed`]. If it is not delivered within
+    /// `close_timeout`, the connection is failed with [`Failure::Closed`] all the same. Keep
+    /// driving the hub until then: dropping it first fails the peer as vanished.
+    pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
+        let slot = self.live_slot(peer)?;
+        let timeout = self.config.conn.close_timeout;
+        self.wait_to_send(slot, peer, Some(timeout))?;
+        let post = self
+            .slot_mut(slot)
+            .core
+            .start_close(Instant::now())
+            .expect("wait_to_send ensured a credit");
+        self.post(slot, Payload::Empty, post)?;
+        self.timed.push(slot);
+        Ok(())
+    }
+
+    /// The largest message `peer` accepts.
+    pub fn max_message(&self, peer: PeerId) -> Result<usize> {
+        let slot = self.find(peer)?;
+        match self.slot(slot).link() {
+            Some(l) => Ok(l.max_message),
+            None => Err(Error::UnknownPeer(peer)),
+        }
+    }
+
+    /// Data messages `peer` may be sent right now without waiting.
+    pub fn credits(&self, peer: PeerId) -> Result<u32> {
+        Ok(self.slot(self.find(peer)?).core.credits().available())
+    }
+
+    /// Why `peer` failed, if it did (until its [`HubEvent::Disconnected`] is taken).
+    pub fn failure(&self, peer: PeerId) -> Option<Failure> {
+        self.find(peer)
+            .ok()
+            .and_then(|s| self.slot(s).core.failure())
+    }
+
+    /// Statistics of one connection.
+    pub fn conn_stats(&self, peer: PeerId) -> Option<ConnStats> {
+        self.find(peer).ok().map(|s| self.slot(s).core.stats())
+    }
+
+    /// The peer's handshake.
+    pub fn peer_hello(&self, peer: PeerId) -> Option<Hello> {
+        self.find(peer)
+            .ok()
+            .and_then(|s| self.slot(s).link().map(|l| l.peer))
+    }
+
+    /// Established connections that have not failed.
+    pub fn peers(&self) -> impl Iterator<Item = PeerId> + '_ {
+        self.slots.iter().enumerate().filter_map(|(i, s)| {
+            let s = s.as_ref()?;
+            (s.announced && s.core.failure().is_none()).then(|| s.id(i))
+        })
+    }
+
+    /// Statistics of the hub.
+    pub fn stats(&self) -> HubStats {
+        let mut s = self.stats;
+        s.connections = 0;
+        s.handshakes = 0;
+        for slot in self.slots.iter().flatten() {
+            match slot.phase {
+                Phase::Handshake(_) => s.handshakes += 1,
+                Phase::Linked(_) if slot.announced => s.connections += 1,
+                _ => {}
+            }
+            let c = slot.core.stats();
+            s.forced_solicited += c.forced_solicited;
+            s.credit_waits += c.credit_waits;
+        }
+        s.recv_buffers = self.pool.stats(0).total;
+        s.registered_bytes =
+            (s.recv_buffers as u64) * u64::from(self.config.conn.buf_size) + self.send_bytes;
+        s.spare_buffers = self.share.spare();
+        s
+    }
+
+    /// Counts of the shared receive pool's buffers.
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats(self.srq.recv_outstanding())
+    }
+
+    /// Wake-up statistics of the hub's waits.
+    pub fn wait_stats(&self) -> rdmsg_notify::Stats {
+        self.waiter.stats()
+    }
+
+    /// The credits the hub lets `peer` hold at most now (its quota in the shared pool).
+    pub fn quota(&self, peer: PeerId) -> Option<u32> {
+        self.find(peer).ok().and_then(|s| self.share.quota(s))
+    }
+
+    fn watch(&self) -> &ReadyWatch {
+        &self.waiter.channel().watch
+    }
+
+    fn check_fatal(&self) -> Result<()> {
+        match self.fatal {
+            Some(f) => Err(f.into()),
+            None => Ok(()),
+        }
+    }
+}

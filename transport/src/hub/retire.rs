@@ -1,0 +1,182 @@
+//! Deadlines, failures, and the end of a connection: drained, destroyed, polled once more,
+//! then released with its [`HubEvent::Disconnected`].
+
+use std::time::Instant;
+
+use rdmsg_verbs::AsyncElement;
+
+use super::slots::Phase;
+use super::{Hub, HubEvent};
+use crate::error::{errno_of, Error, Failure, Result};
+use crate::events;
+
+impl Hub {
+    /// The deadline of `slot`: its handshake's, or its core's.
+    pub(super) fn deadline_of(&self, slot: usize) -> Option<Instant> {
+        let s = self.slots.get(slot)?.as_ref()?;
+        match &s.phase {
+            Phase::Handshake(p) => Some(p.deadline),
+            Phase::Linked(_) => s.core.next_timeout(),
+            Phase::Retired => None,
+        }
+    }
+
+    /// Handshakes past their deadline fail; the cores of the others are told the time.
+    pub(super) fn fire_deadlines(&mut self, now: Instant) {
+        if self.timed.is_empty() {
+            return;
+        }
+        let mut timed = std::mem::take(&mut self.timed);
+        timed.sort_unstable();
+        timed.dedup();
+        timed.retain(|&slot| {
+            let Some(deadline) = self.deadline_of(slot) else {
+                return false;
+            };
+            if deadline > now {
+                return true;
+            }
+            let s = self.slot_mut(slot);
+            if let Phase::Handshake(p) = &s.phase {
+                let e = p.timed_out();
+                self.handshake_failed(slot, e);
+                return false;
+            }
+            s.core.handle_timeout(now);
+            self.do_actions(slot);
+            // Another deadline of its core may still be ahead.
+            self.deadline_of(slot).is_some()
+        });
+        timed.append(&mut self.timed);
+        self.timed = timed;
+    }
+
+    /// Fails one connection (the first failure is kept).
+    pub(super) fn fail(&mut self, slot: usize, f: Failure) {
+        self.slot_mut(slot).core.handle_failure(f);
+        self.do_actions(slot);
+    }
+
+    /// Destroys the queue pairs of failed connections once their sends came back (or the
+    /// drain deadline passed), taking back every send buffer; the next poll of the CQs sees
+    /// anything of theirs still queued, after which they are released.
+    pub(super) fn retire_drained(&mut self) -> Result<()> {
+        // Queue pairs destroyed since the last poll (a failed handshake's) are released after
+        // the poll below, like those retired here.
+        let mut destroyed = !self.retired.is_empty();
+        if self.draining.is_empty() && !destroyed {
+            return Ok(());
+        }
+        let mut draining = std::mem::take(&mut self.draining);
+        draining.retain(|&slot| {
+            let s = self.slots[slot].as_mut().expect("a draining slot");
+            let Some(link) = s.link_mut() else {
+                return false;
+            };
+            let outstanding = link.qp.send_outstanding();
+            s.core.handle_flushed(outstanding);
+            if !s.core.is_drained() {
+                return true;
+            }
+            let Phase::Linked(link) = std::mem::replace(&mut s.phase, Phase::Retired) else {
+                unreachable!()
+            };
+            // Destroyed or not (a failed destruction leaks them with the queue pair), its
+            // sends no longer count.
+            self.sends_outstanding -= outstanding;
+            if let Ok(bufs) = link.qp.destroy() {
+                self.send.free.extend(bufs);
+            }
+            destroyed = true;
+            self.retired.push(slot);
+            false
+        });
+        self.draining = draining;
+        if destroyed {
+            // Whatever of theirs was still queued is handled now, before they are released.
+            let mut got = std::mem::take(&mut self.completions);
+            let polled = self
+                .waiter
+                .poll_all(&mut |key, wc| got.push((key, wc.clone())));
+            self.completions = got;
+            self.handle_completions();
+            if let Err(e) = polled {
+                return Err(self.hub_failure(e.into()));
+            }
+            for slot in std::mem::take(&mut self.retired) {
+                self.release(slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// A retired connection: its share of the buffers goes back, it is reported gone, its slot
+    /// is free.
+    fn release(&mut self, slot: usize) {
+        let Some(s) = self.slots[slot].as_mut() else {
+            return;
+        };
+        if let Some(qpn) = s.qpn {
+            self.by_qpn.remove(&qpn);
+        }
+        let announced = s.announced;
+        let peer = s.id(slot);
+        let c = s.core.stats();
+        self.stats.forced_solicited += c.forced_solicited;
+        self.stats.credit_waits += c.credit_waits;
+        let failure = s.core.failure().unwrap_or(Failure::QpError);
+        self.unadmit(slot);
+        if announced {
+            self.stats.disconnected += 1;
+            self.events
+                .push_back(HubEvent::Disconnected { peer, failure });
+        }
+        self.slots[slot] = None;
+        self.free_slots.push(slot);
+    }
+
+    /// Routes the device's asynchronous events; those of our queue pairs fail them, those of
+    /// the hub's queues (or the device, or the port) fail everything.
+    pub(super) fn async_events(&mut self) {
+        if let Err(e) = self.endpoint.route_async_events() {
+            let _ = self.hub_failure(e);
+            return;
+        }
+        for ev in self.mailbox.take() {
+            if !events::is_fatal(ev.kind) {
+                continue;
+            }
+            let f = Failure::AsyncEvent(ev.kind);
+            match ev.element {
+                AsyncElement::Qp(n) => {
+                    if let Some(&slot) = self.by_qpn.get(&n) {
+                        self.fail(slot, f);
+                    }
+                }
+                _ => {
+                    let _ = self.hub_failure(Error::Connection(f));
+                }
+            }
+        }
+    }
+
+    /// A failure of the hub's own queues or channel: every connection fails with it.
+    pub(super) fn hub_failure(&mut self, e: Error) -> Error {
+        let f = match &e {
+            Error::Connection(f) => *f,
+            other => Failure::Local {
+                op: "driving the hub's queues",
+                errno: errno_of(other),
+            },
+        };
+        if self.fatal.is_none() {
+            self.fatal = Some(f);
+            for slot in 0..self.slots.len() {
+                if self.slots[slot].is_some() {
+                    self.fail(slot, f);
+                }
+            }
+        }
+        e
+    }
+}

@@ -1,0 +1,243 @@
+//! The hub's connection table: a slot per connection, holding its protocol core and the I/O
+//! resources of its phase (the handshake's, or the link's), addressed by [`PeerId`].
+
+use std::net::TcpStream;
+
+use rdmsg_verbs::QueuePair;
+
+use super::{Hub, PeerId};
+use crate::addr::QpAddress;
+use crate::bootstrap::Pending;
+use crate::config::Config;
+use crate::core::Core;
+use crate::credits::Credits;
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result};
+use crate::handshake::Hello;
+use crate::pool::Received;
+use crate::setup::{our_hello, LocalSide};
+use crate::share::CreditHolder;
+
+/// A hub connection's local side while its handshake runs: the queue pair (on the hub's
+/// queues) and, once the peer's hello is known, the peer.
+#[derive(Debug)]
+pub(super) struct HubSide {
+    pub(super) qp: QueuePair,
+    pub(super) psn: u32,
+    pub(super) peer: Option<Hello>,
+}
+
+impl LocalSide for HubSide {
+    fn connect(
+        &mut self,
+        endpoint: &Endpoint,
+        config: &Config,
+        peer: &Hello,
+        _send_buffers: u32,
+    ) -> Result<QpAddress> {
+        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
+        self.peer = Some(*peer);
+        Ok(endpoint.address_of(&self.qp, self.psn))
+    }
+}
+
+/// The I/O side of an established connection (or one whose queue pair is connected and whose
+/// handshake is finishing): its deadlines and state are its core's.
+#[derive(Debug)]
+pub(super) struct Link {
+    pub(super) qp: QueuePair,
+    pub(super) stream: TcpStream,
+    pub(super) peer: Hello,
+    pub(super) max_message: usize,
+    pub(super) max_inline: usize,
+    pub(super) sq_depth: usize,
+    /// The stream is in the epoll set.
+    pub(super) watched: bool,
+}
+
+/// The I/O resources a slot holds.
+#[derive(Debug)]
+pub(super) enum Phase {
+    /// Handshake under way (its local side inside, once created).
+    Handshake(Box<Pending<HubSide>>),
+    /// Queue pair connected.
+    Linked(Box<Link>),
+    /// Queue pair destroyed; released once the CQs have been polled after that.
+    Retired,
+}
+
+/// One slot of the hub's connection table.
+#[derive(Debug)]
+pub(super) struct Slot {
+    pub(super) generation: u32,
+    pub(super) accepted: bool,
+    /// The hub reported it [`super::HubEvent::Connected`].
+    pub(super) announced: bool,
+    /// Holds buffers of the shared pool ([`crate::share::Share::admit`]).
+    pub(super) admitted: bool,
+    pub(super) core: Core,
+    pub(super) phase: Phase,
+    /// Messages that arrived before the handshake finished, delivered after `Connected`.
+    pub(super) early: Vec<Received>,
+    /// In `Hub::touched` this round.
+    pub(super) touched: bool,
+    /// Its queue pair's number, once it has one (kept until released).
+    pub(super) qpn: Option<u32>,
+}
+
+impl CreditHolder for Slot {
+    fn credits(&self) -> &Credits {
+        self.core.credits()
+    }
+    fn credits_mut(&mut self) -> &mut Credits {
+        self.core.credits_mut()
+    }
+}
+
+impl Slot {
+    pub(super) fn id(&self, slot: usize) -> PeerId {
+        PeerId {
+            slot: slot as u32,
+            generation: self.generation,
+        }
+    }
+
+    pub(super) fn link(&self) -> Option<&Link> {
+        match &self.phase {
+            Phase::Linked(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    pub(super) fn link_mut(&mut self) -> Option<&mut Link> {
+        match &mut self.phase {
+            Phase::Linked(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    pub(super) fn qp_mut(&mut self) -> Option<&mut QueuePair> {
+        match &mut self.phase {
+            Phase::Linked(l) => Some(&mut l.qp),
+            Phase::Handshake(p) => p.setup.as_mut().map(|s| &mut s.qp),
+            Phase::Retired => None,
+        }
+    }
+
+    pub(super) fn is_handshaking(&self) -> bool {
+        matches!(self.phase, Phase::Handshake(_))
+    }
+}
+
+impl Hub {
+    pub(super) fn slot(&self, i: usize) -> &Slot {
+        self.slots[i].as_ref().expect("a live slot")
+    }
+
+    pub(super) fn slot_mut(&mut self, i: usize) -> &mut Slot {
+        self.slots[i].as_mut().expect("a live slot")
+    }
+
+    pub(super) fn find(&self, peer: PeerId) -> Result<usize> {
+        let i = peer.slot as usize;
+        match self.slots.get(i).and_then(Option::as_ref) {
+            Some(s) if s.generation == peer.generation => Ok(i),
+            _ => Err(Error::UnknownPeer(peer)),
+        }
+    }
+
+    /// The slot of a connection that may be sent to (established or finishing its
+    /// handshake), or why not (its failure, or [`crate::Failure::Closed`] once closing).
+    pub(super) fn live_slot(&self, peer: PeerId) -> Result<usize> {
+        self.check_fatal()?;
+        let i = self.find(peer)?;
+        self.slot(i).core.check_send()?;
+        Ok(i)
+    }
+
+    /// Handshakes started by [`Hub::connect`] and not finished.
+    pub(super) fn outgoing_handshakes(&self) -> usize {
+        self.slots
+            .iter()
+            .flatten()
+            .filter(|s| !s.accepted && s.is_handshaking())
+            .count()
+    }
+
+    pub(super) fn new_slot(&mut self, accepted: bool) -> Result<usize> {
+        let used = self.slots.len() - self.free_slots.len();
+        if used >= self.config.max_connections as usize {
+            return Err(Error::HubFull {
+                max: self.config.max_connections,
+            });
+        }
+        let generation = self.next_generation;
+        self.next_generation = self.next_generation.wrapping_add(1).max(1);
+        let conn = &self.config.conn;
+        let slot = Slot {
+            generation,
+            accepted,
+            announced: false,
+            admitted: false,
+            core: Core::handshaking(
+                self.placeholder_credits(),
+                conn.signal_every,
+                conn.close_timeout,
+            ),
+            phase: Phase::Retired,
+            early: Vec::new(),
+            touched: false,
+            qpn: None,
+        };
+        let i = match self.free_slots.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+        };
+        self.slots[i] = Some(slot);
+        Ok(i)
+    }
+
+    /// Books of a connection whose peer is not known yet: the peer holds the minimum.
+    fn placeholder_credits(&self) -> Credits {
+        let c = &self.config;
+        Credits::shared(c.max_credits, c.conn.grant_slots, 0, 3, 0, c.min_credits)
+    }
+
+    /// The books of a connection to `peer`.
+    pub(super) fn books_for(&self, peer: &Hello) -> Credits {
+        let c = &self.config;
+        Credits::shared(
+            c.max_credits,
+            c.conn.grant_slots,
+            peer.recv_depth,
+            peer.grant_slots,
+            peer.initial_credits,
+            c.min_credits,
+        )
+    }
+
+    /// What this hub announces.
+    pub(super) fn hello(&self, addr: Option<QpAddress>) -> Hello {
+        let mut h = our_hello(&self.endpoint, &self.config.conn, addr);
+        h.recv_depth = self.config.max_credits;
+        h.initial_credits = self.config.min_credits;
+        h
+    }
+
+    /// Frees a slot that never got a queue pair to drain.
+    pub(super) fn abandon(&mut self, slot: usize) {
+        self.unadmit(slot);
+        self.slots[slot] = None;
+        self.free_slots.push(slot);
+    }
+
+    pub(super) fn touch(&mut self, slot: usize) {
+        let s = self.slots[slot].as_mut().expect("a live slot");
+        if !std::mem::replace(&mut s.touched, true) {
+            self.touched.push(slot);
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! The hub's completion channel and epoll set, sleeping on them, and what follows a wake-up.
+
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use rdmsg_notify::{ArmMode, EventChannel, EventTarget, Readiness};
+use rdmsg_verbs::{CompletionChannel, CompletionQueue, ReadyWatch};
+
+use super::Hub;
+use crate::error::Result;
+use crate::token::Token;
+
+/// The hub's completion channel, with everything else that ends its sleep, in one epoll set.
+#[derive(Debug)]
+pub(super) struct HubChannel {
+    channel: CompletionChannel,
+    pub(super) watch: ReadyWatch,
+    /// Keys other than the channel's reported by the last waits, not yet looked at.
+    ready: Vec<u64>,
+    /// Registered in `watch`: kept open here.
+    _wake: UnixStream,
+}
+
+impl HubChannel {
+    pub(super) fn new(channel: CompletionChannel, watch: ReadyWatch, wake: UnixStream) -> Self {
+        Self {
+            channel,
+            watch,
+            ready: Vec::new(),
+            _wake: wake,
+        }
+    }
+}
+
+impl EventChannel<CompletionQueue> for HubChannel {
+    fn next_event(&mut self, cqs: &[CompletionQueue]) -> rdmsg_notify::Result<Option<EventTarget>> {
+        self.channel.next_event(cqs)
+    }
+
+    fn wait_readable(&mut self, timeout: Option<Duration>) -> rdmsg_notify::Result<Readiness> {
+        let before = self.ready.len();
+        if self.watch.wait_keys(timeout, &mut self.ready)? == 0 {
+            return Ok(Readiness::TimedOut);
+        }
+        let channel_key = Token::Channel.key();
+        let mut channel = false;
+        let mut i = before;
+        while i < self.ready.len() {
+            if self.ready[i] == channel_key {
+                channel = true;
+                self.ready.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(if channel {
+            Readiness::Events
+        } else {
+            Readiness::Other
+        })
+    }
+}
+
+impl Hub {
+    /// Sleeps until something happens (at most `timeout`, and the nearest deadline), then
+    /// handles it. A `blocked` sender must hear of any grant and any send completion.
+    pub(super) fn wait_for_progress(
+        &mut self,
+        timeout: Option<Duration>,
+        blocked: bool,
+    ) -> Result<()> {
+        if !self.pool.going_to_sleep() {
+            self.after_wake(true)?;
+            return Ok(());
+        }
+        self.arm(blocked || self.send_blocked)?;
+        let limit = [self.next_timeout(), timeout].into_iter().flatten().min();
+        let mut got = std::mem::take(&mut self.completions);
+        let res = self
+            .waiter
+            .wait(limit, &mut |key, wc| got.push((key, wc.clone())));
+        self.pool.awake(!matches!(res, Ok(n) if n > 0));
+        self.completions = got;
+        self.handle_completions();
+        let n = match res {
+            Ok(n) => n,
+            Err(e) => return Err(self.hub_failure(e.into())),
+        };
+        self.after_wake(n == 0)
+    }
+
+    /// Sets how both queues are armed: for any completion while a send waits for a credit or
+    /// a send slot (`blocked`), else as configured (the send queue as [`Hub::send_arm`] says).
+    pub(super) fn arm(&mut self, blocked: bool) -> Result<()> {
+        let (recv, send) = if blocked {
+            (ArmMode::Next, ArmMode::Next)
+        } else {
+            (self.config.conn.recv_arm, self.send_arm())
+        };
+        for (key, mode) in [(self.recv_key, recv), (self.send_key, send)] {
+            if self.waiter.mode(key)? != mode {
+                self.waiter.set_mode(key, mode)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The send CQ is armed for any completion while a send is outstanding on any queue pair
+    /// (as a core arms for its signaled sends, see `Core::send_arm`): counted, not searched.
+    fn send_arm(&self) -> ArmMode {
+        if self.sends_outstanding > 0 {
+            ArmMode::Next
+        } else {
+            ArmMode::SolicitedOnly
+        }
+    }
+
+    /// Everything but completions: the descriptors that were readable, deadlines, drained
+    /// connections, returned buffers, grants.
+    pub(super) fn after_wake(&mut self, look_everywhere: bool) -> Result<()> {
+        let mut ready = std::mem::take(&mut self.waiter.channel_mut().ready);
+        if look_everywhere {
+            // A non-blocking step, or a wake-up for something else: look at what is ready now.
+            let _ = self
+                .waiter
+                .channel()
+                .watch
+                .wait_keys(Some(Duration::ZERO), &mut ready);
+        }
+        ready.sort_unstable();
+        ready.dedup();
+        // Streams before the listener: a handshake whose next bytes are here is not evicted to
+        // make room for a newcomer.
+        let mut listen = false;
+        for key in ready.drain(..) {
+            match Token::of_key(key) {
+                Some(Token::Wake) => {
+                    // A dropped handle, or an asynchronous event routed to our mailbox (the
+                    // last-WQE events of closing queue pairs on 6.12, say): drain the socket,
+                    // or an event loop waiting on the hub would find it readable for ever.
+                    self.pool.awake(true);
+                    self.async_events();
+                }
+                Some(Token::Async) => self.async_events(),
+                Some(Token::Listen) => listen = true,
+                Some(Token::Stream(slot)) => self.stream_ready(slot as usize),
+                Some(Token::Channel) | None => {}
+            }
+        }
+        if listen {
+            self.accept_all();
+        }
+        self.waiter.channel_mut().ready = ready;
+        let now = Instant::now();
+        self.fire_deadlines(now);
+        self.retire_drained()?;
+        self.grow_for_demand()?;
+        self.repost()?;
+        self.grants();
+        if now.duration_since(self.last_tick) >= Duration::from_secs(1) {
+            self.last_tick = now;
+            self.share.tick(&mut self.slots, &mut self.touched);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,98 @@
+//! The send buffers of a driver and how a message gets into one: shared by a
+//! [`Connection`](crate::Connection) and a [`Hub`](crate::Hub), which differ only in whose
+//! queue pair they post to.
+
+use rdmsg_verbs::{Buffer, SendRequest};
+
+use crate::error::{Error, Result};
+
+/// What goes out: the bytes inline (copied into the driver's scratch), in a send buffer, or
+/// nothing (a grant, a close).
+#[derive(Debug)]
+pub(crate) enum Payload {
+    /// The first `len` bytes of the scratch, copied at post time.
+    Inline(usize),
+    /// The first `len` bytes of `buf`, which the queue pair holds until its completion.
+    Buffer(Buffer, usize),
+    /// No payload.
+    Empty,
+}
+
+/// Registered send buffers, and the scratch inline messages are copied through.
+#[derive(Debug)]
+pub(crate) struct SendBuffers {
+    pub(crate) free: Vec<Buffer>,
+    scratch: Vec<u8>,
+}
+
+impl SendBuffers {
+    pub(crate) fn new(free: Vec<Buffer>, max_inline: usize) -> Self {
+        Self {
+            free,
+            scratch: vec![0; max_inline],
+        }
+    }
+
+    /// Lets `fill` write a message of at most `max` bytes into a free buffer: `None` (the
+    /// buffer back, nothing to send) if it returns `None`; a message up to `max_inline` bytes
+    /// (at most the scratch's size) goes inline, its buffer back at once. The caller made sure
+    /// a buffer is free.
+    pub(crate) fn fill(
+        &mut self,
+        max: usize,
+        max_inline: usize,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<Option<Payload>> {
+        let mut buf = self.free.pop().expect("a send buffer is free");
+        let len = match fill(&mut buf.as_mut_slice()[..max]) {
+            Some(len) if len <= max => len,
+            other => {
+                self.free.push(buf);
+                return match other {
+                    None => Ok(None),
+                    Some(len) => Err(Error::TooLarge { len, max }),
+                };
+            }
+        };
+        if len <= max_inline.min(self.scratch.len()) {
+            self.scratch[..len].copy_from_slice(&buf.as_slice()[..len]);
+            self.free.push(buf);
+            return Ok(Some(Payload::Inline(len)));
+        }
+        Ok(Some(Payload::Buffer(buf, len)))
+    }
+
+    /// The request for `payload` (inline bytes borrowed from the scratch).
+    pub(crate) fn request(&self, payload: Payload) -> SendRequest<'_> {
+        match payload {
+            Payload::Inline(len) => SendRequest::inline(&self.scratch[..len]),
+            Payload::Buffer(buf, len) => SendRequest::buffer(buf, len),
+            Payload::Empty => SendRequest::empty(),
+        }
+    }
+}
+
+/// The `fill` of a send that copies `data`, once `data` is known to fit `max` bytes.
+pub(crate) fn copy_of(
+    data: &[u8],
+    max: usize,
+) -> Result<impl FnOnce(&mut [u8]) -> Option<usize> + '_> {
+    if data.len() > max {
+        return Err(Error::TooLarge {
+            len: data.len(),
+            max,
+        });
+    }
+    Ok(move |buf: &mut [u8]| {
+        buf[..data.len()].copy_from_slice(data);
+        Some(data.len())
+    })
+}
+
+/// A bounded send's answer: one that timed out sent nothing (`Ok(false)`).
+pub(crate) fn in_time(sent: Result<bool>) -> Result<bool> {
+    match sent {
+        Err(Error::Timeout(_)) => Ok(false),
+        other => other,
+    }
+}

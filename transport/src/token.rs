@@ -1,0 +1,84 @@
+//! What each descriptor in a driver's epoll set is: one [`Token`] for the connection's and the
+//! hub's sets, as a bit of [`ReadyWatch::wait`](rdmsg_verbs::ReadyWatch::wait)'s mask (a
+//! connection) or as a key of `wait_keys` (a hub, with a stream per connection slot).
+
+/// A descriptor of a driver's epoll set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Token {
+    /// The completion channel: its events say which CQ fired.
+    Channel,
+    /// The wake-up socket: a received message's buffer came back while the driver slept, a
+    /// thread sharing it has news, or an asynchronous event was routed to it.
+    Wake,
+    /// The device's asynchronous-event descriptor (watched exclusively: one sleeper of the
+    /// device is woken and routes every event).
+    Async,
+    /// The hub's listening socket.
+    Listen,
+    /// A bootstrap stream: a connection's own, or that of a hub's slot.
+    Stream(u32),
+}
+
+/// Keys at and above this are streams: `STREAM | slot`.
+const STREAM: u64 = 1 << 32;
+
+impl Token {
+    /// As a key of `ReadyWatch::add_keyed`.
+    pub(crate) const fn key(self) -> u64 {
+        match self {
+            Token::Channel => 0,
+            Token::Wake => 1,
+            Token::Async => 2,
+            Token::Listen => 3,
+            Token::Stream(slot) => STREAM | slot as u64,
+        }
+    }
+
+    /// The token of a key [`Token::key`] made.
+    pub(crate) fn of_key(key: u64) -> Option<Self> {
+        Some(match key {
+            0 => Token::Channel,
+            1 => Token::Wake,
+            2 => Token::Async,
+            3 => Token::Listen,
+            k if k & STREAM != 0 => Token::Stream((k & !STREAM) as u32),
+            _ => return None,
+        })
+    }
+
+    /// As a bit index of `ReadyWatch::add` (one stream only: a connection's).
+    pub(crate) const fn bit(self) -> u8 {
+        match self {
+            Token::Channel => 0,
+            Token::Wake => 1,
+            Token::Async => 2,
+            Token::Listen => 3,
+            Token::Stream(_) => 4,
+        }
+    }
+
+    /// Whether this token's bit is set in `mask`.
+    pub(crate) const fn in_mask(self, mask: u64) -> bool {
+        mask & (1 << self.bit()) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip() {
+        for t in [
+            Token::Channel,
+            Token::Wake,
+            Token::Async,
+            Token::Listen,
+            Token::Stream(0),
+            Token::Stream(1 << 20),
+        ] {
+            assert_eq!(Token::of_key(t.key()), Some(t));
+        }
+        assert_eq!(Token::of_key(7), None);
+    }
+}
