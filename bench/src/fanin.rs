@@ -28,7 +28,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rdmsg::transport::{Config, Connection, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+use rdmsg::transport::{
+    Config, Connection, Endpoint, Failure, HubConfig, PeerId, RawHub as Hub,
+    RawHubEvent as HubEvent,
+};
 use serde::{Deserialize, Serialize};
 
 /// Who serves the connections.

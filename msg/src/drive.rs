@@ -1,7 +1,18 @@
-//! The receive loop of [`crate::Session::incoming`] and [`crate::Dispatcher::run`], over any
-//! source of results, so that it can be driven by a scripted sequence as well as by a session.
+//! The receive loops: the blocking `recv` over `recv_timeout`, and the loop of
+//! [`crate::Session::incoming`] and [`crate::Dispatcher::run`] over any source of results, so
+//! that it can be driven by a scripted sequence as well as by a session.
 
 use crate::{Envelope, Error, Result};
+
+/// Calls `recv_timeout` until it yields something: the blocking `recv` of a session, a split
+/// half or a hub, over its bounded form.
+pub(crate) fn wait_until_some<T>(mut recv_timeout: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    loop {
+        if let Some(got) = recv_timeout()? {
+            return Ok(got);
+        }
+    }
+}
 
 /// Calls `recv` until it yields a message or a fatal error ([`Error::is_fatal`]); each
 /// non-fatal error is handed to `skipped` and the loop goes on. A fatal error is returned at

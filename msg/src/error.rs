@@ -158,8 +158,13 @@ impl Error {
 fn transport_is_fatal(e: &rdmsg_transport::Error) -> bool {
     use rdmsg_transport::Error as T;
     match e {
-        // This message or this wait only: the next one may succeed.
-        T::Timeout(_) | T::TooLarge { .. } => false,
+        // This message or this wait only: the next one may succeed. A full hub or receive
+        // queue refuses this connection only.
+        T::Timeout(_)
+        | T::TooLarge { .. }
+        | T::ReadTooLarge { .. }
+        | T::HubFull { .. }
+        | T::ReceiveQueueFull { .. } => false,
         // A failed connection stays failed; a verb, a wait, the wake-up pipe or the bootstrap
         // stream that failed fails again; setup errors do not go away by retrying.
         T::Connection(_)

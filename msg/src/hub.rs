@@ -1,5 +1,5 @@
 //! Typed messages to and from many peers, served by one thread: the many-peer counterpart of
-//! [`crate::Session`] over a transport [`rdmsg_transport::Hub`].
+//! [`crate::Session`] over a transport [`rdmsg_transport::RawHub`].
 
 use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -108,7 +108,7 @@ const UNFLUSHED_RETRY: Duration = Duration::from_millis(1);
 /// [`HubEvent::Disconnected`], and sending to it gives its failure.
 #[derive(Debug)]
 pub struct Hub {
-    transport: rdmsg_transport::Hub,
+    transport: rdmsg_transport::RawHub,
     config: SessionConfig,
     /// The registered types, never fed a frame: each new peer's decoder is a copy.
     registry: Decoder,
@@ -122,7 +122,7 @@ pub struct Hub {
     retry_at: Option<Instant>,
     /// Transport events a send took in while it waited for rendezvous room: taken before
     /// the transport's next ones.
-    stash: VecDeque<rdmsg_transport::HubEvent>,
+    stash: VecDeque<rdmsg_transport::RawHubEvent>,
     /// Typed events ready to be returned, in order.
     ready: VecDeque<HubEvent>,
     /// The registered buffers rendezvous reads land in, shared by every peer.
@@ -145,13 +145,13 @@ impl Hub {
         config: HubConfig,
         session: SessionConfig,
     ) -> Result<Self> {
-        let transport = rdmsg_transport::Hub::new(endpoint, config)?;
+        let transport = rdmsg_transport::RawHub::new(endpoint, config)?;
         Ok(Self::from_transport(transport, session))
     }
 
     /// Typed messages over a transport hub. Its connections so far are taken up as they
     /// show themselves (an event, a send).
-    pub fn from_transport(transport: rdmsg_transport::Hub, config: SessionConfig) -> Self {
+    pub fn from_transport(transport: rdmsg_transport::RawHub, config: SessionConfig) -> Self {
         let pool = ReadPool::new(config.max_rendezvous_bytes);
         if let Ok(waker) = transport.waker() {
             // A read buffer given back on another thread while a descriptor waits for room
@@ -201,13 +201,13 @@ impl Hub {
     }
 
     /// The transport hub underneath.
-    pub fn transport(&self) -> &rdmsg_transport::Hub {
+    pub fn transport(&self) -> &rdmsg_transport::RawHub {
         &self.transport
     }
 
     /// The transport hub underneath, to send raw bytes or look at a connection. Events taken
     /// from it directly bypass this hub (a message is not decoded); per-peer state copes.
-    pub fn transport_mut(&mut self) -> &mut rdmsg_transport::Hub {
+    pub fn transport_mut(&mut self) -> &mut rdmsg_transport::RawHub {
         &mut self.transport
     }
 
@@ -275,7 +275,7 @@ impl Hub {
         self.with_sender(peer, |s, link| s.flush(link))
     }
 
-    /// Closes `peer` gracefully (see [`rdmsg_transport::Hub::close`]): it receives everything
+    /// Closes `peer` gracefully (see [`rdmsg_transport::RawHub::close`]): it receives everything
     /// sent so far, then [`Failure::PeerClosed`]; here [`HubEvent::Disconnected`] follows with
     /// [`Failure::Closed`].
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
@@ -286,7 +286,7 @@ impl Hub {
     }
 
     /// Starts closing `peer` gracefully without waiting (see
-    /// [`rdmsg_transport::Hub::start_close`]); its [`HubEvent::Disconnected`] follows.
+    /// [`rdmsg_transport::RawHub::start_close`]); its [`HubEvent::Disconnected`] follows.
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
         let timeout = self.transport.config().conn.close_timeout;
         match self.peers.get_mut(peer) {
@@ -335,7 +335,7 @@ impl Hub {
     }
 
     /// Starts a connection over a TCP stream already connected (see
-    /// [`rdmsg_transport::Hub::connect_stream`]): never blocks.
+    /// [`rdmsg_transport::RawHub::connect_stream`]): never blocks.
     pub fn connect_stream(&mut self, stream: std::net::TcpStream) -> Result<PeerId> {
         Ok(self.transport.connect_stream(stream)?)
     }
@@ -344,7 +344,7 @@ impl Hub {
     /// go now; whether nothing is left to send to it.
     pub fn try_flush(&mut self, peer: PeerId) -> Result<bool> {
         self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
-            s.pump(link)?;
+            s.send_committed(link)?;
             s.flush_within(link, Some(Duration::ZERO))?;
             Ok(!s.pending() && s.queued_frames() == 0)
         })
@@ -363,11 +363,7 @@ impl Hub {
     /// is flushed, as [`crate::Session::recv`] does, without waiting for any one of them
     /// (counted in [`SessionStats::wait_flushes`]).
     pub fn recv(&mut self) -> Result<HubEvent> {
-        loop {
-            if let Some(ev) = self.recv_timeout(None)? {
-                return Ok(ev);
-            }
-        }
+        crate::drive::wait_until_some(|| self.recv_timeout(None))
     }
 
     /// The next event, waiting at most `timeout` (`None`: as long as it takes); `Ok(None)` if
@@ -436,7 +432,7 @@ impl Hub {
         let _ = state.receiver.advance(&mut link);
         let frame_max = link.max_message().unwrap_or(0);
         if peer::exchange_acks(&mut state.sender, &mut state.receiver, frame_max) {
-            let _ = state.sender.pump(&mut link);
+            let _ = state.sender.send_committed(&mut link);
         }
         let list = state.sender.queued_frames() > 0 && !state.listed;
         state.listed |= list;
@@ -460,7 +456,7 @@ impl Hub {
 
     /// An event that has already happened, without waiting (for event loops over
     /// [`AsFd`]: call it until `Ok(None)` whenever the hub's descriptor is readable, and at
-    /// least every [`rdmsg_transport::Hub::next_timeout`]).
+    /// least every [`rdmsg_transport::RawHub::next_timeout`]).
     pub fn try_recv(&mut self) -> Result<Option<HubEvent>> {
         loop {
             if let Some(ev) = self.take_ready() {
@@ -481,8 +477,8 @@ impl Hub {
     /// Turns a transport event into typed ones (queued in [`Hub::ready`]), keeping per-peer
     /// state: none for a frame that completed nothing (a fragment, a nudge, a descriptor
     /// whose read is under way).
-    fn take(&mut self, raw: rdmsg_transport::HubEvent) {
-        use rdmsg_transport::HubEvent as Raw;
+    fn take(&mut self, raw: rdmsg_transport::RawHubEvent) {
+        use rdmsg_transport::RawHubEvent as Raw;
         let ev = match raw {
             Raw::Connected { peer, accepted } => {
                 self.state(peer);
@@ -637,12 +633,12 @@ impl Hub {
                 Some((state, mut link)) => {
                     let sender = &mut state.sender;
                     // A failing peer: its Disconnected event tells.
-                    let pumped = sender.pump(&mut link).unwrap_or(true);
+                    let all_sent = sender.send_committed(&mut link).unwrap_or(true);
                     let flushed = !sender.flush_due()
                         || sender
                             .flush_before_wait(&mut link, credits, Some(Duration::ZERO))
                             .unwrap_or(true);
-                    stuck |= !pumped || !flushed;
+                    stuck |= !all_sent || !flushed;
                     if let Some(d) = sender.flush_deadline() {
                         nearest = Some(nearest.map_or(d, |n| n.min(d)));
                     }
@@ -691,7 +687,7 @@ impl Hub {
 
     /// The non-blocking step for an event loop over [`AsFd`]: sends committed frames that can
     /// go, flushes peers as a wait would ([`Hub::recv`]), then steps the transport hub
-    /// ([`rdmsg_transport::Hub::step`]); take its events with [`Hub::try_recv`]. Wait at most
+    /// ([`rdmsg_transport::RawHub::step`]); take its events with [`Hub::try_recv`]. Wait at most
     /// [`Hub::next_timeout`] before the next step.
     pub fn step(&mut self) -> Result<usize> {
         let queued = self.ready.len();
@@ -706,7 +702,7 @@ impl Hub {
         Ok(self.transport.step()? + self.ready.len().saturating_sub(queued))
     }
 
-    /// See [`rdmsg_transport::Hub::nobody_waits`]: after a wait on the descriptor, when nobody else
+    /// See [`rdmsg_transport::RawHub::nobody_waits`]: after a wait on the descriptor, when nobody else
     /// waits on it.
     pub fn nobody_waits(&mut self) {
         self.transport.nobody_waits();

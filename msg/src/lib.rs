@@ -27,7 +27,7 @@
 //! # Many peers
 //!
 //! A [`Hub`] serves many connections from one thread over a transport
-//! [`rdmsg_transport::Hub`]: `send(peer, &m)` and friends per peer, and `recv()` returning
+//! [`rdmsg_transport::RawHub`]: `send(peer, &m)` and friends per peer, and `recv()` returning
 //! [`HubEvent`]s (connected, a message with its peer, a bad frame, disconnected). Each peer
 //! has what a session has (sequence, solicitation policy, decoder, statistics), by the same
 //! code; types are registered once, for all. [`Dispatcher::on_from`],

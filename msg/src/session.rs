@@ -243,11 +243,7 @@ impl Session {
     /// peer asleep solicited-only would not see it, and may be waiting for exactly that,
     /// a request sent unsolicited whose answer this receive waits for.
     pub fn recv(&mut self) -> Result<Envelope> {
-        loop {
-            if let Some(env) = self.recv_timeout(None)? {
-                return Ok(env);
-            }
-        }
+        crate::drive::wait_until_some(|| self.recv_timeout(None))
     }
 
     /// Receives the next message, waiting at most `timeout`; `Ok(None)` if none came.
@@ -317,7 +313,7 @@ impl Session {
     fn exchange_acks(&mut self) -> Result<()> {
         let frame_max = self.conn.max_message();
         if peer::exchange_acks(&mut self.sender, &mut self.receiver, frame_max) {
-            self.sender.pump(&mut self.conn)?;
+            self.sender.send_committed(&mut self.conn)?;
         }
         Ok(())
     }
@@ -382,7 +378,7 @@ impl Session {
         }
         let sent = self.sender.queued_frames() > 0 && {
             let before = self.sender.queued_frames();
-            self.sender.pump(&mut self.conn)?;
+            self.sender.send_committed(&mut self.conn)?;
             self.sender.queued_frames() != before
         };
         if self.sender.flush_due() {
@@ -431,7 +427,7 @@ impl Session {
     /// [`Session::flush`] without waiting: sends the committed frames and the flush that can
     /// go now; whether nothing is left to send (no frame queued, nothing unsolicited unflushed).
     pub fn try_flush(&mut self) -> Result<bool> {
-        self.sender.pump(&mut self.conn)?;
+        self.sender.send_committed(&mut self.conn)?;
         self.sender
             .flush_within(&mut self.conn, Some(Duration::ZERO))?;
         Ok(!self.sender.pending() && self.sender.queued_frames() == 0)

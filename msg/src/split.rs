@@ -26,7 +26,7 @@ use crate::{Message, Result, Session, SessionStats};
 const FOLLOWER_SLICE: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
-struct Shared {
+struct SharedSession {
     core: Mutex<Core>,
     /// Signalled whenever the sleeper wakes or someone moved the connection on.
     turn: Condvar,
@@ -68,7 +68,7 @@ impl Session {
         watch
             .add(fd.as_fd(), 0)
             .map_err(rdmsg_transport::Error::from)?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(SharedSession {
             core: Mutex::new(Core {
                 session: self,
                 sleeping: false,
@@ -89,7 +89,7 @@ impl Session {
     }
 }
 
-impl Shared {
+impl SharedSession {
     fn lock(&self) -> MutexGuard<'_, Core> {
         // A panic in another thread mid-step leaves the session as consistent as any failed
         // call does: carry on with it.
@@ -181,7 +181,7 @@ enum Role {
 /// session's lock.
 #[derive(Debug, Clone)]
 pub struct SendHalf {
-    shared: Arc<Shared>,
+    shared: Arc<SharedSession>,
 }
 
 impl SendHalf {
@@ -265,17 +265,13 @@ impl SendHalf {
 /// time (messages come in order).
 #[derive(Debug)]
 pub struct RecvHalf {
-    shared: Arc<Shared>,
+    shared: Arc<SharedSession>,
 }
 
 impl RecvHalf {
     /// Receives the next message, waiting as long as it takes (see [`Session::recv`]).
     pub fn recv(&mut self) -> Result<Envelope> {
-        loop {
-            if let Some(env) = self.recv_timeout(None)? {
-                return Ok(env);
-            }
-        }
+        crate::drive::wait_until_some(|| self.recv_timeout(None))
     }
 
     /// Receives the next message, waiting at most `timeout`; `Ok(None)` if none came.

@@ -42,7 +42,7 @@ const POLL_BATCH: usize = 32;
 pub struct Waiter<Q: CompletionSource, C: EventChannel<Q>> {
     channel: C,
     cqs: Vec<Q>,
-    slots: Vec<Slot>,
+    slots: Vec<Watched>,
     policy: Policy,
     ack_batch: u32,
     scratch: Vec<Q::Completion>,
@@ -50,7 +50,7 @@ pub struct Waiter<Q: CompletionSource, C: EventChannel<Q>> {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Slot {
+struct Watched {
     mode: ArmMode,
     armed: bool,
     unacked: u32,
@@ -77,7 +77,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
     /// not flag send-side error completions as solicited).
     pub fn add(&mut self, cq: Q, mode: ArmMode) -> CqKey {
         self.cqs.push(cq);
-        self.slots.push(Slot {
+        self.slots.push(Watched {
             mode,
             armed: false,
             unacked: 0,
@@ -351,7 +351,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
 }
 
 /// Acks every event a slot has counted, with one `ibv_ack_cq_events` call.
-fn ack_slot<Q: CompletionSource>(cq: &Q, slot: &mut Slot, stats: &mut Stats) {
+fn ack_slot<Q: CompletionSource>(cq: &Q, slot: &mut Watched, stats: &mut Stats) {
     cq.ack(slot.unacked);
     stats.events_acked += u64::from(slot.unacked);
     stats.ack_calls += 1;

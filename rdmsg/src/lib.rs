@@ -37,14 +37,15 @@
 //! |---|---|
 //! | typed messages, one wake-up per batch or alarm, handlers per type | the root: [`Session`], [`Message`], [`message!`], [`Dispatcher`] |
 //! | the same with many peers, served by one thread | the root: [`Hub`] with a [`HubConfig`], [`HubEvent`]s naming a [`PeerId`] |
+//! | the same on tokio: sends, receives and accepts as futures | `rdmsg::tokio` (feature `tokio`): `AsyncSession`, `AsyncListener`, `AsyncHub` |
 //! | raw bytes with credits, zero-copy receive buffers, failures typed | [`transport`]: [`transport::Connection`] |
 //! | your own event loop over completion queues: arm, wait, ack, re-arm, drain | [`notify`]: [`notify::Waiter`] |
 //! | queue pairs, memory regions and completion queues as safe RAII handles | [`verbs`] (raw bindings in `verbs::ffi`) |
 //!
 //! Each layer is also a crate of its own (`rdmsg-verbs`, `rdmsg-notify`, `rdmsg-transport`,
 //! `rdmsg-msg`, library names with underscores), so their names never collide with other
-//! crates (the file-system `notify` crate, say). Support for async runtimes will come as an
-//! optional feature of this crate; the default build stays lean.
+//! crates (the file-system `notify` crate, say). Async support is the optional `tokio` feature
+//! (crate `rdmsg-tokio`); the default build has no runtime.
 //!
 //! # Requirements
 //!

@@ -31,7 +31,7 @@ pub fn open_device() -> Context {
 /// `Send`, so a test can drive it from another thread while the receiver sleeps.
 #[allow(missing_docs)]
 #[derive(Debug)]
-pub struct Sender {
+pub struct RawSender {
     pub qp: QueuePair,
     pub send_cq: CompletionQueue,
     pub recv_cq: CompletionQueue,
@@ -39,7 +39,7 @@ pub struct Sender {
     pub bufs: Vec<Buffer>,
 }
 
-impl Sender {
+impl RawSender {
     /// Sends `data`, copied into a registered buffer.
     pub fn send(&mut self, data: &[u8], solicited: bool, imm: Option<u32>) {
         let mut buf = self.bufs.pop().expect("free send buffer");
@@ -68,7 +68,7 @@ pub struct Pair {
     pub ctx: Context,
     pub pd: ProtectionDomain,
     pub channel: CompletionChannel,
-    pub sender: Sender,
+    pub sender: RawSender,
     pub b_send_cq: CompletionQueue,
     pub b_recv_cq: CompletionQueue,
     pub b: QueuePair,
@@ -108,7 +108,7 @@ impl Pair {
             ctx,
             pd,
             channel,
-            sender: Sender {
+            sender: RawSender {
                 qp: a,
                 send_cq: a_send_cq,
                 recv_cq: a_recv_cq,
@@ -120,12 +120,12 @@ impl Pair {
         }
     }
 
-    /// Sends from the sender side (see [`Sender::send`]).
+    /// Sends from the sender side (see [`RawSender::send`]).
     pub fn send(&mut self, data: &[u8], solicited: bool, imm: Option<u32>) {
         self.sender.send(data, solicited, imm);
     }
 
-    /// Reaps send completions on the sender side (see [`Sender::reap`]).
+    /// Reaps send completions on the sender side (see [`RawSender::reap`]).
     pub fn reap_sends(&mut self, n: usize) -> Vec<WorkCompletion> {
         self.sender.reap(n)
     }

@@ -61,6 +61,25 @@
 //! posted); credits come back on every message's immediate data or in explicit grants that
 //! use reserved slots; a grant a blocked peer waits for is solicited.
 //!
+//! # Many connections on one thread: the hub
+//!
+//! A [`RawHub`] serves many connections from one thread: every queue pair receives through one
+//! shared receive queue and completes on one pair of CQs on one completion channel, so one
+//! solicited message from any peer wakes the thread, which then takes what every peer sent.
+//! Each connection keeps its own credits, backed by buffers [`share`] lends from the shared
+//! pool; one that fails fails alone ([`RawHubEvent::Disconnected`]). Handshakes run inside the
+//! hub, none blocking another. [`RawHub::step`] and [`AsFd`](std::os::fd::AsFd) serve an
+//! application's own event loop.
+//!
+//! # One protocol, two drivers
+//!
+//! The rules of a connection (credits and grants, the receive rules, which failure wins,
+//! signalling, arming, close, a peer that leaves, the drain after a failure, their deadlines)
+//! live once, in a sans-IO core that never touches verbs, a socket or the clock. A
+//! [`Connection`] drives one core on its own queues; the hub drives a slab of them on shared
+//! ones. A deterministic simulator of RC queue pairs drives the same core in `cargo test`, on
+//! a host without RDMA.
+//!
 //! # Failures
 //!
 //! A peer that closes gracefully ([`Connection::close`]) is reported as
@@ -118,7 +137,7 @@ pub use connection::Connection;
 pub use endpoint::{Endpoint, GidChoice, PathParams};
 pub use error::{Error, Failure, Result};
 pub use handshake::Psk;
-pub use hub::{Hub, HubConfig, HubEvent, HubStats, PeerId};
+pub use hub::{HubConfig, HubStats, PeerId, RawHub, RawHubEvent};
 pub use pool::{PoolStats, Received, RecvPool, Waker};
 /// The epoll set a thread sharing a connection sleeps on (see `rdmsg_msg`'s split halves).
 pub use rdmsg_verbs::ReadyWatch;

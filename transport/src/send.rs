@@ -1,9 +1,10 @@
 //! The send buffers of a driver and how a message gets into one: shared by a
-//! [`Connection`](crate::Connection) and a [`Hub`](crate::Hub), which differ only in whose
+//! [`Connection`](crate::Connection) and a [`RawHub`](crate::RawHub), which differ only in whose
 //! queue pair they post to.
 
-use rdmsg_verbs::{Buffer, SendRequest};
+use rdmsg_verbs::{Buffer, QueuePair, SendRequest};
 
+use crate::core::{Core, Post};
 use crate::error::{Error, Result};
 
 /// What goes out: the bytes inline (copied into the driver's scratch), in a send buffer, or
@@ -68,6 +69,34 @@ impl SendBuffers {
             Payload::Inline(len) => SendRequest::inline(&self.scratch[..len]),
             Payload::Buffer(buf, len) => SendRequest::buffer(buf, len),
             Payload::Empty => SendRequest::empty(),
+        }
+    }
+}
+
+/// Posts `payload` on `qp` as `post` says and tells `core`; on failure the buffers that were
+/// not posted go back to `send` and the verbs error is returned (the driver fails the
+/// connection: a credit, or a grant's slot, was taken for the message, and carrying on would
+/// leave the two sides' books apart for good).
+pub(crate) fn post(
+    qp: &mut QueuePair,
+    send: &mut SendBuffers,
+    core: &mut Core,
+    payload: Payload,
+    post: Post,
+) -> std::result::Result<(), rdmsg_verbs::Error> {
+    let req = send
+        .request(payload)
+        .imm(post.imm.encode())
+        .solicited(post.solicited)
+        .signaled(post.signaled);
+    match qp.post_send_one(req) {
+        Ok(id) => {
+            core.posted(id, post.signaled);
+            Ok(())
+        }
+        Err(e) => {
+            send.free.extend(e.unposted);
+            Err(e.error)
         }
     }
 }

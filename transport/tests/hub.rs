@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdmsg_testkit::{fd_count, rnr_counters};
-use rdmsg_transport::{Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
+use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId, RawHub, RawHubEvent};
 
 fn endpoint() -> Endpoint {
     // Both ends of every connection live in this process: a descriptor each.
@@ -58,7 +58,7 @@ struct Seen {
 }
 
 /// Serves until `expect_ended` connections ended; returns what each peer delivered.
-fn serve(hub: &mut Hub, expect_ended: usize, limit: Duration) -> HashMap<PeerId, Seen> {
+fn serve(hub: &mut RawHub, expect_ended: usize, limit: Duration) -> HashMap<PeerId, Seen> {
     let mut seen: HashMap<PeerId, Seen> = HashMap::new();
     let deadline = Instant::now() + limit;
     let mut ended = 0;
@@ -81,11 +81,11 @@ fn serve(hub: &mut Hub, expect_ended: usize, limit: Duration) -> HashMap<PeerId,
             continue;
         };
         match ev {
-            HubEvent::Connected { peer, accepted } => {
+            RawHubEvent::Connected { peer, accepted } => {
                 assert!(accepted);
                 assert!(seen.insert(peer, Seen::default()).is_none(), "{peer} twice");
             }
-            HubEvent::Message { peer, msg } => {
+            RawHubEvent::Message { peer, msg } => {
                 let s = seen.get_mut(&peer).expect("a message after Connected");
                 assert!(s.ended.is_none(), "a message after Disconnected");
                 let (conn, seq) = parse(&msg);
@@ -93,13 +93,13 @@ fn serve(hub: &mut Hub, expect_ended: usize, limit: Duration) -> HashMap<PeerId,
                 assert_eq!(seq, s.next, "in order, nothing lost, nothing twice");
                 s.next += 1;
             }
-            HubEvent::Read { .. } => panic!("no read was posted"),
-            HubEvent::Disconnected { peer, failure } => {
+            RawHubEvent::Read { .. } => panic!("no read was posted"),
+            RawHubEvent::Disconnected { peer, failure } => {
                 let s = seen.get_mut(&peer).expect("Disconnected after Connected");
                 assert!(s.ended.replace(failure).is_none());
                 ended += 1;
             }
-            HubEvent::HandshakeFailed { error, .. } => {
+            RawHubEvent::HandshakeFailed { error, .. } => {
                 println!("handshake failed: {}", rdmsg_testkit::error_chain(&error));
             }
         }
@@ -109,9 +109,9 @@ fn serve(hub: &mut Hub, expect_ended: usize, limit: Duration) -> HashMap<PeerId,
 
 /// A client hub opening `n` connections and sending `k` messages on each, in batches of 4
 /// whose last is solicited, round-robin over the connections; then closing each.
-fn client(addr: SocketAddr, n: usize, k: u32) -> (Vec<PeerId>, Hub) {
+fn client(addr: SocketAddr, n: usize, k: u32) -> (Vec<PeerId>, RawHub) {
     let ep = endpoint();
-    let mut hub = Hub::new(&ep, HubConfig::default()).expect("client hub");
+    let mut hub = RawHub::new(&ep, HubConfig::default()).expect("client hub");
     let ids: Vec<PeerId> = (0..n)
         .map(|_| hub.connect(addr).expect("connect"))
         .collect();
@@ -119,7 +119,7 @@ fn client(addr: SocketAddr, n: usize, k: u32) -> (Vec<PeerId>, Hub) {
     println!("client: {n} connections started");
     while up < n {
         match hub.next_event(Some(Duration::from_secs(60))) {
-            Ok(Some(HubEvent::Connected { accepted, .. })) => {
+            Ok(Some(RawHubEvent::Connected { accepted, .. })) => {
                 assert!(!accepted);
                 up += 1;
             }
@@ -147,7 +147,7 @@ fn one_thread_serves_hundreds_of_connections_and_gives_everything_back() {
     let dev = device_name(&ep);
     let fds_before = fd_count();
     let rnr_before = rnr_counters(&dev, 1);
-    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let mut server = RawHub::new(&ep, HubConfig::default()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let started = Instant::now();
     let client = std::thread::spawn(move || {
@@ -158,7 +158,7 @@ fn one_thread_serves_hundreds_of_connections_and_gives_everything_back() {
         let mut gone = 0;
         while gone < ids.len() {
             match hub.next_event(Some(Duration::from_secs(10))).expect("hub") {
-                Some(HubEvent::Disconnected { failure, .. }) => {
+                Some(RawHubEvent::Disconnected { failure, .. }) => {
                     assert_eq!(failure, Failure::Closed);
                     gone += 1;
                 }
@@ -224,7 +224,7 @@ fn a_silent_client_does_not_hold_up_the_others() {
     let ep = endpoint();
     let mut cfg = HubConfig::default();
     cfg.conn.handshake_timeout = Duration::from_secs(2);
-    let mut server = Hub::new(&ep, cfg).expect("server hub");
+    let mut server = RawHub::new(&ep, cfg).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let silent = std::net::TcpStream::connect(addr).expect("a silent client");
     let started = Instant::now();
@@ -242,11 +242,11 @@ fn a_silent_client_does_not_hold_up_the_others() {
             .next_event(Some(Duration::from_secs(10)))
             .expect("hub")
         {
-            Some(HubEvent::Connected { .. }) => {
+            Some(RawHubEvent::Connected { .. }) => {
                 connected += 1;
                 first_up.get_or_insert(started.elapsed());
             }
-            Some(HubEvent::HandshakeFailed { peer: None, error }) => {
+            Some(RawHubEvent::HandshakeFailed { peer: None, error }) => {
                 failed += 1;
                 println!("silent client: {error}");
             }
@@ -287,7 +287,7 @@ fn a_killed_client_fails_only_its_own_connections() {
     let ep = endpoint();
     let dev = device_name(&ep);
     let rnr_before = rnr_counters(&dev, 1);
-    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let mut server = RawHub::new(&ep, HubConfig::default()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
@@ -333,10 +333,10 @@ fn a_killed_client_fails_only_its_own_connections() {
             continue;
         };
         match ev {
-            HubEvent::Connected { peer, .. } => {
+            RawHubEvent::Connected { peer, .. } => {
                 peers.insert(peer, 0);
             }
-            HubEvent::Message { peer, msg } => {
+            RawHubEvent::Message { peer, msg } => {
                 let (conn, _) = parse(&msg);
                 if conn >= 1000 && !from_child.contains(&peer) {
                     from_child.push(peer);
@@ -347,8 +347,8 @@ fn a_killed_client_fails_only_its_own_connections() {
                 }
                 *peers.get_mut(&peer).unwrap() += 1;
             }
-            HubEvent::Read { .. } => panic!("no read was posted"),
-            HubEvent::Disconnected { peer, failure } => {
+            RawHubEvent::Read { .. } => panic!("no read was posted"),
+            RawHubEvent::Disconnected { peer, failure } => {
                 if from_child.contains(&peer) {
                     assert_eq!(failure, Failure::PeerVanished, "{peer}");
                     vanished += 1;
@@ -363,7 +363,7 @@ fn a_killed_client_fails_only_its_own_connections() {
                     closed += 1;
                 }
             }
-            HubEvent::HandshakeFailed { error, .. } => panic!("handshake failed: {error}"),
+            RawHubEvent::HandshakeFailed { error, .. } => panic!("handshake failed: {error}"),
         }
     }
     let _ = child.wait();
@@ -381,7 +381,7 @@ fn a_peer_that_sends_beyond_its_credits_fails_alone() {
     let ep = endpoint();
     let dev = device_name(&ep);
     let rnr_before = rnr_counters(&dev, 1);
-    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let mut server = RawHub::new(&ep, HubConfig::default()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let liar = std::thread::spawn(move || {
         // An ordinary connection that believes it has a thousand credits more than the hub
@@ -417,14 +417,14 @@ fn a_peer_that_sends_beyond_its_credits_fails_alone() {
             .next_event(Some(Duration::from_secs(5)))
             .expect("the hub itself works")
         {
-            Some(HubEvent::Message { msg, .. }) => {
+            Some(RawHubEvent::Message { msg, .. }) => {
                 if parse(&msg).0 < 5000 {
                     honest_msgs += 1;
                 } else {
                     held.push(msg);
                 }
             }
-            Some(HubEvent::Disconnected { failure, .. }) => {
+            Some(RawHubEvent::Disconnected { failure, .. }) => {
                 if matches!(failure, Failure::Protocol(_)) {
                     println!("liar failed after {} of its messages", held.len());
                     held.clear();
@@ -434,14 +434,14 @@ fn a_peer_that_sends_beyond_its_credits_fails_alone() {
             // The liar's messages can overrun its credits before the hub has read its
             // "ready" (under emulation the stream is slower than the queue pair): then it
             // fails before it was ever connected, the same overrun reported as such.
-            Some(HubEvent::HandshakeFailed {
+            Some(RawHubEvent::HandshakeFailed {
                 error: rdmsg_transport::Error::Connection(failure),
                 ..
             }) if matches!(failure, Failure::Protocol(_)) => {
                 held.clear();
                 outcome.push(failure);
             }
-            Some(HubEvent::HandshakeFailed { error, .. }) => panic!("{error}"),
+            Some(RawHubEvent::HandshakeFailed { error, .. }) => panic!("{error}"),
             _ => {}
         }
     }
@@ -472,7 +472,7 @@ fn a_peer_that_sends_beyond_its_credits_fails_alone() {
 fn an_outside_event_loop_drives_the_hub_through_its_descriptor() {
     use std::os::fd::AsFd;
     let ep = endpoint();
-    let mut server = Hub::new(&ep, HubConfig::default()).expect("server hub");
+    let mut server = RawHub::new(&ep, HubConfig::default()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     // The application's own loop: an epoll set with the hub's descriptor and one of its own.
     let (mut poke, poked) = std::os::unix::net::UnixStream::pair().unwrap();
@@ -504,11 +504,11 @@ fn an_outside_event_loop_drives_the_hub_through_its_descriptor() {
         server.step().expect("step");
         while let Some(ev) = server.try_event().expect("try_event") {
             match ev {
-                HubEvent::Message { msg, .. } => {
+                RawHubEvent::Message { msg, .. } => {
                     parse(&msg);
                     messages += 1;
                 }
-                HubEvent::Disconnected { failure, .. } => {
+                RawHubEvent::Disconnected { failure, .. } => {
                     assert_eq!(failure, Failure::PeerClosed);
                     gone += 1;
                 }

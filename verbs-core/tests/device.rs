@@ -419,7 +419,7 @@ fn dropping_in_any_order_is_safe_and_leaks_no_fd() {
             b_recv_cq,
             b,
         } = p;
-        let rdmsg_testkit::Sender {
+        let rdmsg_testkit::RawSender {
             qp: a,
             send_cq: a_send_cq,
             recv_cq: a_recv_cq,

@@ -2,7 +2,7 @@
 //! failure wins, signalling, how the queues are armed, graceful close, a peer that leaves, the
 //! drain after a failure, and their deadlines. No verbs, no socket, no clock: a
 //! [`Connection`](crate::Connection) (one queue pair on its own queues), a
-//! [`Hub`](crate::Hub) (a slab of cores on shared queues) and the host simulator (`sim`,
+//! [`RawHub`](crate::RawHub) (a slab of cores on shared queues) and the host simulator (`sim`,
 //! tests only) drive the same [`Core`], so that every rule has one home.
 //!
 //! # A driver's manual

@@ -1,1 +1,265 @@
+//! Unit tests of the core's rules one input at a time (the simulator runs them together).
 
+use std::time::{Duration, Instant};
+
+use rdmsg_verbs::{WcOpcode, WcStatus};
+
+use super::*;
+
+const CLOSE: Duration = Duration::from_secs(2);
+
+fn core(credits: Credits, signal_every: u32) -> Core {
+    Core::new(credits, signal_every, CLOSE)
+}
+
+fn recv(imm: Imm) -> Completion {
+    Completion {
+        recv: true,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Recv,
+        vendor_err: 0,
+        imm: Some(imm.encode()),
+    }
+}
+
+fn send_ok() -> Completion {
+    Completion {
+        recv: false,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        vendor_err: 0,
+        imm: None,
+    }
+}
+
+const ROOM: Room = Room {
+    sq: 8,
+    buffers: 8,
+    cq: usize::MAX,
+};
+
+fn actions(c: &mut Core) -> Vec<Action> {
+    std::iter::from_fn(|| c.poll_action()).collect()
+}
+
+#[test]
+fn the_first_failure_is_kept_and_asks_once_for_the_queue_pair_to_fail() {
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 4);
+    c.handle_failure(Failure::PeerVanished);
+    c.handle_failure(Failure::QpError);
+    assert_eq!(c.failure(), Some(Failure::PeerVanished));
+    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert!(!c.may_send(ROOM));
+    assert!(c.data(true, ROOM).is_none());
+    assert_eq!(c.check_send(), Err(Failure::PeerVanished));
+}
+
+#[test]
+fn signalling_follows_the_count_and_what_runs_low() {
+    let mut c = core(Credits::new(8, 3, 8, 3, 8), 3);
+    let got: Vec<bool> = (0..6)
+        .map(|_| c.data(false, ROOM).unwrap().signaled)
+        .collect();
+    assert_eq!(got, [false, false, true, false, false, true]);
+    // The last send slot, the last buffer: signaled whatever the count.
+    assert!(c.data(false, Room { sq: 1, ..ROOM }).unwrap().signaled);
+    assert!(c.data(false, Room { buffers: 0, ..ROOM }).unwrap().signaled);
+    c.posted(7, true);
+    assert_eq!(c.send_arm(), ArmMode::Next);
+    c.handle_send(&send_ok(), 7, 0);
+    assert_eq!(c.send_arm(), ArmMode::SolicitedOnly);
+}
+
+#[test]
+fn the_last_credit_is_solicited_and_counted() {
+    let mut c = core(Credits::new(4, 3, 2, 3, 2), 16);
+    assert!(!c.data(false, ROOM).unwrap().solicited);
+    let last = c.data(false, ROOM).unwrap();
+    assert!(last.solicited && last.imm.is_exhausted());
+    assert!(!c.may_send(ROOM));
+    assert!(c.data(true, ROOM).is_none());
+    let s = c.stats();
+    assert_eq!((s.sent, s.sent_solicited, s.forced_solicited), (2, 1, 1));
+    let r = c.handle_recv(
+        &recv(Imm {
+            credits: 2,
+            echo: 0,
+            flags: 0,
+        }),
+        || None,
+    );
+    assert_eq!(r.action, RecvAction::Deliver);
+    assert!(r.spent_credit);
+    assert_eq!(c.credits().available(), 2);
+}
+
+#[test]
+fn a_grant_needs_room_and_spends_no_credit() {
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 4);
+    // The peer spends its last credits: we owe them back once re-posted.
+    for _ in 0..4 {
+        c.handle_recv(&recv(Imm::default_data()), || None);
+    }
+    c.reposted(4);
+    assert!(c.grant(Room { sq: 0, ..ROOM }).is_none(), "no send slot");
+    let g = c.grant(ROOM).expect("due");
+    assert!(g.imm.is_grant() && g.imm.credits == 4);
+    assert!(g.solicited, "the peer may be blocked");
+    assert_eq!(c.credits().available(), 4);
+}
+
+#[test]
+fn a_close_is_solicited_signaled_and_ends_in_a_goodbye() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    let post = c.start_close(t0).expect("a credit");
+    assert!(post.solicited && post.signaled && post.imm.flags & Imm::CLOSE != 0);
+    assert_eq!(c.check_send(), Err(Failure::Closed));
+    assert!(c.data(false, ROOM).is_none(), "nothing after the close");
+    assert_eq!(c.next_timeout(), Some(t0 + CLOSE));
+    c.posted(9, true);
+    c.handle_send(&send_ok(), 9, 0);
+    assert_eq!(actions(&mut c), [Action::SayGoodbye, Action::FailQueuePair]);
+    assert_eq!(c.failure(), Some(Failure::Closed));
+    assert!(!c.close_timed_out());
+}
+
+#[test]
+fn a_close_past_its_deadline_is_closed_and_says_it_timed_out() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.start_close(t0).unwrap();
+    c.handle_timeout(t0 + CLOSE / 2);
+    assert_eq!(c.failure(), None);
+    c.handle_timeout(t0 + CLOSE);
+    assert_eq!(c.failure(), Some(Failure::Closed));
+    assert!(c.close_timed_out());
+    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+}
+
+#[test]
+fn a_goodbye_gives_the_close_message_until_the_close_timeout() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_stream(StreamNews::Goodbye, t0);
+    assert_eq!(actions(&mut c), [Action::UnwatchStream]);
+    assert_eq!(c.next_timeout(), Some(t0 + CLOSE));
+    // The close message arrives in time.
+    let close = Imm {
+        credits: 0,
+        echo: 0,
+        flags: Imm::CLOSE,
+    };
+    assert_eq!(
+        c.handle_recv(&recv(close), || None).action,
+        RecvAction::Recycle
+    );
+    assert_eq!(c.failure(), Some(Failure::PeerClosed));
+    assert_eq!(c.next_timeout(), None, "the vanish deadline is gone");
+}
+
+#[test]
+fn an_ended_stream_gives_the_close_message_50_ms_then_the_peer_vanished() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_stream(StreamNews::Ended, t0);
+    assert_eq!(c.next_timeout(), Some(t0 + Duration::from_millis(50)));
+    assert!(c.may_send(ROOM), "a leaving peer's credits are still good");
+    c.handle_timeout(t0 + Duration::from_millis(50));
+    assert_eq!(c.failure(), Some(Failure::PeerVanished));
+}
+
+#[test]
+fn while_closing_the_end_of_the_stream_is_the_close_being_taken() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.start_close(t0).unwrap();
+    c.handle_stream(StreamNews::Ended, t0);
+    assert_eq!(actions(&mut c), [Action::UnwatchStream]);
+    assert_eq!(c.failure(), None);
+    assert_eq!(
+        c.next_timeout(),
+        Some(t0 + CLOSE),
+        "only the close deadline"
+    );
+}
+
+#[test]
+fn junk_on_the_stream_fails_at_once() {
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_stream(StreamNews::Garbage(7), Instant::now());
+    assert_eq!(
+        actions(&mut c),
+        [Action::UnwatchStream, Action::FailQueuePair]
+    );
+    assert_eq!(c.failure(), Some(Failure::BootstrapGarbage { byte: 7 }));
+}
+
+#[test]
+fn the_drain_ends_when_nothing_is_posted_or_at_its_deadline() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_failure(Failure::QpError);
+    c.flushing_since(t0);
+    c.handle_flushed(3);
+    assert!(!c.is_drained());
+    c.handle_timeout(t0 + FLUSH_WAIT);
+    assert!(c.is_drained());
+
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_failure(Failure::QpError);
+    c.flushing_since(t0);
+    c.handle_flushed(0);
+    assert!(c.is_drained());
+    assert_eq!(c.next_timeout(), None);
+}
+
+#[test]
+fn a_handshaking_core_sends_nothing_until_linked_and_takes_the_real_books_once() {
+    let placeholder = Credits::shared(64, 3, 0, 3, 0, 4);
+    let mut c = Core::handshaking(placeholder, 16, CLOSE);
+    assert!(!c.is_linked());
+    assert!(c.data(false, ROOM).is_none());
+    c.learn_peer(Credits::shared(64, 3, 8, 3, 8, 4));
+    c.learn_peer(Credits::shared(64, 3, 1, 3, 1, 4));
+    assert_eq!(c.credits().available(), 8, "the first books stay");
+    assert!(c.data(false, ROOM).is_none(), "not linked yet");
+    c.link();
+    assert!(c.data(false, ROOM).is_some());
+}
+
+#[test]
+fn a_read_longer_than_the_send_queue_is_refused_typed() {
+    let c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    assert!(c.read_fits(4, 4).is_ok());
+    let e = c.read_fits(5, 4).unwrap_err();
+    assert!(matches!(
+        e,
+        Error::ReadTooLarge {
+            segments: 5,
+            send_slots: 4
+        }
+    ));
+    assert!(e.to_string().contains("raise send_depth"), "{e}");
+}
+
+#[test]
+fn a_streaming_sender_polls_every_few_sends_and_when_anything_runs_low() {
+    let mut c = core(Credits::new(64, 3, 64, 3, 64), 16);
+    let polls: Vec<bool> = (0..SEND_PROGRESS_EVERY)
+        .map(|_| c.poll_before_send(ROOM))
+        .collect();
+    assert_eq!(polls.iter().filter(|&&p| p).count(), 1);
+    assert!(polls[SEND_PROGRESS_EVERY as usize - 1]);
+    assert!(c.poll_before_send(Room { sq: 1, ..ROOM }));
+}
+
+impl Imm {
+    fn default_data() -> Self {
+        Imm {
+            credits: 0,
+            echo: 0,
+            flags: 0,
+        }
+    }
+}

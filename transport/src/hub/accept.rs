@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use rdmsg_verbs::{QpCaps, QueuePair};
 
-use super::slots::{HubSide, Link, Phase};
-use super::{Hub, HubEvent};
+use super::slots::{Established, HubSide, Phase};
+use super::{RawHub, RawHubEvent};
 use crate::bootstrap::Pending;
 use crate::config::Config;
 use crate::error::{Error, Failure, Result};
@@ -17,7 +17,7 @@ use crate::setup::{nonce, random_psn};
 use crate::stream::{accept_next, keepalive_probes, read_after_handshake};
 use crate::token::Token;
 
-impl Hub {
+impl RawHub {
     pub(super) fn accept_all(&mut self) {
         loop {
             let Some(listener) = &self.listener else {
@@ -30,7 +30,7 @@ impl Hub {
                     // Out of descriptors, most likely: the listener stays readable, so the next
                     // step tries again; report it once per step.
                     self.stats.handshakes_failed += 1;
-                    self.events.push_back(HubEvent::HandshakeFailed {
+                    self.events.push_back(RawHubEvent::HandshakeFailed {
                         peer: None,
                         error: Error::Bootstrap {
                             stage: "accepting",
@@ -93,7 +93,7 @@ impl Hub {
                 self.abandon(slot);
                 self.stats.handshakes_failed += 1;
                 self.events
-                    .push_back(HubEvent::HandshakeFailed { peer: None, error });
+                    .push_back(RawHubEvent::HandshakeFailed { peer: None, error });
             }
         }
     }
@@ -198,7 +198,7 @@ impl Hub {
         }
         let conn = &self.config.conn;
         let caps = side.qp.caps();
-        let link = Link {
+        let link = Established {
             max_message: peer.buf_size.min(conn.buf_size) as usize,
             max_inline: caps.max_inline_data.min(conn.max_inline) as usize,
             sq_depth: caps.max_send_wr.min(conn.send_depth) as usize,
@@ -220,9 +220,10 @@ impl Hub {
             self.stats.connected += 1;
         }
         self.events
-            .push_back(HubEvent::Connected { peer: id, accepted });
+            .push_back(RawHubEvent::Connected { peer: id, accepted });
         for msg in early {
-            self.events.push_back(HubEvent::Message { peer: id, msg });
+            self.events
+                .push_back(RawHubEvent::Message { peer: id, msg });
         }
         if self.slot(slot).core.failure().is_some() {
             // Failed while finishing (its first message broke the protocol, say): its
@@ -237,7 +238,7 @@ impl Hub {
         let s = self.slot(slot);
         let peer = (!s.accepted).then(|| s.id(slot));
         self.events
-            .push_back(HubEvent::HandshakeFailed { peer, error });
+            .push_back(RawHubEvent::HandshakeFailed { peer, error });
         let Phase::Handshake(pending) =
             std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired)
         else {

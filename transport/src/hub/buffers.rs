@@ -4,13 +4,13 @@
 use std::time::{Duration, Instant};
 
 use super::slots::Phase;
-use super::{Hub, PeerId};
+use super::{PeerId, RawHub};
 use crate::core::{Post, Room};
 use crate::error::{errno_of, Error, Failure, Result};
-use crate::send::Payload;
+use crate::send::{self, Payload};
 use crate::share::AdmitError;
 
-impl Hub {
+impl RawHub {
     /// Sets aside a new connection's minimum share, growing the pool so that
     /// `shared_credits` buffers stay spare for busy peers beyond everyone's minimum (as far as
     /// the SRQ's size allows).
@@ -169,23 +169,10 @@ impl Hub {
         let Phase::Linked(link) = &mut s.phase else {
             unreachable!("posting needs a link")
         };
-        let req = self
-            .send
-            .request(payload)
-            .imm(post.imm.encode())
-            .solicited(post.solicited)
-            .signaled(post.signaled);
-        match link.qp.post_send_one(req) {
-            Ok(id) => {
-                s.core.posted(id, post.signaled);
-                self.sends_outstanding += 1;
-                Ok(())
-            }
-            Err(e) => {
-                self.send.free.extend(e.unposted);
-                Err(self.local_failure(slot, "posting a send (ibv_post_send)", e.error.into()))
-            }
-        }
+        send::post(&mut link.qp, &mut self.send, &mut s.core, payload, post)
+            .map_err(|e| self.local_failure(slot, "posting a send (ibv_post_send)", e.into()))?;
+        self.sends_outstanding += 1;
+        Ok(())
     }
 
     /// Fails `slot` for the error of a verb it drove, and hands the error back.

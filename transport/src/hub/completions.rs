@@ -8,14 +8,14 @@ use std::time::Instant;
 use rdmsg_verbs::{WcStatus, WorkCompletion};
 
 use super::slots::Phase;
-use super::{Hub, HubEvent};
+use super::{RawHub, RawHubEvent};
 use crate::core::{Action, Completion, RecvAction};
 use crate::error::Error;
 use crate::handshake::GOODBYE;
 use crate::read;
 use crate::share::Receipt;
 
-impl Hub {
+impl RawHub {
     pub(super) fn handle_completions(&mut self) {
         let mut got = std::mem::take(&mut self.completions);
         let recv_key = self.recv_key;
@@ -73,7 +73,7 @@ impl Hub {
                 let s = self.slots[slot].as_mut().expect("a mapped slot");
                 if s.announced {
                     let peer = s.id(slot);
-                    self.events.push_back(HubEvent::Message { peer, msg });
+                    self.events.push_back(RawHubEvent::Message { peer, msg });
                 } else {
                     s.early.push(msg);
                 }
@@ -98,7 +98,7 @@ impl Hub {
         if !reads.is_empty() {
             let peer = s.id(slot);
             self.events
-                .extend(read::finished(wc, reads).map(|read| HubEvent::Read { peer, read }));
+                .extend(read::finished(wc, reads).map(|read| RawHubEvent::Read { peer, read }));
         }
         s.core
             .handle_send(&Completion::of(false, wc), wc.wr_id(), outstanding);

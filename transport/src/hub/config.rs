@@ -4,7 +4,7 @@ use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 
-/// How a [`Hub`](super::Hub) is set up.
+/// How a [`RawHub`](super::RawHub) is set up.
 #[derive(Debug, Clone)]
 pub struct HubConfig {
     /// Settings of each connection: `buf_size` is the size of the shared receive buffers (the

@@ -1,5 +1,5 @@
 //! What a hub tells its user: who a connection is ([`PeerId`]), what happened
-//! ([`HubEvent`]), and what it did ([`HubStats`]).
+//! ([`RawHubEvent`]), and what it did ([`HubStats`]).
 
 use std::fmt;
 
@@ -7,7 +7,7 @@ use crate::error::{Error, Failure};
 use crate::pool::Received;
 use crate::read::ReadDone;
 
-/// A connection of a [`Hub`](super::Hub): small, copyable, never reused for another connection (a slot's
+/// A connection of a [`RawHub`](super::RawHub): small, copyable, never reused for another connection (a slot's
 /// generation changes when it is).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerId {
@@ -35,11 +35,11 @@ impl fmt::Display for PeerId {
     }
 }
 
-/// What happened in a [`Hub`](super::Hub).
+/// What happened in a [`RawHub`](super::RawHub).
 #[derive(Debug)]
-pub enum HubEvent {
+pub enum RawHubEvent {
     /// A connection is established: accepted from the hub's listener (`accepted`), or one that
-    /// [`Hub::connect`](super::Hub::connect) started.
+    /// [`RawHub::connect`](super::RawHub::connect) started.
     Connected {
         /// The connection.
         peer: PeerId,
@@ -59,11 +59,11 @@ pub enum HubEvent {
         /// The connection.
         peer: PeerId,
         /// Why ([`Failure::PeerClosed`] after a graceful close by the peer,
-        /// [`Failure::Closed`] after [`Hub::close`](super::Hub::close)).
+        /// [`Failure::Closed`] after [`RawHub::close`](super::RawHub::close)).
         failure: Failure,
     },
-    /// An RDMA read this hub posted for `peer` ([`Hub::post_read`](super::Hub::post_read)) finished (or was flushed
-    /// by the peer's failure: then it comes before its [`HubEvent::Disconnected`]).
+    /// An RDMA read this hub posted for `peer` ([`RawHub::post_read`](super::RawHub::post_read)) finished (or was flushed
+    /// by the peer's failure: then it comes before its [`RawHubEvent::Disconnected`]).
     Read {
         /// Whose memory it read.
         peer: PeerId,
@@ -71,9 +71,9 @@ pub enum HubEvent {
         read: ReadDone,
     },
     /// A handshake failed: a client accepted from the listener ( `peer: None`), or one that
-    /// [`Hub::connect`](super::Hub::connect) started. The hub and every other connection go on.
+    /// [`RawHub::connect`](super::RawHub::connect) started. The hub and every other connection go on.
     HandshakeFailed {
-        /// The connection [`Hub::connect`](super::Hub::connect) returned, if it was ours.
+        /// The connection [`RawHub::connect`](super::RawHub::connect) returned, if it was ours.
         peer: Option<PeerId>,
         /// Why.
         error: Error,
@@ -89,7 +89,7 @@ pub struct HubStats {
     pub handshakes: usize,
     /// Connections accepted, ever.
     pub accepted: u64,
-    /// Connections established by [`Hub::connect`](super::Hub::connect), ever.
+    /// Connections established by [`RawHub::connect`](super::RawHub::connect), ever.
     pub connected: u64,
     /// Handshakes that failed.
     pub handshakes_failed: u64,

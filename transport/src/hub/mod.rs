@@ -28,7 +28,7 @@
 //! is failed alone: its bootstrap stream is shut, its queue pair moved to error and, once its
 //! sends are flushed back, destroyed; the CQs are polled once more so that everything that
 //! arrived from it is delivered, and only then is its share of the buffers released and
-//! [`HubEvent::Disconnected`] reported. The others carry on.
+//! [`RawHubEvent::Disconnected`] reported. The others carry on.
 //!
 //! # Files
 //!
@@ -61,7 +61,7 @@ use rdmsg_verbs::{
 };
 
 pub use config::HubConfig;
-pub use events::{HubEvent, HubStats, PeerId};
+pub use events::{HubStats, PeerId, RawHubEvent};
 
 use crate::core::{earliest, ConnStats};
 use crate::endpoint::Endpoint;
@@ -87,14 +87,14 @@ use wait::HubChannel;
 /// keeps `min_credits` and its grant slots, a busy one grows towards `max_credits`, and no
 /// peer ever meets receiver-not-ready. A connection that fails (its peer vanished, broke the
 /// credit protocol, or its queue pair broke) fails alone: everything it delivered comes
-/// first, then [`HubEvent::Disconnected`]; the others carry on.
+/// first, then [`RawHubEvent::Disconnected`]; the others carry on.
 ///
-/// Everything goes through it: [`Hub::listen`] and [`Hub::connect`] start handshakes (none
+/// Everything goes through it: [`RawHub::listen`] and [`RawHub::connect`] start handshakes (none
 /// blocks the others: a silent or hostile client holds a socket and a slot, never the hub),
-/// [`Hub::next_event`] sleeps until something happens and returns it (a connection, a message,
-/// a disconnection), [`Hub::send`] sends to one peer. [`Hub::step`] is the non-blocking
+/// [`RawHub::next_event`] sleeps until something happens and returns it (a connection, a message,
+/// a disconnection), [`RawHub::send`] sends to one peer. [`RawHub::step`] is the non-blocking
 /// step, and the hub is [`AsFd`], for an application's own event loop.
-pub struct Hub {
+pub struct RawHub {
     endpoint: Endpoint,
     config: HubConfig,
     waiter: Waiter<CompletionQueue, HubChannel>,
@@ -113,7 +113,7 @@ pub struct Hub {
     next_generation: u32,
     by_qpn: HashMap<u32, usize>,
     listener: Option<TcpListener>,
-    events: VecDeque<HubEvent>,
+    events: VecDeque<RawHubEvent>,
     completions: Vec<(CqKey, WorkCompletion)>,
     /// Slots whose credits changed this round: grants may be due.
     touched: Vec<usize>,
@@ -128,27 +128,27 @@ pub struct Hub {
     /// A failure of the whole hub (its queues or channel): every later call reports it.
     fatal: Option<Failure>,
     stats: HubStats,
-    /// The last [`Hub::step`] marked the pool asleep for an external wait.
+    /// The last [`RawHub::step`] marked the pool asleep for an external wait.
     stepped_asleep: bool,
-    /// A bounded send found no credit or send slot, and none has gone since: [`Hub::step`]
+    /// A bounded send found no credit or send slot, and none has gone since: [`RawHub::step`]
     /// arms both queues for any completion, so that an event loop hears of the grant (one
     /// sent before the peer saw us exhausted is not solicited).
     send_blocked: bool,
 }
 
-impl fmt::Debug for Hub {
+impl fmt::Debug for RawHub {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Hub")
+        f.debug_struct("RawHub")
             .field("endpoint", &self.endpoint)
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
 }
 
-impl AsFd for Hub {
+impl AsFd for RawHub {
     /// The hub's epoll set: readable whenever the hub has something to do. Call
-    /// [`Hub::step`] (then [`Hub::try_event`]) when it is; the hub also has timers (handshake
-    /// deadlines, the health check), so step at least every [`Hub::next_timeout`].
+    /// [`RawHub::step`] (then [`RawHub::try_event`]) when it is; the hub also has timers (handshake
+    /// deadlines, the health check), so step at least every [`RawHub::next_timeout`].
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.waiter.channel().watch.as_fd()
     }
@@ -158,7 +158,7 @@ impl AsFd for Hub {
 /// number: they are 24 bits).
 const HUB_ROUTE: u32 = u32::MAX;
 
-impl Hub {
+impl RawHub {
     /// A hub on `endpoint`'s device and port.
     pub fn new(endpoint: &Endpoint, config: HubConfig) -> Result<Self> {
         config.check(endpoint)?;
@@ -250,7 +250,7 @@ impl Hub {
 
     /// Listens for clients at `addr` (`"0.0.0.0:0"` picks a port); returns the address bound.
     /// Their handshakes run inside the hub; each established one is a
-    /// [`HubEvent::Connected`] with `accepted: true`.
+    /// [`RawHubEvent::Connected`] with `accepted: true`.
     pub fn listen(&mut self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<SocketAddr> {
         let tcp = TcpListener::bind(&addr).map_err(|source| Error::Listen {
             addr: format!("{addr:?}"),
@@ -271,8 +271,8 @@ impl Hub {
 
     /// Starts a connection to a [`Listener`](crate::Listener) or another hub at `addr`: the
     /// TCP connection is made here (within `handshake_timeout`), the handshake runs inside
-    /// the hub. The connection is usable once [`HubEvent::Connected`] names it (sending to it
-    /// before waits for that); if the handshake fails, [`HubEvent::HandshakeFailed`] does.
+    /// the hub. The connection is usable once [`RawHubEvent::Connected`] names it (sending to it
+    /// before waits for that); if the handshake fails, [`RawHubEvent::HandshakeFailed`] does.
     ///
     /// At most a quarter of `max_pending_handshakes` of ours run at once: a server evicts the
     /// oldest of its pending handshakes beyond its own bound (32 by default), and counts ours
@@ -299,9 +299,9 @@ impl Hub {
     }
 
     /// Starts a connection over a TCP stream already connected to a hub or listener (made by
-    /// an async runtime, say): never blocks. Unlike [`Hub::connect`] it does not wait while a
+    /// an async runtime, say): never blocks. Unlike [`RawHub::connect`] it does not wait while a
     /// quarter of `max_pending_handshakes` of our own handshakes are in flight; pace by
-    /// [`Hub::pending_connects`].
+    /// [`RawHub::pending_connects`].
     pub fn connect_stream(&mut self, stream: TcpStream) -> Result<PeerId> {
         self.check_fatal()?;
         stream
@@ -328,7 +328,7 @@ impl Hub {
         Ok(id)
     }
 
-    /// Handshakes started by [`Hub::connect`] or [`Hub::connect_stream`] and not finished.
+    /// Handshakes started by [`RawHub::connect`] or [`RawHub::connect_stream`] and not finished.
     pub fn pending_connects(&self) -> usize {
         self.outgoing_handshakes()
     }
@@ -336,7 +336,7 @@ impl Hub {
     /// The next event, waiting at most `timeout` (`None`: as long as it takes); `Ok(None)` if
     /// nothing happened in time. An error is the hub's own (its queues or channel failed):
     /// every connection has been failed with it.
-    pub fn next_event(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
+    pub fn next_event(&mut self, timeout: Option<Duration>) -> Result<Option<RawHubEvent>> {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
@@ -352,8 +352,8 @@ impl Hub {
         }
     }
 
-    /// An event already queued, after one non-blocking [`Hub::step`].
-    pub fn try_event(&mut self) -> Result<Option<HubEvent>> {
+    /// An event already queued, after one non-blocking [`RawHub::step`].
+    pub fn try_event(&mut self) -> Result<Option<RawHubEvent>> {
         if self.events.is_empty() {
             self.check_fatal()?;
             self.step()?;
@@ -364,7 +364,7 @@ impl Hub {
     /// The non-blocking step, for event loops: reads the completion channel, polls both CQs,
     /// accepts clients, moves handshakes on, looks at every readable bootstrap stream and the
     /// device's asynchronous events, fires the deadlines that passed, re-posts returned
-    /// buffers and sends due grants. Events it produces are queued for [`Hub::try_event`];
+    /// buffers and sends due grants. Events it produces are queued for [`RawHub::try_event`];
     /// returns how many are queued.
     pub fn step(&mut self) -> Result<usize> {
         self.check_fatal()?;
@@ -397,7 +397,7 @@ impl Hub {
         }
     }
 
-    /// Longest an event loop may wait on [`AsFd`] before calling [`Hub::step`]: the nearest
+    /// Longest an event loop may wait on [`AsFd`] before calling [`RawHub::step`]: the nearest
     /// deadline (a handshake's, a close's, a peer's after its goodbye), or the health check.
     pub fn next_timeout(&self) -> Option<Duration> {
         let now = Instant::now();
@@ -437,7 +437,7 @@ impl Hub {
     }
 
     /// Sends a message that `fill` writes straight into a registered send buffer of
-    /// [`Hub::max_message`] bytes, returning its length (`None`: nothing is sent, no credit
+    /// [`RawHub::max_message`] bytes, returning its length (`None`: nothing is sent, no credit
     /// spent, `Ok(false)`). Waits at most `timeout` (`None`: as long as it takes) for a credit
     /// and a send slot ([`Error::Timeout`]).
     pub fn send_with(
@@ -488,7 +488,7 @@ impl Hub {
     /// Posts RDMA reads of `peer`'s memory into `into` (see
     /// [`crate::Connection::post_read`]); [`ReadPost::Busy`] if its send queue (or the
     /// hub's send completion queue) has no room for them now. The end of the read is a
-    /// [`HubEvent::Read`]. A bad key or address fails that peer alone.
+    /// [`RawHubEvent::Read`]. A bad key or address fails that peer alone.
     pub fn post_read(
         &mut self,
         peer: PeerId,
@@ -533,7 +533,7 @@ impl Hub {
         }
     }
 
-    /// Closes `peer` gracefully and waits until it is closed: see [`Hub::start_close`]. Waits
+    /// Closes `peer` gracefully and waits until it is closed: see [`RawHub::start_close`]. Waits
     /// (driving the hub) until the close message is delivered, at most `close_timeout`
     /// ([`Error::Timeout`]).
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
@@ -563,7 +563,7 @@ impl Hub {
     /// Starts closing `peer` gracefully: a close message after everything sent so far (once
     /// a credit is there: waits for one, driving the hub, at most `close_timeout`); nothing
     /// more may be sent to it. Once the message is delivered the hub says goodbye on the
-    /// bootstrap stream and reports [`HubEvent::Disconnected`] with [`Failure::Closed`]; the
+    /// bootstrap stream and reports [`RawHubEvent::Disconnected`] with [`Failure::Closed`]; the
     /// peer receives everything, then [`Failure::PeerClosed`]. If it is not delivered within
     /// `close_timeout`, the connection is failed with [`Failure::Closed`] all the same. Keep
     /// driving the hub until then: dropping it first fails the peer as vanished.
@@ -595,7 +595,7 @@ impl Hub {
         Ok(self.slot(self.find(peer)?).core.credits().available())
     }
 
-    /// Why `peer` failed, if it did (until its [`HubEvent::Disconnected`] is taken).
+    /// Why `peer` failed, if it did (until its [`RawHubEvent::Disconnected`] is taken).
     pub fn failure(&self, peer: PeerId) -> Option<Failure> {
         self.find(peer)
             .ok()

@@ -1,16 +1,16 @@
 //! Deadlines, failures, and the end of a connection: drained, destroyed, polled once more,
-//! then released with its [`HubEvent::Disconnected`].
+//! then released with its [`RawHubEvent::Disconnected`].
 
 use std::time::Instant;
 
 use rdmsg_verbs::AsyncElement;
 
 use super::slots::Phase;
-use super::{Hub, HubEvent};
+use super::{RawHub, RawHubEvent};
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::events;
 
-impl Hub {
+impl RawHub {
     /// The deadline of `slot`: its handshake's, or its core's.
     pub(super) fn deadline_of(&self, slot: usize) -> Option<Instant> {
         let s = self.slots.get(slot)?.as_ref()?;
@@ -129,7 +129,7 @@ impl Hub {
         if announced {
             self.stats.disconnected += 1;
             self.events
-                .push_back(HubEvent::Disconnected { peer, failure });
+                .push_back(RawHubEvent::Disconnected { peer, failure });
         }
         self.slots[slot] = None;
         self.free_slots.push(slot);

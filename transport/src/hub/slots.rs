@@ -5,7 +5,7 @@ use std::net::TcpStream;
 
 use rdmsg_verbs::QueuePair;
 
-use super::{Hub, PeerId};
+use super::{PeerId, RawHub};
 use crate::addr::QpAddress;
 use crate::bootstrap::Pending;
 use crate::config::Config;
@@ -44,7 +44,7 @@ impl LocalSide for HubSide {
 /// The I/O side of an established connection (or one whose queue pair is connected and whose
 /// handshake is finishing): its deadlines and state are its core's.
 #[derive(Debug)]
-pub(super) struct Link {
+pub(super) struct Established {
     pub(super) qp: QueuePair,
     pub(super) stream: TcpStream,
     pub(super) peer: Hello,
@@ -61,7 +61,7 @@ pub(super) enum Phase {
     /// Handshake under way (its local side inside, once created).
     Handshake(Box<Pending<HubSide>>),
     /// Queue pair connected.
-    Linked(Box<Link>),
+    Linked(Box<Established>),
     /// Queue pair destroyed; released once the CQs have been polled after that.
     Retired,
 }
@@ -71,7 +71,7 @@ pub(super) enum Phase {
 pub(super) struct Slot {
     pub(super) generation: u32,
     pub(super) accepted: bool,
-    /// The hub reported it [`super::HubEvent::Connected`].
+    /// The hub reported it [`super::RawHubEvent::Connected`].
     pub(super) announced: bool,
     /// Holds buffers of the shared pool ([`crate::share::Share::admit`]).
     pub(super) admitted: bool,
@@ -79,7 +79,7 @@ pub(super) struct Slot {
     pub(super) phase: Phase,
     /// Messages that arrived before the handshake finished, delivered after `Connected`.
     pub(super) early: Vec<Received>,
-    /// In `Hub::touched` this round.
+    /// In `RawHub::touched` this round.
     pub(super) touched: bool,
     /// Its queue pair's number, once it has one (kept until released).
     pub(super) qpn: Option<u32>,
@@ -102,14 +102,14 @@ impl Slot {
         }
     }
 
-    pub(super) fn link(&self) -> Option<&Link> {
+    pub(super) fn link(&self) -> Option<&Established> {
         match &self.phase {
             Phase::Linked(l) => Some(l),
             _ => None,
         }
     }
 
-    pub(super) fn link_mut(&mut self) -> Option<&mut Link> {
+    pub(super) fn link_mut(&mut self) -> Option<&mut Established> {
         match &mut self.phase {
             Phase::Linked(l) => Some(l),
             _ => None,
@@ -129,7 +129,7 @@ impl Slot {
     }
 }
 
-impl Hub {
+impl RawHub {
     pub(super) fn slot(&self, i: usize) -> &Slot {
         self.slots[i].as_ref().expect("a live slot")
     }
@@ -155,7 +155,7 @@ impl Hub {
         Ok(i)
     }
 
-    /// Handshakes started by [`Hub::connect`] and not finished.
+    /// Handshakes started by [`RawHub::connect`] and not finished.
     pub(super) fn outgoing_handshakes(&self) -> usize {
         self.slots
             .iter()

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use rdmsg_notify::{ArmMode, EventChannel, EventTarget, Readiness};
 use rdmsg_verbs::{CompletionChannel, CompletionQueue, ReadyWatch};
 
-use super::Hub;
+use super::RawHub;
 use crate::error::Result;
 use crate::token::Token;
 
@@ -61,7 +61,7 @@ impl EventChannel<CompletionQueue> for HubChannel {
     }
 }
 
-impl Hub {
+impl RawHub {
     /// Sleeps until something happens (at most `timeout`, and the nearest deadline), then
     /// handles it. A `blocked` sender must hear of any grant and any send completion.
     pub(super) fn wait_for_progress(
@@ -90,7 +90,7 @@ impl Hub {
     }
 
     /// Sets how both queues are armed: for any completion while a send waits for a credit or
-    /// a send slot (`blocked`), else as configured (the send queue as [`Hub::send_arm`] says).
+    /// a send slot (`blocked`), else as configured (the send queue as [`RawHub::send_arm`] says).
     pub(super) fn arm(&mut self, blocked: bool) -> Result<()> {
         let (recv, send) = if blocked {
             (ArmMode::Next, ArmMode::Next)

@@ -549,7 +549,7 @@ fn run_hub(cfg: ShareConfig, shared: u32, peers: usize, ops: &[(u8, u8)]) {
                     s.app.backlog += u64::from(x % 3);
                 }
             }
-            // Deliveries in any order across the links: completions of different queue
+            // Deliveries in any order across the wires: completions of different queue
             // pairs interleave as the schedule says.
             2 | 3 => {
                 net.deliver(End::Conn(c));

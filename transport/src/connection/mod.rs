@@ -1,108 +1,36 @@
 //! A credit-flow-controlled RC connection: the driver of one [`Core`] on a queue pair with its
 //! own completion queues, receive pool, send buffers and completion channel. It polls, posts,
-//! waits and moves bytes; every protocol rule is the core's.
+//! waits and moves bytes; every protocol rule is the core's. `channel` is what its sleep
+//! watches; `turn` is the private half of the driver: polling, waiting, the core's actions.
 
 use std::collections::VecDeque;
-use std::io::Write;
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdmsg_notify::{ArmMode, CqKey, EventChannel, EventTarget, Policy, Readiness, Waiter};
-use rdmsg_verbs::{
-    Buffer, CompletionChannel, CompletionQueue, Exposed, QueuePair, ReadSegment, ReadyWatch,
-    WorkCompletion,
-};
+use rdmsg_notify::{ArmMode, CqKey, Waiter};
+use rdmsg_verbs::{Buffer, CompletionQueue, Exposed, QueuePair, ReadSegment, WorkCompletion};
 
 use crate::config::{extra_credits, Config};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
-use crate::core::{earliest, Action, Completion, ConnStats, Core, Post, RecvAction, Room};
+use crate::core::{earliest, ConnStats, Core, Post, Room};
 use crate::credits::Credits;
 use crate::endpoint::Endpoint;
-use crate::error::{errno_of, Error, Failure, Result};
-use crate::events::{self, Mailbox};
-use crate::handshake::{Hello, GOODBYE};
+use crate::error::{Error, Failure, Result};
+use crate::events::Mailbox;
+use crate::handshake::Hello;
 use crate::pool::{PoolStats, Received, RecvPool, Waker};
-use crate::read::{self, Arrival, ReadDone, ReadPost};
+use crate::read::{Arrival, ReadDone, ReadPost};
 use crate::send::{self, Payload, SendBuffers};
 use crate::setup::Setup;
-use crate::stream::{bootstrap_err, keepalive_probes, read_after_handshake};
-use crate::token::Token;
+use crate::stream::{bootstrap_err, keepalive_probes};
 
-/// The completion channel of a connection plus what else should interrupt its sleep: buffers
-/// coming back to the receive pool, the bootstrap stream (end-of-file: the peer process is
-/// gone), and the device's asynchronous events. All four are registered once in an epoll set.
-#[derive(Debug)]
-struct ConnChannel {
-    channel: CompletionChannel,
-    watch: ReadyWatch,
-    /// Registered in `watch`: kept open here.
-    _wake: std::os::unix::net::UnixStream,
-    bootstrap: TcpStream,
-    /// Stop watching the bootstrap stream once it has ended (it stays readable forever).
-    watch_bootstrap: bool,
-    /// Owns the context whose async-event descriptor is registered in `watch`.
-    endpoint: Endpoint,
-}
+mod channel;
+mod turn;
 
-impl ConnChannel {
-    fn new(
-        channel: CompletionChannel,
-        wake: std::os::unix::net::UnixStream,
-        bootstrap: TcpStream,
-        endpoint: Endpoint,
-    ) -> Result<Self> {
-        let watch = ReadyWatch::new()?;
-        watch.add(channel.as_fd(), Token::Channel.bit())?;
-        watch.add(wake.as_fd(), Token::Wake.bit())?;
-        // Every connection of the device watches its async-event descriptor; one new event
-        // wakes one sleeper, which routes it to its owner (see the `events` module).
-        watch.add_exclusive(endpoint.context().async_fd(), Token::Async.bit())?;
-        watch.add(bootstrap.as_fd(), Token::Stream(0).bit())?;
-        Ok(Self {
-            channel,
-            watch,
-            _wake: wake,
-            bootstrap,
-            watch_bootstrap: true,
-            endpoint,
-        })
-    }
-
-    fn stop_watching_bootstrap(&mut self) {
-        if std::mem::take(&mut self.watch_bootstrap) {
-            // The stream stays readable at end-of-file; watching it would spin.
-            let _ = self.watch.remove(self.bootstrap.as_fd());
-        }
-    }
-}
-
-impl EventChannel<CompletionQueue> for ConnChannel {
-    fn next_event(&mut self, cqs: &[CompletionQueue]) -> rdmsg_notify::Result<Option<EventTarget>> {
-        self.channel.next_event(cqs)
-    }
-
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> rdmsg_notify::Result<Readiness> {
-        let ready = self.watch.wait(timeout)?;
-        if Token::Async.in_mask(ready) {
-            // Exclusive: of the connections asleep on the device's async events, this one was
-            // woken, and it may be the only one. Route them now, whatever else woke us: each
-            // event lands in its owner's mailbox and wakes it (us too, through our wake-up
-            // socket, if one is ours). A failure to read is found again by the owner's own
-            // liveness check.
-            let _ = self.endpoint.route_async_events();
-        }
-        Ok(if ready == 0 {
-            Readiness::TimedOut
-        } else if Token::Channel.in_mask(ready) {
-            Readiness::Events
-        } else {
-            Readiness::Other
-        })
-    }
-}
+use channel::ConnChannel;
 
 /// One reliable-connected queue pair with credit flow control, a self-refilling receive pool
 /// and a pool of send buffers.
@@ -357,24 +285,8 @@ impl Connection {
             let e = injected_fault(Fault::Post, self.qp.qp_num());
             return Err(self.local_failure("posting a send (ibv_post_send)", e));
         }
-        let req = self
-            .send
-            .request(payload)
-            .imm(post.imm.encode())
-            .solicited(post.solicited)
-            .signaled(post.signaled);
-        match self.qp.post_send_one(req) {
-            Ok(id) => {
-                self.core.posted(id, post.signaled);
-                Ok(())
-            }
-            Err(e) => {
-                self.send.free.extend(e.unposted);
-                // A credit (or a grant's slot) was taken for this message: carrying on would
-                // leave the two sides' books apart for good.
-                Err(self.local_failure("posting a send (ibv_post_send)", e.error.into()))
-            }
-        }
+        send::post(&mut self.qp, &mut self.send, &mut self.core, payload, post)
+            .map_err(|e| self.local_failure("posting a send (ibv_post_send)", e.into()))
     }
 
     fn can_send(&self) -> bool {
@@ -676,7 +588,7 @@ impl Connection {
     }
 
     /// Closes gracefully: sends a close message after everything sent so far and waits (up to
-    /// `close_timeout`) until it is delivered, then writes [`GOODBYE`] on the bootstrap stream
+    /// `close_timeout`) until it is delivered, then writes [`GOODBYE`](crate::handshake::GOODBYE) on the bootstrap stream
     /// and shuts it down. The peer receives everything, then [`Failure::PeerClosed`].
     pub fn close(mut self) -> Result<()> {
         self.check_can_send()?;
@@ -704,333 +616,4 @@ impl Connection {
             self.wait_once(left)?;
         }
     }
-
-    /// The failure, once every message that arrived before it has been delivered.
-    fn check_failed(&self) -> Result<()> {
-        match self.core.failure() {
-            Some(f) if self.ready.is_empty() => Err(f.into()),
-            _ => Ok(()),
-        }
-    }
-
-    /// The failure, at once: nothing is sent after it.
-    fn check_can_send(&self) -> Result<()> {
-        Ok(self.core.check_send()?)
-    }
-
-    /// Sleeps (per the policy) until something happens, then processes it.
-    /// Messages already queued do not stop the wait: a receiver takes them before calling
-    /// this, and a sender blocked on credits must sleep (or poll) for its grant whatever it
-    /// holds undelivered.
-    fn wait_once(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.repost_and_grant()?;
-        if self.core.failure().is_some() {
-            return Ok(());
-        }
-        if !self.pool.going_to_sleep() {
-            return self.poll_now();
-        }
-        // A polling wait watches no descriptor: bound it so that liveness is checked. A
-        // sleeping one wakes at least every `health_check` to poll for errors the provider
-        // did not signal, and at the protocol's next deadline.
-        let slice = match self.config.policy {
-            Policy::Poll => Some(POLL_SLICE),
-            _ => self.config.health_check,
-        };
-        let due = self
-            .core
-            .next_timeout()
-            .map(|at| at.saturating_duration_since(Instant::now()));
-        let timeout = earliest(earliest(timeout, slice), due);
-        let mut got = std::mem::take(&mut self.completions);
-        let res = self.wait_for_completions(timeout, &mut got);
-        self.pool.awake(!matches!(res, Ok(n) if n > 0));
-        self.completions = got;
-        self.handle_completions();
-        let delivered = match res {
-            Ok(n) => n,
-            Err(e) => return Err(self.local_failure("waiting for completions", e)),
-        };
-        // Nothing delivered: a timeout, or one of the other descriptors (bootstrap stream,
-        // async events) is readable. Look at them now; otherwise now and then.
-        let liveness = delivered == 0 || self.liveness_due();
-        self.after_poll(liveness)
-    }
-
-    /// Polls both queues without sleeping and does the bookkeeping.
-    fn poll_now(&mut self) -> Result<()> {
-        self.poll_and_handle()?;
-        let liveness = self.liveness_due();
-        self.after_poll(liveness)
-    }
-
-    /// Whether a busy connection should look at its bootstrap stream and async events: a read
-    /// syscall or two per message would be costly, so at most every millisecond, and the
-    /// clock itself only every 16th step.
-    fn liveness_due(&mut self) -> bool {
-        self.busy_steps = self.busy_steps.wrapping_add(1);
-        self.busy_steps % 16 == 0 && self.bootstrap_checked.elapsed() >= LIVENESS_EVERY
-    }
-
-    /// The waiter's wait, or the injected fault of a test.
-    fn wait_for_completions(
-        &mut self,
-        timeout: Option<Duration>,
-        got: &mut Vec<(CqKey, WorkCompletion)>,
-    ) -> Result<usize> {
-        #[cfg(feature = "test-hooks")]
-        if self.fault == Some(Fault::Poll) {
-            return Err(injected_fault(Fault::Poll, self.qp.qp_num()));
-        }
-        Ok(self
-            .waiter
-            .wait(timeout, &mut |key, wc| got.push((key, wc.clone())))?)
-    }
-
-    /// After completions were handled: optionally looks for a vanished peer and asynchronous
-    /// events, fires the deadlines that passed, waits for the flushes of a failure, then
-    /// re-posts and grants.
-    fn after_poll(&mut self, liveness: bool) -> Result<()> {
-        if liveness {
-            self.check_bootstrap();
-            self.check_async_events();
-        }
-        if self.core.next_timeout().is_some() {
-            self.core.handle_timeout(Instant::now());
-            self.do_actions();
-        }
-        if self.core.failure().is_some() {
-            self.drain_flushes();
-        }
-        self.repost_and_grant()
-    }
-
-    /// Turns the error of a verb the connection drives into the sticky failure it stands for
-    /// (a queue that cannot be polled, armed or posted to now will not work later either), and
-    /// hands the error back for this call to report.
-    fn local_failure(&mut self, op: &'static str, e: Error) -> Error {
-        if let Some(known) = self.core.failure() {
-            // Reported once; from then on the connection's failure says it.
-            return known.into();
-        }
-        let errno = errno_of(&e);
-        self.fail(Failure::Local { op, errno });
-        e
-    }
-
-    /// Records a failure and waits (bounded) for the flushes it causes.
-    fn fail(&mut self, f: Failure) {
-        self.core.handle_failure(f);
-        self.do_actions();
-        self.drain_flushes();
-    }
-
-    /// Does what the core asks for.
-    fn do_actions(&mut self) {
-        while let Some(action) = self.core.poll_action() {
-            let ch = self.waiter.channel_mut();
-            match action {
-                Action::SayGoodbye => {
-                    // The peer reading its end waits for our close message rather than
-                    // calling us vanished.
-                    let _ = (&ch.bootstrap).write_all(&[GOODBYE]);
-                }
-                Action::UnwatchStream => ch.stop_watching_bootstrap(),
-                Action::FailQueuePair => {
-                    // The end of our bootstrap stream fails the peer's side at once, rather
-                    // than leaving it waiting on a queue pair that no longer answers.
-                    let _ = ch.bootstrap.shutdown(std::net::Shutdown::Both);
-                    ch.stop_watching_bootstrap();
-                    let _ = self.qp.to_error();
-                    self.core.flushing_since(Instant::now());
-                }
-            }
-        }
-    }
-
-    /// Waits (bounded by the core's drain deadline) for the flushes of every posted receive,
-    /// so that every receive buffer comes back to its pool; successful receives found among
-    /// them are delivered. (Sends are not waited for: unsignaled sends that had already
-    /// succeeded never complete again; their buffers go with the queue pair.)
-    fn drain_flushes(&mut self) {
-        loop {
-            self.core.handle_flushed(self.qp.recv_outstanding());
-            if self.core.is_drained() {
-                return;
-            }
-            match self.poll_and_handle() {
-                Ok(0) => std::thread::sleep(Duration::from_millis(1)),
-                Ok(_) => {}
-                Err(_) => {
-                    self.core.stop_draining();
-                    return;
-                }
-            }
-            self.core.handle_timeout(Instant::now());
-        }
-    }
-
-    /// Polls both queues until empty and handles what they held; returns how many.
-    fn poll_and_handle(&mut self) -> Result<usize> {
-        let mut got = std::mem::take(&mut self.completions);
-        let polled = self.poll_completions(&mut got);
-        self.completions = got;
-        self.handle_completions();
-        polled.map_err(|e| self.local_failure("polling the completion queues", e))
-    }
-
-    /// The waiter's poll, or the injected fault of a test.
-    fn poll_completions(&mut self, got: &mut Vec<(CqKey, WorkCompletion)>) -> Result<usize> {
-        #[cfg(feature = "test-hooks")]
-        if self.fault == Some(Fault::Poll) {
-            return Err(injected_fault(Fault::Poll, self.qp.qp_num()));
-        }
-        Ok(self
-            .waiter
-            .poll_all(&mut |key, wc| got.push((key, wc.clone())))?)
-    }
-
-    /// Hands polled completions to the core in the order polled: whatever arrived before a
-    /// failure is delivered before the failure is reported.
-    fn handle_completions(&mut self) {
-        let mut got = std::mem::take(&mut self.completions);
-        if got.is_empty() {
-            self.completions = got;
-            return;
-        }
-        self.handled += got.len() as u64;
-        let recv_key = self.recv_key;
-        self.core.begin_batch(
-            got.iter()
-                .map(|(key, wc)| Completion::of(*key == recv_key, wc)),
-        );
-        for (key, wc) in got.drain(..) {
-            let c = Completion::of(key == recv_key, &wc);
-            if c.recv {
-                self.on_recv(&c, &wc);
-            } else {
-                let mut reads = std::mem::take(&mut self.read_scratch);
-                self.qp
-                    .complete_send_split(&wc, &mut self.send.free, &mut reads);
-                self.reads_done.extend(read::finished(&wc, reads.drain(..)));
-                self.read_scratch = reads;
-                self.core
-                    .handle_send(&c, wc.wr_id(), self.qp.send_outstanding());
-            }
-        }
-        self.completions = got;
-        self.do_actions();
-    }
-
-    fn on_recv(&mut self, c: &Completion, wc: &WorkCompletion) {
-        let Some(buf) = self.qp.take_recv(wc) else {
-            return;
-        };
-        let (endpoint, mailbox) = (&self.endpoint, &self.mailbox);
-        // A flush nothing explains yet: an asynchronous event (a CQ overrun, a fatal QP error)
-        // may be waiting to.
-        let receipt = self
-            .core
-            .handle_recv(c, || async_failure_of(endpoint, mailbox).ok().flatten());
-        match receipt.action {
-            RecvAction::Deliver => {
-                let len = wc.byte_len() as usize;
-                self.ready.push_back(self.pool.lend(buf, len));
-            }
-            RecvAction::Grant | RecvAction::Recycle => self.pool.put_back(buf),
-        }
-    }
-
-    /// Re-posts free buffers and sends a credit grant when the core says so, and re-arms the
-    /// send queue as it says.
-    fn repost_and_grant(&mut self) -> Result<()> {
-        self.pool.collect_returns();
-        if self.core.failure().is_some() {
-            return Ok(());
-        }
-        if self.core.refill_due(self.pool.free_count()) {
-            let bufs = self.pool.take_free();
-            let n = bufs.len();
-            if let Err(e) = self.qp.post_recv(bufs) {
-                for b in e.unposted {
-                    self.pool.put_back(b);
-                }
-                self.core.reposted(e.posted as u32);
-                return Err(
-                    self.local_failure("re-posting receives (ibv_post_recv)", e.error.into())
-                );
-            }
-            self.core.reposted(n as u32);
-        }
-        if let Some(grant) = self.core.grant(self.room()) {
-            self.post(Payload::Empty, grant)?;
-        }
-        let mode = self.core.send_arm();
-        if self.waiter.mode(self.send_key)? != mode {
-            self.waiter.set_mode(self.send_key, mode)?;
-        }
-        Ok(())
-    }
-
-    /// Test hook: moves the queue pair to the error state behind the connection's back, as a
-    /// device fault would.
-    #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
-    pub fn break_queue_pair(&mut self) -> Result<()> {
-        Ok(self.qp.to_error()?)
-    }
-
-    /// Test hook: makes a verb fail from now on, as on a queue that can no longer be used.
-    #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
-    pub fn inject_fault(&mut self, fault: Fault) {
-        self.fault = Some(fault);
-    }
-
-    /// Test hook: the raw queue pair, for a test that moves it to the error state from another
-    /// thread while the connection sleeps. Valid while the connection lives.
-    #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
-    pub fn raw_queue_pair(&self) -> *mut rdmsg_verbs::ffi::ibv_qp {
-        self.qp.as_raw()
-    }
-
-    /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`] may come,
-    /// and tells the core (see [`crate::core::StreamNews`]).
-    fn check_bootstrap(&mut self) {
-        let now = Instant::now();
-        self.bootstrap_checked = now;
-        let ch = self.waiter.channel();
-        if !ch.watch_bootstrap {
-            return;
-        }
-        let news = read_after_handshake(&ch.bootstrap);
-        self.core.handle_stream(news, now);
-        self.do_actions();
-    }
-
-    /// Fails the connection if an asynchronous event says it is broken: a fatal, request or
-    /// access error of our queue pair, an overrun of one of our CQs, a fatal device error, or
-    /// an error of our port.
-    fn check_async_events(&mut self) {
-        match async_failure_of(&self.endpoint, &self.mailbox) {
-            Ok(Some(f)) => self.fail(f),
-            Ok(None) => {}
-            Err(e) => {
-                // The descriptor can no longer be read: nothing would tell us of device faults.
-                let _ = self.local_failure("reading asynchronous events", e);
-            }
-        }
-    }
-}
-
-/// Routes the device's pending asynchronous events and returns the failure the first fatal
-/// one in `mailbox` stands for: a fatal, request or access error of the queue pair, an
-/// overrun of a CQ, a fatal device error, or an error of the port.
-fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result<Option<Failure>> {
-    endpoint.route_async_events()?;
-    Ok(mailbox
-        .take()
-        .into_iter()
-        .find_map(|ev| events::is_fatal(ev.kind).then_some(Failure::AsyncEvent(ev.kind))))
 }

@@ -1,0 +1,285 @@
+//! Where a [`Sender`]'s frames go and what a wait takes in: a connection, one peer of a
+//! transport hub, or a connection absorbing arrivals into a [`Receiver`].
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rdmsg_transport::{Buffer, Connection, Exposed, PeerId, ReadPost, ReadSegment};
+
+use crate::codec::FrameBytes;
+use crate::Result;
+
+use super::*;
+
+/// Where a [`Sender`]'s frames go: a connection, or one peer of a transport hub.
+pub(crate) trait Link {
+    /// Sends what `fill` writes into a registered send buffer (`None`: nothing sent,
+    /// `Ok(false)`), waiting at most `timeout` (`None`: as long as it takes) for a credit
+    /// and a send slot ([`rdmsg_transport::Error::Timeout`]).
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool>;
+
+    /// The largest frame the peer accepts.
+    fn max_message(&self) -> rdmsg_transport::Result<usize>;
+
+    /// Exposes `bytes` to the peer's RDMA reads, under a key of their own.
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed>;
+
+    /// Registers `len` bytes that reads may land in.
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer>;
+
+    /// Posts RDMA reads of the peer's memory into `into`.
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost>;
+
+    /// Waits at most `timeout` for anything to arrive and hands it to the receiving side
+    /// (which reads what the peer lends us meanwhile, so that two peers each waiting for the
+    /// other's acknowledgement both go on): how a send short of rendezvous room waits.
+    /// `None` if this link cannot wait so (a send then finds no room and does not wait).
+    fn absorb(&mut self, _timeout: Option<Duration>) -> Result<Option<Absorbed>> {
+        Ok(None)
+    }
+
+    /// Sends one frame, waiting at most `timeout` as [`Link::send_with`] does; `Ok(false)`
+    /// if nothing came in time (nothing sent).
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool>;
+}
+
+impl Link for Connection {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        Connection::send_with(self, solicited, timeout, fill)
+    }
+
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        Connection::send_timeout(self, frame, solicited, timeout)
+    }
+
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        Ok(Connection::max_message(self))
+    }
+
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
+        Connection::expose(self, bytes)
+    }
+
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
+        Connection::register(self, len)
+    }
+
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost> {
+        Connection::post_read(self, into, segments)
+    }
+}
+
+/// What [`Link::absorb`] took in: acknowledgements each way.
+#[derive(Debug, Default)]
+pub(crate) struct Absorbed {
+    /// The peer is done reading these messages of ours.
+    pub(crate) acked: Vec<u32>,
+    /// We are done reading these messages of the peer's: to be told.
+    pub(crate) acks: Vec<u32>,
+}
+
+impl Absorbed {
+    pub(super) fn from(receiver: &mut Receiver) -> Self {
+        Self {
+            acked: receiver.take_acked(),
+            acks: receiver.take_acks(),
+        }
+    }
+}
+
+/// A session's connection with its receiving side, for a send that may wait for room
+/// ([`Link::absorb`]).
+#[derive(Debug)]
+pub(crate) struct Absorbing<'a> {
+    pub(crate) conn: &'a mut Connection,
+    pub(crate) receiver: &'a mut Receiver,
+}
+
+/// Everything but [`Link::absorb`] is the connection's own [`Link`].
+impl Link for Absorbing<'_> {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        Link::send_with(self.conn, solicited, timeout, fill)
+    }
+
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        Link::send(self.conn, frame, solicited, timeout)
+    }
+
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        Link::max_message(self.conn)
+    }
+
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
+        Link::expose(self.conn, bytes)
+    }
+
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
+        Link::register(self.conn, len)
+    }
+
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost> {
+        Link::post_read(self.conn, into, segments)
+    }
+
+    fn absorb(&mut self, timeout: Option<Duration>) -> Result<Option<Absorbed>> {
+        if let Some(a) = self.conn.recv_any_timeout(timeout)? {
+            self.receiver.accept(a);
+        }
+        self.receiver.advance(self.conn)?;
+        Ok(Some(Absorbed::from(self.receiver)))
+    }
+}
+
+/// What a send bounded by a timeout came to: `Ok(false)` if it timed out (nothing sent).
+pub(crate) fn in_time(sent: Result<()>) -> Result<bool> {
+    match sent {
+        Ok(()) => Ok(true),
+        Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// One peer of a transport hub, as a [`Link`].
+#[derive(Debug)]
+pub(crate) struct HubLink<'a> {
+    pub(crate) hub: &'a mut rdmsg_transport::RawHub,
+    pub(crate) peer: PeerId,
+    /// Where a waiting send keeps the events of other peers it takes (see
+    /// [`Link::absorb`]), and this peer's receiving side; `None`: it does not wait for
+    /// rendezvous room.
+    pub(crate) stash: Option<&'a mut VecDeque<rdmsg_transport::RawHubEvent>>,
+    pub(crate) receiver: Option<&'a mut Receiver>,
+}
+
+impl Link for HubLink<'_> {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        self.hub.send_with(self.peer, solicited, timeout, fill)
+    }
+
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        self.hub.send_timeout(self.peer, frame, solicited, timeout)
+    }
+
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        self.hub.max_message(self.peer)
+    }
+
+    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
+        self.hub.expose(bytes)
+    }
+
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
+        self.hub.register(len)
+    }
+
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost> {
+        self.hub.post_read(self.peer, into, segments)
+    }
+
+    fn absorb(&mut self, timeout: Option<Duration>) -> Result<Option<Absorbed>> {
+        let (Some(stash), Some(receiver)) = (self.stash.take(), self.receiver.take()) else {
+            return Ok(None);
+        };
+        let taken = self.hub.next_event(timeout);
+        let out = match taken {
+            Err(e) => Err(e.into()),
+            Ok(ev) => {
+                let gone = match ev {
+                    Some(rdmsg_transport::RawHubEvent::Message { peer, msg })
+                        if peer == self.peer =>
+                    {
+                        receiver.arrive(FrameBytes::Received(msg));
+                        None
+                    }
+                    Some(rdmsg_transport::RawHubEvent::Read { peer, read })
+                        if peer == self.peer =>
+                    {
+                        receiver.read_done(read);
+                        None
+                    }
+                    Some(other) => {
+                        // Others' events wait for the hub's next call; this peer's end ends
+                        // the wait.
+                        let gone = match &other {
+                            rdmsg_transport::RawHubEvent::Disconnected { peer, failure }
+                                if *peer == self.peer =>
+                            {
+                                Some(*failure)
+                            }
+                            _ => None,
+                        };
+                        stash.push_back(other);
+                        gone
+                    }
+                    None => None,
+                };
+                match gone {
+                    Some(f) => Err(rdmsg_transport::Error::from(f).into()),
+                    None => receiver
+                        .advance(self)
+                        .map(|()| Some(Absorbed::from(receiver))),
+                }
+            }
+        };
+        self.stash = Some(stash);
+        self.receiver = Some(receiver);
+        out
+    }
+}

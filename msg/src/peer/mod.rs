@@ -1,0 +1,46 @@
+//! What a [`crate::Session`] keeps for its connection and a [`crate::Hub`] keeps for each of
+//! its peers: the sending side (sequence, solicitation policy, encoding and fragmenting) and
+//! the receiving side (decoder), written once over a [`Link`] so that both drive the same code.
+//! `link` is where frames go, `send` the sending side, `receive` the receiving side, `table`
+//! a hub's per-peer state.
+
+mod link;
+mod receive;
+mod send;
+mod table;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use link::*;
+pub(crate) use receive::*;
+pub(crate) use send::*;
+pub(crate) use table::*;
+
+use crate::SessionStats;
+
+/// Hands acknowledgements between the two sides of one peer: the peer's to our sender, ours
+/// to be sent. Whether any of ours were queued.
+pub(crate) fn exchange_acks(
+    sender: &mut Sender,
+    receiver: &mut Receiver,
+    frame_max: usize,
+) -> bool {
+    if !receiver.has_acks() {
+        return false;
+    }
+    sender.acknowledged(&receiver.take_acked());
+    let ours = receiver.take_acks();
+    sender.queue_acks(&ours, frame_max);
+    !ours.is_empty()
+}
+
+/// The counters of both sides.
+pub(crate) fn stats(sender: &Sender, receiver: &Receiver) -> SessionStats {
+    SessionStats {
+        received: receiver.received,
+        dropped_frames: receiver.dropped_frames,
+        rendezvous_received: receiver.rendezvous_received,
+        rendezvous_registered: receiver.pool.registered() as u64,
+        ..sender.stats
+    }
+}

@@ -1,0 +1,286 @@
+//! The receiving side of one peer: the decoder, messages kept in their order, rendezvous
+//! reads waiting, posted and done, acknowledgements each way.
+
+use std::collections::VecDeque;
+
+use rdmsg_transport::{Arrival, Buffer, ReadDone, ReadPost, ReadSegment};
+
+use crate::codec::{Decoded, Decoder, Envelope, FrameBytes};
+use crate::frame::{self};
+use crate::rendezvous::{Descriptor, ReadBuf, ReadPool, Segment};
+use crate::{Message, Result};
+
+use super::*;
+
+/// The receiving side of one connection: its decoder (reassembly, registered tags), the
+/// rendezvous reads under way, and the receive counters of [`SessionStats`]. Messages come
+/// out in their sequence order, a message being read holding back those after it.
+#[derive(Debug)]
+pub(crate) struct Receiver {
+    pub(super) decoder: Decoder,
+    pub(super) received: u64,
+    pub(super) dropped_frames: u64,
+    pub(super) rendezvous_received: u64,
+    /// Messages (or the errors of dropped frames) in order; some still being read.
+    pub(super) order: VecDeque<Place>,
+    /// Descriptors whose reads are not posted yet (no buffer room, or no send slot).
+    pub(super) waiting: VecDeque<WaitingRead>,
+    /// Reads posted: read id → (seq, tag, length, the buffer's size).
+    pub(super) reading: std::collections::HashMap<u64, (u32, u32, usize, usize)>,
+    /// Our reads that finished: their senders are to be told.
+    pub(super) acks: Vec<u32>,
+    /// The peer's acknowledgements of our messages, for the sender.
+    pub(super) acked: Vec<u32>,
+    pub(super) pool: ReadPool,
+}
+
+#[derive(Debug)]
+pub(super) enum Place {
+    Ready(Result<Envelope>),
+    Reading(u32),
+}
+
+#[derive(Debug)]
+pub(super) struct WaitingRead {
+    pub(super) seq: u32,
+    pub(super) tag: u32,
+    pub(super) descriptor: Descriptor,
+}
+
+/// Most messages a receiver reads at once (the queue pair keeps up to 16 reads in flight).
+pub(super) const MAX_READS_POSTED: usize = 8;
+
+/// Most descriptors a receiver keeps waiting for room: an honest sender's are bounded by its
+/// own room; beyond this one is refused (and acknowledged).
+pub(super) const MAX_WAITING_READS: usize = 1024;
+
+impl Receiver {
+    pub(crate) fn new(decoder: Decoder, pool: ReadPool) -> Self {
+        Self {
+            decoder,
+            received: 0,
+            dropped_frames: 0,
+            rendezvous_received: 0,
+            order: VecDeque::new(),
+            waiting: VecDeque::new(),
+            reading: std::collections::HashMap::new(),
+            acks: Vec::new(),
+            acked: Vec::new(),
+            pool,
+        }
+    }
+
+    pub(crate) fn register<M: Message>(&mut self) -> Result<()> {
+        self.decoder.register::<M>()
+    }
+
+    /// Takes one frame: a message (or the typed error of a frame that was dropped, counted)
+    /// joins the queue in order; a descriptor queues its read; an acknowledgement is kept for
+    /// the sender ([`Receiver::take_acked`]).
+    #[cfg(test)]
+    pub(crate) fn take(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
+        self.arrive(frame);
+        self.pop().transpose()
+    }
+
+    /// Takes what a connection handed out.
+    pub(crate) fn accept(&mut self, a: Arrival) {
+        match a {
+            Arrival::Message(m) => self.arrive(FrameBytes::Received(m)),
+            Arrival::Read(r) => self.read_done(r),
+        }
+    }
+
+    /// [`Receiver::take`] without taking the next message out.
+    pub(crate) fn arrive(&mut self, frame: FrameBytes) {
+        let descriptor_seq = frame::parse(frame.bytes())
+            .ok()
+            .filter(|(h, _)| h.flags & frame::RNDV != 0)
+            .map(|(h, _)| h.seq);
+        match self.decoder.take(frame) {
+            Ok(Decoded::Message(env)) => {
+                self.received += 1;
+                self.order.push_back(Place::Ready(Ok(env)));
+            }
+            Ok(Decoded::Nothing) => {}
+            Ok(Decoded::Done(seqs)) => self.acked.extend(seqs),
+            Ok(Decoded::Rendezvous {
+                tag,
+                seq,
+                descriptor,
+            }) => self.on_descriptor(tag, seq, descriptor),
+            Err(e) => {
+                // A descriptor refused is acknowledged all the same: its sender frees it.
+                self.acks.extend(descriptor_seq);
+                self.drop_frame(e);
+            }
+        }
+    }
+
+    pub(super) fn drop_frame(&mut self, e: crate::Error) {
+        self.dropped_frames += 1;
+        self.order.push_back(Place::Ready(Err(e)));
+    }
+
+    pub(super) fn on_descriptor(&mut self, tag: u32, seq: u32, descriptor: Descriptor) {
+        let len = descriptor.total as usize;
+        let max = self.decoder.max_message().min(self.pool.max());
+        if len > max {
+            self.acks.push(seq);
+            return self.drop_frame(crate::Error::TooLarge { len, max });
+        }
+        if self.waiting.len() >= MAX_WAITING_READS {
+            self.acks.push(seq);
+            let e = frame::FrameError::Rendezvous("too many messages waiting to be read");
+            return self.drop_frame(e.into());
+        }
+        self.order.push_back(Place::Reading(seq));
+        self.waiting.push_back(WaitingRead {
+            seq,
+            tag,
+            descriptor,
+        });
+    }
+
+    /// Posts the reads of waiting descriptors, as far as buffer room and send slots allow.
+    pub(crate) fn advance(&mut self, link: &mut impl Link) -> Result<()> {
+        while let Some(w) = self.waiting.front() {
+            if self.reading.len() >= MAX_READS_POSTED {
+                // Enough to keep the link busy; more would only register more buffers.
+                return Ok(());
+            }
+            let len = w.descriptor.total as usize;
+            let Some(mut buf) = self.pool.acquire(len, |n| link.register(n))? else {
+                return Ok(());
+            };
+            let mut segments = Vec::new();
+            let mut at = 0;
+            for seg in &w.descriptor.segments {
+                match seg {
+                    Segment::Inline(v) => {
+                        buf.as_mut_slice()[at..at + v.len()].copy_from_slice(v);
+                    }
+                    Segment::Remote { len, addr, rkey } => segments.push(ReadSegment {
+                        local_offset: at,
+                        len: *len,
+                        remote_addr: *addr,
+                        rkey: *rkey,
+                    }),
+                }
+                at += seg.len();
+            }
+            let (seq, tag) = (w.seq, w.tag);
+            if segments.is_empty() {
+                self.waiting.pop_front();
+                self.acks.push(seq);
+                self.complete(seq, tag, buf, len);
+                continue;
+            }
+            let cap = buf.len();
+            match link.post_read(buf, &segments) {
+                Ok(ReadPost::Posted(id)) => {
+                    self.waiting.pop_front();
+                    self.reading.insert(id, (seq, tag, len, cap));
+                }
+                Ok(ReadPost::Busy(buf)) => {
+                    self.pool.release(buf);
+                    return Ok(());
+                }
+                Err(e) => {
+                    // The buffer went with the refused post: count it out of the pool.
+                    self.pool.forget(cap);
+                    if let rdmsg_transport::Error::ReadTooLarge { .. } = e {
+                        // More pieces than our send queue takes at once: refused alone.
+                        self.waiting.pop_front();
+                        self.acks.push(seq);
+                        self.fill(seq, Err(crate::Error::Transport(e)));
+                        continue;
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One of our reads finished: its message takes its place in the order, and its sender
+    /// is to be told.
+    pub(crate) fn read_done(&mut self, done: ReadDone) {
+        let Some((seq, tag, len, _)) = self.reading.remove(&done.id) else {
+            // Not one of ours: it was never counted in the pool.
+            return;
+        };
+        self.acks.push(seq);
+        if done.ok {
+            self.complete(seq, tag, done.buffer, len);
+        } else {
+            self.pool.release(done.buffer);
+            self.fill(seq, Err(crate::Error::ReadFailed { tag, seq }));
+        }
+    }
+
+    pub(super) fn complete(&mut self, seq: u32, tag: u32, buf: Buffer, len: usize) {
+        let env = self
+            .decoder
+            .read_message(tag, seq, ReadBuf::new(buf, len, self.pool.clone()));
+        self.received += 1;
+        self.rendezvous_received += 1;
+        self.fill(seq, Ok(env));
+    }
+
+    pub(super) fn fill(&mut self, seq: u32, what: Result<Envelope>) {
+        if let Some(slot) = self
+            .order
+            .iter_mut()
+            .find(|s| matches!(s, Place::Reading(n) if *n == seq))
+        {
+            *slot = Place::Ready(what);
+        }
+    }
+
+    /// The next message (or dropped frame's error) in order, if it is there.
+    pub(crate) fn pop(&mut self) -> Option<Result<Envelope>> {
+        match self.order.front()? {
+            Place::Ready(_) => match self.order.pop_front() {
+                Some(Place::Ready(r)) => Some(r),
+                _ => None,
+            },
+            Place::Reading(_) => None,
+        }
+    }
+
+    /// Whether [`Receiver::pop`] has something.
+    pub(crate) fn has_ready(&self) -> bool {
+        matches!(self.order.front(), Some(Place::Ready(_)))
+    }
+
+    /// Whether descriptors wait for room or a send slot (a step should try again).
+    pub(crate) fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Sequence numbers of the peer's messages we are done reading.
+    pub(crate) fn take_acks(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.acks)
+    }
+
+    /// The peer's acknowledgements of our messages.
+    pub(crate) fn take_acked(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.acked)
+    }
+
+    /// Whether acknowledgements wait to be handed over (either way).
+    pub(crate) fn has_acks(&self) -> bool {
+        !self.acks.is_empty() || !self.acked.is_empty()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        // Reads still under way end with the connection, their buffers with it (a queue pair
+        // destroyed drops them): they leave the pool's count.
+        for &(_, _, _, cap) in self.reading.values() {
+            self.pool.forget(cap);
+        }
+    }
+}

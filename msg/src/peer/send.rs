@@ -1,0 +1,490 @@
+//! The sending side of one peer: sequence, solicitation, encoding or fragmenting, rendezvous
+//! exposures and their acknowledgements.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::bulk::Piece;
+use crate::codec::{self, NUDGE_TAG};
+use crate::frame::{self, FIRST, LAST};
+use crate::policy::SolicitPolicy;
+use crate::rendezvous::{self, Descriptor, Lent, Segment};
+use crate::{Message, Result, SessionConfig, SessionStats};
+
+use super::*;
+
+/// Encoded pieces that travel inside a descriptor at most (larger ones are exposed).
+pub(super) const INLINE_PIECE: usize = 1024;
+
+/// The pieces of a message, joined: its body.
+pub(super) fn concat(pieces: Vec<Piece>) -> Vec<u8> {
+    match <[Piece; 1]>::try_from(pieces) {
+        Ok([Piece::Encoded(v)]) => v,
+        Ok([p]) => p.bytes().to_vec(),
+        Err(pieces) => {
+            let mut all = Vec::with_capacity(pieces.iter().map(Piece::len).sum());
+            for p in &pieces {
+                all.extend_from_slice(p.bytes());
+            }
+            all
+        }
+    }
+}
+
+/// The sending side of one connection: the next sequence number, the solicitation policy,
+/// and the send counters of [`SessionStats`].
+#[derive(Debug)]
+pub(crate) struct Sender {
+    pub(super) policy: SolicitPolicy,
+    pub(super) seq: u32,
+    pub(super) max_message: usize,
+    pub(super) stats: SessionStats,
+    /// Frames of a fragmented message committed by a non-blocking send (its sequence number
+    /// taken, its first frame gone) that are still to go, each with its solicitation, and
+    /// rendezvous acknowledgements. They go before anything else, whoever drives the link
+    /// next.
+    pub(super) outgoing: VecDeque<(Vec<u8>, bool)>,
+    /// Encoded messages at least this long go by rendezvous (`None`: never).
+    pub(super) rendezvous_threshold: Option<usize>,
+    /// Messages the peer may be reading.
+    pub(super) lent: Lent,
+}
+
+impl Sender {
+    /// The sender for a peer announcing `peer_depth` receive buffers (its credit window),
+    /// within `config`'s bounds.
+    pub(crate) fn new(config: &SessionConfig, peer_depth: u32) -> Self {
+        let run = config.max_unsolicited_run.unwrap_or(peer_depth / 4);
+        Self {
+            policy: SolicitPolicy::new(run, config.max_unsolicited_bytes)
+                .with_max_delay(config.max_unsolicited_delay),
+            seq: 0,
+            max_message: config.max_message,
+            stats: SessionStats::default(),
+            outgoing: VecDeque::new(),
+            rendezvous_threshold: config.rendezvous_threshold,
+            lent: Lent::new(config.max_rendezvous_bytes),
+        }
+    }
+
+    /// A message too large for one frame, encoded once into pieces ([`Bulk`](crate::Bulk)
+    /// payloads by reference), and its length, within `max_message`.
+    pub(super) fn encode_large<M: Message>(&self, m: &M) -> Result<(Vec<Piece>, usize)> {
+        let pieces = codec::encode_pieces(m)?;
+        let total: usize = pieces.iter().map(Piece::len).sum();
+        if total > self.max_message {
+            return Err(crate::Error::TooLarge {
+                len: total,
+                max: self.max_message,
+            });
+        }
+        Ok((pieces, total))
+    }
+
+    /// Whether a message of `total` encoded bytes goes by rendezvous.
+    pub(super) fn by_rendezvous(&self, total: usize) -> bool {
+        self.rendezvous_threshold.is_some_and(|t| total >= t)
+            && total <= self.lent.max()
+            && u32::try_from(total).is_ok()
+    }
+
+    /// The peer is done reading these messages: their exposures end.
+    pub(crate) fn acknowledged(&mut self, seqs: &[u32]) {
+        for &seq in seqs {
+            if !self.lent.done(seq) {
+                self.stats.stray_acks += 1;
+            }
+        }
+    }
+
+    /// Messages the peer may still be reading.
+    pub(crate) fn lent(&self) -> usize {
+        self.lent.count()
+    }
+
+    /// Waits, taking in what arrives ([`Link::absorb`]), until the peer is done reading our
+    /// messages or `deadline` passes: closing under a read would fail it.
+    pub(crate) fn wait_until_returned(
+        &mut self,
+        link: &mut impl Link,
+        deadline: Instant,
+    ) -> Result<()> {
+        while self.lent() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !self.wait_and_take_acks(link, Some(left))? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits at most `timeout` for what arrives ([`Link::absorb`]), takes in the peer's
+    /// acknowledgements and sends ours as they can go; `false` if the link cannot wait so.
+    pub(super) fn wait_and_take_acks(
+        &mut self,
+        link: &mut impl Link,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        let Some(got) = link.absorb(timeout)? else {
+            return Ok(false);
+        };
+        self.acknowledged(&got.acked);
+        let frame_max = link.max_message()?;
+        self.queue_acks(&got.acks, frame_max);
+        self.send_committed(link)?;
+        Ok(true)
+    }
+
+    /// Queues acknowledgements of messages we are done reading, solicited (the peer may wait
+    /// for room), to go with the next frames sent.
+    pub(crate) fn queue_acks(&mut self, seqs: &[u32], frame_max: usize) {
+        for f in rendezvous::done_frames(seqs, frame_max) {
+            self.outgoing.push_back((f, true));
+        }
+    }
+
+    /// Sends `pieces` (message `seq` of type `tag`, `total` bytes) by rendezvous: exposes
+    /// what does not travel in the descriptor, then sends the descriptor, solicited, waiting
+    /// at most `timeout` for a credit. `Ok(false)`: not sent (nothing exposed any more).
+    /// `Err` with nothing sent if the descriptor cannot fit a frame.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn send_rendezvous(
+        &mut self,
+        link: &mut impl Link,
+        tag: u32,
+        seq: u32,
+        mut pieces: Vec<Piece>,
+        total: usize,
+        requested: bool,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        let frame_max = link.max_message()?;
+        if pieces.len() > rendezvous::MAX_PIECES {
+            // Too many payloads to name one by one: copy them into one piece.
+            pieces = vec![Piece::Encoded(concat(pieces))];
+        }
+        // Small encoded pieces travel in the descriptor, as far as the frame allows.
+        let mut room = frame_max.saturating_sub(rendezvous::remote_frame_len(pieces.len()));
+        let mut segments = Vec::with_capacity(pieces.len());
+        let mut exposed = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Encoded(v)
+                    if v.len() + rendezvous::INLINE_HEAD <= room && v.len() <= INLINE_PIECE =>
+                {
+                    room -= v.len() + rendezvous::INLINE_HEAD;
+                    segments.push(Segment::Inline(v));
+                }
+                other => {
+                    let bytes = match other {
+                        Piece::Encoded(v) => Bytes::from(v),
+                        Piece::Bulk(b) => b,
+                    };
+                    let e = link.expose(bytes)?;
+                    segments.push(Segment::Remote {
+                        len: e.len() as u32,
+                        addr: e.addr(),
+                        rkey: e.rkey(),
+                    });
+                    exposed.push(e);
+                }
+            }
+        }
+        let descriptor = Descriptor {
+            total: total as u32,
+            segments,
+        };
+        let mut len = 0;
+        let sent = link.send_with(true, timeout, |buf| {
+            len = descriptor.write_frame(tag, seq, buf)?;
+            Some(len)
+        })?;
+        if !sent {
+            return Ok(false);
+        }
+        self.lent.lend(seq, exposed, total);
+        self.stats.rendezvous_sent += 1;
+        self.finish(true, requested, len, 1);
+        Ok(true)
+    }
+
+    /// Whether a descriptor of `pieces` can fit in a frame of `frame_max` bytes.
+    pub(super) fn descriptor_fits(pieces: usize, frame_max: usize) -> bool {
+        rendezvous::remote_frame_len(pieces.min(rendezvous::MAX_PIECES)) <= frame_max
+    }
+
+    /// Sends `m`, solicited as asked or as the policy forces: straight into a registered send
+    /// buffer when it fits, else fragmented, the last fragment alone carrying the solicitation.
+    pub(crate) fn send_as<M: Message>(
+        &mut self,
+        link: &mut impl Link,
+        m: &M,
+        solicited: bool,
+    ) -> Result<()> {
+        self.send_within(link, m, solicited, None)
+    }
+
+    /// [`Sender::send_as`], its first frame waiting at most `first_timeout` for a credit and a
+    /// send slot ([`rdmsg_transport::Error::Timeout`]: nothing sent); the other frames of a
+    /// fragmented message wait as long as it takes, so that none is left half sent.
+    pub(crate) fn send_within<M: Message>(
+        &mut self,
+        link: &mut impl Link,
+        m: &M,
+        solicited: bool,
+        first_timeout: Option<Duration>,
+    ) -> Result<()> {
+        // Frames committed earlier go first; until they have, nothing of `m` is sent.
+        if !self.drain(link, first_timeout)? {
+            let waited = first_timeout.unwrap_or_default();
+            return Err(rdmsg_transport::Error::Timeout(waited).into());
+        }
+        let seq = self.seq;
+        let want = self.policy.decide(solicited);
+        let mut outcome: Result<Option<usize>> = Ok(None);
+        let sent = link.send_with(want, first_timeout, |buf| {
+            outcome = codec::encode_single(m, seq, buf);
+            outcome.as_ref().ok().copied().flatten()
+        })?;
+        let single = outcome?;
+        if sent {
+            self.finish(want, solicited, single.unwrap_or(0), 1);
+            return Ok(());
+        }
+        let (pieces, total) = self.encode_large(m)?;
+        let frame_max = link.max_message()?;
+        if self.by_rendezvous(total) && Self::descriptor_fits(pieces.len(), frame_max) {
+            // A timeout too long to add to the clock is no deadline at all.
+            let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
+            let timed_out = || rdmsg_transport::Error::Timeout(first_timeout.unwrap_or_default());
+            self.stats.rendezvous_waits += u64::from(!self.lent.has_room(total));
+            while !self.lent.has_room(total) {
+                let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                if left == Some(Duration::ZERO) || !self.wait_and_take_acks(link, left)? {
+                    return Err(timed_out().into());
+                }
+            }
+            return match self.send_rendezvous(
+                link,
+                M::TAG,
+                seq,
+                pieces,
+                total,
+                solicited,
+                first_timeout,
+            )? {
+                true => Ok(()),
+                false => Err(timed_out().into()),
+            };
+        }
+        let frames = codec::fragment(&concat(pieces), M::TAG, seq, frame_max, self.max_message)?;
+        let count = frames.len();
+        let mut bytes = 0;
+        for (i, f) in frames.iter().enumerate() {
+            let last = i + 1 == count;
+            // Without a timeout a frame always goes (or the link failed).
+            link.send(f, last && want, None)?;
+            bytes += f.len();
+        }
+        self.stats.fragmented += 1;
+        self.finish(want, solicited, bytes, count as u64);
+        Ok(())
+    }
+
+    /// Sends `m` if it can go without waiting: `Ok(false)` (nothing of it sent) if the peer
+    /// has no credit, no send slot is free, or frames committed earlier are still waiting. A
+    /// message needing fragments is committed once its first frame is sent: the rest are
+    /// queued and go out as credits allow, on any later call that drives the link
+    /// ([`Sender::send_committed`]), before anything else.
+    pub(crate) fn try_send_as<M: Message>(
+        &mut self,
+        link: &mut impl Link,
+        m: &M,
+        solicited: bool,
+    ) -> Result<bool> {
+        if !self.send_committed(link)? {
+            return Ok(false);
+        }
+        let seq = self.seq;
+        let want = self.policy.decide(solicited);
+        let mut outcome: Result<Option<usize>> = Ok(None);
+        let mut asked = false;
+        let sent = match link.send_with(want, Some(Duration::ZERO), |buf| {
+            asked = true;
+            outcome = codec::encode_single(m, seq, buf);
+            outcome.as_ref().ok().copied().flatten()
+        }) {
+            Ok(sent) => sent,
+            Err(rdmsg_transport::Error::Timeout(_)) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        let single = outcome?;
+        if sent {
+            self.finish(want, solicited, single.unwrap_or(0), 1);
+            return Ok(true);
+        }
+        if !asked {
+            return Ok(false);
+        }
+        let (pieces, total) = self.encode_large(m)?;
+        let frame_max = link.max_message()?;
+        if self.by_rendezvous(total) && Self::descriptor_fits(pieces.len(), frame_max) {
+            if !self.lent.has_room(total) {
+                return Ok(false);
+            }
+            let zero = Some(Duration::ZERO);
+            return match self.send_rendezvous(link, M::TAG, seq, pieces, total, solicited, zero) {
+                Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+                other => other,
+            };
+        }
+        let frames = codec::fragment(&concat(pieces), M::TAG, seq, frame_max, self.max_message)?;
+        let count = frames.len();
+        let mut frames = frames.into_iter().enumerate();
+        let (_, first) = frames.next().expect("a message has a first frame");
+        if !link.send(&first, count == 1 && want, Some(Duration::ZERO))? {
+            // The credit seen a moment ago is still there (only we spend it): a send slot.
+            return Ok(false);
+        }
+        let bytes: usize = first.len();
+        let rest: Vec<(Vec<u8>, bool)> = frames.map(|(i, f)| (f, i + 1 == count && want)).collect();
+        let bytes = bytes + rest.iter().map(|(f, _)| f.len()).sum::<usize>();
+        self.outgoing.extend(rest);
+        self.stats.fragmented += 1;
+        self.finish(want, solicited, bytes, count as u64);
+        self.send_committed(link)?;
+        Ok(true)
+    }
+
+    /// Sends committed frames that can go without waiting; whether none is left.
+    pub(crate) fn send_committed(&mut self, link: &mut impl Link) -> Result<bool> {
+        self.drain(link, Some(Duration::ZERO))
+    }
+
+    /// Frames committed but not sent yet.
+    pub(crate) fn queued_frames(&self) -> usize {
+        self.outgoing.len()
+    }
+
+    /// With [`crate::SessionConfig::max_unsolicited_delay`], when what went unsolicited must be
+    /// flushed at the latest.
+    pub(crate) fn flush_deadline(&self) -> Option<Instant> {
+        self.policy.deadline()
+    }
+
+    /// Whether a session about to wait should flush now: something went unsolicited, and
+    /// either no delay is allowed or it has run out.
+    pub(crate) fn flush_due(&self) -> bool {
+        self.policy.pending()
+            && match self.policy.max_delay() {
+                None => true,
+                Some(_) => self.flush_deadline().is_some_and(|d| Instant::now() >= d),
+            }
+    }
+
+    /// Whether unsolicited sends may wait up to a bound ([`crate::SessionConfig::max_unsolicited_delay`]).
+    pub(crate) fn delay_allowed(&self) -> bool {
+        self.policy.max_delay().is_some()
+    }
+
+    pub(super) fn finish(&mut self, solicited: bool, requested: bool, bytes: usize, frames: u64) {
+        self.seq = self.seq.wrapping_add(1);
+        self.policy.record(solicited, bytes);
+        self.stats.sent += 1;
+        self.stats.frames_sent += frames;
+        self.stats.sent_solicited += u64::from(solicited);
+        self.stats.policy_solicited += u64::from(solicited && !requested);
+    }
+
+    /// Sends every message unsolicited but the last, which is solicited.
+    pub(crate) fn send_batch<'a, M: Message + 'a>(
+        &mut self,
+        link: &mut impl Link,
+        batch: impl IntoIterator<Item = &'a M>,
+    ) -> Result<usize> {
+        let mut iter = batch.into_iter().peekable();
+        let mut n = 0;
+        while let Some(m) = iter.next() {
+            self.send_as(link, m, iter.peek().is_none())?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// A payload-less solicited frame if anything went unsolicited since the last solicited
+    /// one.
+    pub(crate) fn flush(&mut self, link: &mut impl Link) -> Result<()> {
+        self.flush_within(link, None).map(|_| ())
+    }
+
+    /// [`Sender::flush`], waiting at most `timeout` for a credit: `Ok(false)` if none came
+    /// (nothing sent; still pending).
+    pub(crate) fn flush_within(
+        &mut self,
+        link: &mut impl Link,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        // Committed frames go first (a flush promises everything sent so far is on its way,
+        // and the nudge's number follows theirs).
+        if !self.drain(link, timeout)? {
+            return Ok(false);
+        }
+        if !self.policy.pending() {
+            return Ok(true);
+        }
+        let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
+        if !link.send(&nudge, true, timeout)? {
+            return Ok(false);
+        }
+        self.policy.record(true, 0);
+        Ok(true)
+    }
+
+    /// Sends every committed frame, waiting at most `timeout` for each; whether all went.
+    pub(crate) fn drain(
+        &mut self,
+        link: &mut impl Link,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        while let Some((f, solicited)) = self.outgoing.front() {
+            if !link.send(f, *solicited, timeout)? {
+                return Ok(false);
+            }
+            self.outgoing.pop_front();
+        }
+        Ok(true)
+    }
+
+    /// Whether something went unsolicited since the last solicited frame.
+    pub(crate) fn pending(&self) -> bool {
+        self.policy.pending()
+    }
+
+    /// The receiving side is about to wait for the peer: what went to it unsolicited has not
+    /// woken it, and if it sleeps solicited-only waiting for exactly that (a request whose
+    /// answer we are about to wait for), both would wait for ever. So it is flushed first,
+    /// waiting at most `timeout` for a send slot; `Ok(false)` if it is still pending. With no
+    /// credit (`credits` 0) nothing is sent: the message that spent the peer's last credit
+    /// went solicited (the transport solicits it), so the peer looks anyway.
+    pub(crate) fn flush_before_wait(
+        &mut self,
+        link: &mut impl Link,
+        credits: u32,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        if !self.policy.pending() {
+            return Ok(true);
+        }
+        if credits == 0 {
+            // The message that spent the peer's last credit went solicited (the transport
+            // solicits it): the run is flushed, and its deadline with it.
+            self.policy.record(true, 0);
+            return Ok(true);
+        }
+        let flushed = self.flush_within(link, timeout)?;
+        self.stats.wait_flushes += u64::from(flushed);
+        Ok(flushed)
+    }
+}

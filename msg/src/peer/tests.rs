@@ -1,0 +1,388 @@
+//! The sending and receiving sides over a simulated link: frames, fragments, rendezvous,
+//! acknowledgements, and the peer table.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use rdmsg_transport::{Buffer, Exposed, ReadPost, ReadSegment};
+
+use super::*;
+use crate::codec::{Decoder, Envelope, FrameBytes};
+use crate::rendezvous::ReadPool;
+use crate::Error;
+use crate::{Message, Result, SessionConfig};
+
+/// A slot and a generation, as a transport hub makes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Key(usize, u32);
+
+impl SlotKey for Key {
+    fn index(self) -> usize {
+        self.0
+    }
+}
+
+#[test]
+fn a_reused_slot_does_not_answer_to_its_old_key() {
+    let mut t = PeerTable::default();
+    assert!(t.insert(Key(3, 1), "a").is_none());
+    assert!(t.insert(Key(0, 2), "b").is_none());
+    assert_eq!(t.get(Key(3, 1)), Some(&"a"));
+    assert_eq!(t.get(Key(3, 9)), None, "another generation");
+    assert_eq!(t.get(Key(7, 1)), None, "beyond the slots");
+    assert_eq!(t.remove(Key(3, 9)), None, "a stale key removes nothing");
+    assert_eq!(t.remove(Key(3, 1)), Some("a"));
+    assert_eq!(t.get(Key(3, 1)), None);
+    assert!(t.insert(Key(3, 4), "c").is_none(), "the slot is reused");
+    assert_eq!(t.get(Key(3, 1)), None);
+    *t.get_mut(Key(3, 4)).unwrap() = "d";
+    assert_eq!(t.get(Key(3, 4)), Some(&"d"));
+    assert_eq!(
+        t.remove(Key(3, 1)),
+        None,
+        "the old key cannot remove the new entry"
+    );
+    let mut all: Vec<_> = t.values().copied().collect();
+    all.sort_unstable();
+    assert_eq!(all, ["b", "d"]);
+}
+
+#[test]
+fn a_missed_removal_is_handed_back_by_the_next_insert() {
+    let mut t = PeerTable::default();
+    t.insert(Key(1, 1), 10);
+    assert_eq!(t.insert(Key(1, 2), 20), Some((Key(1, 1), 10)));
+    assert_eq!(t.get(Key(1, 2)), Some(&20));
+    assert_eq!(t.values().count(), 1);
+    for v in t.values_mut() {
+        *v += 1;
+    }
+    assert_eq!(t.get(Key(1, 2)), Some(&21));
+}
+
+/// A link that keeps the frames it is given; while `full`, nothing can go (as if no
+/// credit or send slot came within the timeout).
+struct Wire {
+    max: usize,
+    frames: Vec<(Vec<u8>, bool)>,
+    full: bool,
+    /// Frames that can go before the wire is full (credits).
+    room: usize,
+}
+
+impl Link for Wire {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        if self.full || self.room == 0 {
+            return Err(rdmsg_transport::Error::Timeout(timeout.unwrap_or_default()));
+        }
+        let mut buf = vec![0; self.max];
+        let Some(n) = fill(&mut buf) else {
+            return Ok(false);
+        };
+        buf.truncate(n);
+        self.frames.push((buf, solicited));
+        self.room -= 1;
+        Ok(true)
+    }
+
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        Ok(self.max)
+    }
+
+    fn expose(&self, _: Bytes) -> rdmsg_transport::Result<Exposed> {
+        Err(rdmsg_transport::Error::Config(
+            "no device under the test wire".into(),
+        ))
+    }
+
+    fn register(&self, _: usize) -> rdmsg_transport::Result<Buffer> {
+        Err(rdmsg_transport::Error::Config(
+            "no device under the test wire".into(),
+        ))
+    }
+
+    fn post_read(&mut self, into: Buffer, _: &[ReadSegment]) -> rdmsg_transport::Result<ReadPost> {
+        Ok(ReadPost::Busy(into))
+    }
+
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        assert!(frame.len() <= self.max);
+        match self.send_with(solicited, timeout, |buf| {
+            buf[..frame.len()].copy_from_slice(frame);
+            Some(frame.len())
+        }) {
+            Err(rdmsg_transport::Error::Timeout(_)) => Ok(false),
+            other => other,
+        }
+    }
+}
+
+impl Wire {
+    /// An empty wire taking frames of up to `max` bytes, not full.
+    fn new(max: usize) -> Self {
+        Self {
+            max,
+            frames: Vec::new(),
+            full: false,
+            room: usize::MAX,
+        }
+    }
+}
+
+#[test]
+fn a_wait_flushes_what_went_unsolicited_once_and_only_with_a_credit() {
+    let mut tx = Sender::new(&config(100), 64);
+    let mut wire = Wire::new(256);
+    let zero = Some(Duration::ZERO);
+    assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert!(wire.frames.is_empty(), "nothing pending, nothing sent");
+    tx.send_as(&mut wire, &Other(1), false).unwrap();
+    // No credit: the transport solicited the message that spent the last one, so the run
+    // counts as flushed (its deadline too).
+    assert!(tx.flush_before_wait(&mut wire, 0, zero).unwrap());
+    assert_eq!(wire.frames.len(), 1);
+    assert!(!tx.pending());
+    tx.send_as(&mut wire, &Other(2), false).unwrap();
+    // No send slot now: still pending, nothing sent, no sequence number used.
+    wire.full = true;
+    assert!(!tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert!(tx.pending());
+    wire.full = false;
+    assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert_eq!(wire.frames.len(), 3);
+    assert!(wire.frames[2].1, "the nudge is solicited");
+    assert!(!tx.pending());
+    assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert_eq!((wire.frames.len(), tx.stats.wait_flushes), (3, 1));
+}
+
+#[test]
+fn a_send_that_times_out_sends_nothing_and_keeps_its_number() {
+    let mut tx = Sender::new(&config(100), 64);
+    let mut wire = Wire {
+        full: true,
+        ..Wire::new(256)
+    };
+    let err = tx
+        .send_within(&mut wire, &Other(1), true, Some(Duration::ZERO))
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        crate::Error::Transport(rdmsg_transport::Error::Timeout(_))
+    ));
+    assert_eq!((tx.seq, tx.stats.sent), (0, 0));
+    wire.full = false;
+    tx.send_within(&mut wire, &Other(2), true, Some(Duration::ZERO))
+        .unwrap();
+    assert_eq!((tx.seq, tx.stats.sent, wire.frames.len()), (1, 1, 1));
+}
+
+#[test]
+fn a_non_blocking_send_commits_a_fragmented_message_and_queues_its_rest_first() {
+    let mut tx = Sender::new(&config(100), 64);
+    let mut wire = Wire {
+        room: 0,
+        ..Wire::new(256)
+    };
+    // No credit: nothing sent, nothing committed, no number used.
+    assert!(!tx
+        .try_send_as(&mut wire, &Blob(vec![7; 1000]), true)
+        .unwrap());
+    assert_eq!((tx.seq, tx.queued_frames()), (0, 0));
+    // Room for two frames of five: committed, three queued.
+    wire.room = 2;
+    assert!(tx
+        .try_send_as(&mut wire, &Blob(vec![7; 1000]), true)
+        .unwrap());
+    assert_eq!((tx.seq, wire.frames.len(), tx.queued_frames()), (1, 2, 3));
+    // Nothing else goes before them.
+    wire.room = 1;
+    assert!(!tx.try_send_as(&mut wire, &Other(1), true).unwrap());
+    assert_eq!((tx.seq, tx.queued_frames()), (1, 2));
+    wire.room = 10;
+    assert!(tx.send_committed(&mut wire).unwrap());
+    assert!(tx.try_send_as(&mut wire, &Other(2), true).unwrap());
+    let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+    assert_eq!(solicited, [false, false, false, false, true, true]);
+    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let got: Vec<Envelope> = deliver(&wire, &mut rx)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].decode::<Blob>().unwrap(), Blob(vec![7; 1000]));
+    assert_eq!(got[1].decode::<Other>().unwrap(), Other(2));
+}
+
+#[test]
+fn a_flush_goes_after_the_queued_frames() {
+    let mut tx = Sender::new(&config(100), 64);
+    let mut wire = Wire {
+        room: 1,
+        ..Wire::new(256)
+    };
+    assert!(tx
+        .try_send_as(&mut wire, &Blob(vec![1; 600]), false)
+        .unwrap());
+    assert!(tx.pending() && tx.queued_frames() == 2);
+    assert!(!tx.flush_within(&mut wire, Some(Duration::ZERO)).unwrap());
+    wire.room = 10;
+    assert!(tx.flush_within(&mut wire, Some(Duration::ZERO)).unwrap());
+    assert_eq!(wire.frames.len(), 4, "three fragments, then the nudge");
+    assert!(wire.frames[3].1 && !tx.pending());
+}
+
+#[test]
+fn a_flush_sends_the_queued_frames_of_a_solicited_message_too() {
+    let mut tx = Sender::new(&config(100), 64);
+    let mut wire = Wire {
+        room: 1,
+        ..Wire::new(256)
+    };
+    assert!(tx
+        .try_send_as(&mut wire, &Blob(vec![3; 600]), true)
+        .unwrap());
+    assert!(
+        !tx.pending() && tx.queued_frames() == 2,
+        "solicited: nothing to flush"
+    );
+    wire.room = 10;
+    assert!(tx.flush_within(&mut wire, None).unwrap());
+    assert_eq!(
+        (wire.frames.len(), tx.queued_frames()),
+        (3, 0),
+        "the tail went"
+    );
+    assert!(
+        wire.frames[2].1,
+        "the last fragment carries the solicitation"
+    );
+}
+
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Blob(Vec<u8>);
+crate::message!(Blob, solicited = false);
+
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Other(u8);
+crate::message!(Other);
+
+fn config(run: u32) -> SessionConfig {
+    SessionConfig {
+        max_unsolicited_run: Some(run),
+        ..SessionConfig::default()
+    }
+}
+
+/// What a receiver makes of the frames on the wire, in order.
+fn deliver(wire: &Wire, rx: &mut Receiver) -> Vec<Result<Envelope>> {
+    wire.frames
+        .iter()
+        .filter_map(|(f, _)| rx.take(FrameBytes::Owned(f.clone())).transpose())
+        .collect()
+}
+
+#[test]
+fn small_messages_go_whole_large_ones_in_fragments_solicited_last() {
+    let mut wire = Wire::new(256);
+    let mut tx = Sender::new(&config(100), 0);
+    tx.send_as(&mut wire, &Blob(vec![1; 10]), false).unwrap();
+    tx.send_as(&mut wire, &Blob(vec![2; 1000]), true).unwrap();
+    let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+    assert_eq!(solicited.len(), 1 + 1000usize.div_ceil(256 - 20));
+    assert_eq!(solicited.iter().filter(|s| **s).count(), 1);
+    assert!(
+        solicited.last().unwrap(),
+        "only the last fragment is solicited"
+    );
+    let st = tx.stats;
+    assert_eq!((st.sent, st.fragmented, st.sent_solicited), (2, 1, 1));
+    assert_eq!(st.frames_sent, solicited.len() as u64);
+    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let got: Vec<Blob> = deliver(&wire, &mut rx)
+        .into_iter()
+        .map(|e| e.unwrap().decode().unwrap())
+        .collect();
+    assert_eq!(got, [Blob(vec![1; 10]), Blob(vec![2; 1000])]);
+    assert_eq!(stats(&tx, &rx).received, 2);
+}
+
+#[test]
+fn the_policy_solicits_long_runs_and_flush_ends_a_burst() {
+    let mut wire = Wire::new(256);
+    let mut tx = Sender::new(&config(3), 64);
+    for i in 0..5 {
+        tx.send_as(&mut wire, &Blob(vec![i]), false).unwrap();
+    }
+    tx.flush(&mut wire).unwrap();
+    tx.flush(&mut wire).unwrap();
+    let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+    assert_eq!(solicited, [false, false, false, true, false, true]);
+    assert_eq!(tx.stats.policy_solicited, 1);
+    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    assert_eq!(
+        deliver(&wire, &mut rx).len(),
+        5,
+        "the nudge carries nothing"
+    );
+}
+
+#[test]
+fn a_batch_solicits_its_last_message_only() {
+    let mut wire = Wire::new(256);
+    let mut tx = Sender::new(&config(100), 0);
+    let batch: Vec<Blob> = (0..4).map(|i| Blob(vec![i])).collect();
+    assert_eq!(tx.send_batch(&mut wire, &batch).unwrap(), 4);
+    let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+    assert_eq!(solicited, [false, false, false, true]);
+    let seqs: Vec<u32> = deliver(
+        &wire,
+        &mut Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20)),
+    )
+    .into_iter()
+    .map(|e| e.unwrap().seq())
+    .collect();
+    assert_eq!(seqs, [0, 1, 2, 3]);
+}
+
+#[test]
+fn the_default_run_is_a_quarter_of_the_peer_depth() {
+    let mut wire = Wire::new(256);
+    let mut tx = Sender::new(&SessionConfig::default(), 8);
+    for _ in 0..3 {
+        tx.send_as(&mut wire, &Blob(vec![]), false).unwrap();
+    }
+    let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
+    assert_eq!(solicited, [false, false, true]);
+}
+
+#[test]
+fn a_dropped_frame_is_counted_and_the_next_one_decodes() {
+    let mut wire = Wire::new(256);
+    let mut tx = Sender::new(&config(100), 0);
+    tx.send_as(&mut wire, &Other(1), true).unwrap();
+    tx.send_as(&mut wire, &Blob(vec![1]), true).unwrap();
+    wire.frames.insert(0, (b"garbage".to_vec(), true));
+    let mut decoder = Decoder::new(1 << 20);
+    decoder.register::<Blob>().unwrap();
+    let mut rx = Receiver::new(decoder, ReadPool::new(1 << 20));
+    let got = deliver(&wire, &mut rx);
+    assert!(matches!(got[0], Err(Error::BadFrame(_))));
+    assert!(matches!(got[1], Err(Error::UnknownTag(t)) if t == Other::TAG));
+    assert_eq!(
+        got[2].as_ref().unwrap().decode::<Blob>().unwrap(),
+        Blob(vec![1])
+    );
+    let st = stats(&tx, &rx);
+    assert_eq!((st.received, st.dropped_frames), (1, 2));
+}

@@ -1,0 +1,112 @@
+//! An async hub.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use rdmsg_msg::{Hub, HubEvent, Message, SessionStats};
+use rdmsg_transport::PeerId;
+
+use crate::error::io;
+use crate::shared::SharedDriver;
+use crate::Result;
+
+/// A typed hub on tokio: many peers, one descriptor. Clones share the hub.
+#[derive(Debug, Clone)]
+pub struct AsyncHub {
+    shared: Arc<SharedDriver<Hub>>,
+}
+
+impl AsyncHub {
+    /// Wraps a hub; call within a tokio runtime.
+    pub fn new(hub: Hub) -> Result<Self> {
+        Ok(Self {
+            shared: SharedDriver::start(hub)?,
+        })
+    }
+
+    /// Runs `f` on the hub (to listen, register types, read figures): `f` must not block.
+    pub fn with_hub<R>(&self, f: impl FnOnce(&mut Hub) -> R) -> R {
+        let mut hub = self.shared.lock();
+        self.shared.signalling(&mut hub, f)
+    }
+
+    /// Starts a connection to the hub or listener at `addr`: the TCP connect is awaited, then
+    /// the handshake goes on in the hub (its outcome is an event). Waits first while a quarter
+    /// of `max_pending_handshakes` of our own handshakes are in flight.
+    pub async fn connect(&self, addr: impl tokio::net::ToSocketAddrs) -> Result<PeerId> {
+        let most = self
+            .with_hub(|h| (h.transport().config().conn.max_pending_handshakes as usize / 4).max(1));
+        self.shared
+            .run(false, |h, _| {
+                Ok((h.transport().pending_connects() < most).then_some(()))
+            })
+            .await?;
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(io("connecting the bootstrap stream"))?;
+        let stream = stream
+            .into_std()
+            .map_err(io("taking the bootstrap stream from the runtime"))?;
+        let peer = self.with_hub(|h| h.connect_stream(stream))?;
+        Ok(peer)
+    }
+
+    /// The next event (cancel-safe).
+    pub async fn recv(&self) -> Result<HubEvent> {
+        self.shared.run(true, |h, _| Ok(h.try_recv()?)).await
+    }
+
+    /// An event that has already happened, without waiting.
+    pub fn try_recv(&self) -> Result<Option<HubEvent>> {
+        self.with_hub(|h| Ok(h.try_recv()?))
+    }
+
+    /// Sends `m` to `peer`, solicited or not as its type says, waiting for its credits (and
+    /// its handshake).
+    pub async fn send<M: Message>(&self, peer: PeerId, m: &M) -> Result<()> {
+        self.send_as(peer, m, M::SOLICITED).await
+    }
+
+    /// Sends `m` to `peer`, solicited or not as given, waiting for its credits as long as it
+    /// takes; the crate docs' solicitation rule applies.
+    pub async fn send_as<M: Message>(&self, peer: PeerId, m: &M, solicited: bool) -> Result<()> {
+        self.shared
+            .run(false, |h, shared| {
+                let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
+                let delays = h.delays_unsolicited();
+                Ok(h.try_send_as(peer, m, solicited || (waiting && !delays))?
+                    .then_some(()))
+            })
+            .await
+    }
+
+    /// Sends `m` to `peer` only if it can go at once.
+    pub fn try_send_as<M: Message>(&self, peer: PeerId, m: &M, solicited: bool) -> Result<bool> {
+        self.with_hub(|h| {
+            // Read under the mutex (see `AsyncSession::try_send_as`).
+            let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
+            let delays = h.delays_unsolicited();
+            Ok(h.try_send_as(peer, m, solicited || (waiting && !delays))?)
+        })
+    }
+
+    /// Flushes `peer` (see [`Hub::flush`]) without waiting: whether nothing is left pending.
+    pub fn try_flush(&self, peer: PeerId) -> Result<bool> {
+        self.with_hub(|h| Ok(h.try_flush(peer)?))
+    }
+
+    /// Closes `peer` gracefully; its `Disconnected` event follows.
+    pub fn close(&self, peer: PeerId) -> Result<()> {
+        self.with_hub(|h| Ok(h.start_close(peer)?))
+    }
+
+    /// The hub's statistics over all peers.
+    pub fn stats(&self) -> SessionStats {
+        self.shared.lock().stats()
+    }
+
+    /// How many times a waiting task was woken by the hub's descriptor.
+    pub fn wakeups(&self) -> u64 {
+        self.shared.wakeups.load(Ordering::Relaxed)
+    }
+}

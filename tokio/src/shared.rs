@@ -1,0 +1,242 @@
+//! What every async handle shares: the session or hub behind a mutex held only for steps, its descriptor registered with the runtime, and the waits that cannot lose a wake-up.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rdmsg_msg::{Hub, Session};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
+
+use crate::error::{io, register};
+use crate::Result;
+
+/// What a shared handle drives: a session or a hub.
+pub(crate) trait Drive: AsFd + Send + 'static {
+    /// The non-blocking step before a wait; whether it handled anything.
+    fn step(&mut self) -> Result<bool>;
+    /// Longest wait before the next step.
+    fn next_timeout(&self) -> Option<Duration>;
+    /// Changes whenever the connection moves on (for waking the other tasks).
+    fn mark(&self) -> u64;
+    /// The periodic step (the health check) a ticker task covers, so that waits need no
+    /// timer of their own unless something is due sooner.
+    fn tick(&self) -> Option<Duration>;
+    /// Whether something received waits to be taken without polling.
+    fn has_queued(&self) -> bool;
+    /// Nobody waits on the descriptor any more (see `Connection::nobody_waits`).
+    fn nobody_waits(&mut self);
+}
+
+impl Drive for Session {
+    fn step(&mut self) -> Result<bool> {
+        Ok(Session::step(self)?)
+    }
+    fn next_timeout(&self) -> Option<Duration> {
+        Session::next_timeout(self)
+    }
+    fn mark(&self) -> u64 {
+        self.connection().handled()
+    }
+    fn tick(&self) -> Option<Duration> {
+        self.connection().config().health_check
+    }
+    fn has_queued(&self) -> bool {
+        Session::has_ready(self)
+    }
+    fn nobody_waits(&mut self) {
+        Session::nobody_waits(self);
+    }
+}
+
+impl Drive for Hub {
+    fn step(&mut self) -> Result<bool> {
+        Ok(Hub::step(self)? > 0)
+    }
+    fn next_timeout(&self) -> Option<Duration> {
+        Hub::next_timeout(self)
+    }
+    fn mark(&self) -> u64 {
+        let s = self.transport().stats();
+        s.received + s.sent + s.accepted + s.connected + s.disconnected + s.handshakes_failed
+    }
+    fn tick(&self) -> Option<Duration> {
+        self.transport().config().conn.health_check
+    }
+    fn has_queued(&self) -> bool {
+        true // events are cheap to look for: always take the fast path
+    }
+    fn nobody_waits(&mut self) {
+        Hub::nobody_waits(self);
+    }
+}
+
+/// The state behind every clone of a handle.
+#[derive(Debug)]
+pub(crate) struct SharedDriver<D> {
+    pub(crate) inner: Mutex<D>,
+    /// A duplicate of the driven descriptor, registered with the runtime.
+    pub(crate) fd: AsyncFd<OwnedFd>,
+    /// Signalled when a task moved the connection on, or a new flush deadline appeared.
+    pub(crate) changed: Notify,
+    /// Tasks waiting in `recv`.
+    pub(crate) receivers: AtomicUsize,
+    /// Waits ended by the descriptor (see [`AsyncSession::wakeups`]).
+    pub(crate) wakeups: AtomicU64,
+    /// Tasks awaiting the descriptor (counted under the mutex, after their step marked the
+    /// pool asleep); the last to wake takes the mark back.
+    pub(crate) sleepers: AtomicUsize,
+}
+
+/// Counts a waiting task (a receiver, or one on the descriptor) for as long as it waits,
+/// cancellation included.
+pub(crate) struct Counted<'a>(&'a AtomicUsize);
+
+impl<'a> Counted<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl<D: Drive> SharedDriver<D> {
+    /// The shared state, and a ticker task that wakes its waiters every [`Drive::tick`] (the
+    /// health check) for as long as a handle lives.
+    pub(crate) fn start(driven: D) -> Result<Arc<Self>> {
+        let tick = driven.tick();
+        let shared = Arc::new(Self::new(driven)?);
+        if let Some(every) = tick {
+            let weak = Arc::downgrade(&shared);
+            tokio::spawn(async move {
+                let mut interval = tokio::time::interval(every);
+                interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                interval.tick().await;
+                loop {
+                    interval.tick().await;
+                    match weak.upgrade() {
+                        Some(s) => s.changed.notify_waiters(),
+                        None => break,
+                    }
+                }
+            });
+        }
+        Ok(shared)
+    }
+
+    pub(crate) fn new(driven: D) -> Result<Self> {
+        let fd = driven
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(io("duplicating the descriptor"))?;
+        Ok(Self {
+            inner: Mutex::new(driven),
+            fd: register(fd).map_err(io("registering the descriptor with the runtime"))?,
+            changed: Notify::new(),
+            receivers: AtomicUsize::new(0),
+            wakeups: AtomicU64::new(0),
+            sleepers: AtomicUsize::new(0),
+        })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, D> {
+        // A task that panicked mid-step left the session as consistent as any failed call.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the locked session or hub, and signals the other tasks if it moved the
+    /// connection on (what they wait for may be what it took in).
+    pub(crate) fn signalling<R>(&self, d: &mut D, f: impl FnOnce(&mut D) -> R) -> R {
+        let mark = d.mark();
+        let r = f(d);
+        if d.mark() != mark {
+            self.changed.notify_waiters();
+        }
+        r
+    }
+
+    /// Runs `attempt` (under the lock, never blocking) until it gives a value, waiting in
+    /// between for the descriptor, another task's signal, or the next timer.
+    pub(crate) async fn run<T>(
+        &self,
+        receiving: bool,
+        mut attempt: impl FnMut(&mut D, &Self) -> Result<Option<T>>,
+    ) -> Result<T> {
+        // The fast path: what is there already is taken without the bookkeeping of a wait. A
+        // receiver with nothing queued goes straight to the loop, which looks (polls) once.
+        let fast = {
+            let mut d = self.lock();
+            if receiving && !d.has_queued() {
+                None
+            } else {
+                Some(self.signalling(&mut d, |d| attempt(d, self)))
+            }
+        };
+        if let Some(got) = fast {
+            if let Some(v) = got? {
+                return Ok(v);
+            }
+        }
+        self.wait_and_run(receiving, attempt).await
+    }
+
+    /// [`SharedDriver::run`] past its fast path.
+    pub(crate) async fn wait_and_run<T>(
+        &self,
+        receiving: bool,
+        mut attempt: impl FnMut(&mut D, &Self) -> Result<Option<T>>,
+    ) -> Result<T> {
+        let _counted = receiving.then(|| Counted::new(&self.receivers));
+        let mut woke = false;
+        loop {
+            // Enabled before looking, so that a signal sent after the look is not missed.
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let (timeout, sleeping) = {
+                let mut d = self.lock();
+                if std::mem::take(&mut woke) && self.sleepers.load(Ordering::SeqCst) == 0 {
+                    // The last task on the descriptor is awake.
+                    d.nobody_waits();
+                }
+                if let Some(v) = self.signalling(&mut d, |d| attempt(d, self))? {
+                    return Ok(v);
+                }
+                let busy = self.signalling(&mut d, |d| d.step())?;
+                if busy {
+                    continue;
+                }
+                // The ticker covers the health check; a timer only for what is due sooner.
+                let timeout = match (d.next_timeout(), d.tick()) {
+                    (Some(t), Some(tick)) if t >= tick => None,
+                    (t, _) => t,
+                };
+                // Counted under the mutex, after the step that marked the pool asleep.
+                (timeout, Counted::new(&self.sleepers))
+            };
+            let timer = async {
+                match timeout {
+                    Some(t) => tokio::time::sleep(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                ready = self.fd.readable() => {
+                    // The next step drains what made it readable (and re-arms).
+                    ready.map_err(io("waiting for the descriptor"))?.clear_ready();
+                    self.wakeups.fetch_add(1, Ordering::Relaxed);
+                }
+                _ = &mut notified => {}
+                _ = timer => {}
+            }
+            drop(sleeping);
+            woke = true;
+        }
+    }
+}

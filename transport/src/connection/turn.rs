@@ -1,0 +1,357 @@
+//! The private half of the connection driver: polling and waiting, handing completions and
+//! the bootstrap stream to the core, doing its actions, re-posting and granting.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use rdmsg_notify::{CqKey, Policy};
+use rdmsg_verbs::WorkCompletion;
+
+use super::{Connection, LIVENESS_EVERY, POLL_SLICE};
+#[cfg(feature = "test-hooks")]
+use crate::config::{injected_fault, Fault};
+use crate::core::{earliest, Action, Completion, RecvAction};
+use crate::endpoint::Endpoint;
+use crate::error::{errno_of, Error, Failure, Result};
+use crate::events::{self, Mailbox};
+use crate::handshake::GOODBYE;
+use crate::read;
+use crate::send::Payload;
+use crate::stream::read_after_handshake;
+
+impl Connection {
+    /// The failure, once every message that arrived before it has been delivered.
+    pub(super) fn check_failed(&self) -> Result<()> {
+        match self.core.failure() {
+            Some(f) if self.ready.is_empty() => Err(f.into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// The failure, at once: nothing is sent after it.
+    pub(super) fn check_can_send(&self) -> Result<()> {
+        Ok(self.core.check_send()?)
+    }
+
+    /// Sleeps (per the policy) until something happens, then processes it.
+    /// Messages already queued do not stop the wait: a receiver takes them before calling
+    /// this, and a sender blocked on credits must sleep (or poll) for its grant whatever it
+    /// holds undelivered.
+    pub(super) fn wait_once(&mut self, timeout: Option<Duration>) -> Result<()> {
+        self.repost_and_grant()?;
+        if self.core.failure().is_some() {
+            return Ok(());
+        }
+        if !self.pool.going_to_sleep() {
+            return self.poll_now();
+        }
+        // A polling wait watches no descriptor: bound it so that liveness is checked. A
+        // sleeping one wakes at least every `health_check` to poll for errors the provider
+        // did not signal, and at the protocol's next deadline.
+        let slice = match self.config.policy {
+            Policy::Poll => Some(POLL_SLICE),
+            _ => self.config.health_check,
+        };
+        let due = self
+            .core
+            .next_timeout()
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        let timeout = earliest(earliest(timeout, slice), due);
+        let mut got = std::mem::take(&mut self.completions);
+        let res = self.wait_for_completions(timeout, &mut got);
+        self.pool.awake(!matches!(res, Ok(n) if n > 0));
+        self.completions = got;
+        self.handle_completions();
+        let delivered = match res {
+            Ok(n) => n,
+            Err(e) => return Err(self.local_failure("waiting for completions", e)),
+        };
+        // Nothing delivered: a timeout, or one of the other descriptors (bootstrap stream,
+        // async events) is readable. Look at them now; otherwise now and then.
+        let liveness = delivered == 0 || self.liveness_due();
+        self.after_poll(liveness)
+    }
+
+    /// Polls both queues without sleeping and does the bookkeeping.
+    pub(super) fn poll_now(&mut self) -> Result<()> {
+        self.poll_and_handle()?;
+        let liveness = self.liveness_due();
+        self.after_poll(liveness)
+    }
+
+    /// Whether a busy connection should look at its bootstrap stream and async events: a read
+    /// syscall or two per message would be costly, so at most every millisecond, and the
+    /// clock itself only every 16th step.
+    pub(super) fn liveness_due(&mut self) -> bool {
+        self.busy_steps = self.busy_steps.wrapping_add(1);
+        self.busy_steps % 16 == 0 && self.bootstrap_checked.elapsed() >= LIVENESS_EVERY
+    }
+
+    /// The waiter's wait, or the injected fault of a test.
+    pub(super) fn wait_for_completions(
+        &mut self,
+        timeout: Option<Duration>,
+        got: &mut Vec<(CqKey, WorkCompletion)>,
+    ) -> Result<usize> {
+        self.injected_poll_fault()?;
+        Ok(self
+            .waiter
+            .wait(timeout, &mut |key, wc| got.push((key, wc.clone())))?)
+    }
+
+    /// After completions were handled: optionally looks for a vanished peer and asynchronous
+    /// events, fires the deadlines that passed, waits for the flushes of a failure, then
+    /// re-posts and grants.
+    pub(super) fn after_poll(&mut self, liveness: bool) -> Result<()> {
+        if liveness {
+            self.check_bootstrap();
+            self.check_async_events();
+        }
+        if self.core.next_timeout().is_some() {
+            self.core.handle_timeout(Instant::now());
+            self.do_actions();
+        }
+        if self.core.failure().is_some() {
+            self.drain_flushes();
+        }
+        self.repost_and_grant()
+    }
+
+    /// Turns the error of a verb the connection drives into the sticky failure it stands for
+    /// (a queue that cannot be polled, armed or posted to now will not work later either), and
+    /// hands the error back for this call to report.
+    pub(super) fn local_failure(&mut self, op: &'static str, e: Error) -> Error {
+        if let Some(known) = self.core.failure() {
+            // Reported once; from then on the connection's failure says it.
+            return known.into();
+        }
+        let errno = errno_of(&e);
+        self.fail(Failure::Local { op, errno });
+        e
+    }
+
+    /// Records a failure and waits (bounded) for the flushes it causes.
+    pub(super) fn fail(&mut self, f: Failure) {
+        self.core.handle_failure(f);
+        self.do_actions();
+        self.drain_flushes();
+    }
+
+    /// Does what the core asks for.
+    pub(super) fn do_actions(&mut self) {
+        while let Some(action) = self.core.poll_action() {
+            let ch = self.waiter.channel_mut();
+            match action {
+                Action::SayGoodbye => {
+                    // The peer reading its end waits for our close message rather than
+                    // calling us vanished.
+                    let _ = (&ch.bootstrap).write_all(&[GOODBYE]);
+                }
+                Action::UnwatchStream => ch.stop_watching_bootstrap(),
+                Action::FailQueuePair => {
+                    // The end of our bootstrap stream fails the peer's side at once, rather
+                    // than leaving it waiting on a queue pair that no longer answers.
+                    let _ = ch.bootstrap.shutdown(std::net::Shutdown::Both);
+                    ch.stop_watching_bootstrap();
+                    let _ = self.qp.to_error();
+                    self.core.flushing_since(Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Waits (bounded by the core's drain deadline) for the flushes of every posted receive,
+    /// so that every receive buffer comes back to its pool; successful receives found among
+    /// them are delivered. (Sends are not waited for: unsignaled sends that had already
+    /// succeeded never complete again; their buffers go with the queue pair.)
+    pub(super) fn drain_flushes(&mut self) {
+        loop {
+            self.core.handle_flushed(self.qp.recv_outstanding());
+            if self.core.is_drained() {
+                return;
+            }
+            match self.poll_and_handle() {
+                Ok(0) => std::thread::sleep(Duration::from_millis(1)),
+                Ok(_) => {}
+                Err(_) => {
+                    self.core.stop_draining();
+                    return;
+                }
+            }
+            self.core.handle_timeout(Instant::now());
+        }
+    }
+
+    /// Polls both queues until empty and handles what they held; returns how many.
+    pub(super) fn poll_and_handle(&mut self) -> Result<usize> {
+        let mut got = std::mem::take(&mut self.completions);
+        let polled = self.poll_completions(&mut got);
+        self.completions = got;
+        self.handle_completions();
+        polled.map_err(|e| self.local_failure("polling the completion queues", e))
+    }
+
+    /// The waiter's poll, or the injected fault of a test.
+    pub(super) fn poll_completions(
+        &mut self,
+        got: &mut Vec<(CqKey, WorkCompletion)>,
+    ) -> Result<usize> {
+        self.injected_poll_fault()?;
+        Ok(self
+            .waiter
+            .poll_all(&mut |key, wc| got.push((key, wc.clone())))?)
+    }
+
+    /// The error of a test's injected poll fault, if one is set (feature `test-hooks`).
+    fn injected_poll_fault(&self) -> Result<()> {
+        #[cfg(feature = "test-hooks")]
+        if self.fault == Some(Fault::Poll) {
+            return Err(injected_fault(Fault::Poll, self.qp.qp_num()));
+        }
+        Ok(())
+    }
+
+    /// Hands polled completions to the core in the order polled: whatever arrived before a
+    /// failure is delivered before the failure is reported.
+    pub(super) fn handle_completions(&mut self) {
+        let mut got = std::mem::take(&mut self.completions);
+        if got.is_empty() {
+            self.completions = got;
+            return;
+        }
+        self.handled += got.len() as u64;
+        let recv_key = self.recv_key;
+        self.core.begin_batch(
+            got.iter()
+                .map(|(key, wc)| Completion::of(*key == recv_key, wc)),
+        );
+        for (key, wc) in got.drain(..) {
+            let c = Completion::of(key == recv_key, &wc);
+            if c.recv {
+                self.on_recv(&c, &wc);
+            } else {
+                let mut reads = std::mem::take(&mut self.read_scratch);
+                self.qp
+                    .complete_send_split(&wc, &mut self.send.free, &mut reads);
+                self.reads_done.extend(read::finished(&wc, reads.drain(..)));
+                self.read_scratch = reads;
+                self.core
+                    .handle_send(&c, wc.wr_id(), self.qp.send_outstanding());
+            }
+        }
+        self.completions = got;
+        self.do_actions();
+    }
+
+    pub(super) fn on_recv(&mut self, c: &Completion, wc: &WorkCompletion) {
+        let Some(buf) = self.qp.take_recv(wc) else {
+            return;
+        };
+        let (endpoint, mailbox) = (&self.endpoint, &self.mailbox);
+        // A flush nothing explains yet: an asynchronous event (a CQ overrun, a fatal QP error)
+        // may be waiting to.
+        let receipt = self
+            .core
+            .handle_recv(c, || async_failure_of(endpoint, mailbox).ok().flatten());
+        match receipt.action {
+            RecvAction::Deliver => {
+                let len = wc.byte_len() as usize;
+                self.ready.push_back(self.pool.lend(buf, len));
+            }
+            RecvAction::Grant | RecvAction::Recycle => self.pool.put_back(buf),
+        }
+    }
+
+    /// Re-posts free buffers and sends a credit grant when the core says so, and re-arms the
+    /// send queue as it says.
+    pub(super) fn repost_and_grant(&mut self) -> Result<()> {
+        self.pool.collect_returns();
+        if self.core.failure().is_some() {
+            return Ok(());
+        }
+        if self.core.refill_due(self.pool.free_count()) {
+            let bufs = self.pool.take_free();
+            let n = bufs.len();
+            if let Err(e) = self.qp.post_recv(bufs) {
+                for b in e.unposted {
+                    self.pool.put_back(b);
+                }
+                self.core.reposted(e.posted as u32);
+                return Err(
+                    self.local_failure("re-posting receives (ibv_post_recv)", e.error.into())
+                );
+            }
+            self.core.reposted(n as u32);
+        }
+        if let Some(grant) = self.core.grant(self.room()) {
+            self.post(Payload::Empty, grant)?;
+        }
+        let mode = self.core.send_arm();
+        if self.waiter.mode(self.send_key)? != mode {
+            self.waiter.set_mode(self.send_key, mode)?;
+        }
+        Ok(())
+    }
+
+    /// Test hook: moves the queue pair to the error state behind the connection's back, as a
+    /// device fault would.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn break_queue_pair(&mut self) -> Result<()> {
+        Ok(self.qp.to_error()?)
+    }
+
+    /// Test hook: makes a verb fail from now on, as on a queue that can no longer be used.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn inject_fault(&mut self, fault: Fault) {
+        self.fault = Some(fault);
+    }
+
+    /// Test hook: the raw queue pair, for a test that moves it to the error state from another
+    /// thread while the connection sleeps. Valid while the connection lives.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn raw_queue_pair(&self) -> *mut rdmsg_verbs::ffi::ibv_qp {
+        self.qp.as_raw()
+    }
+
+    /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`] may come,
+    /// and tells the core (see [`crate::core::StreamNews`]).
+    pub(super) fn check_bootstrap(&mut self) {
+        let now = Instant::now();
+        self.bootstrap_checked = now;
+        let ch = self.waiter.channel();
+        if !ch.watch_bootstrap {
+            return;
+        }
+        let news = read_after_handshake(&ch.bootstrap);
+        self.core.handle_stream(news, now);
+        self.do_actions();
+    }
+
+    /// Fails the connection if an asynchronous event says it is broken: a fatal, request or
+    /// access error of our queue pair, an overrun of one of our CQs, a fatal device error, or
+    /// an error of our port.
+    pub(super) fn check_async_events(&mut self) {
+        match async_failure_of(&self.endpoint, &self.mailbox) {
+            Ok(Some(f)) => self.fail(f),
+            Ok(None) => {}
+            Err(e) => {
+                // The descriptor can no longer be read: nothing would tell us of device faults.
+                let _ = self.local_failure("reading asynchronous events", e);
+            }
+        }
+    }
+}
+
+/// Routes the device's pending asynchronous events and returns the failure the first fatal
+/// one in `mailbox` stands for: a fatal, request or access error of the queue pair, an
+/// overrun of a CQ, a fatal device error, or an error of the port.
+pub(super) fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result<Option<Failure>> {
+    endpoint.route_async_events()?;
+    Ok(mailbox
+        .take()
+        .into_iter()
+        .find_map(|ev| events::is_fatal(ev.kind).then_some(Failure::AsyncEvent(ev.kind))))
+}
