@@ -12,7 +12,7 @@ mod common;
 
 use common::{client_hello, endpoint, plausible_hello};
 use rdmsg_transport::handshake::{Reject, HELLO_LEN, VERSION};
-use rdmsg_transport::{Config, Connection, Endpoint, Error, Failure, Listener};
+use rdmsg_transport::{Config, Connection, Endpoint, Error, Failure, HubConfig, Listener, RawHub};
 
 /// A listener on an ephemeral loopback port of `ep` and a connection to it, made with `server`
 /// and `client` configs (connections of one endpoint share its asynchronous events). Returns
@@ -700,13 +700,7 @@ fn a_port_error_fails_every_connection_of_the_device() {
         keep.push((tx, l));
     }
     thread::sleep(Duration::from_millis(300));
-    let set = |state: &str| {
-        let ok = std::process::Command::new("ip")
-            .args(["link", "set", &netdev, state])
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "ip link set {netdev} {state}");
-    };
+    let set = |state: &str| set_link(&netdev, state);
     let down = Instant::now();
     set("down");
     let results: Vec<_> = sleepers.into_iter().map(|t| t.join()).collect();
@@ -732,6 +726,67 @@ fn a_port_error_fails_every_connection_of_the_device() {
         );
     }
     drop(keep);
+}
+
+/// Sets the network device under `netdev` down or up.
+fn set_link(netdev: &str, state: &str) {
+    let ok = std::process::Command::new("ip")
+        .args(["link", "set", netdev, state])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "ip link set {netdev} {state}");
+}
+
+/// A port error while a client's handshake has no queue pair yet (the client has said
+/// nothing) fails the hub with the error and the pending handshake with it; the hub used to
+/// panic on the slot the failed handshake freed.
+#[test]
+#[ignore = "device"]
+fn a_port_error_fails_a_hub_with_a_silent_client_pending() {
+    let ep = endpoint();
+    let device = ep.context().name().to_owned();
+    let netdev = netdev_of(&device);
+    let mut hub = RawHub::new(&ep, HubConfig::default()).expect("hub");
+    let addr = hub.listen("127.0.0.1:0").expect("listen");
+    let _silent = TcpStream::connect(addr).expect("connect");
+    let until = Instant::now() + Duration::from_secs(5);
+    while hub.stats().handshakes == 0 && Instant::now() < until {
+        let _ = hub.next_event(Some(Duration::from_millis(10)));
+    }
+    assert_eq!(
+        hub.stats().handshakes,
+        1,
+        "the silent client's handshake waits"
+    );
+    set_link(&netdev, "down");
+    let until = Instant::now() + Duration::from_secs(10);
+    let got = loop {
+        match hub.next_event(Some(Duration::from_millis(100))) {
+            Err(e) => break Some(e),
+            Ok(_) if Instant::now() < until => {}
+            Ok(_) => break None,
+        }
+    };
+    set_link(&netdev, "up");
+    let until = Instant::now() + Duration::from_secs(20);
+    while !port_active(&device) && Instant::now() < until {
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert!(port_active(&device), "the port came back");
+    let err = got.expect("the hub reports the port error");
+    println!("stats hub port error with a handshake pending: {err}");
+    assert!(
+        matches!(
+            err,
+            Error::Connection(Failure::AsyncEvent(rdmsg_verbs::AsyncEventKind::PortErr))
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        hub.stats().handshakes,
+        0,
+        "the pending handshake failed with it"
+    );
 }
 
 /// A sender blocked on credits while messages it received wait undelivered still sleeps for

@@ -68,9 +68,6 @@ pub struct Connection {
     /// Polls and waits that delivered completions, for rate-limiting the liveness checks
     /// without reading the clock every time.
     busy_steps: u32,
-    /// The last bounded send found no credit or send slot: until one goes, [`Connection::step`]
-    /// arms both queues for any completion, so that an event loop hears of the grant.
-    send_blocked: bool,
     /// Completions handled so far: lets threads sharing the connection tell whether one of
     /// them moved it on (see [`Connection::handled`]).
     handled: u64,
@@ -170,7 +167,6 @@ impl Connection {
             fault: None,
             bootstrap_checked: Instant::now(),
             busy_steps: 0,
-            send_blocked: false,
             handled: 0,
             stepped_asleep: false,
             step_quiet: false,
@@ -303,7 +299,7 @@ impl Connection {
             self.check_can_send()?;
         }
         if self.can_send() {
-            self.send_blocked = false;
+            self.core.send_waits(false);
             return Ok(());
         }
         self.core.send_waited();
@@ -322,7 +318,7 @@ impl Connection {
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left == Some(Duration::ZERO) {
-                self.send_blocked = true;
+                self.core.send_waits(true);
                 break Err(Error::Timeout(timeout.unwrap_or_default()));
             }
             if let Err(e) = self.wait_once(left) {
@@ -330,7 +326,7 @@ impl Connection {
             }
         };
         if res.is_ok() {
-            self.send_blocked = false;
+            self.core.send_waits(false);
         }
         self.waiter.set_mode(self.recv_key, self.config.recv_arm)?;
         self.waiter.set_mode(self.send_key, self.core.send_arm())?;
@@ -417,7 +413,7 @@ impl Connection {
         let before = self.handled;
         let events = self.waiter.stats().events;
         if self.core.failure().is_none() {
-            let (recv_mode, send_mode) = if self.send_blocked {
+            let (recv_mode, send_mode) = if self.core.wants_any_completion() {
                 (ArmMode::Next, ArmMode::Next)
             } else {
                 (self.config.recv_arm, self.core.send_arm())
@@ -500,7 +496,7 @@ impl Connection {
     /// Whether the last bounded send found no credit or send slot (and none has gone since):
     /// [`Connection::step`] then arms for any completion.
     pub fn send_blocked(&self) -> bool {
-        self.send_blocked
+        self.core.wants_any_completion()
     }
 
     /// Whether received messages (or finished reads, for [`Connection::try_recv_any`]) are

@@ -235,8 +235,7 @@ impl Connection {
                     .complete_send_split(&wc, &mut self.send.free, &mut reads);
                 self.reads_done.extend(read::finished(&wc, reads.drain(..)));
                 self.read_scratch = reads;
-                self.core
-                    .handle_send(&c, wc.wr_id(), self.qp.send_outstanding());
+                self.core.handle_send(&c, wc.wr_id());
             }
         }
         self.completions = got;

@@ -32,8 +32,8 @@
 //! # Phases
 //!
 //! A core is *handshaking* (a hub's queue pair whose handshake runs: nothing may be sent),
-//! *linked*, *closing* (our close message is posted: closed once it completes, failed at the
-//! close deadline), *leaving* (the peer's stream said goodbye or ended: its close message is
+//! *linked*, *closing* (our close message is posted: closed once a successful completion
+//! covers it, whatever grants were posted after it; failed at the close deadline), *leaving* (the peer's stream said goodbye or ended: its close message is
 //! waited for until the vanish deadline), or *failed* (the first failure is kept; the queue
 //! pair is being flushed until it is drained or the drain deadline passes).
 
@@ -44,6 +44,7 @@ mod timers;
 use std::time::{Duration, Instant};
 
 use rdmsg_notify::ArmMode;
+use rdmsg_verbs::WcStatus;
 
 pub(crate) use inbound::{Completion, RecvAction};
 pub use stats::ConnStats;
@@ -144,7 +145,11 @@ pub(crate) struct Receipt {
 enum Phase {
     Handshaking,
     Linked,
-    Closing,
+    Closing {
+        /// The close message's request, once posted: its completion (or a later one, which
+        /// covers it) is the close delivered, whatever grants were posted after it.
+        close_wr: Option<u64>,
+    },
     Leaving,
     Failed {
         /// The close deadline passed before our close message completed.
@@ -173,6 +178,9 @@ pub(crate) struct Core {
     close_timeout: Duration,
     /// Sends since the sender last polled its queues.
     sends_since_poll: u32,
+    /// A send found no credit or send slot and none has gone since: the driver waits for any
+    /// completion (see [`Core::wants_any_completion`]).
+    send_blocked: bool,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -219,6 +227,7 @@ impl Core {
             last_signaled: None,
             close_timeout,
             sends_since_poll: 0,
+            send_blocked: false,
         }
     }
 
@@ -286,7 +295,7 @@ impl Core {
     pub(crate) fn check_send(&self) -> Result<(), Failure> {
         match (self.failure, self.phase) {
             (Some(f), _) => Err(f),
-            (None, Phase::Closing) => Err(Failure::Closed),
+            (None, Phase::Closing { .. }) => Err(Failure::Closed),
             _ => Ok(()),
         }
     }
@@ -317,6 +326,14 @@ impl Core {
         } else {
             false
         }
+    }
+
+    /// Whether the driver must wake for any completion, not only a solicited one: a send found
+    /// no credit or send slot ([`Core::send_waits`]) and none has gone since. Grants sent
+    /// before the peer saw us exhausted are not solicited, and they may hold every ordinary
+    /// grant slot of ours while they sit unpolled.
+    pub(crate) fn wants_any_completion(&self) -> bool {
+        self.send_blocked && self.failure.is_none()
     }
 
     /// How the send queue is armed: for any completion while a signaled send is outstanding,
@@ -409,18 +426,19 @@ impl Core {
         }
     }
 
-    /// A send completion of request `wr_id`; `outstanding` requests remain on the send queue
-    /// after it. Retires the signaled send it covers; our close completes when nothing of
-    /// ours is left.
-    pub(crate) fn handle_send(&mut self, c: &Completion, wr_id: u64, outstanding: usize) {
+    /// A send completion of request `wr_id`. Retires the signaled send it covers; our close
+    /// is delivered once a successful completion covers the close message.
+    pub(crate) fn handle_send(&mut self, c: &Completion, wr_id: u64) {
         // Completions come in posting order and wr_ids grow: this one retires every signaled
         // send up to it.
         if self.last_signaled.is_some_and(|id| wr_id >= id) {
             self.last_signaled = None;
         }
+        let close_delivered = c.status == WcStatus::Success
+            && matches!(self.phase, Phase::Closing { close_wr: Some(id) } if wr_id >= id);
         if let Some(f) = Inbound::on_send(c) {
             self.handle_failure(f);
-        } else if self.phase == Phase::Closing && outstanding == 0 {
+        } else if close_delivered {
             // The close message is delivered: goodbye, and closed.
             self.timers.stop(Timer::Close);
             self.actions.push(Action::SayGoodbye);
@@ -487,7 +505,7 @@ impl Core {
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
         for t in self.timers.expired(now) {
             match (t, self.phase) {
-                (Timer::Close, Phase::Closing) => {
+                (Timer::Close, Phase::Closing { .. }) => {
                     self.handle_failure(Failure::Closed);
                     self.phase = Phase::Failed {
                         close_timed_out: true,
@@ -548,7 +566,7 @@ impl Core {
             return None;
         }
         let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
-        self.phase = Phase::Closing;
+        self.phase = Phase::Closing { close_wr: None };
         self.timers.set(Timer::Close, now + self.close_timeout);
         self.unsignaled = 0;
         Some(Post {
@@ -583,10 +601,14 @@ impl Core {
         signaled
     }
 
-    /// A send (or read) was posted as `wr_id`.
+    /// A send (or read) was posted as `wr_id` (the first after [`Core::start_close`] is the
+    /// close message).
     pub(crate) fn posted(&mut self, wr_id: u64, signaled: bool) {
         if signaled {
             self.last_signaled = Some(wr_id);
+        }
+        if let Phase::Closing { close_wr: w @ None } = &mut self.phase {
+            *w = Some(wr_id);
         }
     }
 
@@ -600,6 +622,12 @@ impl Core {
             });
         }
         Ok(())
+    }
+
+    /// A send found no credit or send slot, or one went: see
+    /// [`Core::wants_any_completion`].
+    pub(crate) fn send_waits(&mut self, blocked: bool) {
+        self.send_blocked = blocked;
     }
 
     /// A send waited for a credit, or else for a send slot (counted).

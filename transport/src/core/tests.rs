@@ -66,7 +66,7 @@ fn signalling_follows_the_count_and_what_runs_low() {
     assert!(c.data(false, Room { buffers: 0, ..ROOM }).unwrap().signaled);
     c.posted(7, true);
     assert_eq!(c.send_arm(), ArmMode::Next);
-    c.handle_send(&send_ok(), 7, 0);
+    c.handle_send(&send_ok(), 7);
     assert_eq!(c.send_arm(), ArmMode::SolicitedOnly);
 }
 
@@ -118,10 +118,58 @@ fn a_close_is_solicited_signaled_and_ends_in_a_goodbye() {
     assert!(c.data(false, ROOM).is_none(), "nothing after the close");
     assert_eq!(c.next_timeout(), Some(t0 + CLOSE));
     c.posted(9, true);
-    c.handle_send(&send_ok(), 9, 0);
+    c.handle_send(&send_ok(), 9);
     assert_eq!(actions(&mut c), [Action::SayGoodbye, Action::FailQueuePair]);
     assert_eq!(c.failure(), Some(Failure::Closed));
     assert!(!c.close_timed_out());
+}
+
+#[test]
+fn a_close_is_delivered_by_its_own_completion_whatever_was_posted_after_it() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.start_close(t0).unwrap();
+    c.posted(9, true);
+    // A grant posted after the close message, unsignaled: still outstanding when the
+    // close's completion comes.
+    c.posted(10, false);
+    c.handle_send(&send_ok(), 9);
+    assert_eq!(c.failure(), Some(Failure::Closed));
+    assert!(!c.close_timed_out());
+}
+
+#[test]
+fn a_flushed_close_message_is_not_a_close_delivered() {
+    let t0 = Instant::now();
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.start_close(t0).unwrap();
+    c.posted(9, true);
+    let flushed = Completion {
+        status: WcStatus::WrFlushErr,
+        ..send_ok()
+    };
+    c.handle_send(&flushed, 9);
+    assert_eq!(
+        c.failure(),
+        None,
+        "no goodbye for a close that never arrived"
+    );
+    assert!(actions(&mut c).is_empty());
+    c.handle_timeout(t0 + CLOSE);
+    assert!(c.close_timed_out());
+}
+
+#[test]
+fn a_refused_send_wants_any_completion_until_one_goes() {
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    assert!(!c.wants_any_completion());
+    c.send_waits(true);
+    assert!(c.wants_any_completion());
+    c.send_waits(false);
+    assert!(!c.wants_any_completion());
+    c.send_waits(true);
+    c.handle_failure(Failure::QpError);
+    assert!(!c.wants_any_completion(), "nothing to wait for once failed");
 }
 
 #[test]

@@ -10,6 +10,9 @@ use crate::error::{errno_of, Error, Failure, Result};
 use crate::send::{self, Payload};
 use crate::share::AdmitError;
 
+/// A sending hub steps at least every this many sends.
+const SEND_STEP_EVERY: u32 = 16;
+
 impl RawHub {
     /// Sets aside a new connection's minimum share, growing the pool so that
     /// `shared_credits` buffers stay spare for busy peers beyond everyone's minimum (as far as
@@ -193,14 +196,20 @@ impl RawHub {
         peer: PeerId,
         timeout: Option<Duration>,
     ) -> Result<()> {
-        let room = self.room(slot);
-        let poll = self.slot_mut(slot).core.poll_before_send(room);
-        if poll || !self.can_send(slot) || self.pool.has_returns() {
+        // The hub looks at everything every 16 sends, at once when this one cannot go or
+        // buffers came back (their credits may be what a peer waits for): a step costs the
+        // whole hub a look at its descriptors, so not whenever one peer runs low.
+        self.sends_since_step += 1;
+        if self.sends_since_step >= SEND_STEP_EVERY
+            || !self.can_send(slot)
+            || self.pool.has_returns()
+        {
+            self.sends_since_step = 0;
             self.step()?;
             self.live_slot(peer)?;
         }
         if self.can_send(slot) {
-            self.send_blocked = false;
+            self.slot_mut(slot).core.send_waits(false);
             return Ok(());
         }
         // A timeout too long to add to the clock is no deadline at all.
@@ -209,12 +218,16 @@ impl RawHub {
         loop {
             self.live_slot(peer)?;
             if self.can_send(slot) {
-                self.send_blocked = false;
+                self.slot_mut(slot).core.send_waits(false);
                 return Ok(());
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left == Some(Duration::ZERO) {
-                self.send_blocked = true;
+                // Until a send to it goes, the hub wakes for any completion (see `Hub::arm`).
+                self.slot_mut(slot).core.send_waits(true);
+                if !self.blocked.contains(&slot) {
+                    self.blocked.push(slot);
+                }
                 return Err(Error::Timeout(timeout.unwrap_or_default()));
             }
             self.wait_for_progress(left, true)?;

@@ -100,15 +100,15 @@ impl RawHub {
             self.events
                 .extend(read::finished(wc, reads).map(|read| RawHubEvent::Read { peer, read }));
         }
-        s.core
-            .handle_send(&Completion::of(false, wc), wc.wr_id(), outstanding);
+        s.core.handle_send(&Completion::of(false, wc), wc.wr_id());
         self.touch(slot);
         self.do_actions(slot);
     }
 
     /// Does what the core of `slot` asks for.
     pub(super) fn do_actions(&mut self, slot: usize) {
-        while let Some(action) = self.slot_mut(slot).core.poll_action() {
+        // A handshake that fails without a queue pair frees its slot at once.
+        while let Some(action) = self.slots[slot].as_mut().and_then(|s| s.core.poll_action()) {
             match action {
                 Action::SayGoodbye => {
                     if let Some(link) = self.slot_mut(slot).link_mut() {

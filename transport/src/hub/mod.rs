@@ -130,10 +130,11 @@ pub struct RawHub {
     stats: HubStats,
     /// The last [`RawHub::step`] marked the pool asleep for an external wait.
     stepped_asleep: bool,
-    /// A bounded send found no credit or send slot, and none has gone since: [`RawHub::step`]
-    /// arms both queues for any completion, so that an event loop hears of the grant (one
-    /// sent before the peer saw us exhausted is not solicited).
-    send_blocked: bool,
+    /// Slots whose last bounded send found no credit or send slot (their core says whether it
+    /// still waits): while any does, the hub wakes for any completion (see `RawHub::arm`).
+    blocked: Vec<usize>,
+    /// Sends since the hub last stepped.
+    sends_since_step: u32,
 }
 
 impl fmt::Debug for RawHub {
@@ -232,7 +233,8 @@ impl RawHub {
             fatal: None,
             stats: HubStats::default(),
             stepped_asleep: false,
-            send_blocked: false,
+            blocked: Vec::new(),
+            sends_since_step: 0,
         };
         hub.repost()?;
         Ok(hub)
@@ -369,7 +371,7 @@ impl RawHub {
     pub fn step(&mut self) -> Result<usize> {
         self.check_fatal()?;
         self.nobody_waits();
-        self.arm(self.send_blocked)?;
+        self.arm(false)?;
         let mut got = std::mem::take(&mut self.completions);
         let polled = self.waiter.step(&mut |key, wc| got.push((key, wc.clone())));
         self.completions = got;
@@ -542,7 +544,13 @@ impl RawHub {
         loop {
             // Released already: its `Disconnected` event, queued, says how it ended.
             let Ok(slot) = self.find(peer) else {
-                return Ok(());
+                return match self.events.iter().find_map(|ev| match ev {
+                    RawHubEvent::Disconnected { peer: p, failure } if *p == peer => Some(*failure),
+                    _ => None,
+                }) {
+                    Some(f) if f != Failure::Closed => Err(f.into()),
+                    _ => Ok(()),
+                };
             };
             let core = &self.slot(slot).core;
             match core.failure() {

@@ -73,7 +73,7 @@ impl RawHub {
             self.after_wake(true)?;
             return Ok(());
         }
-        self.arm(blocked || self.send_blocked)?;
+        self.arm(blocked)?;
         let limit = [self.next_timeout(), timeout].into_iter().flatten().min();
         let mut got = std::mem::take(&mut self.completions);
         let res = self
@@ -90,9 +90,16 @@ impl RawHub {
     }
 
     /// Sets how both queues are armed: for any completion while a send waits for a credit or
-    /// a send slot (`blocked`), else as configured (the send queue as [`RawHub::send_arm`] says).
+    /// a send slot (`blocked`), or a connection's core wants any completion after a refused
+    /// bounded send; else as configured (the send queue as [`RawHub::send_arm`] says).
     pub(super) fn arm(&mut self, blocked: bool) -> Result<()> {
-        let (recv, send) = if blocked {
+        let slots = &self.slots;
+        self.blocked.retain(|&s| {
+            slots[s]
+                .as_ref()
+                .is_some_and(|slot| slot.core.wants_any_completion())
+        });
+        let (recv, send) = if blocked || !self.blocked.is_empty() {
             (ArmMode::Next, ArmMode::Next)
         } else {
             (self.config.conn.recv_arm, self.send_arm())

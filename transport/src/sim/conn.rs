@@ -32,6 +32,8 @@ pub(crate) struct SimConn {
     pub(super) next_wr: u64,
     /// Send completions polled with an error status (flushes included).
     pub(super) sends_failed: usize,
+    /// An asynchronous event the device reported for it and nobody has read yet.
+    pub(super) pending_event: Option<Failure>,
 }
 
 impl SimConn {
@@ -63,6 +65,7 @@ impl SimConn {
             dead: false,
             next_wr: 1,
             sends_failed: 0,
+            pending_event: None,
         }
     }
 
@@ -101,6 +104,12 @@ impl Net {
         let now = self.now;
         let mut busy = false;
         busy |= self.poll_conn(i);
+        // The liveness check reads the events nothing else asked for.
+        if let Some(f) = self.conns[i].pending_event.take() {
+            self.conns[i].core.handle_failure(f);
+            self.do_actions(End::Conn(i));
+            busy = true;
+        }
         // The application hands back what it holds beyond its bound.
         let c = &mut self.conns[i];
         while c.app.held > c.app.hold {
@@ -126,7 +135,8 @@ impl Net {
         busy |= self.repost_and_grant(i);
         busy |= self.app_send(End::Conn(i));
         busy |= self.repost_and_grant(i);
-        // Arm, then poll once more: what came meanwhile would fire nothing.
+        // Arm; what is already queued fires nothing, so a side with completions waiting stays
+        // awake for its next turn (the drivers poll again after arming).
         let c = &mut self.conns[i];
         let blocked = c.app.backlog > 0 && c.core.failure().is_none() && !c.core.may_send(c.room());
         // A sender out of credits arms both queues for any completion, as the drivers do:
@@ -157,7 +167,9 @@ impl Net {
         for e in batch {
             let c = &mut self.conns[i];
             if e.c.recv {
-                let receipt = c.core.handle_recv(&e.c, || None);
+                // A flush nothing explains yet asks the events, as `Connection` does.
+                let event = &mut c.pending_event;
+                let receipt = c.core.handle_recv(&e.c, || event.take());
                 match receipt.action {
                     RecvAction::Deliver => {
                         c.app.received.push(e.seq.expect("data carries a sequence"));
@@ -169,8 +181,7 @@ impl Net {
                 // The requests (and send buffers) this completion covers come back.
                 c.sq.retire(e.wr_id);
                 c.sends_failed += usize::from(e.c.status != WcStatus::Success);
-                let outstanding = c.sq.posted.len();
-                c.core.handle_send(&e.c, e.wr_id, outstanding);
+                c.core.handle_send(&e.c, e.wr_id);
             }
             self.do_actions(End::Conn(i));
         }
@@ -183,7 +194,9 @@ impl Net {
         if c.core.failure().is_none() || c.core.is_drained() {
             return false;
         }
-        c.core.handle_flushed(c.recv_posted as usize);
+        // Receives the queue pair still holds: posted, or completed and not yet polled.
+        let held = c.recv_posted as usize + c.recv_cq.entries.len();
+        c.core.handle_flushed(held);
         true
     }
 
@@ -222,6 +235,7 @@ impl Net {
                     let room = slot.room();
                     (&mut slot.app, &mut slot.core, room)
                 }
+                End::Gone(_) => return busy,
             };
             if app.backlog == 0 || !core.may_send(room) {
                 return busy;

@@ -206,8 +206,7 @@ impl Net {
                 }
             } else {
                 slot.sq.retire(e.wr_id);
-                let outstanding = slot.sq.posted.len();
-                slot.core.handle_send(&e.c, e.wr_id, outstanding);
+                slot.core.handle_send(&e.c, e.wr_id);
             }
             let slot = h.slots[e.qp].as_mut().expect("live");
             if !std::mem::replace(&mut slot.touched, true) {
@@ -245,9 +244,15 @@ impl Net {
             }
             h.slots[s] = None;
             h.ended.push((s, failure));
-            // Its queue pair is gone: a later connection may take the slot.
-            self.wires
-                .retain(|l| l.a != End::Hub(s) && l.b != End::Hub(s));
+            // Its queue pair is gone (a later connection may take the slot): its wire's end
+            // becomes a tombstone, so that what the peer still sends fails at the peer.
+            for (k, w) in self.wires.iter_mut().enumerate() {
+                for end in [&mut w.a, &mut w.b] {
+                    if *end == End::Hub(s) {
+                        *end = End::Gone(k);
+                    }
+                }
+            }
             busy = true;
         }
         busy

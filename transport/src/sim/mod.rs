@@ -54,6 +54,9 @@ pub(crate) enum End {
     Conn(usize),
     /// A slot of the hub.
     Hub(usize),
+    /// The end of wire `n` whose queue pair is gone (a released hub slot, whose index a later
+    /// connection may take): what is sent to it fails at the sender.
+    Gone(usize),
 }
 
 /// What a simulated application does with one connection.
@@ -264,6 +267,7 @@ impl Net {
                 End::Hub(s) => self.hub().slots[s]
                     .as_mut()
                     .and_then(|s| s.core.poll_action()),
+                End::Gone(_) => None,
             };
             let Some(action) = action else { return };
             let peer = self.peer_of(end);
@@ -289,6 +293,7 @@ impl Net {
                                 }
                             }
                         }
+                        End::Gone(_) => {}
                     }
                 }
             }
@@ -305,6 +310,7 @@ impl Net {
                     c.asleep = false;
                 }
             }
+            Some(End::Gone(_)) | None => {}
             Some(End::Hub(s)) => {
                 let now = self.now;
                 let h = self.hub();
@@ -314,7 +320,6 @@ impl Net {
                 h.asleep = false;
                 self.do_actions(End::Hub(s));
             }
-            None => {}
         }
     }
 
@@ -382,6 +387,14 @@ impl Net {
         self.conns[i].sends_failed
     }
 
+    /// Connection `i`'s receive CQ overruns: the device reports an asynchronous event (not
+    /// yet read) and the queue pair breaks, flushing its receives; the flushes are explained
+    /// by the event, as `Connection` asks the event router when nothing else explains them.
+    pub(crate) fn overrun(&mut self, i: usize) {
+        self.conns[i].pending_event = Some(Failure::AsyncEvent(rdmsg_verbs::AsyncEventKind::CqErr));
+        self.break_queue_pair(End::Conn(i));
+    }
+
     /// An asynchronous event (a CQ overrun, say) fails `end`.
     pub(crate) fn async_failure(&mut self, end: End, f: Failure) {
         match end {
@@ -391,6 +404,7 @@ impl Net {
                     slot.core.handle_failure(f);
                 }
             }
+            End::Gone(_) => {}
         }
         self.do_actions(end);
     }

@@ -242,6 +242,44 @@ fn a_cq_overrun_fails_the_connection_with_its_event() {
 }
 
 #[test]
+fn an_unread_cq_overrun_event_explains_the_flushes_it_caused() {
+    let (mut net, a, b) = pair(Shape::default(), Shape::default());
+    net.conns[a].app.backlog = 4;
+    net.drive(10_000);
+    // The queue pair breaks; its flushes come before anything else says why.
+    net.overrun(b);
+    net.drive(10_000);
+    assert_eq!(
+        net.conns[b].core.failure(),
+        Some(Failure::AsyncEvent(rdmsg_verbs::AsyncEventKind::CqErr)),
+        "the event explains the flushes, not QpError"
+    );
+    assert_eq!(net.conns[b].app.received, seqs(4));
+    assert!(net.conns[b].core.is_drained(), "every flush polled");
+}
+
+#[test]
+fn a_close_completes_while_the_peer_still_sends_and_grants_follow_it() {
+    let (mut net, a, b) = pair(Shape::default(), Shape::default());
+    net.conns[a].app.backlog = 10;
+    net.conns[a].app.hold = 0;
+    net.conns[b].app.hold = 0;
+    net.drive(10_000);
+    // The peer keeps sending while our close is under way: we keep granting after the close
+    // message, and those grants are not signaled.
+    net.conns[b].app.backlog = 200;
+    assert!(net.close(a));
+    net.drive(100_000);
+    assert_eq!(net.conns[a].core.failure(), Some(Failure::Closed));
+    assert!(
+        !net.conns[a].core.close_timed_out(),
+        "the close was delivered"
+    );
+    assert_eq!(net.conns[b].app.received, seqs(10));
+    assert_eq!(net.conns[b].core.failure(), Some(Failure::PeerClosed));
+}
+
+#[test]
 fn a_credit_overrun_breaks_the_receiving_side_alone_first() {
     let (mut net, a, b) = pair(Shape::default(), Shape::default());
     // a believes it has more credits than b granted: a lying sender.
