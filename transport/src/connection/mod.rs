@@ -478,11 +478,10 @@ impl Connection {
     /// [`Connection::step`]: the health check, which finds errors a provider did not signal,
     /// or a deadline of the protocol (a close, a peer's close message after its goodbye).
     pub fn next_timeout(&self) -> Option<Duration> {
-        let due = self
-            .core
-            .next_timeout()
-            .map(|at| at.saturating_duration_since(Instant::now()));
-        earliest(self.config.health_check, due)
+        earliest(
+            self.config.health_check,
+            self.core.time_to_next(Instant::now()),
+        )
     }
 
     /// Completions handled since the connection was made. Threads sharing a connection
@@ -597,19 +596,10 @@ impl Connection {
         self.post(Payload::Empty, post)?;
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         loop {
-            match self.core.failure() {
-                Some(Failure::Closed) if self.core.close_timed_out() => {
-                    return Err(Error::Timeout(timeout))
-                }
-                Some(Failure::Closed) => return Ok(()),
-                Some(f) => return Err(f.into()),
-                None => {}
+            if let Some(ended) = self.core.close_result(timeout) {
+                return ended;
             }
-            let left = self
-                .core
-                .next_timeout()
-                .map(|at| at.saturating_duration_since(Instant::now()));
-            self.wait_once(left)?;
+            self.wait_once(self.core.time_to_next(Instant::now()))?;
         }
     }
 }

@@ -52,10 +52,7 @@ impl Connection {
             Policy::Poll => Some(POLL_SLICE),
             _ => self.config.health_check,
         };
-        let due = self
-            .core
-            .next_timeout()
-            .map(|at| at.saturating_duration_since(Instant::now()));
+        let due = self.core.time_to_next(Instant::now());
         let timeout = earliest(earliest(timeout, slice), due);
         let mut got = std::mem::take(&mut self.completions);
         let res = self.wait_for_completions(timeout, &mut got);

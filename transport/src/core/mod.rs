@@ -370,6 +370,23 @@ impl Core {
         self.timers.next()
     }
 
+    /// How long from `now` until [`Core::next_timeout`] (zero once it has passed).
+    pub(crate) fn time_to_next(&self, now: Instant) -> Option<Duration> {
+        self.next_timeout()
+            .map(|at| at.saturating_duration_since(now))
+    }
+
+    /// How a graceful close ended, once it has: `Ok` when the close message was delivered,
+    /// [`Error::Timeout`] (of `timeout`, the close timeout) when it was not in time, the
+    /// failure when something else ended the connection first. `None` while it is under way.
+    pub(crate) fn close_result(&self, timeout: Duration) -> Option<Result<(), Error>> {
+        Some(match self.failure? {
+            Failure::Closed if self.close_timed_out() => Err(Error::Timeout(timeout)),
+            Failure::Closed => Ok(()),
+            f => Err(f.into()),
+        })
+    }
+
     /// The next thing the driver must do.
     pub(crate) fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop()

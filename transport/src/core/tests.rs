@@ -160,6 +160,32 @@ fn a_flushed_close_message_is_not_a_close_delivered() {
 }
 
 #[test]
+fn a_close_ends_delivered_timed_out_or_failed() {
+    let t0 = Instant::now();
+    let linked = || core(Credits::new(4, 3, 4, 3, 4), 16);
+    let mut c = linked();
+    c.start_close(t0).unwrap();
+    c.posted(9, true);
+    assert!(c.close_result(CLOSE).is_none(), "under way");
+    assert_eq!(c.time_to_next(t0), Some(CLOSE));
+    c.handle_send(&send_ok(), 9);
+    assert!(matches!(c.close_result(CLOSE), Some(Ok(()))));
+
+    let mut c = linked();
+    c.start_close(t0).unwrap();
+    c.handle_timeout(t0 + CLOSE);
+    assert!(matches!(c.close_result(CLOSE), Some(Err(Error::Timeout(t))) if t == CLOSE));
+
+    let mut c = linked();
+    c.start_close(t0).unwrap();
+    c.handle_failure(Failure::PeerVanished);
+    assert!(matches!(
+        c.close_result(CLOSE),
+        Some(Err(Error::Connection(Failure::PeerVanished)))
+    ));
+}
+
+#[test]
 fn a_refused_send_wants_any_completion_until_one_goes() {
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     assert!(!c.wants_any_completion());

@@ -553,17 +553,10 @@ impl RawHub {
                 };
             };
             let core = &self.slot(slot).core;
-            match core.failure() {
-                Some(Failure::Closed) if core.close_timed_out() => {
-                    return Err(Error::Timeout(timeout))
-                }
-                Some(Failure::Closed) => return Ok(()),
-                Some(f) => return Err(f.into()),
-                None => {}
+            if let Some(ended) = core.close_result(timeout) {
+                return ended;
             }
-            let left = core
-                .next_timeout()
-                .map(|at| at.saturating_duration_since(Instant::now()));
+            let left = core.time_to_next(Instant::now());
             self.wait_for_progress(left, true)?;
         }
     }
