@@ -214,22 +214,51 @@ impl ProcStatus {
 /// rdmsg builds for).
 pub const USER_HZ: f64 = 100.0;
 
-/// User plus system CPU time, in clock ticks, of every thread the process has had (fields 14
+/// User and system CPU time, in clock ticks, of every thread the process has had (fields 14
 /// and 15 of `/proc/<pid>/stat`, counted after the command name, which may hold anything).
-pub fn stat_cpu_ticks(text: &str) -> Option<u64> {
+pub fn stat_cpu_split(text: &str) -> Option<(u64, u64)> {
     let after_name = &text[text.rfind(')')? + 1..];
     let mut fields = after_name.split_whitespace();
     // Field 3 (state) is the first after the name: utime is field 14, stime 15.
     let utime: u64 = fields.nth(11)?.parse().ok()?;
     let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
+    Some((utime, stime))
 }
 
-/// CPU time of this process so far, seconds.
-fn process_cpu_secs() -> Result<f64> {
-    let text = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
-    let ticks = stat_cpu_ticks(&text).context("no CPU times in /proc/self/stat")?;
-    Ok(ticks as f64 / USER_HZ)
+/// User plus system CPU time, in clock ticks (see [`stat_cpu_split`]).
+pub fn stat_cpu_ticks(text: &str) -> Option<u64> {
+    stat_cpu_split(text).map(|(user, system)| user + system)
+}
+
+/// CPU time of this process so far, seconds, user and system.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct CpuTime {
+    user: f64,
+    system: f64,
+}
+
+impl CpuTime {
+    fn process() -> Result<Self> {
+        let path = "/proc/self/stat";
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+        let (user, system) =
+            stat_cpu_split(&text).with_context(|| format!("no CPU times in {path}"))?;
+        Ok(Self {
+            user: user as f64 / USER_HZ,
+            system: system as f64 / USER_HZ,
+        })
+    }
+
+    fn total(self) -> f64 {
+        self.user + self.system
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            user: self.user - before.user,
+            system: self.system - before.system,
+        }
+    }
 }
 
 /// Open descriptors of this process (the directory's own one cancels out in differences).
@@ -273,6 +302,15 @@ impl Snapshot {
 /// `(after - before) / n`, for per-connection costs (negative if something was given back).
 pub fn per_conn(before: u64, after: u64, n: usize) -> f64 {
     (after as f64 - before as f64) / n.max(1) as f64
+}
+
+/// `part` over `whole`, 0 when `whole` is (a phase too short for the clock's ticks).
+pub fn share(part: f64, whole: f64) -> f64 {
+    if whole > 0.0 {
+        part / whole
+    } else {
+        0.0
+    }
 }
 
 // ----- fairness -----
@@ -524,6 +562,9 @@ pub struct Measured {
     pub connect_secs: f64,
     /// Server process CPU (user + system, all threads) per message, µs.
     pub cpu_us_per_msg: f64,
+    /// System time's share of that CPU (0 to 1): the kernel's part, rxe's packet processing
+    /// included where it ran in the server's context.
+    pub system_share: f64,
     /// Server wake-ups (completion channel) per message.
     pub wakeups_per_msg: f64,
     /// Server wake-ups per solicited message the client sent.
@@ -626,7 +667,8 @@ struct Readings {
     before: Snapshot,
     idle: Snapshot,
     registered_bytes: u64,
-    cpu_secs: f64,
+    /// The server process's CPU over the phase.
+    cpu: CpuTime,
     /// Sleeps of the serving threads over the phase (the threads': from their start), summed.
     waits: Sleeps,
     /// `waits` starts at `GO` (the hub's does).
@@ -649,7 +691,8 @@ impl Readings {
             .fold((f64::INFINITY, 0.0f64), |(a, b), &t| (a.min(t), b.max(t)));
         Measured {
             connect_secs: self.connect_secs,
-            cpu_us_per_msg: self.cpu_secs * 1e6 / msgs,
+            cpu_us_per_msg: self.cpu.total() * 1e6 / msgs,
+            system_share: share(self.cpu.system, self.cpu.total()),
             wakeups_per_msg: self.waits.wakeups as f64 / msgs,
             wakeups_per_solicited: self.waits.wakeups as f64
                 / self.client.sent_solicited.max(1) as f64,
@@ -878,7 +921,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
     let received_before = hub.stats().received;
     let sleeps_before = Sleeps::of(&hub.wait_stats());
     let grants_before = grants_sent(&hub, &peers);
-    let cpu_before = process_cpu_secs()?;
+    let cpu_before = CpuTime::process()?;
     let origin = Instant::now();
     client.tell(GO)?;
     let deadline = origin + phase_limit(load);
@@ -902,7 +945,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
             None => {}
         }
     }
-    let cpu_secs = process_cpu_secs()? - cpu_before;
+    let cpu = CpuTime::process()?.since(cpu_before);
     let phase_secs = origin.elapsed().as_secs_f64();
     let waits = Sleeps::of(&hub.wait_stats()).since(sleeps_before);
     let grants = grants_sent(&hub, &peers) - grants_before;
@@ -947,7 +990,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
         before,
         idle,
         registered_bytes,
-        cpu_secs,
+        cpu,
         waits,
         waits_from_go: true,
         phase_secs,
@@ -1103,7 +1146,7 @@ fn serve_threads(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Reading
     thread::sleep(Duration::from_millis(300));
     let idle = Snapshot::take()?;
 
-    let cpu_before = process_cpu_secs()?;
+    let cpu_before = CpuTime::process()?;
     let origin = Instant::now();
     client.tell(GO)?;
     match told.recv_timeout(phase_limit(load)) {
@@ -1115,7 +1158,7 @@ fn serve_threads(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Reading
             phase_limit(load)
         ),
     }
-    let cpu_secs = process_cpu_secs()? - cpu_before;
+    let cpu = CpuTime::process()?.since(cpu_before);
     let phase_secs = origin.elapsed().as_secs_f64();
     let report = parse_sent(&client.line()?)?;
     client.tell(CLOSE)?;
@@ -1145,7 +1188,7 @@ fn serve_threads(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Reading
         before,
         idle,
         registered_bytes,
-        cpu_secs,
+        cpu,
         waits,
         waits_from_go: false,
         phase_secs,
@@ -1278,11 +1321,18 @@ mod tests {
         let stat = "4242 (a b) c)) S 1 4242 4242 0 -1 4194560 2000 0 0 0 \
                     731 269 0 0 20 0 3 0 1000 10000 500";
         assert_eq!(stat_cpu_ticks(stat), Some(1000));
+        assert_eq!(stat_cpu_split(stat), Some((731, 269)));
         assert_eq!(stat_cpu_ticks("4242 (x) S 1 2"), None);
         assert_eq!(stat_cpu_ticks("no name"), None);
         // This very process.
         let own = std::fs::read_to_string("/proc/self/stat").unwrap();
         assert!(stat_cpu_ticks(&own).is_some());
+    }
+
+    #[test]
+    fn a_share_of_nothing_is_zero() {
+        assert_eq!(share(1.0, 4.0), 0.25);
+        assert_eq!(share(0.0, 0.0), 0.0);
     }
 
     #[test]

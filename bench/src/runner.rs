@@ -676,6 +676,7 @@ fn fanin_sample(
 fn fanin_samples(round: u32, conns: usize, server: Server, m: &fanin::Measured) -> Vec<Sample> {
     let mut figures = vec![
         ("cpu_us_per_msg", m.cpu_us_per_msg),
+        ("system_share", m.system_share),
         ("wakeups_per_msg", m.wakeups_per_msg),
         ("wakeups_per_solicited", m.wakeups_per_solicited),
         ("other_wakeups_per_msg", m.other_wakeups_per_msg),

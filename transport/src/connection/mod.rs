@@ -269,6 +269,7 @@ impl Connection {
             sq: self.sq_depth.saturating_sub(self.qp.send_outstanding()),
             buffers: self.send.free.len(),
             cq: usize::MAX,
+            unsignaled: usize::MAX,
         }
     }
 

@@ -118,6 +118,20 @@ pub(crate) struct Room {
     pub buffers: usize,
     /// Free entries of the send completion queue, where queue pairs share it.
     pub cq: usize,
+    /// Most sends this queue pair may leave unsignaled behind its last signaled one, where it
+    /// shares a send completion queue: its part of that queue. They occupy it until a later
+    /// signaled send of the same queue pair completes (or all flush back if it fails), so a
+    /// queue pair that falls silent would otherwise hold them for ever.
+    pub unsignaled: usize,
+}
+
+/// [`Room::unsignaled`] for each of `queue_pairs` sharing a send CQ of `cq_entries`: together
+/// at most half of it, however many they are, so that queue pairs whose traffic stopped cannot
+/// fill it with sends only their next signaled one would retire. (A hub's 1,024 peers each
+/// holding a few unsignaled grants did: every send then waited for the one allowed to be
+/// signaled.)
+pub(crate) fn unsignaled_share(cq_entries: usize, queue_pairs: usize) -> usize {
+    cq_entries / 2 / queue_pairs.max(1)
 }
 
 /// A message to post: its immediate data and flags.
@@ -608,12 +622,15 @@ impl Core {
         })
     }
 
-    /// Whether the next send is signaled: every `signal_every`-th, and always when the send
-    /// queue, the send buffers or the send CQ are about to run out (`room` is what is left
-    /// once it is posted), so that a blocked sender has a completion coming.
+    /// Whether the next send is signaled: every `signal_every`-th, once `room.unsignaled`
+    /// sends went unsignaled, and always when the send queue, the send buffers or the send CQ
+    /// are about to run out (`room` is what is left once it is posted), so that a blocked
+    /// sender has a completion coming.
     fn signal_for(&mut self, room: Room) -> bool {
         let must = room.sq <= 1 || room.buffers == 0 || room.cq <= 1;
-        let signaled = must || self.unsignaled + 1 >= self.signal_every;
+        let signaled = must
+            || self.unsignaled + 1 >= self.signal_every
+            || self.unsignaled as usize >= room.unsignaled;
         self.unsignaled = if signaled { 0 } else { self.unsignaled + 1 };
         signaled
     }

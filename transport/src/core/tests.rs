@@ -36,6 +36,7 @@ const ROOM: Room = Room {
     sq: 8,
     buffers: 8,
     cq: usize::MAX,
+    unsignaled: usize::MAX,
 };
 
 fn actions(c: &mut Core) -> Vec<Action> {
@@ -68,6 +69,30 @@ fn signalling_follows_the_count_and_what_runs_low() {
     assert_eq!(c.send_arm(), ArmMode::Next);
     c.handle_send(&send_ok(), 7);
     assert_eq!(c.send_arm(), ArmMode::SolicitedOnly);
+}
+
+#[test]
+fn a_shared_send_cq_bounds_the_sends_left_unsignaled() {
+    // A queue pair's part of a shared send CQ: at most one unsignaled in a row, or none.
+    let mut c = core(Credits::new(8, 3, 8, 3, 8), 3);
+    let shared = Room {
+        unsignaled: 1,
+        ..ROOM
+    };
+    let got: Vec<bool> = (0..4)
+        .map(|_| c.data(false, shared).unwrap().signaled)
+        .collect();
+    assert_eq!(got, [false, true, false, true]);
+    let none = Room {
+        unsignaled: 0,
+        ..ROOM
+    };
+    assert!(c.data(false, none).unwrap().signaled);
+    assert!(c.data(false, none).unwrap().signaled);
+    // Half a CQ of 1,024 for 16 queue pairs, none left for 1,024 of them.
+    assert_eq!(unsignaled_share(1024, 16), 32);
+    assert_eq!(unsignaled_share(1024, 1024), 0);
+    assert_eq!(unsignaled_share(1024, 0), 512);
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::slots::Phase;
 use super::{PeerId, RawHub};
-use crate::core::{Post, Room};
+use crate::core::{unsignaled_share, Post, Room};
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::send::{self, Payload};
 use crate::share::AdmitError;
@@ -127,6 +127,10 @@ impl RawHub {
     /// Sends the grants due on connections touched this round; one without room for its
     /// grant now stays touched (a send completion will bring the hub back).
     pub(super) fn grants(&mut self) {
+        if self.send_cq_room() == 0 {
+            // Nothing can go before a send completion, which comes back here.
+            return;
+        }
         let mut touched = std::mem::take(&mut self.touched);
         let mut keep = Vec::new();
         for slot in touched.drain(..) {
@@ -163,8 +167,22 @@ impl RawHub {
         Room {
             sq,
             buffers: self.send.free.len(),
-            cq: self.send_cq_entries.saturating_sub(self.sends_outstanding),
+            cq: self.send_cq_room(),
+            unsignaled: self.unsignaled_share(),
         }
+    }
+
+    /// Entries of the send CQ no outstanding send may still fill.
+    fn send_cq_room(&self) -> usize {
+        self.send_cq_entries.saturating_sub(self.sends_outstanding)
+    }
+
+    /// Unsignaled sends each queue pair may leave behind its last signaled one.
+    fn unsignaled_share(&self) -> usize {
+        unsignaled_share(
+            self.send_cq_entries,
+            self.slots.len() - self.free_slots.len(),
+        )
     }
 
     pub(super) fn post(&mut self, slot: usize, payload: Payload, post: Post) -> Result<()> {

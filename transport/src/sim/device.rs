@@ -92,6 +92,7 @@ impl SendQueue {
             sq,
             buffers: sq,
             cq: usize::MAX,
+            unsignaled: usize::MAX,
         }
     }
 
