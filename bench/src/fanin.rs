@@ -488,6 +488,23 @@ impl ClientProc {
         read_line(self.stdout.as_mut().context("client output taken")?)
     }
 
+    /// How the client stands, given up to `limit` to exit by itself (after a failure on our
+    /// side that its own failure may explain: its messages go to standard error first).
+    fn state_within(&mut self, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => {
+                    self.done = true;
+                    return format!("the client exited ({status})");
+                }
+                Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(20)),
+                Ok(None) => return format!("the client still ran after {limit:?}"),
+                Err(e) => return format!("the client's state is unknown ({e})"),
+            }
+        }
+    }
+
     /// Waits for the client to finish by itself.
     fn wait(mut self, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
@@ -968,7 +985,11 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
                 ..
             }) => gone += 1,
             Some(HubEvent::Disconnected { peer, failure }) => {
-                bail!("{peer} ended with {failure} instead of a graceful close")
+                let client = client.state_within(Duration::from_secs(5));
+                bail!(
+                    "{peer} ended with {failure} instead of a graceful close, after {gone} \
+                     closed; {client}"
+                )
             }
             Some(other) => bail!("unexpected while closing: {other:?}"),
             None => {}

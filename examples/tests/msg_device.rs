@@ -302,3 +302,33 @@ fn send_timeout_gives_up_when_the_peer_does_not_read() {
         assert_eq!(recv_one::<Reading>(&mut rx).seq, seq);
     }
 }
+
+/// Timeouts of any length, `Duration::MAX` included, are waits, not panics (adding one to the
+/// clock used to overflow): in the handshake, a receive, and a graceful close.
+#[test]
+#[ignore = "device"]
+fn timeouts_of_any_length_are_waits() {
+    let forever = Config {
+        handshake_timeout: Duration::MAX,
+        close_timeout: Duration::MAX,
+        ..Config::default()
+    };
+    let (rx, tx) = loopback_pair(&forever, &forever).expect("device");
+    let (mut rx, mut tx) = (Session::new(rx), Session::new(tx));
+    let reading = Reading {
+        sensor: 1,
+        seq: 2,
+        value: 3.0,
+    };
+    tx.send(&reading).unwrap();
+    let got: Reading = rx
+        .recv_timeout(Some(Duration::MAX))
+        .unwrap()
+        .expect("a message")
+        .decode()
+        .unwrap();
+    assert_eq!(got, reading);
+    tx.close().unwrap();
+    let end = rx.recv_timeout(Some(Duration::MAX)).unwrap_err();
+    assert!(end.is_peer_closed(), "{end}");
+}

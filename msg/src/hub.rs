@@ -7,6 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId};
+use rdmsg_verbs::deadline_after;
 
 use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::peer::{self, HubLink, Link, PeerTable, Receiver, Sender};
@@ -280,7 +281,7 @@ impl Hub {
     /// [`Failure::Closed`].
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
         // The peer may still be reading our messages: closing now would fail its reads.
-        let deadline = Instant::now() + self.transport.config().conn.close_timeout;
+        let deadline = deadline_after(Instant::now(), self.transport.config().conn.close_timeout);
         self.with_sender(peer, |s, link| s.wait_until_returned(link, deadline))?;
         Ok(self.transport.close(peer)?)
     }
@@ -293,7 +294,7 @@ impl Hub {
             // The peer may still be reading our messages: the close waits for that (at most
             // `close_timeout`), driven by later calls.
             Some(state) if state.sender.lent() > 0 => {
-                state.close_at = Some(Instant::now() + timeout);
+                state.close_at = Some(deadline_after(Instant::now(), timeout));
                 if !self.closing.contains(&peer) {
                     self.closing.push(peer);
                 }

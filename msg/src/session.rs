@@ -4,6 +4,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::Connection;
+use rdmsg_verbs::deadline_after;
 
 use crate::codec::{self, Decoder, Envelope};
 use crate::peer::{self, Absorbing, Receiver, Sender};
@@ -330,7 +331,7 @@ impl Session {
     pub fn close(mut self) -> Result<()> {
         self.sender.flush_within(&mut self.conn, None)?;
         // The peer may still be reading our messages: closing now would fail its reads.
-        let deadline = Instant::now() + self.conn.config().close_timeout;
+        let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
         let (sender, link) = absorbing!(self);
         sender.wait_until_returned(link, deadline)?;
         self.sender.flush_within(&mut self.conn, None)?;

@@ -247,7 +247,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         timeout: Option<Duration>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = timeout.map(|t| rdmsg_verbs::deadline_after(Instant::now(), t));
         let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
         match self.policy {
             Policy::Poll => {
@@ -268,7 +268,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 spin,
                 max_empty_polls,
             } => {
-                let spin_until = Instant::now() + spin;
+                let spin_until = rdmsg_verbs::deadline_after(Instant::now(), spin);
                 for i in 1..=max_empty_polls.max(1) {
                     let n = self.poll_all(f)?;
                     if n > 0 {

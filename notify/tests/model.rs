@@ -185,6 +185,28 @@ fn solicited_message_wakes_and_everything_before_it_is_drained_in_order() {
 }
 
 #[test]
+fn a_wait_of_any_length_is_a_wait() {
+    // `Duration::MAX` used to overflow the deadline and panic.
+    for policy in [
+        Policy::Sleep,
+        Policy::Poll,
+        Policy::Hybrid {
+            spin: Duration::MAX,
+            max_empty_polls: 4,
+        },
+    ] {
+        let m = Model::new();
+        let mut w = waiter(&m, &[ArmMode::SolicitedOnly], policy);
+        m.arrive(Arrival::recv(0, true));
+        let mut got = Vec::new();
+        let n = w
+            .wait(Some(Duration::MAX), &mut |_, c| got.push(*c))
+            .unwrap();
+        assert_eq!((n, got.len()), (1, 1), "{policy:?}");
+    }
+}
+
+#[test]
 fn next_mode_send_queue_wakes_on_a_send_error_the_receive_queue_ignores() {
     let m = Model::new();
     let mut w = waiter(&m, &[ArmMode::SolicitedOnly, ArmMode::Next], Policy::Sleep);

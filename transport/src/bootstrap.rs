@@ -14,7 +14,7 @@ use std::os::fd::AsFd;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use rdmsg_verbs::ReadyWatch;
+use rdmsg_verbs::{deadline_after, ReadyWatch};
 
 use crate::addr::QpAddress;
 use crate::config::Config;
@@ -56,7 +56,7 @@ impl<S: LocalSide> Pending<S> {
             hs,
             setup,
             config: config.clone(),
-            deadline: Instant::now() + config.handshake_timeout,
+            deadline: deadline_after(Instant::now(), config.handshake_timeout),
         })
     }
 

@@ -240,9 +240,20 @@ impl Endpoint {
 
     /// Routes asynchronous events to `mailbox` from now on: those naming `qp_num` or one of
     /// the completion queues at addresses `cqs`, and device-wide failures.
-    pub(crate) fn register_async(&self, qp_num: u32, cqs: Vec<usize>, mailbox: &Arc<Mailbox>) {
+    pub(crate) fn register_async(
+        &self,
+        qp_num: Option<u32>,
+        cqs: Vec<usize>,
+        mailbox: &Arc<Mailbox>,
+    ) {
         self.router()
             .register(qp_num, cqs, self.inner.port, mailbox);
+    }
+
+    /// The queue pair `qp_num` routed to `mailbox` is destroyed: its number may name another
+    /// one next.
+    pub(crate) fn unregister_async(&self, qp_num: u32, mailbox: &Arc<Mailbox>) {
+        self.router().unregister_qp(qp_num, mailbox);
     }
 
     /// Reads every pending asynchronous event of the device and routes it to the mailbox of

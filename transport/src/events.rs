@@ -12,7 +12,7 @@
 //! that one. Events naming a connection that is gone are dropped, not kept for a newcomer
 //! that might reuse its queue pair number or CQ address.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -88,29 +88,30 @@ impl Mailbox {
     }
 }
 
+/// A mailbox and the port of its connections, for events that concern a whole port or device.
 #[derive(Debug)]
-struct Route {
-    qp_num: u32,
-    cqs: Vec<usize>,
+struct Recipient {
     port: u8,
     mailbox: Weak<Mailbox>,
 }
 
-impl Route {
-    fn claims(&self, el: &AsyncElement) -> bool {
-        match *el {
-            AsyncElement::Qp(n) => n == self.qp_num,
-            AsyncElement::Cq(addr) => self.cqs.contains(&addr),
-            _ => false,
-        }
-    }
-}
-
 /// The routing table of one device context. Pure: an endpoint reads the descriptor and feeds
 /// it.
+///
+/// A queue pair number or a CQ address names one live object at a time, but is reused once it
+/// is destroyed: registering it again replaces the old route, and a hub unregisters each queue
+/// pair it destroys, so an event reaches the newest owner and the table holds what lives (plus
+/// the routes of dropped connections, pruned as registrations go on). Lookups are by key.
 #[derive(Debug, Default)]
 pub(crate) struct Router {
-    routes: Vec<Route>,
+    qps: HashMap<u32, Weak<Mailbox>>,
+    cqs: HashMap<usize, Weak<Mailbox>>,
+    /// Every mailbox once, for device- and port-wide events.
+    recipients: Vec<Recipient>,
+    /// Registrations since dead routes were last pruned.
+    since_prune: usize,
+    /// Routes left by that pruning.
+    after_prune: usize,
     unclaimed: VecDeque<AsyncEvent>,
     /// A fatal device error was seen: connections registered later fail too.
     device_fatal: bool,
@@ -119,26 +120,25 @@ pub(crate) struct Router {
 }
 
 impl Router {
-    /// Registers a connection's queue pair and completion queues; events already read for
-    /// them, and an earlier device-wide failure, are delivered at once.
+    /// Registers a connection's queue pair (`None`: only queues, such as a hub's) and
+    /// completion queues; events already read for them, and an earlier device-wide failure,
+    /// are delivered at once.
     pub(crate) fn register(
         &mut self,
-        qp_num: u32,
+        qp_num: Option<u32>,
         cqs: Vec<usize>,
         port: u8,
         mailbox: &Arc<Mailbox>,
     ) {
-        self.routes.retain(|r| r.mailbox.strong_count() > 0);
-        let route = Route {
-            qp_num,
-            cqs,
-            port,
-            mailbox: Arc::downgrade(mailbox),
+        self.prune_now_and_then();
+        let weak = Arc::downgrade(mailbox);
+        let claims = |el: &AsyncElement| match *el {
+            AsyncElement::Qp(n) => Some(n) == qp_num,
+            AsyncElement::Cq(addr) => cqs.contains(&addr),
+            _ => false,
         };
-        let (mine, rest): (Vec<_>, Vec<_>) = self
-            .unclaimed
-            .drain(..)
-            .partition(|e| route.claims(&e.element));
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            self.unclaimed.drain(..).partition(|e| claims(&e.element));
         self.unclaimed = rest.into();
         for ev in mine {
             mailbox.deliver(ev);
@@ -155,13 +155,58 @@ impl Router {
                 element: AsyncElement::Port(port),
             });
         }
-        self.routes.push(route);
+        if let Some(n) = qp_num {
+            self.qps.insert(n, weak.clone());
+        }
+        for addr in cqs {
+            self.cqs.insert(addr, weak.clone());
+        }
+        if !self
+            .recipients
+            .iter()
+            .any(|r| Weak::ptr_eq(&r.mailbox, &weak))
+        {
+            self.recipients.push(Recipient {
+                port,
+                mailbox: weak,
+            });
+        }
+    }
+
+    /// The queue pair `qp_num` of `mailbox`'s owner is destroyed: its events go nowhere from
+    /// now on (a route of a newer owner of the number stays).
+    pub(crate) fn unregister_qp(&mut self, qp_num: u32, mailbox: &Arc<Mailbox>) {
+        if self
+            .qps
+            .get(&qp_num)
+            .is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(mailbox)))
+        {
+            self.qps.remove(&qp_num);
+        }
+    }
+
+    /// Drops the routes of mailboxes that are gone, once per as many registrations as routes
+    /// were left by the last pruning (at least 32): amortized O(1) per registration, and the
+    /// table stays within a few times what lives.
+    fn prune_now_and_then(&mut self) {
+        self.since_prune += 1;
+        if self.since_prune <= self.after_prune.max(32) {
+            return;
+        }
+        self.since_prune = 0;
+        self.qps.retain(|_, w| w.strong_count() > 0);
+        self.cqs.retain(|_, w| w.strong_count() > 0);
+        self.recipients.retain(|r| r.mailbox.strong_count() > 0);
+        self.after_prune = self.qps.len() + self.cqs.len() + self.recipients.len();
     }
 
     /// Routes one event read from the device.
     pub(crate) fn route(&mut self, ev: AsyncEvent) {
-        let to_all = |routes: &[Route], port: Option<u8>| {
-            for r in routes.iter().filter(|r| port.map_or(true, |p| r.port == p)) {
+        let to_all = |recipients: &[Recipient], port: Option<u8>| {
+            for r in recipients
+                .iter()
+                .filter(|r| port.map_or(true, |p| r.port == p))
+            {
                 if let Some(mb) = r.mailbox.upgrade() {
                     mb.deliver(ev);
                 }
@@ -170,13 +215,13 @@ impl Router {
         match (ev.kind, ev.element) {
             (AsyncEventKind::DeviceFatal, _) => {
                 self.device_fatal = true;
-                return to_all(&self.routes, None);
+                return to_all(&self.recipients, None);
             }
             (AsyncEventKind::PortErr, AsyncElement::Port(p)) => {
                 if !self.failed_ports.contains(&p) {
                     self.failed_ports.push(p);
                 }
-                return to_all(&self.routes, Some(p));
+                return to_all(&self.recipients, Some(p));
             }
             (AsyncEventKind::PortActive, AsyncElement::Port(p)) => {
                 // A later PortErr counts anew; connections that failed stay failed.
@@ -185,10 +230,15 @@ impl Router {
             }
             _ => {}
         }
-        match self.routes.iter().find(|r| r.claims(&ev.element)) {
+        let route = match ev.element {
+            AsyncElement::Qp(n) => self.qps.get(&n),
+            AsyncElement::Cq(addr) => self.cqs.get(&addr),
+            _ => None,
+        };
+        match route {
             // A dead route: its connection is gone, and the event with it.
-            Some(r) => {
-                if let Some(mb) = r.mailbox.upgrade() {
+            Some(w) => {
+                if let Some(mb) = w.upgrade() {
                     mb.deliver(ev);
                 }
             }
@@ -216,8 +266,8 @@ mod tests {
         let a = Mailbox::new(Some(wake_a));
         let b = Mailbox::new(None);
         let mut r = Router::default();
-        r.register(7, vec![0x1000, 0x2000], 1, &a);
-        r.register(9, vec![0x3000], 1, &b);
+        r.register(Some(7), vec![0x1000, 0x2000], 1, &a);
+        r.register(Some(9), vec![0x3000], 1, &b);
         r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(7)));
         r.route(ev(AsyncEventKind::CqErr, AsyncElement::Cq(0x3000)));
         assert_eq!(
@@ -238,9 +288,9 @@ mod tests {
         let (a, b, c) = (Mailbox::new(None), Mailbox::new(None), Mailbox::new(None));
         let other_port = Mailbox::new(None);
         let mut r = Router::default();
-        r.register(1, vec![], 1, &a);
-        r.register(2, vec![], 1, &b);
-        r.register(8, vec![], 2, &other_port);
+        r.register(Some(1), vec![], 1, &a);
+        r.register(Some(2), vec![], 1, &b);
+        r.register(Some(8), vec![], 2, &other_port);
         r.route(ev(AsyncEventKind::PortErr, AsyncElement::Port(1)));
         assert_eq!(a.take().len(), 1);
         assert_eq!(b.take().len(), 1);
@@ -248,18 +298,18 @@ mod tests {
             other_port.take().is_empty(),
             "another port's error is not its"
         );
-        r.register(3, vec![], 1, &c);
+        r.register(Some(3), vec![], 1, &c);
         assert_eq!(c.take()[0].kind, AsyncEventKind::PortErr);
         r.route(ev(AsyncEventKind::PortActive, AsyncElement::Port(1)));
         let d = Mailbox::new(None);
-        r.register(4, vec![], 1, &d);
+        r.register(Some(4), vec![], 1, &d);
         assert!(d.take().is_empty(), "the port came back");
         r.route(ev(AsyncEventKind::DeviceFatal, AsyncElement::Device));
         for mb in [&a, &b, &c, &d, &other_port] {
             assert_eq!(mb.take()[0].kind, AsyncEventKind::DeviceFatal);
         }
         let e = Mailbox::new(None);
-        r.register(5, vec![], 2, &e);
+        r.register(Some(5), vec![], 2, &e);
         assert_eq!(e.take()[0].kind, AsyncEventKind::DeviceFatal);
     }
 
@@ -269,7 +319,7 @@ mod tests {
         r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(5)));
         r.route(ev(AsyncEventKind::SrqLimitReached, AsyncElement::Srq(1)));
         let a = Mailbox::new(None);
-        r.register(5, vec![], 1, &a);
+        r.register(Some(5), vec![], 1, &a);
         assert_eq!(a.take().len(), 1);
         assert_eq!(r.unclaimed.len(), 1, "the SRQ event stays unclaimed");
         drop(a);
@@ -280,11 +330,48 @@ mod tests {
             "an event of a connection that is gone is dropped"
         );
         let newcomer = Mailbox::new(None);
-        r.register(5, vec![], 1, &newcomer);
+        r.register(Some(5), vec![], 1, &newcomer);
         assert!(
             newcomer.take().is_empty(),
             "nothing stale for a reused QP number"
         );
+    }
+
+    #[test]
+    fn a_reused_queue_pair_number_routes_to_its_newest_owner() {
+        // A hub lives on after destroying a queue pair; the number goes to a new connection.
+        let hub = Mailbox::new(None);
+        let conn = Mailbox::new(None);
+        let mut r = Router::default();
+        r.register(None, vec![0x1000], 1, &hub);
+        r.register(Some(5), vec![], 1, &hub);
+        r.register(Some(6), vec![], 1, &hub);
+        r.register(Some(5), vec![0x2000], 1, &conn);
+        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(5)));
+        assert_eq!(conn.take().len(), 1, "the newest owner of 5 gets it");
+        assert!(hub.take().is_empty(), "not the hub, whose 5 is gone");
+        // The hub's late unregistration of its old 5 leaves the new owner's route.
+        r.unregister_qp(5, &hub);
+        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(5)));
+        assert_eq!(conn.take().len(), 1);
+        r.unregister_qp(6, &hub);
+        r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(6)));
+        assert!(hub.take().is_empty(), "unregistered");
+        // A port-wide event reaches each mailbox once, however many queue pairs it has.
+        r.route(ev(AsyncEventKind::PortErr, AsyncElement::Port(1)));
+        assert_eq!(hub.take().len(), 1);
+        assert_eq!(conn.take().len(), 1);
+    }
+
+    #[test]
+    fn routes_of_dropped_connections_do_not_pile_up() {
+        let mut r = Router::default();
+        for n in 0..10_000 {
+            let conn = Mailbox::new(None);
+            r.register(Some(n), vec![0x1000 + n as usize], 1, &conn);
+        }
+        let routes = r.qps.len() + r.cqs.len() + r.recipients.len();
+        assert!(routes <= 3 * 33, "{routes} routes for nothing alive");
     }
 
     #[test]

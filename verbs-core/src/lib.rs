@@ -151,7 +151,7 @@ pub fn wait_any_readable(
     timeout: Option<std::time::Duration>,
 ) -> Result<Option<usize>> {
     use std::os::fd::AsRawFd;
-    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    let deadline = timeout.map(|t| deadline_after(std::time::Instant::now(), t));
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|fd| libc::pollfd {
@@ -178,6 +178,19 @@ pub fn wait_any_readable(
         }
         return Ok(pfds.iter().position(|p| p.revents != 0));
     }
+}
+
+/// The longest wait rdmsg counts in time: a timeout beyond it (`Duration::MAX` included) waits
+/// this long, which is for ever in practice, where adding it to an [`Instant`](std::time::Instant)
+/// would panic.
+pub const FOREVER: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// `start + timeout`, the timeout capped at [`FOREVER`]: the deadline of a wait of any length.
+pub fn deadline_after(
+    start: std::time::Instant,
+    timeout: std::time::Duration,
+) -> std::time::Instant {
+    start + timeout.min(FOREVER)
 }
 
 /// The millisecond timeout `poll`/`epoll_wait` take for the time left until `deadline` (-1:
@@ -248,4 +261,22 @@ pub fn raise_fd_limit(want: u64) -> std::io::Result<u64> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(target)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn a_deadline_of_any_length_is_an_instant() {
+        let now = Instant::now();
+        assert_eq!(
+            deadline_after(now, Duration::from_secs(2)),
+            now + Duration::from_secs(2)
+        );
+        assert_eq!(deadline_after(now, Duration::MAX), now + FOREVER);
+        assert!(poll_timeout_ms(Some(deadline_after(now, Duration::MAX))) == libc::c_int::MAX);
+    }
 }

@@ -7,6 +7,7 @@
 
 use std::alloc::{self, Layout};
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -45,10 +46,52 @@ impl Access {
     }
 }
 
-pub(crate) struct MrInner {
-    mr: NonNull<ffi::ibv_mr>,
+/// Page-aligned memory from the global allocator, freed when dropped.
+struct Allocation {
     base: NonNull<u8>,
     layout: Layout,
+}
+
+impl Allocation {
+    /// `len` zeroed bytes aligned to a page.
+    fn zeroed(len: usize) -> Result<Self> {
+        let layout = Layout::from_size_align(len, 4096)
+            .map_err(|e| Error::InvalidArgument(format!("region of {len} bytes: {e}")))?;
+        // SAFETY: `layout` has a non-zero size (callers refuse `len == 0`).
+        let base = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| {
+            Error::RegisterMemory {
+                len,
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            }
+        })?;
+        Ok(Self { base, layout })
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // SAFETY: `base` was allocated with `layout` in `zeroed` and is freed once, here.
+        unsafe { alloc::dealloc(self.base.as_ptr(), self.layout) };
+    }
+}
+
+/// Frees `memory` only if its deregistration succeeded (`ret == 0`): after a failed
+/// `ibv_dereg_mr` the device may still reach it (a peer's remote read included), so it is
+/// leaked instead. Returns whether it was freed.
+fn free_if_deregistered<T>(ret: libc::c_int, memory: T) -> bool {
+    if ret == 0 {
+        drop(memory);
+        true
+    } else {
+        std::mem::forget(memory);
+        false
+    }
+}
+
+pub(crate) struct MrInner {
+    mr: NonNull<ffi::ibv_mr>,
+    /// Freed in Drop, and only once deregistered.
+    memory: ManuallyDrop<Allocation>,
     access: Access,
     _pd: Arc<PdInner>,
 }
@@ -63,9 +106,10 @@ impl Drop for MrInner {
     fn drop(&mut self) {
         // SAFETY: no Buffer of this region exists any more (each holds an Arc), so the device
         // has no outstanding work on it; deregister first, then free the memory.
-        unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
-        // SAFETY: `base` was allocated with `layout` in `register` and is freed exactly once.
-        unsafe { alloc::dealloc(self.base.as_ptr(), self.layout) };
+        let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        // SAFETY: taken once, here; never used again.
+        let memory = unsafe { ManuallyDrop::take(&mut self.memory) };
+        free_if_deregistered(ret, memory);
     }
 }
 
@@ -91,32 +135,22 @@ impl ProtectionDomain {
                 "cannot register an empty region".into(),
             ));
         }
-        let layout = Layout::from_size_align(len, 4096)
-            .map_err(|e| Error::InvalidArgument(format!("region of {len} bytes: {e}")))?;
-        // SAFETY: `layout` has a non-zero size.
-        let base = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| {
-            Error::RegisterMemory {
-                len,
-                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
-            }
-        })?;
+        let memory = Allocation::zeroed(len)?;
         // SAFETY: `base..base+len` is a live allocation owned by the MrInner built below, which
-        // outlives the registration.
-        let mr =
-            unsafe { ffi::ibv_reg_mr(self.as_raw(), base.as_ptr().cast(), len, access.to_raw()) };
-        let mr = match non_null(mr) {
-            Ok(mr) => mr,
-            Err(source) => {
-                // SAFETY: allocated above with `layout`, never registered, freed once.
-                unsafe { alloc::dealloc(base.as_ptr(), layout) };
-                return Err(Error::RegisterMemory { len, source });
-            }
+        // frees it only after deregistering it. (Dropped unregistered if this fails.)
+        let mr = unsafe {
+            ffi::ibv_reg_mr(
+                self.as_raw(),
+                memory.base.as_ptr().cast(),
+                len,
+                access.to_raw(),
+            )
         };
+        let mr = non_null(mr).map_err(|source| Error::RegisterMemory { len, source })?;
         Ok(Buffer {
             region: Arc::new(MrInner {
                 mr,
-                base,
-                layout,
+                memory: ManuallyDrop::new(memory),
                 access,
                 _pd: self.inner.clone(),
             }),
@@ -164,7 +198,7 @@ impl Buffer {
 
     /// Virtual address of the first byte, as placed in a scatter/gather entry.
     pub fn addr(&self) -> u64 {
-        self.region.base.as_ptr() as u64 + self.offset as u64
+        self.region.memory.base.as_ptr() as u64 + self.offset as u64
     }
 
     /// Local key of the region.
@@ -191,14 +225,19 @@ impl Buffer {
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `offset..offset+len` lies inside the live allocation; no other Buffer covers
         // these bytes and the device does not access them while a Buffer is outside a queue.
-        unsafe { std::slice::from_raw_parts(self.region.base.as_ptr().add(self.offset), self.len) }
+        unsafe {
+            std::slice::from_raw_parts(self.region.memory.base.as_ptr().add(self.offset), self.len)
+        }
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as for as_slice, and `&mut self` makes the access exclusive.
         unsafe {
-            std::slice::from_raw_parts_mut(self.region.base.as_ptr().add(self.offset), self.len)
+            std::slice::from_raw_parts_mut(
+                self.region.memory.base.as_ptr().add(self.offset),
+                self.len,
+            )
         }
     }
 
@@ -348,9 +387,35 @@ impl Drop for Exposed {
     fn drop(&mut self) {
         // SAFETY: the region is registered until now and deregistered once, here.
         let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
-        if ret != 0 {
-            // The device may still read the bytes: never free them.
-            std::mem::forget(std::mem::take(&mut self.bytes));
-        }
+        free_if_deregistered(ret, std::mem::take(&mut self.bytes));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+
+    use super::*;
+
+    #[test]
+    fn memory_is_freed_only_after_a_deregistration_that_succeeded() {
+        let memory = Rc::new(());
+        assert!(free_if_deregistered(0, memory.clone()));
+        assert_eq!(Rc::strong_count(&memory), 1, "freed");
+        assert!(!free_if_deregistered(libc::EBUSY, memory.clone()));
+        assert_eq!(
+            Rc::strong_count(&memory),
+            2,
+            "leaked: the device may reach it"
+        );
+    }
+
+    #[test]
+    fn an_allocation_is_page_aligned_and_zeroed() {
+        let a = Allocation::zeroed(3 * 4096 + 5).unwrap();
+        assert_eq!(a.base.as_ptr() as usize % 4096, 0);
+        // SAFETY: the allocation holds that many bytes, and nothing else refers to them.
+        let bytes = unsafe { std::slice::from_raw_parts(a.base.as_ptr(), 3 * 4096 + 5) };
+        assert!(bytes.iter().all(|&b| b == 0));
     }
 }

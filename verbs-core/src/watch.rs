@@ -122,7 +122,7 @@ impl ReadyWatch {
         timeout: Option<Duration>,
         events: &mut [libc::epoll_event],
     ) -> Result<usize> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = timeout.map(|t| crate::deadline_after(Instant::now(), t));
         loop {
             let ms = crate::poll_timeout_ms(deadline);
             // SAFETY: `events` is a valid array of `events.len()` epoll_events the kernel may

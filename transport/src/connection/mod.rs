@@ -132,7 +132,7 @@ impl Connection {
         let max_inline = qp.caps().max_inline_data.min(config.max_inline) as usize;
         let mailbox = Mailbox::new(Some(pool.waker().map_err(Error::WakePipe)?));
         endpoint.register_async(
-            qp.qp_num(),
+            Some(qp.qp_num()),
             vec![
                 waiter.cq(recv_key)?.as_raw() as usize,
                 waiter.cq(send_key)?.as_raw() as usize,

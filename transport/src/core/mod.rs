@@ -44,7 +44,7 @@ mod timers;
 use std::time::{Duration, Instant};
 
 use rdmsg_notify::ArmMode;
-use rdmsg_verbs::WcStatus;
+use rdmsg_verbs::{deadline_after, WcStatus};
 
 pub(crate) use inbound::{Completion, RecvAction};
 pub use stats::ConnStats;
@@ -491,8 +491,10 @@ impl Core {
                 // message (it shuts its stream at once): the close completes on its own.
                 if matches!(self.phase, Phase::Linked | Phase::Handshaking) && !self.peer_closed() {
                     self.phase = Phase::Leaving;
-                    self.timers
-                        .set(Timer::Vanish, now + news.grace(self.close_timeout));
+                    self.timers.set(
+                        Timer::Vanish,
+                        deadline_after(now, news.grace(self.close_timeout)),
+                    );
                 }
             }
         }
@@ -598,7 +600,8 @@ impl Core {
         }
         let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
         self.phase = Phase::Closing { close_wr: None };
-        self.timers.set(Timer::Close, now + self.close_timeout);
+        self.timers
+            .set(Timer::Close, deadline_after(now, self.close_timeout));
         self.unsignaled = 0;
         Some(Post {
             imm,

@@ -72,6 +72,21 @@ fn signalling_follows_the_count_and_what_runs_low() {
 }
 
 #[test]
+fn a_close_timeout_of_any_length_is_a_deadline() {
+    // `Duration::MAX` used to overflow the deadline and panic.
+    let now = Instant::now();
+    let mut c = Core::new(Credits::new(8, 3, 8, 3, 8), 16, Duration::MAX);
+    c.link();
+    c.handle_stream(StreamNews::Goodbye, now);
+    let far = now + Duration::from_secs(365 * 24 * 60 * 60);
+    assert!(c.timers.next().is_some_and(|at| at > far));
+    let mut c = Core::new(Credits::new(8, 3, 8, 3, 8), 16, Duration::MAX);
+    c.link();
+    assert!(c.start_close(now).is_some());
+    assert!(c.timers.next().is_some_and(|at| at > far));
+}
+
+#[test]
 fn a_shared_send_cq_bounds_the_sends_left_unsignaled() {
     // A queue pair's part of a shared send CQ: at most one unsignaled in a row, or none.
     let mut c = core(Credits::new(8, 3, 8, 3, 8), 3);

@@ -129,7 +129,7 @@ impl RawHub {
         self.by_qpn.insert(qp.qp_num(), slot);
         self.slot_mut(slot).qpn = Some(qp.qp_num());
         self.endpoint
-            .register_async(qp.qp_num(), Vec::new(), &self.mailbox);
+            .register_async(Some(qp.qp_num()), Vec::new(), &self.mailbox);
         Ok(HubSide {
             psn: random_psn(qp.qp_num()),
             qp,

@@ -155,10 +155,6 @@ impl AsFd for RawHub {
     }
 }
 
-/// Route key of the hub's own queues in the device's event router (no queue pair has this
-/// number: they are 24 bits).
-const HUB_ROUTE: u32 = u32::MAX;
-
 impl RawHub {
     /// A hub on `endpoint`'s device and port.
     pub fn new(endpoint: &Endpoint, config: HubConfig) -> Result<Self> {
@@ -191,7 +187,7 @@ impl RawHub {
         let mailbox = Mailbox::new(Some(pool.waker().map_err(Error::WakePipe)?));
         // Events of the hub's CQs and SRQ; each queue pair registers itself too.
         endpoint.register_async(
-            HUB_ROUTE,
+            None,
             vec![
                 waiter.cq(recv_key)?.as_raw() as usize,
                 waiter.cq(send_key)?.as_raw() as usize,

@@ -118,6 +118,8 @@ impl RawHub {
         };
         if let Some(qpn) = s.qpn {
             self.by_qpn.remove(&qpn);
+            // Its number may name another queue pair next, of this hub or not.
+            self.endpoint.unregister_async(qpn, &self.mailbox);
         }
         let announced = s.announced;
         let peer = s.id(slot);
