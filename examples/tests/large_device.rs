@@ -423,10 +423,16 @@ fn hub_with_clients<T: Send + 'static>(
     n: u32,
     client: impl Fn(u32, Session) -> T + Clone + Send + 'static,
 ) -> (rdmsg::Hub, Vec<std::thread::JoinHandle<T>>) {
+    hub_with_config(n, rdmsg::HubConfig::default(), client)
+}
+
+fn hub_with_config<T: Send + 'static>(
+    n: u32,
+    config: rdmsg::HubConfig,
+    client: impl Fn(u32, Session) -> T + Clone + Send + 'static,
+) -> (rdmsg::Hub, Vec<std::thread::JoinHandle<T>>) {
     let ep = rdmsg::Endpoint::open_default().expect("device");
-    let mut hub =
-        rdmsg::Hub::with_config(&ep, rdmsg::HubConfig::default(), SessionConfig::default())
-            .expect("hub");
+    let mut hub = rdmsg::Hub::with_config(&ep, config, SessionConfig::default()).expect("hub");
     let addr = hub.listen("127.0.0.1:0").expect("listening");
     let clients = (0..n)
         .map(|c| {
@@ -564,5 +570,99 @@ fn a_hub_closing_a_peer_lets_it_finish_reading_first() {
     }
     for c in clients {
         c.join().expect("the client saw everything, then the close");
+    }
+}
+
+/// A close that runs out of `close_timeout` before the peer read what it was lent says so
+/// (`Error::Unread`, with the count) instead of `Ok`, and the peer, which had not read it,
+/// does not get it as if it were sent: its read fails.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_close_the_peer_did_not_finish_reading_says_how_many_it_did_not_read() {
+    let short = Config {
+        close_timeout: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let (a, b) = loopback_pair(&Config::default(), &short).expect("device");
+    let (mut rx, mut tx) = (Session::new(a), Session::new(b));
+    tx.send(&Plain {
+        id: 1,
+        data: pattern(1, 1 << 20),
+    })
+    .expect("sent");
+    // The receiver is busy: it reads nothing for longer than the sender's close_timeout.
+    match tx.close() {
+        Err(Error::Unread { messages: 1 }) => {}
+        other => panic!("Unread {{ messages: 1 }}, not {other:?}"),
+    }
+    match rx.recv_timeout(WAIT) {
+        Ok(Some(m)) => panic!("a message whose memory is gone: {:?}", m.tag()),
+        Ok(None) => panic!("nothing at all within the wait"),
+        Err(e) => assert!(!e.is_peer_closed(), "not a clean close: {e}"),
+    }
+}
+
+/// The same with the hub's `start_close`: `HubEvent::Unread` names the peer and the count,
+/// then its `Disconnected` follows.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_hub_close_the_peer_did_not_finish_reading_says_how_many_it_did_not_read() {
+    use rdmsg::{Failure, HubEvent};
+    let config = rdmsg::HubConfig {
+        conn: Config {
+            close_timeout: Duration::from_millis(300),
+            ..rdmsg::HubConfig::default().conn
+        },
+        ..rdmsg::HubConfig::default()
+    };
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Arc::new(std::sync::Mutex::new(released));
+    let (mut hub, clients) = hub_with_config(1, config, move |_, mut s| {
+        s.send(&Plain {
+            id: 0,
+            data: vec![],
+        })
+        .expect("hello sent");
+        // Busy until the hub's close has run out of time.
+        let _ = released.lock().unwrap().recv();
+        s.recv_timeout(WAIT).map(|m| m.map(|m| m.tag()))
+    });
+    let mut unread = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < deadline, "closed in time");
+        let Some(ev) = hub
+            .recv_timeout(Some(Duration::from_secs(1)))
+            .expect("hub works")
+        else {
+            continue;
+        };
+        match ev {
+            HubEvent::Message { peer, msg } => {
+                drop(msg);
+                hub.send(
+                    peer,
+                    &Plain {
+                        id: 0,
+                        data: pattern(0, 1 << 20),
+                    },
+                )
+                .expect("sent");
+                hub.start_close(peer).expect("closing");
+            }
+            HubEvent::Unread { messages, .. } => unread = Some(messages),
+            HubEvent::Disconnected { failure, .. } => {
+                assert_eq!(failure, Failure::Closed);
+                break;
+            }
+            HubEvent::Connected { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(unread, Some(1), "Unread before Disconnected");
+    release.send(()).unwrap();
+    for c in clients {
+        let got = c.join().expect("no panic");
+        assert!(got.is_err(), "the client's read failed: {got:?}");
     }
 }

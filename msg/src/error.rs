@@ -62,6 +62,18 @@ pub enum Error {
         /// Its sequence number.
         seq: u32,
     },
+    /// A graceful close ran out of `close_timeout` before the peer finished reading the
+    /// messages this side lent it by rendezvous: the connection is closed all the same, and
+    /// the peer's reads of those messages fail (it learns so as `ReadFailed`). Resend them
+    /// elsewhere if they matter.
+    #[error(
+        "closed before the peer read {messages} message(s) lent to it (close_timeout ran out): \
+         their reads fail"
+    )]
+    Unread {
+        /// Messages the peer had not finished reading.
+        messages: usize,
+    },
     /// A message larger than the configured bound.
     #[error("message of {len} bytes exceeds {max} bytes")]
     TooLarge {
@@ -139,6 +151,7 @@ impl Error {
             | Error::NoPeer(_)
             | Error::WrongType { .. }
             | Error::ReadFailed { .. }
+            | Error::Unread { .. }
             | Error::TooLarge { .. } => false,
         }
     }
@@ -151,6 +164,15 @@ impl Error {
                 rdmsg_transport::Failure::PeerClosed
             ))
         )
+    }
+}
+
+/// `Ok` if the peer read everything it was lent before a close, else [`Error::Unread`].
+pub(crate) fn unread_error(messages: usize) -> Result<()> {
+    if messages == 0 {
+        Ok(())
+    } else {
+        Err(Error::Unread { messages })
     }
 }
 

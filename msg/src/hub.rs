@@ -10,6 +10,7 @@ use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId};
 use rdmsg_verbs::deadline_after;
 
 use crate::codec::{Decoder, Envelope, FrameBytes};
+use crate::error::unread_error;
 use crate::peer::{self, HubLink, Link, PeerTable, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
@@ -36,13 +37,23 @@ pub enum HubEvent {
         msg: Envelope,
     },
     /// A frame from `peer` was dropped: malformed, out of order, of an unregistered tag
-    /// ([`Error::BadFrame`], [`Error::UnknownTag`]). The peer is not failed: the next good
-    /// message from it is delivered.
+    /// ([`Error::BadFrame`], [`Error::UnknownTag`]), or a message sent by rendezvous could
+    /// not be read ([`Error::ReadFailed`]: its place in the order, then the next). The peer
+    /// is not failed by it: the next good message from it is delivered.
     BadFrame {
         /// Who sent it.
         peer: PeerId,
         /// Why it was dropped (never fatal).
         error: Error,
+    },
+    /// A close started by [`Hub::start_close`] ran out of `close_timeout` before `peer`
+    /// finished reading `messages` messages lent to it by rendezvous (their reads fail, see
+    /// [`Error::Unread`]); the close goes on, and `Disconnected` follows.
+    Unread {
+        /// The connection closing.
+        peer: PeerId,
+        /// Messages it had not finished reading.
+        messages: usize,
     },
     /// The connection ended; everything it delivered came before this, and its id is dead.
     Disconnected {
@@ -69,6 +80,7 @@ impl HubEvent {
             HubEvent::Connected { peer, .. }
             | HubEvent::Message { peer, .. }
             | HubEvent::BadFrame { peer, .. }
+            | HubEvent::Unread { peer, .. }
             | HubEvent::Disconnected { peer, .. } => Some(*peer),
             HubEvent::HandshakeFailed { peer, .. } => *peer,
         }
@@ -278,12 +290,15 @@ impl Hub {
 
     /// Closes `peer` gracefully (see [`rdmsg_transport::RawHub::close`]): it receives everything
     /// sent so far, then [`Failure::PeerClosed`]; here [`HubEvent::Disconnected`] follows with
-    /// [`Failure::Closed`].
+    /// [`Failure::Closed`]. The close waits at most `close_timeout` for the peer to finish
+    /// reading what it was lent by rendezvous: [`Error::Unread`] says how many it had not read
+    /// by then (the connection is closed all the same).
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
         // The peer may still be reading our messages: closing now would fail its reads.
         let deadline = deadline_after(Instant::now(), self.transport.config().conn.close_timeout);
-        self.with_sender(peer, |s, link| s.wait_until_returned(link, deadline))?;
-        Ok(self.transport.close(peer)?)
+        let unread = self.with_sender(peer, |s, link| s.wait_until_returned(link, deadline))?;
+        self.transport.close(peer)?;
+        unread_error(unread)
     }
 
     /// Starts closing `peer` gracefully without waiting (see
@@ -315,6 +330,10 @@ impl Hub {
                 Some(state) => match state.close_at {
                     Some(at) if state.sender.lent() == 0 || now >= at => {
                         state.close_at = None;
+                        let messages = state.sender.lent();
+                        if messages > 0 {
+                            self.ready.push_back(HubEvent::Unread { peer, messages });
+                        }
                         true
                     }
                     Some(_) => false,
@@ -499,7 +518,16 @@ impl Hub {
                 return;
             }
             Raw::Disconnected { peer, failure } => {
-                if let Some(gone) = self.peers.remove(peer) {
+                if let Some(mut gone) = self.peers.remove(peer) {
+                    // What arrived comes first: messages whose reads can no longer complete
+                    // fail in their place, the others behind them are delivered.
+                    gone.receiver.abandon_reads();
+                    while let Some(r) = gone.receiver.pop() {
+                        self.ready.push_back(match r {
+                            Ok(msg) => HubEvent::Message { peer, msg },
+                            Err(error) => HubEvent::BadFrame { peer, error },
+                        });
+                    }
                     self.departed.add(&gone.stats());
                 }
                 HubEvent::Disconnected { peer, failure }

@@ -7,6 +7,7 @@ use rdmsg_transport::Connection;
 use rdmsg_verbs::deadline_after;
 
 use crate::codec::{self, Decoder, Envelope};
+use crate::error::unread_error;
 use crate::peer::{self, Absorbing, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result};
@@ -282,8 +283,18 @@ impl Session {
             if let Some(r) = self.receiver.pop() {
                 return r.map(Some);
             }
-            self.receiver.advance(&mut self.conn)?;
-            let Some(arrival) = self.conn.recv_any_timeout(left)? else {
+            let arrival = self
+                .receiver
+                .advance(&mut self.conn)
+                .and_then(|()| Ok(self.conn.recv_any_timeout(left)?));
+            let arrival = match arrival {
+                Ok(a) => a,
+                Err(e) => {
+                    self.before_failure(e)?;
+                    continue;
+                }
+            };
+            let Some(arrival) = arrival else {
                 if deadline.is_some_and(|d| Instant::now() >= d) {
                     return Ok(None);
                 }
@@ -294,14 +305,40 @@ impl Session {
         }
     }
 
+    /// A call failed with `e`. If the connection failed, messages whose reads can no longer
+    /// complete fail in their place, and what is then deliverable comes before `e` (`Ok`:
+    /// look again). A failed connection stays failed: `e` comes once nothing is left.
+    fn before_failure(&mut self, e: crate::Error) -> Result<()> {
+        if matches!(
+            e,
+            crate::Error::Transport(rdmsg_transport::Error::Connection(_))
+        ) {
+            self.receiver.abandon_reads();
+            if self.receiver.has_ready() {
+                return Ok(());
+            }
+        }
+        Err(e)
+    }
+
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Envelope>> {
         loop {
             if let Some(r) = self.receiver.pop() {
                 return r.map(Some);
             }
-            self.receiver.advance(&mut self.conn)?;
-            let Some(arrival) = self.conn.try_recv_any()? else {
+            let arrival = self
+                .receiver
+                .advance(&mut self.conn)
+                .and_then(|()| Ok(self.conn.try_recv_any()?));
+            let arrival = match arrival {
+                Ok(a) => a,
+                Err(e) => {
+                    self.before_failure(e)?;
+                    continue;
+                }
+            };
+            let Some(arrival) = arrival else {
                 return Ok(None);
             };
             self.receiver.accept(arrival);
@@ -327,15 +364,19 @@ impl Session {
         crate::drive::messages(move || self.recv())
     }
 
-    /// Closes gracefully (see [`Connection::close`]), once every committed frame went.
+    /// Closes gracefully (see [`Connection::close`]), once every committed frame went and the
+    /// peer finished reading what it was lent by rendezvous, waiting at most `close_timeout`
+    /// for that: [`Error::Unread`](crate::Error::Unread) says how many it had not read by then
+    /// (the connection is closed all the same).
     pub fn close(mut self) -> Result<()> {
         self.sender.flush_within(&mut self.conn, None)?;
         // The peer may still be reading our messages: closing now would fail its reads.
         let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
         let (sender, link) = absorbing!(self);
-        sender.wait_until_returned(link, deadline)?;
+        let unread = sender.wait_until_returned(link, deadline)?;
         self.sender.flush_within(&mut self.conn, None)?;
-        Ok(self.conn.close()?)
+        self.conn.close()?;
+        unread_error(unread)
     }
 
     /// Sends `m` if it can go without waiting (see [`Session::send_as`] for `solicited`):

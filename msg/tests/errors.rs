@@ -73,6 +73,7 @@ fn every_error_is_classified() {
             got: 2,
         },
         Error::TooLarge { len: 9, max: 8 },
+        Error::Unread { messages: 2 },
         codec::decode_body::<Ping>(Ping::TAG, &[], 8).unwrap_err(),
     ];
     for e in &per_message {

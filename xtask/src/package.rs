@@ -28,7 +28,9 @@ pub const PUBLISHED: &[&str] = &[
 /// (a developer's edits); cargo refuses to package those without `--allow-dirty`, and a clean
 /// clone (CI) is packaged without it.
 pub fn package(allow_dirty: bool) -> Result<Vec<(PathBuf, u64)>> {
-    let mut args = vec!["package"];
+    let check_dir = repo_root().join(CHECK_DIR);
+    let check_dir_arg = check_dir.to_string_lossy().into_owned();
+    let mut args = vec!["package", "--target-dir", &check_dir_arg];
     for p in PUBLISHED {
         args.extend(["-p", p]);
     }
@@ -43,8 +45,9 @@ pub fn package(allow_dirty: bool) -> Result<Vec<(PathBuf, u64)>> {
     // file-system clocks).
     let started = SystemTime::now() - Duration::from_secs(1);
     forget_stale_local_registry_sources();
+    forget_builds_of_ours(&check_dir);
     run(cargo().args(&args)).context("packaging the publishable crates")?;
-    let dir = repo_root().join("target/package");
+    let dir = check_dir.join("package");
     let mut crates: Vec<(PathBuf, u64)> = std::fs::read_dir(&dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .filter_map(|e| e.ok())
@@ -66,8 +69,29 @@ pub fn package(allow_dirty: bool) -> Result<Vec<(PathBuf, u64)>> {
     Ok(crates)
 }
 
+/// Where `cargo package` builds the crates it verifies, and writes them (`package/`): a target
+/// directory of its own, so that [`forget_builds_of_ours`] touches nothing else.
+const CHECK_DIR: &str = "target/package-check";
+
+/// Makes `cargo package` rebuild our crates when it verifies them. It builds each from the
+/// temporary registry, whose sources all carry one fixed modification time (2006): to cargo
+/// an old build of a dependency of ours from there is up to date, and a crate using an API
+/// added since fails to compile against it. Forgetting our crates' fingerprints in the
+/// verification's own target directory forces that rebuild; the other dependencies stay built.
+fn forget_builds_of_ours(target_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(target_dir.join("debug/.fingerprint")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if PUBLISHED.iter().any(|p| name.starts_with(&format!("{p}-"))) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// Removes what cargo extracted from earlier runs' temporary local registries: it keys them by
-/// the registry's path (the same `target/package/tmp-registry` every run) and by crate name and
+/// the registry's path (the same `tmp-registry` every run) and by crate name and
 /// version (ours stay 0.1.0), and reuses an extracted directory rather than unpacking the new
 /// `.crate`. Without this, a crate is verified against a dependency's sources of an earlier run
 /// and fails on any API added since. Only local registries (directories named `-<hash>`, no

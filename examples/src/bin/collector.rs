@@ -444,6 +444,9 @@ fn collect(
             }
             HubEvent::Message { peer, msg } => c.message(peer, &msg),
             HubEvent::BadFrame { peer, error } => c.error(format_args!("{peer}: {error}")),
+            HubEvent::Unread { peer, messages } => {
+                c.error(format_args!("{peer} closed with {messages} unread"))
+            }
             HubEvent::Disconnected { peer, failure } => {
                 ended += 1;
                 if failure != Failure::PeerClosed {
@@ -736,6 +739,7 @@ impl SensorsState {
             HubEvent::Disconnected { .. } if self.closing => self.closed += 1,
             HubEvent::Disconnected { peer, failure } => bail!("{peer} failed: {failure}"),
             HubEvent::BadFrame { peer, error } => bail!("{peer}: {error}"),
+            HubEvent::Unread { peer, messages } => bail!("{peer} closed with {messages} unread"),
             HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
         }
         Ok(())

@@ -539,6 +539,10 @@ impl Node {
                 self.errors
                     .push(format!("bad frame from {peer:?}: {error}"));
             }
+            HubEvent::Unread { peer, messages } => {
+                self.errors
+                    .push(format!("{peer:?} closed with {messages} unread"));
+            }
             HubEvent::Disconnected { peer, failure } => {
                 self.unjoined.retain(|c| *c != peer);
                 let Some(i) = self.index_of(peer) else {

@@ -253,6 +253,10 @@ fn serve(listen: &str, clients: Option<u32>, process: Option<&mut PeerProcess>) 
                 s.errors += 1;
                 eprintln!("server: {peer}: {error}");
             }
+            HubEvent::Unread { peer, messages } => {
+                s.errors += 1;
+                eprintln!("server: {peer} closed with {messages} unread");
+            }
             HubEvent::Message { .. } => {}
         }
         if Some(gone) == clients {
@@ -415,6 +419,10 @@ fn run_clients(connect: &str, count: u32, requests: u64) -> Result<()> {
             HubEvent::BadFrame { peer, error } => {
                 errors += 1;
                 eprintln!("clients: {peer}: {error}");
+            }
+            HubEvent::Unread { peer, messages } => {
+                errors += 1;
+                eprintln!("clients: {peer} closed with {messages} unread");
             }
             HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
         }

@@ -238,6 +238,27 @@ impl Receiver {
         }
     }
 
+    /// The connection failed: no read can complete any more (a failed queue pair flushes
+    /// what was posted). Each message still waiting for its read or being read fails in its
+    /// place ([`crate::Error::ReadFailed`]), so that everything before and after it in the
+    /// order is delivered, before the connection's failure.
+    pub(crate) fn abandon_reads(&mut self) {
+        for w in std::mem::take(&mut self.waiting) {
+            self.fill(
+                w.seq,
+                Err(crate::Error::ReadFailed {
+                    tag: w.tag,
+                    seq: w.seq,
+                }),
+            );
+        }
+        for (_, (seq, tag, _, cap)) in std::mem::take(&mut self.reading) {
+            // Its buffer goes with the queue pair (a flushed completion may still bring it).
+            self.pool.forget(cap);
+            self.fill(seq, Err(crate::Error::ReadFailed { tag, seq }));
+        }
+    }
+
     /// The next message (or dropped frame's error) in order, if it is there.
     pub(crate) fn pop(&mut self) -> Option<Result<Envelope>> {
         match self.order.front()? {

@@ -105,19 +105,20 @@ impl Sender {
     }
 
     /// Waits, taking in what arrives ([`Link::absorb`]), until the peer is done reading our
-    /// messages or `deadline` passes: closing under a read would fail it.
+    /// messages or `deadline` passes: closing under a read would fail it. Returns how many it
+    /// had not read by then.
     pub(crate) fn wait_until_returned(
         &mut self,
         link: &mut impl Link,
         deadline: Instant,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         while self.lent() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || !self.wait_and_take_acks(link, Some(left))? {
                 break;
             }
         }
-        Ok(())
+        Ok(self.lent())
     }
 
     /// Waits at most `timeout` for what arrives ([`Link::absorb`]), takes in the peer's
