@@ -666,3 +666,39 @@ fn a_hub_close_the_peer_did_not_finish_reading_says_how_many_it_did_not_read() {
         assert!(got.is_err(), "the client's read failed: {got:?}");
     }
 }
+
+/// A connection that fails under a read delivers, in order: `ReadFailed` for that message,
+/// then the message that arrived after it, then the failure (a forged descriptor makes the
+/// read fail with a remote access error, which fails the connection while the read's own
+/// acknowledgement waits to be sent).
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_failed_read_comes_in_its_place_and_what_followed_it_is_delivered() {
+    let (mut a, mut b) = pair(SessionConfig::default(), SessionConfig::default());
+    let mut buf = vec![0u8; 4096];
+    let forged = Descriptor {
+        total: 100_000,
+        segments: vec![Segment::Remote {
+            len: 100_000,
+            addr: 0xdead_0000,
+            rkey: 0x1234,
+        }],
+    };
+    let n = forged.write_frame(Plain::TAG, 100, &mut buf).expect("fits");
+    send_raw(&mut b, &buf[..n]);
+    b.send(&Plain {
+        id: 9,
+        data: vec![9],
+    })
+    .expect("sent");
+    // Both land before the receiver looks.
+    std::thread::sleep(Duration::from_millis(300));
+    match a.recv_timeout(WAIT) {
+        Err(Error::ReadFailed { seq: 100, .. }) => {}
+        other => panic!("ReadFailed first, not {other:?}"),
+    }
+    let p: Plain = recv(&mut a).decode().expect("the message after it");
+    assert_eq!(p.id, 9);
+    let end = a.recv_timeout(WAIT).expect_err("then the failure");
+    assert!(end.is_fatal(), "{end}");
+}

@@ -156,7 +156,9 @@ impl Error {
         }
     }
 
-    /// Whether this is the peer's graceful close: everything it sent has been received.
+    /// Whether this is the peer's graceful close: everything it sent has been received (a
+    /// message it lent us but took back too soon came before, as
+    /// [`ReadFailed`](Error::ReadFailed)).
     pub fn is_peer_closed(&self) -> bool {
         matches!(
             self,

@@ -38,8 +38,9 @@ pub enum HubEvent {
     },
     /// A frame from `peer` was dropped: malformed, out of order, of an unregistered tag
     /// ([`Error::BadFrame`], [`Error::UnknownTag`]), or a message sent by rendezvous could
-    /// not be read ([`Error::ReadFailed`]: its place in the order, then the next). The peer
-    /// is not failed by it: the next good message from it is delivered.
+    /// not be read ([`Error::ReadFailed`]: its place in the order, then the next). A bad frame
+    /// does not fail the peer: the next good message from it is delivered. (A read fails
+    /// when the connection does, and comes before its `Disconnected`.)
     BadFrame {
         /// Who sent it.
         peer: PeerId,

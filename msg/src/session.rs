@@ -264,7 +264,14 @@ impl Session {
                 }
                 // A message committed earlier goes out whole before we wait for anything: the
                 // peer may be waiting for its rest (the send waits take in what arrives).
-                if !self.sender.drain(&mut self.conn, left)? {
+                let drained = match self.sender.drain(&mut self.conn, left) {
+                    Ok(drained) => drained,
+                    Err(e) => {
+                        self.before_failure(e)?;
+                        continue;
+                    }
+                };
+                if !drained {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Ok(None);
                     }
@@ -272,8 +279,10 @@ impl Session {
                 }
                 if self.sender.flush_due() {
                     let credits = self.conn.credits();
-                    self.sender
-                        .flush_before_wait(&mut self.conn, credits, left)?;
+                    if let Err(e) = self.sender.flush_before_wait(&mut self.conn, credits, left) {
+                        self.before_failure(e)?;
+                        continue;
+                    }
                 }
             }
             let left = earliest(left, self.sender.flush_deadline());
@@ -309,10 +318,7 @@ impl Session {
     /// complete fail in their place, and what is then deliverable comes before `e` (`Ok`:
     /// look again). A failed connection stays failed: `e` comes once nothing is left.
     fn before_failure(&mut self, e: crate::Error) -> Result<()> {
-        if matches!(
-            e,
-            crate::Error::Transport(rdmsg_transport::Error::Connection(_))
-        ) {
+        if self.conn.failure().is_some() {
             self.receiver.abandon_reads();
             if self.receiver.has_ready() {
                 return Ok(());
@@ -347,11 +353,17 @@ impl Session {
     }
 
     /// Hands acknowledgements over (the peer's to the sender, ours out) and sends ours if
-    /// they can go now.
+    /// they can go now. Not on a failed connection: its failure comes from the next receive,
+    /// after what arrived before it.
     fn exchange_acks(&mut self) -> Result<()> {
         let frame_max = self.conn.max_message();
         if peer::exchange_acks(&mut self.sender, &mut self.receiver, frame_max) {
-            self.sender.send_committed(&mut self.conn)?;
+            match self.sender.send_committed(&mut self.conn) {
+                Err(_) if self.conn.failure().is_some() => {}
+                other => {
+                    other?;
+                }
+            }
         }
         Ok(())
     }

@@ -95,7 +95,8 @@ impl AsyncHub {
         self.with_hub(|h| Ok(h.try_flush(peer)?))
     }
 
-    /// Closes `peer` gracefully; its `Disconnected` event follows.
+    /// Closes `peer` gracefully; its `Disconnected` event follows (after `Unread` if the peer
+    /// had not finished reading what it was lent within `close_timeout`).
     pub fn close(&self, peer: PeerId) -> Result<()> {
         self.with_hub(|h| Ok(h.start_close(peer)?))
     }

@@ -106,8 +106,8 @@ struct Recipient {
 pub(crate) struct Router {
     qps: HashMap<u32, Weak<Mailbox>>,
     cqs: HashMap<usize, Weak<Mailbox>>,
-    /// Every mailbox once, for device- and port-wide events.
-    recipients: Vec<Recipient>,
+    /// Every mailbox once (by address), for device- and port-wide events.
+    recipients: HashMap<usize, Recipient>,
     /// Registrations since dead routes were last pruned.
     since_prune: usize,
     /// Routes left by that pruning.
@@ -132,6 +132,10 @@ impl Router {
     ) {
         self.prune_now_and_then();
         let weak = Arc::downgrade(mailbox);
+        // A mailbox registering another queue pair has had the device-wide news already.
+        let known = self
+            .recipients
+            .contains_key(&(Arc::as_ptr(mailbox) as usize));
         let claims = |el: &AsyncElement| match *el {
             AsyncElement::Qp(n) => Some(n) == qp_num,
             AsyncElement::Cq(addr) => cqs.contains(&addr),
@@ -143,13 +147,13 @@ impl Router {
         for ev in mine {
             mailbox.deliver(ev);
         }
-        if self.device_fatal {
+        if self.device_fatal && !known {
             mailbox.deliver(AsyncEvent {
                 kind: AsyncEventKind::DeviceFatal,
                 element: AsyncElement::Device,
             });
         }
-        if self.failed_ports.contains(&port) {
+        if self.failed_ports.contains(&port) && !known {
             mailbox.deliver(AsyncEvent {
                 kind: AsyncEventKind::PortErr,
                 element: AsyncElement::Port(port),
@@ -161,27 +165,22 @@ impl Router {
         for addr in cqs {
             self.cqs.insert(addr, weak.clone());
         }
-        if !self
-            .recipients
-            .iter()
-            .any(|r| Weak::ptr_eq(&r.mailbox, &weak))
-        {
-            self.recipients.push(Recipient {
+        self.recipients
+            .entry(Arc::as_ptr(mailbox) as usize)
+            .or_insert(Recipient {
                 port,
                 mailbox: weak,
             });
-        }
     }
 
-    /// The queue pair `qp_num` of `mailbox`'s owner is destroyed: its events go nowhere from
-    /// now on (a route of a newer owner of the number stays).
+    /// The queue pair `qp_num` of `mailbox`'s owner is destroyed: its events, read now or
+    /// later, go nowhere (a dead route, not none: an event left unclaimed would wait for, and
+    /// fail, the next owner of the number). A route of a newer owner stays.
     pub(crate) fn unregister_qp(&mut self, qp_num: u32, mailbox: &Arc<Mailbox>) {
-        if self
-            .qps
-            .get(&qp_num)
-            .is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(mailbox)))
-        {
-            self.qps.remove(&qp_num);
+        if let Some(w) = self.qps.get_mut(&qp_num) {
+            if std::ptr::eq(w.as_ptr(), Arc::as_ptr(mailbox)) {
+                *w = Weak::new();
+            }
         }
     }
 
@@ -196,15 +195,15 @@ impl Router {
         self.since_prune = 0;
         self.qps.retain(|_, w| w.strong_count() > 0);
         self.cqs.retain(|_, w| w.strong_count() > 0);
-        self.recipients.retain(|r| r.mailbox.strong_count() > 0);
+        self.recipients.retain(|_, r| r.mailbox.strong_count() > 0);
         self.after_prune = self.qps.len() + self.cqs.len() + self.recipients.len();
     }
 
     /// Routes one event read from the device.
     pub(crate) fn route(&mut self, ev: AsyncEvent) {
-        let to_all = |recipients: &[Recipient], port: Option<u8>| {
+        let to_all = |recipients: &HashMap<usize, Recipient>, port: Option<u8>| {
             for r in recipients
-                .iter()
+                .values()
                 .filter(|r| port.map_or(true, |p| r.port == p))
             {
                 if let Some(mb) = r.mailbox.upgrade() {
@@ -357,10 +356,19 @@ mod tests {
         r.unregister_qp(6, &hub);
         r.route(ev(AsyncEventKind::QpFatal, AsyncElement::Qp(6)));
         assert!(hub.take().is_empty(), "unregistered");
-        // A port-wide event reaches each mailbox once, however many queue pairs it has.
+        let newcomer = Mailbox::new(None);
+        r.register(Some(6), vec![], 1, &newcomer);
+        assert!(
+            newcomer.take().is_empty(),
+            "an event of the destroyed 6 is not kept for the next owner of the number"
+        );
+        // A port-wide event reaches each mailbox once, however many queue pairs it has, and
+        // is not delivered again when it registers another.
         r.route(ev(AsyncEventKind::PortErr, AsyncElement::Port(1)));
         assert_eq!(hub.take().len(), 1);
         assert_eq!(conn.take().len(), 1);
+        r.register(Some(7), vec![], 1, &hub);
+        assert!(hub.take().is_empty(), "told once");
     }
 
     #[test]

@@ -30,7 +30,8 @@ pub(crate) fn keepalive_probes(limit: Duration) -> socket2::TcpKeepalive {
 /// loss each way one probe in ten goes unanswered, so a peer is declared gone only after
 /// every probe of a row failed, and the more a row holds, the rarer a false alarm.
 pub(crate) fn keepalive_schedule(limit: Duration) -> (Duration, Duration, u32) {
-    let secs = limit.as_secs().max(3);
+    // Linux refuses an idle time or interval above 32,767 s: longer limits probe at most so.
+    let secs = limit.as_secs().clamp(3, 2 * MAX_KEEPALIVE_SECS);
     let idle = secs / 2;
     let probing = secs - idle;
     let probes = probing.clamp(3, 30);
@@ -41,6 +42,10 @@ pub(crate) fn keepalive_schedule(limit: Duration) -> (Duration, Duration, u32) {
         probes as u32,
     )
 }
+
+/// The longest idle time and probe interval Linux takes (`MAX_TCP_KEEPIDLE`,
+/// `MAX_TCP_KEEPINTVL`).
+const MAX_KEEPALIVE_SECS: u64 = 32_767;
 
 /// What the non-blocking bootstrap `stream` brings now that the handshake is done, where at
 /// most a goodbye may come: read by a connection's liveness check and by the hub when the
@@ -93,6 +98,15 @@ pub(crate) fn accept_next(tcp: &TcpListener) -> io::Result<Option<TcpStream>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keepalive_stays_within_what_linux_takes() {
+        for limit in [Duration::from_secs(100_000), Duration::MAX] {
+            let (idle, interval, probes) = keepalive_schedule(limit);
+            assert_eq!(idle.as_secs(), MAX_KEEPALIVE_SECS);
+            assert!(interval.as_secs() <= MAX_KEEPALIVE_SECS && probes <= 30);
+        }
+    }
 
     #[test]
     fn keepalive_gives_up_after_about_its_limit_with_more_probes_for_longer_limits() {

@@ -207,7 +207,8 @@ impl Receiver {
     /// is to be told.
     pub(crate) fn read_done(&mut self, done: ReadDone) {
         let Some((seq, tag, len, _)) = self.reading.remove(&done.id) else {
-            // Not one of ours: it was never counted in the pool.
+            // Not one of ours, or one abandoned when the connection failed: not counted in
+            // the pool (any more).
             return;
         };
         self.acks.push(seq);

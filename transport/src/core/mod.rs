@@ -125,13 +125,26 @@ pub(crate) struct Room {
     pub unsignaled: usize,
 }
 
-/// [`Room::unsignaled`] for each of `queue_pairs` sharing a send CQ of `cq_entries`: together
-/// at most half of it, however many they are, so that queue pairs whose traffic stopped cannot
-/// fill it with sends only their next signaled one would retire. (A hub's 1,024 peers each
-/// holding a few unsignaled grants did: every send then waited for the one allowed to be
-/// signaled.)
+/// Each queue pair's part of the unsignaled sends that `queue_pairs` sharing a send CQ of
+/// `cq_entries` may leave behind their last signaled ones: half of it, shared out.
 pub(crate) fn unsignaled_share(cq_entries: usize, queue_pairs: usize) -> usize {
     cq_entries / 2 / queue_pairs.max(1)
+}
+
+/// [`Room::unsignaled`] for a queue pair that has `own` unsignaled sends behind its last
+/// signaled one, when all `queue_pairs` sharing a send CQ of `cq_entries` have `total`: its
+/// part ([`unsignaled_share`]), and never beyond half the CQ altogether, whenever the queue
+/// pairs came (a part counted when few shared the CQ stays with a queue pair that fell
+/// silent). Otherwise queue pairs whose traffic stopped fill the CQ with sends that only
+/// their next signaled one would retire: a hub's 1,024 peers each holding a few unsignaled
+/// grants did, and every send then waited for the one allowed to be signaled.
+pub(crate) fn unsignaled_room(
+    cq_entries: usize,
+    queue_pairs: usize,
+    own: usize,
+    total: usize,
+) -> usize {
+    unsignaled_share(cq_entries, queue_pairs).min(own + (cq_entries / 2).saturating_sub(total))
 }
 
 /// A message to post: its immediate data and flags.
@@ -623,6 +636,12 @@ impl Core {
             solicited: g.solicited,
             signaled: self.signal_for(room),
         })
+    }
+
+    /// Sends posted unsignaled since the last signaled one (they leave the send CQ only
+    /// with a later signaled send's completion, or flushed).
+    pub(crate) fn unsignaled_behind(&self) -> usize {
+        self.unsignaled as usize
     }
 
     /// Whether the next send is signaled: every `signal_every`-th, once `room.unsignaled`

@@ -111,6 +111,28 @@ fn a_shared_send_cq_bounds_the_sends_left_unsignaled() {
 }
 
 #[test]
+fn queue_pairs_joining_one_by_one_leave_at_most_half_the_cq_unsignaled() {
+    // Each newcomer sends unsignaled as long as it may, then falls silent for good, keeping
+    // what it left behind: by parts alone (what each got when it came) that sums to about
+    // 2,250 of 1,024 entries; the hub-wide bound keeps it to half.
+    let (cq, signal_every) = (1024, 16);
+    let mut total = 0;
+    for n in 1..=1024 {
+        let mut own = 0;
+        while own + 1 < signal_every && own < unsignaled_room(cq, n, own, total) {
+            own += 1;
+            total += 1;
+        }
+        assert!(total <= cq / 2, "{total} unsignaled with {n} queue pairs");
+    }
+    assert_eq!(
+        unsignaled_room(cq, 1, 3, cq / 2),
+        3,
+        "none more once half is held"
+    );
+}
+
+#[test]
 fn the_last_credit_is_solicited_and_counted() {
     let mut c = core(Credits::new(4, 3, 2, 3, 2), 16);
     assert!(!c.data(false, ROOM).unwrap().solicited);

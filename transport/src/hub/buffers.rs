@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::slots::Phase;
 use super::{PeerId, RawHub};
-use crate::core::{unsignaled_share, Post, Room};
+use crate::core::{unsignaled_room, Post, Room};
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::send::{self, Payload};
 use crate::share::AdmitError;
@@ -168,7 +168,12 @@ impl RawHub {
             sq,
             buffers: self.send.free.len(),
             cq: self.send_cq_room(),
-            unsignaled: self.unsignaled_share(),
+            unsignaled: unsignaled_room(
+                self.send_cq_entries,
+                self.slots.len() - self.free_slots.len(),
+                self.slot(slot).core.unsignaled_behind(),
+                self.unsignaled_total,
+            ),
         }
     }
 
@@ -177,21 +182,17 @@ impl RawHub {
         self.send_cq_entries.saturating_sub(self.sends_outstanding)
     }
 
-    /// Unsignaled sends each queue pair may leave behind its last signaled one.
-    fn unsignaled_share(&self) -> usize {
-        unsignaled_share(
-            self.send_cq_entries,
-            self.slots.len() - self.free_slots.len(),
-        )
-    }
-
     pub(super) fn post(&mut self, slot: usize, payload: Payload, post: Post) -> Result<()> {
         let s = self.slots[slot].as_mut().expect("a live slot");
         let Phase::Linked(link) = &mut s.phase else {
             unreachable!("posting needs a link")
         };
-        send::post(&mut link.qp, &mut self.send, &mut s.core, payload, post)
-            .map_err(|e| self.local_failure(slot, "posting a send (ibv_post_send)", e.into()))?;
+        let posted = send::post(&mut link.qp, &mut self.send, &mut s.core, payload, post);
+        // The hub-wide count of sends left unsignaled follows this queue pair's.
+        let behind = s.core.unsignaled_behind();
+        self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
+        s.unsignaled = behind;
+        posted.map_err(|e| self.local_failure(slot, "posting a send (ibv_post_send)", e.into()))?;
         self.sends_outstanding += 1;
         Ok(())
     }

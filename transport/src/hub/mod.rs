@@ -112,6 +112,9 @@ pub struct RawHub {
     free_slots: Vec<usize>,
     next_generation: u32,
     by_qpn: HashMap<u32, usize>,
+    /// Sends left unsignaled behind their queue pair's last signaled one, all queue pairs
+    /// (see `core::unsignaled_room`).
+    unsignaled_total: usize,
     listener: Option<TcpListener>,
     events: VecDeque<RawHubEvent>,
     completions: Vec<(CqKey, WorkCompletion)>,
@@ -217,6 +220,7 @@ impl RawHub {
             free_slots: Vec::new(),
             next_generation: 1,
             by_qpn: HashMap::new(),
+            unsignaled_total: 0,
             listener: None,
             events: VecDeque::new(),
             completions: Vec::new(),

@@ -113,14 +113,13 @@ impl RawHub {
     /// A retired connection: its share of the buffers goes back, it is reported gone, its slot
     /// is free.
     fn release(&mut self, slot: usize) {
+        if self.slots[slot].is_none() {
+            return;
+        }
+        self.forget_queue_pair(slot);
         let Some(s) = self.slots[slot].as_mut() else {
             return;
         };
-        if let Some(qpn) = s.qpn {
-            self.by_qpn.remove(&qpn);
-            // Its number may name another queue pair next, of this hub or not.
-            self.endpoint.unregister_async(qpn, &self.mailbox);
-        }
         let announced = s.announced;
         let peer = s.id(slot);
         let c = s.core.stats();

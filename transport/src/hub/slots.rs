@@ -83,6 +83,9 @@ pub(super) struct Slot {
     pub(super) touched: bool,
     /// Its queue pair's number, once it has one (kept until released).
     pub(super) qpn: Option<u32>,
+    /// Its sends left unsignaled behind the last signaled one, as of its last post (counted
+    /// in `RawHub::unsignaled_total`).
+    pub(super) unsignaled: usize,
 }
 
 impl CreditHolder for Slot {
@@ -188,6 +191,7 @@ impl RawHub {
             early: Vec::new(),
             touched: false,
             qpn: None,
+            unsignaled: 0,
         };
         let i = match self.free_slots.pop() {
             Some(i) => i,
@@ -227,11 +231,26 @@ impl RawHub {
         h
     }
 
-    /// Frees a slot that never got a queue pair to drain.
+    /// Frees a slot that has no queue pair to drain (none made, or one dropped before it
+    /// could receive).
     pub(super) fn abandon(&mut self, slot: usize) {
         self.unadmit(slot);
+        self.forget_queue_pair(slot);
         self.slots[slot] = None;
         self.free_slots.push(slot);
+    }
+
+    /// The queue pair of `slot` is gone or going: its number may name another one next, of
+    /// this hub or not, and its unsignaled sends no longer count.
+    pub(super) fn forget_queue_pair(&mut self, slot: usize) {
+        let Some(s) = self.slots[slot].as_mut() else {
+            return;
+        };
+        self.unsignaled_total -= std::mem::take(&mut s.unsignaled);
+        if let Some(qpn) = s.qpn.take() {
+            self.by_qpn.remove(&qpn);
+            self.endpoint.unregister_async(qpn, &self.mailbox);
+        }
     }
 
     pub(super) fn touch(&mut self, slot: usize) {
