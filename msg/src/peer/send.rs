@@ -139,9 +139,25 @@ impl Sender {
     }
 
     /// Queues acknowledgements of messages we are done reading, solicited (the peer may wait
-    /// for room), to go with the next frames sent.
+    /// for room), to go with the next frames sent. They join the last acknowledgement still
+    /// waiting to go, as far as a frame holds: a peer that withholds credits while we read
+    /// finds few frames of many numbers waiting (4 bytes per message read), not a frame per
+    /// read.
     pub(crate) fn queue_acks(&mut self, seqs: &[u32], frame_max: usize) {
-        for f in rendezvous::done_frames(seqs, frame_max) {
+        let mut rest = seqs;
+        if let Some((waiting, _)) = self.outgoing.back_mut() {
+            let header = frame::parse(waiting).ok().map(|(h, _)| h);
+            if let Some(mut h) = header.filter(|h| h.flags & frame::DONE != 0) {
+                let take = rest.len().min(frame_max.saturating_sub(waiting.len()) / 4);
+                for seq in &rest[..take] {
+                    waiting.extend_from_slice(&seq.to_be_bytes());
+                }
+                h.len += 4 * take as u32;
+                h.write(&mut waiting[..frame::HEADER_LEN]);
+                rest = &rest[take..];
+            }
+        }
+        for f in rendezvous::done_frames(rest, frame_max) {
             self.outgoing.push_back((f, true));
         }
     }

@@ -140,6 +140,31 @@ impl Wire {
 }
 
 #[test]
+fn acknowledgements_that_cannot_go_are_merged_into_few_frames() {
+    // A peer that withholds credits while we read 100,000 of its messages.
+    let mut tx = Sender::new(&config(100), 64);
+    let frame_max = 4096;
+    for seq in 0..100_000u32 {
+        tx.queue_acks(&[seq], frame_max);
+    }
+    let per = (frame_max - crate::frame::HEADER_LEN) / 4;
+    assert_eq!(tx.queued_frames(), 100_000usize.div_ceil(per));
+    let mut seen = Vec::new();
+    for (f, solicited) in &tx.outgoing {
+        assert!(*solicited);
+        assert!(f.len() <= frame_max);
+        let (h, body) = crate::frame::parse(f).unwrap();
+        assert_ne!(h.flags & crate::frame::DONE, 0);
+        seen.extend(crate::rendezvous::parse_done(body).unwrap());
+    }
+    assert_eq!(
+        seen,
+        (0..100_000).collect::<Vec<_>>(),
+        "each once, in order"
+    );
+}
+
+#[test]
 fn a_wait_flushes_what_went_unsolicited_once_and_only_with_a_credit() {
     let mut tx = Sender::new(&config(100), 64);
     let mut wire = Wire::new(256);
