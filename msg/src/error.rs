@@ -62,6 +62,19 @@ pub enum Error {
         /// Its sequence number.
         seq: u32,
     },
+    /// A message sent by rendezvous could not be read because no buffer could be registered
+    /// for it (the memory-lock limit, `RLIMIT_MEMLOCK`, is a common cause): it was refused
+    /// alone and its sender told to free it; the connection goes on.
+    #[error("message {seq} (tag {tag:#010x}) could not be read: no buffer for it")]
+    ReadRefused {
+        /// Its tag.
+        tag: u32,
+        /// Its sequence number.
+        seq: u32,
+        /// Why the registration failed.
+        #[source]
+        source: rdmsg_transport::Error,
+    },
     /// A graceful close ran out of `close_timeout` before the peer finished reading the
     /// messages this side lent it by rendezvous: the connection is closed all the same, and
     /// the peer's reads of those messages fail (it learns so as `ReadFailed`). Resend them
@@ -151,6 +164,7 @@ impl Error {
             | Error::NoPeer(_)
             | Error::WrongType { .. }
             | Error::ReadFailed { .. }
+            | Error::ReadRefused { .. }
             | Error::Unread { .. }
             | Error::TooLarge { .. } => false,
         }

@@ -74,6 +74,13 @@ fn every_error_is_classified() {
         },
         Error::TooLarge { len: 9, max: 8 },
         Error::Unread { messages: 2 },
+        Error::ReadRefused {
+            tag: 1,
+            seq: 2,
+            source: rdmsg_transport::Error::Verbs(rdmsg_verbs::Error::InvalidArgument(
+                "no memory".into(),
+            )),
+        },
         codec::decode_body::<Ping>(Ping::TAG, &[], 8).unwrap_err(),
     ];
     for e in &per_message {

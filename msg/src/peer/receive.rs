@@ -150,8 +150,19 @@ impl Receiver {
                 return Ok(());
             }
             let len = w.descriptor.total as usize;
-            let Some(mut buf) = self.pool.acquire(len, |n| link.register(n))? else {
-                return Ok(());
+            let mut buf = match self.pool.acquire(len, |n| link.register(n)) {
+                Ok(Some(buf)) => buf,
+                Ok(None) => return Ok(()),
+                Err(source) => {
+                    // No memory to read it into (a registration refused, say by
+                    // RLIMIT_MEMLOCK): this message is refused alone, and acknowledged so
+                    // that its sender frees it; the connection and the next message go on.
+                    let (seq, tag) = (w.seq, w.tag);
+                    self.waiting.pop_front();
+                    self.acks.push(seq);
+                    self.fill(seq, Err(crate::Error::ReadRefused { tag, seq, source }));
+                    continue;
+                }
             };
             let mut segments = Vec::new();
             let mut at = 0;

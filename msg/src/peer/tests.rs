@@ -8,7 +8,7 @@ use rdmsg_transport::{Buffer, Exposed, ReadPost, ReadSegment};
 
 use super::*;
 use crate::codec::{Decoder, Envelope, FrameBytes};
-use crate::rendezvous::ReadPool;
+use crate::rendezvous::{Descriptor, ReadPool, Segment};
 use crate::Error;
 use crate::{Message, Result, SessionConfig};
 
@@ -137,6 +137,32 @@ impl Wire {
             room: usize::MAX,
         }
     }
+}
+
+#[test]
+fn a_read_without_a_buffer_is_refused_alone_and_acknowledged() {
+    // The test wire registers nothing, as a device over its memory-lock limit.
+    let mut wire = Wire::new(256);
+    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    rx.on_descriptor(
+        Blob::TAG,
+        7,
+        Descriptor {
+            total: 100_000,
+            segments: vec![Segment::Remote {
+                len: 100_000,
+                addr: 0x1000,
+                rkey: 9,
+            }],
+        },
+    );
+    rx.advance(&mut wire).expect("the connection goes on");
+    match rx.pop() {
+        Some(Err(Error::ReadRefused { seq: 7, .. })) => {}
+        other => panic!("ReadRefused in its place, not {other:?}"),
+    }
+    assert_eq!(rx.take_acks(), [7], "its sender frees it");
+    assert!(!rx.has_waiting());
 }
 
 #[test]
