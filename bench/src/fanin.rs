@@ -225,11 +225,6 @@ pub fn stat_cpu_split(text: &str) -> Option<(u64, u64)> {
     Some((utime, stime))
 }
 
-/// User plus system CPU time, in clock ticks (see [`stat_cpu_split`]).
-pub fn stat_cpu_ticks(text: &str) -> Option<u64> {
-    stat_cpu_split(text).map(|(user, system)| user + system)
-}
-
 /// CPU time of this process so far, seconds, user and system.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct CpuTime {
@@ -1341,13 +1336,12 @@ mod tests {
         // A command name with spaces and parentheses, as a process may choose.
         let stat = "4242 (a b) c)) S 1 4242 4242 0 -1 4194560 2000 0 0 0 \
                     731 269 0 0 20 0 3 0 1000 10000 500";
-        assert_eq!(stat_cpu_ticks(stat), Some(1000));
         assert_eq!(stat_cpu_split(stat), Some((731, 269)));
-        assert_eq!(stat_cpu_ticks("4242 (x) S 1 2"), None);
-        assert_eq!(stat_cpu_ticks("no name"), None);
+        assert_eq!(stat_cpu_split("4242 (x) S 1 2"), None);
+        assert_eq!(stat_cpu_split("no name"), None);
         // This very process.
         let own = std::fs::read_to_string("/proc/self/stat").unwrap();
-        assert!(stat_cpu_ticks(&own).is_some());
+        assert!(stat_cpu_split(&own).is_some());
     }
 
     #[test]

@@ -298,6 +298,18 @@ fn fragmentation_stays_available() {
     assert_eq!(b.stats().fragmented, 1);
 }
 
+/// A descriptor naming memory that is not there: its read fails with a remote access error.
+fn forged_descriptor() -> Descriptor {
+    Descriptor {
+        total: 100_000,
+        segments: vec![Segment::Remote {
+            len: 100_000,
+            addr: 0xdead_0000,
+            rkey: 0x1234,
+        }],
+    }
+}
+
 /// Sends `frame` raw on `conn`, solicited.
 fn send_raw(s: &mut Session, f: &[u8]) {
     s.connection_mut().send(f, true).expect("raw frame sent");
@@ -343,15 +355,9 @@ fn forged_descriptors_cost_their_message_or_fail_the_connection_alone() {
     assert_eq!(p.id, 5);
     // A descriptor naming memory that is not there: the read fails with a remote access
     // error, and the connection fails (both sides), with a typed error and no hang.
-    let forged = Descriptor {
-        total: 100_000,
-        segments: vec![Segment::Remote {
-            len: 100_000,
-            addr: 0xdead_0000,
-            rkey: 0x1234,
-        }],
-    };
-    let n = forged.write_frame(Plain::TAG, 2, &mut buf).expect("fits");
+    let n = forged_descriptor()
+        .write_frame(Plain::TAG, 2, &mut buf)
+        .expect("fits");
     send_raw(&mut b, &buf[..n]);
     let started = Instant::now();
     let first = a.recv_timeout(WAIT);
@@ -676,15 +682,9 @@ fn a_hub_close_the_peer_did_not_finish_reading_says_how_many_it_did_not_read() {
 fn a_failed_read_comes_in_its_place_and_what_followed_it_is_delivered() {
     let (mut a, mut b) = pair(SessionConfig::default(), SessionConfig::default());
     let mut buf = vec![0u8; 4096];
-    let forged = Descriptor {
-        total: 100_000,
-        segments: vec![Segment::Remote {
-            len: 100_000,
-            addr: 0xdead_0000,
-            rkey: 0x1234,
-        }],
-    };
-    let n = forged.write_frame(Plain::TAG, 100, &mut buf).expect("fits");
+    let n = forged_descriptor()
+        .write_frame(Plain::TAG, 100, &mut buf)
+        .expect("fits");
     send_raw(&mut b, &buf[..n]);
     b.send(&Plain {
         id: 9,

@@ -147,6 +147,17 @@ pub struct Hub {
     closing: Vec<PeerId>,
 }
 
+/// Queues `peer`'s messages that are ready, in order, as events (a message that could not be
+/// taken as its `BadFrame`).
+fn queue_ready(peer: PeerId, receiver: &mut Receiver, ready: &mut VecDeque<HubEvent>) {
+    while let Some(r) = receiver.pop() {
+        ready.push_back(match r {
+            Ok(msg) => HubEvent::Message { peer, msg },
+            Err(error) => HubEvent::BadFrame { peer, error },
+        });
+    }
+}
+
 impl Hub {
     /// A hub on `endpoint`, with default per-peer bounds.
     pub fn new(endpoint: &Endpoint, config: HubConfig) -> Result<Self> {
@@ -460,16 +471,9 @@ impl Hub {
         if state.receiver.has_waiting() && !self.reads_waiting.contains(&peer) {
             self.reads_waiting.push(peer);
         }
-        let mut out = std::mem::take(&mut self.ready);
         if let Some(state) = self.peers.get_mut(peer) {
-            while let Some(r) = state.receiver.pop() {
-                out.push_back(match r {
-                    Ok(msg) => HubEvent::Message { peer, msg },
-                    Err(error) => HubEvent::BadFrame { peer, error },
-                });
-            }
+            queue_ready(peer, &mut state.receiver, &mut self.ready);
         }
-        self.ready = out;
         if list {
             self.unflushed.push(peer);
         }
@@ -523,12 +527,7 @@ impl Hub {
                     // What arrived comes first: messages whose reads can no longer complete
                     // fail in their place, the others behind them are delivered.
                     gone.receiver.abandon_reads();
-                    while let Some(r) = gone.receiver.pop() {
-                        self.ready.push_back(match r {
-                            Ok(msg) => HubEvent::Message { peer, msg },
-                            Err(error) => HubEvent::BadFrame { peer, error },
-                        });
-                    }
+                    queue_ready(peer, &mut gone.receiver, &mut self.ready);
                     self.departed.add(&gone.stats());
                 }
                 HubEvent::Disconnected { peer, failure }

@@ -358,10 +358,9 @@ impl Session {
     fn exchange_acks(&mut self) -> Result<()> {
         let frame_max = self.conn.max_message();
         if peer::exchange_acks(&mut self.sender, &mut self.receiver, frame_max) {
-            match self.sender.send_committed(&mut self.conn) {
-                Err(_) if self.conn.failure().is_some() => {}
-                other => {
-                    other?;
+            if let Err(e) = self.sender.send_committed(&mut self.conn) {
+                if self.conn.failure().is_none() {
+                    return Err(e);
                 }
             }
         }

@@ -53,11 +53,16 @@ struct Allocation {
 }
 
 impl Allocation {
-    /// `len` zeroed bytes aligned to a page.
+    /// `len` zeroed bytes aligned to a page (`len` > 0).
     fn zeroed(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot register an empty region".into(),
+            ));
+        }
         let layout = Layout::from_size_align(len, 4096)
             .map_err(|e| Error::InvalidArgument(format!("region of {len} bytes: {e}")))?;
-        // SAFETY: `layout` has a non-zero size (callers refuse `len == 0`).
+        // SAFETY: `layout` has a non-zero size (refused above).
         let base = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| {
             Error::RegisterMemory {
                 len,
@@ -130,11 +135,7 @@ impl ProtectionDomain {
     /// region comes back as one [`Buffer`]; split it with [`Buffer::split_off`] or
     /// [`Buffer::chunks`].
     pub fn register(&self, len: usize, access: Access) -> Result<Buffer> {
-        if len == 0 {
-            return Err(Error::InvalidArgument(
-                "cannot register an empty region".into(),
-            ));
-        }
+        // Refuses an empty region.
         let memory = Allocation::zeroed(len)?;
         // SAFETY: `base..base+len` is a live allocation owned by the MrInner built below, which
         // frees it only after deregistering it. (Dropped unregistered if this fails.)
@@ -412,6 +413,10 @@ mod tests {
 
     #[test]
     fn an_allocation_is_page_aligned_and_zeroed() {
+        assert!(matches!(
+            Allocation::zeroed(0),
+            Err(Error::InvalidArgument(_))
+        ));
         let a = Allocation::zeroed(3 * 4096 + 5).unwrap();
         assert_eq!(a.base.as_ptr() as usize % 4096, 0);
         // SAFETY: the allocation holds that many bytes, and nothing else refers to them.
