@@ -702,3 +702,229 @@ fn a_failed_read_comes_in_its_place_and_what_followed_it_is_delivered() {
     let end = a.recv_timeout(WAIT).expect_err("then the failure");
     assert!(end.is_fatal(), "{end}");
 }
+
+/// Copies kept for the delivery record, bounded well above these tests' messages.
+fn keeping() -> SessionConfig {
+    SessionConfig {
+        keep_unconfirmed: Some(64 << 20),
+        ..SessionConfig::default()
+    }
+}
+
+/// Messages of three sizes, one per way a message goes: whole, in fragments, by rendezvous.
+fn varied(id: u32) -> Plain {
+    Plain {
+        id,
+        data: pattern(id, [10, 5_000, 100_000][id as usize % 3]),
+    }
+}
+
+/// The fatal error that ends `s`, once what arrived before it was taken (none expected).
+fn end_of(s: &mut Session) -> Error {
+    match s.recv_timeout(WAIT) {
+        Err(e) => e,
+        Ok(other) => panic!("the end, not {other:?}"),
+    }
+}
+
+/// The delivery record after a failure: the peer took five of twelve messages, said so in its
+/// next frame, and vanished. The sender's record says so, and hands back exactly the seven
+/// others, in order, intact, whichever way each went.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn the_record_hands_back_exactly_what_a_vanished_peer_did_not_take() {
+    const SENT: u32 = 12;
+    const TAKEN: u32 = 5;
+    let (mut server, mut client) = pair(SessionConfig::default(), keeping());
+    for id in 0..SENT {
+        client.send(&varied(id)).expect("sent");
+    }
+    for id in 0..TAKEN {
+        assert_eq!(recv(&mut server).decode::<Plain>().unwrap(), varied(id));
+    }
+    assert!(
+        client.take_unconfirmed().is_none(),
+        "nothing is handed back while the peer may still take it"
+    );
+    server
+        .send(&Plain {
+            id: 999,
+            data: Vec::new(),
+        })
+        .expect("the answer carries the count");
+    drop(server);
+    assert_eq!(recv(&mut client).decode::<Plain>().unwrap().id, 999);
+    let end = end_of(&mut client);
+    assert!(end.is_fatal(), "{end}");
+    assert_eq!(
+        client.delivery(),
+        rdmsg::Delivery {
+            sent: SENT.into(),
+            taken: TAKEN.into()
+        }
+    );
+    let back = client.take_unconfirmed().expect("the connection ended");
+    let ids: Vec<u32> = back.iter().map(|e| e.seq()).collect();
+    assert_eq!(ids, (TAKEN..SENT).collect::<Vec<_>>(), "the rest, in order");
+    for env in &back {
+        assert_eq!(env.decode::<Plain>().unwrap(), varied(env.seq()));
+    }
+}
+
+/// A close with the record waits for the peer's application to take everything (here a slow
+/// one); with too little time, it names what was taken and hands back the rest.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_close_with_the_record_waits_for_the_peer_to_take_everything_or_hands_back_the_rest() {
+    const SENT: u32 = 30;
+    let (mut server, mut client) = pair(SessionConfig::default(), SessionConfig::default());
+    let reader = std::thread::spawn(move || {
+        for id in 0..SENT {
+            if id % 10 == 0 {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            assert_eq!(recv(&mut server).decode::<Plain>().unwrap(), varied(id));
+        }
+        assert!(end_of(&mut server).is_peer_closed());
+    });
+    for id in 0..SENT {
+        client.send(&varied(id)).expect("sent");
+    }
+    let closed = client.close_with_record();
+    closed.result.expect("closed");
+    assert_eq!(
+        closed.delivery.taken,
+        SENT.into(),
+        "all taken before the close"
+    );
+    assert!(closed.unconfirmed.is_empty());
+    reader.join().unwrap();
+
+    // A peer that took three, said so, and then did not read within the close timeout.
+    let short = Config {
+        close_timeout: Duration::from_millis(500),
+        ..Config::default()
+    };
+    let (a, b) = loopback_pair(&Config::default(), &short).expect("device");
+    let (mut server, mut client) = (Session::new(a), Session::with_config(b, keeping()));
+    for id in 0..SENT {
+        client.send(&varied(id)).expect("sent");
+    }
+    for id in 0..3 {
+        assert_eq!(recv(&mut server).decode::<Plain>().unwrap(), varied(id));
+    }
+    server
+        .send(&Plain {
+            id: 999,
+            data: Vec::new(),
+        })
+        .unwrap();
+    let closed = client.close_with_record();
+    assert_eq!(closed.delivery.sent, SENT.into());
+    assert_eq!(closed.delivery.taken, 3, "what the peer said it took");
+    let ids: Vec<u32> = closed.unconfirmed.iter().map(|e| e.seq()).collect();
+    assert_eq!(ids, (3..SENT).collect::<Vec<_>>());
+    drop(server);
+}
+
+/// A one-way stream: the receiver never sends a message, yet the sender's record follows it,
+/// carried by the credit grants the receiver sends anyway.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn the_record_of_a_one_way_stream_rides_the_credit_grants() {
+    const SENT: u64 = 3_000;
+    let (mut server, mut client) = pair(SessionConfig::default(), SessionConfig::default());
+    let reader = std::thread::spawn(move || {
+        for id in 0..SENT {
+            assert_eq!(recv(&mut server).seq(), id as u32);
+        }
+        server
+    });
+    let small = Plain {
+        id: 0,
+        data: vec![7; 16],
+    };
+    for _ in 0..SENT {
+        client.send_as(&small, false).expect("sent");
+    }
+    client.flush().unwrap();
+    let server = reader.join().unwrap();
+    let depth = u64::from(client.connection().peer().recv_depth);
+    let t = Instant::now();
+    while client.delivery().taken + depth < SENT && t.elapsed() < Duration::from_secs(10) {
+        client.try_recv().expect("nothing fails");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let d = client.delivery();
+    assert!(
+        d.taken + depth >= SENT && d.taken <= SENT,
+        "{d:?}: within the receiver's depth ({depth}) of the end"
+    );
+    assert_eq!(client.stats().received, 0, "no message came back");
+    drop(server);
+}
+
+/// The typed hub hands back what a peer that vanished did not take, as an event before its
+/// `Disconnected`.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_hub_hands_back_what_a_vanished_peer_did_not_take() {
+    use rdmsg::HubEvent;
+    const SENT: u32 = 10;
+    const TAKEN: u32 = 4;
+    let ep = rdmsg::Endpoint::open_default().expect("device");
+    let mut hub =
+        rdmsg::Hub::with_config(&ep, rdmsg::HubConfig::default(), keeping()).expect("hub");
+    let addr = hub.listen("127.0.0.1:0").expect("listening");
+    let (all_sent, sent) = std::sync::mpsc::channel();
+    let client = std::thread::spawn(move || {
+        let mut s = Session::new(ep.connect(addr, &Config::default()).expect("connected"));
+        for id in 0..TAKEN {
+            assert_eq!(recv(&mut s).decode::<Plain>().unwrap(), varied(id));
+        }
+        s.send(&Plain {
+            id: 999,
+            data: Vec::new(),
+        })
+        .unwrap();
+        // Vanishes once everything was sent: dropped without a close.
+        sent.recv().unwrap();
+    });
+    let mut back = None;
+    loop {
+        match hub
+            .recv_timeout(WAIT)
+            .expect("the hub goes on")
+            .expect("an event")
+        {
+            HubEvent::Connected { peer, .. } => {
+                for id in 0..SENT {
+                    hub.send(peer, &varied(id)).expect("sent");
+                }
+                all_sent.send(()).unwrap();
+            }
+            HubEvent::Message { peer, msg } => {
+                assert_eq!(msg.decode::<Plain>().unwrap().id, 999);
+                assert_eq!(hub.delivery(peer).unwrap().taken, TAKEN.into());
+            }
+            HubEvent::Unconfirmed {
+                delivery, messages, ..
+            } => {
+                assert_eq!(delivery.taken, TAKEN.into());
+                back = Some(messages);
+            }
+            HubEvent::Disconnected { failure, .. } => {
+                assert_ne!(failure, rdmsg::Failure::Closed, "{failure}");
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    client.join().unwrap();
+    let back = back.expect("handed back before Disconnected");
+    let ids: Vec<u32> = back.iter().map(|e| e.seq()).collect();
+    assert_eq!(ids, (TAKEN..SENT).collect::<Vec<_>>());
+    for env in &back {
+        assert_eq!(env.decode::<Plain>().unwrap(), varied(env.seq()));
+    }
+}

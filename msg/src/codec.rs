@@ -9,7 +9,7 @@ use serde::Deserialize;
 pub use crate::bounded::MAX_DEPTH;
 use crate::bounded::{Bounded, Budget};
 use crate::bulk::Piece;
-use crate::frame::{self, Header, Reassembler, DONE, FIRST, HEADER_LEN, LAST, RNDV};
+use crate::frame::{self, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV};
 use crate::rendezvous::{self, Descriptor, ReadBuf};
 use crate::{DecodeFailure, Error, Message, Result};
 
@@ -200,6 +200,8 @@ pub enum Decoded {
     },
     /// The peer is done reading these messages of ours.
     Done(Vec<u32>),
+    /// The peer asks to be told once our application has taken its messages before `seq`.
+    Ask(u32),
 }
 
 /// A received message: its tag and body, still encoded. Single-frame messages keep their
@@ -215,6 +217,18 @@ pub struct Envelope {
 }
 
 impl Envelope {
+    /// A message of ours that the peer's application did not take, handed back from its kept
+    /// copy (see [`crate::SessionConfig::keep_unconfirmed`]).
+    pub(crate) fn returned(tag: u32, seq: u32, body: Vec<u8>, max: usize) -> Self {
+        Self {
+            tag,
+            seq,
+            frame: FrameBytes::Owned(body),
+            offset: 0,
+            max,
+        }
+    }
+
     /// The message's tag.
     pub fn tag(&self) -> u32 {
         self.tag
@@ -361,6 +375,9 @@ impl Decoder {
         let (h, body) = frame::parse(frame.bytes())?;
         if h.flags & DONE != 0 {
             return Ok(Decoded::Done(rendezvous::parse_done(body)?));
+        }
+        if h.flags & ASK != 0 {
+            return Ok(Decoded::Ask(h.seq));
         }
         if h.flags & RNDV != 0 {
             self.check_tag(h.tag)?;

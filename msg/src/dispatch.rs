@@ -290,6 +290,7 @@ impl Dispatcher {
                 HubEvent::BadFrame { .. } => self.routes.stats.bad_frames += 1,
                 HubEvent::Connected { .. }
                 | HubEvent::Unread { .. }
+                | HubEvent::Unconfirmed { .. }
                 | HubEvent::Disconnected { .. }
                 | HubEvent::HandshakeFailed { .. } => self.routes.stats.peer_events += 1,
             }

@@ -2,12 +2,16 @@
 //!
 //! ```text
 //! 0      2        3      4      8      12      14         16     20
-//! | magic | version | flags | tag  | seq  | frag  | reserved | len  | body (len bytes)
+//! | magic | version | flags | tag  | seq  | frag  | taken    | len  | body (len bytes)
 //! ```
 //! Big-endian. `seq` numbers messages per connection; a message larger than one buffer is cut
 //! into fragments `frag = 0, 1, ...`, the first flagged [`FIRST`], the last [`LAST`]. Since RC
 //! delivers whole messages in order, a bad frame never desynchronises the next one: it can
 //! always be dropped alone.
+//!
+//! `taken` is the delivery record riding every frame: how many of the *peer's* messages the
+//! writer's application has taken, modulo 2^16 (see [`stamp_taken`]). A sender keeps fewer
+//! than 2^15 messages unconfirmed, so the low 16 bits name the count without doubt.
 
 /// Frame magic, "RM".
 pub const MAGIC: u16 = 0x524d;
@@ -25,6 +29,10 @@ pub const RNDV: u8 = 0x04;
 /// Flag: a rendezvous acknowledgement (with [`FIRST`] and [`LAST`], tag 0): the body lists
 /// the sequence numbers of messages the receiver is done reading.
 pub const DONE: u8 = 0x08;
+/// Flag: a request for the delivery record (with [`FIRST`] and [`LAST`], tag 0, no body):
+/// "once your application has taken my messages up to `seq` (exclusive), send a frame, solicited,
+/// to say so". A sender short of room in its window of unconfirmed messages asks so.
+pub const ASK: u8 = 0x10;
 
 /// A frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +118,19 @@ pub fn build(flags: u8, tag: u32, seq: u32, frag: u16, body: &[u8]) -> Vec<u8> {
     f
 }
 
+/// Writes the delivery record into a frame about to go: `taken` messages of the peer's taken
+/// by our application (modulo 2^16). A frame too short for a header is left alone.
+pub fn stamp_taken(frame: &mut [u8], taken: u32) {
+    if let Some(field) = frame.get_mut(14..16) {
+        field.copy_from_slice(&(taken as u16).to_be_bytes());
+    }
+}
+
+/// The delivery record a frame carries (see [`stamp_taken`]), if it is long enough to have one.
+pub fn taken_of(frame: &[u8]) -> Option<u16> {
+    frame.get(14..16).map(|b| u16::from_be_bytes([b[0], b[1]]))
+}
+
 /// Splits a received frame into header and body, checking everything the header claims.
 pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
     if frame.len() < HEADER_LEN {
@@ -123,11 +144,12 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
         return Err(FrameError::BadVersion(frame[2]));
     }
     let flags = frame[3];
-    if flags & !(FIRST | LAST | RNDV | DONE) != 0 || frame[14..16] != [0, 0] {
+    if flags & !(FIRST | LAST | RNDV | DONE | ASK) != 0 {
         return Err(FrameError::Reserved);
     }
-    if flags & (RNDV | DONE) != 0 && !matches!(flags, 0x07 | 0x0b) {
-        // A descriptor or an acknowledgement is one whole frame, and not both.
+    if flags & (RNDV | DONE | ASK) != 0 && !matches!(flags, 0x07 | 0x0b | 0x13) {
+        // A descriptor, an acknowledgement or a request for the record is one whole frame,
+        // and only one of them.
         return Err(FrameError::Reserved);
     }
     let u32_at =
@@ -140,6 +162,9 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
         len: u32_at(16),
     };
     let body = &frame[HEADER_LEN..];
+    if flags & ASK != 0 && (header.tag != 0 || header.len != 0) {
+        return Err(FrameError::Reserved);
+    }
     if header.len as usize != body.len() {
         return Err(FrameError::Length {
             declared: header.len,

@@ -11,7 +11,7 @@ use rdmsg_verbs::deadline_after;
 
 use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::unread_error;
-use crate::peer::{self, HubLink, Link, PeerTable, Receiver, Sender};
+use crate::peer::{self, Delivery, HubLink, Link, PeerTable, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
 
@@ -56,12 +56,25 @@ pub enum HubEvent {
         /// Messages it had not finished reading.
         messages: usize,
     },
+    /// The connection ended with messages sent to `peer` that its application was not seen
+    /// to take: copies kept with [`SessionConfig::keep_unconfirmed`], in order, to be sent
+    /// elsewhere (see [`crate::Session::take_unconfirmed`] for what "seen" means after a
+    /// failure). `Disconnected` follows.
+    Unconfirmed {
+        /// The connection that ended.
+        peer: PeerId,
+        /// Its delivery record at the end.
+        delivery: Delivery,
+        /// The messages not taken, as they went.
+        messages: Vec<Envelope>,
+    },
     /// The connection ended; everything it delivered came before this, and its id is dead.
     Disconnected {
         /// The connection.
         peer: PeerId,
         /// Why ([`Failure::PeerClosed`] after a graceful close by the peer,
-        /// [`Failure::Closed`] after [`Hub::close`]).
+        /// [`Failure::Closed`] after [`Hub::close`] or [`Hub::start_close`], or
+        /// [`Failure::CloseTimedOut`] when the peer did not take the close in time).
         failure: Failure,
     },
     /// A handshake failed: a client accepted from the listener (`peer: None`), or one that
@@ -82,6 +95,7 @@ impl HubEvent {
             | HubEvent::Message { peer, .. }
             | HubEvent::BadFrame { peer, .. }
             | HubEvent::Unread { peer, .. }
+            | HubEvent::Unconfirmed { peer, .. }
             | HubEvent::Disconnected { peer, .. } => Some(*peer),
             HubEvent::HandshakeFailed { peer, .. } => *peer,
         }
@@ -137,8 +151,9 @@ pub struct Hub {
     /// Transport events a send took in while it waited for rendezvous room: taken before
     /// the transport's next ones.
     stash: VecDeque<rdmsg_transport::RawHubEvent>,
-    /// Typed events ready to be returned, in order.
-    ready: VecDeque<HubEvent>,
+    /// Typed events ready to be returned, in order, each message's with its number: handing
+    /// it to the application counts it taken ([`Hub::take_ready`]).
+    ready: VecDeque<(HubEvent, Option<u32>)>,
     /// The registered buffers rendezvous reads land in, shared by every peer.
     pool: ReadPool,
     /// Peers with descriptors waiting for buffer room or a send slot.
@@ -147,14 +162,25 @@ pub struct Hub {
     closing: Vec<PeerId>,
 }
 
+/// Whether a close must wait for the peer's application to take what was sent: copies are
+/// kept, and it has not taken everything yet.
+fn waits_for_record(sender: &Sender) -> bool {
+    sender.keeps_copies() && sender.delivery(None).unconfirmed() > 0
+}
+
 /// Queues `peer`'s messages that are ready, in order, as events (a message that could not be
 /// taken as its `BadFrame`).
-fn queue_ready(peer: PeerId, receiver: &mut Receiver, ready: &mut VecDeque<HubEvent>) {
-    while let Some(r) = receiver.pop() {
-        ready.push_back(match r {
+fn queue_ready(
+    peer: PeerId,
+    receiver: &mut Receiver,
+    ready: &mut VecDeque<(HubEvent, Option<u32>)>,
+) {
+    while let Some((seq, r)) = receiver.pop_numbered() {
+        let ev = match r {
             Ok(msg) => HubEvent::Message { peer, msg },
             Err(error) => HubEvent::BadFrame { peer, error },
-        });
+        };
+        ready.push_back((ev, seq));
     }
 }
 
@@ -250,6 +276,13 @@ impl Hub {
         total
     }
 
+    /// The delivery record of `peer` (see [`crate::Session::delivery`]); `None` for a peer
+    /// unknown or gone.
+    pub fn delivery(&self, peer: PeerId) -> Option<Delivery> {
+        let note = self.transport.peer_note(peer);
+        self.peers.get(peer).map(|s| s.sender.delivery(note))
+    }
+
     /// What was exchanged with `peer`, while it is connected.
     pub fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
         self.peers.get(peer).map(PeerState::stats)
@@ -308,7 +341,10 @@ impl Hub {
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
         // The peer may still be reading our messages: closing now would fail its reads.
         let deadline = deadline_after(Instant::now(), self.transport.config().conn.close_timeout);
-        let unread = self.with_sender(peer, |s, link| s.wait_until_returned(link, deadline))?;
+        let record = self.config.keep_unconfirmed.is_some();
+        let unread = self.with_sender(peer, |s, link| {
+            s.wait_until_returned(link, deadline, record)
+        })?;
         self.transport.close(peer)?;
         unread_error(unread)
     }
@@ -320,7 +356,14 @@ impl Hub {
         match self.peers.get_mut(peer) {
             // The peer may still be reading our messages: the close waits for that (at most
             // `close_timeout`), driven by later calls.
-            Some(state) if state.sender.lent() > 0 => {
+            Some(state) if state.sender.lent() > 0 || waits_for_record(&state.sender) => {
+                if state.sender.keeps_copies() {
+                    state.sender.ask_all();
+                    if !state.listed {
+                        state.listed = true;
+                        self.unflushed.push(peer);
+                    }
+                }
                 state.close_at = Some(deadline_after(Instant::now(), timeout));
                 if !self.closing.contains(&peer) {
                     self.closing.push(peer);
@@ -340,11 +383,15 @@ impl Hub {
             let peer = self.closing[i];
             let due = match self.peers.get_mut(peer) {
                 Some(state) => match state.close_at {
-                    Some(at) if state.sender.lent() == 0 || now >= at => {
+                    Some(at)
+                        if (state.sender.lent() == 0 && !waits_for_record(&state.sender))
+                            || now >= at =>
+                    {
                         state.close_at = None;
                         let messages = state.sender.lent();
                         if messages > 0 {
-                            self.ready.push_back(HubEvent::Unread { peer, messages });
+                            self.ready
+                                .push_back((HubEvent::Unread { peer, messages }, None));
                         }
                         true
                     }
@@ -434,13 +481,36 @@ impl Hub {
         }
     }
 
-    /// The next typed event ready, taking in what a waiting send stashed first.
+    /// The next typed event ready, taking in what a waiting send stashed first. A message
+    /// (or the error in its place) handed out is taken: its peer's record moves on, and a
+    /// request of the peer's it reaches is answered.
     fn take_ready(&mut self) -> Option<HubEvent> {
         while self.ready.is_empty() {
             let raw = self.stash.pop_front()?;
             self.take(raw);
         }
-        self.ready.pop_front()
+        let (ev, seq) = self.ready.pop_front()?;
+        if let (Some(seq), Some(peer)) = (seq, ev.peer()) {
+            self.took(peer, seq);
+        }
+        Some(ev)
+    }
+
+    /// The application took `peer`'s message `seq`.
+    fn took(&mut self, peer: PeerId, seq: u32) {
+        let Some((state, mut link)) = self.split(peer) else {
+            return;
+        };
+        state.receiver.mark_taken(seq);
+        let _ = link.hub.set_note(peer, state.receiver.taken());
+        if peer::took(&mut state.sender, &mut state.receiver) {
+            // A failing peer: its Disconnected tells.
+            let _ = state.sender.send_committed(&mut link);
+            if state.sender.queued_frames() > 0 && !state.listed {
+                state.listed = true;
+                self.unflushed.push(peer);
+            }
+        }
     }
 
     /// Posts the reads that wait for buffer room or a send slot, for every peer.
@@ -462,6 +532,7 @@ impl Hub {
         };
         // A failing peer: its Disconnected event tells.
         let _ = state.receiver.advance(&mut link);
+        state.sender.learn_note(link.hub.peer_note(peer));
         let frame_max = link.max_message().unwrap_or(0);
         if peer::exchange_acks(&mut state.sender, &mut state.receiver, frame_max) {
             let _ = state.sender.send_committed(&mut link);
@@ -529,6 +600,16 @@ impl Hub {
                     gone.receiver.abandon_reads();
                     queue_ready(peer, &mut gone.receiver, &mut self.ready);
                     self.departed.add(&gone.stats());
+                    let delivery = gone.sender.delivery(None);
+                    if gone.sender.keeps_copies() && delivery.unconfirmed() > 0 {
+                        let messages = gone.sender.take_unconfirmed();
+                        let ev = HubEvent::Unconfirmed {
+                            peer,
+                            delivery,
+                            messages,
+                        };
+                        self.ready.push_back((ev, None));
+                    }
                 }
                 HubEvent::Disconnected { peer, failure }
             }
@@ -542,7 +623,7 @@ impl Hub {
                 }
             }
         };
-        self.ready.push_back(ev);
+        self.ready.push_back((ev, None));
     }
 
     /// `peer`'s state, made on first sight: normally at its `Connected`, but also when that
@@ -612,6 +693,7 @@ impl Hub {
             stash: Some(stash),
             receiver: Some(receiver),
         };
+        sender.learn_note(link.hub.peer_note(peer));
         let out = f(sender, &mut link);
         let list = (sender.pending() || sender.queued_frames() > 0) && !*listed;
         *listed |= list;

@@ -102,7 +102,8 @@ pub use dispatch::{DispatchStats, Dispatcher};
 pub use error::{DecodeFailure, Error, Result};
 pub use hub::{Hub, HubEvent};
 pub use message::{tag, Message};
-pub use session::{Session, SessionConfig, SessionStats, DEFAULT_RENDEZVOUS_THRESHOLD};
+pub use peer::Delivery;
+pub use session::{Closed, Session, SessionConfig, SessionStats, DEFAULT_RENDEZVOUS_THRESHOLD};
 pub use split::{RecvHalf, SendHalf};
 
 #[doc(hidden)]

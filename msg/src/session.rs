@@ -8,7 +8,7 @@ use rdmsg_verbs::deadline_after;
 
 use crate::codec::{self, Decoder, Envelope};
 use crate::error::unread_error;
-use crate::peer::{self, Absorbing, Receiver, Sender};
+use crate::peer::{self, Absorbing, Delivery, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result};
 
@@ -53,6 +53,15 @@ pub struct SessionConfig {
     /// buffers: as with receive buffers, a receiver that keeps this much unread stops the
     /// peer's large messages. Default 64 MiB.
     pub max_rendezvous_bytes: usize,
+    /// Keep a copy of every message sent until the peer's application has taken it, up to
+    /// this many bytes of copies (a send beyond it waits for the peer's record, as beyond
+    /// its credits): after a failure or a close, [`Session::take_unconfirmed`] (or
+    /// [`Session::close_with_record`], or the hub's [`crate::HubEvent::Unconfirmed`]) hands
+    /// back the ones it did not take, in order, to be sent elsewhere. With copies kept, a
+    /// close also waits (within `close_timeout`) until the peer's application has taken
+    /// everything. `None` (the default): no copies; [`Session::delivery`] still says what
+    /// was taken.
+    pub keep_unconfirmed: Option<usize>,
 }
 
 /// Default [`SessionConfig::rendezvous_threshold`]: 16 KiB (see the README for the
@@ -68,6 +77,7 @@ impl Default for SessionConfig {
             max_unsolicited_delay: None,
             rendezvous_threshold: Some(DEFAULT_RENDEZVOUS_THRESHOLD),
             max_rendezvous_bytes: 64 << 20,
+            keep_unconfirmed: None,
         }
     }
 }
@@ -193,6 +203,27 @@ impl Session {
         peer::stats(&self.sender, &self.receiver)
     }
 
+    /// The delivery record: how many messages were sent, and how many of them the peer's
+    /// application has taken (messages are numbered from 0 in the order they were sent; those
+    /// below [`Delivery::taken`] were taken). The peer's count rides every frame it sends,
+    /// and a sender with many messages unconfirmed asks for it, so it is never far behind.
+    pub fn delivery(&self) -> Delivery {
+        self.sender.delivery(self.conn.peer_note())
+    }
+
+    /// Once the connection has ended (a fatal error from a receive or a send), the messages
+    /// the peer's application was not seen to take, in order, as the envelopes they went as
+    /// ([`Envelope::seq`] their number, modulo 2^32; decode them as received ones): copies
+    /// kept with [`SessionConfig::keep_unconfirmed`] (none without it). `None` while the
+    /// connection is up: those may still be taken. After a failure, the peer's application
+    /// may have taken some of them after its last word reached us (its count rides its
+    /// frames; RDMA says nothing of what an application did).
+    pub fn take_unconfirmed(&mut self) -> Option<Vec<Envelope>> {
+        self.conn.failure()?;
+        self.sender.learn_note(self.conn.peer_note());
+        Some(self.sender.take_unconfirmed())
+    }
+
     /// Sends `m`, solicited or not as its type says ([`Message::SOLICITED`]).
     pub fn send<M: Message>(&mut self, m: &M) -> Result<()> {
         self.send_as(m, M::SOLICITED)
@@ -253,13 +284,29 @@ impl Session {
     /// Flushes first, as [`Session::recv`] does, if it would wait (with
     /// [`SessionConfig::max_unsolicited_delay`], when that runs out).
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
+        let got = self.recv_inner(timeout);
+        self.took();
+        got
+    }
+
+    /// After a message was handed to the application: our frames carry the new count, and a
+    /// request of the peer's it reaches is answered (sent if it can go now; else with the
+    /// next call that sends: a failure comes from the next receive).
+    fn took(&mut self) {
+        self.conn.set_note(self.receiver.taken());
+        if peer::took(&mut self.sender, &mut self.receiver) {
+            let _ = self.sender.send_committed(&mut self.conn);
+        }
+    }
+
+    fn recv_inner(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if self.sender.queued_frames() > 0 || self.sender.flush_due() {
                 // Only if this would wait: what has arrived is taken first.
-                if let Some(env) = self.try_recv()? {
+                if let Some(env) = self.try_recv_inner()? {
                     return Ok(Some(env));
                 }
                 // A message committed earlier goes out whole before we wait for anything: the
@@ -329,6 +376,12 @@ impl Session {
 
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Envelope>> {
+        let got = self.try_recv_inner();
+        self.took();
+        got
+    }
+
+    fn try_recv_inner(&mut self) -> Result<Option<Envelope>> {
         loop {
             if let Some(r) = self.receiver.pop() {
                 return r.map(Some);
@@ -356,6 +409,7 @@ impl Session {
     /// they can go now. Not on a failed connection: its failure comes from the next receive,
     /// after what arrived before it.
     fn exchange_acks(&mut self) -> Result<()> {
+        self.sender.learn_note(self.conn.peer_note());
         let frame_max = self.conn.max_message();
         if peer::exchange_acks(&mut self.sender, &mut self.receiver, frame_max) {
             if let Err(e) = self.sender.send_committed(&mut self.conn) {
@@ -376,18 +430,54 @@ impl Session {
     }
 
     /// Closes gracefully (see [`Connection::close`]), once every committed frame went and the
-    /// peer finished reading what it was lent by rendezvous, waiting at most `close_timeout`
-    /// for that: [`Error::Unread`](crate::Error::Unread) says how many it had not read by then
-    /// (the connection is closed all the same).
-    pub fn close(mut self) -> Result<()> {
+    /// peer finished reading what it was lent by rendezvous (with
+    /// [`SessionConfig::keep_unconfirmed`], once its application took everything), waiting at
+    /// most `close_timeout` for that: [`Error::Unread`](crate::Error::Unread) says how many
+    /// lent messages it had not read by then (the connection is closed all the same). Our
+    /// last frame tells the peer how many of its messages we took.
+    pub fn close(self) -> Result<()> {
+        let keep = self.sender.keeps_copies();
+        self.close_inner(keep).0
+    }
+
+    /// [`Session::close`], waiting (at most `close_timeout`) until the peer's application took
+    /// every message, with or without copies kept: what it comes to, the delivery record at
+    /// the end, and the messages not taken (copies, with [`SessionConfig::keep_unconfirmed`]),
+    /// in order.
+    pub fn close_with_record(self) -> Closed {
+        let (result, delivery, unconfirmed) = self.close_inner(true);
+        Closed {
+            result,
+            delivery,
+            unconfirmed,
+        }
+    }
+
+    fn close_inner(mut self, record: bool) -> (Result<()>, Delivery, Vec<Envelope>) {
+        let waited = self.wait_before_close(record);
+        self.sender.learn_note(self.conn.peer_note());
+        let delivery = self.sender.delivery(None);
+        let unconfirmed = self.sender.take_unconfirmed();
+        let result = waited.and_then(|unread| {
+            self.conn.close()?;
+            unread_error(unread)
+        });
+        (result, delivery, unconfirmed)
+    }
+
+    /// Everything a close does before the connection's own: committed frames out, the
+    /// peer's reads (and with `record`, its application) waited for, our last count told.
+    /// How many lent messages the peer had not read.
+    fn wait_before_close(&mut self, record: bool) -> Result<usize> {
         self.sender.flush_within(&mut self.conn, None)?;
         // The peer may still be reading our messages: closing now would fail its reads.
         let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
         let (sender, link) = absorbing!(self);
-        let unread = sender.wait_until_returned(link, deadline)?;
+        let unread = sender.wait_until_returned(link, deadline, record)?;
+        // Our last frame carries our count of the peer's messages taken.
+        self.sender.queue_answer();
         self.sender.flush_within(&mut self.conn, None)?;
-        self.conn.close()?;
-        unread_error(unread)
+        Ok(unread)
     }
 
     /// Sends `m` if it can go without waiting (see [`Session::send_as`] for `solicited`):
@@ -396,6 +486,7 @@ impl Session {
     /// follow as credits come, driven by any later call (a [`Session::step`] included),
     /// before anything sent after it. For event loops and async runtimes: it never blocks.
     pub fn try_send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<bool> {
+        self.sender.learn_note(self.conn.peer_note());
         self.sender.try_send_as(&mut self.conn, m, solicited)
     }
 
@@ -500,6 +591,20 @@ impl AsFd for Session {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.conn.as_fd()
     }
+}
+
+/// How a [`Session::close_with_record`] ended.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Closed {
+    /// What [`Session::close`] would have returned.
+    pub result: Result<()>,
+    /// The delivery record at the end: `delivery.taken == delivery.sent` when the peer's
+    /// application took everything.
+    pub delivery: Delivery,
+    /// The messages it did not take, in order (copies kept with
+    /// [`SessionConfig::keep_unconfirmed`]; none without it).
+    pub unconfirmed: Vec<Envelope>,
 }
 
 /// The earlier of a wait's limit and a deadline, as a duration from now.

@@ -259,6 +259,11 @@ impl SendHalf {
     pub fn stats(&self) -> SessionStats {
         self.shared.lock().session.stats()
     }
+
+    /// The delivery record (see [`Session::delivery`]).
+    pub fn delivery(&self) -> crate::Delivery {
+        self.shared.lock().session.delivery()
+    }
 }
 
 /// The receiving half of a [split](Session::split) session: `Send`, one receiving thread at a

@@ -107,6 +107,18 @@ fn header_errors_are_typed() {
     let mut bad = good.clone();
     bad[3] |= 0x80;
     assert_eq!(frame::parse(&bad), Err(FrameError::Reserved));
+    // The delivery record rides in the old reserved field: any value parses.
+    let mut stamped = good.clone();
+    frame::stamp_taken(&mut stamped, 0x1_2345);
+    assert!(frame::parse(&stamped).is_ok());
+    assert_eq!(frame::taken_of(&stamped), Some(0x2345));
+    // A request for the record is a bare whole frame of tag 0.
+    let ask = frame::build(FIRST | LAST | frame::ASK, 0, 7, 0, &[]);
+    assert!(frame::parse(&ask).is_ok());
+    let ask_with_body = frame::build(FIRST | LAST | frame::ASK, 0, 7, 0, &[1]);
+    assert_eq!(frame::parse(&ask_with_body), Err(FrameError::Reserved));
+    let ask_fragment = frame::build(FIRST | frame::ASK, 0, 7, 0, &[]);
+    assert_eq!(frame::parse(&ask_fragment), Err(FrameError::Reserved));
     assert_eq!(
         frame::parse(&good[..good.len() - 1]),
         Err(FrameError::Length {

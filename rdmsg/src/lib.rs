@@ -55,8 +55,9 @@
 #![deny(missing_docs)]
 
 pub use rdmsg_msg::{
-    message, tag, Bulk, DecodeFailure, DispatchStats, Dispatcher, Envelope, Error, Hub, HubEvent,
-    Message, RecvHalf, Result, SendHalf, Session, SessionConfig, SessionStats,
+    message, tag, Bulk, Closed, DecodeFailure, Delivery, DispatchStats, Dispatcher, Envelope,
+    Error, Hub, HubEvent, Message, RecvHalf, Result, SendHalf, Session, SessionConfig,
+    SessionStats,
 };
 pub use rdmsg_transport::{
     Config, Connection, Endpoint, Failure, HubConfig, Listener, PeerId, Psk, Received,

@@ -114,6 +114,18 @@ impl AsyncSession {
         self.shared.lock().stats()
     }
 
+    /// The delivery record: messages sent, and how many of them the peer's application took
+    /// (see [`Session::delivery`]).
+    pub fn delivery(&self) -> rdmsg_msg::Delivery {
+        self.shared.lock().delivery()
+    }
+
+    /// Once the connection has ended, the messages the peer's application was not seen to
+    /// take, in order (see [`Session::take_unconfirmed`]); `None` while it is up.
+    pub fn take_unconfirmed(&self) -> Option<Vec<Envelope>> {
+        self.shared.lock().take_unconfirmed()
+    }
+
     /// How many times a waiting task was woken by the session's descriptor (a completion
     /// event, a returned buffer, the peer's stream): the async counterpart of the blocking
     /// receiver's [`rdmsg_transport::Connection::wait_stats`] wake-ups.

@@ -134,6 +134,12 @@ pub enum Failure {
     /// This side closed the connection.
     #[error("the connection was closed locally")]
     Closed,
+    /// This side closed the connection, but the peer had not taken our close message within
+    /// `close_timeout`: what went last may not have reached it.
+    #[error(
+        "the connection was closed locally before the peer took the close (close_timeout ran out)"
+    )]
+    CloseTimedOut,
     /// A work request completed with an error (for example `RetryExcErr`: the peer's queue
     /// pair no longer answers).
     #[error("a work request completed with {status:?} (vendor error {vendor_err:#x})")]

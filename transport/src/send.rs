@@ -63,6 +63,18 @@ impl SendBuffers {
         Ok(Some(Payload::Buffer(buf, len)))
     }
 
+    /// The payload of a grant: the upper layer's word ([`crate::core::Core::set_note`]),
+    /// inline; nothing where inline sends are off (`max_inline` below 4 bytes).
+    pub(crate) fn note(&mut self, note: u32) -> Payload {
+        match self.scratch.get_mut(..NOTE_LEN) {
+            Some(head) => {
+                head.copy_from_slice(&note.to_be_bytes());
+                Payload::Inline(NOTE_LEN)
+            }
+            None => Payload::Empty,
+        }
+    }
+
     /// The request for `payload` (inline bytes borrowed from the scratch).
     pub(crate) fn request(&self, payload: Payload) -> SendRequest<'_> {
         match payload {
@@ -71,6 +83,18 @@ impl SendBuffers {
             Payload::Empty => SendRequest::empty(),
         }
     }
+}
+
+/// Bytes of a grant's note.
+pub(crate) const NOTE_LEN: usize = 4;
+
+/// The note a grant's receive buffer holds, if it carried one.
+pub(crate) fn note_of(bytes: &[u8], byte_len: u32) -> Option<u32> {
+    if byte_len as usize != NOTE_LEN {
+        return None;
+    }
+    let b = bytes.get(..NOTE_LEN)?;
+    Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
 }
 
 /// Posts `payload` on `qp` as `post` says and tells `core`; on failure the buffers that were

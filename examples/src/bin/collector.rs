@@ -447,6 +447,10 @@ fn collect(
             HubEvent::Unread { peer, messages } => {
                 c.error(format_args!("{peer} closed with {messages} unread"))
             }
+            HubEvent::Unconfirmed { peer, delivery, .. } => c.error(format_args!(
+                "{peer} ended with {} message(s) not taken",
+                delivery.unconfirmed()
+            )),
             HubEvent::Disconnected { peer, failure } => {
                 ended += 1;
                 if failure != Failure::PeerClosed {
@@ -740,6 +744,10 @@ impl SensorsState {
             HubEvent::Disconnected { peer, failure } => bail!("{peer} failed: {failure}"),
             HubEvent::BadFrame { peer, error } => bail!("{peer}: {error}"),
             HubEvent::Unread { peer, messages } => bail!("{peer} closed with {messages} unread"),
+            HubEvent::Unconfirmed { peer, delivery, .. } => bail!(
+                "{peer} ended with {} message(s) not taken",
+                delivery.unconfirmed()
+            ),
             HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
         }
         Ok(())

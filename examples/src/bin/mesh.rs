@@ -543,6 +543,12 @@ impl Node {
                 self.errors
                     .push(format!("{peer:?} closed with {messages} unread"));
             }
+            HubEvent::Unconfirmed { peer, delivery, .. } => {
+                self.errors.push(format!(
+                    "{peer:?} ended with {} message(s) not taken",
+                    delivery.unconfirmed()
+                ));
+            }
             HubEvent::Disconnected { peer, failure } => {
                 self.unjoined.retain(|c| *c != peer);
                 let Some(i) = self.index_of(peer) else {

@@ -257,6 +257,11 @@ fn serve(listen: &str, clients: Option<u32>, process: Option<&mut PeerProcess>) 
                 s.errors += 1;
                 eprintln!("server: {peer} closed with {messages} unread");
             }
+            HubEvent::Unconfirmed { peer, delivery, .. } => {
+                s.errors += 1;
+                let n = delivery.unconfirmed();
+                eprintln!("server: {peer} ended with {n} message(s) not taken");
+            }
             HubEvent::Message { .. } => {}
         }
         if Some(gone) == clients {
@@ -423,6 +428,11 @@ fn run_clients(connect: &str, count: u32, requests: u64) -> Result<()> {
             HubEvent::Unread { peer, messages } => {
                 errors += 1;
                 eprintln!("clients: {peer} closed with {messages} unread");
+            }
+            HubEvent::Unconfirmed { peer, delivery, .. } => {
+                errors += 1;
+                let n = delivery.unconfirmed();
+                eprintln!("clients: {peer} ended with {n} message(s) not taken");
             }
             HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
         }

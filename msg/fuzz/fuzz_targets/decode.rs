@@ -50,7 +50,7 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(again, descriptor);
             }
             Ok(Decoded::Done(seqs)) => assert!(!seqs.is_empty()),
-            Ok(Decoded::Nothing) | Err(_) => {}
+            Ok(Decoded::Nothing | Decoded::Ask(_)) | Err(_) => {}
         }
         match next {
             Some(n) => rest = n,

@@ -98,13 +98,20 @@ impl Link for Connection {
     }
 }
 
-/// What [`Link::absorb`] took in: acknowledgements each way.
+/// What [`Link::absorb`] took in: acknowledgements and delivery records each way.
 #[derive(Debug, Default)]
 pub(crate) struct Absorbed {
     /// The peer is done reading these messages of ours.
     pub(crate) acked: Vec<u32>,
     /// We are done reading these messages of the peer's: to be told.
     pub(crate) acks: Vec<u32>,
+    /// The peer's count of our messages taken, from its latest frame.
+    pub(crate) peer_taken: Option<u16>,
+    /// The peer's count of our messages taken, as its latest credit grant carried it.
+    pub(crate) note: Option<u32>,
+    /// Our count of its messages taken, and whether a request of its is to be answered.
+    pub(crate) taken: u32,
+    pub(crate) answer: bool,
 }
 
 impl Absorbed {
@@ -112,6 +119,10 @@ impl Absorbed {
         Self {
             acked: receiver.take_acked(),
             acks: receiver.take_acks(),
+            peer_taken: receiver.take_peer_taken(),
+            note: None,
+            taken: receiver.taken(),
+            answer: receiver.take_answer_due(),
         }
     }
 }
@@ -169,7 +180,10 @@ impl Link for Absorbing<'_> {
             self.receiver.accept(a);
         }
         self.receiver.advance(self.conn)?;
-        Ok(Some(Absorbed::from(self.receiver)))
+        Ok(Some(Absorbed {
+            note: self.conn.peer_note(),
+            ..Absorbed::from(self.receiver)
+        }))
     }
 }
 
@@ -272,9 +286,12 @@ impl Link for HubLink<'_> {
                 };
                 match gone {
                     Some(f) => Err(rdmsg_transport::Error::from(f).into()),
-                    None => receiver
-                        .advance(self)
-                        .map(|()| Some(Absorbed::from(receiver))),
+                    None => receiver.advance(self).map(|()| {
+                        Some(Absorbed {
+                            note: self.hub.peer_note(self.peer),
+                            ..Absorbed::from(receiver)
+                        })
+                    }),
                 }
             }
         };

@@ -6,6 +6,7 @@
 
 mod link;
 mod receive;
+mod record;
 mod send;
 mod table;
 #[cfg(test)]
@@ -13,25 +14,42 @@ mod tests;
 
 pub(crate) use link::*;
 pub(crate) use receive::*;
+pub use record::Delivery;
+pub(crate) use record::*;
 pub(crate) use send::*;
 pub(crate) use table::*;
 
 use crate::SessionStats;
 
-/// Hands acknowledgements between the two sides of one peer: the peer's to our sender, ours
-/// to be sent. Whether any of ours were queued.
+/// Hands acknowledgements and delivery records between the two sides of one peer: the
+/// peer's to our sender, ours to be sent. Whether any frame of ours was queued.
 pub(crate) fn exchange_acks(
     sender: &mut Sender,
     receiver: &mut Receiver,
     frame_max: usize,
 ) -> bool {
+    let answered = took(sender, receiver);
+    if let Some(t) = receiver.take_peer_taken() {
+        sender.learn_taken(t);
+    }
     if !receiver.has_acks() {
-        return false;
+        return answered;
     }
     sender.acknowledged(&receiver.take_acked());
     let ours = receiver.take_acks();
     sender.queue_acks(&ours, frame_max);
-    !ours.is_empty()
+    answered || !ours.is_empty()
+}
+
+/// After our application took messages of the peer's: the count our frames carry moves on,
+/// and a request of the peer's that it reaches is answered (a frame queued: `true`).
+pub(crate) fn took(sender: &mut Sender, receiver: &mut Receiver) -> bool {
+    sender.tell_taken(receiver.taken());
+    let answer = receiver.take_answer_due();
+    if answer {
+        sender.queue_answer();
+    }
+    answer
 }
 
 /// The counters of both sides.

@@ -32,11 +32,22 @@ pub(crate) struct Receiver {
     /// The peer's acknowledgements of our messages, for the sender.
     pub(super) acked: Vec<u32>,
     pub(super) pool: ReadPool,
+    /// The peer's messages our application has taken, modulo 2^32: the count our frames
+    /// carry back ([`frame::stamp_taken`]).
+    pub(super) taken: u32,
+    /// The peer asked to be told once `taken` reaches this ([`frame::ASK`]).
+    pub(super) ask: Option<u32>,
+    /// It has: a frame is to go, solicited, to say so.
+    pub(super) answer_due: bool,
+    /// The latest count of ours the peer's frames carried, for the sender.
+    pub(super) peer_taken: Option<u16>,
 }
 
+/// A message's place in the order: its sequence number (when the frame said it) and the
+/// message, or the error standing in its place; or a message still being read.
 #[derive(Debug)]
 pub(super) enum Place {
-    Ready(Result<Envelope>),
+    Ready(Option<u32>, Result<Envelope>),
     Reading(u32),
 }
 
@@ -67,6 +78,10 @@ impl Receiver {
             acks: Vec::new(),
             acked: Vec::new(),
             pool,
+            taken: 0,
+            ask: None,
+            answer_due: false,
+            peer_taken: None,
         }
     }
 
@@ -93,17 +108,26 @@ impl Receiver {
 
     /// [`Receiver::take`] without taking the next message out.
     pub(crate) fn arrive(&mut self, frame: FrameBytes) {
-        let descriptor_seq = frame::parse(frame.bytes())
-            .ok()
-            .filter(|(h, _)| h.flags & frame::RNDV != 0)
-            .map(|(h, _)| h.seq);
+        let header = frame::parse(frame.bytes()).ok().map(|(h, _)| h);
+        if header.is_some() {
+            self.peer_taken = frame::taken_of(frame.bytes());
+        }
+        // The message a bad frame belonged to, if it names one (not a control frame).
+        let message_seq = header
+            .filter(|h| h.flags & (frame::DONE | frame::ASK) == 0)
+            .map(|h| h.seq);
+        let descriptor_seq = header.filter(|h| h.flags & frame::RNDV != 0).map(|h| h.seq);
         match self.decoder.take(frame) {
             Ok(Decoded::Message(env)) => {
                 self.received += 1;
-                self.order.push_back(Place::Ready(Ok(env)));
+                self.order.push_back(Place::Ready(Some(env.seq()), Ok(env)));
             }
             Ok(Decoded::Nothing) => {}
             Ok(Decoded::Done(seqs)) => self.acked.extend(seqs),
+            Ok(Decoded::Ask(through)) => {
+                self.ask = Some(through);
+                self.check_ask();
+            }
             Ok(Decoded::Rendezvous {
                 tag,
                 seq,
@@ -112,14 +136,48 @@ impl Receiver {
             Err(e) => {
                 // A descriptor refused is acknowledged all the same: its sender frees it.
                 self.acks.extend(descriptor_seq);
-                self.drop_frame(e);
+                self.drop_frame(message_seq, e);
             }
         }
     }
 
-    pub(super) fn drop_frame(&mut self, e: crate::Error) {
+    pub(super) fn drop_frame(&mut self, seq: Option<u32>, e: crate::Error) {
         self.dropped_frames += 1;
-        self.order.push_back(Place::Ready(Err(e)));
+        self.order.push_back(Place::Ready(seq, Err(e)));
+    }
+
+    /// Our application took the peer's message `seq` (or the error in its place): the count
+    /// our frames carry moves on, and a request of the peer's it reaches is to be answered.
+    pub(crate) fn mark_taken(&mut self, seq: u32) {
+        let next = seq.wrapping_add(1);
+        if (next.wrapping_sub(self.taken) as i32) > 0 {
+            self.taken = next;
+        }
+        self.check_ask();
+    }
+
+    fn check_ask(&mut self) {
+        if let Some(through) = self.ask {
+            if (through.wrapping_sub(self.taken) as i32) <= 0 {
+                self.ask = None;
+                self.answer_due = true;
+            }
+        }
+    }
+
+    /// The count of the peer's messages our application took (modulo 2^32).
+    pub(crate) fn taken(&self) -> u32 {
+        self.taken
+    }
+
+    /// Whether a request of the peer's is answered by now (once).
+    pub(crate) fn take_answer_due(&mut self) -> bool {
+        std::mem::take(&mut self.answer_due)
+    }
+
+    /// The latest count of our messages the peer took, as its last frame carried it.
+    pub(crate) fn take_peer_taken(&mut self) -> Option<u16> {
+        self.peer_taken.take()
     }
 
     pub(super) fn on_descriptor(&mut self, tag: u32, seq: u32, descriptor: Descriptor) {
@@ -127,12 +185,12 @@ impl Receiver {
         let max = self.decoder.max_message().min(self.pool.max());
         if len > max {
             self.acks.push(seq);
-            return self.drop_frame(crate::Error::TooLarge { len, max });
+            return self.drop_frame(Some(seq), crate::Error::TooLarge { len, max });
         }
         if self.waiting.len() >= MAX_WAITING_READS {
             self.acks.push(seq);
             let e = frame::FrameError::Rendezvous("too many messages waiting to be read");
-            return self.drop_frame(e.into());
+            return self.drop_frame(Some(seq), e.into());
         }
         self.order.push_back(Place::Reading(seq));
         self.waiting.push_back(WaitingRead {
@@ -246,7 +304,7 @@ impl Receiver {
             .iter_mut()
             .find(|s| matches!(s, Place::Reading(n) if *n == seq))
         {
-            *slot = Place::Ready(what);
+            *slot = Place::Ready(Some(seq), what);
         }
     }
 
@@ -271,11 +329,22 @@ impl Receiver {
         }
     }
 
-    /// The next message (or dropped frame's error) in order, if it is there.
+    /// The next message (or dropped frame's error) in order, if it is there, handed to the
+    /// application: counted as taken ([`Receiver::mark_taken`]).
     pub(crate) fn pop(&mut self) -> Option<Result<Envelope>> {
+        let (seq, r) = self.pop_numbered()?;
+        if let Some(seq) = seq {
+            self.mark_taken(seq);
+        }
+        Some(r)
+    }
+
+    /// [`Receiver::pop`] without counting it taken, with the message's number if known: for a
+    /// hub, which hands it to the application later.
+    pub(crate) fn pop_numbered(&mut self) -> Option<(Option<u32>, Result<Envelope>)> {
         match self.order.front()? {
-            Place::Ready(_) => match self.order.pop_front() {
-                Some(Place::Ready(r)) => Some(r),
+            Place::Ready(..) => match self.order.pop_front() {
+                Some(Place::Ready(seq, r)) => Some((seq, r)),
                 _ => None,
             },
             Place::Reading(_) => None,
@@ -284,7 +353,7 @@ impl Receiver {
 
     /// Whether [`Receiver::pop`] has something.
     pub(crate) fn has_ready(&self) -> bool {
-        matches!(self.order.front(), Some(Place::Ready(_)))
+        matches!(self.order.front(), Some(Place::Ready(..)))
     }
 
     /// Whether descriptors wait for room or a send slot (a step should try again).

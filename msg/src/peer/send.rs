@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use crate::bulk::Piece;
 use crate::codec::{self, NUDGE_TAG};
-use crate::frame::{self, FIRST, LAST};
+use crate::frame::{self, ASK, FIRST, HEADER_LEN, LAST};
 use crate::policy::SolicitPolicy;
 use crate::rendezvous::{self, Descriptor, Lent, Segment};
 use crate::{Message, Result, SessionConfig, SessionStats};
@@ -50,6 +50,10 @@ pub(crate) struct Sender {
     pub(super) rendezvous_threshold: Option<usize>,
     /// Messages the peer may be reading.
     pub(super) lent: Lent,
+    /// What the peer's application has taken of our messages, and copies of the rest.
+    pub(super) record: Record,
+    /// The count of the peer's messages our application took, for our frames to carry.
+    pub(super) taken_to_tell: u32,
 }
 
 impl Sender {
@@ -66,7 +70,85 @@ impl Sender {
             outgoing: VecDeque::new(),
             rendezvous_threshold: config.rendezvous_threshold,
             lent: Lent::new(config.max_rendezvous_bytes),
+            record: Record::new(config.keep_unconfirmed, config.max_message),
+            taken_to_tell: 0,
         }
+    }
+
+    /// What the peer's application has taken of our messages (with what the peer's latest
+    /// grant said, `note`, if it says more).
+    pub(crate) fn delivery(&self, note: Option<u32>) -> Delivery {
+        let d = self.record.delivery();
+        note.map_or(d, |n| d.learned(n as u16))
+    }
+
+    /// The peer's count of our messages taken, as its latest credit grant carried it.
+    pub(crate) fn learn_note(&mut self, note: Option<u32>) {
+        if let Some(n) = note {
+            self.record.learn(n as u16);
+        }
+    }
+
+    /// Whether copies of unconfirmed messages are kept.
+    pub(crate) fn keeps_copies(&self) -> bool {
+        self.record.keeps()
+    }
+
+    /// The copies of the messages the peer's application has not taken, in order.
+    pub(crate) fn take_unconfirmed(&mut self) -> Vec<crate::Envelope> {
+        self.record.take_unconfirmed()
+    }
+
+    /// The peer's count of our messages taken, as one of its frames carried it.
+    pub(crate) fn learn_taken(&mut self, taken: u16) {
+        self.record.learn(taken);
+    }
+
+    /// Our count of the peer's messages taken, for the frames we send from now on.
+    pub(crate) fn tell_taken(&mut self, taken: u32) {
+        self.taken_to_tell = taken;
+    }
+
+    /// Answers a request for our record: a payload-less frame, solicited (the peer may be
+    /// asleep waiting for it), carrying the count like every frame.
+    pub(crate) fn queue_answer(&mut self) {
+        let f = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
+        self.outgoing.push_back((f, true));
+    }
+
+    /// Asks the peer to say once its application took everything sent before `through`.
+    fn queue_ask(&mut self, through: u32) {
+        let f = frame::build(FIRST | LAST | ASK, 0, through, 0, &[]);
+        self.outgoing.push_back((f, true));
+    }
+
+    /// Asks the peer about everything sent so far (a close that waits for the record).
+    pub(crate) fn ask_all(&mut self) {
+        if let Some(through) = self.record.ask_all() {
+            self.queue_ask(through);
+        }
+    }
+
+    /// Waits, taking in what arrives, until the window of unconfirmed messages has room
+    /// ([`crate::frame::ASK`] asked for it), or `deadline` passes
+    /// ([`rdmsg_transport::Error::Timeout`] of `timeout`).
+    fn wait_for_record(
+        &mut self,
+        link: &mut impl Link,
+        deadline: Option<Instant>,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        while !self.record.has_room() {
+            if let Some(through) = self.record.ask_due() {
+                self.queue_ask(through);
+            }
+            self.send_committed(link)?;
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) || !self.wait_and_take_acks(link, left)? {
+                return Err(rdmsg_transport::Error::Timeout(timeout.unwrap_or_default()).into());
+            }
+        }
+        Ok(())
     }
 
     /// A message too large for one frame, encoded once into pieces ([`Bulk`](crate::Bulk)
@@ -105,17 +187,29 @@ impl Sender {
     }
 
     /// Waits, taking in what arrives ([`Link::absorb`]), until the peer is done reading our
-    /// messages or `deadline` passes: closing under a read would fail it. Returns how many it
-    /// had not read by then.
+    /// messages (and with `record`, until its application took them all) or `deadline`
+    /// passes: closing under a read would fail it. Returns how many it had not read by then.
     pub(crate) fn wait_until_returned(
         &mut self,
         link: &mut impl Link,
         deadline: Instant,
+        record: bool,
     ) -> Result<usize> {
-        while self.lent() > 0 {
+        if record {
+            self.ask_all();
+            self.send_committed(link)?;
+        }
+        while self.lent() > 0 || (record && self.record.delivery().unconfirmed() > 0) {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !self.wait_and_take_acks(link, Some(left))? {
+            if left.is_zero() {
                 break;
+            }
+            match self.wait_and_take_acks(link, Some(left)) {
+                Ok(true) => {}
+                Ok(false) => break,
+                // Waiting for the record only: a connection that ended has told all it will.
+                Err(_) if self.lent() == 0 => break,
+                Err(e) => return Err(e),
             }
         }
         Ok(self.lent())
@@ -131,6 +225,13 @@ impl Sender {
         let Some(got) = link.absorb(timeout)? else {
             return Ok(false);
         };
+        for t in got.peer_taken.into_iter().chain(got.note.map(|n| n as u16)) {
+            self.record.learn(t);
+        }
+        self.taken_to_tell = got.taken;
+        if got.answer {
+            self.queue_answer();
+        }
         self.acknowledged(&got.acked);
         let frame_max = link.max_message()?;
         self.queue_acks(&got.acks, frame_max);
@@ -177,6 +278,7 @@ impl Sender {
         requested: bool,
         timeout: Option<Duration>,
     ) -> Result<bool> {
+        let copy = self.record.keeps().then(|| concat(pieces.clone()));
         let frame_max = link.max_message()?;
         if pieces.len() > rendezvous::MAX_PIECES {
             // Too many payloads to name one by one: copy them into one piece.
@@ -214,8 +316,10 @@ impl Sender {
             segments,
         };
         let mut len = 0;
+        let taken = self.taken_to_tell;
         let sent = link.send_with(true, timeout, |buf| {
             len = descriptor.write_frame(tag, seq, buf)?;
+            frame::stamp_taken(&mut buf[..len], taken);
             Some(len)
         })?;
         if !sent {
@@ -223,7 +327,8 @@ impl Sender {
         }
         self.lent.lend(seq, exposed, total);
         self.stats.rendezvous_sent += 1;
-        self.finish(true, requested, len, 1);
+        self.finish(true, requested, len, 1, tag, copy);
+        self.send_committed(link)?;
         Ok(true)
     }
 
@@ -258,23 +363,30 @@ impl Sender {
             let waited = first_timeout.unwrap_or_default();
             return Err(rdmsg_transport::Error::Timeout(waited).into());
         }
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
+        self.wait_for_record(link, deadline, first_timeout)?;
         let seq = self.seq;
         let want = self.policy.decide(solicited);
         let mut outcome: Result<Option<usize>> = Ok(None);
+        let (keep, taken) = (self.record.keeps(), self.taken_to_tell);
+        let mut copy = None;
         let sent = link.send_with(want, first_timeout, |buf| {
             outcome = codec::encode_single(m, seq, buf);
-            outcome.as_ref().ok().copied().flatten()
+            let n = outcome.as_ref().ok().copied().flatten()?;
+            frame::stamp_taken(&mut buf[..n], taken);
+            copy = keep.then(|| buf[HEADER_LEN..n].to_vec());
+            Some(n)
         })?;
         let single = outcome?;
         if sent {
-            self.finish(want, solicited, single.unwrap_or(0), 1);
+            self.finish(want, solicited, single.unwrap_or(0), 1, M::TAG, copy);
+            self.send_committed(link)?;
             return Ok(());
         }
         let (pieces, total) = self.encode_large(m)?;
         let frame_max = link.max_message()?;
         if self.by_rendezvous(total) && Self::descriptor_fits(pieces.len(), frame_max) {
-            // A timeout too long to add to the clock is no deadline at all.
-            let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
             let timed_out = || rdmsg_transport::Error::Timeout(first_timeout.unwrap_or_default());
             self.stats.rendezvous_waits += u64::from(!self.lent.has_room(total));
             while !self.lent.has_room(total) {
@@ -296,17 +408,21 @@ impl Sender {
                 false => Err(timed_out().into()),
             };
         }
-        let frames = codec::fragment(&concat(pieces), M::TAG, seq, frame_max, self.max_message)?;
+        let body = concat(pieces);
+        let mut frames = codec::fragment(&body, M::TAG, seq, frame_max, self.max_message)?;
+        let copy = keep.then_some(body);
         let count = frames.len();
         let mut bytes = 0;
-        for (i, f) in frames.iter().enumerate() {
+        for (i, f) in frames.iter_mut().enumerate() {
             let last = i + 1 == count;
+            frame::stamp_taken(f, self.taken_to_tell);
             // Without a timeout a frame always goes (or the link failed).
             link.send(f, last && want, None)?;
             bytes += f.len();
         }
         self.stats.fragmented += 1;
-        self.finish(want, solicited, bytes, count as u64);
+        self.finish(want, solicited, bytes, count as u64, M::TAG, copy);
+        self.send_committed(link)?;
         Ok(())
     }
 
@@ -324,14 +440,27 @@ impl Sender {
         if !self.send_committed(link)? {
             return Ok(false);
         }
+        if !self.record.has_room() {
+            // The peer is asked for its record (once): its answer, solicited, wakes us.
+            if let Some(through) = self.record.ask_due() {
+                self.queue_ask(through);
+            }
+            self.send_committed(link)?;
+            return Ok(false);
+        }
         let seq = self.seq;
         let want = self.policy.decide(solicited);
         let mut outcome: Result<Option<usize>> = Ok(None);
         let mut asked = false;
+        let (keep, taken) = (self.record.keeps(), self.taken_to_tell);
+        let mut copy = None;
         let sent = match link.send_with(want, Some(Duration::ZERO), |buf| {
             asked = true;
             outcome = codec::encode_single(m, seq, buf);
-            outcome.as_ref().ok().copied().flatten()
+            let n = outcome.as_ref().ok().copied().flatten()?;
+            frame::stamp_taken(&mut buf[..n], taken);
+            copy = keep.then(|| buf[HEADER_LEN..n].to_vec());
+            Some(n)
         }) {
             Ok(sent) => sent,
             Err(rdmsg_transport::Error::Timeout(_)) => return Ok(false),
@@ -339,7 +468,8 @@ impl Sender {
         };
         let single = outcome?;
         if sent {
-            self.finish(want, solicited, single.unwrap_or(0), 1);
+            self.finish(want, solicited, single.unwrap_or(0), 1, M::TAG, copy);
+            self.send_committed(link)?;
             return Ok(true);
         }
         if !asked {
@@ -357,10 +487,13 @@ impl Sender {
                 other => other,
             };
         }
-        let frames = codec::fragment(&concat(pieces), M::TAG, seq, frame_max, self.max_message)?;
+        let body = concat(pieces);
+        let frames = codec::fragment(&body, M::TAG, seq, frame_max, self.max_message)?;
+        let copy = keep.then_some(body);
         let count = frames.len();
         let mut frames = frames.into_iter().enumerate();
-        let (_, first) = frames.next().expect("a message has a first frame");
+        let (_, mut first) = frames.next().expect("a message has a first frame");
+        frame::stamp_taken(&mut first, taken);
         if !link.send(&first, count == 1 && want, Some(Duration::ZERO))? {
             // The credit seen a moment ago is still there (only we spend it): a send slot.
             return Ok(false);
@@ -370,7 +503,7 @@ impl Sender {
         let bytes = bytes + rest.iter().map(|(f, _)| f.len()).sum::<usize>();
         self.outgoing.extend(rest);
         self.stats.fragmented += 1;
-        self.finish(want, solicited, bytes, count as u64);
+        self.finish(want, solicited, bytes, count as u64, M::TAG, copy);
         self.send_committed(link)?;
         Ok(true)
     }
@@ -406,7 +539,20 @@ impl Sender {
         self.policy.max_delay().is_some()
     }
 
-    pub(super) fn finish(&mut self, solicited: bool, requested: bool, bytes: usize, frames: u64) {
+    /// A message of type `tag` went (`copy`: its encoded body, if the record keeps copies).
+    pub(super) fn finish(
+        &mut self,
+        solicited: bool,
+        requested: bool,
+        bytes: usize,
+        frames: u64,
+        tag: u32,
+        copy: Option<Vec<u8>>,
+    ) {
+        self.record.sent(tag, copy);
+        if let Some(through) = self.record.ask_due() {
+            self.queue_ask(through);
+        }
         self.seq = self.seq.wrapping_add(1);
         self.policy.record(solicited, bytes);
         self.stats.sent += 1;
@@ -451,7 +597,8 @@ impl Sender {
         if !self.policy.pending() {
             return Ok(true);
         }
-        let nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
+        let mut nudge = frame::build(FIRST | LAST, NUDGE_TAG, self.seq, 0, &[]);
+        frame::stamp_taken(&mut nudge, self.taken_to_tell);
         if !link.send(&nudge, true, timeout)? {
             return Ok(false);
         }
@@ -465,7 +612,9 @@ impl Sender {
         link: &mut impl Link,
         timeout: Option<Duration>,
     ) -> Result<bool> {
-        while let Some((f, solicited)) = self.outgoing.front() {
+        let taken = self.taken_to_tell;
+        while let Some((f, solicited)) = self.outgoing.front_mut() {
+            frame::stamp_taken(f, taken);
             if !link.send(f, *solicited, timeout)? {
                 return Ok(false);
             }

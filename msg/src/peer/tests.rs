@@ -437,3 +437,98 @@ fn a_dropped_frame_is_counted_and_the_next_one_decodes() {
     let st = stats(&tx, &rx);
     assert_eq!((st.received, st.dropped_frames), (1, 2));
 }
+
+/// Frames a receiver takes in, as a connection hands them over.
+fn arrive_all(wire: &mut Wire, rx: &mut Receiver) {
+    for (f, _) in wire.frames.drain(..) {
+        rx.arrive(FrameBytes::Owned(f));
+    }
+}
+
+#[test]
+fn the_record_says_what_the_peer_took_and_hands_back_the_rest_in_order() {
+    let keep = SessionConfig {
+        keep_unconfirmed: Some(1 << 20),
+        ..config(100)
+    };
+    let (mut a_tx, mut a_rx) = (Sender::new(&keep, 64), receiver());
+    let (mut b_tx, mut b_rx) = (Sender::new(&config(100), 64), receiver());
+    let (mut ab, mut ba) = (Wire::new(256), Wire::new(256));
+    // Small ones whole, a large one in fragments.
+    let sent: Vec<Blob> = (0..10u8)
+        .map(|i| Blob(vec![i; 30 + 100 * usize::from(i == 7)]))
+        .collect();
+    for m in &sent {
+        a_tx.send_as(&mut ab, m, false).unwrap();
+    }
+    arrive_all(&mut ab, &mut b_rx);
+    for _ in 0..6 {
+        b_rx.pop().unwrap().unwrap();
+    }
+    // B's next frame, whatever it is, carries its count.
+    took(&mut b_tx, &mut b_rx);
+    b_tx.send_as(&mut ba, &Other(1), false).unwrap();
+    arrive_all(&mut ba, &mut a_rx);
+    exchange_acks(&mut a_tx, &mut a_rx, 256);
+    assert_eq!(a_tx.delivery(None), Delivery { sent: 10, taken: 6 });
+    let back = a_tx.take_unconfirmed();
+    let seqs: Vec<u32> = back.iter().map(Envelope::seq).collect();
+    assert_eq!(seqs, [6, 7, 8, 9], "the untaken ones, in order");
+    for env in &back {
+        assert_eq!(env.decode::<Blob>().unwrap(), sent[env.seq() as usize]);
+    }
+    // A count behind one already seen (an older frame) changes nothing.
+    a_tx.learn_taken(2);
+    assert_eq!(a_tx.delivery(None).taken, 6);
+}
+
+#[test]
+fn a_sender_out_of_room_asks_once_and_the_answer_comes_when_the_peer_took_that_far() {
+    let (mut a_tx, mut a_rx) = (Sender::new(&config(100), 64), receiver());
+    let (mut b_tx, mut b_rx) = (Sender::new(&config(100), 64), receiver());
+    let (mut ab, mut ba) = (Wire::new(256), Wire::new(256));
+    let window = MAX_UNCONFIRMED as usize;
+    for _ in 0..window {
+        assert!(a_tx.try_send_as(&mut ab, &Other(0), false).unwrap());
+    }
+    assert!(
+        !a_tx.try_send_as(&mut ab, &Other(0), false).unwrap(),
+        "out of room"
+    );
+    assert!(
+        a_tx.send_as(&mut ab, &Other(0), false).is_err(),
+        "a send that cannot wait for the record times out"
+    );
+    let asks: Vec<u32> = ab
+        .frames
+        .iter()
+        .filter_map(|(f, solicited)| {
+            let (h, _) = crate::frame::parse(f).unwrap();
+            (h.flags & crate::frame::ASK != 0).then(|| {
+                assert!(*solicited, "a request wakes the peer");
+                h.seq
+            })
+        })
+        .collect();
+    assert_eq!(asks, [window as u32 / 2], "asked once, at half the window");
+    arrive_all(&mut ab, &mut b_rx);
+    for _ in 0..window / 2 - 1 {
+        b_rx.pop().unwrap().unwrap();
+    }
+    assert!(!took(&mut b_tx, &mut b_rx), "not that far yet");
+    b_rx.pop().unwrap().unwrap();
+    assert!(took(&mut b_tx, &mut b_rx), "answered");
+    assert!(b_tx.send_committed(&mut ba).unwrap());
+    assert!(ba.frames.iter().all(|(_, solicited)| *solicited));
+    arrive_all(&mut ba, &mut a_rx);
+    exchange_acks(&mut a_tx, &mut a_rx, 256);
+    assert_eq!(a_tx.delivery(None).taken, window as u64 / 2);
+    assert!(
+        a_tx.try_send_as(&mut ab, &Other(0), false).unwrap(),
+        "room again"
+    );
+}
+
+fn receiver() -> Receiver {
+    Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20))
+}

@@ -218,6 +218,19 @@ impl Connection {
         self.core.failure()
     }
 
+    /// A word for the layer above that every credit grant of ours carries from now on (4
+    /// bytes inline; nothing with `max_inline` below 4): news for the peer that costs no
+    /// message of its own, since a receiver sends grants anyway. rdmsg's typed layer puts its
+    /// delivery record there.
+    pub fn set_note(&mut self, note: u32) {
+        self.core.set_note(note);
+    }
+
+    /// The word the peer's latest grant carried ([`Connection::set_note`]), if one came.
+    pub fn peer_note(&self) -> Option<u32> {
+        self.core.peer_note()
+    }
+
     /// Sends `data`, solicited (waking a receiver armed solicited-only) or not. Blocks while
     /// there is no credit or no send slot.
     pub fn send(&mut self, data: &[u8], solicited: bool) -> Result<()> {

@@ -16,7 +16,7 @@ use crate::error::{errno_of, Error, Failure, Result};
 use crate::events::{self, Mailbox};
 use crate::handshake::GOODBYE;
 use crate::read;
-use crate::send::Payload;
+use crate::send;
 use crate::stream::read_after_handshake;
 
 impl Connection {
@@ -254,7 +254,13 @@ impl Connection {
                 let len = wc.byte_len() as usize;
                 self.ready.push_back(self.pool.lend(buf, len));
             }
-            RecvAction::Grant | RecvAction::Recycle => self.pool.put_back(buf),
+            RecvAction::Grant => {
+                if let Some(note) = send::note_of(buf.as_slice(), wc.byte_len()) {
+                    self.core.note_received(note);
+                }
+                self.pool.put_back(buf);
+            }
+            RecvAction::Recycle => self.pool.put_back(buf),
         }
     }
 
@@ -280,7 +286,8 @@ impl Connection {
             self.core.reposted(n as u32);
         }
         if let Some(grant) = self.core.grant(self.room()) {
-            self.post(Payload::Empty, grant)?;
+            let note = self.send.note(self.core.note());
+            self.post(note, grant)?;
         }
         let mode = self.core.send_arm();
         if self.waiter.mode(self.send_key)? != mode {

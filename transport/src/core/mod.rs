@@ -208,6 +208,10 @@ pub(crate) struct Core {
     /// A send found no credit or send slot and none has gone since: the driver waits for any
     /// completion (see [`Core::wants_any_completion`]).
     send_blocked: bool,
+    /// The upper layer's word our grants carry ([`Core::set_note`]).
+    note: u32,
+    /// The word the peer's latest grant carried.
+    peer_note: Option<u32>,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -255,7 +259,31 @@ impl Core {
             close_timeout,
             sends_since_poll: 0,
             send_blocked: false,
+            note: 0,
+            peer_note: None,
         }
+    }
+
+    /// The word every grant of ours carries from now on, for the layer above (rdmsg's typed
+    /// layer: how many of the peer's messages its application took): news that rides the
+    /// grants a receiver sends anyway, costing no message of its own.
+    pub(crate) fn set_note(&mut self, note: u32) {
+        self.note = note;
+    }
+
+    /// What our grants carry.
+    pub(crate) fn note(&self) -> u32 {
+        self.note
+    }
+
+    /// A grant of the peer's carried `note`.
+    pub(crate) fn note_received(&mut self, note: u32) {
+        self.peer_note = Some(note);
+    }
+
+    /// The word the peer's latest grant carried.
+    pub(crate) fn peer_note(&self) -> Option<u32> {
+        self.peer_note
     }
 
     /// A connection whose handshake runs, with placeholder books until the peer is known
@@ -295,7 +323,9 @@ impl Core {
         self.phase != Phase::Handshaking
     }
 
-    /// Whether the close deadline passed before our close message completed.
+    /// Whether the close deadline passed before our close message completed (what
+    /// [`Failure::CloseTimedOut`] says; the tests check the two agree).
+    #[cfg(test)]
     pub(crate) fn close_timed_out(&self) -> bool {
         matches!(
             self.phase,
@@ -408,7 +438,7 @@ impl Core {
     /// failure when something else ended the connection first. `None` while it is under way.
     pub(crate) fn close_result(&self, timeout: Duration) -> Option<Result<(), Error>> {
         Some(match self.failure? {
-            Failure::Closed if self.close_timed_out() => Err(Error::Timeout(timeout)),
+            Failure::CloseTimedOut => Err(Error::Timeout(timeout)),
             Failure::Closed => Ok(()),
             f => Err(f.into()),
         })
@@ -552,7 +582,7 @@ impl Core {
         for t in self.timers.expired(now) {
             match (t, self.phase) {
                 (Timer::Close, Phase::Closing { .. }) => {
-                    self.handle_failure(Failure::Closed);
+                    self.handle_failure(Failure::CloseTimedOut);
                     self.phase = Phase::Failed {
                         close_timed_out: true,
                         drained: false,

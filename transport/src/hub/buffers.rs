@@ -147,7 +147,8 @@ impl RawHub {
                 continue;
             }
             if let Some(grant) = self.slot_mut(slot).core.grant(room) {
-                let _ = self.post(slot, Payload::Empty, grant);
+                let note = self.send.note(self.slot(slot).core.note());
+                let _ = self.post(slot, note, grant);
             }
         }
         for slot in keep {

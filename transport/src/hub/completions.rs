@@ -13,6 +13,7 @@ use crate::core::{Action, Completion, RecvAction};
 use crate::error::Error;
 use crate::handshake::GOODBYE;
 use crate::read;
+use crate::send;
 use crate::share::Receipt;
 
 impl RawHub {
@@ -78,7 +79,14 @@ impl RawHub {
                     s.early.push(msg);
                 }
             }
-            RecvAction::Grant | RecvAction::Recycle => self.pool.put_back(buf),
+            RecvAction::Grant => {
+                if let Some(note) = send::note_of(buf.as_slice(), wc.byte_len()) {
+                    let s = self.slots[slot].as_mut().expect("a mapped slot");
+                    s.core.note_received(note);
+                }
+                self.pool.put_back(buf);
+            }
+            RecvAction::Recycle => self.pool.put_back(buf),
         }
         self.touch(slot);
         self.do_actions(slot);

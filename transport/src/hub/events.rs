@@ -59,7 +59,8 @@ pub enum RawHubEvent {
         /// The connection.
         peer: PeerId,
         /// Why ([`Failure::PeerClosed`] after a graceful close by the peer,
-        /// [`Failure::Closed`] after [`RawHub::close`](super::RawHub::close)).
+        /// [`Failure::Closed`] after [`RawHub::close`](super::RawHub::close), or
+        /// [`Failure::CloseTimedOut`] when the peer did not take our close in time).
         failure: Failure,
     },
     /// An RDMA read this hub posted for `peer` ([`RawHub::post_read`](super::RawHub::post_read)) finished (or was flushed

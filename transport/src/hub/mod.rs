@@ -548,6 +548,7 @@ impl RawHub {
                     RawHubEvent::Disconnected { peer: p, failure } if *p == peer => Some(*failure),
                     _ => None,
                 }) {
+                    Some(Failure::CloseTimedOut) => Err(Error::Timeout(timeout)),
                     Some(f) if f != Failure::Closed => Err(f.into()),
                     _ => Ok(()),
                 };
@@ -566,7 +567,7 @@ impl RawHub {
     /// more may be sent to it. Once the message is delivered the hub says goodbye on the
     /// bootstrap stream and reports [`RawHubEvent::Disconnected`] with [`Failure::Closed`]; the
     /// peer receives everything, then [`Failure::PeerClosed`]. If it is not delivered within
-    /// `close_timeout`, the connection is failed with [`Failure::Closed`] all the same. Keep
+    /// `close_timeout`, the connection is failed with [`Failure::CloseTimedOut`]. Keep
     /// driving the hub until then: dropping it first fails the peer as vanished.
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
         let slot = self.live_slot(peer)?;
@@ -594,6 +595,19 @@ impl RawHub {
     /// Data messages `peer` may be sent right now without waiting.
     pub fn credits(&self, peer: PeerId) -> Result<u32> {
         Ok(self.slot(self.find(peer)?).core.credits().available())
+    }
+
+    /// The word every grant to `peer` carries from now on (see [`Connection::set_note`]).
+    pub fn set_note(&mut self, peer: PeerId, note: u32) -> Result<()> {
+        let slot = self.find(peer)?;
+        self.slot_mut(slot).core.set_note(note);
+        Ok(())
+    }
+
+    /// The word `peer`'s latest grant carried, if one came (see [`Connection::set_note`]).
+    pub fn peer_note(&self, peer: PeerId) -> Option<u32> {
+        let slot = self.find(peer).ok()?;
+        self.slot(slot).core.peer_note()
     }
 
     /// Why `peer` failed, if it did (until its [`RawHubEvent::Disconnected`] is taken).

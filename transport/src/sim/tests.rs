@@ -137,7 +137,7 @@ fn a_close_that_is_not_taken_in_time_times_out() {
     // Nothing is delivered; the close deadline passes.
     net.advance(CLOSE + Duration::from_millis(1));
     net.turn(a);
-    assert_eq!(net.conns[a].core.failure(), Some(Failure::Closed));
+    assert_eq!(net.conns[a].core.failure(), Some(Failure::CloseTimedOut));
     assert!(net.conns[a].core.close_timed_out());
 }
 

@@ -1,0 +1,222 @@
+//! The delivery record of one peer's sending side: how many of our messages its application
+//! has taken, learnt from the count every frame of the peer's carries
+//! ([`crate::frame::stamp_taken`]), and copies of the rest when asked to keep them.
+
+use std::collections::VecDeque;
+
+use crate::codec::Envelope;
+
+/// Most messages a sender leaves unconfirmed: beyond it a send waits for the peer's record.
+/// Below 2^15, so that the 16 bits a frame carries name the peer's count without doubt.
+pub(crate) const MAX_UNCONFIRMED: u64 = 1 << 14;
+
+/// What the peer's application has taken of the messages sent to it: messages are numbered
+/// from 0 in the order they were sent, and `0..taken` were taken (as messages, or as the
+/// error that stood in their place at the peer: a read that failed, a frame it dropped).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Delivery {
+    /// Messages sent (the number the next one will get).
+    pub sent: u64,
+    /// Messages the peer's application has taken: those numbered below this.
+    pub taken: u64,
+}
+
+impl Delivery {
+    /// Messages sent that the peer's application has not been seen to take.
+    pub fn unconfirmed(&self) -> u64 {
+        self.sent - self.taken
+    }
+
+    /// This record once the peer's count `taken` (modulo 2^16, as its frames and grants carry
+    /// it) is known. A count that would be behind ours (written before one we already saw) or
+    /// beyond what was sent (a lying peer) changes nothing.
+    pub(crate) fn learned(self, taken: u16) -> Self {
+        let ahead = u64::from(taken.wrapping_sub(self.taken as u16));
+        if ahead > self.unconfirmed() {
+            return self;
+        }
+        Self {
+            taken: self.taken + ahead,
+            ..self
+        }
+    }
+}
+
+/// The books behind [`Delivery`], and the copies kept.
+#[derive(Debug)]
+pub(crate) struct Record {
+    delivery: Delivery,
+    /// The `sent` our last request for the record asked about, until the peer's count reaches
+    /// it.
+    asked: Option<u64>,
+    kept: Option<Kept>,
+    max_message: usize,
+}
+
+/// Copies of the messages not confirmed yet, oldest first, their bytes bounded.
+#[derive(Debug)]
+struct Kept {
+    copies: VecDeque<(u64, u32, Vec<u8>)>,
+    bytes: usize,
+    max_bytes: usize,
+}
+
+impl Record {
+    /// A record keeping copies of up to `keep` bytes of unconfirmed messages (`None`: no
+    /// copies); `max_message` bounds what a returned copy decodes to.
+    pub(crate) fn new(keep: Option<usize>, max_message: usize) -> Self {
+        Self {
+            delivery: Delivery::default(),
+            asked: None,
+            kept: keep.map(|max_bytes| Kept {
+                copies: VecDeque::new(),
+                bytes: 0,
+                max_bytes,
+            }),
+            max_message,
+        }
+    }
+
+    pub(crate) fn delivery(&self) -> Delivery {
+        self.delivery
+    }
+
+    /// Whether copies of sent messages are kept (the caller then hands one to
+    /// [`Record::sent`]).
+    pub(crate) fn keeps(&self) -> bool {
+        self.kept.is_some()
+    }
+
+    /// A message went: message `delivery.sent`, of type `tag`, its encoded body `copy`.
+    pub(crate) fn sent(&mut self, tag: u32, copy: Option<Vec<u8>>) {
+        if let (Some(k), Some(body)) = (&mut self.kept, copy) {
+            k.bytes += body.len();
+            k.copies.push_back((self.delivery.sent, tag, body));
+        }
+        self.delivery.sent += 1;
+    }
+
+    /// The peer's count, as a frame or grant of its carried it (see [`Delivery::learned`]).
+    pub(crate) fn learn(&mut self, taken: u16) {
+        let before = self.delivery.taken;
+        self.delivery = self.delivery.learned(taken);
+        let d = &self.delivery;
+        if d.taken == before {
+            return;
+        }
+        if let Some(k) = &mut self.kept {
+            while k.copies.front().is_some_and(|(seq, _, _)| *seq < d.taken) {
+                let (_, _, body) = k.copies.pop_front().expect("checked");
+                k.bytes -= body.len();
+            }
+        }
+        if self.asked.is_some_and(|a| d.taken >= a) {
+            self.asked = None;
+        }
+    }
+
+    /// Whether another message may go: fewer than [`MAX_UNCONFIRMED`] unconfirmed, and the
+    /// copies within their bound (one message may pass it, so that any message can go).
+    pub(crate) fn has_room(&self) -> bool {
+        self.delivery.unconfirmed() < MAX_UNCONFIRMED
+            && self
+                .kept
+                .as_ref()
+                .map_or(true, |k| k.copies.is_empty() || k.bytes < k.max_bytes)
+    }
+
+    /// The number to ask the peer about ([`crate::frame::ASK`]), once half the room is used
+    /// and no request is outstanding: the peer answers once its application took everything
+    /// sent so far, long before a sender streaming at full speed runs out of room.
+    pub(crate) fn ask_due(&mut self) -> Option<u32> {
+        let half_used = self.delivery.unconfirmed() >= MAX_UNCONFIRMED / 2
+            || self
+                .kept
+                .as_ref()
+                .is_some_and(|k| k.bytes >= k.max_bytes / 2);
+        (half_used && self.asked.is_none()).then(|| self.ask_now())
+    }
+
+    /// Asks about everything sent so far (a close waiting for the record), unless that is
+    /// asked already or nothing is unconfirmed.
+    pub(crate) fn ask_all(&mut self) -> Option<u32> {
+        let d = self.delivery;
+        (d.unconfirmed() > 0 && self.asked != Some(d.sent)).then(|| self.ask_now())
+    }
+
+    fn ask_now(&mut self) -> u32 {
+        self.asked = Some(self.delivery.sent);
+        self.delivery.sent as u32
+    }
+
+    /// The copies of the messages not confirmed, in order (none if none are kept), given up by
+    /// the record.
+    pub(crate) fn take_unconfirmed(&mut self) -> Vec<Envelope> {
+        let Some(k) = &mut self.kept else {
+            return Vec::new();
+        };
+        k.bytes = 0;
+        let max = self.max_message;
+        std::mem::take(&mut k.copies)
+            .into_iter()
+            .map(|(seq, tag, body)| Envelope::returned(tag, seq as u32, body, max))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_count_follows_the_peer_through_wrapping_and_ignores_stale_or_false_counts() {
+        let mut r = Record::new(Some(1 << 20), 1 << 20);
+        for i in 0..70_500u64 {
+            r.sent(7, Some(vec![i as u8; 3]));
+            if i % 1000 == 999 {
+                r.learn((i + 1) as u16);
+            }
+        }
+        assert_eq!(r.delivery().taken, 70_000);
+        let before = r.delivery();
+        r.learn(5); // stale: written long before
+        r.learn((before.taken + 1) as u16 ^ 0x8000); // beyond what was sent
+        assert_eq!(r.delivery(), before);
+        let back = r.take_unconfirmed();
+        assert_eq!(back.len(), 500);
+        assert_eq!(back[0].seq(), 70_000);
+        assert_eq!(back[0].tag(), 7);
+        assert_eq!(back[0].body(), &[70_000u64 as u8; 3]);
+    }
+
+    #[test]
+    fn room_runs_out_at_the_window_or_the_copies_bound_and_asks_at_half() {
+        let mut r = Record::new(None, 64);
+        let mut asked = None;
+        for _ in 0..MAX_UNCONFIRMED {
+            assert!(r.has_room());
+            r.sent(1, None);
+            if let Some(a) = r.ask_due() {
+                assert!(asked.is_none(), "one request at a time");
+                asked = Some(a);
+            }
+        }
+        assert_eq!(asked, Some((MAX_UNCONFIRMED / 2) as u32));
+        assert!(!r.has_room());
+        r.learn((MAX_UNCONFIRMED / 2) as u16);
+        assert!(r.has_room());
+        assert!(r.ask_due().is_some(), "still half used: asks again");
+
+        let mut k = Record::new(Some(100), 64);
+        k.sent(1, Some(vec![0; 60]));
+        assert!(k.has_room());
+        assert_eq!(k.ask_due(), Some(1));
+        k.sent(1, Some(vec![0; 60]));
+        assert!(!k.has_room(), "copies past their bound");
+        assert_eq!(k.ask_all(), Some(2));
+        assert_eq!(k.ask_all(), None, "asked already");
+        k.learn(2);
+        assert!(k.has_room());
+        assert!(k.take_unconfirmed().is_empty());
+    }
+}
