@@ -50,7 +50,17 @@ fn pattern(id: u32, len: usize) -> Vec<u8> {
 }
 
 fn pair(server: SessionConfig, client: SessionConfig) -> (Session, Session) {
-    let (a, b) = loopback_pair(&Config::default(), &Config::default()).expect("device");
+    pair_reading(u32::MAX, server, client)
+}
+
+/// [`pair`], each side reading messages of at most `max_read` bytes (and registering at most
+/// that much for them).
+fn pair_reading(max_read: u32, server: SessionConfig, client: SessionConfig) -> (Session, Session) {
+    let conn = Config {
+        max_read_bytes: max_read.min(Config::default().max_read_bytes),
+        ..Config::default()
+    };
+    let (a, b) = loopback_pair(&conn, &conn).expect("device");
     (
         Session::with_config(a, server),
         Session::with_config(b, client),
@@ -191,7 +201,7 @@ fn a_slow_reader_makes_the_sender_wait_within_the_bound() {
         max_rendezvous_bytes: 1 << 20,
         ..SessionConfig::default()
     };
-    let (mut a, mut b) = pair(bounded.clone(), bounded);
+    let (mut a, mut b) = pair_reading(1 << 20, bounded.clone(), bounded);
     const N: u32 = 30;
     const LEN: usize = 300_000;
     let sender = std::thread::spawn(move || {
@@ -238,7 +248,7 @@ fn large_messages_both_ways_at_once_through_split_halves() {
         max_rendezvous_bytes: 1 << 20,
         ..SessionConfig::default()
     };
-    let (a, b) = pair(bounded.clone(), bounded);
+    let (a, b) = pair_reading(1 << 20, bounded.clone(), bounded);
     const N: u32 = 30;
     const LEN: usize = 300_000;
     let side = |s: Session| {
@@ -926,5 +936,43 @@ fn a_hub_hands_back_what_a_vanished_peer_did_not_take() {
     assert_eq!(ids, (TAKEN..SENT).collect::<Vec<_>>());
     for env in &back {
         assert_eq!(env.decode::<Plain>().unwrap(), varied(env.seq()));
+    }
+}
+
+/// What a receiver reads is negotiated: one that reads at most 100,000 bytes gets a larger
+/// message in fragments (it used to refuse the descriptor, after the sender was told the
+/// message went), and smaller large ones by rendezvous.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_message_larger_than_the_peer_reads_goes_in_fragments() {
+    let (a, b) = loopback_pair(
+        &Config {
+            max_read_bytes: 100_000,
+            ..Config::default()
+        },
+        &Config::default(),
+    )
+    .expect("device");
+    let (mut small_reader, mut sender) = (Session::new(a), Session::new(b));
+    assert_eq!(sender.connection().peer().max_read, 100_000);
+    let (big, fits) = (varied_of(1, 500_000), varied_of(2, 50_000));
+    let reader = std::thread::spawn(move || {
+        assert_eq!(recv(&mut small_reader).decode::<Plain>().unwrap(), big);
+        assert_eq!(recv(&mut small_reader).decode::<Plain>().unwrap(), fits);
+        small_reader
+    });
+    sender.send(&varied_of(1, 500_000)).expect("sent");
+    sender.send(&varied_of(2, 50_000)).expect("sent");
+    let small_reader = reader.join().unwrap();
+    let s = sender.stats();
+    assert_eq!((s.fragmented, s.rendezvous_sent), (1, 1), "{s:?}");
+    assert_eq!(small_reader.stats().dropped_frames, 0);
+    assert!(small_reader.stats().rendezvous_registered <= 100_000);
+}
+
+fn varied_of(id: u32, len: usize) -> Plain {
+    Plain {
+        id,
+        data: pattern(id, len),
     }
 }

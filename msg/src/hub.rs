@@ -203,7 +203,8 @@ impl Hub {
     /// Typed messages over a transport hub. Its connections so far are taken up as they
     /// show themselves (an event, a send).
     pub fn from_transport(transport: rdmsg_transport::RawHub, config: SessionConfig) -> Self {
-        let pool = ReadPool::new(config.max_rendezvous_bytes);
+        // What we read is bounded by what we announce in every handshake, for all peers.
+        let pool = ReadPool::new(transport.config().conn.announced_max_read() as usize);
         if let Ok(waker) = transport.waker() {
             // A read buffer given back on another thread while a descriptor waits for room
             // wakes the hub.
@@ -632,9 +633,12 @@ impl Hub {
         if self.peers.get(peer).is_none() {
             // A connected peer has announced its depth; 0 (solicit every other message) only
             // if it is gone meanwhile, when nothing will be sent to it anyway.
-            let depth = self.transport.peer_hello(peer).map_or(0, |h| h.recv_depth);
+            let hello = self.transport.peer_hello(peer);
+            let depth = hello.map_or(0, |h| h.recv_depth);
+            // Gone meanwhile: nothing will be sent, by rendezvous or otherwise.
+            let max_read = hello.map_or(0, |h| h.max_read);
             let fresh = PeerState {
-                sender: Sender::new(&self.config, depth),
+                sender: Sender::new(&self.config, depth).with_peer_max_read(max_read),
                 receiver: Receiver::new(self.registry.fresh(), self.pool.clone()),
                 listed: false,
                 close_at: None,

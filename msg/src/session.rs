@@ -44,14 +44,14 @@ pub struct SessionConfig {
     /// one receive buffer always go whole in one (inline, if small enough for the
     /// transport's `max_inline`). Default [`DEFAULT_RENDEZVOUS_THRESHOLD`].
     pub rendezvous_threshold: Option<usize>,
-    /// Bound on rendezvous memory, each way: the bytes of our messages the peer may be
-    /// reading (a send beyond it waits for the peer's acknowledgements, taking in what
-    /// arrives meanwhile), and the registered memory our reads land in (whatever the peer
-    /// announces; a descriptor waits for room, one larger than this is refused with
-    /// [`crate::Error::TooLarge`]). A message larger than this is fragmented. For a hub the
-    /// receiving half is shared by all peers. Holding received messages holds their
-    /// buffers: as with receive buffers, a receiver that keeps this much unread stops the
-    /// peer's large messages. Default 64 MiB.
+    /// Bound on the bytes of our messages the peer may be reading at once by rendezvous (a
+    /// send beyond it waits for the peer's acknowledgements, taking in what arrives
+    /// meanwhile). A message larger than this, or than the peer announced it reads
+    /// ([`rdmsg_transport::Config::max_read_bytes`] on its side), is fragmented. What *we*
+    /// read is bounded by our connection's (or hub's) `Config::max_read_bytes`, announced in
+    /// the handshake: the registered memory our reads land in, shared by all peers of a
+    /// hub. Holding received messages holds their buffers: as with receive buffers, a
+    /// receiver that keeps that much unread stops the peer's large messages. Default 64 MiB.
     pub max_rendezvous_bytes: usize,
     /// Keep a copy of every message sent until the peer's application has taken it, up to
     /// this many bytes of copies (a send beyond it waits for the peer's record, as beyond
@@ -167,14 +167,17 @@ impl Session {
 
     /// A session with these bounds.
     pub fn with_config(conn: Connection, config: SessionConfig) -> Self {
-        let pool = ReadPool::new(config.max_rendezvous_bytes);
+        // What we read is bounded by what we announced in the handshake (the peer fragments
+        // larger messages).
+        let pool = ReadPool::new(conn.config().announced_max_read() as usize);
         if let Ok(waker) = conn.waker() {
             // A read buffer given back on another thread while a descriptor waits for room
             // wakes whoever waits on the connection.
             pool.set_waker(waker);
         }
         Self {
-            sender: Sender::new(&config, conn.peer().recv_depth),
+            sender: Sender::new(&config, conn.peer().recv_depth)
+                .with_peer_max_read(conn.peer().max_read),
             receiver: Receiver::new(Decoder::new(config.max_message), pool),
             conn,
         }

@@ -78,6 +78,14 @@ pub struct Config {
     /// this bound covers the rest. Costs one timer wake-up per interval while idle (not counted as a
     /// wake-up in [`rdmsg_notify::Stats`]). `None`: never. Default 1 s.
     pub health_check: Option<Duration>,
+    /// Largest message this side reads from its peer's memory (rdmsg's typed layer sends
+    /// large messages by RDMA read, see `rdmsg_msg::rendezvous`), and bound on what it
+    /// registers for such reads: announced in the handshake, so that the peer sends larger
+    /// ones in fragments instead of by a read we would refuse. Announced as at most half the
+    /// process's locked-memory limit (`RLIMIT_MEMLOCK`) when that is finite, so that a peer
+    /// cannot make us register what the system would refuse. Default 64 MiB; 0: we read
+    /// nothing (the peer fragments everything).
+    pub max_read_bytes: u32,
     /// Fault injection for tests (feature `test-hooks`).
     #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
@@ -125,6 +133,7 @@ impl Default for Config {
             close_timeout: Duration::from_secs(2),
             keepalive: Some(Duration::from_secs(5)),
             health_check: Some(Duration::from_secs(1)),
+            max_read_bytes: 64 << 20,
             #[cfg(feature = "test-hooks")]
             hooks: TestHooks::default(),
         }
@@ -132,6 +141,15 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The largest read this side announces ([`Config::max_read_bytes`] within half the
+    /// locked-memory limit).
+    pub fn announced_max_read(&self) -> u32 {
+        let pinnable = rdmsg_verbs::locked_memory_limit()
+            .map_or(u64::MAX, |limit| limit / 2)
+            .min(u64::from(u32::MAX)) as u32;
+        self.max_read_bytes.min(pinnable)
+    }
+
     #[cfg(feature = "test-hooks")]
     pub(crate) fn recv_cq_entries(&self) -> Option<u32> {
         self.hooks.recv_cq_entries

@@ -199,6 +199,24 @@ impl Endpoint {
         }
     }
 
+    /// RDMA reads our queue pairs serve at once (their responder resources), announced.
+    pub(crate) fn reads_served(&self) -> u8 {
+        self.inner.rd_atomic
+    }
+
+    /// [`Endpoint::connect_qp`] towards the peer of `hello`, keeping no more reads in flight
+    /// towards it than it serves.
+    pub(crate) fn connect_qp_to(
+        &self,
+        qp: &mut QueuePair,
+        local_psn: u32,
+        hello: &crate::handshake::Hello,
+        params: &PathParams,
+    ) -> Result<()> {
+        let reads = self.inner.rd_atomic.min(hello.reads);
+        self.connect_qp_reading(qp, local_psn, &hello.addr, params, reads)
+    }
+
     /// Moves `qp` (in INIT) to RTR and RTS towards `remote`. A GRH is used when the remote
     /// GID is set, as `ibv_rc_pingpong` does.
     pub fn connect_qp(
@@ -207,6 +225,17 @@ impl Endpoint {
         local_psn: u32,
         remote: &QpAddress,
         params: &PathParams,
+    ) -> Result<()> {
+        self.connect_qp_reading(qp, local_psn, remote, params, self.inner.rd_atomic)
+    }
+
+    fn connect_qp_reading(
+        &self,
+        qp: &mut QueuePair,
+        local_psn: u32,
+        remote: &QpAddress,
+        params: &PathParams,
+        reads: u8,
     ) -> Result<()> {
         let use_grh = !remote.gid.is_zero();
         let sgid_index = match (use_grh, self.inner.gid_index) {
@@ -233,7 +262,7 @@ impl Endpoint {
         rts.timeout = params.timeout;
         rts.retry_cnt = params.retry_cnt;
         rts.rnr_retry = params.rnr_retry;
-        rts.max_rd_atomic = self.inner.rd_atomic;
+        rts.max_rd_atomic = reads;
         qp.to_rts(&rts)?;
         Ok(())
     }

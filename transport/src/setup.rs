@@ -107,7 +107,7 @@ impl LocalSide for Setup {
         send_buffers: u32,
     ) -> Result<QpAddress> {
         self.send_buffers = send_buffers;
-        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
+        endpoint.connect_qp_to(&mut self.qp, self.psn, peer, &config.path)?;
         Ok(endpoint.address_of(&self.qp, self.psn))
     }
 }
@@ -134,6 +134,8 @@ pub(crate) fn our_hello(endpoint: &Endpoint, config: &Config, addr: Option<QpAdd
         recv_depth: config.recv_depth + lie,
         grant_slots: config.grant_slots,
         initial_credits: config.recv_depth + lie,
+        reads: endpoint.reads_served(),
+        max_read: config.announced_max_read(),
     }
 }
 

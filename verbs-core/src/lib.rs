@@ -263,6 +263,39 @@ pub fn raise_fd_limit(want: u64) -> std::io::Result<u64> {
     Ok(target)
 }
 
+/// The soft limit on memory a process may pin (`RLIMIT_MEMLOCK`), which bounds what it can
+/// register: `None` when unlimited, unknown, or not enforced (the kernel lets a process with
+/// `CAP_IPC_LOCK` pin past it). Unprivileged processes often have 8 MiB or less, where a
+/// registration beyond it fails with `ENOMEM`.
+pub fn locked_memory_limit() -> Option<u64> {
+    if may_lock_any_memory() {
+        return None;
+    }
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit to write to.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } != 0 {
+        return None;
+    }
+    (lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
+}
+
+/// Whether this process has `CAP_IPC_LOCK` in its effective set (`CapEff` in
+/// `/proc/self/status`), which exempts its registrations from `RLIMIT_MEMLOCK`.
+fn may_lock_any_memory() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};

@@ -54,6 +54,9 @@ pub(crate) struct Sender {
     pub(super) record: Record,
     /// The count of the peer's messages our application took, for our frames to carry.
     pub(super) taken_to_tell: u32,
+    /// The largest message the peer reads from us, as its handshake announced: larger ones
+    /// go in fragments.
+    pub(super) peer_max_read: usize,
 }
 
 impl Sender {
@@ -72,7 +75,16 @@ impl Sender {
             lent: Lent::new(config.max_rendezvous_bytes),
             record: Record::new(config.keep_unconfirmed, config.max_message),
             taken_to_tell: 0,
+            peer_max_read: usize::MAX,
         }
+    }
+
+    /// This sender for a peer that reads messages of at most `max_read` bytes from us (its
+    /// handshake said so): it sends larger ones in fragments, never a descriptor the peer
+    /// would refuse.
+    pub(crate) fn with_peer_max_read(mut self, max_read: u32) -> Self {
+        self.peer_max_read = max_read as usize;
+        self
     }
 
     /// What the peer's application has taken of our messages (with what the peer's latest
@@ -168,7 +180,7 @@ impl Sender {
     /// Whether a message of `total` encoded bytes goes by rendezvous.
     pub(super) fn by_rendezvous(&self, total: usize) -> bool {
         self.rendezvous_threshold.is_some_and(|t| total >= t)
-            && total <= self.lent.max()
+            && total <= self.lent.max().min(self.peer_max_read)
             && u32::try_from(total).is_ok()
     }
 

@@ -45,12 +45,13 @@
 //!
 //! All integers big-endian. A *header* is [`MAGIC`] (8 bytes), the version (2), a kind byte
 //! (`'C'` for a client hello, [`ACCEPT`] or a reject code for the server's answer) and a flags
-//! byte (bit 0: the sender has a pre-shared key). A *hello* is a header followed by 44 bytes:
+//! byte (bit 0: the sender has a pre-shared key). A *hello* is a header followed by 48 bytes:
 //! LID (2), QPN (4), PSN (4), GID (16), path MTU (4), buffer size (4), receive depth (4),
-//! initial credits (4), grant slots (1), zero (1) — [`HELLO_LEN`] in all. Nonces and MACs are
-//! 32 bytes. A server that rejects the client hello answers with a header carrying the reject
-//! code, padded with zeros to 56 bytes (so that a version 1 client, which reads 52 bytes, sees
-//! the other version). Later rejections are the reject code alone; see [`Reject::code`].
+//! initial credits (4), grant slots (1), RDMA reads served at once (1), largest message read
+//! (4) — [`HELLO_LEN`] in all. Nonces and MACs are 32 bytes. A server that rejects the client
+//! hello answers with a header carrying the reject code, padded with zeros to [`HELLO_LEN`]
+//! bytes (so that an older client, which reads 52 or 56 bytes, sees the other version). Later
+//! rejections are the reject code alone; see [`Reject::code`].
 //!
 //! # Pre-shared key
 //!
@@ -78,12 +79,14 @@ use crate::Error;
 pub const MAGIC: [u8; 8] = *b"RDMSG\0HS";
 /// Version of the handshake and of the protocols it sets up. 3: queue pairs serve RDMA reads
 /// and sessions send large messages by rendezvous (a version 2 peer would drop those), so
-/// the two refuse each other here rather than lose messages.
-pub const VERSION: u16 = 3;
+/// the two refuse each other here rather than lose messages. 4: each side announces the reads
+/// it serves at once and the largest message it reads (a sender fragments larger ones), and
+/// frames and grants carry the delivery record.
+pub const VERSION: u16 = 4;
 /// Length of a header: magic, version, kind, flags.
 pub const HEADER_LEN: usize = 12;
 /// Length of an encoded hello, header included.
-pub const HELLO_LEN: usize = 56;
+pub const HELLO_LEN: usize = 60;
 /// Length of a nonce.
 pub const NONCE_LEN: usize = 32;
 /// Length of a MAC (HMAC-SHA256).
@@ -145,6 +148,12 @@ pub struct Hello {
     pub grant_slots: u8,
     /// Data credits the peer starts with (at most `recv_depth`).
     pub initial_credits: u32,
+    /// RDMA reads the sender's queue pair serves at once (its responder resources): the
+    /// other side keeps at most this many in flight towards it. At least 1.
+    pub reads: u8,
+    /// Largest message the sender reads from its peer's memory (rdmsg's rendezvous, at the
+    /// typed layer): the peer sends larger ones another way. 0: none.
+    pub max_read: u32,
 }
 
 /// Why a hello was rejected. Its code travels as the verdict byte, so the peer learns why too.
@@ -246,6 +255,9 @@ impl Hello {
         if self.initial_credits == 0 || self.initial_credits > self.recv_depth {
             return Err(Reject::BadValue("initial credits"));
         }
+        if self.reads == 0 {
+            return Err(Reject::BadValue("reads served"));
+        }
         Ok(())
     }
 
@@ -268,10 +280,12 @@ impl Hello {
         b[34..38].copy_from_slice(&self.recv_depth.to_be_bytes());
         b[38..42].copy_from_slice(&self.initial_credits.to_be_bytes());
         b[42] = self.grant_slots;
+        b[43] = self.reads;
+        b[44..48].copy_from_slice(&self.max_read.to_be_bytes());
         out
     }
 
-    /// Parses and range-checks the 44 bytes after a header of `version`.
+    /// Parses and range-checks the 48 bytes after a header of `version`.
     fn decode_body(version: u16, b: &[u8]) -> Result<Self, Reject> {
         debug_assert_eq!(b.len(), BODY_LEN);
         let hello = Self {
@@ -282,6 +296,8 @@ impl Hello {
             recv_depth: u32_at(b, 34),
             initial_credits: u32_at(b, 38),
             grant_slots: b[42],
+            reads: b[43],
+            max_read: u32_at(b, 44),
         };
         hello.check()?;
         Ok(hello)

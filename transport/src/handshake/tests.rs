@@ -16,6 +16,8 @@ fn hello(qpn: u32) -> Hello {
         recv_depth: 64,
         grant_slots: 3,
         initial_credits: 64,
+        reads: 16,
+        max_read: 64 << 20,
     }
 }
 
@@ -344,8 +346,9 @@ fn garbage_and_other_versions_are_rejected_at_the_header() {
 #[test]
 fn out_of_range_values_and_mtu_mismatches_are_rejected() {
     type Breaker = fn(&mut Hello);
-    let cases: [(Breaker, Reject); 7] = [
+    let cases: [(Breaker, Reject); 8] = [
         (|h| h.mtu = 1000, Reject::BadValue("MTU")),
+        (|h| h.reads = 0, Reject::BadValue("reads served")),
         (|h| h.buf_size = 8, Reject::BadValue("buffer size")),
         (|h| h.recv_depth = 0, Reject::BadValue("receive depth")),
         (|h| h.grant_slots = 1, Reject::BadValue("grant slots")),
@@ -428,4 +431,15 @@ fn a_key_does_not_print_its_bytes() {
     assert!(shown.contains("21 bytes"), "{shown}");
     let hs = Handshake::client(hello(1), limits(), Some(k), [0; NONCE_LEN]);
     assert!(!format!("{hs:?}").contains("secret"));
+}
+
+#[test]
+fn the_reads_served_and_the_largest_read_travel_both_ways() {
+    let mut ours = hello(CLIENT_QPN);
+    ours.reads = 4;
+    ours.max_read = 123_456;
+    let bytes = ours.encode(CLIENT_HELLO, 0);
+    let back = Hello::decode_body(VERSION, &bytes[HEADER_LEN..]).unwrap();
+    assert_eq!((back.reads, back.max_read), (4, 123_456));
+    assert_eq!(back, ours);
 }

@@ -35,7 +35,7 @@ impl LocalSide for HubSide {
         peer: &Hello,
         _send_buffers: u32,
     ) -> Result<QpAddress> {
-        endpoint.connect_qp(&mut self.qp, self.psn, &peer.addr, &config.path)?;
+        endpoint.connect_qp_to(&mut self.qp, self.psn, peer, &config.path)?;
         self.peer = Some(*peer);
         Ok(endpoint.address_of(&self.qp, self.psn))
     }

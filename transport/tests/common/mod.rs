@@ -23,6 +23,8 @@ pub fn plausible_hello(ep: &Endpoint) -> Hello {
         recv_depth: 64,
         grant_slots: 3,
         initial_credits: 64,
+        reads: 1,
+        max_read: 64 << 20,
     }
 }
 
