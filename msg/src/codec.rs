@@ -322,6 +322,11 @@ impl Decoder {
         self.reassembler.max_size()
     }
 
+    /// Whether a message is half reassembled.
+    pub fn in_progress(&self) -> bool {
+        self.reassembler.in_progress()
+    }
+
     /// Bytes held for a message being reassembled.
     pub fn buffered(&self) -> usize {
         self.reassembler.buffered()

@@ -11,7 +11,7 @@ use rdmsg_verbs::deadline_after;
 
 use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::unread_error;
-use crate::peer::{self, Delivery, HubLink, Link, PeerTable, Receiver, Sender};
+use crate::peer::{self, Delivery, HubLink, Link, PeerTable, ReassemblyBudget, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
 
@@ -156,6 +156,8 @@ pub struct Hub {
     ready: VecDeque<(HubEvent, Option<u32>)>,
     /// The registered buffers rendezvous reads land in, shared by every peer.
     pool: ReadPool,
+    /// What all peers' messages in reassembly may hold.
+    budget: ReassemblyBudget,
     /// Peers with descriptors waiting for buffer room or a send slot.
     reads_waiting: Vec<PeerId>,
     /// Peers whose [`Hub::start_close`] waits for them to finish reading our messages.
@@ -212,6 +214,7 @@ impl Hub {
         }
         Self {
             pool,
+            budget: ReassemblyBudget::new(config.max_reassembly_bytes),
             reads_waiting: Vec::new(),
             closing: Vec::new(),
             transport,
@@ -639,7 +642,8 @@ impl Hub {
             let max_read = hello.map_or(0, |h| h.max_read);
             let fresh = PeerState {
                 sender: Sender::new(&self.config, depth).with_peer_max_read(max_read),
-                receiver: Receiver::new(self.registry.fresh(), self.pool.clone()),
+                receiver: Receiver::new(self.registry.fresh(), self.pool.clone())
+                    .with_budget(self.budget.clone()),
                 listed: false,
                 close_at: None,
             };

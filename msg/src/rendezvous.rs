@@ -301,6 +301,9 @@ struct PoolState {
     max: usize,
     /// A descriptor waits for room: a buffer coming back wakes the owner.
     waiting: bool,
+    /// Receivers (a hub's peers) with reads under way: each may hold an equal part of the
+    /// bound in reads under way (see [`ReadPool::within_share`]).
+    readers: usize,
     waker: Option<rdmsg_transport::Waker>,
 }
 
@@ -326,6 +329,7 @@ impl ReadPool {
                 registered: 0,
                 max,
                 waiting: false,
+                readers: 0,
                 waker: None,
             })),
         }
@@ -395,6 +399,26 @@ impl ReadPool {
         }
     }
 
+    /// Whether a receiver whose reads under way hold `in_flight` bytes may start one more of
+    /// `len` bytes: one with none under way always may; one with some, within an equal part
+    /// of the bound among the receivers reading. So a few peers whose reads do not complete
+    /// never hold the whole pool that every peer's large messages need.
+    pub(crate) fn within_share(&self, in_flight: usize, len: usize) -> bool {
+        let st = self.lock();
+        in_flight == 0 || in_flight + len <= st.max / st.readers.max(1)
+    }
+
+    /// A receiver's reads under way went from none to some (`true`) or back.
+    pub(crate) fn reading(&self, started: bool) {
+        let mut st = self.lock();
+        if started {
+            st.readers += 1;
+        } else {
+            st.readers = st.readers.saturating_sub(1);
+            st.room_made();
+        }
+    }
+
     /// A buffer back (from a delivered message dropped, or a read that was not used).
     pub(crate) fn release(&self, buf: Buffer) {
         let mut st = self.lock();
@@ -408,6 +432,13 @@ impl ReadPool {
         let mut st = self.lock();
         st.registered = st.registered.saturating_sub(size);
         st.room_made();
+    }
+
+    /// Counts `n` bytes as registered and held (a test's stand-in for buffers the
+    /// application keeps).
+    #[cfg(test)]
+    pub(crate) fn occupy(&self, n: usize) {
+        self.lock().registered += n;
     }
 
     /// Bytes registered now.

@@ -62,6 +62,13 @@ pub struct SessionConfig {
     /// everything. `None` (the default): no copies; [`Session::delivery`] still says what
     /// was taken.
     pub keep_unconfirmed: Option<usize>,
+    /// For a [`crate::Hub`]: bound on what all its peers' messages in fragments may hold
+    /// while they are reassembled. Each such message reserves `max_message` at its first
+    /// fragment (so that messages under way always finish); a peer starting one beyond the
+    /// bound waits, its frames held unread and so its credits, until one finishes. One
+    /// message may always be under way. A session reassembles one message at a time and
+    /// ignores this. Default 256 MiB (16 messages of the default `max_message` at once).
+    pub max_reassembly_bytes: usize,
 }
 
 /// Default [`SessionConfig::rendezvous_threshold`]: 16 KiB (see the README for the
@@ -78,6 +85,7 @@ impl Default for SessionConfig {
             rendezvous_threshold: Some(DEFAULT_RENDEZVOUS_THRESHOLD),
             max_rendezvous_bytes: 64 << 20,
             keep_unconfirmed: None,
+            max_reassembly_bytes: 256 << 20,
         }
     }
 }

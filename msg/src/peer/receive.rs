@@ -2,6 +2,8 @@
 //! reads waiting, posted and done, acknowledgements each way.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use rdmsg_transport::{Arrival, Buffer, ReadDone, ReadPost, ReadSegment};
 
@@ -41,6 +43,53 @@ pub(crate) struct Receiver {
     pub(super) answer_due: bool,
     /// The latest count of ours the peer's frames carried, for the sender.
     pub(super) peer_taken: Option<u16>,
+    /// Frames that came while the head of the order waits for room to be read into, or
+    /// while a new fragmented message found no reassembly budget: kept as they came, unread,
+    /// holding their receive buffers and so the peer's credits (the peer stops when they run
+    /// out), until the head moves. Memory held for a peer is bounded by what it was granted.
+    pub(super) parked: VecDeque<FrameBytes>,
+    /// A hub's budget for the messages its peers have in reassembly (none for a session).
+    pub(super) budget: Option<ReassemblyBudget>,
+    /// Our reservation of the budget, for the message being reassembled.
+    pub(super) reserved: usize,
+}
+
+/// What all peers of a hub may hold in messages being reassembled from fragments: each such
+/// message reserves the most it may grow to (`max_message`) at its first fragment, so that
+/// messages under way always finish and the total never passes the bound. A peer that finds
+/// no room parks its frames (see [`Receiver::parked`]) until a message finishes. One message
+/// may always be under way, whatever the bound.
+#[derive(Debug, Clone)]
+pub(crate) struct ReassemblyBudget {
+    used: Arc<AtomicUsize>,
+    max: usize,
+}
+
+impl ReassemblyBudget {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            used: Arc::new(AtomicUsize::new(0)),
+            max,
+        }
+    }
+
+    fn try_reserve(&self, n: usize) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                (used == 0 || used + n <= self.max).then_some(used + n)
+            })
+            .is_ok()
+    }
+
+    fn release(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Bytes reserved now.
+    #[cfg(test)]
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
 }
 
 /// A message's place in the order: its sequence number (when the frame said it) and the
@@ -82,7 +131,16 @@ impl Receiver {
             ask: None,
             answer_due: false,
             peer_taken: None,
+            parked: VecDeque::new(),
+            budget: None,
+            reserved: 0,
         }
+    }
+
+    /// This receiver with its fragmented messages counted against a hub's `budget`.
+    pub(crate) fn with_budget(mut self, budget: ReassemblyBudget) -> Self {
+        self.budget = Some(budget);
+        self
     }
 
     pub(crate) fn register<M: Message>(&mut self) -> Result<()> {
@@ -106,12 +164,76 @@ impl Receiver {
         }
     }
 
-    /// [`Receiver::take`] without taking the next message out.
+    /// [`Receiver::take`] without taking the next message out. While the head of the order
+    /// waits for read room, frames of messages are parked (see [`Receiver::parked`]);
+    /// acknowledgements and requests for the record are taken at once.
     pub(crate) fn arrive(&mut self, frame: FrameBytes) {
         let header = frame::parse(frame.bytes()).ok().map(|(h, _)| h);
         if header.is_some() {
             self.peer_taken = frame::taken_of(frame.bytes());
         }
+        let control = header.is_some_and(|h| h.flags & (frame::DONE | frame::ASK) != 0);
+        if !control && (!self.parked.is_empty() || self.must_park(header)) {
+            self.parked.push_back(frame);
+            return;
+        }
+        self.take_in(frame, header);
+    }
+
+    /// Whether a frame (of this header) must wait: the head of the order waits for room, or
+    /// it starts a fragmented message for which the hub's budget has no room.
+    fn must_park(&mut self, header: Option<frame::Header>) -> bool {
+        if self.head_waits() {
+            return true;
+        }
+        let starts_fragmented = header
+            .is_some_and(|h| h.flags & (frame::FIRST | frame::LAST | frame::RNDV) == frame::FIRST);
+        if !starts_fragmented || self.reserved > 0 {
+            return false;
+        }
+        let Some(budget) = &self.budget else {
+            return false;
+        };
+        let need = self.decoder.max_message();
+        if !budget.try_reserve(need) {
+            return true;
+        }
+        self.reserved = need;
+        false
+    }
+
+    /// Whether the head of the order is a message whose read waits for buffer room or a send
+    /// slot (not one being read: that ends soon, one way or the other).
+    fn head_waits(&self) -> bool {
+        match (self.order.front(), self.waiting.front()) {
+            (Some(Place::Reading(head)), Some(w)) => w.seq == *head,
+            _ => false,
+        }
+    }
+
+    /// Takes in parked frames, in order, as far as nothing makes them wait again.
+    fn unpark(&mut self) {
+        while let Some(f) = self.parked.front() {
+            let header = frame::parse(f.bytes()).ok().map(|(h, _)| h);
+            if self.must_park(header) {
+                return;
+            }
+            let f = self.parked.pop_front().expect("looked at");
+            self.take_in(f, header);
+        }
+    }
+
+    /// Gives back the budget once no message is being reassembled.
+    fn release_budget(&mut self) {
+        if self.reserved > 0 && !self.decoder.in_progress() {
+            if let Some(b) = &self.budget {
+                b.release(self.reserved);
+            }
+            self.reserved = 0;
+        }
+    }
+
+    fn take_in(&mut self, frame: FrameBytes, header: Option<frame::Header>) {
         // The message a bad frame belonged to, if it names one (not a control frame).
         let message_seq = header
             .filter(|h| h.flags & (frame::DONE | frame::ASK) == 0)
@@ -139,6 +261,7 @@ impl Receiver {
                 self.drop_frame(message_seq, e);
             }
         }
+        self.release_budget();
     }
 
     pub(super) fn drop_frame(&mut self, seq: Option<u32>, e: crate::Error) {
@@ -200,14 +323,32 @@ impl Receiver {
         });
     }
 
-    /// Posts the reads of waiting descriptors, as far as buffer room and send slots allow.
+    /// Posts the reads of waiting descriptors, as far as buffer room and send slots allow,
+    /// and takes in the frames parked behind a head that no longer waits.
     pub(crate) fn advance(&mut self, link: &mut impl Link) -> Result<()> {
+        loop {
+            self.post_reads(link)?;
+            let parked = self.parked.len();
+            self.unpark();
+            if self.parked.len() == parked || !self.has_waiting() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn post_reads(&mut self, link: &mut impl Link) -> Result<()> {
         while let Some(w) = self.waiting.front() {
             if self.reading.len() >= MAX_READS_POSTED {
                 // Enough to keep the link busy; more would only register more buffers.
                 return Ok(());
             }
             let len = w.descriptor.total as usize;
+            let in_flight = self.reading.values().map(|r| r.3).sum();
+            if !self.pool.within_share(in_flight, len) {
+                // Beyond this peer's part of a pool other peers read into too: once one of its
+                // reads ends.
+                return Ok(());
+            }
             let mut buf = match self.pool.acquire(len, |n| link.register(n)) {
                 Ok(Some(buf)) => buf,
                 Ok(None) => return Ok(()),
@@ -249,6 +390,9 @@ impl Receiver {
             match link.post_read(buf, &segments) {
                 Ok(ReadPost::Posted(id)) => {
                     self.waiting.pop_front();
+                    if self.reading.is_empty() {
+                        self.pool.reading(true);
+                    }
                     self.reading.insert(id, (seq, tag, len, cap));
                 }
                 Ok(ReadPost::Busy(buf)) => {
@@ -280,6 +424,9 @@ impl Receiver {
             // the pool (any more).
             return;
         };
+        if self.reading.is_empty() {
+            self.pool.reading(false);
+        }
         self.acks.push(seq);
         if done.ok {
             self.complete(seq, tag, done.buffer, len);
@@ -287,6 +434,7 @@ impl Receiver {
             self.pool.release(done.buffer);
             self.fill(seq, Err(crate::Error::ReadFailed { tag, seq }));
         }
+        self.unpark();
     }
 
     pub(super) fn complete(&mut self, seq: u32, tag: u32, buf: Buffer, len: usize) {
@@ -322,10 +470,21 @@ impl Receiver {
                 }),
             );
         }
+        if !self.reading.is_empty() {
+            self.pool.reading(false);
+        }
         for (_, (seq, tag, _, cap)) in std::mem::take(&mut self.reading) {
             // Its buffer goes with the queue pair (a flushed completion may still bring it).
             self.pool.forget(cap);
             self.fill(seq, Err(crate::Error::ReadFailed { tag, seq }));
+        }
+        // What was parked arrived before the failure: it is delivered, budget or not (a
+        // fragmented message cut short by the failure fails alone).
+        self.budget = None;
+        self.reserved = 0;
+        while let Some(f) = self.parked.pop_front() {
+            let header = frame::parse(f.bytes()).ok().map(|(h, _)| h);
+            self.take_in(f, header);
         }
     }
 
@@ -356,9 +515,10 @@ impl Receiver {
         matches!(self.order.front(), Some(Place::Ready(..)))
     }
 
-    /// Whether descriptors wait for room or a send slot (a step should try again).
+    /// Whether descriptors wait for room or a send slot, or frames are parked (a step should
+    /// try again).
     pub(crate) fn has_waiting(&self) -> bool {
-        !self.waiting.is_empty()
+        !self.waiting.is_empty() || !self.parked.is_empty()
     }
 
     /// Sequence numbers of the peer's messages we are done reading.
@@ -379,10 +539,16 @@ impl Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
+        if let (Some(b), n @ 1..) = (&self.budget, self.reserved) {
+            b.release(n);
+        }
         // Reads still under way end with the connection, their buffers with it (a queue pair
         // destroyed drops them): they leave the pool's count.
         for &(_, _, _, cap) in self.reading.values() {
             self.pool.forget(cap);
+        }
+        if !self.reading.is_empty() {
+            self.pool.reading(false);
         }
     }
 }

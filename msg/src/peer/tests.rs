@@ -532,3 +532,118 @@ fn a_sender_out_of_room_asks_once_and_the_answer_comes_when_the_peer_took_that_f
 fn receiver() -> Receiver {
     Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20))
 }
+
+#[test]
+fn frames_behind_a_head_that_waits_for_room_are_held_unread_then_delivered_after_it() {
+    // The application holds nearly all of the read pool: the head cannot be read yet.
+    let pool = ReadPool::new(1 << 20);
+    pool.occupy((1 << 20) - 1000);
+    let mut rx = Receiver::new(Decoder::new(1 << 20), pool);
+    rx.on_descriptor(
+        Blob::TAG,
+        0,
+        Descriptor {
+            total: 100_000,
+            segments: vec![Segment::Remote {
+                len: 100_000,
+                addr: 0x1000,
+                rkey: 9,
+            }],
+        },
+    );
+    let mut wire = Wire::new(256);
+    rx.advance(&mut wire).unwrap();
+    // The peer goes on sending fragmented messages behind it.
+    let mut tx = Sender::new(&config(100), 64);
+    tx.seq = 1;
+    for i in 0..200u8 {
+        tx.send_as(&mut wire, &Blob(vec![i; 1000]), false).unwrap();
+    }
+    let frames = wire.frames.len();
+    arrive_all(&mut wire, &mut rx);
+    assert_eq!(
+        rx.parked.len(),
+        frames,
+        "held as they came, their buffers with them"
+    );
+    assert_eq!(rx.order.len(), 1, "nothing decoded behind the head");
+    assert_eq!(rx.decoder.buffered(), 0, "nothing copied");
+    assert!(rx.pop().is_none());
+    assert!(rx.has_waiting());
+    // The connection fails: the head fails in its place, then everything held, in order.
+    rx.abandon_reads();
+    assert!(matches!(
+        rx.pop(),
+        Some(Err(Error::ReadFailed { seq: 0, .. }))
+    ));
+    for i in 0..200u8 {
+        let got: Blob = rx.pop().unwrap().unwrap().decode().unwrap();
+        assert_eq!(got, Blob(vec![i; 1000]));
+    }
+    assert!(rx.pop().is_none());
+}
+
+#[test]
+fn a_hub_bounds_the_messages_its_peers_reassemble_at_once() {
+    // Room for one message of 64 KiB in reassembly, hub-wide.
+    let budget = ReassemblyBudget::new(1 << 16);
+    let peer =
+        || Receiver::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
+    let (mut a, mut b) = (peer(), peer());
+    let (mut wa, mut wb) = (Wire::new(256), Wire::new(256));
+    Sender::new(&config(100), 64)
+        .send_as(&mut wa, &Blob(vec![1; 2000]), false)
+        .unwrap();
+    Sender::new(&config(100), 64)
+        .send_as(&mut wb, &Blob(vec![2; 2000]), false)
+        .unwrap();
+    let mut a_frames = std::mem::take(&mut wa.frames).into_iter();
+    a.arrive(FrameBytes::Owned(a_frames.next().unwrap().0));
+    assert_eq!(
+        budget.used(),
+        1 << 16,
+        "a's message reserves the most it may grow to"
+    );
+    let b_frames = wb.frames.len();
+    arrive_all(&mut wb, &mut b);
+    assert_eq!(b.parked.len(), b_frames, "b waits, its frames held unread");
+    assert!(b.pop().is_none() && b.has_waiting());
+    for (f, _) in a_frames {
+        a.arrive(FrameBytes::Owned(f));
+    }
+    let got: Blob = a.pop().unwrap().unwrap().decode().unwrap();
+    assert_eq!(got, Blob(vec![1; 2000]));
+    assert_eq!(budget.used(), 0, "released once a's message is whole");
+    b.advance(&mut wb).unwrap();
+    let got: Blob = b.pop().unwrap().unwrap().decode().unwrap();
+    assert_eq!(got, Blob(vec![2; 2000]));
+    assert_eq!(budget.used(), 0);
+}
+
+#[test]
+fn a_peer_reads_into_at_most_its_part_of_a_shared_pool() {
+    let pool = ReadPool::new(1 << 20);
+    assert!(
+        pool.within_share(0, 1 << 20),
+        "one with nothing under way always may"
+    );
+    pool.reading(true);
+    assert!(
+        pool.within_share(512 << 10, 512 << 10),
+        "alone: the whole pool"
+    );
+    pool.reading(true);
+    pool.reading(true);
+    pool.reading(true);
+    // Four peers reading: a quarter each.
+    assert!(pool.within_share(128 << 10, 128 << 10));
+    assert!(!pool.within_share(200 << 10, 100 << 10));
+    assert!(
+        pool.within_share(0, 1 << 20),
+        "a newcomer still gets one read"
+    );
+    for _ in 0..3 {
+        pool.reading(false);
+    }
+    assert!(pool.within_share(512 << 10, 512 << 10), "alone again");
+}

@@ -103,6 +103,13 @@ impl RawHub {
         qp.complete_send_split(wc, &mut self.send.free, &mut reads);
         let outstanding = qp.send_outstanding();
         self.sends_outstanding -= before - outstanding;
+        for (id, _) in &reads {
+            if let Some(i) = s.reads.iter().position(|(r, _)| r == id) {
+                let (_, wrs) = s.reads.remove(i).expect("found");
+                self.read_wrs -= wrs;
+                self.peers_reading -= usize::from(s.reads.is_empty());
+            }
+        }
         if !reads.is_empty() {
             let peer = s.id(slot);
             self.events

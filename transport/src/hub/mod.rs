@@ -78,6 +78,21 @@ use crate::token::Token;
 use slots::{Phase, Slot};
 use wait::HubChannel;
 
+/// Work requests of reads a peer may always have under way, whatever its share: one read of
+/// the most pieces a rendezvous descriptor names.
+const MIN_READ_SHARE: usize = 16;
+
+/// Whether a peer with `own` read work requests under way may post `need` more, when all
+/// peers have `all` under way on a send CQ of `cq_entries`, `readers` of them with some:
+/// reads fill at most half the CQ, and each reader at most an equal part of that half (at
+/// least [`MIN_READ_SHARE`]).
+fn fair_read_room(cq_entries: usize, all: usize, readers: usize, own: usize, need: usize) -> bool {
+    let half = cq_entries / 2;
+    let readers = readers + usize::from(own == 0);
+    let share = (half / readers.max(1)).max(MIN_READ_SHARE);
+    all + need <= half.max(need) && own + need <= share
+}
+
 /// Many RC connections driven by one thread: one completion channel, one receive and one
 /// send CQ, one shared receive queue and one pool of send buffers for all of them. One
 /// solicited message from any peer wakes the thread, which then takes everything every peer
@@ -115,6 +130,11 @@ pub struct RawHub {
     /// Sends left unsignaled behind their queue pair's last signaled one, all queue pairs
     /// (see `core::unsignaled_room`).
     unsignaled_total: usize,
+    /// Work requests of RDMA reads under way, all queue pairs, and how many queue pairs have
+    /// some: reads may fill at most half the send CQ, shared fairly (see
+    /// [`RawHub::read_room`]).
+    read_wrs: usize,
+    peers_reading: usize,
     listener: Option<TcpListener>,
     events: VecDeque<RawHubEvent>,
     completions: Vec<(CqKey, WorkCompletion)>,
@@ -215,6 +235,8 @@ impl RawHub {
             pool,
             share,
             sends_outstanding: 0,
+            read_wrs: 0,
+            peers_reading: 0,
             send_cq_entries: send_cq_entries as usize,
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -504,7 +526,10 @@ impl RawHub {
         }
         let room = |hub: &Self| {
             let r = hub.room(slot);
-            hub.slot(slot).link().is_some() && r.sq >= need && r.cq >= need
+            hub.slot(slot).link().is_some()
+                && r.sq >= need
+                && r.cq >= need
+                && hub.read_room(slot, need)
         };
         if !room(self) {
             self.step()?;
@@ -521,6 +546,9 @@ impl RawHub {
             Ok(id) => {
                 s.core.posted(id, true);
                 self.sends_outstanding += need;
+                self.peers_reading += usize::from(s.reads.is_empty());
+                s.reads.push_back((id, need));
+                self.read_wrs += need;
                 Ok(ReadPost::Posted(id))
             }
             Err(e)
@@ -533,6 +561,21 @@ impl RawHub {
                 Err(self.local_failure(slot, "posting a read (ibv_post_send)", e.error.into()))
             }
         }
+    }
+
+    /// Whether `slot` may post a read of `need` work requests: reads of all peers fill at
+    /// most half the send CQ (a few peers whose reads do not complete, their queue pairs
+    /// stalled, never hold back everyone's sends and grants), and each reading peer at most
+    /// its share of that half (at least one read of the most pieces a descriptor names).
+    fn read_room(&self, slot: usize, need: usize) -> bool {
+        let own: usize = self.slot(slot).reads.iter().map(|(_, n)| n).sum();
+        fair_read_room(
+            self.send_cq_entries,
+            self.read_wrs,
+            self.peers_reading,
+            own,
+            need,
+        )
     }
 
     /// Closes `peer` gracefully and waits until it is closed: see [`RawHub::start_close`]. Waits
@@ -683,5 +726,45 @@ impl RawHub {
             Some(f) => Err(f.into()),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod read_share_tests {
+    use super::*;
+
+    #[test]
+    fn reads_fill_half_the_send_cq_at_most_each_reader_its_part() {
+        // Alone, a peer may read up to half the CQ.
+        assert!(fair_read_room(1024, 0, 0, 0, 16));
+        assert!(fair_read_room(1024, 496, 1, 496, 16));
+        assert!(
+            !fair_read_room(1024, 512, 1, 512, 1),
+            "half the CQ is for sends"
+        );
+        // 64 peers whose reads never complete hold half the CQ between them, and no more:
+        // every peer's sends and grants keep the other half.
+        let mut own = [0usize; 64];
+        for _ in 0..100 {
+            for i in 0..own.len() {
+                let all: usize = own.iter().sum();
+                let readers = own.iter().filter(|&&o| o > 0).count();
+                if fair_read_room(1024, all, readers, own[i], 1) {
+                    own[i] += 1;
+                }
+            }
+        }
+        let all: usize = own.iter().sum();
+        assert!(all <= 512, "{all}");
+        assert!(
+            own.iter().all(|&o| o <= 16),
+            "each within its part: {own:?}"
+        );
+        // A newcomer still gets its minimum while others read within their shares.
+        assert!(fair_read_room(1024, 256, 32, 0, 16));
+        assert!(
+            !fair_read_room(1024, 256, 32, 16, 16),
+            "beyond an equal part"
+        );
     }
 }

@@ -84,6 +84,10 @@ impl RawHub {
             // Destroyed or not (a failed destruction leaks them with the queue pair), its
             // sends no longer count.
             self.sends_outstanding -= outstanding;
+            if !s.reads.is_empty() {
+                self.read_wrs -= s.reads.drain(..).map(|(_, n)| n).sum::<usize>();
+                self.peers_reading -= 1;
+            }
             if let Ok(bufs) = link.qp.destroy() {
                 self.send.free.extend(bufs);
             }

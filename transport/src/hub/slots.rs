@@ -86,6 +86,9 @@ pub(super) struct Slot {
     /// Its sends left unsignaled behind the last signaled one, as of its last post (counted
     /// in `RawHub::unsignaled_total`).
     pub(super) unsignaled: usize,
+    /// Its RDMA reads under way, in posting order: wr_id and work requests (counted in
+    /// `RawHub::read_wrs`).
+    pub(super) reads: std::collections::VecDeque<(u64, usize)>,
 }
 
 impl CreditHolder for Slot {
@@ -192,6 +195,7 @@ impl RawHub {
             touched: false,
             qpn: None,
             unsignaled: 0,
+            reads: std::collections::VecDeque::new(),
         };
         let i = match self.free_slots.pop() {
             Some(i) => i,
