@@ -110,6 +110,9 @@ pub struct TestHooks {
     /// Credits this side believes it has beyond what the peer granted: a lying sender, whose
     /// excess messages break the peer's credit books.
     pub extra_credits: u32,
+    /// A hub's receive pool cannot grow: every registration for it fails (`ENOMEM`), as
+    /// past `RLIMIT_MEMLOCK`.
+    pub refuse_pool_growth: bool,
 }
 
 impl Default for Config {

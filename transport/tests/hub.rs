@@ -524,3 +524,42 @@ fn an_outside_event_loop_drives_the_hub_through_its_descriptor() {
     // times while the peers close.
     assert!(wakes < 200, "{wakes} wake-ups: the loop spun");
 }
+
+/// A hub whose receive pool cannot grow (every registration refused, as past
+/// `RLIMIT_MEMLOCK`) goes on with the buffers it has: busy peers are served with their
+/// credits, nothing is lost, and the hub does not fail (a refused growth used to fail it).
+#[test]
+#[ignore = "device"]
+fn a_pool_that_cannot_grow_does_not_fail_the_hub() {
+    let ep = endpoint();
+    let mut config = HubConfig {
+        shared_credits: 8,
+        ..HubConfig::default()
+    };
+    config.conn.hooks.refuse_pool_growth = true;
+    let mut server = RawHub::new(&ep, config).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let (n, k) = (8, 400u32);
+    let client = std::thread::spawn(move || {
+        let (ids, mut hub) = client(addr, n, k);
+        for id in &ids {
+            hub.close(*id).expect("close");
+        }
+        hub
+    });
+    let seen = serve(&mut server, n, Duration::from_secs(300));
+    drop(client.join().expect("client thread"));
+    for (peer, s) in &seen {
+        assert_eq!(s.next, k, "{peer}: every message");
+        assert_eq!(s.ended, Some(Failure::PeerClosed), "{peer}");
+    }
+    let stats = server.stats();
+    println!(
+        "stats refused growth: {} refused, {} grown, {} buffers; last-WQE events {} of {n} \
+         retired queue pairs",
+        stats.pool_growth_failures, stats.pool_growths, stats.recv_buffers, stats.last_wqe_events
+    );
+    assert!(stats.pool_growth_failures > 0, "busy peers asked for more");
+    assert_eq!(stats.pool_growths, 0);
+    // The hub itself kept working: `serve` took every event without an error.
+}

@@ -163,7 +163,8 @@ impl Connection {
     /// succeeded never complete again; their buffers go with the queue pair.)
     pub(super) fn drain_flushes(&mut self) {
         loop {
-            self.core.handle_flushed(self.qp.recv_outstanding());
+            self.core
+                .handle_flushed(self.qp.recv_outstanding(), Instant::now());
             if self.core.is_drained() {
                 return;
             }

@@ -57,6 +57,13 @@ use timers::{Timer, TimerTable};
 /// Longest wait for a failed queue pair's posted requests to be flushed back.
 pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(500);
 
+/// Longest a failed queue pair on a shared receive queue waits, once its own requests are
+/// flushed, for the device to say that no receive of the queue is in its hands any more
+/// (`IBV_EVENT_QP_LAST_WQE_REACHED`, which the verbs specification asks for before the queue
+/// pair is destroyed). Some providers never send it (rxe among them): then this bounds the
+/// wait, and so the delay of the connection's end.
+pub(crate) const LAST_WQE_WAIT: Duration = Duration::from_millis(50);
+
 /// A sender polls its queues at least every this many sends.
 pub(crate) const SEND_PROGRESS_EVERY: u32 = 16;
 
@@ -212,6 +219,10 @@ pub(crate) struct Core {
     note: u32,
     /// The word the peer's latest grant carried.
     peer_note: Option<u32>,
+    /// The queue pair takes its receives from a shared receive queue (a hub's).
+    on_srq: bool,
+    /// The device said the last receive of the shared queue left the queue pair.
+    last_wqe: bool,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -261,7 +272,21 @@ impl Core {
             send_blocked: false,
             note: 0,
             peer_note: None,
+            on_srq: false,
+            last_wqe: false,
         }
+    }
+
+    /// The queue pair takes its receives from a shared receive queue: once failed, it is
+    /// drained only when the device says the last of them left it (or [`LAST_WQE_WAIT`]).
+    pub(crate) fn on_shared_receive_queue(mut self) -> Self {
+        self.on_srq = true;
+        self
+    }
+
+    /// `IBV_EVENT_QP_LAST_WQE_REACHED` came for the queue pair.
+    pub(crate) fn last_wqe_reached(&mut self) {
+        self.last_wqe = true;
     }
 
     /// The word every grant of ours carries from now on, for the layer above (rdmsg's typed
@@ -569,12 +594,21 @@ impl Core {
         }
     }
 
-    /// After a failure: `outstanding` requests of the queue pair are still posted (those the
-    /// driver waits for). Drained once none is.
-    pub(crate) fn handle_flushed(&mut self, outstanding: usize) {
-        if outstanding == 0 {
-            self.drained();
+    /// After a failure, at `now`: `outstanding` requests of the queue pair are still posted
+    /// (those the driver waits for). Drained once none is, and on a shared receive queue once
+    /// the device said its last receive left the queue pair, or [`LAST_WQE_WAIT`] passed.
+    pub(crate) fn handle_flushed(&mut self, outstanding: usize, now: Instant) {
+        if outstanding > 0 {
+            return;
         }
+        if self.on_srq && !self.last_wqe {
+            let at = now + LAST_WQE_WAIT;
+            if self.timers.get(Timer::Drain).map_or(true, |d| d > at) {
+                self.timers.set(Timer::Drain, at);
+            }
+            return;
+        }
+        self.drained();
     }
 
     /// The time is `now`: fires what is due.

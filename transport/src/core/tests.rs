@@ -338,7 +338,7 @@ fn the_drain_ends_when_nothing_is_posted_or_at_its_deadline() {
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.handle_failure(Failure::QpError);
     c.flushing_since(t0);
-    c.handle_flushed(3);
+    c.handle_flushed(3, Instant::now());
     assert!(!c.is_drained());
     c.handle_timeout(t0 + FLUSH_WAIT);
     assert!(c.is_drained());
@@ -346,7 +346,7 @@ fn the_drain_ends_when_nothing_is_posted_or_at_its_deadline() {
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.handle_failure(Failure::QpError);
     c.flushing_since(t0);
-    c.handle_flushed(0);
+    c.handle_flushed(0, Instant::now());
     assert!(c.is_drained());
     assert_eq!(c.next_timeout(), None);
 }
@@ -399,4 +399,33 @@ impl Imm {
             flags: 0,
         }
     }
+}
+
+#[test]
+fn a_queue_pair_on_a_shared_receive_queue_waits_briefly_for_its_last_wqe() {
+    let t0 = Instant::now();
+    let failed = || {
+        let mut c = core(Credits::new(4, 3, 4, 3, 4), 16).on_shared_receive_queue();
+        c.handle_failure(Failure::QpError);
+        c.flushing_since(t0);
+        c
+    };
+    // The event comes: drained as soon as its requests are back.
+    let mut c = failed();
+    c.handle_flushed(0, t0);
+    assert!(!c.is_drained(), "waits for the device's word");
+    c.last_wqe_reached();
+    c.handle_flushed(0, t0);
+    assert!(c.is_drained());
+    // It never comes (rxe): drained once LAST_WQE_WAIT has passed.
+    let mut c = failed();
+    c.handle_flushed(0, t0);
+    assert_eq!(c.next_timeout(), Some(t0 + LAST_WQE_WAIT));
+    c.handle_timeout(t0 + LAST_WQE_WAIT);
+    assert!(c.is_drained());
+    // A queue pair with receives of its own does not wait.
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_failure(Failure::QpError);
+    c.handle_flushed(0, t0);
+    assert!(c.is_drained());
 }

@@ -91,9 +91,26 @@ impl RawHub {
             .min(u64::from(self.srq.max_wr()));
         let room = limit.saturating_sub(self.pool.stats(0).total as u64);
         let grow = u64::from(demand).max(64).min(room);
-        if grow > 0 {
-            self.pool.grow(self.endpoint.pd(), grow as usize)?;
-            self.stats.pool_growths += 1;
+        if grow == 0 {
+            return Ok(());
+        }
+        #[cfg(feature = "test-hooks")]
+        let refused = self.config.conn.hooks.refuse_pool_growth;
+        #[cfg(not(feature = "test-hooks"))]
+        let refused = false;
+        let grown = if refused {
+            Err(crate::Error::Config(
+                "registration refused (test hook)".into(),
+            ))
+        } else {
+            self.pool.grow(self.endpoint.pd(), grow as usize)
+        };
+        match grown {
+            Ok(()) => self.stats.pool_growths += 1,
+            // No more memory to register (RLIMIT_MEMLOCK, say): the pool stays as it is, and
+            // busy peers go on with the credits they have. Not the hub's failure: it asks
+            // again when demand comes back.
+            Err(_) => self.stats.pool_growth_failures += 1,
         }
         Ok(())
     }

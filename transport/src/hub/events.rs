@@ -106,6 +106,8 @@ pub struct HubStats {
     pub srq_posts: u64,
     /// Times the receive pool grew because busy peers ran out of credits.
     pub pool_growths: u64,
+    /// Times it could not (a registration refused): the hub goes on with what it has.
+    pub pool_growth_failures: u64,
     /// Receive buffers registered (the SRQ's pool).
     pub recv_buffers: usize,
     /// Bytes registered for receive and send buffers.
@@ -118,4 +120,8 @@ pub struct HubStats {
     pub forced_solicited: u64,
     /// Times a send waited for a credit, all connections, past and present.
     pub credit_waits: u64,
+    /// Failed queue pairs the device said had let go of their last shared receive
+    /// (`IBV_EVENT_QP_LAST_WQE_REACHED`) before they were destroyed; the others were
+    /// destroyed after a short wait for it (rxe never sends it).
+    pub last_wqe_events: u64,
 }

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use rdmsg_verbs::AsyncElement;
+use rdmsg_verbs::{AsyncElement, AsyncEventKind};
 
 use super::slots::Phase;
 use super::{RawHub, RawHubEvent};
@@ -74,7 +74,7 @@ impl RawHub {
                 return false;
             };
             let outstanding = link.qp.send_outstanding();
-            s.core.handle_flushed(outstanding);
+            s.core.handle_flushed(outstanding, Instant::now());
             if !s.core.is_drained() {
                 return true;
             }
@@ -148,6 +148,13 @@ impl RawHub {
             return;
         }
         for ev in self.mailbox.take() {
+            if let (AsyncEventKind::QpLastWqeReached, AsyncElement::Qp(n)) = (ev.kind, ev.element) {
+                if let Some(&slot) = self.by_qpn.get(&n) {
+                    self.slot_mut(slot).core.last_wqe_reached();
+                    self.stats.last_wqe_events += 1;
+                }
+                continue;
+            }
             if !events::is_fatal(ev.kind) {
                 continue;
             }

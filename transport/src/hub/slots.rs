@@ -189,7 +189,8 @@ impl RawHub {
                 self.placeholder_credits(),
                 conn.signal_every,
                 conn.close_timeout,
-            ),
+            )
+            .on_shared_receive_queue(),
             phase: Phase::Retired,
             early: Vec::new(),
             touched: false,

@@ -196,7 +196,7 @@ impl Net {
         }
         // Receives the queue pair still holds: posted, or completed and not yet polled.
         let held = c.recv_posted as usize + c.recv_cq.entries.len();
-        c.core.handle_flushed(held);
+        c.core.handle_flushed(held, self.now);
         true
     }
 

@@ -221,6 +221,7 @@ impl Net {
     pub(super) fn retire_drained(&mut self) -> bool {
         let mut busy = false;
         let n = self.hub().slots.len();
+        let now = self.now;
         for s in 0..n {
             let h = self.hub();
             let Some(slot) = h.slots[s].as_mut() else {
@@ -229,7 +230,7 @@ impl Net {
             if slot.core.failure().is_none() {
                 continue;
             }
-            slot.core.handle_flushed(slot.sq.posted.len());
+            slot.core.handle_flushed(slot.sq.posted.len(), now);
             if !slot.core.is_drained() {
                 continue;
             }
