@@ -640,14 +640,14 @@ impl RawHub {
         Ok(self.slot(self.find(peer)?).core.credits().available())
     }
 
-    /// The word every grant to `peer` carries from now on (see [`Connection::set_note`]).
+    /// The word every grant to `peer` carries from now on (see [`crate::Connection::set_note`]).
     pub fn set_note(&mut self, peer: PeerId, note: u32) -> Result<()> {
         let slot = self.find(peer)?;
         self.slot_mut(slot).core.set_note(note);
         Ok(())
     }
 
-    /// The word `peer`'s latest grant carried, if one came (see [`Connection::set_note`]).
+    /// The word `peer`'s latest grant carried, if one came (see [`crate::Connection::set_note`]).
     pub fn peer_note(&self, peer: PeerId) -> Option<u32> {
         let slot = self.find(peer).ok()?;
         self.slot(slot).core.peer_note()
