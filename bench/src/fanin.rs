@@ -908,7 +908,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
                     peers.len()
                 )
             }
-            Some(HubEvent::Disconnected { peer, failure }) => {
+            Some(HubEvent::Disconnected { peer, failure, .. }) => {
                 bail!("{peer} disconnected while connecting: {failure}")
             }
             Some(HubEvent::Message { .. }) => bail!("a message before GO"),
@@ -979,7 +979,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
                 failure: Failure::PeerClosed,
                 ..
             }) => gone += 1,
-            Some(HubEvent::Disconnected { peer, failure }) => {
+            Some(HubEvent::Disconnected { peer, failure, .. }) => {
                 let client = client.state_within(Duration::from_secs(5));
                 bail!(
                     "{peer} ended with {failure} instead of a graceful close, after {gone} \

@@ -976,3 +976,24 @@ fn varied_of(id: u32, len: usize) -> Plain {
         data: pattern(id, len),
     }
 }
+
+/// The close carries the count: a peer that took six of ten messages and closed without
+/// sending anything tells the sender exactly which four it did not take.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn the_peers_close_says_what_it_took() {
+    let (mut server, mut client) = pair(SessionConfig::default(), keeping());
+    for id in 0..10 {
+        client.send(&varied(id)).expect("sent");
+    }
+    for id in 0..6 {
+        assert_eq!(recv(&mut server).decode::<Plain>().unwrap(), varied(id));
+    }
+    server.close().expect("closed");
+    let end = end_of(&mut client);
+    assert!(end.is_peer_closed(), "{end}");
+    assert_eq!(client.delivery().taken, 6, "{:?}", client.delivery());
+    let back = client.take_unconfirmed().expect("the connection ended");
+    let ids: Vec<u32> = back.iter().map(|e| e.seq()).collect();
+    assert_eq!(ids, [6, 7, 8, 9]);
+}

@@ -378,6 +378,14 @@ impl Hub {
         }
     }
 
+    /// When the first close waiting for its peer runs out of time.
+    fn earliest_close(&self) -> Option<Instant> {
+        self.closing
+            .iter()
+            .filter_map(|&p| self.peers.get(p).and_then(|s| s.close_at))
+            .min()
+    }
+
     /// Starts the closes that waited for their peers to finish reading, once they have (or
     /// their time ran out).
     fn finish_closes(&mut self) {
@@ -474,6 +482,11 @@ impl Hub {
                 if let Some(r) = retry {
                     left = Some(left.map_or(r, |l| l.min(r)));
                 }
+            }
+            // A close waiting for its peer ends at its deadline, event or not.
+            if let Some(at) = self.earliest_close() {
+                let r = at.saturating_duration_since(Instant::now());
+                left = Some(left.map_or(r, |l| l.min(r)));
             }
             let Some(raw) = self.transport.next_event(left)? else {
                 if deadline.map_or(true, |d| Instant::now() < d) {
@@ -597,8 +610,14 @@ impl Hub {
                 }
                 return;
             }
-            Raw::Disconnected { peer, failure } => {
+            Raw::Disconnected {
+                peer,
+                failure,
+                last_note,
+            } => {
                 if let Some(mut gone) = self.peers.remove(peer) {
+                    // Its last word: what its application took, as of its last grant or close.
+                    gone.sender.learn_note(last_note);
                     // What arrived comes first: messages whose reads can no longer complete
                     // fail in their place, the others behind them are delivered.
                     gone.receiver.abandon_reads();
@@ -830,11 +849,7 @@ impl Hub {
     /// Longest an event loop may wait before the next [`Hub::step`]: the transport hub's
     /// timers, and sooner while a flush is pending.
     pub fn next_timeout(&self) -> Option<Duration> {
-        let close = self
-            .closing
-            .iter()
-            .filter_map(|&p| self.peers.get(p).and_then(|s| s.close_at))
-            .min();
+        let close = self.earliest_close();
         let flush = self
             .retry_at
             .filter(|_| !self.unflushed.is_empty())

@@ -444,8 +444,8 @@ impl Session {
     /// peer finished reading what it was lent by rendezvous (with
     /// [`SessionConfig::keep_unconfirmed`], once its application took everything), waiting at
     /// most `close_timeout` for that: [`Error::Unread`](crate::Error::Unread) says how many
-    /// lent messages it had not read by then (the connection is closed all the same). Our
-    /// last frame tells the peer how many of its messages we took.
+    /// lent messages it had not read by then (the connection is closed all the same). The
+    /// close message tells the peer how many of its messages we took.
     pub fn close(self) -> Result<()> {
         let keep = self.sender.keeps_copies();
         self.close_inner(keep).0
@@ -480,14 +480,18 @@ impl Session {
     /// peer's reads (and with `record`, its application) waited for, our last count told.
     /// How many lent messages the peer had not read.
     fn wait_before_close(&mut self, record: bool) -> Result<usize> {
-        self.sender.flush_within(&mut self.conn, None)?;
-        // The peer may still be reading our messages: closing now would fail its reads.
+        // Everything here fits in `close_timeout`: a flush that cannot go in time is given
+        // up (the close message says the rest: our count of the peer's messages taken rides
+        // it, as it rides our grants).
         let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
+        let left = |now: Instant| Some(deadline.saturating_duration_since(now));
+        self.sender
+            .flush_within(&mut self.conn, left(Instant::now()))?;
+        // The peer may still be reading our messages: closing now would fail its reads.
         let (sender, link) = absorbing!(self);
         let unread = sender.wait_until_returned(link, deadline, record)?;
-        // Our last frame carries our count of the peer's messages taken.
-        self.sender.queue_answer();
-        self.sender.flush_within(&mut self.conn, None)?;
+        self.sender
+            .flush_within(&mut self.conn, left(Instant::now()))?;
         Ok(unread)
     }
 

@@ -69,6 +69,8 @@ struct Inner {
     router: Arc<Mutex<Router>>,
     /// RDMA reads in flight per queue pair, as initiator and as responder.
     rd_atomic: u8,
+    /// The device binds memory windows of type 2: exposures are keyed per queue pair.
+    windows: bool,
 }
 
 /// Most RDMA reads a queue pair keeps in flight (or serves) at once.
@@ -125,6 +127,7 @@ impl Endpoint {
                 gid,
                 router,
                 rd_atomic,
+                windows: dev.mw_type2 && dev.max_mw > 0,
             }),
         })
     }
@@ -141,9 +144,33 @@ impl Endpoint {
     }
 
     /// Exposes `bytes` to RDMA reads under a key of their own (see
-    /// [`rdmsg_verbs::Exposed`]): how a rendezvous sender lets its peer read a message.
+    /// [`rdmsg_verbs::Exposed`]), valid on every queue pair of this endpoint: prefer
+    /// [`Connection::expose_to_peer`](crate::Connection::expose_to_peer), whose keys only the
+    /// connection's peer can use.
     pub fn expose(&self, bytes: rdmsg_verbs::Bytes) -> Result<rdmsg_verbs::Exposed> {
         Ok(self.inner.pd.expose(bytes)?)
+    }
+
+    /// Whether the device binds memory windows of type 2, so that an exposure's key is valid
+    /// on one queue pair alone (rxe does; without them keys are valid endpoint-wide).
+    pub fn binds_windows(&self) -> bool {
+        self.inner.windows
+    }
+
+    /// The pieces of exposures for one connection's peer: windows over `pieces`, to be bound
+    /// on its queue pair (or, without memory windows, plain exposures). Every registration
+    /// comes first, so that a refused one leaves nothing posted.
+    pub(crate) fn windows_over(
+        &self,
+        pieces: Vec<rdmsg_verbs::Bytes>,
+    ) -> Result<Vec<rdmsg_verbs::Exposed>> {
+        pieces
+            .into_iter()
+            .map(|b| match self.inner.windows {
+                true => Ok(self.inner.pd.window_over(b)?),
+                false => self.expose(b),
+            })
+            .collect()
     }
 
     /// Registers `len` zeroed bytes with local write (see

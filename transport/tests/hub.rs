@@ -59,6 +59,17 @@ struct Seen {
 
 /// Serves until `expect_ended` connections ended; returns what each peer delivered.
 fn serve(hub: &mut RawHub, expect_ended: usize, limit: Duration) -> HashMap<PeerId, Seen> {
+    serve_pausing(hub, expect_ended, limit, None)
+}
+
+/// [`serve`], resting `pause` once every peer is connected (its senders run out of credits
+/// meanwhile).
+fn serve_pausing(
+    hub: &mut RawHub,
+    expect_ended: usize,
+    limit: Duration,
+    pause: Option<Duration>,
+) -> HashMap<PeerId, Seen> {
     let mut seen: HashMap<PeerId, Seen> = HashMap::new();
     let deadline = Instant::now() + limit;
     let mut ended = 0;
@@ -84,6 +95,9 @@ fn serve(hub: &mut RawHub, expect_ended: usize, limit: Duration) -> HashMap<Peer
             RawHubEvent::Connected { peer, accepted } => {
                 assert!(accepted);
                 assert!(seen.insert(peer, Seen::default()).is_none(), "{peer} twice");
+                if let Some(p) = pause.filter(|_| seen.len() == expect_ended) {
+                    std::thread::sleep(p);
+                }
             }
             RawHubEvent::Message { peer, msg } => {
                 let s = seen.get_mut(&peer).expect("a message after Connected");
@@ -94,7 +108,7 @@ fn serve(hub: &mut RawHub, expect_ended: usize, limit: Duration) -> HashMap<Peer
                 s.next += 1;
             }
             RawHubEvent::Read { .. } => panic!("no read was posted"),
-            RawHubEvent::Disconnected { peer, failure } => {
+            RawHubEvent::Disconnected { peer, failure, .. } => {
                 let s = seen.get_mut(&peer).expect("Disconnected after Connected");
                 assert!(s.ended.replace(failure).is_none());
                 ended += 1;
@@ -348,7 +362,7 @@ fn a_killed_client_fails_only_its_own_connections() {
                 *peers.get_mut(&peer).unwrap() += 1;
             }
             RawHubEvent::Read { .. } => panic!("no read was posted"),
-            RawHubEvent::Disconnected { peer, failure } => {
+            RawHubEvent::Disconnected { peer, failure, .. } => {
                 if from_child.contains(&peer) {
                     assert_eq!(failure, Failure::PeerVanished, "{peer}");
                     vanished += 1;
@@ -547,7 +561,13 @@ fn a_pool_that_cannot_grow_does_not_fail_the_hub() {
         }
         hub
     });
-    let seen = serve(&mut server, n, Duration::from_secs(300));
+    // The peers run out of credits while the hub rests: then they ask for more at once.
+    let seen = serve_pausing(
+        &mut server,
+        n,
+        Duration::from_secs(300),
+        Some(Duration::from_secs(1)),
+    );
     drop(client.join().expect("client thread"));
     for (peer, s) in &seen {
         assert_eq!(s.next, k, "{peer}: every message");
@@ -562,4 +582,103 @@ fn a_pool_that_cannot_grow_does_not_fail_the_hub() {
     assert!(stats.pool_growth_failures > 0, "busy peers asked for more");
     assert_eq!(stats.pool_growths, 0);
     // The hub itself kept working: `serve` took every event without an error.
+}
+
+/// What one client's RDMA read with a key the hub gave to `owner` came to: the bytes read, or
+/// the error that stopped it.
+fn read_with(
+    ep: &Endpoint,
+    addr: SocketAddr,
+    key: std::sync::mpsc::Receiver<(u64, u32, usize)>,
+) -> Result<Vec<u8>, String> {
+    use rdmsg_transport::{Arrival, Config, ReadPost, ReadSegment};
+    let mut conn = ep.connect(addr, &Config::default()).expect("connected");
+    let (remote_addr, rkey, len) = key.recv().expect("a key");
+    let buf = conn.register(len).expect("registered");
+    let segment = ReadSegment {
+        local_offset: 0,
+        len: len as u32,
+        remote_addr,
+        rkey,
+    };
+    match conn.post_read(buf, &[segment]).map_err(|e| e.to_string())? {
+        ReadPost::Posted(_) => {}
+        ReadPost::Busy(_) => return Err("no send slot".into()),
+    }
+    loop {
+        match conn.recv_any_timeout(Some(Duration::from_secs(20))) {
+            Ok(Some(Arrival::Read(done))) if done.ok => {
+                return Ok(done.buffer.as_slice()[..len].to_vec())
+            }
+            Ok(Some(Arrival::Read(_))) => return Err("the read failed".into()),
+            Ok(Some(Arrival::Message(_))) => {}
+            Ok(None) => return Err("no end to the read in 20 s".into()),
+            Err(e) => return Err(rdmsg_testkit::error_chain(&e)),
+        }
+    }
+}
+
+/// Isolation between the peers of one hub (they share its protection domain): bytes exposed
+/// to one peer are bound to its queue pair by a memory window, so the key reads them through
+/// that connection alone; another peer that tries it gets a remote access error (its
+/// connection fails). A plain registration's key, for contrast, reads from any connection.
+#[test]
+#[ignore = "device"]
+fn a_key_given_to_one_peer_reads_nothing_through_another() {
+    let ep = endpoint();
+    assert!(
+        ep.binds_windows(),
+        "the device binds memory windows of type 2"
+    );
+    let mut hub = RawHub::new(&ep, HubConfig::default()).expect("hub");
+    let addr = hub.listen("127.0.0.1:0").expect("listen");
+    let secret: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    let mut peers = Vec::new();
+    let mut clients = Vec::new();
+    let mut keys = Vec::new();
+    for _ in 0..3 {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ep = ep.clone();
+        clients.push(std::thread::spawn(move || read_with(&ep, addr, rx)));
+        keys.push(tx);
+        match hub.next_event(Some(Duration::from_secs(20))).expect("hub") {
+            Some(RawHubEvent::Connected { peer, .. }) => peers.push(peer),
+            other => panic!("while connecting: {other:?}"),
+        }
+    }
+    let bound = hub
+        .expose_to_peer(peers[0], vec![secret.clone().into()], None)
+        .expect("exposed")
+        .pop()
+        .unwrap();
+    assert!(bound.is_bound_to_one_queue_pair());
+    let plain = hub.expose(secret.clone().into()).expect("exposed");
+    // Peer 0 and peer 1 use the bound key; peer 2 the plain one.
+    let key = |e: &rdmsg_verbs::Exposed| (e.addr(), e.rkey(), e.len());
+    keys[0].send(key(&bound)).unwrap();
+    keys[1].send(key(&bound)).unwrap();
+    keys[2].send(key(&plain)).unwrap();
+    while !clients.iter().all(|c| c.is_finished()) {
+        let _ = hub
+            .next_event(Some(Duration::from_millis(20)))
+            .expect("hub");
+    }
+    let results: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    println!("stats key isolation: {results:?}");
+    assert_eq!(
+        results[0].as_deref(),
+        Ok(secret.as_slice()),
+        "its peer reads it"
+    );
+    let stolen = results[1].as_ref().expect_err("another peer reads nothing");
+    assert!(
+        stolen.contains("RemAccessErr") || stolen.contains("failed"),
+        "{stolen}"
+    );
+    assert_eq!(
+        results[2].as_deref(),
+        Ok(secret.as_slice()),
+        "a plain registration's key reads from any connection of the endpoint"
+    );
+    drop((bound, plain));
 }

@@ -187,6 +187,10 @@ impl Context {
             max_qp_rd_atom: nonneg(attr.max_qp_rd_atom),
             max_qp_init_rd_atom: nonneg(attr.max_qp_init_rd_atom),
             phys_port_cnt: attr.phys_port_cnt,
+            mw_type2: attr.device_cap_flags
+                & ffi::ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0
+                != 0,
+            max_mw: nonneg(attr.max_mw),
         })
     }
 
@@ -344,6 +348,11 @@ pub struct DeviceAttr {
     pub max_qp_init_rd_atom: u32,
     /// Number of physical ports.
     pub phys_port_cnt: u8,
+    /// Memory windows of type 2 (bound to one queue pair through a work request,
+    /// `IBV_DEVICE_MEM_WINDOW_TYPE_2B`), and how many the device holds.
+    pub mw_type2: bool,
+    /// Maximum memory windows.
+    pub max_mw: u32,
 }
 
 /// Port attributes.

@@ -90,6 +90,13 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// `ibv_alloc_mw` failed (or the device has no memory windows of type 2: `EOPNOTSUPP`).
+    #[error("ibv_alloc_mw failed ({})", Errno(.source))]
+    AllocMw {
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
     /// `ibv_create_comp_channel` failed.
     #[error("ibv_create_comp_channel failed ({})", Errno(.0))]
     CreateCompChannel(#[source] io::Error),

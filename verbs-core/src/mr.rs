@@ -300,13 +300,19 @@ impl Buffer {
 /// that keeps an old key reads nothing once its message is done.
 pub struct Exposed {
     mr: NonNull<ffi::ibv_mr>,
+    /// A memory window of type 2 over the region, bound to one queue pair
+    /// ([`QueuePair::bind`](crate::QueuePair::bind)): the key peers read with is the
+    /// window's, valid on that queue pair alone. `None`: the region's own key.
+    pub(crate) mw: Option<NonNull<ffi::ibv_mw>>,
+    /// The key a peer reads with.
+    pub(crate) rkey: u32,
     /// Keeps the memory alive and unchanged: `Bytes` gives no mutable access.
     bytes: crate::Bytes,
     _pd: Arc<PdInner>,
 }
 
-// SAFETY: the ibv_mr is only read (keys) through `&self` and deregistered once, in Drop;
-// the bytes are immutable and shared-ownership (`Bytes` is Send + Sync).
+// SAFETY: the ibv_mr and ibv_mw are only read (keys) through `&self` and released once, in
+// Drop; the bytes are immutable and shared-ownership (`Bytes` is Send + Sync).
 unsafe impl Send for Exposed {}
 // SAFETY: as above: shared access reads immutable fields only.
 unsafe impl Sync for Exposed {}
@@ -348,11 +354,56 @@ impl ProtectionDomain {
             len: bytes.len(),
             source,
         })?;
+        // SAFETY: the region was just registered and is valid.
+        let rkey = unsafe { (*mr.as_ptr()).rkey };
         Ok(Exposed {
             mr,
+            mw: None,
+            rkey,
             bytes,
             _pd: self.inner.clone(),
         })
+    }
+
+    /// The pieces of an exposure bound to one queue pair: `bytes` registered for memory
+    /// windows only (`IBV_ACCESS_MW_BIND`: the region's own key reads nothing), and a type 2
+    /// window of this PD, not bound yet (its key reads nothing either until
+    /// [`QueuePair::bind`](crate::QueuePair::bind) binds it). `EOPNOTSUPP` without memory
+    /// windows of type 2.
+    pub fn window_over(&self, bytes: crate::Bytes) -> Result<Exposed> {
+        if bytes.is_empty() {
+            return Err(Error::InvalidArgument("cannot expose empty bytes".into()));
+        }
+        let access = ffi::ibv_access_flags::IBV_ACCESS_MW_BIND.0 as libc::c_int;
+        // SAFETY: as in `expose`: the bytes stay alive and unchanged until the region is
+        // deregistered, and no access lets anything write them.
+        let mr = unsafe {
+            ffi::ibv_reg_mr(
+                self.as_raw(),
+                bytes.as_ptr().cast_mut().cast(),
+                bytes.len(),
+                access,
+            )
+        };
+        let mr = non_null(mr).map_err(|source| Error::RegisterMemory {
+            len: bytes.len(),
+            source,
+        })?;
+        let mut exposed = Exposed {
+            mr,
+            mw: None,
+            rkey: 0,
+            bytes,
+            _pd: self.inner.clone(),
+        };
+        // SAFETY: the PD is alive; the window is deallocated once, in Exposed's Drop.
+        let mw = unsafe { ffi::ibv_alloc_mw(self.as_raw(), ffi::ibv_mw_type::IBV_MW_TYPE_2) };
+        let mw = match mw {
+            Some(p) => non_null(p),
+            None => Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
+        };
+        exposed.mw = Some(mw.map_err(|source| Error::AllocMw { source })?);
+        Ok(exposed)
     }
 }
 
@@ -372,10 +423,23 @@ impl Exposed {
         self.bytes.is_empty()
     }
 
-    /// The remote key a peer reads these bytes with, and nothing else.
+    /// The remote key a peer reads these bytes with, and nothing else (for an exposure bound
+    /// to a queue pair, only through that queue pair).
     pub fn rkey(&self) -> u32 {
-        // SAFETY: the ibv_mr is valid while self lives; rkey is immutable after registration.
-        unsafe { (*self.mr.as_ptr()).rkey }
+        self.rkey
+    }
+
+    /// Whether the key is a memory window's, valid on one queue pair alone.
+    pub fn is_bound_to_one_queue_pair(&self) -> bool {
+        self.mw.is_some()
+    }
+
+    pub(crate) fn raw_mr(&self) -> *mut ffi::ibv_mr {
+        self.mr.as_ptr()
+    }
+
+    pub(crate) fn pd(&self) -> &Arc<PdInner> {
+        &self._pd
     }
 
     /// The bytes (reading them while a peer reads them is fine: nobody writes).
@@ -386,6 +450,16 @@ impl Exposed {
 
 impl Drop for Exposed {
     fn drop(&mut self) {
+        if let Some(mw) = self.mw {
+            // SAFETY: the window is allocated until now and deallocated once, here (bound or
+            // not: deallocating invalidates its key).
+            let ret = unsafe { ffi::ibv_dealloc_mw(mw.as_ptr()) };
+            if ret != 0 {
+                // Its key may still read the bytes: neither the region nor the bytes go.
+                std::mem::forget(std::mem::take(&mut self.bytes));
+                return;
+            }
+        }
         // SAFETY: the region is registered until now and deregistered once, here.
         let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
         free_if_deregistered(ret, std::mem::take(&mut self.bytes));

@@ -27,8 +27,17 @@ pub(crate) trait Link {
     /// The largest frame the peer accepts.
     fn max_message(&self) -> rdmsg_transport::Result<usize>;
 
-    /// Exposes `bytes` to the peer's RDMA reads, under a key of their own.
-    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed>;
+    /// Exposes `pieces` to the peer's RDMA reads, each under a key of its own that only this
+    /// peer can use, waiting at most `timeout` (as a send does) for room to bind them and
+    /// send the descriptor that names them right after.
+    fn expose_all(
+        &mut self,
+        pieces: Vec<Bytes>,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<Vec<Exposed>>;
+
+    /// The most pieces [`Link::expose_all`] takes at once.
+    fn max_exposures(&self) -> usize;
 
     /// Registers `len` bytes that reads may land in.
     fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer>;
@@ -81,8 +90,16 @@ impl Link for Connection {
         Ok(Connection::max_message(self))
     }
 
-    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
-        Connection::expose(self, bytes)
+    fn expose_all(
+        &mut self,
+        pieces: Vec<Bytes>,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<Vec<Exposed>> {
+        Connection::expose_to_peer(self, pieces, timeout)
+    }
+
+    fn max_exposures(&self) -> usize {
+        Connection::max_exposures(self)
     }
 
     fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
@@ -159,8 +176,16 @@ impl Link for Absorbing<'_> {
         Link::max_message(self.conn)
     }
 
-    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
-        Link::expose(self.conn, bytes)
+    fn expose_all(
+        &mut self,
+        pieces: Vec<Bytes>,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<Vec<Exposed>> {
+        Link::expose_all(self.conn, pieces, timeout)
+    }
+
+    fn max_exposures(&self) -> usize {
+        Link::max_exposures(self.conn)
     }
 
     fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
@@ -231,8 +256,16 @@ impl Link for HubLink<'_> {
         self.hub.max_message(self.peer)
     }
 
-    fn expose(&self, bytes: Bytes) -> rdmsg_transport::Result<Exposed> {
-        self.hub.expose(bytes)
+    fn expose_all(
+        &mut self,
+        pieces: Vec<Bytes>,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<Vec<Exposed>> {
+        self.hub.expose_to_peer(self.peer, pieces, timeout)
+    }
+
+    fn max_exposures(&self) -> usize {
+        self.hub.max_exposures(self.peer).unwrap_or(1)
     }
 
     fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
@@ -272,11 +305,9 @@ impl Link for HubLink<'_> {
                         // Others' events wait for the hub's next call; this peer's end ends
                         // the wait.
                         let gone = match &other {
-                            rdmsg_transport::RawHubEvent::Disconnected { peer, failure }
-                                if *peer == self.peer =>
-                            {
-                                Some(*failure)
-                            }
+                            rdmsg_transport::RawHubEvent::Disconnected {
+                                peer, failure, ..
+                            } if *peer == self.peer => Some(*failure),
                             _ => None,
                         };
                         stash.push_back(other);

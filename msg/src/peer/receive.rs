@@ -479,9 +479,11 @@ impl Receiver {
             self.fill(seq, Err(crate::Error::ReadFailed { tag, seq }));
         }
         // What was parked arrived before the failure: it is delivered, budget or not (a
-        // fragmented message cut short by the failure fails alone).
-        self.budget = None;
-        self.reserved = 0;
+        // fragmented message cut short by the failure fails alone). The reservation goes
+        // back first: other peers need it.
+        if let Some(b) = self.budget.take() {
+            b.release(std::mem::take(&mut self.reserved));
+        }
         while let Some(f) = self.parked.pop_front() {
             let header = frame::parse(f.bytes()).ok().map(|(h, _)| h);
             self.take_in(f, header);

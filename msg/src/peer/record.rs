@@ -31,7 +31,17 @@ impl Delivery {
     /// it) is known. A count that would be behind ours (written before one we already saw) or
     /// beyond what was sent (a lying peer) changes nothing.
     pub(crate) fn learned(self, taken: u16) -> Self {
-        let ahead = u64::from(taken.wrapping_sub(self.taken as u16));
+        self.ahead_by(u64::from(taken.wrapping_sub(self.taken as u16)))
+    }
+
+    /// This record once the peer's count is known in full 32 bits (as its grants and close
+    /// carry it): a count behind ours (an old grant's, read again) is never taken for one
+    /// 2^16 ahead.
+    pub(crate) fn learned_in_full(self, taken: u32) -> Self {
+        self.ahead_by(u64::from(taken.wrapping_sub(self.taken as u32)))
+    }
+
+    fn ahead_by(self, ahead: u64) -> Self {
         if ahead > self.unconfirmed() {
             return self;
         }
@@ -96,10 +106,19 @@ impl Record {
         self.delivery.sent += 1;
     }
 
-    /// The peer's count, as a frame or grant of its carried it (see [`Delivery::learned`]).
+    /// The peer's count, as a frame of its carried it (see [`Delivery::learned`]).
     pub(crate) fn learn(&mut self, taken: u16) {
+        self.move_to(self.delivery.learned(taken));
+    }
+
+    /// The peer's count in full, as a grant or its close carried it.
+    pub(crate) fn learn_in_full(&mut self, taken: u32) {
+        self.move_to(self.delivery.learned_in_full(taken));
+    }
+
+    fn move_to(&mut self, learned: Delivery) {
         let before = self.delivery.taken;
-        self.delivery = self.delivery.learned(taken);
+        self.delivery = learned;
         let d = &self.delivery;
         if d.taken == before {
             return;
@@ -187,6 +206,31 @@ mod tests {
         assert_eq!(back[0].seq(), 70_000);
         assert_eq!(back[0].tag(), 7);
         assert_eq!(back[0].body(), &[70_000u64 as u8; 3]);
+    }
+
+    #[test]
+    fn an_old_grant_note_read_again_confirms_nothing() {
+        // Traffic both ways: frames move the count on while the last grant's note stays.
+        let mut r = Record::new(None, 64);
+        let stale = 5u32;
+        for _ in 0..65_536 {
+            r.sent(1, None);
+            let next = r.delivery().taken + 1;
+            r.learn(next as u16);
+        }
+        for _ in 0..10_000 {
+            r.sent(1, None);
+        }
+        let before = r.delivery();
+        // Its low 16 bits would pass for 5 messages ahead of 65,536; all 32 do not.
+        assert!(
+            before.learned(stale as u16) != before,
+            "the flaw of 16 bits"
+        );
+        r.learn_in_full(stale);
+        assert_eq!(r.delivery(), before);
+        r.learn_in_full(before.taken as u32 + 7);
+        assert_eq!(r.delivery().taken, before.taken + 7);
     }
 
     #[test]

@@ -91,13 +91,14 @@ impl Sender {
     /// grant said, `note`, if it says more).
     pub(crate) fn delivery(&self, note: Option<u32>) -> Delivery {
         let d = self.record.delivery();
-        note.map_or(d, |n| d.learned(n as u16))
+        note.map_or(d, |n| d.learned_in_full(n))
     }
 
-    /// The peer's count of our messages taken, as its latest credit grant carried it.
+    /// The peer's count of our messages taken, as its latest credit grant (or its close)
+    /// carried it, in full: the same note read again later changes nothing.
     pub(crate) fn learn_note(&mut self, note: Option<u32>) {
         if let Some(n) = note {
-            self.record.learn(n as u16);
+            self.record.learn_in_full(n);
         }
     }
 
@@ -237,9 +238,10 @@ impl Sender {
         let Some(got) = link.absorb(timeout)? else {
             return Ok(false);
         };
-        for t in got.peer_taken.into_iter().chain(got.note.map(|n| n as u16)) {
+        if let Some(t) = got.peer_taken {
             self.record.learn(t);
         }
+        self.learn_note(got.note);
         self.taken_to_tell = got.taken;
         if got.answer {
             self.queue_answer();
@@ -292,37 +294,52 @@ impl Sender {
     ) -> Result<bool> {
         let copy = self.record.keeps().then(|| concat(pieces.clone()));
         let frame_max = link.max_message()?;
-        if pieces.len() > rendezvous::MAX_PIECES {
-            // Too many payloads to name one by one: copy them into one piece.
+        if pieces.len() > rendezvous::MAX_PIECES.min(link.max_exposures()) {
+            // Too many payloads to name (or bind) one by one: copy them into one piece.
             pieces = vec![Piece::Encoded(concat(pieces))];
         }
-        // Small encoded pieces travel in the descriptor, as far as the frame allows.
+        // Small encoded pieces travel in the descriptor, as far as the frame allows; the
+        // others are exposed to this peer alone, all at once.
         let mut room = frame_max.saturating_sub(rendezvous::remote_frame_len(pieces.len()));
-        let mut segments = Vec::with_capacity(pieces.len());
-        let mut exposed = Vec::new();
+        let mut inline = Vec::with_capacity(pieces.len());
+        let mut remote = Vec::new();
         for p in pieces {
             match p {
                 Piece::Encoded(v)
                     if v.len() + rendezvous::INLINE_HEAD <= room && v.len() <= INLINE_PIECE =>
                 {
                     room -= v.len() + rendezvous::INLINE_HEAD;
-                    segments.push(Segment::Inline(v));
+                    inline.push(Some(v));
                 }
                 other => {
-                    let bytes = match other {
+                    remote.push(match other {
                         Piece::Encoded(v) => Bytes::from(v),
                         Piece::Bulk(b) => b,
-                    };
-                    let e = link.expose(bytes)?;
-                    segments.push(Segment::Remote {
-                        len: e.len() as u32,
-                        addr: e.addr(),
-                        rkey: e.rkey(),
                     });
-                    exposed.push(e);
+                    inline.push(None);
                 }
             }
         }
+        let exposed = match link.expose_all(remote, timeout) {
+            Ok(exposed) => exposed,
+            Err(rdmsg_transport::Error::Timeout(_)) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        let mut keys = exposed.iter();
+        let segments = inline
+            .into_iter()
+            .map(|piece| match piece {
+                Some(v) => Segment::Inline(v),
+                None => {
+                    let e = keys.next().expect("one exposure per remote piece");
+                    Segment::Remote {
+                        len: e.len() as u32,
+                        addr: e.addr(),
+                        rkey: e.rkey(),
+                    }
+                }
+            })
+            .collect();
         let descriptor = Descriptor {
             total: total as u32,
             segments,

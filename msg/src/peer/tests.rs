@@ -94,10 +94,18 @@ impl Link for Wire {
         Ok(self.max)
     }
 
-    fn expose(&self, _: Bytes) -> rdmsg_transport::Result<Exposed> {
+    fn expose_all(
+        &mut self,
+        _: Vec<Bytes>,
+        _: Option<Duration>,
+    ) -> rdmsg_transport::Result<Vec<Exposed>> {
         Err(rdmsg_transport::Error::Config(
             "no device under the test wire".into(),
         ))
+    }
+
+    fn max_exposures(&self) -> usize {
+        15
     }
 
     fn register(&self, _: usize) -> rdmsg_transport::Result<Buffer> {
@@ -646,4 +654,22 @@ fn a_peer_reads_into_at_most_its_part_of_a_shared_pool() {
         pool.reading(false);
     }
     assert!(pool.within_share(512 << 10, 512 << 10), "alone again");
+}
+
+#[test]
+fn a_peer_that_fails_mid_message_gives_its_reassembly_budget_back() {
+    let budget = ReassemblyBudget::new(1 << 16);
+    let mut rx =
+        Receiver::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
+    let mut wire = Wire::new(256);
+    Sender::new(&config(100), 64)
+        .send_as(&mut wire, &Blob(vec![1; 2000]), false)
+        .unwrap();
+    rx.arrive(FrameBytes::Owned(wire.frames.remove(0).0));
+    assert_eq!(budget.used(), 1 << 16);
+    // The connection fails with the message half reassembled.
+    rx.abandon_reads();
+    assert_eq!(budget.used(), 0, "given back at the failure");
+    drop(rx);
+    assert_eq!(budget.used(), 0, "and not twice");
 }

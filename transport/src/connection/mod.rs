@@ -59,6 +59,9 @@ pub struct Connection {
     config: Config,
     peer: Hello,
     sq_depth: usize,
+    /// Send queue slots set aside while an exposure waits to be bound (see
+    /// [`Connection::expose_to_peer`]).
+    sq_reserve: usize,
     /// Asynchronous events the endpoint routed to this connection.
     mailbox: Arc<Mailbox>,
     /// Test hook: a verb that fails from now on.
@@ -150,6 +153,7 @@ impl Connection {
             endpoint: endpoint.clone(),
             core: Core::new(books, config.signal_every, config.close_timeout),
             sq_depth: qp.caps().max_send_wr.min(config.send_depth) as usize,
+            sq_reserve: 0,
             qp,
             waiter,
             recv_key,
@@ -279,7 +283,9 @@ impl Connection {
     /// What is free for a send now.
     fn room(&self) -> Room {
         Room {
-            sq: self.sq_depth.saturating_sub(self.qp.send_outstanding()),
+            sq: self
+                .sq_depth
+                .saturating_sub(self.qp.send_outstanding() + self.sq_reserve),
             buffers: self.send.free.len(),
             cq: usize::MAX,
             unsignaled: usize::MAX,
@@ -524,6 +530,48 @@ impl Connection {
         self.endpoint.expose(bytes)
     }
 
+    /// Exposes `pieces` to RDMA reads by this connection's peer alone: each is registered and
+    /// a memory window of type 2 bound over it on this connection's queue pair, so that its
+    /// key ([`Exposed::rkey`]) reads nothing on any other connection, even one of the same
+    /// endpoint (a hub's peers share one protection domain). Waits, as a send does (at most
+    /// `timeout`), for a credit and for send slots for the binds and one more message (the
+    /// descriptor that names them goes next without waiting). On a device without memory
+    /// windows the keys are the regions' own ([`Endpoint::expose`]). Keep the exposures at
+    /// least until a message sent after them completes.
+    pub fn expose_to_peer(
+        &mut self,
+        pieces: Vec<rdmsg_verbs::Bytes>,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<Exposed>> {
+        let mut windows = self.endpoint.windows_over(pieces)?;
+        if !self.endpoint.binds_windows() {
+            return Ok(windows);
+        }
+        let n = windows.len();
+        self.core.read_fits(n + 1, self.sq_depth)?;
+        self.sq_reserve = n;
+        let waited = self.wait_to_send(timeout);
+        self.sq_reserve = 0;
+        waited?;
+        for w in &mut windows {
+            match self.qp.bind(w) {
+                Ok(id) => self.core.posted(id, true),
+                Err(e) => {
+                    return Err(
+                        self.local_failure("binding a memory window (ibv_post_send)", e.into())
+                    )
+                }
+            }
+        }
+        Ok(windows)
+    }
+
+    /// The most pieces [`Connection::expose_to_peer`] binds at once (its send queue, less
+    /// the message that names them).
+    pub fn max_exposures(&self) -> usize {
+        self.sq_depth.saturating_sub(1)
+    }
+
     /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).
     pub fn register(&self, len: usize) -> Result<Buffer> {
         self.endpoint.register(len)
@@ -607,7 +655,9 @@ impl Connection {
             .core
             .start_close(Instant::now())
             .expect("wait_to_send ensured a credit");
-        self.post(Payload::Empty, post)?;
+        // The close carries the note too: the peer's last word from us.
+        let note = self.send.note(self.core.note());
+        self.post(note, post)?;
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         loop {
             if let Some(ended) = self.core.close_result(timeout) {

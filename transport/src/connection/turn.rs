@@ -255,13 +255,18 @@ impl Connection {
                 let len = wc.byte_len() as usize;
                 self.ready.push_back(self.pool.lend(buf, len));
             }
-            RecvAction::Grant => {
-                if let Some(note) = send::note_of(buf.as_slice(), wc.byte_len()) {
+            // A grant, or the peer's close (the one recycled message that spent a credit),
+            // may carry the peer's note.
+            RecvAction::Grant | RecvAction::Recycle => {
+                let carries = receipt.action == RecvAction::Grant || receipt.spent_credit;
+                if let Some(note) = carries
+                    .then(|| send::note_of(buf.as_slice(), wc.byte_len()))
+                    .flatten()
+                {
                     self.core.note_received(note);
                 }
                 self.pool.put_back(buf);
             }
-            RecvAction::Recycle => self.pool.put_back(buf),
         }
     }
 

@@ -178,14 +178,14 @@ impl RawHub {
 
     /// What is free for a send on `slot` now (nothing before it is linked).
     pub(super) fn room(&self, slot: usize) -> Room {
-        let sq = self
-            .slot(slot)
-            .link()
-            .map_or(0, |l| l.sq_depth.saturating_sub(l.qp.send_outstanding()));
+        let sq = self.slot(slot).link().map_or(0, |l| {
+            l.sq_depth
+                .saturating_sub(l.qp.send_outstanding() + self.sq_reserve)
+        });
         Room {
             sq,
             buffers: self.send.free.len(),
-            cq: self.send_cq_room(),
+            cq: self.send_cq_room().saturating_sub(self.sq_reserve),
             unsignaled: unsignaled_room(
                 self.send_cq_entries,
                 self.slots.len() - self.free_slots.len(),

@@ -79,14 +79,19 @@ impl RawHub {
                     s.early.push(msg);
                 }
             }
-            RecvAction::Grant => {
-                if let Some(note) = send::note_of(buf.as_slice(), wc.byte_len()) {
+            // A grant, or the peer's close (the one recycled message that spent a credit),
+            // may carry the peer's note.
+            RecvAction::Grant | RecvAction::Recycle => {
+                let carries = receipt.action == RecvAction::Grant || receipt.spent_credit;
+                if let Some(note) = carries
+                    .then(|| send::note_of(buf.as_slice(), wc.byte_len()))
+                    .flatten()
+                {
                     let s = self.slots[slot].as_mut().expect("a mapped slot");
                     s.core.note_received(note);
                 }
                 self.pool.put_back(buf);
             }
-            RecvAction::Recycle => self.pool.put_back(buf),
         }
         self.touch(slot);
         self.do_actions(slot);

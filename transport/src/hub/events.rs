@@ -62,6 +62,10 @@ pub enum RawHubEvent {
         /// [`Failure::Closed`] after [`RawHub::close`](super::RawHub::close), or
         /// [`Failure::CloseTimedOut`] when the peer did not take our close in time).
         failure: Failure,
+        /// The word the peer's last grant or its close carried
+        /// ([`Connection::set_note`](crate::Connection::set_note)), if any: its last word,
+        /// which rdmsg's typed hub reads its delivery record from.
+        last_note: Option<u32>,
     },
     /// An RDMA read this hub posted for `peer` ([`RawHub::post_read`](super::RawHub::post_read)) finished (or was flushed
     /// by the peer's failure: then it comes before its [`RawHubEvent::Disconnected`]).

@@ -135,6 +135,9 @@ pub struct RawHub {
     /// [`RawHub::read_room`]).
     read_wrs: usize,
     peers_reading: usize,
+    /// Send queue and send CQ slots set aside while an exposure waits to be bound (see
+    /// [`RawHub::expose_to_peer`]).
+    sq_reserve: usize,
     listener: Option<TcpListener>,
     events: VecDeque<RawHubEvent>,
     completions: Vec<(CqKey, WorkCompletion)>,
@@ -237,6 +240,7 @@ impl RawHub {
             sends_outstanding: 0,
             read_wrs: 0,
             peers_reading: 0,
+            sq_reserve: 0,
             send_cq_entries: send_cq_entries as usize,
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -504,6 +508,63 @@ impl RawHub {
         self.endpoint.expose(bytes)
     }
 
+    /// Exposes `pieces` to RDMA reads by `peer` alone, bound to its queue pair (see
+    /// [`crate::Connection::expose_to_peer`]): the keys read nothing through any other
+    /// connection of the hub. Waits as a send to `peer` does, at most `timeout`, driving the
+    /// hub.
+    pub fn expose_to_peer(
+        &mut self,
+        peer: PeerId,
+        pieces: Vec<rdmsg_verbs::Bytes>,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<Exposed>> {
+        let mut windows = self.endpoint.windows_over(pieces)?;
+        if !self.endpoint.binds_windows() {
+            return Ok(windows);
+        }
+        let slot = self.live_slot(peer)?;
+        let n = windows.len();
+        if let Some(depth) = self.slot(slot).link().map(|l| l.sq_depth) {
+            self.slot(slot).core.read_fits(n + 1, depth)?;
+        }
+        self.sq_reserve = n;
+        let waited = self.wait_to_send(slot, peer, timeout);
+        self.sq_reserve = 0;
+        waited?;
+        for w in &mut windows {
+            let s = self.slots[slot].as_mut().expect("a live slot");
+            let Phase::Linked(link) = &mut s.phase else {
+                unreachable!("a send could go");
+            };
+            match link.qp.bind(w) {
+                Ok(id) => {
+                    s.core.posted(id, true);
+                    self.sends_outstanding += 1;
+                    let behind = s.core.unsignaled_behind();
+                    self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
+                    s.unsignaled = behind;
+                }
+                Err(e) => {
+                    return Err(self.local_failure(
+                        slot,
+                        "binding a memory window (ibv_post_send)",
+                        e.into(),
+                    ))
+                }
+            }
+        }
+        Ok(windows)
+    }
+
+    /// The most pieces [`RawHub::expose_to_peer`] binds at once for `peer`.
+    pub fn max_exposures(&self, peer: PeerId) -> Result<usize> {
+        let slot = self.live_slot(peer)?;
+        Ok(self
+            .slot(slot)
+            .link()
+            .map_or(0, |l| l.sq_depth.saturating_sub(1)))
+    }
+
     /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).
     pub fn register(&self, len: usize) -> Result<Buffer> {
         self.endpoint.register(len)
@@ -588,7 +649,9 @@ impl RawHub {
             // Released already: its `Disconnected` event, queued, says how it ended.
             let Ok(slot) = self.find(peer) else {
                 return match self.events.iter().find_map(|ev| match ev {
-                    RawHubEvent::Disconnected { peer: p, failure } if *p == peer => Some(*failure),
+                    RawHubEvent::Disconnected {
+                        peer: p, failure, ..
+                    } if *p == peer => Some(*failure),
                     _ => None,
                 }) {
                     Some(Failure::CloseTimedOut) => Err(Error::Timeout(timeout)),
@@ -621,7 +684,9 @@ impl RawHub {
             .core
             .start_close(Instant::now())
             .expect("wait_to_send ensured a credit");
-        self.post(slot, Payload::Empty, post)?;
+        // The close carries the note too: the peer's last word from us.
+        let note = self.send.note(self.slot(slot).core.note());
+        self.post(slot, note, post)?;
         self.timed.push(slot);
         Ok(())
     }

@@ -130,11 +130,15 @@ impl RawHub {
         self.stats.forced_solicited += c.forced_solicited;
         self.stats.credit_waits += c.credit_waits;
         let failure = s.core.failure().unwrap_or(Failure::QpError);
+        let last_note = s.core.peer_note();
         self.unadmit(slot);
         if announced {
             self.stats.disconnected += 1;
-            self.events
-                .push_back(RawHubEvent::Disconnected { peer, failure });
+            self.events.push_back(RawHubEvent::Disconnected {
+                peer,
+                failure,
+                last_note,
+            });
         }
         self.slots[slot] = None;
         self.free_slots.push(slot);

@@ -505,6 +505,68 @@ impl QueuePair {
         Ok(id)
     }
 
+    /// Binds the memory window of `exposed` (made by [`ProtectionDomain::window_over`] in
+    /// this queue pair's protection domain) over its bytes, for remote reads through this queue
+    /// pair alone, with a signaled `IBV_WR_BIND_MW` request (the queue pair must be in RTS).
+    /// The window's key ([`Exposed::rkey`]) is then valid on this queue pair only: a peer on
+    /// another queue pair of the same protection domain that uses it gets a remote access
+    /// error. Requests posted after the bind execute after it, so a descriptor sent next names
+    /// a key already valid. The bind takes a send queue slot until its completion; returns its
+    /// wr_id. Keep `exposed` until that completion (deallocating a window whose bind is still
+    /// pending fails the queue pair).
+    ///
+    /// [`Exposed::rkey`]: crate::Exposed::rkey
+    pub fn bind(&mut self, exposed: &mut crate::Exposed) -> Result<u64> {
+        let Some(mw) = exposed.mw else {
+            return Err(Error::InvalidArgument(
+                "an exposure without a memory window cannot be bound".into(),
+            ));
+        };
+        if !Arc::ptr_eq(exposed.pd(), &self._pd) {
+            return Err(Error::InvalidArgument(
+                "the window belongs to another protection domain".into(),
+            ));
+        }
+        // SAFETY: the window is alive (owned by `exposed`); its key is read before the bind
+        // below changes it.
+        let rkey = unsafe { ffi::ibv_inc_rkey((*mw.as_ptr()).rkey) };
+        let id = draw_wr_ids(1);
+        // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
+        let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = id;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_BIND_MW;
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.bind_mw_tso_union.bind_mw = ffi::bind_mw_t {
+            mw: mw.as_ptr(),
+            rkey,
+            bind_info: ffi::ibv_mw_bind_info {
+                mr: exposed.raw_mr(),
+                addr: exposed.addr(),
+                length: exposed.len() as u64,
+                mw_access_flags: ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            },
+        };
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; `wr` is a single request (next is NULL) without a list; the
+        // window and the region it names are owned by `exposed`, which the caller keeps until
+        // the request completes (its Drop deallocates the window before the region).
+        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) };
+        if let Err(source) = check_ret(ret) {
+            if bad.is_null() {
+                // The provider did not name the request: it may have been posted (fail
+                // closed: it counts as outstanding).
+                self.posted.send.push_back((id, None, false));
+            }
+            return Err(Error::PostSend {
+                qp_num: self.qp_num,
+                source,
+            });
+        }
+        self.posted.send.push_back((id, None, false));
+        exposed.rkey = rkey;
+        Ok(id)
+    }
+
     fn check_send(&self, reqs: &[SendRequest<'_>]) -> Option<Error> {
         for r in reqs {
             match &r.payload {
