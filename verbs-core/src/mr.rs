@@ -303,7 +303,7 @@ pub struct Exposed {
     /// A memory window of type 2 over the region, bound to one queue pair
     /// ([`QueuePair::bind`](crate::QueuePair::bind)): the key peers read with is the
     /// window's, valid on that queue pair alone. `None`: the region's own key.
-    pub(crate) mw: Option<NonNull<ffi::ibv_mw>>,
+    pub(crate) mw: Option<Arc<Window>>,
     /// The key a peer reads with.
     pub(crate) rkey: u32,
     /// Keeps the memory alive and unchanged: `Bytes` gives no mutable access.
@@ -324,6 +324,39 @@ impl fmt::Debug for Exposed {
             .field("len", &self.len())
             .field("rkey", &self.rkey())
             .finish()
+    }
+}
+
+/// A memory window, deallocated once: by the [`Exposed`] that owns it when dropped, or before
+/// that by the queue pair it is bound to when that is destroyed (a window bound to a queue
+/// pair holds it: destroying the queue pair first would wait for the window, for seconds on
+/// rxe). Its key reads nothing once deallocated.
+pub(crate) struct Window {
+    mw: std::sync::Mutex<Option<NonNull<ffi::ibv_mw>>>,
+}
+
+// SAFETY: the window is only used through the mutex, and deallocated once.
+unsafe impl Send for Window {}
+// SAFETY: as above.
+unsafe impl Sync for Window {}
+
+impl Window {
+    fn raw(&self) -> Option<NonNull<ffi::ibv_mw>> {
+        *self.mw.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Deallocates the window now (its key is dead); whether it is gone (false: the
+    /// deallocation failed, and its key may still read).
+    pub(crate) fn revoke(&self) -> bool {
+        let mut mw = self.mw.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = mw.take() {
+            // SAFETY: the window is allocated until now and deallocated once, here.
+            if unsafe { ffi::ibv_dealloc_mw(p.as_ptr()) } != 0 {
+                *mw = Some(p);
+                return false;
+            }
+        }
+        true
     }
 }
 
@@ -402,7 +435,10 @@ impl ProtectionDomain {
             Some(p) => non_null(p),
             None => Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
         };
-        exposed.mw = Some(mw.map_err(|source| Error::AllocMw { source })?);
+        let mw = mw.map_err(|source| Error::AllocMw { source })?;
+        exposed.mw = Some(Arc::new(Window {
+            mw: std::sync::Mutex::new(Some(mw)),
+        }));
         Ok(exposed)
     }
 }
@@ -438,6 +474,12 @@ impl Exposed {
         self.mr.as_ptr()
     }
 
+    /// The window's handle and its raw pointer, if it still has one.
+    pub(crate) fn window(&self) -> Option<(&Arc<Window>, NonNull<ffi::ibv_mw>)> {
+        let w = self.mw.as_ref()?;
+        Some((w, w.raw()?))
+    }
+
     pub(crate) fn pd(&self) -> &Arc<PdInner> {
         &self._pd
     }
@@ -450,11 +492,10 @@ impl Exposed {
 
 impl Drop for Exposed {
     fn drop(&mut self) {
-        if let Some(mw) = self.mw {
-            // SAFETY: the window is allocated until now and deallocated once, here (bound or
-            // not: deallocating invalidates its key).
-            let ret = unsafe { ffi::ibv_dealloc_mw(mw.as_ptr()) };
-            if ret != 0 {
+        if let Some(w) = &self.mw {
+            // Bound or not, deallocating invalidates its key (unless its queue pair's
+            // destruction did already).
+            if !w.revoke() {
                 // Its key may still read the bytes: neither the region nor the bytes go.
                 std::mem::forget(std::mem::take(&mut self.bytes));
                 return;

@@ -54,6 +54,9 @@ pub struct QueuePair {
     srq: Option<Arc<SrqInner>>,
     /// Destroyed by [`QueuePair::destroy`]: nothing left for Drop.
     destroyed: bool,
+    /// Memory windows bound through this queue pair ([`QueuePair::bind`]): those still
+    /// allocated are deallocated before it is destroyed.
+    windows: Vec<std::sync::Weak<crate::mr::Window>>,
 }
 
 // SAFETY: posting and modifying take `&mut self`; the raw QP may be used from any one thread at
@@ -163,6 +166,7 @@ impl QueuePair {
             recv_cq: recv_cq.inner.clone(),
             srq: srq.map(|s| s.inner().clone()),
             destroyed: false,
+            windows: Vec::new(),
         })
     }
 
@@ -517,11 +521,12 @@ impl QueuePair {
     ///
     /// [`Exposed::rkey`]: crate::Exposed::rkey
     pub fn bind(&mut self, exposed: &mut crate::Exposed) -> Result<u64> {
-        let Some(mw) = exposed.mw else {
+        let Some((window, mw)) = exposed.window() else {
             return Err(Error::InvalidArgument(
                 "an exposure without a memory window cannot be bound".into(),
             ));
         };
+        let window = Arc::downgrade(window);
         if !Arc::ptr_eq(exposed.pd(), &self._pd) {
             return Err(Error::InvalidArgument(
                 "the window belongs to another protection domain".into(),
@@ -564,6 +569,12 @@ impl QueuePair {
         }
         self.posted.send.push_back((id, None, false));
         exposed.rkey = rkey;
+        // Forget the windows already gone, now and then (at each power of two from 64: the
+        // list stays within about twice the windows alive, at amortized constant cost).
+        if self.windows.len() >= 64 && self.windows.len().is_power_of_two() {
+            self.windows.retain(|w| w.strong_count() > 0);
+        }
+        self.windows.push(window);
         Ok(id)
     }
 
@@ -734,6 +745,7 @@ impl QueuePair {
     /// no longer held, so they hand back nothing. If `ibv_destroy_qp` fails, the buffers are
     /// leaked (the device may still own them), as on drop.
     pub fn destroy(mut self) -> Result<Vec<Buffer>> {
+        self.revoke_windows();
         // SAFETY: the QP is alive; `destroyed` below keeps Drop from destroying it again.
         let ret = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
         self.destroyed = true;
@@ -756,6 +768,16 @@ impl QueuePair {
         Ok(bufs)
     }
 
+    /// Deallocates the memory windows still bound through this queue pair, before it goes:
+    /// their keys read nothing from now on (the exposures keep their memory until dropped).
+    fn revoke_windows(&mut self) {
+        for w in self.windows.drain(..) {
+            if let Some(w) = w.upgrade() {
+                w.revoke();
+            }
+        }
+    }
+
     /// After a failed `ibv_destroy_qp`: the device may still own the posted buffers; leak them
     /// rather than free memory it could write to, and keep the SRQ (the QP may still consume
     /// its requests).
@@ -774,6 +796,7 @@ impl Drop for QueuePair {
         if self.destroyed {
             return;
         }
+        self.revoke_windows();
         // SAFETY: the QP is alive and destroyed exactly once. Its CQs and PD are still held.
         let ret = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
         if ret != 0 {
