@@ -729,6 +729,14 @@ fn varied(id: u32) -> Plain {
     }
 }
 
+/// The message a peer sends to say, in its header, how many it took.
+fn answer() -> Plain {
+    Plain {
+        id: 999,
+        data: Vec::new(),
+    }
+}
+
 /// The fatal error that ends `s`, once what arrived before it was taken (none expected).
 fn end_of(s: &mut Session) -> Error {
     match s.recv_timeout(WAIT) {
@@ -757,10 +765,7 @@ fn the_record_hands_back_exactly_what_a_vanished_peer_did_not_take() {
         "nothing is handed back while the peer may still take it"
     );
     server
-        .send(&Plain {
-            id: 999,
-            data: Vec::new(),
-        })
+        .send(&answer())
         .expect("the answer carries the count");
     drop(server);
     assert_eq!(recv(&mut client).decode::<Plain>().unwrap().id, 999);
@@ -823,12 +828,7 @@ fn a_close_with_the_record_waits_for_the_peer_to_take_everything_or_hands_back_t
     for id in 0..3 {
         assert_eq!(recv(&mut server).decode::<Plain>().unwrap(), varied(id));
     }
-    server
-        .send(&Plain {
-            id: 999,
-            data: Vec::new(),
-        })
-        .unwrap();
+    server.send(&answer()).unwrap();
     let closed = client.close_with_record();
     assert_eq!(closed.delivery.sent, SENT.into());
     assert_eq!(closed.delivery.taken, 3, "what the peer said it took");
@@ -892,11 +892,7 @@ fn a_hub_hands_back_what_a_vanished_peer_did_not_take() {
         for id in 0..TAKEN {
             assert_eq!(recv(&mut s).decode::<Plain>().unwrap(), varied(id));
         }
-        s.send(&Plain {
-            id: 999,
-            data: Vec::new(),
-        })
-        .unwrap();
+        s.send(&answer()).unwrap();
         // Vanishes once everything was sent: dropped without a close.
         sent.recv().unwrap();
     });

@@ -151,19 +151,8 @@ impl Wire {
 fn a_read_without_a_buffer_is_refused_alone_and_acknowledged() {
     // The test wire registers nothing, as a device over its memory-lock limit.
     let mut wire = Wire::new(256);
-    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
-    rx.on_descriptor(
-        Blob::TAG,
-        7,
-        Descriptor {
-            total: 100_000,
-            segments: vec![Segment::Remote {
-                len: 100_000,
-                addr: 0x1000,
-                rkey: 9,
-            }],
-        },
-    );
+    let mut rx = receiver();
+    rx.on_descriptor(Blob::TAG, 7, one_remote_piece(100_000));
     rx.advance(&mut wire).expect("the connection goes on");
     match rx.pop() {
         Some(Err(Error::ReadRefused { seq: 7, .. })) => {}
@@ -537,6 +526,18 @@ fn a_sender_out_of_room_asks_once_and_the_answer_comes_when_the_peer_took_that_f
     );
 }
 
+/// A descriptor of a message of `total` bytes lying whole in the peer's memory.
+fn one_remote_piece(total: u32) -> Descriptor {
+    Descriptor {
+        total,
+        segments: vec![Segment::Remote {
+            len: total,
+            addr: 0x1000,
+            rkey: 9,
+        }],
+    }
+}
+
 fn receiver() -> Receiver {
     Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20))
 }
@@ -547,18 +548,7 @@ fn frames_behind_a_head_that_waits_for_room_are_held_unread_then_delivered_after
     let pool = ReadPool::new(1 << 20);
     pool.occupy((1 << 20) - 1000);
     let mut rx = Receiver::new(Decoder::new(1 << 20), pool);
-    rx.on_descriptor(
-        Blob::TAG,
-        0,
-        Descriptor {
-            total: 100_000,
-            segments: vec![Segment::Remote {
-                len: 100_000,
-                addr: 0x1000,
-                rkey: 9,
-            }],
-        },
-    );
+    rx.on_descriptor(Blob::TAG, 0, one_remote_piece(100_000));
     let mut wire = Wire::new(256);
     rx.advance(&mut wire).unwrap();
     // The peer goes on sending fragmented messages behind it.
