@@ -151,8 +151,12 @@ pub fn wait_any_readable(
     timeout: Option<std::time::Duration>,
 ) -> Result<Option<usize>> {
     use std::os::fd::AsRawFd;
-    let deadline = timeout.map(|t| deadline_after(std::time::Instant::now(), t));
-    let mut pfds: Vec<libc::pollfd> = fds
+    let deadline = timeout
+        .filter(|t| !t.is_zero())
+        .map(|t| deadline_after(std::time::Instant::now(), t));
+    let mut first = true;
+    // A few descriptors, on the stack: a sleep allocates nothing.
+    let mut pfds: smallvec::SmallVec<[libc::pollfd; 8]> = fds
         .iter()
         .map(|fd| libc::pollfd {
             fd: fd.as_raw_fd(),
@@ -161,7 +165,12 @@ pub fn wait_any_readable(
         })
         .collect();
     loop {
-        let ms = poll_timeout_ms(deadline);
+        let ms = match timeout {
+            // The first wait takes the timeout as it is; a resumed one what is left (a look
+            // stays a look).
+            Some(t) if std::mem::take(&mut first) || t.is_zero() => timeout_ms(t),
+            _ => poll_timeout_ms(deadline),
+        };
         // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds; the descriptors are kept
         // open by the borrows in `fds`.
         let ret = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
@@ -198,11 +207,13 @@ pub fn deadline_after(
 pub(crate) fn poll_timeout_ms(deadline: Option<std::time::Instant>) -> libc::c_int {
     match deadline {
         None => -1,
-        Some(d) => {
-            let left = d.saturating_duration_since(std::time::Instant::now());
-            libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
-        }
+        Some(d) => timeout_ms(d.saturating_duration_since(std::time::Instant::now())),
     }
+}
+
+/// `left` in whole milliseconds for `poll`/`epoll_wait`, rounded up (a wait never ends early).
+pub(crate) fn timeout_ms(left: std::time::Duration) -> libc::c_int {
+    libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
 }
 
 /// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`), for measuring what a

@@ -2,6 +2,7 @@
 //! work request ids, requests held in posting order, posting a list of receives, and what a
 //! failed post hands back.
 
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,7 +59,8 @@ impl From<PostError> for Error {
 }
 
 /// The next work request id of this process. Ids start at 1 (0 is what a `Default` completion
-/// carries) and are never reused: at a billion posts a second, 2^63 of them last 292 years.
+/// carries) and are never reused: at a billion a second (receive lists draw 8 at a time), 2^63
+/// of them last 36 years and more.
 static NEXT_WR_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Draws `n` consecutive work request ids no other request of this process ever had; returns
@@ -132,56 +134,72 @@ impl<B> InOrder<B> {
     }
 }
 
-/// Posts `bufs` as one linked list of receive requests with fresh wr_ids through `post` (which
-/// calls `ibv_post_recv` or `ibv_post_srq_recv` with the list and the `bad_wr` out-pointer),
-/// holding each buffer in `held` first. On failure, the buffers of the failing request and those
-/// after it are handed back with `error` of the OS error; if the provider names no request as
-/// the failing one, all stay held (fail closed).
+/// Posts `bufs` as linked lists of receive requests with fresh wr_ids through `post` (which
+/// calls `ibv_post_recv` or `ibv_post_srq_recv` with a list and the `bad_wr` out-pointer), up
+/// to [`INLINE_WRS`] requests per call, built on the stack: re-posting buffers, which a data
+/// path does all the time, allocates nothing. Each buffer is held in `held` before its list is
+/// posted. On failure, the buffers of the failing request and all after it are handed back with
+/// `error` of the OS error; if the provider names no request as the failing one, those of that
+/// list stay held (fail closed) and the rest are handed back.
 pub(crate) fn post_recv_list(
     held: &mut InOrder<Buffer>,
-    bufs: Vec<Buffer>,
-    post: impl FnOnce(*mut ffi::ibv_recv_wr, &mut *mut ffi::ibv_recv_wr) -> libc::c_int,
+    bufs: impl IntoIterator<Item = Buffer>,
+    mut post: impl FnMut(*mut ffi::ibv_recv_wr, &mut *mut ffi::ibv_recv_wr) -> libc::c_int,
     error: impl FnOnce(std::io::Error) -> Error,
 ) -> Result<(), PostError> {
-    if bufs.is_empty() {
-        return Ok(());
+    let mut bufs = bufs.into_iter();
+    let mut posted_before = 0;
+    loop {
+        // Ids for a whole list: unused ones are simply never seen (ids only need to be unique
+        // and increasing).
+        let first_id = draw_wr_ids(INLINE_WRS);
+        let mut sges: SmallVec<[ffi::ibv_sge; INLINE_WRS]> = SmallVec::new();
+        for (i, b) in bufs.by_ref().take(INLINE_WRS).enumerate() {
+            sges.push(b.sge(b.len()));
+            held.push(first_id + i as u64, b);
+        }
+        let n = sges.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let mut wrs: SmallVec<[ffi::ibv_recv_wr; INLINE_WRS]> = SmallVec::new();
+        for (i, sge) in sges.iter_mut().enumerate() {
+            wrs.push(ffi::ibv_recv_wr {
+                wr_id: first_id + i as u64,
+                next: std::ptr::null_mut(),
+                sg_list: sge,
+                num_sge: 1,
+            });
+        }
+        let head = link(&mut wrs, |wr, next| wr.next = next);
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        let ret = post(head, &mut bad);
+        if let Err(source) = check_ret(ret) {
+            let posted = failed_index(&wrs, bad);
+            let unposted = (posted..n)
+                .filter_map(|i| held.take(first_id + i as u64))
+                .chain(bufs)
+                .collect();
+            return Err(PostError {
+                error: error(source),
+                unposted,
+                posted: posted_before + posted,
+            });
+        }
+        posted_before += n;
+        if n < INLINE_WRS {
+            return Ok(());
+        }
     }
-    let first_id = draw_wr_ids(bufs.len());
-    let mut sges: Vec<ffi::ibv_sge> = bufs.iter().map(|b| b.sge(b.len())).collect();
-    let mut wrs: Vec<ffi::ibv_recv_wr> = sges
-        .iter_mut()
-        .enumerate()
-        .map(|(i, sge)| ffi::ibv_recv_wr {
-            wr_id: first_id + i as u64,
-            next: std::ptr::null_mut(),
-            sg_list: sge,
-            num_sge: 1,
-        })
-        .collect();
-    let n = bufs.len();
-    for (i, b) in bufs.into_iter().enumerate() {
-        held.push(first_id + i as u64, b);
-    }
-    link(&mut wrs, |wr, next| wr.next = next);
-    let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-    let ret = post(wrs.as_mut_ptr(), &mut bad);
-    if let Err(source) = check_ret(ret) {
-        let posted = failed_index(&wrs, bad);
-        let unposted = (posted..n)
-            .filter_map(|i| held.take(first_id + i as u64))
-            .collect();
-        return Err(PostError {
-            error: error(source),
-            unposted,
-            posted,
-        });
-    }
-    Ok(())
 }
 
-/// Links a vector of work requests into a NULL-terminated list. Works through the raw pointer
-/// only (`Vec::as_mut_ptr` creates no reference), so the links stay valid for the post call.
-pub(crate) fn link<T>(wrs: &mut Vec<T>, set_next: impl Fn(&mut T, *mut T)) {
+/// Work requests of one post built without a heap allocation; longer lists spill to the heap.
+pub(crate) const INLINE_WRS: usize = 8;
+
+/// Links work requests into a NULL-terminated list and returns the pointer to its head, the
+/// one to post. Works through that raw pointer only, so the links stay valid for the post call
+/// as long as the requests do not move and `wrs` is not borrowed again before it.
+pub(crate) fn link<T>(wrs: &mut [T], set_next: impl Fn(&mut T, *mut T)) -> *mut T {
     let base = wrs.as_mut_ptr();
     let n = wrs.len();
     for i in 0..n {
@@ -194,6 +212,7 @@ pub(crate) fn link<T>(wrs: &mut Vec<T>, set_next: impl Fn(&mut T, *mut T)) {
         // other reference to it exists during this call.
         set_next(unsafe { &mut *base.add(i) }, next);
     }
+    base
 }
 
 /// Index of the request `bad` points at (the first not posted), which is how many were posted.

@@ -114,16 +114,17 @@ impl SharedReceiveQueue {
         self.max_wr
     }
 
-    /// Posts receive buffers as one linked list of work requests (`ibv_post_srq_recv`), with
-    /// fresh wr_ids. The SRQ owns them until [`SharedReceiveQueue::take_recv`] hands each back
+    /// Posts receive buffers as linked lists of up to 8 work requests (`ibv_post_srq_recv`),
+    /// built on the stack (no allocation), with fresh wr_ids. The SRQ owns them until [`SharedReceiveQueue::take_recv`] hands each back
     /// with its completion, whichever queue pair consumed it.
     ///
     /// On failure, the buffers of the failing request and those after it are handed back in
-    /// the [`PostError`]; if the provider does not say which request failed, none are (they may
-    /// have been posted) and they stay with the SRQ.
+    /// the [`PostError`]; if the provider does not say which request failed, those of the
+    /// failing list stay with the SRQ (they may have been posted) and only those of later lists
+    /// are handed back.
     pub fn post_recv(&mut self, bufs: impl IntoIterator<Item = Buffer>) -> Result<(), PostError> {
-        let bufs: Vec<Buffer> = bufs.into_iter().collect();
-        let requests = bufs.len();
+        let bufs = bufs.into_iter();
+        let requests = bufs.size_hint().0;
         let (srq, max_wr) = (self.inner.as_ptr(), self.max_wr);
         post_recv_list(
             &mut self.posted,

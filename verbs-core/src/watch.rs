@@ -106,12 +106,14 @@ impl ReadyWatch {
             .fold(0u64, |mask, ev| mask | (1u64 << (ev.u64 & 63))))
     }
 
-    /// Waits like [`ReadyWatch::wait`] and appends the keys of up to 64 ready descriptors to
+    /// Waits like [`ReadyWatch::wait`] and appends the keys of up to 16 ready descriptors to
     /// `ready` (a descriptor added with a token reports the token as its key); returns how
     /// many. A zero `timeout` only looks. Level-triggered: a descriptor left readable is
     /// reported again by the next call.
     pub fn wait_keys(&self, timeout: Option<Duration>, ready: &mut Vec<u64>) -> Result<usize> {
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // Small: most waits find one or two descriptors ready, and those left over are
+        // reported by the next call (level-triggered).
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
         let n = self.wait_raw(timeout, &mut events)?;
         ready.extend(events[..n].iter().map(|ev| ev.u64));
         Ok(n)
@@ -122,9 +124,19 @@ impl ReadyWatch {
         timeout: Option<Duration>,
         events: &mut [libc::epoll_event],
     ) -> Result<usize> {
-        let deadline = timeout.map(|t| crate::deadline_after(Instant::now(), t));
+        // A look (zero) or a wait for ever reads no clock; a bounded wait reads it once, to
+        // resume an interrupted wait with the time left.
+        let deadline = timeout
+            .filter(|t| !t.is_zero())
+            .map(|t| crate::deadline_after(Instant::now(), t));
+        let mut first = true;
         loop {
-            let ms = crate::poll_timeout_ms(deadline);
+            let ms = match timeout {
+                // The first wait takes the timeout as it is; a resumed one what is left (a
+                // look stays a look).
+                Some(t) if std::mem::take(&mut first) || t.is_zero() => crate::timeout_ms(t),
+                _ => crate::poll_timeout_ms(deadline),
+            };
             // SAFETY: `events` is a valid array of `events.len()` epoll_events the kernel may
             // fill; the epoll descriptor is ours and open.
             let n = unsafe {

@@ -45,6 +45,13 @@ impl<B> Posted<B> {
     /// Retires the send request `id` and every one before it into `out`; false (and nothing
     /// retired) if `id` is not a send request still held.
     pub(super) fn complete_send(&mut self, id: u64, out: &mut Vec<B>) -> bool {
+        // The oldest request, when every send is signaled: a look at the front.
+        if self.send.front().is_some_and(|&(k, _, _)| k == id) {
+            if let Some((_, Some(b), _)) = self.send.pop_front() {
+                out.push(b);
+            }
+            return true;
+        }
         let Ok(i) = self.send.binary_search_by_key(&id, |&(k, _, _)| k) else {
             return false;
         };

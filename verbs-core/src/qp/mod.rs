@@ -30,8 +30,9 @@ use crate::ffi;
 use crate::mr::Buffer;
 use crate::pd::{PdInner, ProtectionDomain};
 pub use crate::posted::PostError;
-use crate::posted::{draw_wr_ids, failed_index, link, post_recv_list, InOrder};
+use crate::posted::{draw_wr_ids, failed_index, link, post_recv_list, InOrder, INLINE_WRS};
 use crate::srq::{SharedReceiveQueue, SrqInner};
+use smallvec::SmallVec;
 
 /// A reliable-connected queue pair. Holds its PD and both CQs alive (destroying an attached CQ
 /// would fail with `EBUSY`).
@@ -331,13 +332,14 @@ impl QueuePair {
         Ok(QpState::from_raw(attr.qp_state))
     }
 
-    /// Posts receive buffers as one linked list of work requests (`ibv_post_recv`), with fresh
-    /// wr_ids. The queue pair owns them until [`QueuePair::take_recv`] (or
+    /// Posts receive buffers as linked lists of up to 8 work requests (`ibv_post_recv`), built
+    /// on the stack (no allocation), with fresh wr_ids. The queue pair owns them until [`QueuePair::take_recv`] (or
     /// [`QueuePair::reclaim`]) hands each back with its completion.
     ///
     /// On failure, the buffers of the failing request and those after it are handed back in
-    /// the [`PostError`]; if the provider does not say which request failed, none are (they may
-    /// have been posted) and they stay with the queue pair. A queue pair created with a
+    /// the [`PostError`]; if the provider does not say which request failed, those of the
+    /// failing list stay with the queue pair (they may have been posted) and only those of
+    /// later lists are handed back. A queue pair created with a
     /// [`SharedReceiveQueue`] posts nothing: [`Error::InvalidArgument`], every buffer handed
     /// back.
     pub fn post_recv(&mut self, bufs: impl IntoIterator<Item = Buffer>) -> Result<(), PostError> {
@@ -355,7 +357,7 @@ impl QueuePair {
         let qp_num = self.qp_num;
         post_recv_list(
             &mut self.posted.recv,
-            bufs.into_iter().collect(),
+            bufs,
             |wrs, bad| {
                 // SAFETY: the QP is alive; `wrs` is the valid NULL-terminated list
                 // `post_recv_list` built, whose SGEs point into buffers it moved into
@@ -405,13 +407,18 @@ impl QueuePair {
 
     /// Posts send requests as one linked list (`ibv_post_send`). Returns the wr_id of the first
     /// (0 if `reqs` is empty); the others follow consecutively. Inline payloads longer than the
-    /// granted `max_inline_data` are rejected before anything is posted.
+    /// granted `max_inline_data` are rejected before anything is posted. Up to 8 requests (an
+    /// array of them, say) are posted without a heap allocation.
     ///
     /// On failure, the buffers of the failing request and those after it are handed back in
     /// the [`PostError`]; if the provider does not say which request failed, none are (they may
     /// have been posted) and they stay with the queue pair until their completions, like those
     /// of the requests posted.
-    pub fn post_send(&mut self, reqs: Vec<SendRequest<'_>>) -> Result<u64, PostError> {
+    pub fn post_send<'a>(
+        &mut self,
+        reqs: impl IntoIterator<Item = SendRequest<'a>>,
+    ) -> Result<u64, PostError> {
+        let reqs: SmallVec<[SendRequest<'a>; INLINE_WRS]> = reqs.into_iter().collect();
         if reqs.is_empty() {
             return Ok(0);
         }
@@ -424,20 +431,20 @@ impl QueuePair {
             });
         }
         let first_id = draw_wr_ids(reqs.len());
-        let mut sges: Vec<ffi::ibv_sge> = reqs.iter().map(sge_of).collect();
-        let mut wrs: Vec<ffi::ibv_send_wr> = reqs
+        let mut sges: SmallVec<[ffi::ibv_sge; INLINE_WRS]> = reqs.iter().map(sge_of).collect();
+        let mut wrs: SmallVec<[ffi::ibv_send_wr; INLINE_WRS]> = reqs
             .iter()
             .zip(sges.iter_mut())
             .enumerate()
             .map(|(i, (r, sge))| send_wr(r, first_id + i as u64, sge))
             .collect();
-        link(&mut wrs, |wr, next| wr.next = next);
+        let head = link(&mut wrs, |wr, next| wr.next = next);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive; `wrs` is a valid NULL-terminated list. Buffer SGEs point into
+        // SAFETY: the QP is alive; `head` is a valid NULL-terminated list. Buffer SGEs point into
         // buffers that are moved into `posted.send` below (their memory is owned by the region,
         // so moving the handle does not move the bytes); inline SGEs point into borrowed slices
         // that outlive this call, after which the device no longer reads them.
-        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
+        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), head, &mut bad) };
         let posted = match check_ret(ret) {
             Ok(()) => wrs.len(),
             Err(_) => failed_index(&wrs, bad),
@@ -607,10 +614,15 @@ impl QueuePair {
     /// handed back, another QP's, `WorkCompletion::default()`) retires nothing.
     pub fn complete_send(&mut self, wc: &WorkCompletion) -> Vec<Buffer> {
         let mut out = Vec::new();
-        if wc.qp_num() == self.qp_num {
-            self.posted.complete_send(wc.wr_id(), &mut out);
-        }
+        self.complete_send_into(wc, &mut out);
         out
+    }
+
+    /// [`QueuePair::complete_send`] into `out`, which a data path keeps from one completion
+    /// to the next (no allocation once it has room). Whether `wc` named a request this queue
+    /// pair held.
+    pub fn complete_send_into(&mut self, wc: &WorkCompletion, out: &mut Vec<Buffer>) -> bool {
+        wc.qp_num() == self.qp_num && self.posted.complete_send(wc.wr_id(), out)
     }
 
     /// Send requests posted and not yet retired by a completion: the send queue slots in use.
@@ -680,11 +692,11 @@ impl QueuePair {
         }
         let n = segments.len();
         let first_id = draw_wr_ids(n);
-        let mut sges: Vec<ffi::ibv_sge> = segments
+        let mut sges: SmallVec<[ffi::ibv_sge; INLINE_WRS]> = segments
             .iter()
             .map(|s| buf.sge_at(s.local_offset, s.len as usize))
             .collect();
-        let mut wrs: Vec<ffi::ibv_send_wr> = segments
+        let mut wrs: SmallVec<[ffi::ibv_send_wr; INLINE_WRS]> = segments
             .iter()
             .zip(sges.iter_mut())
             .enumerate()
@@ -705,13 +717,13 @@ impl QueuePair {
                 wr
             })
             .collect();
-        link(&mut wrs, |wr, next| wr.next = next);
+        let head = link(&mut wrs, |wr, next| wr.next = next);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive; `wrs` is a valid NULL-terminated list whose SGEs lie inside
+        // SAFETY: the QP is alive; `head` is a valid NULL-terminated list whose SGEs lie inside
         // `buf` (checked above), a registered region the buffer handle keeps alive; the handle
         // is moved into `posted.send` below, so no safe code reaches those bytes until a
         // completion covering the reads hands it back. The device only writes there.
-        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
+        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), head, &mut bad) };
         let posted = match check_ret(ret) {
             Ok(()) => n,
             Err(_) => failed_index(&wrs, bad),

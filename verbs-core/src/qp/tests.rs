@@ -15,8 +15,9 @@ fn link_builds_a_null_terminated_list() {
             next: std::ptr::null_mut(),
         })
         .collect();
-    link(&mut v, |n, next| n.next = next);
+    let head = link(&mut v, |n, next| n.next = next);
     let base = v.as_ptr();
+    assert_eq!(head as *const Node, base, "the head is the first request");
     assert_eq!(v[0].next as *const Node, base.wrapping_add(1));
     assert_eq!(v[1].next as *const Node, base.wrapping_add(2));
     assert!(v[2].next.is_null());
