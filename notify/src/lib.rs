@@ -72,7 +72,10 @@
 //! # Policies
 //!
 //! [`Policy::Sleep`] arms and sleeps at once; [`Policy::Poll`] never arms; [`Policy::Hybrid`]
-//! spins for a bounded time or number of empty polls before arming and sleeping.
+//! spins for a bounded time or number of empty polls before arming and sleeping;
+//! [`Policy::Adaptive`] spins only while recent waits were short (about twice as long as they
+//! were), probing now and then otherwise, so that one setting serves high and low message
+//! rates.
 //!
 //! # Testing
 //!
@@ -91,7 +94,7 @@ mod waiter;
 pub use error::{Error, Result};
 pub use source::{ArmMode, CompletionSource, EventChannel, EventTarget, Readiness};
 pub use stats::Stats;
-pub use waiter::{CqKey, Policy, Waiter};
+pub use waiter::{CqKey, Policy, Waiter, PROBE_EVERY, RECENT_GAPS};
 
 impl Waiter<rdmsg_verbs::CompletionQueue, rdmsg_verbs::CompletionChannel> {
     /// A waiter over a verbs completion channel, switched to non-blocking mode (draining reads

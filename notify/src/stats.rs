@@ -28,6 +28,10 @@ pub struct Stats {
     pub empty_polls: u64,
     /// Time spent blocked on the channel.
     pub time_asleep: Duration,
+    /// Spins before sleeping ([`crate::Policy::Hybrid`], [`crate::Policy::Adaptive`]).
+    pub spins: u64,
+    /// Spins that caught a completion (and so spared a sleep).
+    pub spins_caught: u64,
 }
 
 impl Stats {

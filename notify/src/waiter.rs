@@ -22,6 +22,98 @@ pub enum Policy {
         /// Most empty polls before sleeping.
         max_empty_polls: u32,
     },
+    /// Spin when recent waits were short, else sleep at once, without tuning per rate: the
+    /// spin lasts twice the longest but one of the last [`RECENT_GAPS`] waits that ended
+    /// without a sleep (the time from a wait's start to its first completion), if that is at
+    /// most `max_spin`; otherwise the waiter sleeps at once, as [`Policy::Sleep`] does, and only
+    /// every [`PROBE_EVERY`]th wait spins `max_spin` to find out whether messages come close
+    /// together again. At a high message rate the receiver catches each message spinning
+    /// (busy-polling latency, and a spin shorter than a sleep and a wake-up costs less CPU than
+    /// they do); at a low rate it spins once in [`PROBE_EVERY`] waits (solicited-only CPU,
+    /// nearly). Two spins in four that find nothing turn spinning off until short waits come
+    /// again.
+    Adaptive {
+        /// Longest spin, and the longest gap worth spinning for: about what a sleep and a
+        /// wake-up cost (50 µs is a fair default; more under emulation).
+        max_spin: Duration,
+    },
+}
+
+impl Policy {
+    /// [`Policy::Adaptive`] with a 50 µs limit.
+    pub const ADAPTIVE: Policy = Policy::Adaptive {
+        max_spin: Duration::from_micros(50),
+    };
+}
+
+/// Waits [`Policy::Adaptive`] remembers.
+pub const RECENT_GAPS: usize = 4;
+
+/// While spinning is off, [`Policy::Adaptive`] spins on one wait in this many, to see whether
+/// messages come close together again.
+pub const PROBE_EVERY: u32 = 8;
+
+/// How long recent waits lasted, for [`Policy::Adaptive`].
+#[derive(Debug, Clone, Copy, Default)]
+struct Gaps {
+    /// The last [`RECENT_GAPS`] waits that ended without a sleep, in nanoseconds: 0 for a
+    /// completion already queued, the spin's length for one caught spinning, `u64::MAX` for
+    /// a spin that found nothing.
+    recent: [u64; RECENT_GAPS],
+    /// Where the next one goes in `recent`.
+    next: usize,
+    /// Waits seen so far, up to [`RECENT_GAPS`].
+    seen: usize,
+    /// Waits that slept at once since the last spin.
+    quiet: u32,
+}
+
+impl Gaps {
+    fn record(&mut self, wait: Duration) {
+        self.recent[self.next] = u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX);
+        self.next = (self.next + 1) % RECENT_GAPS;
+        self.seen = (self.seen + 1).min(RECENT_GAPS);
+    }
+
+    /// How long to spin before sleeping: twice the longest recent wait but one (one outlier,
+    /// a spin that a late message just missed, does not decide), at least a quarter of
+    /// `max_spin` (completions that were always queued already say nothing of how long the next
+    /// one takes), if that is at most `max_spin`; else nothing (sleep at once).
+    fn spin_budget(&self, max_spin: Duration) -> Duration {
+        if self.seen < RECENT_GAPS {
+            return Duration::ZERO;
+        }
+        let mut sorted = self.recent;
+        sorted.sort_unstable();
+        let longest = sorted[RECENT_GAPS - 2];
+        // A fruitless spin (the sentinel) turns spinning off whatever `max_spin` is.
+        if longest == u64::MAX {
+            return Duration::ZERO;
+        }
+        let longest = Duration::from_nanos(longest);
+        if longest > max_spin {
+            Duration::ZERO
+        } else {
+            (longest * 2).clamp(max_spin / 4, max_spin)
+        }
+    }
+
+    /// The spin of this wait: the budget, or `max_spin` on every [`PROBE_EVERY`]th wait while
+    /// the budget is nothing.
+    fn spin_now(&mut self, max_spin: Duration) -> Duration {
+        let budget = self.spin_budget(max_spin);
+        if !budget.is_zero() {
+            self.quiet = 0;
+            return budget;
+        }
+        self.quiet += 1;
+        if self.quiet >= PROBE_EVERY {
+            self.quiet = 0;
+            max_spin
+        } else {
+            Duration::ZERO
+        }
+    }
 }
 
 /// Key of a queue added to a [`Waiter`].
@@ -47,6 +139,7 @@ pub struct Waiter<Q: CompletionSource, C: EventChannel<Q>> {
     ack_batch: u32,
     scratch: Vec<Q::Completion>,
     stats: Stats,
+    gaps: Gaps,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -68,6 +161,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
             ack_batch: 16,
             scratch: (0..POLL_BATCH).map(|_| Q::Completion::default()).collect(),
             stats: Stats::default(),
+            gaps: Gaps::default(),
         }
     }
 
@@ -247,37 +341,73 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         timeout: Option<Duration>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
+        self.wait_inner(timeout, f)
+    }
+
+    /// The spin budget [`Policy::Adaptive`] would use now (zero: it would sleep at once).
+    pub fn adaptive_spin(&self) -> Duration {
+        match self.policy {
+            Policy::Adaptive { max_spin } => self.gaps.spin_budget(max_spin),
+            _ => Duration::ZERO,
+        }
+    }
+
+    fn wait_inner(
+        &mut self,
+        timeout: Option<Duration>,
+        f: &mut dyn FnMut(CqKey, &Q::Completion),
+    ) -> Result<usize> {
+        // What is already queued needs no syscall, and no clock read: the deadline is taken
+        // only once there is something to wait for.
+        let n = self.poll_all(f)?;
+        if n > 0 {
+            if matches!(self.policy, Policy::Adaptive { .. }) {
+                self.gaps.record(Duration::ZERO);
+            }
+            return Ok(n);
+        }
         let deadline = timeout.map(|t| rdmsg_verbs::deadline_after(Instant::now(), t));
         let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
         match self.policy {
             Policy::Poll => {
                 let mut empty = 0u32;
                 loop {
-                    let n = self.poll_all(f)?;
-                    if n > 0 {
-                        return Ok(n);
-                    }
                     empty = empty.wrapping_add(1);
                     if empty % CLOCK_EVERY == 0 && expired(deadline) {
                         return Ok(0);
                     }
                     std::hint::spin_loop();
+                    let n = self.poll_all(f)?;
+                    if n > 0 {
+                        return Ok(n);
+                    }
                 }
             }
             Policy::Hybrid {
                 spin,
                 max_empty_polls,
             } => {
-                let spin_until = rdmsg_verbs::deadline_after(Instant::now(), spin);
-                for i in 1..=max_empty_polls.max(1) {
-                    let n = self.poll_all(f)?;
-                    if n > 0 {
+                if let Some(n) = self.spin(spin, max_empty_polls, deadline, f)? {
+                    return Ok(n);
+                }
+                self.sleep_until(deadline, f)
+            }
+            Policy::Adaptive { max_spin } => {
+                let spin = self.gaps.spin_now(max_spin);
+                if !spin.is_zero() {
+                    let started = Instant::now();
+                    let caught = self.spin(spin, u32::MAX, deadline, f)?;
+                    let spun = started.elapsed();
+                    match caught {
+                        Some(_) => self.gaps.record(spun),
+                        // Fruitless only if it had its whole budget: one the caller's
+                        // deadline cut short says nothing of the next message.
+                        None if spun >= spin => self.gaps.record(Duration::MAX),
+                        None => {}
+                    }
+                    if let Some(n) = caught {
                         return Ok(n);
                     }
-                    if i % CLOCK_EVERY == 0 && (Instant::now() >= spin_until || expired(deadline)) {
-                        break;
-                    }
-                    std::hint::spin_loop();
                 }
                 self.sleep_until(deadline, f)
             }
@@ -285,16 +415,39 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         }
     }
 
+    /// Polls for up to `spin` or `max_polls` polls (the first already done by the caller),
+    /// whichever ends first, or until `deadline`; what it delivered, if anything.
+    fn spin(
+        &mut self,
+        spin: Duration,
+        max_polls: u32,
+        deadline: Option<Instant>,
+        f: &mut dyn FnMut(CqKey, &Q::Completion),
+    ) -> Result<Option<usize>> {
+        self.stats.spins += 1;
+        let spin_until = rdmsg_verbs::deadline_after(Instant::now(), spin);
+        for i in 2..=max_polls.max(1) {
+            if i % CLOCK_EVERY == 0 {
+                let now = Instant::now();
+                if now >= spin_until || deadline.is_some_and(|d| now >= d) {
+                    break;
+                }
+            }
+            std::hint::spin_loop();
+            let n = self.poll_all(f)?;
+            if n > 0 {
+                self.stats.spins_caught += 1;
+                return Ok(Some(n));
+            }
+        }
+        Ok(None)
+    }
+
     fn sleep_until(
         &mut self,
         deadline: Option<Instant>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        // What is already queued needs no syscall.
-        let n = self.poll_all(f)?;
-        if n > 0 {
-            return Ok(n);
-        }
         loop {
             // Before every sleep: every queue armed, then everything queued before the arms
             // delivered. Sleeping is level-triggered, so an event still unread would end the
@@ -311,8 +464,8 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
             if n > 0 {
                 return Ok(n);
             }
-            let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             let slept = Instant::now();
+            let timeout = deadline.map(|d| d.saturating_duration_since(slept));
             let readiness = self.channel.wait_readable(timeout)?;
             self.stats.time_asleep += slept.elapsed();
             match readiness {

@@ -194,6 +194,10 @@ fn a_wait_of_any_length_is_a_wait() {
             spin: Duration::MAX,
             max_empty_polls: 4,
         },
+        Policy::ADAPTIVE,
+        Policy::Adaptive {
+            max_spin: Duration::MAX,
+        },
     ] {
         let m = Model::new();
         let mut w = waiter(&m, &[ArmMode::SolicitedOnly], policy);
@@ -347,6 +351,66 @@ fn poll_policy_never_arms_and_hybrid_arms_after_spinning() {
     assert!(w.stats().empty_polls >= 5);
 }
 
+#[test]
+fn the_adaptive_policy_spins_only_while_recent_waits_are_short() {
+    let m = Model::new();
+    let max_spin = Duration::from_millis(4);
+    let mut w = waiter(&m, &[ArmMode::SolicitedOnly], Policy::Adaptive { max_spin });
+    let mut got = Vec::new();
+    assert_eq!(
+        w.adaptive_spin(),
+        Duration::ZERO,
+        "no history: sleep at once"
+    );
+    // Completions already queued when waited for: waits of no length.
+    for seq in 0..rdmsg_notify::RECENT_GAPS as u64 {
+        m.arrive(Arrival::recv(0, true));
+        assert_eq!(w.wait(None, &mut |_, c| got.push(*c)).unwrap(), 1, "#{seq}");
+    }
+    let spin = w.adaptive_spin();
+    assert_eq!(spin, max_spin / 4, "short waits: the shortest spin");
+    // A spin the caller's deadline cuts short says nothing.
+    assert_eq!(
+        w.wait(Some(Duration::from_micros(100)), &mut |_, c| got.push(*c))
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        w.adaptive_spin(),
+        max_spin / 4,
+        "a cut-short spin is not counted"
+    );
+    // Two spins that ran their course and found nothing turn spinning off; one does not.
+    let long = Some(Duration::from_millis(200));
+    assert_eq!(w.wait(long, &mut |_, c| got.push(*c)).unwrap(), 0);
+    assert_eq!(
+        w.adaptive_spin(),
+        max_spin / 4,
+        "one outlier does not decide"
+    );
+    assert_eq!(w.wait(long, &mut |_, c| got.push(*c)).unwrap(), 0);
+    assert_eq!(
+        w.adaptive_spin(),
+        Duration::ZERO,
+        "two fruitless spins turn spinning off"
+    );
+    // With spinning off, waits sleep at once, but every PROBE_EVERY-th one spins to look.
+    let mut spins = 0;
+    for _ in 0..2 * rdmsg_notify::PROBE_EVERY {
+        let polls = w.stats().empty_polls;
+        assert_eq!(
+            w.wait(Some(Duration::ZERO), &mut |_, c| got.push(*c))
+                .unwrap(),
+            0
+        );
+        if w.stats().empty_polls > polls + 3 {
+            spins += 1;
+        }
+    }
+    assert_eq!(spins, 2, "one probe in {} waits", rdmsg_notify::PROBE_EVERY);
+    assert!(m.violations().is_empty(), "{:?}", m.violations());
+}
+
 // ---- the property ----
 
 #[derive(Debug, Clone)]
@@ -388,10 +452,14 @@ proptest! {
         solicited_recv in any::<bool>(),
         ops in prop::collection::vec(op(2), 1..60),
         batch in 1u32..5,
+        adaptive in any::<bool>(),
     ) {
         let m = Model::new();
         let recv_mode = if solicited_recv { ArmMode::SolicitedOnly } else { ArmMode::Next };
-        let mut w = waiter(&m, &[recv_mode, ArmMode::Next], Policy::Sleep);
+        // The adaptive policy spins between quick arrivals, then sleeps as Sleep does: it must
+        // strand nothing either.
+        let policy = if adaptive { Policy::ADAPTIVE } else { Policy::Sleep };
+        let mut w = waiter(&m, &[recv_mode, ArmMode::Next], policy);
         w.set_ack_batch(batch);
         let mut got: Vec<ModelCompletion> = Vec::new();
         let mut arrivals = 0u64;
