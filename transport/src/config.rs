@@ -32,7 +32,9 @@ pub struct Config {
     /// How the receive queue is armed while waiting for messages. Default
     /// [`ArmMode::SolicitedOnly`]: only solicited messages (and errors) wake a receiver.
     pub recv_arm: ArmMode,
-    /// How waits wait. Default [`Policy::Sleep`].
+    /// How waits wait. Default [`Policy::Sleep`] (the least CPU); [`Policy::ADAPTIVE`] spins
+    /// while messages come close together, for busy-polling latency at high rates and
+    /// sleeping CPU at low ones; [`Policy::Poll`] never sleeps.
     pub policy: Policy,
     /// Path parameters of the queue pair.
     pub path: PathParams,

@@ -154,9 +154,10 @@ impl RecvPool {
         self.free.len()
     }
 
-    /// Takes every free buffer (to post them).
-    pub fn take_free(&mut self) -> Vec<Buffer> {
-        std::mem::take(&mut self.free)
+    /// Takes every free buffer (to post them). The pool keeps its list's room: re-posting
+    /// allocates nothing.
+    pub fn take_free(&mut self) -> std::vec::Drain<'_, Buffer> {
+        self.free.drain(..)
     }
 
     /// Puts a buffer that was never lent back on the free list (a grant, a flushed receive, a

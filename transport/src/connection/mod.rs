@@ -311,12 +311,15 @@ impl Connection {
 
     fn wait_to_send(&mut self, timeout: Option<Duration>) -> Result<()> {
         // A streaming sender need not poll before every message: credits, send completions and
-        // failures are looked at every few sends, and at once when anything runs low or
-        // buffers came back to be re-posted (the peer may be waiting for their credits).
-        if self.core.poll_before_send(self.room()) || self.pool.has_returns() {
+        // failures are looked at every few sends, and at once when anything runs low. Buffers
+        // that came back are re-posted (the peer may be waiting for their credits), which
+        // needs no poll.
+        if self.core.poll_before_send(self.room()) {
             self.poll_now()?;
             // Polling may have found a failure: nothing is posted after it.
             self.check_can_send()?;
+        } else if self.pool.has_returns() {
+            self.repost_and_grant()?;
         }
         if self.can_send() {
             self.core.send_waits(false);
@@ -402,8 +405,9 @@ impl Connection {
             }
         }
         let m = self.ready.pop_front();
-        if self.ready.is_empty() {
-            // Return the buffer of the previous message promptly.
+        if self.ready.is_empty() && self.pool.has_returns() {
+            // Return the buffers of earlier messages promptly (the poll above re-posted and
+            // granted what it could; only buffers dropped since change that).
             let _ = self.repost_and_grant();
         }
         Ok(m)
@@ -498,10 +502,7 @@ impl Connection {
     /// [`Connection::step`]: the health check, which finds errors a provider did not signal,
     /// or a deadline of the protocol (a close, a peer's close message after its goodbye).
     pub fn next_timeout(&self) -> Option<Duration> {
-        earliest(
-            self.config.health_check,
-            self.core.time_to_next(Instant::now()),
-        )
+        earliest(self.config.health_check, self.time_to_next())
     }
 
     /// Completions handled since the connection was made. Threads sharing a connection
@@ -663,7 +664,7 @@ impl Connection {
             if let Some(ended) = self.core.close_result(timeout) {
                 return ended;
             }
-            self.wait_once(self.core.time_to_next(Instant::now()))?;
+            self.wait_once(self.time_to_next())?;
         }
     }
 }

@@ -38,7 +38,7 @@ impl Connection {
     /// this, and a sender blocked on credits must sleep (or poll) for its grant whatever it
     /// holds undelivered.
     pub(super) fn wait_once(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.repost_and_grant()?;
+        self.before_wait()?;
         if self.core.failure().is_some() {
             return Ok(());
         }
@@ -52,7 +52,7 @@ impl Connection {
             Policy::Poll => Some(POLL_SLICE),
             _ => self.config.health_check,
         };
-        let due = self.core.time_to_next(Instant::now());
+        let due = self.time_to_next();
         let timeout = earliest(earliest(timeout, slice), due);
         let mut got = std::mem::take(&mut self.completions);
         let res = self.wait_for_completions(timeout, &mut got);
@@ -67,6 +67,14 @@ impl Connection {
         // async events) is readable. Look at them now; otherwise now and then.
         let liveness = delivered == 0 || self.liveness_due();
         self.after_poll(liveness)
+    }
+
+    /// How long until the protocol's next deadline, if it has one (the clock is read only
+    /// then).
+    pub(super) fn time_to_next(&self) -> Option<Duration> {
+        self.core
+            .next_timeout()
+            .map(|at| at.saturating_duration_since(Instant::now()))
     }
 
     /// Polls both queues without sleeping and does the bookkeeping.
@@ -268,6 +276,22 @@ impl Connection {
                 self.pool.put_back(buf);
             }
         }
+    }
+
+    /// What must be done before sleeping: everything [`Connection::repost_and_grant`] does.
+    /// It already ran after the last completions were handled, and only two things change its
+    /// outcome without a completion: buffers the application dropped since (their credits may
+    /// be what the peer waits for), and sends posted since (a signaled one must wake us, so
+    /// the send queue's arming follows it). So the full call runs only if buffers came back.
+    pub(super) fn before_wait(&mut self) -> Result<()> {
+        if self.pool.has_returns() {
+            return self.repost_and_grant();
+        }
+        let mode = self.core.send_arm();
+        if self.core.failure().is_none() && self.waiter.mode(self.send_key)? != mode {
+            self.waiter.set_mode(self.send_key, mode)?;
+        }
+        Ok(())
     }
 
     /// Re-posts free buffers and sends a credit grant when the core says so, and re-arms the

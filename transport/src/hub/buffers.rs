@@ -233,17 +233,18 @@ impl RawHub {
         peer: PeerId,
         timeout: Option<Duration>,
     ) -> Result<()> {
-        // The hub looks at everything every 16 sends, at once when this one cannot go or
-        // buffers came back (their credits may be what a peer waits for): a step costs the
-        // whole hub a look at its descriptors, so not whenever one peer runs low.
+        // The hub looks at everything every 16 sends, and at once when this one cannot go: a
+        // step costs the whole hub a look at its descriptors, so not whenever one peer runs
+        // low. Buffers that came back are re-posted and their grants sent (a peer may be
+        // waiting for those credits), which needs no step.
         self.sends_since_step += 1;
-        if self.sends_since_step >= SEND_STEP_EVERY
-            || !self.can_send(slot)
-            || self.pool.has_returns()
-        {
+        if self.sends_since_step >= SEND_STEP_EVERY || !self.can_send(slot) {
             self.sends_since_step = 0;
             self.step()?;
             self.live_slot(peer)?;
+        } else if self.pool.has_returns() {
+            self.repost()?;
+            self.grants();
         }
         if self.can_send(slot) {
             self.slot_mut(slot).core.send_waits(false);

@@ -428,6 +428,9 @@ impl RawHub {
     /// Longest an event loop may wait on [`AsFd`] before calling [`RawHub::step`]: the nearest
     /// deadline (a handshake's, a close's, a peer's after its goodbye), or the health check.
     pub fn next_timeout(&self) -> Option<Duration> {
+        if self.timed.is_empty() {
+            return self.config.conn.health_check;
+        }
         let now = Instant::now();
         let nearest = self
             .timed
