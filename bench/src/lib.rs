@@ -8,8 +8,10 @@
 #![deny(missing_docs)]
 
 pub mod asynch;
+pub mod callgrind;
 pub mod chart;
 pub mod codec;
+pub mod cost;
 pub mod fanin;
 pub mod large;
 pub mod perftest;

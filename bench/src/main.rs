@@ -1,7 +1,7 @@
 //! `rdmsg-bench`: runs rdmsg's benchmarks next to their anchors and writes the report.
 //!
 //! ```text
-//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin]
+//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin,rates,cost]
 //!                   [--filter TEXT] [--device D] [--gid-index I] [--fanin-conns 1,16,...]
 //!                   [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
 //! rdmsg-bench codec [--quick] [--rounds N]
@@ -24,10 +24,10 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use bench::perftest::Perftest;
 use bench::runner::{self, Plan};
-use bench::{chart, codec, fanin, report, Bench, Sample};
+use bench::{chart, codec, cost, fanin, report, Bench, Sample};
 
 const USAGE: &str = "usage:
-  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin]
+  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin,rates,cost]
                   [--filter TEXT] [--lat-iters N] [--large-mib N] [--device D] [--gid-index I]
                   [--fanin-conns 1,16,256,1024] [--fanin-rate R] [--fanin-messages M]
                   [--fanin-rounds N]
@@ -40,6 +40,9 @@ const USAGE: &str = "usage:
       --fanin-messages messages per fan-in measurement (32768; --quick 16384)
       --fanin-rounds rounds that include the fan-in (default 1)
   rdmsg-bench codec [--quick] [--rounds N]
+  rdmsg-bench cost-check [--iters N] [--runs K]
+      counts instructions and allocations per round trip of each layer with callgrind
+      (the smallest of K runs) and fails above the ceilings (cargo xtask test runs it)
   rdmsg-bench report --out DIR SAMPLE_FILE...";
 
 fn main() -> ExitCode {
@@ -64,6 +67,21 @@ fn real_main() -> Result<ExitCode> {
         }
         Some("fanin-client") => {
             fanin::client_main(&args[1..])?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some("cost-check") => {
+            let perf = Perftest {
+                device: std::env::var("RDMSG_DEVICE").unwrap_or_else(|_| "rxe0".into()),
+                gid_index: 1,
+            };
+            Ok(if cost::check_main(&args[1..], &perf)? {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Some("cost-peer") => {
+            cost::peer_main(&args[1..])?;
             Ok(ExitCode::SUCCESS)
         }
         Some("-h" | "--help") => {
@@ -156,12 +174,14 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         "bw" => Ok(vec![Bench::Bw]),
                         "wake" => Ok(vec![Bench::Wake]),
                         "fanin" => Ok(vec![Bench::Fanin]),
+                        "cost" => Ok(vec![Bench::Cost]),
+                        "rates" => Ok(vec![Bench::Rates]),
                         "async" => Ok(vec![Bench::Async]),
                         "large" => Ok(vec![Bench::Large]),
                         other => {
                             bail!(
                                 "--only takes lat, lat-event, lat-poll, bw, wake, async, large, \
-                                 fanin; not {other}"
+                                 fanin, rates, cost; not {other}"
                             )
                         }
                     })
@@ -217,6 +237,8 @@ fn codec_rounds(args: &[String]) -> Result<ExitCode> {
                     value: ns,
                     conns: 0,
                     note: String::new(),
+                    top: Vec::new(),
+                    rate: 0,
                 };
                 writeln!(out, "{}", s.to_line())?;
             }
@@ -280,6 +302,8 @@ fn write_report(args: &[String]) -> Result<ExitCode> {
     let mut md = report::markdown(&rows, PREAMBLE);
     md.push_str(&report::large_markdown(&samples));
     md.push_str(&report::fanin_markdown(&samples));
+    md.push_str(&report::rates_markdown(&samples));
+    md.push_str(&report::cost_markdown(&samples));
     fs::write(out_dir.join("report.md"), &md)?;
     fs::write(out_dir.join("report.json"), report::json(&rows, &samples))?;
     let png = fs::File::create(out_dir.join("chart.png"))?;

@@ -98,43 +98,72 @@ impl Perftest {
         client_cmd: &str,
         args: impl Fn(u16) -> Vec<String>,
     ) -> Result<Outputs> {
-        let port = NEXT_PORT.fetch_add(1, Ordering::Relaxed);
-        let tool = server_cmd.rsplit('/').next().unwrap_or(server_cmd);
-        let common = args(port);
-        let deadline = Instant::now() + DEADLINE;
-        let server_out = scratch_file(tool, port, "server");
-        let mut server = Proc::spawn(server_cmd, &common, &server_out)?;
-        let mut client_args = common.clone();
-        client_args.push("127.0.0.1".into());
-        let client_out = scratch_file(tool, port, "client");
-        let mut attempt = 0;
-        let client = loop {
-            attempt += 1;
-            let mut client = Proc::spawn(client_cmd, &client_args, &client_out)?;
-            let ok = client.wait_until(deadline)?;
-            let text = client.output()?;
-            if ok {
-                break text;
-            }
-            let refused = text.contains("Couldn't connect") || text.contains("couldn't connect");
-            if !refused || attempt >= CONNECT_ATTEMPTS || server.exited()? {
-                server.kill();
-                bail!("{tool} client failed ({attempt} attempts):\n{text}");
-            }
-            thread::sleep(Duration::from_millis(100));
-        };
-        if !server.wait_until(deadline)? {
-            bail!("{tool} server failed:\n{}", server.output()?);
-        }
-        let server = server.output()?;
-        let _ = std::fs::remove_file(&server_out);
-        let _ = std::fs::remove_file(&client_out);
-        Ok(Outputs { server, client })
+        let common = args(next_port());
+        let server: Vec<String> = std::iter::once(server_cmd.to_owned())
+            .chain(common.iter().cloned())
+            .collect();
+        let mut client: Vec<String> = std::iter::once(client_cmd.to_owned())
+            .chain(common)
+            .collect();
+        client.push("127.0.0.1".into());
+        run_commands(&server, &client, DEADLINE)
     }
 }
 
-fn scratch_file(tool: &str, port: u16, side: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("rdmsg-bench-{tool}-{port}-{side}.txt"))
+/// A port no earlier run of this process used.
+pub fn next_port() -> u16 {
+    NEXT_PORT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Runs the command line `server`, then `client`, retrying the client while the server is not
+/// listening yet; kills both after `limit`. Returns their outputs.
+pub fn run_commands(server: &[String], client: &[String], limit: Duration) -> Result<Outputs> {
+    let name = |cmd: &[String]| -> String {
+        let c = cmd.first().map(String::as_str).unwrap_or("?");
+        c.rsplit('/').next().unwrap_or(c).to_owned()
+    };
+    let tool = name(server);
+    let id = NEXT_RUN.fetch_add(1, Ordering::Relaxed);
+    let deadline = Instant::now() + limit;
+    let server_out = scratch_file(&tool, id, "server");
+    let mut server = Proc::spawn(&server[0], &server[1..], &server_out, limit)?;
+    let client_out = scratch_file(&tool, id, "client");
+    let mut attempt = 0;
+    let client = loop {
+        attempt += 1;
+        let mut c = Proc::spawn(&client[0], &client[1..], &client_out, limit)?;
+        let ok = c.wait_until(deadline)?;
+        let text = c.output()?;
+        if ok {
+            break text;
+        }
+        let refused = text.contains("Couldn't connect") || text.contains("couldn't connect");
+        if !refused || attempt >= CONNECT_ATTEMPTS || server.exited()? {
+            server.kill();
+            bail!(
+                "{} client failed ({attempt} attempts):\n{text}",
+                name(client)
+            );
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    if !server.wait_until(deadline)? {
+        bail!("{tool} server failed:\n{}", server.output()?);
+    }
+    let server = server.output()?;
+    let _ = std::fs::remove_file(&server_out);
+    let _ = std::fs::remove_file(&client_out);
+    Ok(Outputs { server, client })
+}
+
+/// Distinguishes the output files of successive runs.
+static NEXT_RUN: AtomicU16 = AtomicU16::new(0);
+
+fn scratch_file(tool: &str, run: u16, side: &str) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "rdmsg-bench-{tool}-{}-{run}-{side}.txt",
+        std::process::id()
+    ))
 }
 
 /// A child process whose output goes to a file (no pipe to fill up).
@@ -142,10 +171,11 @@ struct Proc {
     child: Child,
     out: PathBuf,
     name: String,
+    limit: Duration,
 }
 
 impl Proc {
-    fn spawn(tool: &str, args: &[String], out: &PathBuf) -> Result<Self> {
+    fn spawn(tool: &str, args: &[String], out: &PathBuf, limit: Duration) -> Result<Self> {
         let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
         let err = file.try_clone()?;
         let child = Command::new(tool)
@@ -159,6 +189,7 @@ impl Proc {
             child,
             out: out.clone(),
             name: tool.to_owned(),
+            limit,
         })
     }
 
@@ -170,7 +201,7 @@ impl Proc {
             }
             if Instant::now() >= deadline {
                 self.kill();
-                bail!("{} did not finish within {DEADLINE:?}", self.name);
+                bail!("{} did not finish within {:?}", self.name, self.limit);
             }
             thread::sleep(Duration::from_millis(5));
         }

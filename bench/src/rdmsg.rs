@@ -230,6 +230,9 @@ pub enum RecvMode {
     Hybrid,
     /// Sleeping solicited-only.
     Solicited,
+    /// Spinning while recent arrivals came close together, else sleeping solicited-only
+    /// (`Policy::Adaptive`, 50 µs limit).
+    Adaptive,
 }
 
 impl RecvMode {
@@ -248,6 +251,7 @@ impl RecvMode {
             RecvMode::Next => "next",
             RecvMode::Hybrid => "hybrid",
             RecvMode::Solicited => "solicited-only",
+            RecvMode::Adaptive => "adaptive",
         }
     }
 
@@ -263,7 +267,100 @@ impl RecvMode {
                 ArmMode::SolicitedOnly,
             ),
             RecvMode::Solicited => (Policy::Sleep, ArmMode::SolicitedOnly),
+            RecvMode::Adaptive => (Policy::ADAPTIVE, ArmMode::SolicitedOnly),
         };
+    }
+}
+
+/// The modes of the rate sweep: the two ends, the fixed spin, and the adaptive one.
+pub const SWEEP_MODES: [RecvMode; 4] = [
+    RecvMode::Poll,
+    RecvMode::Solicited,
+    RecvMode::Hybrid,
+    RecvMode::Adaptive,
+];
+
+/// What the receiver paid per message at an offered rate.
+#[derive(Debug, Clone, Copy)]
+pub struct AtRate {
+    /// One-way latency, from the send call to the decoded message, µs (median).
+    pub latency_us: f64,
+    /// Receiver thread CPU time per message, µs.
+    pub cpu_us_per_message: f64,
+    /// Messages per second the sender managed.
+    pub rate: f64,
+}
+
+/// Messages of the sweep at `rate` per second (`None`: as fast as the sender can), each
+/// solicited and stamped with its send time; measures the receiving thread waiting as `mode`
+/// says.
+pub fn at_rate(mode: RecvMode, rate: Option<f64>, count: usize) -> Result<AtRate> {
+    let mut rx_config = Config::default();
+    mode.apply(&mut rx_config);
+    let (rx, tx) = rdmsg::transport::loopback_pair(&rx_config, &Config::default())?;
+    let base = Instant::now();
+    let receiver = thread::spawn(move || -> Result<(f64, f64)> {
+        let mut r = Session::new(rx);
+        let mut lat = Vec::with_capacity(count);
+        let cpu = rdmsg::verbs::thread_cpu_time();
+        for _ in 0..count {
+            let env = r.recv()?;
+            let m: PayloadView = env.decode_borrowed()?;
+            let stamp = u64::from_le_bytes(m.bytes[..8].try_into()?);
+            let now = base.elapsed().as_nanos() as u64;
+            lat.push(now.saturating_sub(stamp) as f64 / 1e3);
+        }
+        let cpu = rdmsg::verbs::thread_cpu_time() - cpu;
+        let st = r.connection().wait_stats();
+        eprintln!(
+            "  {}: {} waits spun, {} caught a message, {} wake-ups",
+            mode.name(),
+            st.spins,
+            st.spins_caught,
+            st.wakeups
+        );
+        expect_close(&mut r)?;
+        Ok((
+            crate::report::median(&lat),
+            cpu.as_secs_f64() * 1e6 / count as f64,
+        ))
+    });
+    let mut t = Session::new(tx);
+    let mut m = Payload { bytes: vec![0; 8] };
+    let started = Instant::now();
+    for i in 0..count {
+        if let Some(rate) = rate {
+            let due = started + Duration::from_secs_f64(i as f64 / rate);
+            pace_until(due);
+        }
+        m.bytes
+            .copy_from_slice(&(base.elapsed().as_nanos() as u64).to_le_bytes());
+        t.send(&m)?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    t.close()?;
+    let (latency_us, cpu_us_per_message) = join(receiver)?;
+    Ok(AtRate {
+        latency_us,
+        cpu_us_per_message,
+        rate: count as f64 / secs,
+    })
+}
+
+/// Waits until `due`: sleeping while it is far, spinning the last stretch (a sleep under
+/// emulation overshoots by a hundred µs or more).
+fn pace_until(due: Instant) {
+    loop {
+        let now = Instant::now();
+        if now >= due {
+            return;
+        }
+        let left = due - now;
+        if left > Duration::from_micros(300) {
+            thread::sleep(left - Duration::from_micros(200));
+        } else {
+            std::hint::spin_loop();
+        }
     }
 }
 

@@ -360,8 +360,13 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
             let Some(theirs) = m.get(Bench::Bw, subject, "", size, 0, "mpps") else {
                 continue;
             };
-            let goal = (section == Section::ThroughputPerftest && size <= SMALL)
-                .then_some(Goal::AtLeast(0.9));
+            // Issue 26: 64 B at least `ib_send_bw`'s rate and 0.9 of the raw verbs-core
+            // stream's.
+            let goal = (size <= SMALL).then_some(if section == Section::ThroughputPerftest {
+                Goal::AtLeast(1.0)
+            } else {
+                Goal::AtLeast(0.9)
+            });
             rows.push(Row::new(
                 section,
                 fmt_size(size),
@@ -447,12 +452,15 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
         ) else {
             continue;
         };
+        // Sleeping receivers within 1.2× of the minimal sleeping receiver on verbs-core.
+        let goal =
+            matches!(variant.as_str(), "solicited-only" | "hybrid").then_some(Goal::AtMost(1.2));
         rows.push(Row::new(
             Section::CpuFloor,
             format!("{variant}, K={batch}"),
             ours,
             Some(("verbs-core floor", floor.0)),
-            None,
+            goal,
         ));
     }
     for (variant, size, _) in m.points(Bench::Codec, "rdmsg", "ns") {
@@ -462,12 +470,14 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
         ) else {
             continue;
         };
+        // Decoding a small struct within 1.5× of plain bincode.
+        let goal = (variant == "decode reading").then_some(Goal::AtMost(1.5));
         rows.push(Row::new(
             Section::Codec,
             format!("{variant} ({})", fmt_size(size)),
             ours,
             Some(("bincode", plain.0)),
-            None,
+            goal,
         ));
     }
     rows.extend(async_rows(&m));
@@ -506,7 +516,7 @@ fn async_rows(m: &Medians) -> Vec<Row> {
             format!("receiver CPU µs/msg, K={batch}"),
             ours,
             Some(("blocking", blocking)),
-            Some(Goal::AtMost(1.2)),
+            Some(Goal::AtMost(1.1)),
         ));
     }
     for (_, batch, ours, blocking) in pairs("receiver", "wakeups_per_msg") {
@@ -699,6 +709,212 @@ pub fn large_markdown(samples: &[Sample]) -> String {
             f(p.fragmentation_cpu_us_per_mib),
             x(p.cpu_ratio),
         );
+    }
+    out
+}
+
+/// The rate sweep of report.md: latency and CPU per message of each waiting policy at each
+/// offered rate, and the adaptive policy against the better of busy polling and
+/// solicited-only sleep on each (goal: within 1.15×).
+pub fn rates_markdown(samples: &[Sample]) -> String {
+    let rates: Vec<&Sample> = samples.iter().filter(|s| s.bench == Bench::Rates).collect();
+    if rates.is_empty() {
+        return String::new();
+    }
+    let get = |rate: u32, mode: &str, metric: &str| -> Option<f64> {
+        let v: Vec<f64> = rates
+            .iter()
+            .filter(|s| s.rate == rate && s.variant == mode && s.metric == metric)
+            .map(|s| s.value)
+            .collect();
+        (!v.is_empty()).then(|| median(&v))
+    };
+    let mut offered: Vec<u32> = rates.iter().map(|s| s.rate).collect();
+    offered.sort_by_key(|&r| if r == 0 { u32::MAX } else { r });
+    offered.dedup();
+    let modes = ["busy-poll", "solicited-only", "hybrid", "adaptive"];
+    let mut out = String::from(
+        "\n### Waiting policies across message rates (medians over the rounds, same run)\n\n\
+         One sender thread offers 64-byte messages, each solicited, at a fixed rate (or as fast \
+         as it can: saturation); the receiver waits by each policy: busy-poll (`Policy::Poll`), \
+         solicited-only sleep (`Policy::Sleep`), hybrid (a fixed 50 µs spin, then sleep) and \
+         adaptive (`Policy::ADAPTIVE`: spins twice the longest but one of its last 4 waits \
+         when that is at most 50 µs, else sleeps at once and probes with a 50 µs spin one \
+         wait in 8). Latency: one-way, send call \
+         to decoded message, µs; CPU: receiver thread µs per message. The goal: adaptive within \
+         1.15× of the better of busy-poll and solicited-only on latency (busy-poll's, at every \
+         rate) and on CPU (solicited-only's, but at saturation), without being told the rate. \
+         Below the rate where messages come within the spin limit of each other, the latency \
+         goal asks for a spinning receiver's latency at a sleeping receiver's CPU, which no \
+         policy can give; the table shows where adaptive stands.\n\n\
+         | offered | achieved | latency µs: busy-poll / solicited / hybrid / adaptive | \
+         CPU µs/msg: busy-poll / solicited / hybrid / adaptive | adaptive / better latency | \
+         adaptive / better CPU |\n|---|---:|---|---|---:|---:|\n",
+    );
+    let f = |v: Option<f64>| v.map_or("—".into(), fmt_num);
+    for &rate in &offered {
+        let lat: Vec<Option<f64>> = modes.iter().map(|m| get(rate, m, "us")).collect();
+        let cpu: Vec<Option<f64>> = modes
+            .iter()
+            .map(|m| get(rate, m, "cpu_us_per_msg"))
+            .collect();
+        let achieved = get(rate, "adaptive", "rate");
+        // Against the better of busy-poll (0) and solicited-only (1) on each metric.
+        let vs = |v: &[Option<f64>]| {
+            let best = match (v[0], v[1]) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            v[3].zip(best).map_or("—".into(), |(a, b)| {
+                let r = a / b;
+                format!("{}× {}", fmt_num(r), if r <= 1.15 { "✓" } else { "✗" })
+            })
+        };
+        let join = |v: &[Option<f64>]| v.iter().map(|x| f(*x)).collect::<Vec<_>>().join(" / ");
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            if rate == 0 {
+                "saturation".to_string()
+            } else {
+                format!("{rate}/s")
+            },
+            f(achieved),
+            join(&lat),
+            join(&cpu),
+            vs(&lat),
+            vs(&cpu),
+        );
+    }
+    out
+}
+
+/// One layer of the cost section: medians over its rounds, per round trip.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostPoint {
+    /// The layer (`cost::Subject::name`).
+    pub subject: String,
+    /// Rounds measured.
+    pub rounds: usize,
+    /// User-space instructions (median).
+    pub instructions: f64,
+    /// Smallest and largest instruction count of the rounds.
+    pub spread: (f64, f64),
+    /// System calls.
+    pub syscalls: f64,
+    /// Clock reads (a vDSO call natively).
+    pub clock_reads: f64,
+    /// Heap allocations (the largest of the rounds: any is a failure).
+    pub allocations: f64,
+    /// Wake-ups of the measured side, where it reports them.
+    pub wakeups: Option<f64>,
+    /// Instructions over the anchor's (`ibv_rc_pingpong -e`).
+    pub ratio: Option<f64>,
+    /// The goal for `ratio`.
+    pub goal: Option<f64>,
+    /// The top functions of the round with the median count.
+    pub top: Vec<(String, f64)>,
+}
+
+/// The cost section's points, the anchor first.
+pub fn cost_table(samples: &[Sample]) -> Vec<CostPoint> {
+    let of = |subject: &str, metric: &str| -> Vec<&Sample> {
+        samples
+            .iter()
+            .filter(|s| s.bench == Bench::Cost && s.subject == subject && s.metric == metric)
+            .collect()
+    };
+    let median_of = |v: &[&Sample]| median(&v.iter().map(|s| s.value).collect::<Vec<_>>());
+    let mut points = Vec::new();
+    let mut anchor = None;
+    for subject in crate::cost::Subject::ALL {
+        let name = subject.name();
+        let instr = of(name, "instructions");
+        if instr.is_empty() {
+            continue;
+        }
+        let values: Vec<f64> = instr.iter().map(|s| s.value).collect();
+        let m = median(&values);
+        let lo = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let closest = instr
+            .iter()
+            .min_by(|a, b| (a.value - m).abs().total_cmp(&(b.value - m).abs()))
+            .map(|s| s.top.clone())
+            .unwrap_or_default();
+        if subject == crate::cost::Subject::IbvRcPingpong {
+            anchor = Some(m);
+        }
+        let wakeups = of(name, "wakeups");
+        points.push(CostPoint {
+            subject: name.to_owned(),
+            rounds: instr.len(),
+            instructions: m,
+            spread: (lo, hi),
+            syscalls: median_of(&of(name, "syscalls")),
+            clock_reads: median_of(&of(name, "clock_reads")),
+            allocations: of(name, "allocations")
+                .iter()
+                .map(|s| s.value)
+                .fold(0.0, f64::max),
+            wakeups: (!wakeups.is_empty()).then(|| median_of(&wakeups)),
+            ratio: subject.goal().and(anchor).map(|a| m / a),
+            goal: subject.goal(),
+            top: closest,
+        });
+    }
+    points
+}
+
+/// The cost section of report.md.
+pub fn cost_markdown(samples: &[Sample]) -> String {
+    let points = cost_table(samples);
+    if points.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\n### Cost per round trip: instructions, syscalls, allocations (callgrind)\n\n\
+         User-space instructions per round trip counted by valgrind's callgrind inside the VM, \
+         event mode, 8-byte payloads (a 14-byte `Tick` for the typed layers): the profile of \
+         3n round trips minus that of n, divided by 2n, so set-up and teardown cancel. The \
+         client is measured, except for the hub (the hub's process, serving one `Session`). \
+         Allocations are calls into the C allocator per round trip (goal: none). Counts do not \
+         depend on time; in event mode they move with how completions batch into wake-ups, \
+         which the min-max column shows.\n\n\
+         Syscalls leave out clock reads, which valgrind turns into syscalls (natively the vDSO \
+         answers them); they have a column of their own.\n\n\
+         | layer | rounds | instructions | min–max | ratio | goal | syscalls | clock reads | \
+         wake-ups | allocations |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let f = |v: Option<f64>| v.map_or("—".into(), fmt_num);
+    for p in &points {
+        let goal = match (p.ratio, p.goal) {
+            (Some(r), Some(g)) => format!("≤ {}× {}", fmt_num(g), if r <= g { "✓" } else { "✗" }),
+            _ => "—".into(),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.0} | {:.0}–{:.0} | {} | {} | {} | {} | {} | {} {} |",
+            p.subject,
+            p.rounds,
+            p.instructions,
+            p.spread.0,
+            p.spread.1,
+            p.ratio.map_or("—".into(), |r| format!("{}×", fmt_num(r))),
+            goal,
+            fmt_num(p.syscalls),
+            fmt_num(p.clock_reads),
+            f(p.wakeups),
+            fmt_num(p.allocations),
+            if p.allocations < 0.01 { "✓" } else { "✗" },
+        );
+    }
+    out.push_str("\nWhere the instructions go (own instructions per round trip, top functions):\n");
+    for p in &points {
+        let _ = writeln!(out, "\n- **{}**:", p.subject);
+        for (f, v) in &p.top {
+            let _ = writeln!(out, "  - {v:.0} `{f}`");
+        }
     }
     out
 }
@@ -1087,6 +1303,8 @@ mod tests {
             value,
             conns: 0,
             note: String::new(),
+            top: Vec::new(),
+            rate: 0,
         }
     }
 
@@ -1144,12 +1362,13 @@ mod tests {
             .iter()
             .filter(|r| r.section == Section::ThroughputPerftest)
             .collect();
-        assert_eq!(bw[0].met, Some(true)); // 0.95×
+        assert_eq!(bw[0].met, Some(false)); // 0.95×, the goal is 1.0×
         let verbs: Vec<&Row> = rows
             .iter()
             .filter(|r| r.section == Section::ThroughputVerbs)
             .collect();
-        assert_eq!(verbs[0].goal, None);
+        assert_eq!(verbs[0].goal, Some(Goal::AtLeast(0.9)));
+        assert_eq!(verbs[0].met, Some(false)); // 0.79×
         let wake: Vec<&Row> = rows
             .iter()
             .filter(|r| r.section == Section::Wakeups)
@@ -1160,7 +1379,7 @@ mod tests {
         assert_eq!(cpu[0].ratio, Some(0.05));
         assert_eq!(cpu[0].met, Some(true));
         let md = markdown(&rows, "");
-        assert!(md.contains("Goals met: 4 of 4."), "{md}");
+        assert!(md.contains("Goals met: 3 of 5."), "{md}");
         assert!(
             md.contains("| 8 B | 112 | 100 (ib_send_lat -e) | 1.12× | ≤ 1.15× | met |"),
             "{md}"

@@ -45,6 +45,16 @@ pub struct Plan {
     pub large_bytes: usize,
     /// The fan-in.
     pub fanin: FaninPlan,
+    /// Offered rates of the waiting-policy sweep, messages per second (0: as fast as the
+    /// sender can).
+    pub sweep_rates: Vec<u32>,
+    /// Most messages per sweep point (and at least 100; about a second's worth otherwise).
+    pub sweep_max_messages: usize,
+    /// Round trips of the cost section's shorter profile (the longer one has three times as
+    /// many).
+    pub cost_iters: u64,
+    /// Rounds that include the cost section (the first ones).
+    pub cost_rounds: u32,
     /// Which benchmarks to run.
     pub benches: Vec<Bench>,
     /// Only the measurements whose description contains this.
@@ -74,6 +84,10 @@ impl Plan {
             // four sizes (about a GiB) takes a minute or so.
             large_bytes: 64 << 20,
             fanin: FaninPlan::full(),
+            cost_iters: 1000,
+            cost_rounds: 3,
+            sweep_rates: vec![100, 1000, 4000, 16000, 0],
+            sweep_max_messages: 4000,
             benches: vec![
                 Bench::LatEvent,
                 Bench::LatPoll,
@@ -82,6 +96,8 @@ impl Plan {
                 Bench::Async,
                 Bench::Large,
                 Bench::Fanin,
+                Bench::Rates,
+                Bench::Cost,
             ],
             filter: None,
         }
@@ -99,6 +115,9 @@ impl Plan {
             wake_batch_count: 40,
             large_sizes: vec![16 << 10, 1 << 20],
             large_bytes: 8 << 20,
+            cost_iters: 300,
+            sweep_rates: vec![1000, 0],
+            sweep_max_messages: 1000,
             fanin: FaninPlan {
                 conns: vec![1, 16, 64],
                 messages: 16_384,
@@ -198,7 +217,25 @@ impl Plan {
                             }
                         }
                     }
-                    Bench::Fanin | Bench::Codec => {}
+                    Bench::Rates => {
+                        for &rate in &self.sweep_rates {
+                            for mode in crate::rdmsg::SWEEP_MODES {
+                                tasks.push(Task {
+                                    round,
+                                    what: What::Rate { mode, rate },
+                                });
+                            }
+                        }
+                    }
+                    Bench::Cost if round < self.cost_rounds => {
+                        for subject in crate::cost::Subject::ALL {
+                            tasks.push(Task {
+                                round,
+                                what: What::Cost { subject },
+                            });
+                        }
+                    }
+                    Bench::Fanin | Bench::Cost | Bench::Codec => {}
                 }
             }
         }
@@ -375,6 +412,18 @@ pub enum What {
         /// Who serves them.
         server: Server,
     },
+    /// A receiver waiting by one policy at an offered rate.
+    Rate {
+        /// How it waits.
+        mode: RecvMode,
+        /// Messages per second offered (0: as fast as the sender can).
+        rate: u32,
+    },
+    /// Instructions, syscalls and allocations per round trip of one layer (callgrind).
+    Cost {
+        /// The layer.
+        subject: crate::cost::Subject,
+    },
     /// A one-way stream of large messages.
     Large {
         /// Payload bytes.
@@ -423,6 +472,11 @@ impl Task {
             What::Fanin { conns, server } => {
                 format!("fanin {conns} connections, {}", server.name())
             }
+            What::Cost { subject } => format!("cost {}", subject.name()),
+            What::Rate { mode, rate } => match rate {
+                0 => format!("rate saturation, {}", mode.name()),
+                r => format!("rate {r}/s, {}", mode.name()),
+            },
             What::Large { size, count, who } => {
                 let (subject, variant) = who.names();
                 format!(
@@ -464,6 +518,8 @@ impl Task {
                 value,
                 conns: 0,
                 note: String::new(),
+                top: Vec::new(),
+                rate: 0,
             };
         Ok(match self.what {
             What::Latency { bench, size, who } => {
@@ -633,6 +689,91 @@ impl Task {
                     }
                 }
             }
+            What::Rate { mode, rate } => {
+                let count = if rate == 0 {
+                    plan.sweep_max_messages
+                } else {
+                    (rate as usize).clamp(100, plan.sweep_max_messages)
+                };
+                let offered = (rate > 0).then_some(f64::from(rate));
+                let r = rdmsg::at_rate(mode, offered, count)?;
+                let mut v = vec![
+                    sample(
+                        Bench::Rates,
+                        "rdmsg",
+                        mode.name(),
+                        64,
+                        0,
+                        "us",
+                        r.latency_us,
+                    ),
+                    sample(
+                        Bench::Rates,
+                        "rdmsg",
+                        mode.name(),
+                        64,
+                        0,
+                        "cpu_us_per_msg",
+                        r.cpu_us_per_message,
+                    ),
+                    sample(Bench::Rates, "rdmsg", mode.name(), 64, 0, "rate", r.rate),
+                ];
+                for s in &mut v {
+                    s.rate = rate;
+                }
+                v
+            }
+            What::Cost { subject } => {
+                let c = crate::cost::measure(
+                    subject,
+                    plan.cost_iters,
+                    perf,
+                    &crate::cost::scratch_dir(),
+                )?;
+                let mut v = vec![
+                    sample(
+                        Bench::Cost,
+                        subject.name(),
+                        "",
+                        0,
+                        0,
+                        "instructions",
+                        c.per_rt.instructions,
+                    ),
+                    sample(
+                        Bench::Cost,
+                        subject.name(),
+                        "",
+                        0,
+                        0,
+                        "syscalls",
+                        c.per_rt.syscalls,
+                    ),
+                    sample(
+                        Bench::Cost,
+                        subject.name(),
+                        "",
+                        0,
+                        0,
+                        "allocations",
+                        c.per_rt.allocations,
+                    ),
+                    sample(
+                        Bench::Cost,
+                        subject.name(),
+                        "",
+                        0,
+                        0,
+                        "clock_reads",
+                        c.per_rt.clock_reads,
+                    ),
+                ];
+                v[0].top = c.per_rt.top;
+                if let Some(w) = c.wakeups {
+                    v.push(sample(Bench::Cost, subject.name(), "", 0, 0, "wakeups", w));
+                }
+                v
+            }
             What::WakeFloor { batch } => {
                 let cpu = verbs::wake_floor(batch, plan.wake_batch_count, plan.wake_gap)?;
                 vec![sample(
@@ -669,6 +810,8 @@ fn fanin_sample(
         value,
         conns: conns as u32,
         note,
+        top: Vec::new(),
+        rate: 0,
     }
 }
 
@@ -714,7 +857,7 @@ fn fanin_samples(round: u32, conns: usize, server: Server, m: &fanin::Measured) 
 }
 
 /// A program built next to this one (the examples, in the same target directory).
-fn sibling_program(name: &str) -> Result<String> {
+pub(crate) fn sibling_program(name: &str) -> Result<String> {
     let exe = std::env::current_exe()?;
     let path = exe.with_file_name(name);
     if !path.exists() {
@@ -782,8 +925,9 @@ mod tests {
         let tasks = plan.tasks();
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
         // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, large: 2 sizes
-        // × 4 subjects, 3 fan-in points × 2 servers.
-        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 6);
+        // × 4 subjects, 3 fan-in points × 2 servers, 2 sweep rates × 4 receivers, 6 cost
+        // subjects.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 6 + 8 + 6);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -802,7 +946,9 @@ mod tests {
         let full = Plan::full();
         assert_eq!(
             full.tasks().len(),
-            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4) + 3 * 4 * 2
+            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4 + 5 * 4)
+                + 3 * 4 * 2
+                + 3 * 6
         );
         assert!(full.tasks().iter().all(|t| t.round < 5));
     }

@@ -27,6 +27,12 @@ pub enum Bench {
     /// Large messages: rendezvous vs fragmentation vs `ib_read_bw` and `ib_send_bw`; values:
     /// MiB/s, receiver CPU µs per MiB.
     Large,
+    /// Receivers waiting by each policy at offered rates from low to saturation; values:
+    /// one-way µs (median), receiver CPU µs per message, achieved messages per second.
+    Rates,
+    /// Instructions, syscalls and heap allocations per round trip of each layer, counted by
+    /// callgrind against `ibv_rc_pingpong -e`; values per round trip.
+    Cost,
 }
 
 /// One measurement of one round.
@@ -57,6 +63,14 @@ pub struct Sample {
     /// Why a measurement failed (with metric `failed`), or empty.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub note: String,
+    /// The functions with the most own instructions per round trip, most first (cost section,
+    /// metric `instructions`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: Vec<(String, f64)>,
+    /// Offered messages per second (rate sweep; 0: as fast as the sender can, or not
+    /// applicable).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rate: u32,
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -96,6 +110,8 @@ mod tests {
             value: 171.5,
             conns: 0,
             note: String::new(),
+            top: Vec::new(),
+            rate: 0,
         };
         let line = s.to_line();
         assert!(line.starts_with("SAMPLE {\"bench\":\"lat_event\""));

@@ -122,13 +122,11 @@ pub fn wake_floor(batch: usize, batches: usize, gap: Duration) -> Result<f64> {
     let payload = [7u8; SIZE];
     let mut wcs = WorkCompletion::buffer(16);
     for _ in 0..batches {
-        let reqs = (0..batch)
-            .map(|i| {
-                SendRequest::inline(&payload)
-                    .solicited(i + 1 == batch)
-                    .signaled(i + 1 == batch)
-            })
-            .collect();
+        let reqs = (0..batch).map(|i| {
+            SendRequest::inline(&payload)
+                .solicited(i + 1 == batch)
+                .signaled(i + 1 == batch)
+        });
         tx.qp.post_send(reqs).map_err(|e| e.error)?;
         while tx.qp.send_outstanding() > 0 {
             let got = tx.send_cq.poll(&mut wcs)?;

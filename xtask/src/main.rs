@@ -44,7 +44,8 @@ tasks:
   fuzz-merge       merge the fuzzer's working corpus (target/fuzz/corpus/decode) into the kept
                    one (msg/fuzz/corpus/decode), keeping only inputs that add coverage
   demo [--kernel K]
-                   run the telemetry demo on rxe0 inside the VM (solicited-only vs next)
+                   run the telemetry demo on rxe0 inside the VM (solicited-only vs next vs
+                   busy-poll, 5 rounds interleaved: medians and spread)
   bench [--quick] [--kernel K] [-- ARGS]
                    benchmarks side by side with perftest in one VM boot, codec on the host,
                    and the fan-in (1 to 1024 connections: one hub thread vs a thread per
@@ -93,6 +94,9 @@ const PACKAGES: &[&str] = &[
     "cpio",
     "gzip",
     "xz-utils",
+    // The cost check counts instructions and allocations with callgrind (in the VM, which
+    // runs the host's binaries).
+    "valgrind",
 ];
 
 fn main() -> ExitCode {
@@ -535,10 +539,10 @@ fn demo(kernel: Kernel) -> Result<ExitCode> {
     }
     let _s = Step::new(
         "demo",
-        "running the telemetry example on rxe0 inside the VM: solicited-only vs next arming",
+        "running the telemetry example on rxe0 inside the VM: solicited-only vs next arming vs busy polling, 5 rounds interleaved",
     );
     let out = vm::Vm::new(&repo_root(), kernel).run_script(
-        "./target/release/telemetry --arm both",
+        "./target/release/telemetry --arm all --rounds 5 --messages 1000",
         vm_timeout(),
         &mut |l| println!("{l}"),
     )?;
@@ -610,6 +614,36 @@ fn bench(quick: bool, kernel: Kernel, run_args: Vec<String>) -> Result<ExitCode>
         .arg(out_dir.join("device.samples"))
         .arg(out_dir.join("codec.samples")))?;
     Ok(exit_code(code))
+}
+
+/// The cost check: release builds of the bench and the examples, then `rdmsg-bench
+/// cost-check` in the VM (callgrind counts each layer's instructions and allocations per
+/// round trip). Whether every layer is within its ceilings and allocates nothing per message.
+fn cost_check(kernel: Kernel) -> Result<bool> {
+    {
+        let _s = Step::new(
+            "cost-build",
+            "building rdmsg-bench and the examples (release)",
+        );
+        run(cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "rdmsg-bench",
+            "-p",
+            "rdmsg-examples",
+        ]))?;
+    }
+    let _s = Step::new(
+        "cost",
+        "instructions and allocations per round trip of each layer (callgrind, in the VM)",
+    );
+    let out = vm::Vm::new(&repo_root(), kernel).run_script(
+        "./target/release/rdmsg-bench cost-check",
+        vm_timeout(),
+        &mut |l| println!("{l}"),
+    )?;
+    Ok(out.code == 0)
 }
 
 /// `cargo xtask package`: with `--allow-dirty` when the work tree has uncommitted changes.
@@ -1058,6 +1092,28 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         (result.is_ok(), secs)
     });
 
+    // Instructions and allocations per round trip of each layer: on the default kernel only
+    // (the counts are user space's, the same on either).
+    let cost = (!plan.device_only).then(|| {
+        let vm_started = Instant::now();
+        let result = cost_check(two_host_kernel);
+        let secs = vm_started.elapsed().as_secs_f64();
+        let ok = match result {
+            Ok(ok) => ok,
+            Err(e) => {
+                eprintln!("xtask: the cost check did not run: {e:#}");
+                false
+            }
+        };
+        if !ok {
+            eprintln!(
+                "xtask: the cost check failed (alone: cargo xtask vm -- ./target/release/rdmsg-bench cost-check)"
+            );
+        }
+        eprintln!("==> [cost] VM run (Linux {two_host_kernel}) {secs:.1} s");
+        (ok, secs)
+    });
+
     // Several VMs on a switch, with faults: on every kernel the device tests ran on.
     let cluster_runs: Vec<(Kernel, bool, f64)> = if plan.device_only {
         Vec::new()
@@ -1114,6 +1170,10 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
     if let Some((ok, secs)) = two_host {
         checks.push((format!("two-host ({two_host_kernel} only)"), ok));
         times.push(format!("two-host ({two_host_kernel}) {secs:.1} s"));
+    }
+    if let Some((ok, secs)) = cost {
+        checks.push((format!("cost ({two_host_kernel} only)"), ok));
+        times.push(format!("cost ({two_host_kernel}) {secs:.1} s"));
     }
     for (kernel, ok, secs) in cluster_runs {
         checks.push((format!("cluster ({kernel})"), ok));

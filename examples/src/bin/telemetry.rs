@@ -1,10 +1,12 @@
 //! A solicited-only receiver fed by a telemetry producer: readings go out unsolicited in
 //! batches whose last message wakes the receiver, alarms wake it at once. Run with
-//! `--arm both` (what `cargo xtask demo` does) to compare against a receiver woken by every
-//! completion.
+//! `--arm all --rounds 5` (what `cargo xtask demo` does) to compare it, round after round,
+//! against a receiver woken by every completion and one that busy-polls; the table gives each
+//! receiver's median over the rounds and the spread, so that one noisy run does not decide.
 //!
 //! ```text
-//! telemetry [--arm solicited|next|both] [--messages N] [--batch K] [--alarm-every A] [--gap-us G]
+//! telemetry [--arm solicited|next|poll|both|all] [--rounds R] [--messages N] [--batch K]
+//!           [--alarm-every A] [--gap-us G]
 //! ```
 
 #![forbid(unsafe_code)]
@@ -14,12 +16,34 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 use rdmsg::msg::Session;
-use rdmsg::notify::ArmMode;
+use rdmsg::notify::{ArmMode, Policy};
 use rdmsg::transport::Config;
 use rdmsg_examples::{loopback_pair, Alarm, Reading};
 
+/// How the receiver waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Asleep until a solicited message (or an error).
+    Solicited,
+    /// Asleep until any completion.
+    Next,
+    /// Never asleep: polling all the time.
+    Poll,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Solicited => "solicited-only",
+            Mode::Next => "next completion",
+            Mode::Poll => "busy-poll",
+        }
+    }
+}
+
 struct Options {
-    arms: Vec<ArmMode>,
+    arms: Vec<Mode>,
+    rounds: usize,
     messages: u64,
     batch: usize,
     alarm_every: u64,
@@ -28,7 +52,8 @@ struct Options {
 
 fn parse() -> Result<Options> {
     let mut o = Options {
-        arms: vec![ArmMode::SolicitedOnly],
+        arms: vec![Mode::Solicited],
+        rounds: 1,
         messages: 4000,
         batch: 20,
         alarm_every: 1000,
@@ -40,11 +65,21 @@ fn parse() -> Result<Options> {
         match a.as_str() {
             "--arm" => {
                 o.arms = match v()?.as_str() {
-                    "solicited" => vec![ArmMode::SolicitedOnly],
-                    "next" => vec![ArmMode::Next],
-                    "both" => vec![ArmMode::SolicitedOnly, ArmMode::Next],
-                    other => bail!("--arm solicited|next|both, not {other}"),
+                    "solicited" => vec![Mode::Solicited],
+                    "next" => vec![Mode::Next],
+                    "poll" => vec![Mode::Poll],
+                    "both" => vec![Mode::Solicited, Mode::Next],
+                    "all" => vec![Mode::Solicited, Mode::Next, Mode::Poll],
+                    other => bail!("--arm solicited|next|poll|both|all, not {other}"),
                 }
+            }
+            "--rounds" => o.rounds = v()?.parse()?,
+            "-h" | "--help" => {
+                println!(
+                    "usage: telemetry [--arm solicited|next|poll|both|all] [--rounds R] \
+                     [--messages N] [--batch K] [--alarm-every A] [--gap-us G]"
+                );
+                std::process::exit(0);
             }
             "--messages" => o.messages = v()?.parse()?,
             "--batch" => o.batch = v()?.parse()?,
@@ -53,14 +88,13 @@ fn parse() -> Result<Options> {
             other => bail!("unknown argument {other}"),
         }
     }
-    if o.batch == 0 || o.alarm_every == 0 {
-        bail!("--batch and --alarm-every must be positive");
+    if o.batch == 0 || o.alarm_every == 0 || o.rounds == 0 {
+        bail!("--batch, --alarm-every and --rounds must be positive");
     }
     Ok(o)
 }
 
 struct Row {
-    arm: ArmMode,
     messages: u64,
     alarms: u64,
     wakeups: u64,
@@ -68,9 +102,18 @@ struct Row {
     cpu_per_message: Duration,
 }
 
-fn run(o: &Options, arm: ArmMode) -> Result<Row> {
+fn run(o: &Options, mode: Mode) -> Result<Row> {
     let server = Config {
-        recv_arm: arm,
+        recv_arm: if mode == Mode::Next {
+            ArmMode::Next
+        } else {
+            ArmMode::SolicitedOnly
+        },
+        policy: if mode == Mode::Poll {
+            Policy::Poll
+        } else {
+            Policy::Sleep
+        },
         ..Config::default()
     };
     let (rx, tx) = loopback_pair(&server, &Config::default())?;
@@ -129,7 +172,6 @@ fn run(o: &Options, arm: ArmMode) -> Result<Row> {
     }
     let messages = readings + alarms;
     Ok(Row {
-        arm,
         messages,
         alarms,
         wakeups: stats.wakeups,
@@ -141,28 +183,64 @@ fn run(o: &Options, arm: ArmMode) -> Result<Row> {
 fn main() -> Result<()> {
     let o = parse()?;
     println!(
-        "telemetry: {} readings in batches of {} (last one solicited), an alarm every {}, {:?} between batches",
-        o.messages, o.batch, o.alarm_every, o.gap
+        "telemetry: {} readings in batches of {} (last one solicited), an alarm every {}, {:?} between batches; {} round(s), the receivers interleaved",
+        o.messages, o.batch, o.alarm_every, o.gap, o.rounds
     );
-    let rows: Vec<Row> = o.arms.iter().map(|&a| run(&o, a)).collect::<Result<_>>()?;
+    // Round after round, every receiver once: drift of the machine hits them alike.
+    let mut rows: Vec<Vec<Row>> = o.arms.iter().map(|_| Vec::new()).collect();
+    for round in 0..o.rounds {
+        for (i, &mode) in o.arms.iter().enumerate() {
+            let r = run(&o, mode)?;
+            eprintln!(
+                "[round {}/{}] {}: {:.1} µs CPU/message, {} wake-ups",
+                round + 1,
+                o.rounds,
+                mode.name(),
+                r.cpu_per_message.as_secs_f64() * 1e6,
+                r.wakeups
+            );
+            rows[i].push(r);
+        }
+    }
     println!();
     println!(
-        "| receiver arming | messages | alarms | wake-ups | completions/wake-up | receiver CPU/message |"
+        "| receiver | messages | alarms | wake-ups | completions/wake-up | receiver CPU/message (median) | spread (min–max) |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
-    for r in &rows {
-        let arm = match r.arm {
-            ArmMode::SolicitedOnly => "solicited-only",
-            ArmMode::Next => "next completion",
-        };
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let mut medians = Vec::new();
+    for (mode, runs) in o.arms.iter().zip(&rows) {
+        let mut cpu: Vec<f64> = runs
+            .iter()
+            .map(|r| r.cpu_per_message.as_secs_f64() * 1e6)
+            .collect();
+        cpu.sort_by(f64::total_cmp);
+        let med = cpu[cpu.len() / 2];
+        medians.push((*mode, med));
+        let mid = &runs[runs.len() / 2];
+        let mut wakeups: Vec<u64> = runs.iter().map(|r| r.wakeups).collect();
+        wakeups.sort_unstable();
+        let mut per_wakeup: Vec<f64> = runs.iter().map(|r| r.per_wakeup).collect();
+        per_wakeup.sort_by(f64::total_cmp);
         println!(
-            "| {arm} | {} | {} | {} | {:.1} | {:.1} µs |",
-            r.messages,
-            r.alarms,
-            r.wakeups,
-            r.per_wakeup,
-            r.cpu_per_message.as_secs_f64() * 1e6
+            "| {} | {} | {} | {} | {:.1} | {med:.1} µs | {:.1}–{:.1} µs |",
+            mode.name(),
+            mid.messages,
+            mid.alarms,
+            wakeups[wakeups.len() / 2],
+            per_wakeup[per_wakeup.len() / 2],
+            cpu[0],
+            cpu[cpu.len() - 1],
         );
+    }
+    if let Some(&(_, solicited)) = medians.iter().find(|(m, _)| *m == Mode::Solicited) {
+        for &(mode, other) in medians.iter().filter(|(m, _)| *m != Mode::Solicited) {
+            println!(
+                "solicited-only used {:.1}× less receiver CPU per message than {} (medians of {} rounds)",
+                other / solicited,
+                mode.name(),
+                o.rounds
+            );
+        }
     }
     Ok(())
 }
