@@ -74,6 +74,9 @@ pub struct Connection {
     /// Completions handled so far: lets threads sharing the connection tell whether one of
     /// them moved it on (see [`Connection::handled`]).
     handled: u64,
+    /// `handled` when re-posting and granting last ran: a poll that finds nothing since needs
+    /// only the look of `before_wait`.
+    granted_at: u64,
     /// The last [`Connection::step`] marked the pool asleep (for an external wait): the next
     /// call takes the mark back, so that handles dropped while we are awake do not write to
     /// the wake-up socket.
@@ -172,6 +175,7 @@ impl Connection {
             bootstrap_checked: Instant::now(),
             busy_steps: 0,
             handled: 0,
+            granted_at: 0,
             stepped_asleep: false,
             step_quiet: false,
         })

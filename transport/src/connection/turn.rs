@@ -112,14 +112,22 @@ impl Connection {
             self.check_bootstrap();
             self.check_async_events();
         }
-        if self.core.next_timeout().is_some() {
+        let timers = self.core.next_timeout().is_some();
+        if timers {
             self.core.handle_timeout(Instant::now());
             self.do_actions();
         }
         if self.core.failure().is_some() {
             self.drain_flushes();
         }
-        self.repost_and_grant()
+        // A poll that found nothing (no completion since the last re-post and grant, no
+        // deadline, no look at the stream) changed nothing they depend on but what
+        // `before_wait` looks at.
+        if liveness || timers || self.handled != self.granted_at || self.core.failure().is_some() {
+            self.repost_and_grant()
+        } else {
+            self.before_wait()
+        }
     }
 
     /// Turns the error of a verb the connection drives into the sticky failure it stands for
@@ -297,6 +305,7 @@ impl Connection {
     /// Re-posts free buffers and sends a credit grant when the core says so, and re-arms the
     /// send queue as it says.
     pub(super) fn repost_and_grant(&mut self) -> Result<()> {
+        self.granted_at = self.handled;
         self.pool.collect_returns();
         if self.core.failure().is_some() {
             return Ok(());
