@@ -45,7 +45,7 @@ tasks:
                    one (msg/fuzz/corpus/decode), keeping only inputs that add coverage
   demo [--kernel K]
                    run the telemetry demo on rxe0 inside the VM (solicited-only vs next vs
-                   busy-poll, 5 rounds interleaved: medians and spread)
+                   busy-poll, 7 rounds interleaved: medians and spread)
   bench [--quick] [--kernel K] [-- ARGS]
                    benchmarks side by side with perftest in one VM boot, codec on the host,
                    and the fan-in (1 to 1024 connections: one hub thread vs a thread per
@@ -539,10 +539,10 @@ fn demo(kernel: Kernel) -> Result<ExitCode> {
     }
     let _s = Step::new(
         "demo",
-        "running the telemetry example on rxe0 inside the VM: solicited-only vs next arming vs busy polling, 5 rounds interleaved",
+        "running the telemetry example on rxe0 inside the VM: solicited-only vs next arming vs busy polling, 7 rounds interleaved",
     );
     let out = vm::Vm::new(&repo_root(), kernel).run_script(
-        "./target/release/telemetry --arm all --rounds 5 --messages 1000",
+        "./target/release/telemetry --arm all --rounds 7 --messages 4000",
         vm_timeout(),
         &mut |l| println!("{l}"),
     )?;

@@ -1,6 +1,6 @@
 //! A solicited-only receiver fed by a telemetry producer: readings go out unsolicited in
 //! batches whose last message wakes the receiver, alarms wake it at once. Run with
-//! `--arm all --rounds 5` (what `cargo xtask demo` does) to compare it, round after round,
+//! `--arm all --rounds 7` (what `cargo xtask demo` does) to compare it, round after round,
 //! against a receiver woken by every completion and one that busy-polls; the table gives each
 //! receiver's median over the rounds and the spread, so that one noisy run does not decide.
 //!
