@@ -697,31 +697,17 @@ impl Task {
                 };
                 let offered = (rate > 0).then_some(f64::from(rate));
                 let r = rdmsg::at_rate(mode, offered, count)?;
-                let mut v = vec![
-                    sample(
-                        Bench::Rates,
-                        "rdmsg",
-                        mode.name(),
-                        64,
-                        0,
-                        "us",
-                        r.latency_us,
-                    ),
-                    sample(
-                        Bench::Rates,
-                        "rdmsg",
-                        mode.name(),
-                        64,
-                        0,
-                        "cpu_us_per_msg",
-                        r.cpu_us_per_message,
-                    ),
-                    sample(Bench::Rates, "rdmsg", mode.name(), 64, 0, "rate", r.rate),
-                ];
-                for s in &mut v {
-                    s.rate = rate;
-                }
-                v
+                [
+                    ("us", r.latency_us),
+                    ("cpu_us_per_msg", r.cpu_us_per_message),
+                    ("rate", r.rate),
+                ]
+                .into_iter()
+                .map(|(metric, value)| Sample {
+                    rate,
+                    ..sample(Bench::Rates, "rdmsg", mode.name(), 64, 0, metric, value)
+                })
+                .collect()
             }
             What::Cost { subject } => {
                 let c = crate::cost::measure(
@@ -730,48 +716,18 @@ impl Task {
                     perf,
                     &crate::cost::scratch_dir(),
                 )?;
-                let mut v = vec![
-                    sample(
-                        Bench::Cost,
-                        subject.name(),
-                        "",
-                        0,
-                        0,
-                        "instructions",
-                        c.per_rt.instructions,
-                    ),
-                    sample(
-                        Bench::Cost,
-                        subject.name(),
-                        "",
-                        0,
-                        0,
-                        "syscalls",
-                        c.per_rt.syscalls,
-                    ),
-                    sample(
-                        Bench::Cost,
-                        subject.name(),
-                        "",
-                        0,
-                        0,
-                        "allocations",
-                        c.per_rt.allocations,
-                    ),
-                    sample(
-                        Bench::Cost,
-                        subject.name(),
-                        "",
-                        0,
-                        0,
-                        "clock_reads",
-                        c.per_rt.clock_reads,
-                    ),
-                ];
-                v[0].top = c.per_rt.top;
-                if let Some(w) = c.wakeups {
-                    v.push(sample(Bench::Cost, subject.name(), "", 0, 0, "wakeups", w));
-                }
+                let per_rt = c.per_rt;
+                let mut v: Vec<Sample> = [
+                    ("instructions", per_rt.instructions),
+                    ("syscalls", per_rt.syscalls),
+                    ("allocations", per_rt.allocations),
+                    ("clock_reads", per_rt.clock_reads),
+                ]
+                .into_iter()
+                .chain(c.wakeups.map(|w| ("wakeups", w)))
+                .map(|(metric, value)| sample(Bench::Cost, subject.name(), "", 0, 0, metric, value))
+                .collect();
+                v[0].top = per_rt.top;
                 v
             }
             What::WakeFloor { batch } => {

@@ -341,22 +341,6 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         timeout: Option<Duration>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        self.wait_inner(timeout, f)
-    }
-
-    /// The spin budget [`Policy::Adaptive`] would use now (zero: it would sleep at once).
-    pub fn adaptive_spin(&self) -> Duration {
-        match self.policy {
-            Policy::Adaptive { max_spin } => self.gaps.spin_budget(max_spin),
-            _ => Duration::ZERO,
-        }
-    }
-
-    fn wait_inner(
-        &mut self,
-        timeout: Option<Duration>,
-        f: &mut dyn FnMut(CqKey, &Q::Completion),
-    ) -> Result<usize> {
         // What is already queued needs no syscall, and no clock read: the deadline is taken
         // only once there is something to wait for.
         let n = self.poll_all(f)?;
@@ -412,6 +396,14 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 self.sleep_until(deadline, f)
             }
             Policy::Sleep => self.sleep_until(deadline, f),
+        }
+    }
+
+    /// The spin budget [`Policy::Adaptive`] would use now (zero: it would sleep at once).
+    pub fn adaptive_spin(&self) -> Duration {
+        match self.policy {
+            Policy::Adaptive { max_spin } => self.gaps.spin_budget(max_spin),
+            _ => Duration::ZERO,
         }
     }
 

@@ -151,10 +151,7 @@ pub fn wait_any_readable(
     timeout: Option<std::time::Duration>,
 ) -> Result<Option<usize>> {
     use std::os::fd::AsRawFd;
-    let deadline = timeout
-        .filter(|t| !t.is_zero())
-        .map(|t| deadline_after(std::time::Instant::now(), t));
-    let mut first = true;
+    let mut wait = WaitTimeout::new(timeout);
     // A few descriptors, on the stack: a sleep allocates nothing.
     let mut pfds: smallvec::SmallVec<[libc::pollfd; 8]> = fds
         .iter()
@@ -165,12 +162,7 @@ pub fn wait_any_readable(
         })
         .collect();
     loop {
-        let ms = match timeout {
-            // The first wait takes the timeout as it is; a resumed one what is left (a look
-            // stays a look).
-            Some(t) if std::mem::take(&mut first) || t.is_zero() => timeout_ms(t),
-            _ => poll_timeout_ms(deadline),
-        };
+        let ms = wait.next_ms();
         // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds; the descriptors are kept
         // open by the borrows in `fds`.
         let ret = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
@@ -208,6 +200,36 @@ pub(crate) fn poll_timeout_ms(deadline: Option<std::time::Instant>) -> libc::c_i
     match deadline {
         None => -1,
         Some(d) => timeout_ms(d.saturating_duration_since(std::time::Instant::now())),
+    }
+}
+
+/// The millisecond timeouts of a `poll` or `epoll_wait` that is resumed after a signal: the
+/// first wait takes the timeout as it is, a resumed one what is left of it (a look stays a look,
+/// a wait for ever stays one). Only a bounded wait reads the clock, once, for the deadline a
+/// resumed wait counts from.
+pub(crate) struct WaitTimeout {
+    timeout: Option<std::time::Duration>,
+    deadline: Option<std::time::Instant>,
+    first: bool,
+}
+
+impl WaitTimeout {
+    pub(crate) fn new(timeout: Option<std::time::Duration>) -> Self {
+        Self {
+            timeout,
+            deadline: timeout
+                .filter(|t| !t.is_zero())
+                .map(|t| deadline_after(std::time::Instant::now(), t)),
+            first: true,
+        }
+    }
+
+    /// The timeout of the next call (-1: none).
+    pub(crate) fn next_ms(&mut self) -> libc::c_int {
+        match self.timeout {
+            Some(t) if std::mem::take(&mut self.first) || t.is_zero() => timeout_ms(t),
+            _ => poll_timeout_ms(self.deadline),
+        }
     }
 }
 
@@ -322,5 +344,16 @@ mod tests {
         );
         assert_eq!(deadline_after(now, Duration::MAX), now + FOREVER);
         assert!(poll_timeout_ms(Some(deadline_after(now, Duration::MAX))) == libc::c_int::MAX);
+    }
+
+    #[test]
+    fn a_resumed_wait_waits_what_is_left_and_a_look_stays_a_look() {
+        let mut look = WaitTimeout::new(Some(Duration::ZERO));
+        assert_eq!((look.next_ms(), look.next_ms()), (0, 0));
+        let mut forever = WaitTimeout::new(None);
+        assert_eq!((forever.next_ms(), forever.next_ms()), (-1, -1));
+        let mut bounded = WaitTimeout::new(Some(Duration::from_millis(1500)));
+        assert_eq!(bounded.next_ms(), 1500);
+        assert!((1..=1500).contains(&bounded.next_ms()));
     }
 }

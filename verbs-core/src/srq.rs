@@ -115,8 +115,9 @@ impl SharedReceiveQueue {
     }
 
     /// Posts receive buffers as linked lists of up to 8 work requests (`ibv_post_srq_recv`),
-    /// built on the stack (no allocation), with fresh wr_ids. The SRQ owns them until [`SharedReceiveQueue::take_recv`] hands each back
-    /// with its completion, whichever queue pair consumed it.
+    /// built on the stack (no allocation), with fresh wr_ids. The SRQ owns them until
+    /// [`SharedReceiveQueue::take_recv`] hands each back with its completion, whichever queue
+    /// pair consumed it.
     ///
     /// On failure, the buffers of the failing request and those after it are handed back in
     /// the [`PostError`]; if the provider does not say which request failed, those of the

@@ -3,7 +3,7 @@
 //! on every sleep, which under emulation costs as much as a tenth of a round trip.
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::{Error, Result};
 
@@ -124,19 +124,9 @@ impl ReadyWatch {
         timeout: Option<Duration>,
         events: &mut [libc::epoll_event],
     ) -> Result<usize> {
-        // A look (zero) or a wait for ever reads no clock; a bounded wait reads it once, to
-        // resume an interrupted wait with the time left.
-        let deadline = timeout
-            .filter(|t| !t.is_zero())
-            .map(|t| crate::deadline_after(Instant::now(), t));
-        let mut first = true;
+        let mut wait = crate::WaitTimeout::new(timeout);
         loop {
-            let ms = match timeout {
-                // The first wait takes the timeout as it is; a resumed one what is left (a
-                // look stays a look).
-                Some(t) if std::mem::take(&mut first) || t.is_zero() => crate::timeout_ms(t),
-                _ => crate::poll_timeout_ms(deadline),
-            };
+            let ms = wait.next_ms();
             // SAFETY: `events` is a valid array of `events.len()` epoll_events the kernel may
             // fill; the epoll descriptor is ours and open.
             let n = unsafe {

@@ -553,17 +553,7 @@ fn bench(quick: bool, kernel: Kernel, run_args: Vec<String>) -> Result<ExitCode>
     ensure_packages()?;
     let out_dir = repo_root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
-    {
-        let _s = Step::new("build", "building rdmsg-bench and the examples (release)");
-        run(cargo().args([
-            "build",
-            "--release",
-            "-p",
-            "rdmsg-bench",
-            "-p",
-            "rdmsg-examples",
-        ]))?;
-    }
+    build_bench("build")?;
     let bench_bin = repo_root().join("target/release/rdmsg-bench");
     let quick_flag: &[&str] = if quick { &["--quick"] } else { &[] };
     {
@@ -620,20 +610,7 @@ fn bench(quick: bool, kernel: Kernel, run_args: Vec<String>) -> Result<ExitCode>
 /// cost-check` in the VM (callgrind counts each layer's instructions and allocations per
 /// round trip). Whether every layer is within its ceilings and allocates nothing per message.
 fn cost_check(kernel: Kernel) -> Result<bool> {
-    {
-        let _s = Step::new(
-            "cost-build",
-            "building rdmsg-bench and the examples (release)",
-        );
-        run(cargo().args([
-            "build",
-            "--release",
-            "-p",
-            "rdmsg-bench",
-            "-p",
-            "rdmsg-examples",
-        ]))?;
-    }
+    build_bench("cost-build")?;
     let _s = Step::new(
         "cost",
         "instructions and allocations per round trip of each layer (callgrind, in the VM)",
@@ -644,6 +621,20 @@ fn cost_check(kernel: Kernel) -> Result<bool> {
         &mut |l| println!("{l}"),
     )?;
     Ok(out.code == 0)
+}
+
+/// Builds `rdmsg-bench` and the examples it runs (`rc_pingpong`) in release mode, as step
+/// `step`.
+fn build_bench(step: &'static str) -> Result<()> {
+    let _s = Step::new(step, "building rdmsg-bench and the examples (release)");
+    run(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "rdmsg-bench",
+        "-p",
+        "rdmsg-examples",
+    ]))
 }
 
 /// `cargo xtask package`: with `--allow-dirty` when the work tree has uncommitted changes.

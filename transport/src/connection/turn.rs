@@ -295,8 +295,16 @@ impl Connection {
         if self.pool.has_returns() {
             return self.repost_and_grant();
         }
+        if self.core.failure().is_none() {
+            self.sync_send_arm()?;
+        }
+        Ok(())
+    }
+
+    /// Arms the send queue as the core says ([`Core::send_arm`](crate::core::Core::send_arm)).
+    fn sync_send_arm(&mut self) -> Result<()> {
         let mode = self.core.send_arm();
-        if self.core.failure().is_none() && self.waiter.mode(self.send_key)? != mode {
+        if self.waiter.mode(self.send_key)? != mode {
             self.waiter.set_mode(self.send_key, mode)?;
         }
         Ok(())
@@ -328,11 +336,7 @@ impl Connection {
             let note = self.send.note(self.core.note());
             self.post(note, grant)?;
         }
-        let mode = self.core.send_arm();
-        if self.waiter.mode(self.send_key)? != mode {
-            self.waiter.set_mode(self.send_key, mode)?;
-        }
-        Ok(())
+        self.sync_send_arm()
     }
 
     /// Test hook: moves the queue pair to the error state behind the connection's back, as a

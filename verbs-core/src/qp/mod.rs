@@ -333,8 +333,9 @@ impl QueuePair {
     }
 
     /// Posts receive buffers as linked lists of up to 8 work requests (`ibv_post_recv`), built
-    /// on the stack (no allocation), with fresh wr_ids. The queue pair owns them until [`QueuePair::take_recv`] (or
-    /// [`QueuePair::reclaim`]) hands each back with its completion.
+    /// on the stack (no allocation), with fresh wr_ids. The queue pair owns them until
+    /// [`QueuePair::take_recv`] (or [`QueuePair::reclaim`]) hands each back with its
+    /// completion.
     ///
     /// On failure, the buffers of the failing request and those after it are handed back in
     /// the [`PostError`]; if the provider does not say which request failed, those of the
