@@ -63,6 +63,42 @@ rdmsg::msg::message!(Command, tag = "rdmsg.example.Command");
 
 pub mod mesh;
 
+/// The `main` of every example: runs `main` and turns its error into one line on stderr,
+/// `error: ` and the chain of causes (`what failed: why: root cause`), with exit code 1.
+/// No backtrace unless asked for (`RUST_BACKTRACE` or `RUST_LIB_BACKTRACE` set and not `0`,
+/// as anyhow captures one): then the error's full report, its backtrace included.
+///
+/// ```no_run
+/// fn main() -> std::process::ExitCode {
+///     rdmsg_examples::run(|| {
+///         anyhow::ensure!(1 + 1 == 2, "arithmetic is broken");
+///         Ok(())
+///     })
+/// }
+/// ```
+pub fn run(main: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
+    match main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            if backtrace_wanted() {
+                eprintln!("error: {err:?}");
+            } else {
+                eprintln!("error: {err:#}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Whether the user asked for backtraces, by the rule anyhow captures them by.
+fn backtrace_wanted() -> bool {
+    let on = |v: std::ffi::OsString| v != "0";
+    match std::env::var_os("RUST_LIB_BACKTRACE") {
+        Some(v) => on(v),
+        None => std::env::var_os("RUST_BACKTRACE").is_some_and(on),
+    }
+}
+
 pub use rdmsg::transport::loopback_pair;
 
 /// The second process of the many-peer examples (`collector`'s sensors, `reqresp`'s clients):

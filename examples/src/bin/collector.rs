@@ -36,7 +36,9 @@
 //! ```
 //!
 //! `HUB` is `--min-credits C` and `--shared-credits S`, for the collector's [`HubConfig`]
-//! (defaults 2 and 256).
+//! (defaults: those of `HubConfig::default()`, which `--help` shows). `--count` and
+//! `--sensors` are one option, in every role. `--help` (or `-h`) describes each role's
+//! options (`collector serve --help`, ...).
 //!
 //! A hub keeps one descriptor per connection (its bootstrap TCP stream), so 1024 sensors do
 //! not fit the usual soft limit of 1024 descriptors: each process raises its soft limit
@@ -45,10 +47,12 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
+use clap::builder::RangedU64ValueParser;
+use clap::{Args, Parser, Subcommand};
 use rdmsg::{message, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
 use rdmsg_examples::peers::{count_dir, field, PeerProcess};
 use serde::{Deserialize, Serialize};
@@ -109,21 +113,79 @@ fn alarm_due(sensor: u32, batch: u64, every: u64) -> bool {
 /// emulation tens).
 const IDLE: Duration = Duration::from_secs(120);
 
-#[derive(Debug, Clone)]
-struct Workload {
-    batches: u64,
-    batch: usize,
-    alarm_every: u64,
+/// Many sensors, one collector thread: one hub serves every sensor and checks every message
+/// it gets; the collector ends with one `collector: key=value ...` line, and a non-zero exit
+/// code on any loss, disorder or error.
+///
+/// With no role, the collector listens on 127.0.0.1 and runs the sensors in a second process
+/// (this program again, role `sensors`). By default 1024 sensors each send 4 batches of 8
+/// samples (the last of a batch solicited), an alarm after every 4th batch and a final `Done`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "collector",
+    args_override_self = true,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+    /// How many sensors (one connection each)
+    #[arg(long, visible_alias = "count", value_name = "N", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    sensors: u32,
+    #[command(flatten)]
+    work: Workload,
+    #[command(flatten)]
+    hub: HubArgs,
 }
 
-impl Default for Workload {
-    fn default() -> Self {
-        Self {
-            batches: 4,
-            batch: 8,
-            alarm_every: 4,
-        }
-    }
+#[derive(Debug, Subcommand)]
+enum Role {
+    /// The collector alone: prints `listening ADDR`, serves the sensors that connect there
+    /// and ends with its line once they have all gone.
+    Serve {
+        /// Where to listen (port 0: any free port)
+        #[arg(long, value_name = "ADDR")]
+        listen: String,
+        /// How many sensors to wait for
+        #[arg(long, visible_alias = "count", value_name = "N", default_value_t = 1024,
+              value_parser = clap::value_parser!(u32).range(1..))]
+        sensors: u32,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
+    /// Sensors FIRST..FIRST+N, one connection each, on one thread's hub, sending to the
+    /// collector at ADDR once it says start; ends with one `sensors: key=value ...` line.
+    Sensors {
+        /// The collector's address
+        #[arg(long, value_name = "ADDR")]
+        connect: String,
+        /// How many sensors
+        #[arg(long, visible_alias = "sensors", value_name = "N", default_value_t = 1024,
+              value_parser = clap::value_parser!(u32).range(1..))]
+        count: u32,
+        /// The first sensor's number
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        first: u32,
+        #[command(flatten)]
+        work: Workload,
+    },
+}
+
+/// What each sensor sends.
+#[derive(Debug, Clone, Args)]
+struct Workload {
+    /// Batches of samples each sensor sends
+    #[arg(long, value_name = "B", default_value_t = 4)]
+    batches: u64,
+    /// Samples per batch (the last one solicited)
+    #[arg(long, value_name = "K", default_value_t = 8,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    batch: usize,
+    /// An alarm after every A-th batch (counting from a different batch for each sensor)
+    #[arg(long, value_name = "A", default_value_t = 4,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    alarm_every: u64,
 }
 
 impl Workload {
@@ -139,94 +201,48 @@ impl Workload {
     }
 }
 
-enum Role {
-    /// Collector and sensors, in two processes.
-    Both {
-        sensors: u32,
-        work: Workload,
-        hub: HubConfig,
-    },
-    /// The collector alone.
-    Serve {
-        listen: String,
-        sensors: u32,
-        hub: HubConfig,
-    },
-    /// Sensors `first..first + count`, connecting to a collector.
-    Sensors {
-        connect: String,
-        count: u32,
-        first: u32,
-        work: Workload,
-    },
+/// The collector's hub: `HubConfig::default()` but for these (and `max_connections`, the
+/// number of sensors).
+#[derive(Debug, Clone, Args)]
+struct HubArgs {
+    /// Credits every connection keeps however idle (HubConfig::min_credits)
+    #[arg(long, value_name = "C", default_value_t = HubConfig::default().min_credits)]
+    min_credits: u32,
+    /// Receive buffers kept spare beyond every connection's minimum (HubConfig::shared_credits)
+    #[arg(long, value_name = "S", default_value_t = HubConfig::default().shared_credits)]
+    shared_credits: u32,
 }
 
-fn parse() -> Result<Role> {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let role = match args.first().map(String::as_str) {
-        Some("serve" | "sensors") => args.remove(0),
-        _ => String::new(),
-    };
-    let (mut sensors, mut first) = (1024u32, 0u32);
-    let (mut listen, mut connect) = (None, None);
-    let mut work = Workload::default();
-    let mut hub = HubConfig::default();
-    let mut it = args.into_iter();
-    while let Some(a) = it.next() {
-        let mut v = || it.next().with_context(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--sensors" | "--count" => sensors = v()?.parse()?,
-            "--first" => first = v()?.parse()?,
-            "--batches" => work.batches = v()?.parse()?,
-            "--batch" => work.batch = v()?.parse()?,
-            "--alarm-every" => work.alarm_every = v()?.parse()?,
-            "--listen" => listen = Some(v()?),
-            "--connect" => connect = Some(v()?),
-            "--min-credits" => hub.min_credits = v()?.parse()?,
-            "--shared-credits" => hub.shared_credits = v()?.parse()?,
-            other => bail!("unknown argument {other} (see the doc at the top of collector.rs)"),
+impl HubArgs {
+    fn config(&self, sensors: u32) -> HubConfig {
+        HubConfig {
+            min_credits: self.min_credits,
+            shared_credits: self.shared_credits,
+            max_connections: sensors,
+            ..HubConfig::default()
         }
     }
-    ensure!(sensors > 0, "--sensors must be positive");
-    hub.max_connections = sensors;
-    ensure!(
-        work.batch > 0 && work.alarm_every > 0,
-        "--batch and --alarm-every must be positive"
-    );
-    Ok(match role.as_str() {
-        "serve" => Role::Serve {
-            listen: listen.context("serve needs --listen ADDR")?,
-            sensors,
-            hub,
-        },
-        "sensors" => Role::Sensors {
-            connect: connect.context("sensors needs --connect ADDR")?,
-            count: sensors,
-            first,
-            work,
-        },
-        _ => Role::Both { sensors, work, hub },
-    })
 }
 
-fn main() -> Result<()> {
-    match parse()? {
-        Role::Both { sensors, work, hub } => both(sensors, &work, hub),
-        Role::Serve {
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    rdmsg_examples::run(|| match cli.role {
+        None => both(cli.sensors, &cli.work, cli.hub.config(cli.sensors)),
+        Some(Role::Serve {
             listen,
             sensors,
             hub,
-        } => {
-            let report = collect(&listen, sensors, hub, None)?;
+        }) => {
+            let report = collect(&listen, sensors, hub.config(sensors), None)?;
             report.finish(None)
         }
-        Role::Sensors {
+        Some(Role::Sensors {
             connect,
             count,
             first,
             work,
-        } => run_sensors(&connect, count, first, &work),
-    }
+        }) => run_sensors(&connect, count, first, &work),
+    })
 }
 
 // ----- the collector -----
@@ -775,4 +791,154 @@ fn rnr_counters() -> Option<u64> {
         std::fs::read_to_string(path).ok()?.trim().parse().ok()
     };
     Some(read("rcvd_rnr_err")? + read("send_rnr_err")?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("collector").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    fn check_work(w: &Workload, (batches, batch, alarm_every): (u64, usize, u64)) {
+        assert_eq!(
+            (w.batches, w.batch, w.alarm_every),
+            (batches, batch, alarm_every)
+        );
+    }
+
+    #[test]
+    fn no_role_defaults_and_flags() {
+        let c = parse(&[]);
+        assert!(c.role.is_none());
+        assert_eq!(c.sensors, 1024);
+        check_work(&c.work, (4, 8, 4));
+        let d = HubConfig::default();
+        let hub = c.hub.config(c.sensors);
+        assert_eq!(
+            (hub.min_credits, hub.shared_credits, hub.max_connections),
+            (d.min_credits, d.shared_credits, 1024)
+        );
+        assert_eq!(parse(&["--sensors", "256"]).sensors, 256);
+        assert_eq!(parse(&["--sensors", "10000"]).sensors, 10000);
+        let c = parse(&[
+            "--count",
+            "3",
+            "--batches",
+            "5",
+            "--batch",
+            "6",
+            "--alarm-every",
+            "7",
+            "--min-credits",
+            "2",
+            "--shared-credits",
+            "9",
+            "--sensors",
+            "4",
+        ]);
+        assert_eq!(c.sensors, 4, "the last of --count and --sensors wins");
+        check_work(&c.work, (5, 6, 7));
+        let hub = c.hub.config(c.sensors);
+        assert_eq!(
+            (hub.min_credits, hub.shared_credits, hub.max_connections),
+            (2, 9, 4)
+        );
+    }
+
+    #[test]
+    fn serve_role() {
+        let c = parse(&["serve", "--listen", "127.0.0.1:0", "--sensors", "64"]);
+        let Some(Role::Serve {
+            listen,
+            sensors,
+            hub,
+        }) = c.role
+        else {
+            panic!("{:?}", c.role)
+        };
+        assert_eq!((listen.as_str(), sensors), ("127.0.0.1:0", 64));
+        assert_eq!(hub.min_credits, HubConfig::default().min_credits);
+        let c = parse(&[
+            "serve",
+            "--count",
+            "5",
+            "--listen",
+            "a:1",
+            "--min-credits",
+            "3",
+        ]);
+        let Some(Role::Serve { sensors, hub, .. }) = c.role else {
+            panic!("{:?}", c.role)
+        };
+        assert_eq!((sensors, hub.min_credits), (5, 3));
+    }
+
+    #[test]
+    fn sensors_role() {
+        // As the device test starts them.
+        let c = parse(&[
+            "sensors",
+            "--connect",
+            "a:1",
+            "--count",
+            "32",
+            "--first",
+            "32",
+        ]);
+        let Some(Role::Sensors {
+            connect,
+            count,
+            first,
+            work,
+        }) = c.role
+        else {
+            panic!("{:?}", c.role)
+        };
+        assert_eq!((connect.as_str(), count, first), ("a:1", 32, 32));
+        check_work(&work, (4, 8, 4));
+        // As `both` starts them (`PeerProcess::start` adds `--connect ADDR`).
+        let work = Workload {
+            batches: 2,
+            batch: 3,
+            alarm_every: 5,
+        };
+        let mut args = vec!["sensors".to_owned(), "--count".into(), "10000".into()];
+        args.extend(work.args());
+        args.extend(["--connect".into(), "127.0.0.1:4000".into()]);
+        let c = parse(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let Some(Role::Sensors {
+            connect,
+            count,
+            first,
+            work,
+        }) = c.role
+        else {
+            panic!("{:?}", c.role)
+        };
+        assert_eq!(
+            (connect.as_str(), count, first),
+            ("127.0.0.1:4000", 10000, 0)
+        );
+        check_work(&work, (2, 3, 5));
+    }
+
+    #[test]
+    fn refused() {
+        for args in [
+            &["--bogus"][..],
+            &["--sensors", "0"],
+            &["--batch", "0"],
+            &["--alarm-every", "0"],
+            &["--sensors"],
+            &["serve"],
+            &["sensors", "--count", "3"],
+            &["--sensors", "3", "serve", "--listen", "a:1"],
+        ] {
+            let args = std::iter::once("collector").chain(args.iter().copied());
+            assert!(Cli::try_parse_from(args).is_err());
+        }
+    }
 }

@@ -4,11 +4,13 @@
 
 #![forbid(unsafe_code)]
 
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 
 use anyhow::{bail, Result};
+use clap::Parser;
 use rdmsg::msg::{Dispatcher, Session};
 use rdmsg::transport::Config;
 use rdmsg_examples::{loopback_pair, Alarm, Command, Reading};
@@ -16,7 +18,19 @@ use rdmsg_examples::{loopback_pair, Alarm, Command, Reading};
 const READINGS: u64 = 3000;
 const WORKERS: usize = 2;
 
-fn main() -> Result<()> {
+/// Several message types on one connection of one device, routed by a dispatcher: readings
+/// to a pool of worker threads, commands (one of them fragmented) to another worker, alarms
+/// to a handler on the dispatching thread. Takes no arguments.
+#[derive(Debug, Parser)]
+#[command(name = "dispatcher")]
+struct Cli {}
+
+fn main() -> ExitCode {
+    Cli::parse();
+    rdmsg_examples::run(dispatch)
+}
+
+fn dispatch() -> Result<()> {
     let (rx, tx) = loopback_pair(&Config::default(), &Config::default())?;
     let receiver = thread::spawn(
         move || -> Result<(Vec<u64>, u64, Vec<usize>, rdmsg::msg::DispatchStats)> {

@@ -25,9 +25,11 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context as _, Result};
+use anyhow::{ensure, Context as _, Result};
+use clap::Parser;
 use rdmsg::transport::ReadyWatch;
 use rdmsg::{Endpoint, Hub, HubConfig, HubEvent, PeerId, Session};
 use rdmsg_examples::{Request, Response};
@@ -56,17 +58,26 @@ fn client(ep: Endpoint, addr: SocketAddr, id: u64, requests: u64) -> Result<()> 
     Ok(())
 }
 
-fn main() -> Result<()> {
-    let (mut clients, mut requests) = (16u64, 500u64);
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let v: u64 = it.next().context("a value")?.parse()?;
-        match arg.as_str() {
-            "--clients" => clients = v,
-            "--requests" => requests = v,
-            other => bail!("unknown argument {other}"),
-        }
-    }
+/// One thread, one plain epoll loop: a typed hub serving RDMA clients beside a TCP status
+/// port. Runs the clients on threads, asks the status port once they are done, and ends with
+/// one `epoll_hub: key=value ...` line (a non-zero exit code if an answer is missing).
+#[derive(Debug, Parser)]
+#[command(name = "epoll_hub", args_override_self = true)]
+struct Cli {
+    /// Blocking session clients, one thread each
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    clients: u64,
+    /// Requests per client
+    #[arg(long, value_name = "R", default_value_t = 500)]
+    requests: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    rdmsg_examples::run(|| serve(cli.clients, cli.requests))
+}
+
+fn serve(clients: u64, requests: u64) -> Result<()> {
     let ep = Endpoint::open_default()?;
     let mut hub = Hub::new(&ep, HubConfig::default())?;
     let addr = hub.listen("127.0.0.1:0")?;

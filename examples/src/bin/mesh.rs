@@ -43,10 +43,11 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, VecDeque};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
+use clap::Parser;
 use rdmsg::{message, Endpoint, Envelope, Failure, Hub, HubConfig, HubEvent, PeerId};
 use rdmsg_examples::mesh::{self, Inbound, Kind, Queries};
 use serde::{Deserialize, Serialize};
@@ -98,59 +99,70 @@ struct Done {
 }
 message!(Done, tag = "rdmsg.mesh.Done");
 
-#[derive(Debug)]
+/// One host of a mesh: exchanges typed, checked messages with every other host over one hub
+/// (one thread) and ends with one `mesh: key=value ...` report line; the exit code is
+/// non-zero on any loss, duplication, disorder, corruption, unanswered query or unexpected
+/// failure.
+///
+/// Host I (1-based) listens on its own entry's port and connects to every host before it in
+/// the list; the others connect to it.
+#[derive(Debug, Parser)]
+#[command(name = "mesh", args_override_self = true)]
 struct Options {
+    /// This host's number in --hosts (1-based)
+    #[arg(long, value_name = "I")]
     id: u16,
-    hosts: Vec<String>,
+    /// Every host's address, this one's included, comma-separated (at least two)
+    // A qualified `Vec`: one value split here, not one value per occurrence.
+    #[arg(long, value_name = "ADDR1,ADDR2,...", value_parser = addresses)]
+    hosts: ::std::vec::Vec<String>,
+    /// How long to send to every peer
+    #[arg(long, value_name = "D", default_value_t = 20.0)]
     seconds: f64,
+    /// `tc netem` arguments applied to DEV before anything else (empty: none)
+    #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]
     netem: Option<String>,
+    /// The network device of --netem and --cut-after
+    #[arg(long, value_name = "DEV", default_value = "eth0")]
     netdev: String,
+    /// Print `mesh: ready-to-die` S seconds into sending, for the harness to kill this host
+    #[arg(long, value_name = "S")]
     die_after: Option<f64>,
+    /// Drop every packet leaving DEV for --cut-ms, S seconds into sending
+    #[arg(long, value_name = "S")]
     cut_after: Option<f64>,
+    /// How long the cut of --cut-after lasts
+    #[arg(long, value_name = "M", default_value_t = 1000)]
     cut_ms: u64,
-    may_lose: Vec<u16>,
+    /// Hosts that may vanish (their streams are then not counted), comma-separated
+    // A qualified `Vec`: one value split here, not one value per occurrence.
+    #[arg(long, value_name = "J,...", value_parser = host_ids, default_value = "",
+          hide_default_value = true)]
+    may_lose: ::std::vec::Vec<u16>,
+    /// The queue pairs' local ACK timeout exponent (4.096 µs × 2^T)
+    #[arg(long, value_name = "T", default_value_t = 16)]
     ack_timeout: u8,
+    /// The bootstrap streams' keepalive limit, in seconds
+    #[arg(long, value_name = "S", default_value_t = 10)]
     keepalive: u64,
 }
 
+/// `--hosts`: addresses separated by commas.
+fn addresses(list: &str) -> Result<Vec<String>, std::convert::Infallible> {
+    Ok(list.split(',').map(str::to_owned).collect())
+}
+
+/// `--may-lose`: host numbers separated by commas (none if empty).
+fn host_ids(list: &str) -> Result<Vec<u16>, std::num::ParseIntError> {
+    list.split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::parse)
+        .collect()
+}
+
 fn parse() -> Result<Options> {
-    let mut o = Options {
-        id: 0,
-        hosts: Vec::new(),
-        seconds: 20.0,
-        netem: None,
-        netdev: "eth0".into(),
-        die_after: None,
-        cut_after: None,
-        cut_ms: 1000,
-        may_lose: Vec::new(),
-        ack_timeout: 16,
-        keepalive: 10,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || args.next().with_context(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--id" => o.id = v()?.parse()?,
-            "--hosts" => o.hosts = v()?.split(',').map(str::to_owned).collect(),
-            "--seconds" => o.seconds = v()?.parse()?,
-            "--netem" => o.netem = Some(v()?).filter(|s| !s.trim().is_empty()),
-            "--netdev" => o.netdev = v()?,
-            "--die-after" => o.die_after = Some(v()?.parse()?),
-            "--cut-after" => o.cut_after = Some(v()?.parse()?),
-            "--cut-ms" => o.cut_ms = v()?.parse()?,
-            "--may-lose" => {
-                o.may_lose = v()?
-                    .split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(str::parse)
-                    .collect::<Result<_, _>>()?
-            }
-            "--ack-timeout" => o.ack_timeout = v()?.parse()?,
-            "--keepalive" => o.keepalive = v()?.parse()?,
-            other => bail!("unknown argument {other} (see the doc at the top of mesh.rs)"),
-        }
-    }
+    let mut o = Options::parse();
+    o.netem = o.netem.filter(|s| !s.trim().is_empty());
     ensure!(o.hosts.len() >= 2, "--hosts needs at least two addresses");
     ensure!(
         (1..=o.hosts.len()).contains(&usize::from(o.id)),
@@ -271,8 +283,14 @@ struct Node {
     errors: Vec<String>,
 }
 
-fn main() -> Result<()> {
-    let o = parse()?;
+fn main() -> ExitCode {
+    rdmsg_examples::run(|| {
+        let o = parse()?;
+        run_host(o)
+    })
+}
+
+fn run_host(o: Options) -> Result<()> {
     if let Some(args) = &o.netem {
         netem(&o.netdev, args)?;
         println!("mesh: netem dev={} {args}", o.netdev);
@@ -834,5 +852,98 @@ impl Node {
             u8::from(ok),
         );
         ok
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Options {
+        Options::try_parse_from(std::iter::once("mesh").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    #[test]
+    fn command_lines() {
+        let o = parse(&["--id", "1", "--hosts", "a:1,b:2"]);
+        assert_eq!(
+            (o.id, o.hosts.clone()),
+            (1, vec!["a:1".to_owned(), "b:2".into()])
+        );
+        assert_eq!(
+            (o.seconds, o.netem, o.netdev.as_str()),
+            (20.0, None, "eth0")
+        );
+        assert_eq!((o.die_after, o.cut_after, o.cut_ms), (None, None, 1000));
+        assert_eq!((o.may_lose, o.ack_timeout, o.keepalive), (vec![], 16, 10));
+        // As `cargo xtask cluster` runs it (its --netem a single quoted argument).
+        let o = parse(&[
+            "--id",
+            "2",
+            "--hosts",
+            "10.79.0.1:19000,10.79.0.2:19000,10.79.0.3:19000",
+            "--seconds",
+            "16",
+            "--netdev",
+            "eth0",
+            "--netem",
+            "loss 1% duplicate 1% delay 2ms reorder 10% 50%",
+            "--cut-after",
+            "9",
+            "--cut-ms",
+            "1000",
+            "--may-lose",
+            "3",
+        ]);
+        assert_eq!((o.id, o.hosts.len(), o.seconds), (2, 3, 16.0));
+        assert_eq!(
+            o.netem.as_deref(),
+            Some("loss 1% duplicate 1% delay 2ms reorder 10% 50%")
+        );
+        assert_eq!(
+            (o.cut_after, o.cut_ms, o.may_lose),
+            (Some(9.0), 1000, vec![3])
+        );
+        // As the device tests run it.
+        let o = parse(&[
+            "--id",
+            "4",
+            "--hosts",
+            "a:1,b:2,c:3,d:4",
+            "--seconds",
+            "4",
+            "--die-after",
+            "1.5",
+        ]);
+        assert_eq!((o.id, o.die_after), (4, Some(1.5)));
+        let o = parse(&[
+            "--id",
+            "1",
+            "--hosts",
+            "a:1,b:2",
+            "--may-lose",
+            "2,,3,",
+            "--ack-timeout",
+            "14",
+            "--keepalive",
+            "5",
+            "--may-lose",
+            "",
+        ]);
+        assert_eq!((o.may_lose, o.ack_timeout, o.keepalive), (vec![], 14, 5));
+    }
+
+    #[test]
+    fn refused() {
+        for args in [
+            &["--hosts", "a:1,b:2"][..],
+            &["--id", "1"],
+            &["--id", "1", "--hosts", "a:1,b:2", "--may-lose", "x"],
+            &["--id", "1", "--hosts", "a:1,b:2", "--bogus"],
+        ] {
+            let args = std::iter::once("mesh").chain(args.iter().copied());
+            assert!(Options::try_parse_from(args).is_err());
+        }
     }
 }

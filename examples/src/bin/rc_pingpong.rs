@@ -11,9 +11,12 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
+use clap::builder::RangedU64ValueParser;
+use clap::Parser;
 use rdmsg::notify::{ArmMode, Policy, Waiter};
 use rdmsg::transport::{Endpoint, GidChoice, PathParams, QpAddress, RecvPool};
 use rdmsg::verbs::{
@@ -21,69 +24,53 @@ use rdmsg::verbs::{
     WorkCompletion,
 };
 
+/// A drop-in peer for rdma-core's `ibv_rc_pingpong`: the same flags, the same TCP exchange of
+/// addresses, the same ping-pong of ITERS messages of SIZE bytes. The server listens on PORT;
+/// the client, given the server's name, connects to it. Polls by default; -e sleeps on the
+/// completion channel.
+#[derive(Debug, Parser)]
+#[command(name = "rc_pingpong", args_override_self = true)]
 struct Options {
+    /// Listen on / connect to this TCP port
+    #[arg(short, long, default_value_t = 18515)]
     port: u16,
+    /// Use this IB device (default: $RDMSG_DEVICE, else the first found)
+    #[arg(short, long = "ib-dev", value_name = "DEV")]
     device: Option<String>,
+    /// Use this port of the IB device
+    #[arg(short, long, default_value_t = 1)]
     ib_port: u8,
+    /// Size of the messages
+    #[arg(short, long, default_value_t = 4096,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     size: usize,
+    /// Path MTU in bytes (256, 512, 1024, 2048 or 4096)
+    #[arg(short, long, value_name = "MTU", default_value = "1024", value_parser = mtu)]
     mtu: Mtu,
+    /// Receives to post at a time (at least 2)
+    #[arg(short, long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(2..))]
     rx_depth: u32,
+    /// Number of exchanges
+    #[arg(short = 'n', long, default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
+    /// Service level
+    #[arg(short = 'l', long, default_value_t = 0)]
     sl: u8,
+    /// Sleep on completion events (else poll)
+    #[arg(short, long)]
     events: bool,
+    /// Local port GID index (default: the RoCE v2 IPv4 one)
+    #[arg(short, long = "gid-idx", value_name = "GID_INDEX")]
     gid_index: Option<u8>,
+    /// The server to connect to (without it: be the server)
     server: Option<String>,
 }
 
-const USAGE: &str = "usage: rc_pingpong [-p port] [-d device] [-i ib_port] [-s size] [-m mtu] \
-[-r rx_depth] [-n iters] [-l sl] [-e] [-g gid_index] [server]";
-
-fn parse_args() -> Result<Options> {
-    let mut o = Options {
-        port: 18515,
-        device: None,
-        ib_port: 1,
-        size: 4096,
-        mtu: Mtu::Mtu1024,
-        rx_depth: 500,
-        iters: 1000,
-        sl: 0,
-        events: false,
-        gid_index: None,
-        server: None,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = |name: &str| -> Result<String> {
-            args.next()
-                .with_context(|| format!("{name} needs a value\n{USAGE}"))
-        };
-        match arg.as_str() {
-            "-p" | "--port" => o.port = value("-p")?.parse().context("-p")?,
-            "-d" | "--ib-dev" => o.device = Some(value("-d")?),
-            "-i" | "--ib-port" => o.ib_port = value("-i")?.parse().context("-i")?,
-            "-s" | "--size" => o.size = value("-s")?.parse().context("-s")?,
-            "-m" | "--mtu" => {
-                let bytes: usize = value("-m")?.parse().context("-m")?;
-                o.mtu = Mtu::from_bytes(bytes).with_context(|| format!("bad MTU {bytes}"))?;
-            }
-            "-r" | "--rx-depth" => o.rx_depth = value("-r")?.parse().context("-r")?,
-            "-n" | "--iters" => o.iters = value("-n")?.parse().context("-n")?,
-            "-l" | "--sl" => o.sl = value("-l")?.parse().context("-l")?,
-            "-e" | "--events" => o.events = true,
-            "-g" | "--gid-idx" => o.gid_index = Some(value("-g")?.parse().context("-g")?),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            s if s.starts_with('-') => bail!("unknown option {s}\n{USAGE}"),
-            s => o.server = Some(s.to_owned()),
-        }
-    }
-    if o.size == 0 || o.rx_depth < 2 || o.iters == 0 {
-        bail!("-s and -n must be positive and -r at least 2\n{USAGE}");
-    }
-    Ok(o)
+/// `-m`: an MTU in bytes.
+fn mtu(bytes: &str) -> Result<Mtu> {
+    let bytes: usize = bytes.parse()?;
+    Mtu::from_bytes(bytes).with_context(|| format!("bad MTU {bytes}"))
 }
 
 /// Exchanges records as `ibv_rc_pingpong` does. The server connects its queue pair before it
@@ -128,8 +115,12 @@ const REPOST_BATCH: usize = 8;
 const SEND: u8 = 1;
 const RECV: u8 = 2;
 
-fn main() -> Result<()> {
-    let o = parse_args()?;
+fn main() -> ExitCode {
+    let o = Options::parse();
+    rdmsg_examples::run(|| pingpong(&o))
+}
+
+fn pingpong(o: &Options) -> Result<()> {
     let ctx = match &o.device {
         Some(name) => Context::open(name),
         None => Context::open_default(),
@@ -162,7 +153,7 @@ fn main() -> Result<()> {
         sl: o.sl,
         ..PathParams::default()
     };
-    let remote = exchange(&o, &local, |remote| {
+    let remote = exchange(o, &local, |remote| {
         ep.connect_qp(&mut qp, psn, remote, &path)
             .context("couldn't connect the queue pair")
     })?;
@@ -260,4 +251,95 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Options {
+        Options::try_parse_from(std::iter::once("rc_pingpong").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    #[test]
+    fn ibv_rc_pingpong_flags() {
+        let o = parse(&[]);
+        assert_eq!(
+            (o.port, o.device, o.ib_port, o.size),
+            (18515, None, 1, 4096)
+        );
+        assert_eq!(
+            (o.mtu, o.rx_depth, o.iters, o.sl),
+            (Mtu::Mtu1024, 500, 1000, 0)
+        );
+        assert_eq!((o.events, o.gid_index, o.server), (false, None, None));
+        // As the device tests and rdmsg-bench run it, server then client.
+        let common = [
+            "-d", "rxe0", "-g", "1", "-p", "18600", "-n", "200", "-s", "64", "-e",
+        ];
+        let o = parse(&common);
+        assert_eq!(
+            (o.device.as_deref(), o.gid_index, o.port),
+            (Some("rxe0"), Some(1), 18600)
+        );
+        assert_eq!((o.iters, o.size, o.events, o.server), (200, 64, true, None));
+        let o = parse(&[&common[..], &["127.0.0.1"]].concat());
+        assert_eq!(o.server.as_deref(), Some("127.0.0.1"));
+        // The README's, the server's name anywhere, and the long forms.
+        assert_eq!(
+            parse(&["-g", "1", "localhost"]).server.as_deref(),
+            Some("localhost")
+        );
+        let o = parse(&["host", "-m", "4096", "-r", "2", "-l", "3", "-i", "2"]);
+        assert_eq!(o.server.as_deref(), Some("host"));
+        assert_eq!(
+            (o.mtu, o.rx_depth, o.sl, o.ib_port),
+            (Mtu::Mtu4096, 2, 3, 2)
+        );
+        let o = parse(&[
+            "--port",
+            "1",
+            "--ib-dev",
+            "x",
+            "--ib-port",
+            "1",
+            "--size",
+            "8",
+            "--mtu",
+            "256",
+            "--rx-depth",
+            "9",
+            "--iters",
+            "3",
+            "--sl",
+            "1",
+            "--events",
+            "--gid-idx",
+            "2",
+        ]);
+        assert_eq!(
+            (o.port, o.device.as_deref(), o.size, o.mtu),
+            (1, Some("x"), 8, Mtu::Mtu256)
+        );
+        assert_eq!(
+            (o.rx_depth, o.iters, o.events, o.gid_index),
+            (9, 3, true, Some(2))
+        );
+    }
+
+    #[test]
+    fn refused() {
+        for args in [
+            &["-x"][..],
+            &["-m", "1000"],
+            &["-s", "0"],
+            &["-n", "0"],
+            &["-r", "1"],
+            &["-g"],
+        ] {
+            let args = std::iter::once("rc_pingpong").chain(args.iter().copied());
+            assert!(Options::try_parse_from(args).is_err());
+        }
+    }
 }

@@ -22,15 +22,19 @@
 //! reqresp server --listen ADDR [--clients N]       (without --clients: serves for ever)
 //! reqresp clients --connect ADDR [--count N] [--requests R]
 //! ```
+//!
+//! `--clients` and `--count` are one option, in every role. `--help` (or `-h`) describes each
+//! role's options (`reqresp server --help`, ...).
 
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::ControlFlow;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
+use clap::{Parser, Subcommand};
 use rdmsg::{Dispatcher, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
 use rdmsg_examples::peers::{count_dir, field, PeerProcess};
 use rdmsg_examples::{Request, Response};
@@ -38,72 +42,74 @@ use rdmsg_examples::{Request, Response};
 /// Longest a client waits for anything to happen.
 const IDLE: Duration = Duration::from_secs(60);
 
+/// Requests from many clients, answered by one server thread (a hub feeding a dispatcher);
+/// ends with one `reqresp: key=value ...` line, and a non-zero exit code on any error.
+///
+/// With no role, the server listens on 127.0.0.1 and runs the clients in a second process
+/// (this program again, role `clients`); each client keeps one request outstanding and
+/// checks every response.
+#[derive(Debug, Parser)]
+#[command(
+    name = "reqresp",
+    args_override_self = true,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+    /// How many clients (one connection each)
+    #[arg(long, visible_alias = "count", value_name = "N", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    clients: u32,
+    /// Requests per client
+    #[arg(long, value_name = "R", default_value_t = 50)]
+    requests: u64,
+}
+
+#[derive(Debug, Subcommand)]
 enum Role {
-    Both {
-        clients: u32,
-        requests: u64,
-    },
+    /// The server alone: prints `listening ADDR` and answers the clients that connect there;
+    /// with --clients N it ends with its line once N clients have come and gone, without it
+    /// it serves for ever.
     Server {
+        /// Where to listen (port 0: any free port)
+        #[arg(long, value_name = "ADDR")]
         listen: String,
+        /// How many clients to serve before ending
+        #[arg(long, visible_alias = "count", value_name = "N",
+              value_parser = clap::value_parser!(u32).range(1..))]
         clients: Option<u32>,
     },
+    /// The clients, one connection each, on one thread's hub, asking the server at ADDR;
+    /// ends with one `clients: key=value ...` line.
     Clients {
+        /// The server's address
+        #[arg(long, value_name = "ADDR")]
         connect: String,
+        /// How many clients
+        #[arg(long, visible_alias = "clients", value_name = "N", default_value_t = 64,
+              value_parser = clap::value_parser!(u32).range(1..))]
         count: u32,
+        /// Requests per client
+        #[arg(long, value_name = "R", default_value_t = 50)]
         requests: u64,
     },
 }
 
-fn parse() -> Result<Role> {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let role = match args.first().map(String::as_str) {
-        Some("server" | "clients") => args.remove(0),
-        _ => String::new(),
-    };
-    let (mut clients, mut requests) = (None, 50u64);
-    let (mut listen, mut connect) = (None, None);
-    let mut it = args.into_iter();
-    while let Some(a) = it.next() {
-        let mut v = || it.next().with_context(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--clients" | "--count" => clients = Some(v()?.parse::<u32>()?),
-            "--requests" => requests = v()?.parse()?,
-            "--listen" => listen = Some(v()?),
-            "--connect" => connect = Some(v()?),
-            other => bail!("unknown argument {other} (see the doc at the top of reqresp.rs)"),
-        }
-    }
-    ensure!(clients != Some(0), "--clients must be positive");
-    Ok(match role.as_str() {
-        "server" => Role::Server {
-            listen: listen.context("server needs --listen ADDR")?,
-            clients,
-        },
-        "clients" => Role::Clients {
-            connect: connect.context("clients needs --connect ADDR")?,
-            count: clients.unwrap_or(64),
-            requests,
-        },
-        _ => Role::Both {
-            clients: clients.unwrap_or(64),
-            requests,
-        },
-    })
-}
-
-fn main() -> Result<()> {
-    match parse()? {
-        Role::Both { clients, requests } => both(clients, requests),
-        Role::Server { listen, clients } => {
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    rdmsg_examples::run(|| match cli.role {
+        None => both(cli.clients, cli.requests),
+        Some(Role::Server { listen, clients }) => {
             let served = serve(&listen, clients, None)?;
             served.finish(None)
         }
-        Role::Clients {
+        Some(Role::Clients {
             connect,
             count,
             requests,
-        } => run_clients(&connect, count, requests),
-    }
+        }) => run_clients(&connect, count, requests),
+    })
 }
 
 /// The server here, the clients in a child process.
@@ -453,4 +459,81 @@ fn run_clients(connect: &str, count: u32, requests: u64) -> Result<()> {
         t0.elapsed().as_millis()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("reqresp").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    #[test]
+    fn command_lines() {
+        let c = parse(&[]);
+        assert!(c.role.is_none());
+        assert_eq!((c.clients, c.requests), (64, 50));
+        let c = parse(&["--clients", "48", "--requests", "40"]);
+        assert_eq!((c.clients, c.requests), (48, 40));
+        assert_eq!(parse(&["--count", "7"]).clients, 7);
+
+        let c = parse(&["server", "--listen", "127.0.0.1:0"]);
+        let Some(Role::Server { listen, clients }) = c.role else {
+            panic!("{:?}", c.role)
+        };
+        assert_eq!((listen.as_str(), clients), ("127.0.0.1:0", None));
+        let c = parse(&["server", "--count", "3", "--listen", "a:1"]);
+        assert!(matches!(
+            c.role,
+            Some(Role::Server {
+                clients: Some(3),
+                ..
+            })
+        ));
+
+        // As `both` starts them (`PeerProcess::start` adds `--connect ADDR`).
+        let c = parse(&[
+            "clients",
+            "--count",
+            "48",
+            "--requests",
+            "40",
+            "--connect",
+            "a:1",
+        ]);
+        let Some(Role::Clients {
+            connect,
+            count,
+            requests,
+        }) = c.role
+        else {
+            panic!("{:?}", c.role)
+        };
+        assert_eq!((connect.as_str(), count, requests), ("a:1", 48, 40));
+        let c = parse(&["clients", "--connect", "a:1", "--clients", "2"]);
+        assert!(matches!(
+            c.role,
+            Some(Role::Clients {
+                count: 2,
+                requests: 50,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn refused() {
+        for args in [
+            &["--bogus"][..],
+            &["--clients", "0"],
+            &["server"],
+            &["server", "--listen", "a:1", "--clients", "0"],
+            &["clients"],
+        ] {
+            let args = std::iter::once("reqresp").chain(args.iter().copied());
+            assert!(Cli::try_parse_from(args).is_err());
+        }
+    }
 }

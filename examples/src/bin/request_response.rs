@@ -7,20 +7,32 @@
 
 #![forbid(unsafe_code)]
 
+use std::process::ExitCode;
 use std::thread;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
+use clap::Parser;
 use rdmsg::msg::Session;
 use rdmsg::transport::Config;
 use rdmsg_examples::{loopback_pair, Request, Response};
 
-fn main() -> Result<()> {
-    let rounds: u64 = std::env::args()
-        .nth(1)
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(500);
+/// A request/response pair on one device: both message types wake their receiver, so each
+/// side sleeps solicited-only between turns. Prints the round trips' median and p99.
+#[derive(Debug, Parser)]
+#[command(name = "request_response")]
+struct Cli {
+    /// How many requests
+    #[arg(default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    rdmsg_examples::run(|| exchange(cli.rounds))
+}
+
+fn exchange(rounds: u64) -> Result<()> {
     let (server, client) = loopback_pair(&Config::default(), &Config::default())?;
     let server = thread::spawn(move || -> Result<u64> {
         let mut s = Session::new(server);

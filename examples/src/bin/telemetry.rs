@@ -11,10 +11,13 @@
 
 #![forbid(unsafe_code)]
 
+use std::process::ExitCode;
 use std::thread;
 use std::time::Duration;
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{bail, Result};
+use clap::builder::RangedU64ValueParser;
+use clap::{Parser, ValueEnum};
 use rdmsg::msg::Session;
 use rdmsg::notify::{ArmMode, Policy};
 use rdmsg::transport::Config;
@@ -41,57 +44,66 @@ impl Mode {
     }
 }
 
+/// A solicited-only receiver fed by a telemetry producer on one device: readings go out
+/// unsolicited in batches whose last message wakes the receiver, alarms wake it at once.
+/// `--arm all --rounds 7` compares it, round after round, against a receiver woken by every
+/// completion and one that busy-polls, and prints each receiver's median and spread.
+#[derive(Debug, Parser)]
+#[command(name = "telemetry", args_override_self = true)]
 struct Options {
-    arms: Vec<Mode>,
+    /// The receivers to run
+    #[arg(long, value_enum, default_value_t = Arm::Solicited)]
+    arm: Arm,
+    /// Rounds, each running every receiver once
+    #[arg(long, value_name = "R", default_value_t = 1,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     rounds: usize,
+    /// Readings per run
+    #[arg(long, value_name = "N", default_value_t = 4000)]
     messages: u64,
+    /// Readings per batch (the last one solicited)
+    #[arg(long, value_name = "K", default_value_t = 20,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     batch: usize,
+    /// An alarm after every A readings
+    #[arg(long, value_name = "A", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..))]
     alarm_every: u64,
+    /// Microseconds between batches
+    #[arg(long = "gap-us", value_name = "G", default_value = "2000", value_parser = micros)]
     gap: Duration,
 }
 
-fn parse() -> Result<Options> {
-    let mut o = Options {
-        arms: vec![Mode::Solicited],
-        rounds: 1,
-        messages: 4000,
-        batch: 20,
-        alarm_every: 1000,
-        gap: Duration::from_micros(2000),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || args.next().with_context(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--arm" => {
-                o.arms = match v()?.as_str() {
-                    "solicited" => vec![Mode::Solicited],
-                    "next" => vec![Mode::Next],
-                    "poll" => vec![Mode::Poll],
-                    "both" => vec![Mode::Solicited, Mode::Next],
-                    "all" => vec![Mode::Solicited, Mode::Next, Mode::Poll],
-                    other => bail!("--arm solicited|next|poll|both|all, not {other}"),
-                }
-            }
-            "--rounds" => o.rounds = v()?.parse()?,
-            "-h" | "--help" => {
-                println!(
-                    "usage: telemetry [--arm solicited|next|poll|both|all] [--rounds R] \
-                     [--messages N] [--batch K] [--alarm-every A] [--gap-us G]"
-                );
-                std::process::exit(0);
-            }
-            "--messages" => o.messages = v()?.parse()?,
-            "--batch" => o.batch = v()?.parse()?,
-            "--alarm-every" => o.alarm_every = v()?.parse()?,
-            "--gap-us" => o.gap = Duration::from_micros(v()?.parse()?),
-            other => bail!("unknown argument {other}"),
+/// `--arm`: which receivers.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Arm {
+    /// Asleep until a solicited message
+    Solicited,
+    /// Asleep until any completion
+    Next,
+    /// Busy-polling
+    Poll,
+    /// Solicited and next
+    Both,
+    /// Solicited, next and poll
+    All,
+}
+
+impl Arm {
+    fn modes(self) -> Vec<Mode> {
+        match self {
+            Arm::Solicited => vec![Mode::Solicited],
+            Arm::Next => vec![Mode::Next],
+            Arm::Poll => vec![Mode::Poll],
+            Arm::Both => vec![Mode::Solicited, Mode::Next],
+            Arm::All => vec![Mode::Solicited, Mode::Next, Mode::Poll],
         }
     }
-    if o.batch == 0 || o.alarm_every == 0 || o.rounds == 0 {
-        bail!("--batch, --alarm-every and --rounds must be positive");
-    }
-    Ok(o)
+}
+
+/// `--gap-us`: microseconds.
+fn micros(us: &str) -> Result<Duration, std::num::ParseIntError> {
+    Ok(Duration::from_micros(us.parse()?))
 }
 
 struct Row {
@@ -180,17 +192,22 @@ fn run(o: &Options, mode: Mode) -> Result<Row> {
     })
 }
 
-fn main() -> Result<()> {
-    let o = parse()?;
+fn main() -> ExitCode {
+    let o = Options::parse();
+    rdmsg_examples::run(|| compare(&o))
+}
+
+fn compare(o: &Options) -> Result<()> {
+    let arms = o.arm.modes();
     println!(
         "telemetry: {} readings in batches of {} (last one solicited), an alarm every {}, {:?} between batches; {} round(s), the receivers interleaved",
         o.messages, o.batch, o.alarm_every, o.gap, o.rounds
     );
     // Round after round, every receiver once: drift of the machine hits them alike.
-    let mut rows: Vec<Vec<Row>> = o.arms.iter().map(|_| Vec::new()).collect();
+    let mut rows: Vec<Vec<Row>> = arms.iter().map(|_| Vec::new()).collect();
     for round in 0..o.rounds {
-        for (i, &mode) in o.arms.iter().enumerate() {
-            let r = run(&o, mode)?;
+        for (i, &mode) in arms.iter().enumerate() {
+            let r = run(o, mode)?;
             eprintln!(
                 "[round {}/{}] {}: {:.1} µs CPU/message, {} wake-ups",
                 round + 1,
@@ -208,7 +225,7 @@ fn main() -> Result<()> {
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
     let mut medians = Vec::new();
-    for (mode, runs) in o.arms.iter().zip(&rows) {
+    for (mode, runs) in arms.iter().zip(&rows) {
         let mut cpu: Vec<f64> = runs
             .iter()
             .map(|r| r.cpu_per_message.as_secs_f64() * 1e6)
@@ -243,4 +260,57 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Options {
+        Options::try_parse_from(std::iter::once("telemetry").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    #[test]
+    fn command_lines() {
+        let o = parse(&[]);
+        assert_eq!(o.arm.modes(), [Mode::Solicited]);
+        assert_eq!(
+            (o.rounds, o.messages, o.batch, o.alarm_every),
+            (1, 4000, 20, 1000)
+        );
+        assert_eq!(o.gap, Duration::from_micros(2000));
+        // As `cargo xtask demo` runs it.
+        let o = parse(&["--arm", "all", "--rounds", "7", "--messages", "4000"]);
+        assert_eq!(o.arm.modes(), [Mode::Solicited, Mode::Next, Mode::Poll]);
+        assert_eq!((o.rounds, o.messages), (7, 4000));
+        for (arm, modes) in [
+            ("solicited", &[Mode::Solicited][..]),
+            ("next", &[Mode::Next]),
+            ("poll", &[Mode::Poll]),
+            ("both", &[Mode::Solicited, Mode::Next]),
+        ] {
+            assert_eq!(parse(&["--arm", arm]).arm.modes(), modes);
+        }
+        let o = parse(&["--batch", "5", "--alarm-every", "3", "--gap-us", "10"]);
+        assert_eq!(
+            (o.batch, o.alarm_every, o.gap),
+            (5, 3, Duration::from_micros(10))
+        );
+    }
+
+    #[test]
+    fn refused() {
+        for args in [
+            &["--arm", "sometimes"][..],
+            &["--rounds", "0"],
+            &["--batch", "0"],
+            &["--alarm-every", "0"],
+            &["--gap-us", "-1"],
+            &["--bogus"],
+        ] {
+            let args = std::iter::once("telemetry").chain(args.iter().copied());
+            assert!(Options::try_parse_from(args).is_err());
+        }
+    }
 }

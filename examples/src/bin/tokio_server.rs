@@ -18,46 +18,50 @@
 //! tokio_server serve --listen ADDR
 //! tokio_server client --connect ADDR [--clients N] [--requests R]
 //! ```
+//!
+//! `--listen` and `--connect` are one option, and the role may come anywhere on the line.
 
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context as _, Result};
+use anyhow::{ensure, Context as _, Result};
+use clap::{Parser, ValueEnum};
 use rdmsg::tokio::{AsyncListener, AsyncSession};
 use rdmsg::{Config, Endpoint, SessionConfig};
 use rdmsg_examples::{Request, Response};
 
-#[derive(Debug)]
+/// A tokio server with many clients: typed request/response over `rdmsg::tokio`, one task per
+/// client on the multi-thread runtime. With no role, it runs server and clients in this
+/// process and ends with one `tokio_server: key=value ...` line (a non-zero exit code on any
+/// wrong or missing answer).
+#[derive(Debug, Parser)]
+#[command(name = "tokio_server", args_override_self = true)]
 struct Args {
-    role: Option<String>,
+    /// Server or clients alone (without it: both, here)
+    #[arg(value_enum)]
+    role: Option<Role>,
+    /// Where the server listens, or the clients connect (the same option)
+    #[arg(long = "listen", visible_alias = "connect", value_name = "ADDR")]
     addr: Option<SocketAddr>,
+    /// Async clients, one task each
+    #[arg(long, value_name = "N", default_value_t = 32)]
     clients: u32,
+    /// Requests per client, one at a time
+    #[arg(long, value_name = "R", default_value_t = 200)]
     requests: u32,
 }
 
-fn args() -> Result<Args> {
-    let mut a = Args {
-        role: None,
-        addr: None,
-        clients: 32,
-        requests: 200,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{arg} needs a value"));
-        match arg.as_str() {
-            "serve" | "client" => a.role = Some(arg.clone()),
-            "--listen" | "--connect" => a.addr = Some(value()?.parse()?),
-            "--clients" => a.clients = value()?.parse()?,
-            "--requests" => a.requests = value()?.parse()?,
-            other => bail!("unknown argument {other}"),
-        }
-    }
-    Ok(a)
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Role {
+    /// The server alone, at --listen ADDR, serving for ever
+    Serve,
+    /// The clients alone, connecting to the server at --connect ADDR
+    Client,
 }
 
 /// Answers one client until it goes; returns its session's wake-ups.
@@ -143,28 +147,32 @@ async fn clients(ep: Endpoint, addr: SocketAddr, n: u32, requests: u32) -> Resul
     Ok(all)
 }
 
-fn main() -> Result<()> {
-    let a = args()?;
+fn main() -> ExitCode {
+    let a = Args::parse();
+    rdmsg_examples::run(|| run_role(a))
+}
+
+fn run_role(a: Args) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
         let ep = Endpoint::open_default()?;
-        match a.role.as_deref() {
-            Some("serve") => {
+        match a.role {
+            Some(Role::Serve) => {
                 let addr = a.addr.context("serve needs --listen ADDR")?;
                 let l = AsyncListener::bind(&ep, addr, Config::default(), SessionConfig::default())?;
                 println!("tokio_server: listening on {}", l.local_addr()?);
                 server(l, None).await?;
                 Ok(())
             }
-            Some("client") => {
+            Some(Role::Client) => {
                 let addr = a.addr.context("client needs --connect ADDR")?;
                 let rtts = clients(ep, addr, a.clients, a.requests).await?;
                 println!("tokio_server: client round_trips={}", rtts.len());
                 Ok(())
             }
-            _ => {
+            None => {
                 let started = Instant::now();
                 let l = AsyncListener::bind(
                     &ep,
@@ -192,4 +200,41 @@ fn main() -> Result<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("tokio_server").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    #[test]
+    fn command_lines() {
+        let a = parse(&[]);
+        assert!(a.role.is_none() && a.addr.is_none());
+        assert_eq!((a.clients, a.requests), (32, 200));
+        let a = parse(&["--clients", "24", "--requests", "100"]);
+        assert_eq!((a.clients, a.requests), (24, 100));
+        let a = parse(&["serve", "--listen", "127.0.0.1:0"]);
+        assert!(matches!(a.role, Some(Role::Serve)));
+        assert_eq!(a.addr, Some("127.0.0.1:0".parse().unwrap()));
+        // The role anywhere, --listen and --connect one option.
+        let a = parse(&["--connect", "10.0.0.1:5", "--clients", "3", "client"]);
+        assert!(matches!(a.role, Some(Role::Client)));
+        assert_eq!(
+            (a.addr, a.clients),
+            (Some("10.0.0.1:5".parse().unwrap()), 3)
+        );
+    }
+
+    #[test]
+    fn refused() {
+        for args in [&["--listen", "nowhere"][..], &["listen"], &["--bogus"]] {
+            let args = std::iter::once("tokio_server").chain(args.iter().copied());
+            assert!(Args::try_parse_from(args).is_err());
+        }
+    }
 }

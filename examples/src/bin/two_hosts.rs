@@ -7,58 +7,68 @@
 //! two_hosts server [--listen ADDR] [--messages N]
 //! two_hosts client --connect ADDR [--messages N]
 //! ```
+//!
+//! `--listen` and `--connect` are one option (default `0.0.0.0:18800`, in both roles).
 
 #![forbid(unsafe_code)]
 
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{bail, Result};
+use clap::{Parser, ValueEnum};
 use rdmsg::msg::Session;
 use rdmsg::transport::{Config, Endpoint, Error, Failure};
 use rdmsg_examples::{Alarm, Reading, Request, Response};
 
+/// Two hosts, one connection: the client sends readings in batches and an alarm, the server
+/// checks them, answers, and then waits for whatever comes next; when the client's host dies,
+/// the server must report the peer as gone, typed, within the keepalive limit.
+#[derive(Debug, Parser)]
+#[command(name = "two_hosts", args_override_self = true)]
 struct Options {
-    server: bool,
+    /// Which side this host is
+    #[arg(value_enum)]
+    role: Role,
+    /// Where the server listens, or the client connects (the same option)
+    #[arg(
+        long = "listen",
+        visible_alias = "connect",
+        value_name = "ADDR",
+        default_value = "0.0.0.0:18800"
+    )]
     addr: String,
+    /// Readings the client sends (and the server expects)
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
     messages: u64,
 }
 
-fn parse() -> Result<Options> {
-    let mut args = std::env::args().skip(1);
-    let server = match args.next().as_deref() {
-        Some("server") => true,
-        Some("client") => false,
-        _ => bail!("usage: two_hosts server|client [--listen|--connect ADDR] [--messages N]"),
-    };
-    let mut o = Options {
-        server,
-        addr: "0.0.0.0:18800".into(),
-        messages: 10_000,
-    };
-    while let Some(a) = args.next() {
-        let mut v = || args.next().with_context(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--listen" | "--connect" => o.addr = v()?,
-            "--messages" => o.messages = v()?.parse()?,
-            other => bail!("unknown argument {other}"),
-        }
-    }
-    Ok(o)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Role {
+    /// Accepts one connection, checks it, then waits for the peer to vanish
+    Server,
+    /// Connects (retrying for a minute), sends, then says READY-TO-DIE and sleeps
+    Client,
 }
 
-fn main() -> Result<()> {
-    let o = parse()?;
+fn main() -> ExitCode {
+    let o = Options::parse();
+    rdmsg_examples::run(|| run_role(&o))
+}
+
+fn run_role(o: &Options) -> Result<()> {
+    let server = o.role == Role::Server;
     let ep = Endpoint::open_default()?;
     println!(
         "two_hosts: {} on {} ({})",
-        if o.server { "server" } else { "client" },
+        if server { "server" } else { "client" },
         ep.context().name(),
         o.addr
     );
-    if o.server {
-        serve(&o, &ep)
+    if server {
+        serve(o, &ep)
     } else {
-        client(&o, &ep)
+        client(o, &ep)
     }
 }
 
@@ -151,4 +161,46 @@ fn client(o: &Options, ep: &Endpoint) -> Result<()> {
     println!("client: READY-TO-DIE");
     std::thread::sleep(Duration::from_secs(3600));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Options {
+        Options::try_parse_from(std::iter::once("two_hosts").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    #[test]
+    fn command_lines() {
+        // As `cargo xtask test` runs both sides.
+        let o = parse(&["server", "--listen", "0.0.0.0:18800", "--messages", "20000"]);
+        assert_eq!(
+            (o.role, o.addr.as_str(), o.messages),
+            (Role::Server, "0.0.0.0:18800", 20000)
+        );
+        let o = parse(&[
+            "client",
+            "--connect",
+            "10.78.0.1:18800",
+            "--messages",
+            "20000",
+        ]);
+        assert_eq!(
+            (o.role, o.addr.as_str(), o.messages),
+            (Role::Client, "10.78.0.1:18800", 20000)
+        );
+        let o = parse(&["client"]);
+        assert_eq!((o.addr.as_str(), o.messages), ("0.0.0.0:18800", 10_000));
+        assert_eq!(parse(&["server", "--connect", "a:1"]).addr, "a:1");
+    }
+
+    #[test]
+    fn refused() {
+        for args in [&[][..], &["both"], &["server", "--bogus"]] {
+            let args = std::iter::once("two_hosts").chain(args.iter().copied());
+            assert!(Options::try_parse_from(args).is_err());
+        }
+    }
 }

@@ -6,9 +6,11 @@
 #![forbid(unsafe_code)]
 
 use std::os::fd::AsFd;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
+use clap::Parser;
 use rdmsg::verbs::{
     connect_loopback, wait_readable, Access, CompletionChannel, CompletionQueue, Context,
     ProtectionDomain, QpCaps, QueuePair, SendRequest, WorkCompletion,
@@ -17,7 +19,19 @@ use rdmsg::verbs::{
 const PORT: u8 = 1;
 const BUF: usize = 256;
 
-fn main() -> Result<()> {
+/// Sends a few messages between two queue pairs of one device and shows a solicited-only
+/// receiver sleeping through the unsolicited ones and waking on the solicited one. Takes no
+/// arguments.
+#[derive(Debug, Parser)]
+#[command(name = "verbs_loopback")]
+struct Cli {}
+
+fn main() -> ExitCode {
+    Cli::parse();
+    rdmsg_examples::run(loopback)
+}
+
+fn loopback() -> Result<()> {
     let ctx = Context::open_default().context("opening the RDMA device")?;
     let port = ctx.query_port(PORT)?;
     let (gid_index, gid) = ctx.pick_roce_v2_ipv4_gid(PORT)?;
