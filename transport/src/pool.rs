@@ -160,6 +160,12 @@ impl RecvPool {
         self.free.drain(..)
     }
 
+    /// Takes at most `n` free buffers (to post them to one of several queues).
+    pub fn take_free_up_to(&mut self, n: usize) -> std::vec::Drain<'_, Buffer> {
+        let from = self.free.len().saturating_sub(n);
+        self.free.drain(from..)
+    }
+
     /// Puts a buffer that was never lent back on the free list (a grant, a flushed receive, a
     /// failed post).
     pub fn put_back(&mut self, buf: Buffer) {

@@ -12,8 +12,23 @@ use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId, RawHub, RawHubEvent}
 
 fn endpoint() -> Endpoint {
     // Both ends of every connection live in this process: a descriptor each.
-    rdmsg_verbs::raise_fd_limit(8192).expect("raise the descriptor limit");
+    raise_fd_limit(8192);
     Endpoint::open_default().expect("open $RDMSG_DEVICE (device tests need it)")
+}
+
+/// Raises the descriptor limit to `want`, the hard limit too if it is lower (as root, with
+/// `prlimit`).
+fn raise_fd_limit(want: u64) {
+    let got = rdmsg_verbs::raise_fd_limit(want).expect("raise the descriptor limit");
+    if got < want {
+        let _ = Command::new("prlimit")
+            .arg("--pid")
+            .arg(std::process::id().to_string())
+            .arg(format!("--nofile={want}:{want}"))
+            .status();
+        let got = rdmsg_verbs::raise_fd_limit(want).expect("raise the descriptor limit");
+        assert!(got >= want, "a descriptor limit of {want} (have {got})");
+    }
 }
 
 fn device_name(ep: &Endpoint) -> String {
@@ -129,8 +144,13 @@ fn serve_pausing(
 /// A client hub opening `n` connections and sending `k` messages on each, in batches of 4
 /// whose last is solicited, round-robin over the connections; then closing each.
 fn client(addr: SocketAddr, n: usize, k: u32) -> (Vec<PeerId>, RawHub) {
+    client_with(addr, n, k, HubConfig::default())
+}
+
+/// [`client`] with its hub set up by `config`.
+fn client_with(addr: SocketAddr, n: usize, k: u32, config: HubConfig) -> (Vec<PeerId>, RawHub) {
     let ep = endpoint();
-    let mut hub = RawHub::new(&ep, HubConfig::default()).expect("client hub");
+    let mut hub = RawHub::new(&ep, config).expect("client hub");
     let ids: Vec<PeerId> = (0..n)
         .map(|_| hub.connect(addr).expect("connect"))
         .collect();
@@ -160,19 +180,74 @@ fn client(addr: SocketAddr, n: usize, k: u32) -> (Vec<PeerId>, RawHub) {
 #[test]
 #[ignore = "device"]
 fn one_thread_serves_hundreds_of_connections_and_gives_everything_back() {
-    let n = many();
-    let k = 24u32;
+    serve_and_check(many(), 24, HubConfig::default(), 1);
+}
+
+#[test]
+#[ignore = "device"]
+fn connections_spread_over_receive_groups_and_give_everything_back() {
+    // Four groups on each side: four receive CQs and SRQs on one channel.
+    let config = HubConfig {
+        group_connections: Some(64),
+        ..HubConfig::default()
+    };
+    serve_and_check(256, 24, config, 4);
+}
+
+/// Peers on one hub in CI: `RDMSG_HUB_THOUSANDS` overrides.
+fn thousands() -> usize {
+    std::env::var("RDMSG_HUB_THOUSANDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4096)
+}
+
+#[test]
+#[ignore = "device"]
+fn one_thread_serves_thousands_of_connections() {
+    let n = thousands();
+    raise_fd_limit(2 * n as u64 + 1024);
+    // As little as a peer may hold: one credit (receive groups as large as the device allows).
+    let mut config = HubConfig {
+        min_credits: 1,
+        max_connections: n as u32,
+        ..HubConfig::default()
+    };
+    // Thousands of closes one after the other, each waiting for a credit from a busy server
+    // under emulation: the default two seconds are about time, not correctness.
+    config.conn.close_timeout = Duration::from_secs(20);
+    serve_and_check(n, 4, config, 0);
+}
+
+/// `n` client connections from a client hub in another thread, `k` messages on each, served
+/// by one hub, both hubs set up by `config`; checks every message, a graceful close of each,
+/// every buffer, descriptor and credit given back, no RNR, and `groups` receive groups on the
+/// server (0: any number).
+fn serve_and_check(n: usize, k: u32, config: HubConfig, groups: u32) {
     let ep = endpoint();
     let dev = device_name(&ep);
     let fds_before = fd_count();
     let rnr_before = rnr_counters(&dev, 1);
-    let mut server = RawHub::new(&ep, HubConfig::default()).expect("server hub");
+    let mut server = RawHub::new(&ep, config.clone()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let started = Instant::now();
     let client = std::thread::spawn(move || {
-        let (ids, mut hub) = client(addr, n, k);
-        for id in &ids {
-            hub.close(*id).expect("close");
+        let (ids, mut hub) = client_with(addr, n, k, config);
+        for (i, id) in ids.iter().enumerate() {
+            if let Err(e) = hub.close(*id) {
+                // Whether the close's completion was there, unpolled, or never came.
+                let before = hub.stats();
+                let waits = hub.wait_stats();
+                let stepped = hub.step().map(|_| hub.stats().sends_outstanding);
+                panic!(
+                    "close of connection {i} of {n}: {e}; its credits {:?}, failure {:?}, \
+                     its stats {:?}; the client hub {before:?}, sends outstanding after one \
+                     more step {stepped:?}, its waits {waits:?}",
+                    hub.credits(*id),
+                    hub.failure(*id),
+                    hub.conn_stats(*id),
+                );
+            }
         }
         let mut gone = 0;
         while gone < ids.len() {
@@ -204,10 +279,13 @@ fn one_thread_serves_hundreds_of_connections_and_gives_everything_back() {
     let stats = server.stats();
     let pool = server.pool_stats();
     let waits = server.wait_stats();
+    if groups > 0 {
+        assert_eq!(stats.recv_groups, groups, "receive groups");
+    }
     println!(
         "hub: connections={n} messages={} elapsed_ms={} server_wakeups={} \
          solicited_per_conn={} recv_buffers={} registered_kib={} spare={} srq_posts={} \
-         client_wakeups={}",
+         client_wakeups={} recv_groups={}",
         n as u64 * u64::from(k),
         elapsed.as_millis(),
         waits.wakeups,
@@ -217,6 +295,7 @@ fn one_thread_serves_hundreds_of_connections_and_gives_everything_back() {
         stats.spare_buffers,
         stats.srq_posts,
         client_waits.wakeups,
+        stats.recv_groups,
     );
     assert_eq!(stats.received, n as u64 * u64::from(k));
     assert_eq!((stats.connections, stats.handshakes), (0, 0));
@@ -690,4 +769,80 @@ fn a_key_given_to_one_peer_reads_nothing_through_another() {
         "a plain registration's key reads from any connection of the endpoint"
     );
     drop((bound, plain));
+}
+
+#[test]
+#[ignore = "device"]
+fn a_hub_group_spreads_clients_over_its_members_and_sends_from_any_thread() {
+    use rdmsg_transport::{GroupConfig, GroupPeer, HubGroup, Member};
+    use std::sync::mpsc;
+
+    let (n, k) = (64usize, 16u32);
+    let ep = endpoint();
+    let dev = device_name(&ep);
+    let rnr_before = rnr_counters(&dev, 1);
+    // Each member hands every message to this thread, which answers it through the group's
+    // handle: the answer goes out on the member's thread, from its outbox.
+    let (tx, rx) = mpsc::channel::<(GroupPeer, Vec<u8>)>();
+    let group = HubGroup::start(&ep, "127.0.0.1:0", GroupConfig::default(), |_| {
+        let tx = tx.clone();
+        move |member: &mut Member<'_>, event: RawHubEvent| match event {
+            RawHubEvent::Message { peer, msg } => {
+                let _ = tx.send((member.peer(peer), msg.to_vec()));
+            }
+            RawHubEvent::Connected { accepted, .. } => assert!(accepted),
+            _ => {}
+        }
+    })
+    .expect("a group of two hubs");
+    drop(tx);
+    let addr = group.local_addr();
+    let handle = group.handle();
+    let answers = std::thread::spawn(move || {
+        let mut hubs_seen = [0u64; 2];
+        for (from, bytes) in rx {
+            hubs_seen[from.hub] += 1;
+            assert!(handle.send(from, bytes, true).expect("queue an answer"));
+        }
+        hubs_seen
+    });
+    let (ids, mut client) = client(addr, n, k);
+    let mut next = vec![0u32; n];
+    let mut got = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while got < n * k as usize {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "{got} of {} answers", n * k as usize);
+        match client.next_event(Some(left)).expect("client hub") {
+            Some(RawHubEvent::Message { peer, msg }) => {
+                let (conn, seq) = parse(&msg);
+                assert_eq!(ids[conn as usize], peer, "the answer on its own connection");
+                assert_eq!(seq, next[conn as usize], "answers in order");
+                next[conn as usize] += 1;
+                got += 1;
+            }
+            Some(other) => panic!("{other:?}"),
+            None => {}
+        }
+    }
+    let loads = group.handle().loads();
+    for id in &ids {
+        client.close(*id).expect("close");
+    }
+    drop(client);
+    let stats = group.stop();
+    let hubs_seen = answers.join().expect("answering thread");
+    println!("group: loads={loads:?} messages per hub={hubs_seen:?}");
+    assert_eq!(loads.iter().sum::<usize>(), n, "every client on a member");
+    assert!(
+        loads.iter().all(|&l| l == n / 2),
+        "the least loaded member takes each client: {loads:?}"
+    );
+    let received: u64 = stats
+        .iter()
+        .map(|s| s.as_ref().expect("a member's hub").received)
+        .sum();
+    assert_eq!(received, n as u64 * u64::from(k));
+    assert!(hubs_seen.iter().all(|&m| m > 0), "{hubs_seen:?}");
+    assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
 }

@@ -40,43 +40,41 @@ impl RawHub {
                     return;
                 }
             };
-            self.take_client(stream);
+            // Refused (full): the client sees its stream end, and the hub counts it.
+            let _ = self.take_client(stream);
         }
     }
 
-    fn take_client(&mut self, stream: TcpStream) {
+    /// Starts the handshake of an accepted client; an error if it could not start (the hub
+    /// is full, or no socket or handshake state could be made: counted, and the client sees
+    /// its stream end).
+    pub(super) fn take_client(&mut self, stream: TcpStream) -> Result<()> {
         let max_pending = self.config.conn.max_pending_handshakes;
-        let pending_accepted = self
-            .slots
-            .iter()
-            .flatten()
-            .filter(|s| s.accepted && s.is_handshaking())
-            .count();
-        if pending_accepted >= max_pending as usize {
-            // Evict the oldest pending client.
-            let oldest = self
-                .slots
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| {
-                    let s = s.as_ref()?;
-                    match &s.phase {
-                        Phase::Handshake(p) if s.accepted => Some((p.deadline, i)),
-                        _ => None,
-                    }
-                })
-                .min();
-            if let Some((_, i)) = oldest {
-                if let Phase::Handshake(p) = &self.slot(i).phase {
+        if self.pending_accepted >= max_pending as usize {
+            // Evict the oldest pending client: the first started still handshaking.
+            while let Some((i, generation)) = self.accepted_order.pop_front() {
+                let pending =
+                    self.slots
+                        .get(i)
+                        .and_then(Option::as_ref)
+                        .and_then(|s| match &s.phase {
+                            Phase::Handshake(p) if s.generation == generation => Some(p),
+                            _ => None,
+                        });
+                if let Some(p) = pending {
                     let e = p.evicted(max_pending);
                     self.handshake_failed(i, e);
+                    break;
                 }
             }
         }
-        let Ok(slot) = self.new_slot(true) else {
-            // Full: the client sees its stream end.
-            self.stats.refused += 1;
-            return;
+        let slot = match self.new_slot(true) {
+            Ok(slot) => slot,
+            Err(e) => {
+                // Full: the client sees its stream end.
+                self.stats.refused += 1;
+                return Err(e);
+            }
         };
         let conn = self.config.conn.clone();
         let made = nonce().and_then(|n| {
@@ -84,16 +82,15 @@ impl RawHub {
             Pending::new(stream, hs, None, &conn)
         });
         match made {
-            Ok(p) => {
-                if self.start_handshake(slot, p).is_err() {
-                    self.stats.handshakes_failed += 1;
-                }
-            }
+            Ok(p) => self.start_handshake(slot, p).inspect_err(|_| {
+                self.stats.handshakes_failed += 1;
+            }),
             Err(error) => {
                 self.abandon(slot);
                 self.stats.handshakes_failed += 1;
                 self.events
                     .push_back(RawHubEvent::HandshakeFailed { peer: None, error });
+                Ok(())
             }
         }
     }
@@ -101,18 +98,19 @@ impl RawHub {
     /// Creates the queue pair of slot `slot` on the hub's queues, with its share of the
     /// receive buffers set aside (the pool grows if it must).
     pub(super) fn create_side(&mut self, slot: usize) -> Result<HubSide> {
-        self.admit(slot)?;
+        let group = self.admit(slot)?;
         let caps = QpCaps {
             max_send_wr: self.config.conn.send_depth,
             max_recv_wr: 0,
             max_inline_data: self.config.conn.max_inline,
         };
         let made = (|| {
+            let g = &self.groups[group];
             let mut qp = QueuePair::new_rc_with_srq(
                 self.endpoint.pd(),
                 self.waiter.cq(self.send_key)?,
-                self.waiter.cq(self.recv_key)?,
-                &self.srq,
+                self.waiter.cq(g.key)?,
+                &g.srq,
                 caps,
             )?;
             qp.to_init(self.endpoint.port())?;
@@ -143,9 +141,26 @@ impl RawHub {
             self.abandon(slot);
             return Err(e.into());
         }
-        self.slot_mut(slot).phase = Phase::Handshake(Box::new(pending));
-        self.timed.push(slot);
+        let s = self.slot_mut(slot);
+        s.phase = Phase::Handshake(Box::new(pending));
+        let (accepted, generation) = (s.accepted, s.generation);
+        if accepted {
+            self.pending_accepted += 1;
+            self.accepted_order.push_back((slot, generation));
+        } else {
+            self.pending_outgoing += 1;
+        }
+        self.schedule(slot);
         Ok(())
+    }
+
+    /// The handshake of `slot` ended (established or failed): it no longer counts.
+    fn handshake_ended(&mut self, slot: usize) {
+        if self.slot(slot).accepted {
+            self.pending_accepted -= 1;
+        } else {
+            self.pending_outgoing -= 1;
+        }
     }
 
     pub(super) fn stream_ready(&mut self, slot: usize) {
@@ -188,6 +203,7 @@ impl RawHub {
 
     /// The handshake of `slot` is done: the connection is announced, with what arrived early.
     fn establish(&mut self, slot: usize, pending: Pending<HubSide>) {
+        self.handshake_ended(slot);
         let Pending {
             stream, setup, hs, ..
         } = pending;
@@ -244,6 +260,7 @@ impl RawHub {
         else {
             return;
         };
+        self.handshake_ended(slot);
         let _ = self.watch().remove(pending.stream.as_fd());
         let _ = pending.stream.shutdown(std::net::Shutdown::Both);
         let core = &mut self.slot_mut(slot).core;
@@ -270,6 +287,6 @@ impl RawHub {
         self.do_actions(slot);
         // Its close message may still be in flight: waited for (not here: the hub goes on)
         // until the core's deadline.
-        self.timed.push(slot);
+        self.schedule(slot);
     }
 }

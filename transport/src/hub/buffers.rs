@@ -14,59 +14,71 @@ use crate::share::AdmitError;
 const SEND_STEP_EVERY: u32 = 16;
 
 impl RawHub {
-    /// Sets aside a new connection's minimum share, growing the pool so that
-    /// `shared_credits` buffers stay spare for busy peers beyond everyone's minimum (as far as
-    /// the SRQ's size allows).
-    pub(super) fn admit(&mut self, slot: usize) -> Result<()> {
-        let cost = self.share.admission_cost();
-        let room = u64::from(self.srq.max_wr())
-            .saturating_sub(self.pool.stats(0).total as u64)
-            .min(u64::from(u32::MAX)) as u32;
-        let short = (cost + self.config.shared_credits).saturating_sub(self.share.spare());
-        let admitted_now = (short == 0 || room == 0) && self.share.admit(slot).is_ok();
+    /// Sets aside a new connection's minimum share in a receive group with room for it
+    /// (making one if none has), growing the pool so that `shared_credits` buffers stay spare
+    /// there for busy peers beyond everyone's minimum (as far as the group's size allows).
+    /// Returns the group.
+    pub(super) fn admit(&mut self, slot: usize) -> Result<usize> {
+        let group = self.group_for_new()?;
+        let g = &mut self.groups[group];
+        let cost = g.share.admission_cost();
+        let room = g.room();
+        let short = (cost + self.config.shared_credits).saturating_sub(g.share.spare());
+        let admitted_now = (short == 0 || room == 0) && g.share.admit(slot).is_ok();
         if !admitted_now {
-            // Grow by a batch (a 64th of the room left), at least what is short.
-            let grow = short.max(room / 64).min(room);
+            // Free buffers first, then new ones: a batch (a 64th of the room left), at least
+            // what is short.
+            let want = short.max(room / 64).min(room);
             let full = |spare| Error::ReceiveQueueFull {
                 spare,
                 needed: cost,
-                capacity: self.srq.max_wr(),
+                capacity: room,
             };
-            if grow + self.share.spare() < cost {
-                return Err(full(self.share.spare()));
+            if want + g.share.spare() < cost {
+                return Err(full(g.share.spare()));
             }
-            self.pool.grow(self.endpoint.pd(), grow as usize)?;
-            // Admitted before the connections waiting take the new buffers.
             self.pool.collect_returns();
-            let bufs = self.pool.take_free();
-            let n = bufs.len();
-            if let Err(e) = self.srq.post_recv(bufs) {
-                for b in e.unposted {
-                    self.pool.put_back(b);
-                }
-                let posted = e.posted as u32;
-                self.share
-                    .on_posted(posted, &mut self.slots, &mut self.touched);
-                return Err(self.hub_failure(e.error.into()));
-            }
-            self.stats.srq_posts += 1;
-            match self
+            let missing = (want as usize).saturating_sub(self.pool.free_count());
+            self.pool.grow(self.endpoint.pd(), missing)?;
+            let posted = self.post_free(group, want as usize)?;
+            let g = &mut self.groups[group];
+            match g
                 .share
-                .admit_posted(slot, n as u32, &mut self.slots, &mut self.touched)
+                .admit_posted(slot, posted, &mut self.slots, &mut self.touched)
             {
                 Ok(()) => {}
-                Err(AdmitError::NoRoom { spare, .. }) => {
-                    return Err(Error::ReceiveQueueFull {
-                        spare,
-                        needed: cost,
-                        capacity: self.srq.max_wr(),
-                    })
-                }
+                Err(AdmitError::NoRoom { spare, .. }) => return Err(full(spare)),
                 Err(e) => return Err(Error::Config(e.to_string())),
             }
         }
-        self.slot_mut(slot).admitted = true;
-        Ok(())
+        self.groups[group].conns += 1;
+        let s = self.slot_mut(slot);
+        s.admitted = true;
+        s.group = Some(group);
+        self.admitted += 1;
+        Ok(group)
+    }
+
+    /// Posts up to `n` free buffers to `group`'s SRQ (not yet handed out: the caller tells its
+    /// share); returns how many went. A failed post is the hub's failure.
+    fn post_free(&mut self, group: usize, n: usize) -> Result<u32> {
+        let g = &mut self.groups[group];
+        let bufs = self.pool.take_free_up_to(n.min(g.room() as usize));
+        let n = bufs.len();
+        if n == 0 {
+            return Ok(0);
+        }
+        if let Err(e) = g.srq.post_recv(bufs) {
+            for b in e.unposted {
+                self.pool.put_back(b);
+            }
+            let posted = e.posted as u32;
+            g.share
+                .on_posted(posted, &mut self.slots, &mut self.touched);
+            return Err(self.hub_failure(e.error.into()));
+        }
+        self.stats.srq_posts += 1;
+        Ok(n as u32)
     }
 
     /// Gives a connection's share of the buffers back (its queue pair can consume nothing
@@ -74,22 +86,26 @@ impl RawHub {
     pub(super) fn unadmit(&mut self, slot: usize) {
         let s = self.slots[slot].as_mut().expect("a live slot");
         if std::mem::take(&mut s.admitted) {
-            self.share.release(slot, &mut self.slots, &mut self.touched);
+            self.admitted -= 1;
+            let g = &mut self.groups[s.group.expect("an admitted connection has a group")];
+            g.conns -= 1;
+            g.share.release(slot, &mut self.slots, &mut self.touched);
         }
     }
 
     /// Busy peers ran out of credits with nothing spare: registers more buffers (in chunks of
     /// at least 64), up to `max_shared_credits` beyond everyone's minimum; `repost` posts them.
     pub(super) fn grow_for_demand(&mut self) -> Result<()> {
-        let demand = self.share.take_demand();
+        let demand: u32 = self.groups.iter_mut().map(|g| g.share.take_demand()).sum();
         if demand == 0 {
             return Ok(());
         }
-        let admitted = self.slots.iter().flatten().filter(|s| s.admitted).count() as u64;
-        let minimums = admitted * u64::from(self.share.admission_cost());
-        let limit = (minimums + u64::from(self.config.max_shared_credits))
-            .min(u64::from(self.srq.max_wr()));
-        let room = limit.saturating_sub(self.pool.stats(0).total as u64);
+        let admitted = self.admitted as u64;
+        let minimums = admitted * u64::from(self.config.per_connection());
+        let rooms: u64 = self.groups.iter().map(|g| u64::from(g.room())).sum();
+        let total = self.pool.stats(0).total as u64;
+        let limit = minimums + u64::from(self.config.max_shared_credits);
+        let room = limit.saturating_sub(total).min(rooms);
         let grow = u64::from(demand).max(64).min(room);
         if grow == 0 {
             return Ok(());
@@ -115,29 +131,46 @@ impl RawHub {
         Ok(())
     }
 
-    /// Posts every free receive buffer to the SRQ and lets the share hand them out.
+    /// Posts every free receive buffer and lets the shares hand them out. With several
+    /// receive groups, the groups whose connections wait for buffers get them (those with a
+    /// starving connection or a missing grant slot first), in equal parts; when none waits,
+    /// the group with the fewest spare does. What no group has room for stays free.
     pub(super) fn repost(&mut self) -> Result<()> {
         self.pool.collect_returns();
-        if self.pool.free_count() == 0 {
+        let free = self.pool.free_count();
+        if free == 0 {
             return Ok(());
         }
-        let bufs = self.pool.take_free();
-        let n = bufs.len();
-        let posted = match self.srq.post_recv(bufs) {
-            Ok(()) => n,
-            Err(e) => {
-                let posted = e.posted;
-                for b in e.unposted {
-                    self.pool.put_back(b);
-                }
-                self.share
-                    .on_posted(posted as u32, &mut self.slots, &mut self.touched);
-                return Err(self.hub_failure(e.error.into()));
-            }
-        };
-        self.stats.srq_posts += 1;
-        self.share
-            .on_posted(posted as u32, &mut self.slots, &mut self.touched);
+        if self.groups.len() == 1 {
+            return self.post_to(0, free);
+        }
+        let mut needy: Vec<usize> = (0..self.groups.len())
+            .filter(|&g| self.groups[g].share.urgent())
+            .collect();
+        if needy.is_empty() {
+            needy.extend((0..self.groups.len()).filter(|&g| self.groups[g].share.waiting() > 0));
+        }
+        if needy.is_empty() {
+            let fewest = (0..self.groups.len())
+                .filter(|&g| self.groups[g].room() > 0)
+                .min_by_key(|&g| self.groups[g].share.spare());
+            needy.extend(fewest);
+        }
+        let part = free.div_ceil(needy.len().max(1));
+        for g in needy {
+            self.post_to(g, part)?;
+        }
+        Ok(())
+    }
+
+    /// Posts up to `n` free buffers to `group` and lets its share hand them out.
+    fn post_to(&mut self, group: usize, n: usize) -> Result<()> {
+        let posted = self.post_free(group, n)?;
+        if posted > 0 {
+            self.groups[group]
+                .share
+                .on_posted(posted, &mut self.slots, &mut self.touched);
+        }
         Ok(())
     }
 

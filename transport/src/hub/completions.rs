@@ -19,35 +19,35 @@ use crate::share::Receipt;
 impl RawHub {
     pub(super) fn handle_completions(&mut self) {
         let mut got = std::mem::take(&mut self.completions);
-        let recv_key = self.recv_key;
+        let send_key = self.send_key;
         // The first real error of each connection is recorded before its flushes are looked at.
         for (key, wc) in &got {
             if matches!(wc.status(), WcStatus::Success | WcStatus::WrFlushErr) {
                 continue;
             }
             if let Some(&slot) = self.by_qpn.get(&wc.qp_num()) {
-                let c = Completion::of(*key == recv_key, wc);
+                let c = Completion::of(*key != send_key, wc);
                 self.slot_mut(slot).core.begin_batch([c]);
                 self.do_actions(slot);
             }
         }
         for (key, wc) in got.drain(..) {
-            if key == recv_key {
-                self.on_recv(&wc);
-            } else {
-                self.on_send(&wc);
+            match self.group_of_key(key) {
+                Some(group) => self.on_recv(group, &wc),
+                None => self.on_send(&wc),
             }
         }
         self.completions = got;
     }
 
-    fn on_recv(&mut self, wc: &WorkCompletion) {
-        let Some(buf) = self.srq.take_recv(wc) else {
+    fn on_recv(&mut self, group: usize, wc: &WorkCompletion) {
+        let g = &mut self.groups[group];
+        let Some(buf) = g.srq.take_recv(wc) else {
             return;
         };
         let Some(&slot) = self.by_qpn.get(&wc.qp_num()) else {
             // A queue pair already released: nothing of it is accounted any more.
-            self.share.on_stray();
+            g.share.on_stray();
             self.pool.put_back(buf);
             return;
         };
@@ -61,11 +61,11 @@ impl RawHub {
             _ if receipt.spent_credit => Receipt::Data,
             _ => Receipt::Unaccounted,
         };
-        if s.admitted {
-            self.share
-                .on_consumed(slot, s, share_receipt, &mut self.touched);
+        let share = &mut self.groups[group].share;
+        if s.admitted && s.group == Some(group) {
+            share.on_consumed(slot, s, share_receipt, &mut self.touched);
         } else {
-            self.share.on_stray();
+            share.on_stray();
         }
         match receipt.action {
             RecvAction::Deliver => {
@@ -154,19 +154,19 @@ impl RawHub {
             }
             return;
         }
-        let admitted = s.admitted;
+        let group = s.group.filter(|_| s.admitted);
         let Some(link) = s.link_mut() else {
             return;
         };
         let _ = link.stream.shutdown(std::net::Shutdown::Both);
         let _ = link.qp.to_error();
         s.core.flushing_since(Instant::now());
-        if admitted {
+        if let Some(group) = group {
             // Its buffers stop being refilled; what backs it comes back at release.
-            self.share.retire(slot);
+            self.groups[group].share.retire(slot);
         }
         self.draining.push(slot);
-        self.timed.push(slot);
+        self.schedule(slot);
     }
 
     pub(super) fn unwatch_stream(&mut self, slot: usize) {

@@ -20,13 +20,14 @@ pub struct HubConfig {
     pub min_credits: u32,
     /// Most credits one connection may hold (announced as its receive depth). Default 64.
     pub max_credits: u32,
-    /// Most connections at once (accepted, connected and in handshake). The receive CQ and the
-    /// SRQ are sized for this many connections at their minimum plus `shared_credits`, which
-    /// must fit the device's `max_cqe` and `max_srq_wr`. Default 1024.
+    /// Most connections at once (accepted, connected and in handshake). Connections are
+    /// spread over receive groups (a shared receive queue and its completion queue, all on
+    /// the hub's one completion channel), each as large as the device's `max_cqe` and
+    /// `max_srq_wr` allow; groups are made as connections come. Default 1024.
     pub max_connections: u32,
-    /// Receive buffers kept spare beyond every connection's minimum, lent to busy
-    /// connections at once (the pool grows as connections are admitted to keep them).
-    /// Default 256.
+    /// Receive buffers kept spare beyond every connection's minimum, in each receive group,
+    /// lent to busy connections at once (the pool grows as connections are admitted to keep
+    /// them). Default 256.
     pub shared_credits: u32,
     /// Most receive buffers beyond every connection's minimum: while busy peers run out of
     /// credits with nothing spare, the pool grows towards this, so that memory follows the
@@ -37,6 +38,10 @@ pub struct HubConfig {
     /// Send buffers shared by every connection (messages up to `max_inline` need none).
     /// Default 256.
     pub send_buffers: u32,
+    /// Most connections in one receive group (`None`: as many as the device's queues hold).
+    /// Smaller groups mean more completion queues, each polled on every wake-up; useful to
+    /// test, or to keep each group's queues small. Default `None`.
+    pub group_connections: Option<u32>,
 }
 
 impl Default for HubConfig {
@@ -53,6 +58,7 @@ impl Default for HubConfig {
             shared_credits: 256,
             max_shared_credits: 8192,
             send_buffers: 256,
+            group_connections: None,
         }
     }
 }
@@ -63,12 +69,31 @@ impl HubConfig {
         self.min_credits + u32::from(self.conn.grant_slots)
     }
 
-    /// Requests the SRQ (and so the receive CQ) must hold at most.
-    pub(super) fn srq_size(&self) -> u64 {
-        // Room for the growth on demand and for the spare kept at admission, both at once.
-        u64::from(self.max_connections) * u64::from(self.per_connection())
-            + u64::from(self.max_shared_credits)
-            + u64::from(self.shared_credits)
+    /// How receive groups are sized on a device whose CQs hold at most `max_cqe` entries and
+    /// whose SRQs at most `max_srq_wr` requests: the connections one group takes, and the
+    /// entries of its SRQ and CQ (the same number, so that no peer, lying or not, can
+    /// overrun the CQ: every receive completion consumed a request of that SRQ). A group has
+    /// room for its connections at their minimum, the spare kept at admission and the growth
+    /// on demand, both at once.
+    pub(super) fn group_size(&self, max_cqe: u32, max_srq_wr: u32) -> Result<GroupSize> {
+        let cap = u64::from(max_cqe.min(max_srq_wr));
+        let extra = u64::from(self.max_shared_credits) + u64::from(self.shared_credits);
+        let per = u64::from(self.per_connection());
+        let conns = (cap.saturating_sub(extra) / per)
+            .min(u64::from(self.max_connections))
+            .min(u64::from(self.group_connections.unwrap_or(u32::MAX)));
+        if conns == 0 {
+            return Err(Error::Config(format!(
+                "max_shared_credits + shared_credits + min_credits + grant_slots = {} receive \
+                 buffers exceed what one receive group can hold (the device's max_cqe {max_cqe} \
+                 and max_srq_wr {max_srq_wr}): lower max_shared_credits",
+                extra + per
+            )));
+        }
+        Ok(GroupSize {
+            conns: conns as u32,
+            entries: (conns * per + extra) as u32,
+        })
     }
 
     pub(super) fn check(&self, endpoint: &Endpoint) -> Result<()> {
@@ -86,21 +111,25 @@ impl HubConfig {
         if self.max_shared_credits < self.shared_credits {
             return bad("max_shared_credits must be at least shared_credits".into());
         }
+        if self.group_connections == Some(0) {
+            return bad("group_connections must be at least 1".into());
+        }
         if self.send_buffers == 0 {
             return bad("send_buffers must be at least 1".into());
         }
         let dev = endpoint.context().query_device()?;
-        let need = self.srq_size();
-        if need > u64::from(dev.max_cqe) || need > u64::from(dev.max_srq_wr) {
-            return bad(format!(
-                "max_connections × (min_credits + grant_slots) + max_shared_credits + shared_credits = {need} receive \
-                 buffers exceeds the device's max_cqe ({}) or max_srq_wr ({}): lower \
-                 max_connections or min_credits",
-                dev.max_cqe, dev.max_srq_wr
-            ));
-        }
+        self.group_size(dev.max_cqe, dev.max_srq_wr)?;
         Ok(())
     }
+}
+
+/// The size of every receive group of a hub (see [`HubConfig::group_size`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct GroupSize {
+    /// Connections one group takes.
+    pub(super) conns: u32,
+    /// Requests of its SRQ and entries of its CQ.
+    pub(super) entries: u32,
 }
 
 /// Most connection slots of a hub (keys of the epoll set keep the slot in 32 bits).

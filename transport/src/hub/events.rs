@@ -118,6 +118,14 @@ pub struct HubStats {
     pub registered_bytes: u64,
     /// Posted receive buffers backing no connection.
     pub spare_buffers: u32,
+    /// Receive groups (a shared receive queue and its completion queue each, see
+    /// [`HubConfig::max_connections`](super::HubConfig::max_connections)).
+    pub recv_groups: u32,
+    /// Sends (and reads) posted on every queue pair and not yet completed: at most the send
+    /// CQ's entries.
+    pub sends_outstanding: usize,
+    /// Send buffers free now.
+    pub send_buffers_free: usize,
     /// Messages the transport solicited although the sender did not ask (they spent a
     /// peer's last credit, or returned credits to a peer that may be blocked), all
     /// connections, past and present.

@@ -42,11 +42,13 @@ mod buffers;
 mod completions;
 mod config;
 mod events;
+mod groups;
 mod retire;
 mod slots;
 mod wait;
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -57,7 +59,7 @@ use std::time::{Duration, Instant};
 use rdmsg_notify::{ArmMode, CqKey, Waiter};
 use rdmsg_verbs::{
     Access, Buffer, CompletionChannel, CompletionQueue, Exposed, ReadSegment, ReadyWatch,
-    SharedReceiveQueue, WorkCompletion,
+    WorkCompletion,
 };
 
 pub use config::HubConfig;
@@ -72,7 +74,6 @@ use crate::pool::{PoolStats, RecvPool, Waker};
 use crate::read::ReadPost;
 use crate::send::{self, Payload, SendBuffers};
 use crate::setup::nonce;
-use crate::share::{Share, ShareConfig};
 use crate::stream::bootstrap_err;
 use crate::token::Token;
 use slots::{Phase, Slot};
@@ -113,11 +114,13 @@ pub struct RawHub {
     endpoint: Endpoint,
     config: HubConfig,
     waiter: Waiter<CompletionQueue, HubChannel>,
-    recv_key: CqKey,
     send_key: CqKey,
-    srq: SharedReceiveQueue,
+    /// Receive groups (an SRQ, its CQ and its books), made as connections come.
+    groups: Vec<groups::RecvGroup>,
+    /// The group of each CQ key (`None`: the send CQ).
+    key_group: Vec<Option<usize>>,
+    group_size: config::GroupSize,
     pool: RecvPool,
-    share: Share,
     send: SendBuffers,
     send_bytes: u64,
     /// Sends posted and not yet retired, all queue pairs: bounded by the send CQ's size.
@@ -147,8 +150,18 @@ pub struct RawHub {
     draining: Vec<usize>,
     /// Slots whose queue pair was destroyed, released after the next poll.
     retired: Vec<usize>,
-    /// Slots with a deadline: a handshake, or one of their core's.
-    timed: Vec<usize>,
+    /// Deadlines of slots (a handshake's, or one of their core's), nearest first. An entry is
+    /// a hint: the slot's deadline is asked again when it comes up (see `RawHub::schedule`).
+    timers: BinaryHeap<Reverse<(Instant, usize)>>,
+    /// Handshakes under way, accepted and our own: counted as they start and end, so that
+    /// accepting or connecting the ten-thousandth peer visits no other.
+    pending_accepted: usize,
+    pending_outgoing: usize,
+    /// Accepted handshakes in the order they started (so by deadline), the oldest evicted
+    /// first; entries of handshakes already ended are skipped.
+    accepted_order: VecDeque<(usize, u32)>,
+    /// Connections holding buffers of the shared pool.
+    admitted: usize,
     mailbox: Arc<Mailbox>,
     last_tick: Instant,
     /// A failure of the whole hub (its queues or channel): every later call reports it.
@@ -187,14 +200,12 @@ impl RawHub {
         config.check(endpoint)?;
         let ctx = endpoint.context();
         let pd = endpoint.pd();
-        let srq_size = config.srq_size() as u32;
         let channel = CompletionChannel::new(ctx)?;
         channel.set_nonblocking(true)?;
         let dev = ctx.query_device()?;
+        let group_size = config.group_size(dev.max_cqe, dev.max_srq_wr)?;
         let send_cq_entries = (4 * config.send_buffers).max(1024).min(dev.max_cqe.max(1));
-        let recv_cq = CompletionQueue::new(ctx, srq_size, Some(&channel))?;
         let send_cq = CompletionQueue::new(ctx, send_cq_entries, Some(&channel))?;
-        let srq = SharedReceiveQueue::new(pd, srq_size)?;
         let buf_size = config.conn.buf_size as usize;
         let pool = RecvPool::new(pd, config.shared_credits.max(1) as usize, buf_size)?;
         let send_bufs = pd
@@ -208,35 +219,21 @@ impl RawHub {
         // and routes every event to its owner (see the `events` module).
         watch.add_keyed_exclusive(ctx.async_fd(), Token::Async.key())?;
         let mut waiter = Waiter::new(HubChannel::new(channel, watch, wake), config.conn.policy);
-        let recv_key = waiter.add(recv_cq, config.conn.recv_arm);
         let send_key = waiter.add(send_cq, ArmMode::SolicitedOnly);
         let mailbox = Mailbox::new(Some(pool.waker().map_err(Error::WakePipe)?));
-        // Events of the hub's CQs and SRQ; each queue pair registers itself too.
-        endpoint.register_async(
-            None,
-            vec![
-                waiter.cq(recv_key)?.as_raw() as usize,
-                waiter.cq(send_key)?.as_raw() as usize,
-            ],
-            &mailbox,
-        );
-        let share = Share::new(ShareConfig {
-            min_credits: config.min_credits,
-            max_credits: config.max_credits,
-            grant_slots: config.conn.grant_slots,
-        })
-        .map_err(|e| Error::Config(e.to_string()))?;
+        // Events of the hub's send CQ; each receive group and queue pair registers itself too.
+        endpoint.register_async(None, vec![waiter.cq(send_key)?.as_raw() as usize], &mailbox);
         let mut hub = Self {
             endpoint: endpoint.clone(),
             send_bytes: send_bufs.len() as u64 * buf_size as u64,
             send: SendBuffers::new(send_bufs, config.conn.max_inline as usize),
             config,
             waiter,
-            recv_key,
             send_key,
-            srq,
+            groups: Vec::new(),
+            key_group: Vec::new(),
+            group_size,
             pool,
-            share,
             sends_outstanding: 0,
             read_wrs: 0,
             peers_reading: 0,
@@ -253,7 +250,11 @@ impl RawHub {
             touched: Vec::new(),
             draining: Vec::new(),
             retired: Vec::new(),
-            timed: Vec::new(),
+            timers: BinaryHeap::new(),
+            pending_accepted: 0,
+            pending_outgoing: 0,
+            accepted_order: VecDeque::new(),
+            admitted: 0,
             mailbox,
             last_tick: Instant::now(),
             fatal: None,
@@ -262,6 +263,7 @@ impl RawHub {
             blocked: Vec::new(),
             sends_since_step: 0,
         };
+        hub.new_group()?;
         hub.repost()?;
         Ok(hub)
     }
@@ -356,6 +358,36 @@ impl RawHub {
         Ok(id)
     }
 
+    /// Takes a client whose TCP connection was accepted elsewhere (by a [`crate::HubGroup`]'s
+    /// acceptor, or an async runtime): its handshake runs inside the hub as if the hub's own
+    /// listener had accepted it; never blocks. The outcome is a [`RawHubEvent::Connected`]
+    /// with `accepted: true`, or a [`RawHubEvent::HandshakeFailed`]; an error (and no event)
+    /// if the handshake could not start ([`Error::HubFull`], say).
+    pub fn accept_stream(&mut self, stream: TcpStream) -> Result<()> {
+        self.check_fatal()?;
+        stream
+            .set_nonblocking(true)
+            .map_err(bootstrap_err("making the stream non-blocking"))?;
+        self.take_client(stream)
+    }
+
+    /// Waits until something happens (at most `timeout`; `None`: as long as it takes) and
+    /// handles it, without waiting for an event: returns after a wake-up that produced none
+    /// too (a grant, a send completion, a [`Waker`]). Events it produced are queued for
+    /// [`RawHub::try_event`]; returns how many are queued.
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<usize> {
+        self.check_fatal()?;
+        if self.events.is_empty() {
+            self.wait_for_progress(timeout, false)?;
+        }
+        Ok(self.events.len())
+    }
+
+    /// An event already queued, without stepping the hub.
+    pub fn queued_event(&mut self) -> Option<RawHubEvent> {
+        self.events.pop_front()
+    }
+
     /// Handshakes started by [`RawHub::connect`] or [`RawHub::connect_stream`] and not finished.
     pub fn pending_connects(&self) -> usize {
         self.outgoing_handshakes()
@@ -428,17 +460,13 @@ impl RawHub {
     /// Longest an event loop may wait on [`AsFd`] before calling [`RawHub::step`]: the nearest
     /// deadline (a handshake's, a close's, a peer's after its goodbye), or the health check.
     pub fn next_timeout(&self) -> Option<Duration> {
-        if self.timed.is_empty() {
+        // The nearest entry may be stale (its deadline moved or went): then the hub wakes
+        // early once, and `fire_deadlines` drops it.
+        let Some(Reverse((nearest, _))) = self.timers.peek() else {
             return self.config.conn.health_check;
-        }
-        let now = Instant::now();
-        let nearest = self
-            .timed
-            .iter()
-            .filter_map(|&s| self.deadline_of(s))
-            .min()
-            .map(|d| d.saturating_duration_since(now));
-        earliest(nearest, self.config.conn.health_check)
+        };
+        let nearest = nearest.saturating_duration_since(Instant::now());
+        earliest(Some(nearest), self.config.conn.health_check)
     }
 
     /// Sends `data` to `peer`, solicited (waking a receiver asleep solicited-only) or not.
@@ -690,7 +718,7 @@ impl RawHub {
         // The close carries the note too: the peer's last word from us.
         let note = self.send.note(self.slot(slot).core.note());
         self.post(slot, note, post)?;
-        self.timed.push(slot);
+        self.schedule(slot);
         Ok(())
     }
 
@@ -763,16 +791,25 @@ impl RawHub {
             s.forced_solicited += c.forced_solicited;
             s.credit_waits += c.credit_waits;
         }
+        debug_assert_eq!(
+            s.handshakes,
+            self.pending_accepted + self.pending_outgoing,
+            "handshakes counted as they start and end"
+        );
         s.recv_buffers = self.pool.stats(0).total;
         s.registered_bytes =
             (s.recv_buffers as u64) * u64::from(self.config.conn.buf_size) + self.send_bytes;
-        s.spare_buffers = self.share.spare();
+        s.spare_buffers = self.groups.iter().map(|g| g.share.spare()).sum();
+        s.recv_groups = self.groups.len() as u32;
+        s.sends_outstanding = self.sends_outstanding;
+        s.send_buffers_free = self.send.free.len();
         s
     }
 
     /// Counts of the shared receive pool's buffers.
     pub fn pool_stats(&self) -> PoolStats {
-        self.pool.stats(self.srq.recv_outstanding())
+        let posted = self.groups.iter().map(|g| g.srq.recv_outstanding()).sum();
+        self.pool.stats(posted)
     }
 
     /// Wake-up statistics of the hub's waits.
@@ -782,7 +819,9 @@ impl RawHub {
 
     /// The credits the hub lets `peer` hold at most now (its quota in the shared pool).
     pub fn quota(&self, peer: PeerId) -> Option<u32> {
-        self.find(peer).ok().and_then(|s| self.share.quota(s))
+        let slot = self.find(peer).ok()?;
+        let group = self.slot(slot).group?;
+        self.groups[group].share.quota(slot)
     }
 
     fn watch(&self) -> &ReadyWatch {

@@ -1,6 +1,7 @@
 //! Deadlines, failures, and the end of a connection: drained, destroyed, polled once more,
 //! then released with its [`RawHubEvent::Disconnected`].
 
+use std::cmp::Reverse;
 use std::time::Instant;
 
 use rdmsg_verbs::{AsyncElement, AsyncEventKind};
@@ -21,34 +22,53 @@ impl RawHub {
         }
     }
 
-    /// Handshakes past their deadline fail; the cores of the others are told the time.
-    pub(super) fn fire_deadlines(&mut self, now: Instant) {
-        if self.timed.is_empty() {
+    /// Makes sure `slot` wakes the hub at its deadline, if it has one (a handshake's, or one
+    /// of its core's): call whenever one may have been set or brought forward.
+    pub(super) fn schedule(&mut self, slot: usize) {
+        let Some(deadline) = self.deadline_of(slot) else {
+            return;
+        };
+        let s = self.slot_mut(slot);
+        if s.timer_at.is_some_and(|t| t <= deadline) {
             return;
         }
-        let mut timed = std::mem::take(&mut self.timed);
-        timed.sort_unstable();
-        timed.dedup();
-        timed.retain(|&slot| {
-            let Some(deadline) = self.deadline_of(slot) else {
-                return false;
+        s.timer_at = Some(deadline);
+        self.timers.push(Reverse((deadline, slot)));
+    }
+
+    /// Handshakes past their deadline fail; the cores of the others are told the time. Only
+    /// the deadlines that passed are visited.
+    pub(super) fn fire_deadlines(&mut self, now: Instant) {
+        while let Some(&Reverse((at, slot))) = self.timers.peek() {
+            if at > now {
+                return;
+            }
+            self.timers.pop();
+            // An entry whose slot was released, or replaced by a nearer one, is stale.
+            let Some(s) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
+                continue;
             };
-            if deadline > now {
-                return true;
+            if s.timer_at != Some(at) {
+                continue;
             }
-            let s = self.slot_mut(slot);
-            if let Phase::Handshake(p) = &s.phase {
-                let e = p.timed_out();
-                self.handshake_failed(slot, e);
-                return false;
+            s.timer_at = None;
+            let Some(deadline) = self.deadline_of(slot) else {
+                continue;
+            };
+            if deadline <= now {
+                if let Phase::Handshake(p) = &self.slot(slot).phase {
+                    let e = p.timed_out();
+                    self.handshake_failed(slot, e);
+                    continue;
+                }
+                self.slot_mut(slot).core.handle_timeout(now);
+                self.do_actions(slot);
             }
-            s.core.handle_timeout(now);
-            self.do_actions(slot);
-            // Another deadline of its core may still be ahead.
-            self.deadline_of(slot).is_some()
-        });
-        timed.append(&mut self.timed);
-        self.timed = timed;
+            // Another deadline of its core may still be ahead (or this one moved later).
+            if self.slots[slot].is_some() {
+                self.schedule(slot);
+            }
+        }
     }
 
     /// Fails one connection (the first failure is kept).

@@ -75,6 +75,8 @@ pub(super) struct Slot {
     pub(super) announced: bool,
     /// Holds buffers of the shared pool ([`crate::share::Share::admit`]).
     pub(super) admitted: bool,
+    /// Its receive group, once it has one (kept until released: its completions name it).
+    pub(super) group: Option<usize>,
     pub(super) core: Core,
     pub(super) phase: Phase,
     /// Messages that arrived before the handshake finished, delivered after `Connected`.
@@ -89,6 +91,8 @@ pub(super) struct Slot {
     /// Its RDMA reads under way, in posting order: wr_id and work requests (counted in
     /// `RawHub::read_wrs`).
     pub(super) reads: std::collections::VecDeque<(u64, usize)>,
+    /// The deadline of its entry in `RawHub::timers`, if it has one.
+    pub(super) timer_at: Option<std::time::Instant>,
 }
 
 impl CreditHolder for Slot {
@@ -163,11 +167,7 @@ impl RawHub {
 
     /// Handshakes started by [`RawHub::connect`] and not finished.
     pub(super) fn outgoing_handshakes(&self) -> usize {
-        self.slots
-            .iter()
-            .flatten()
-            .filter(|s| !s.accepted && s.is_handshaking())
-            .count()
+        self.pending_outgoing
     }
 
     pub(super) fn new_slot(&mut self, accepted: bool) -> Result<usize> {
@@ -185,6 +185,7 @@ impl RawHub {
             accepted,
             announced: false,
             admitted: false,
+            group: None,
             core: Core::handshaking(
                 self.placeholder_credits(),
                 conn.signal_every,
@@ -197,6 +198,7 @@ impl RawHub {
             qpn: None,
             unsignaled: 0,
             reads: std::collections::VecDeque::new(),
+            timer_at: None,
         };
         let i = match self.free_slots.pop() {
             Some(i) => i,

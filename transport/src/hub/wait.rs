@@ -32,6 +32,13 @@ impl HubChannel {
     }
 }
 
+impl HubChannel {
+    /// The completion channel every CQ of the hub reports to.
+    pub(super) fn completion(&self) -> &CompletionChannel {
+        &self.channel
+    }
+}
+
 impl EventChannel<CompletionQueue> for HubChannel {
     fn next_event(&mut self, cqs: &[CompletionQueue]) -> rdmsg_notify::Result<Option<EventTarget>> {
         self.channel.next_event(cqs)
@@ -104,7 +111,8 @@ impl RawHub {
         } else {
             (self.config.conn.recv_arm, self.send_arm())
         };
-        for (key, mode) in [(self.recv_key, recv), (self.send_key, send)] {
+        let groups = self.groups.iter().map(|g| (g.key, recv));
+        for (key, mode) in groups.chain([(self.send_key, send)]) {
             if self.waiter.mode(key)? != mode {
                 self.waiter.set_mode(key, mode)?;
             }
@@ -166,7 +174,9 @@ impl RawHub {
         self.grants();
         if now.duration_since(self.last_tick) >= Duration::from_secs(1) {
             self.last_tick = now;
-            self.share.tick(&mut self.slots, &mut self.touched);
+            for g in &mut self.groups {
+                g.share.tick(&mut self.slots, &mut self.touched);
+            }
         }
         Ok(())
     }
