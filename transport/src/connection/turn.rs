@@ -263,9 +263,11 @@ impl Connection {
         let (endpoint, mailbox) = (&self.endpoint, &self.mailbox);
         // A flush nothing explains yet: an asynchronous event (a CQ overrun, a fatal QP error)
         // may be waiting to.
-        let receipt = self
-            .core
-            .handle_recv(c, || async_failure_of(endpoint, mailbox).ok().flatten());
+        let receipt = self.core.handle_recv(
+            c,
+            || async_failure_of(endpoint, mailbox).ok().flatten(),
+            Instant::now,
+        );
         match receipt.action {
             RecvAction::Deliver => {
                 let len = wc.byte_len() as usize;

@@ -223,6 +223,8 @@ pub(crate) struct Core {
     on_srq: bool,
     /// The device said the last receive of the shared queue left the queue pair.
     last_wqe: bool,
+    /// The peer's bootstrap stream said goodbye or ended.
+    goodbye_seen: bool,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -274,6 +276,7 @@ impl Core {
             peer_note: None,
             on_srq: false,
             last_wqe: false,
+            goodbye_seen: false,
         }
     }
 
@@ -505,6 +508,7 @@ impl Core {
         &mut self,
         c: &Completion,
         explain_flush: impl FnOnce() -> Option<Failure>,
+        now: impl FnOnce() -> Instant,
     ) -> Receipt {
         let before = self.credits.must_be_posted();
         let (action, failure) =
@@ -516,8 +520,13 @@ impl Core {
             RecvAction::Recycle => {}
         }
         let spent_credit = action != RecvAction::Grant && self.credits.must_be_posted() < before;
-        if let Some(f) = failure {
-            self.handle_failure(f);
+        match failure {
+            // Moving our queue pair to the error state now could lose the acknowledgement of
+            // the close message (rxe completes a receive before it acknowledges it), and the
+            // peer would retry it until its close timed out: wait for its goodbye.
+            Some(Failure::PeerClosed) if !self.goodbye_seen => self.linger(now()),
+            Some(f) => self.handle_failure(f),
+            None => {}
         }
         Receipt {
             action,
@@ -555,6 +564,12 @@ impl Core {
             }
             StreamNews::Goodbye | StreamNews::Ended => {
                 self.actions.push(Action::UnwatchStream);
+                self.goodbye_seen = true;
+                if self.timers.get(Timer::Linger).is_some() {
+                    // The peer's close completed: our acknowledgement reached it.
+                    self.timers.stop(Timer::Linger);
+                    self.actions.push(Action::FailQueuePair);
+                }
                 // Closing ourselves, the end of the stream is the peer having taken our close
                 // message (it shuts its stream at once): the close completes on its own.
                 if matches!(self.phase, Phase::Linked | Phase::Handshaking) && !self.peer_closed() {
@@ -582,6 +597,24 @@ impl Core {
         self.timers.stop(Timer::Close);
         self.timers.stop(Timer::Vanish);
         self.actions.push(Action::FailQueuePair);
+    }
+
+    /// The peer closed, and its goodbye is not here yet: failed with [`Failure::PeerClosed`]
+    /// (everything it sent is delivered), but the queue pair stays up until the goodbye, at
+    /// most `close_timeout` from `now`.
+    fn linger(&mut self, now: Instant) {
+        if self.failure.is_some() {
+            return;
+        }
+        self.failure = Some(Failure::PeerClosed);
+        self.phase = Phase::Failed {
+            close_timed_out: false,
+            drained: false,
+        };
+        self.timers.stop(Timer::Close);
+        self.timers.stop(Timer::Vanish);
+        self.timers
+            .set(Timer::Linger, deadline_after(now, self.close_timeout));
     }
 
     /// The driver moved the queue pair to the error state at `now`: its requests are flushed
@@ -623,6 +656,7 @@ impl Core {
                     };
                 }
                 (Timer::Vanish, Phase::Leaving) => self.handle_failure(Failure::PeerVanished),
+                (Timer::Linger, _) => self.actions.push(Action::FailQueuePair),
                 (Timer::Drain, _) => self.drained(),
                 _ => {}
             }

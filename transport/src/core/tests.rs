@@ -149,6 +149,7 @@ fn the_last_credit_is_solicited_and_counted() {
             flags: 0,
         }),
         || None,
+        Instant::now,
     );
     assert_eq!(r.action, RecvAction::Deliver);
     assert!(r.spent_credit);
@@ -160,7 +161,7 @@ fn a_grant_needs_room_and_spends_no_credit() {
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 4);
     // The peer spends its last credits: we owe them back once re-posted.
     for _ in 0..4 {
-        c.handle_recv(&recv(Imm::default_data()), || None);
+        c.handle_recv(&recv(Imm::default_data()), || None, Instant::now);
     }
     c.reposted(4);
     assert!(c.grant(Room { sq: 0, ..ROOM }).is_none(), "no send slot");
@@ -288,11 +289,50 @@ fn a_goodbye_gives_the_close_message_until_the_close_timeout() {
         flags: Imm::CLOSE,
     };
     assert_eq!(
-        c.handle_recv(&recv(close), || None).action,
+        c.handle_recv(&recv(close), || None, Instant::now).action,
         RecvAction::Recycle
     );
     assert_eq!(c.failure(), Some(Failure::PeerClosed));
     assert_eq!(c.next_timeout(), None, "the vanish deadline is gone");
+}
+
+#[test]
+fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
+    // rxe completes a receive before it acknowledges it: a queue pair moved to the error
+    // state at once could lose the acknowledgement, and the closing peer would retry its
+    // close message until its close timed out.
+    let t0 = Instant::now();
+    let close = Imm {
+        credits: 0,
+        echo: 0,
+        flags: Imm::CLOSE,
+    };
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_recv(&recv(close), || None, || t0);
+    assert_eq!(
+        c.failure(),
+        Some(Failure::PeerClosed),
+        "the user hears at once"
+    );
+    assert!(actions(&mut c).is_empty(), "the queue pair stays up");
+    assert_eq!(
+        c.next_timeout(),
+        Some(t0 + CLOSE),
+        "at most the close timeout"
+    );
+    c.handle_stream(StreamNews::Goodbye, t0);
+    assert_eq!(
+        actions(&mut c),
+        [Action::UnwatchStream, Action::FailQueuePair]
+    );
+    assert_eq!(c.next_timeout(), None);
+
+    // No goodbye: failed at the close timeout.
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_recv(&recv(close), || None, || t0);
+    c.handle_timeout(t0 + CLOSE);
+    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert_eq!(c.failure(), Some(Failure::PeerClosed));
 }
 
 #[test]

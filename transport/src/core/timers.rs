@@ -14,10 +14,13 @@ pub(crate) enum Timer {
     /// After a failure: the queue pair's posted requests must be flushed back by then, or the
     /// driver stops waiting for them.
     Drain,
+    /// The peer's close message arrived before its goodbye: our queue pair stays up until the
+    /// goodbye (its close completed, so our acknowledgement reached it) or until then.
+    Linger,
 }
 
 impl Timer {
-    const ALL: [Timer; 3] = [Timer::Close, Timer::Vanish, Timer::Drain];
+    const ALL: [Timer; 4] = [Timer::Close, Timer::Vanish, Timer::Drain, Timer::Linger];
 
     fn index(self) -> usize {
         self as usize
@@ -27,7 +30,7 @@ impl Timer {
 /// At most one deadline per [`Timer`].
 #[derive(Debug, Clone, Default)]
 pub(crate) struct TimerTable {
-    at: [Option<Instant>; 3],
+    at: [Option<Instant>; 4],
 }
 
 impl TimerTable {

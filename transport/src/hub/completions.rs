@@ -54,7 +54,9 @@ impl RawHub {
         let c = Completion::of(true, wc);
         let s = self.slots[slot].as_mut().expect("a mapped slot");
         // SRQ receives are not flushed by a queue pair's error: nothing to explain.
-        let receipt = s.core.handle_recv(&c, || None);
+        let receipt = s.core.handle_recv(&c, || None, Instant::now);
+        // A close message sets a deadline (the goodbye is waited for until then).
+        let failed = s.core.failure().is_some();
         let share_receipt = match receipt.action {
             RecvAction::Grant => Receipt::Grant,
             // A close message spends a data credit too.
@@ -95,6 +97,9 @@ impl RawHub {
         }
         self.touch(slot);
         self.do_actions(slot);
+        if failed && self.slots[slot].is_some() {
+            self.schedule(slot);
+        }
     }
 
     fn on_send(&mut self, wc: &WorkCompletion) {

@@ -164,12 +164,13 @@ impl Net {
             return false;
         }
         c.core.begin_batch(batch.iter().map(|e| e.c));
+        let now = self.now;
         for e in batch {
             let c = &mut self.conns[i];
             if e.c.recv {
                 // A flush nothing explains yet asks the events, as `Connection` does.
                 let event = &mut c.pending_event;
-                let receipt = c.core.handle_recv(&e.c, || event.take());
+                let receipt = c.core.handle_recv(&e.c, || event.take(), || now);
                 match receipt.action {
                     RecvAction::Deliver => {
                         c.app.received.push(e.seq.expect("data carries a sequence"));

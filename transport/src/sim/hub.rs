@@ -171,6 +171,7 @@ impl Net {
                 self.do_actions(End::Hub(e.qp));
             }
         }
+        let now = self.now;
         for e in batch {
             let h = self.hub();
             let Some(slot) = h.slots[e.qp].as_mut() else {
@@ -181,7 +182,7 @@ impl Net {
                 continue;
             };
             if e.c.recv {
-                let receipt = slot.core.handle_recv(&e.c, || None);
+                let receipt = slot.core.handle_recv(&e.c, || None, || now);
                 let r = match receipt.action {
                     RecvAction::Grant => Receipt::Grant,
                     _ if receipt.spent_credit => Receipt::Data,
