@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use rdmsg::transport::{
-    Config, Connection, Endpoint, Failure, HubConfig, PeerId, RawHub as Hub,
-    RawHubEvent as HubEvent,
+    Config, Connection, Endpoint, Failure, GroupConfig, HubConfig, HubGroup, Member, PeerId,
+    RawHub as Hub, RawHubEvent as HubEvent,
 };
 use serde::{Deserialize, Serialize};
 
@@ -42,19 +42,53 @@ pub enum Server {
     /// A listener accepting on the measuring thread, one thread per connection blocked in
     /// [`Connection::recv`].
     Threads,
+    /// A [`HubGroup`] of this many member hubs, each on a thread of its own.
+    Group(usize),
 }
 
 impl Server {
-    /// Both, in the order they run.
-    pub const ALL: [Server; 2] = [Server::Hub, Server::Threads];
+    /// Group sizes the bench knows by name.
+    pub const GROUPS: [usize; 4] = [1, 2, 4, 8];
 
     /// Name in samples and tables.
     pub fn name(self) -> &'static str {
         match self {
             Server::Hub => "hub",
             Server::Threads => "threads",
+            Server::Group(1) => "group1",
+            Server::Group(2) => "group2",
+            Server::Group(4) => "group4",
+            Server::Group(8) => "group8",
+            Server::Group(_) => "group",
         }
     }
+
+    /// The server a name stands for.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "hub" => Some(Server::Hub),
+            "threads" => Some(Server::Threads),
+            _ => Self::GROUPS
+                .into_iter()
+                .map(Server::Group)
+                .find(|g| g.name() == name),
+        }
+    }
+}
+
+/// Each hub's configuration for `conns` connections: the default, with room for them all.
+pub fn hub_config(conns: usize) -> HubConfig {
+    let config = HubConfig::default();
+    HubConfig {
+        max_connections: config.max_connections.max(conns as u32),
+        ..config
+    }
+}
+
+/// The fairness window for `load`: a second, or as long as it takes to offer each peer 8
+/// messages (with thousands of peers, a second holds less than one message of each).
+pub fn fair_window(load: &Load) -> f64 {
+    (8.0 * load.conns as f64 / load.rate).max(1.0)
 }
 
 /// What the client offers.
@@ -417,7 +451,7 @@ fn phase_limit(load: &Load) -> Duration {
 /// Open descriptors a server or client needs for `conns` connections.
 fn fds_needed(conns: usize, server: Server) -> u64 {
     let per = match server {
-        Server::Hub => 1,
+        Server::Hub | Server::Group(_) => 1,
         Server::Threads => 8,
     };
     (conns * per) as u64 + 256
@@ -613,8 +647,14 @@ pub struct Measured {
     pub threads: u64,
     /// RNR NAKs counted by the device during the measurement (`None`: no counters).
     pub rnr: Option<u64>,
-    /// Per-peer service in one-second windows.
+    /// Per-peer service in windows of [`Measured::fair_window_secs`].
     pub fairness: Option<Fairness>,
+    /// The fairness window, seconds (see [`fair_window`]).
+    #[serde(default)]
+    pub fair_window_secs: f64,
+    /// Receive groups of the server's hubs, all connected (0: not a hub).
+    #[serde(default)]
+    pub recv_groups: u32,
     /// Messages per second received, first to last.
     pub rate: f64,
     /// Messages in all.
@@ -690,6 +730,7 @@ struct Readings {
     client: ClientReport,
     rnr: Option<u64>,
     times: Vec<Vec<f64>>,
+    recv_groups: u32,
 }
 
 impl Readings {
@@ -727,7 +768,8 @@ impl Readings {
             rss_kib_per_conn: per_conn(self.before.status.rss_kib, self.idle.status.rss_kib, n),
             threads: self.idle.status.threads,
             rnr: self.rnr,
-            fairness: fairness(&self.times, 1.0),
+            fairness: fairness(&self.times, fair_window(&self.load)),
+            fair_window_secs: fair_window(&self.load),
             rate: if last > first {
                 msgs / (last - first)
             } else {
@@ -735,6 +777,7 @@ impl Readings {
             },
             messages: self.load.messages(),
             offered_rate: self.load.rate,
+            recv_groups: self.recv_groups,
         }
     }
 }
@@ -794,13 +837,12 @@ pub fn server_main(args: &[String]) -> Result<()> {
     let (load, rest) = Load::from_args(args)?;
     let mut server = None;
     for (flag, value) in rest {
-        match (flag.as_str(), value.as_str()) {
-            ("--server", "hub") => server = Some(Server::Hub),
-            ("--server", "threads") => server = Some(Server::Threads),
+        match (flag.as_str(), Server::parse(&value)) {
+            ("--server", Some(s)) => server = Some(s),
             _ => bail!("fanin-server: unknown flag {flag} {value}"),
         }
     }
-    let server = server.context("fanin-server needs --server hub|threads")?;
+    let server = server.context("fanin-server needs --server hub|threads|groupN")?;
     let mut out = std::io::stdout().lock();
     match serve(server, &load) {
         Ok(m) => writeln!(out, "{RESULT}{}", serde_json::to_string(&m)?)?,
@@ -834,6 +876,7 @@ fn serve(server: Server, load: &Load) -> Result<Measured> {
     let mut r = match server {
         Server::Hub => serve_hub(&ep, load, before)?,
         Server::Threads => serve_threads(&ep, load, before)?,
+        Server::Group(hubs) => serve_group(&ep, load, before, hubs)?,
     };
     r.rnr = rnr_before.zip(rnr_count(&device)).map(|(b, a)| a - b);
     Ok(r.measured())
@@ -863,7 +906,7 @@ impl Progress {
 
 fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
     let n = load.conns;
-    let mut hub = Hub::new(ep, HubConfig::default())?;
+    let mut hub = Hub::new(ep, hub_config(n))?;
     let addr = hub.listen("127.0.0.1:0")?;
     let started = Instant::now();
     let mut client = ClientProc::spawn(addr, load)?;
@@ -927,7 +970,8 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
         bail!("unexpected while idle: {ev:?}");
     }
     let idle = Snapshot::take()?;
-    let registered_bytes = hub.stats().registered_bytes;
+    let idle_stats = hub.stats();
+    let registered_bytes = idle_stats.registered_bytes;
 
     let total = load.messages();
     let received_before = hub.stats().received;
@@ -1014,6 +1058,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
         client: report,
         rnr: None,
         times: seconds_since(origin, &times),
+        recv_groups: idle_stats.recv_groups,
     })
 }
 
@@ -1212,6 +1257,187 @@ fn serve_threads(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Reading
         client: report,
         rnr: None,
         times: seconds_since(origin, &times),
+        recv_groups: 0,
+    })
+}
+
+/// What the members of a group hand the measuring thread.
+struct GroupBooks {
+    connected: AtomicUsize,
+    received: AtomicUsize,
+    closed: AtomicUsize,
+    members: Vec<Mutex<MemberBooks>>,
+    failure: Mutex<Option<String>>,
+}
+
+/// One member's readings.
+#[derive(Default)]
+struct MemberBooks {
+    /// Arrival times by the peer's slot in the member's hub.
+    times: Vec<Vec<Instant>>,
+    /// The member's wait statistics at its first and at its latest message.
+    first_waits: Option<Sleeps>,
+    waits: Option<Sleeps>,
+}
+
+impl GroupBooks {
+    fn fail(&self, what: String) {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(what);
+    }
+
+    fn check(&self) -> Result<()> {
+        match &*self.failure.lock().unwrap_or_else(PoisonError::into_inner) {
+            Some(f) => bail!("{f}"),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until `count()` reaches `n`, or `limit` passes, or a member failed.
+    fn wait_for(
+        &self,
+        what: &str,
+        n: usize,
+        limit: Duration,
+        count: impl Fn() -> usize,
+    ) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        let mut progress = Progress::new("group");
+        loop {
+            self.check()?;
+            let done = count();
+            if done >= n {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("{done} of {n} {what} in {limit:?}");
+            }
+            progress.tick(done, n);
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// A [`HubGroup`] of `hubs` members serving the fan-in; the measuring thread only watches
+/// (it wakes every 5 ms to look at the counts, which the CPU figure includes).
+fn serve_group(ep: &Endpoint, load: &Load, before: Snapshot, hubs: usize) -> Result<Readings> {
+    let n = load.conns;
+    let size = load.size;
+    let books = Arc::new(GroupBooks {
+        connected: AtomicUsize::new(0),
+        received: AtomicUsize::new(0),
+        closed: AtomicUsize::new(0),
+        members: (0..hubs).map(|_| Mutex::default()).collect(),
+        failure: Mutex::new(None),
+    });
+    let config = GroupConfig {
+        hubs,
+        hub: hub_config(n),
+        ..GroupConfig::default()
+    };
+    let group = HubGroup::start(ep, "127.0.0.1:0", config, |index| {
+        let books = Arc::clone(&books);
+        move |member: &mut Member<'_>, event: HubEvent| match event {
+            HubEvent::Connected { .. } => {
+                books.connected.fetch_add(1, Ordering::AcqRel);
+            }
+            HubEvent::Message { peer, msg } => {
+                if msg.len() != size {
+                    books.fail(format!("{peer} sent {} bytes, not {size}", msg.len()));
+                }
+                let waits = Sleeps::of(&member.hub.wait_stats());
+                let mut m = books.members[index]
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if m.times.len() <= peer.index() {
+                    m.times.resize_with(peer.index() + 1, Vec::new);
+                }
+                m.times[peer.index()].push(Instant::now());
+                m.first_waits.get_or_insert(waits);
+                m.waits = Some(waits);
+                drop(m);
+                books.received.fetch_add(1, Ordering::AcqRel);
+            }
+            HubEvent::Disconnected {
+                failure: Failure::PeerClosed,
+                ..
+            } => {
+                books.closed.fetch_add(1, Ordering::AcqRel);
+            }
+            other => books.fail(format!("member {index}: unexpected {other:?}")),
+        }
+    })?;
+    let addr = group.local_addr();
+    let started = Instant::now();
+    let mut client = ClientProc::spawn(addr, load)?;
+    let watch = await_connected(client.stdout.take().context("client output")?, || {});
+    books.wait_for("connections", n, connect_limit(n), || {
+        books.connected.load(Ordering::Acquire)
+    })?;
+    let (stdout, res) = watch.join().expect("the watcher does not panic");
+    res?;
+    client.stdout = Some(stdout);
+    let connect_secs = started.elapsed().as_secs_f64();
+    thread::sleep(Duration::from_millis(300));
+    let idle = Snapshot::take()?;
+
+    let total = load.messages();
+    let cpu_before = CpuTime::process()?;
+    let origin = Instant::now();
+    client.tell(GO)?;
+    books.wait_for("messages", total, phase_limit(load), || {
+        books.received.load(Ordering::Acquire)
+    })?;
+    let cpu = CpuTime::process()?.since(cpu_before);
+    let phase_secs = origin.elapsed().as_secs_f64();
+    let report = parse_sent(&client.line()?)?;
+    client.tell(CLOSE)?;
+    books.wait_for("connections closed", n, connect_limit(n), || {
+        books.closed.load(Ordering::Acquire)
+    })?;
+    let closed = client.line()?;
+    if closed != CLOSED {
+        bail!("the fan-in client said {closed:?} instead of {CLOSED}");
+    }
+    client.wait(Duration::from_secs(30))?;
+    let stats = group
+        .stop()
+        .into_iter()
+        .collect::<rdmsg::transport::Result<Vec<_>>>()?;
+    let mut waits = Sleeps::default();
+    let mut times = Vec::with_capacity(n);
+    for m in &books.members {
+        let mut m = m.lock().unwrap_or_else(PoisonError::into_inner);
+        if let (Some(first), Some(last)) = (m.first_waits, m.waits) {
+            // The wake-up of a member's first message is before its first reading.
+            let mut w = last.since(first);
+            w.wakeups += 1;
+            waits = waits.plus(w);
+        }
+        times.extend(
+            std::mem::take(&mut m.times)
+                .into_iter()
+                .filter(|t| !t.is_empty()),
+        );
+    }
+    Ok(Readings {
+        load: *load,
+        connect_secs,
+        before,
+        idle,
+        // After the messages: a member's pool keeps what it grew to.
+        registered_bytes: stats.iter().map(|s| s.registered_bytes).sum(),
+        cpu,
+        waits,
+        waits_from_go: false,
+        phase_secs,
+        grants: 0,
+        client: report,
+        rnr: None,
+        times: seconds_since(origin, &times),
+        recv_groups: stats.iter().map(|s| s.recv_groups).sum(),
     })
 }
 
@@ -1235,7 +1461,7 @@ pub fn client_main(args: &[String]) -> Result<()> {
     let addr = addr.context("fanin-client needs --connect ADDR")?;
     ensure_fd_limit(fds_needed(load.conns, Server::Hub))?;
     let ep = Endpoint::open_default()?;
-    let mut hub = Hub::new(&ep, HubConfig::default())?;
+    let mut hub = Hub::new(&ep, hub_config(load.conns))?;
     let ids = (0..load.conns)
         .map(|_| hub.connect(addr))
         .collect::<rdmsg::transport::Result<Vec<PeerId>>>()
@@ -1295,8 +1521,9 @@ pub fn client_main(args: &[String]) -> Result<()> {
     if cmd != CLOSE {
         bail!("fanin-client: {cmd:?} instead of {CLOSE}");
     }
-    for &id in &ids {
-        hub.close(id).context("closing")?;
+    for (i, &id) in ids.iter().enumerate() {
+        hub.close(id)
+            .with_context(|| format!("closing connection {i} of {}", ids.len()))?;
     }
     // Each close reports its connection gone.
     let mut gone = 0;

@@ -999,10 +999,11 @@ pub const FANIN_GOALS_FROM: u32 = 1024;
 /// The fan-in's rows: the hub's CPU per message against the thread-per-connection server's
 /// at every N (bars of the chart), then, at the largest N the hub was measured at, the
 /// figures with goals (checked only from [`FANIN_GOALS_FROM`] connections): one server
-/// thread, at most 1.1 descriptors and 16 KiB of registered memory per idle connection, no
+/// thread, at most 1.05 descriptors and 4 KiB of registered memory per idle connection, no
 /// receiver-not-ready, at most one wake-up per solicited message, CPU per message within
-/// 1.5× of the hub's with one connection, and the most served peer of any one-second window
-/// within 1.5× of the least served.
+/// 1.3× of the hub's with one connection, connecting no slower per connection than at 1024
+/// (linear), and the most served peer of any window within 1.5× of the least served; then
+/// the hub groups: throughput and CPU per message against the group of one.
 fn fanin_rows(points: &[FaninPoint]) -> Vec<Row> {
     let find = |conns: u32, server: &str| {
         points
@@ -1036,11 +1037,11 @@ fn fanin_rows(points: &[FaninPoint]) -> Vec<Row> {
     let beside = |metric: &str| threads.and_then(|t| t.get(metric)).map(|v| ("threads", v));
     for (metric, what, limit) in [
         ("threads", "server threads", 1.0),
-        ("fds_per_conn", "descriptors per connection", 1.1),
+        ("fds_per_conn", "descriptors per connection", 1.05),
         (
             "registered_kib_per_conn",
             "registered KiB per idle connection",
-            16.0,
+            4.0,
         ),
         ("rnr", "RNR NAKs (rcvd + send)", 0.0),
         (
@@ -1070,18 +1071,66 @@ fn fanin_rows(points: &[FaninPoint]) -> Vec<Row> {
                 format!("N={n}: hub CPU µs per message vs N={}", one.conns),
                 (at_n, top.rounds),
                 Some((&format!("hub, N={}", one.conns), at_one)),
-                goal(1.5),
+                goal(1.3),
+            ));
+        }
+    }
+    let base = FANIN_GOALS_FROM;
+    if let (Some(at_n), Some(at_base)) = (
+        top.get("connect_s"),
+        find(base, "hub").and_then(|p| p.get("connect_s")),
+    ) {
+        if n > base {
+            // Linear: N / 1024 times as long.
+            rows.push(Row::new(
+                Section::Fanin,
+                format!(
+                    "N={n}: connect seconds vs N={base} (linear: ×{})",
+                    fmt_num(f64::from(n) / f64::from(base))
+                ),
+                (at_n, top.rounds),
+                Some((&format!("hub, N={base}"), at_base)),
+                goal(f64::from(n) / f64::from(base)),
             ));
         }
     }
     if let Some(f) = top.fairness {
+        let window = top.get("fair_window_s").unwrap_or(1.0);
         rows.push(Row::beside(
             Section::Fanin,
-            format!("N={n}: most / least served peer, worst second"),
+            if window <= 1.0 {
+                format!("N={n}: most / least served peer, worst second")
+            } else {
+                format!(
+                    "N={n}: most / least served peer, worst {} s window",
+                    fmt_num(window)
+                )
+            },
             (f, top.rounds),
             threads.and_then(|t| t.fairness).map(|v| ("threads", v)),
             goal(1.5),
         ));
+    }
+    let one_hub = points.iter().find(|p| p.server == "group1" && p.rounds > 0);
+    for g in points
+        .iter()
+        .filter(|p| p.server.starts_with("group") && p.server != "group1" && p.rounds > 0)
+    {
+        for (metric, what) in [
+            ("rate", "messages/s"),
+            ("cpu_us_per_msg", "CPU µs per message"),
+        ] {
+            if let Some(v) = g.get(metric) {
+                let anchor = one_hub.and_then(|o| o.get(metric)).map(|a| ("group1", a));
+                rows.push(Row::new(
+                    Section::Fanin,
+                    format!("N={}: {}, {what} vs one hub", g.conns, g.server),
+                    (v, g.rounds),
+                    anchor,
+                    None,
+                ));
+            }
+        }
     }
     rows
 }
@@ -1412,7 +1461,7 @@ mod tests {
             ("wakeups_per_solicited", if hub { 0.2 } else { 1.0 }),
             ("threads", if hub { 1.0 } else { f64::from(conns) + 1.0 }),
             ("fds_per_conn", if hub { 1.01 } else { 7.0 }),
-            ("registered_kib_per_conn", if hub { 10.5 } else { 166.0 }),
+            ("registered_kib_per_conn", if hub { 3.5 } else { 166.0 }),
             ("rnr", 0.0),
             ("fair_max", fair.0),
             ("fair_min", fair.1),

@@ -121,6 +121,8 @@ impl Plan {
             fanin: FaninPlan {
                 conns: vec![1, 16, 64],
                 messages: 16_384,
+                groups: vec![1, 2],
+                group_conns: 64,
                 ..FaninPlan::full()
             },
             ..Self::full()
@@ -208,13 +210,11 @@ impl Plan {
                         }
                     }
                     Bench::Fanin if round < self.fanin.rounds => {
-                        for &conns in &self.fanin.conns {
-                            for server in Server::ALL {
-                                tasks.push(Task {
-                                    round,
-                                    what: What::Fanin { conns, server },
-                                });
-                            }
+                        for (conns, server) in self.fanin.points() {
+                            tasks.push(Task {
+                                round,
+                                what: What::Fanin { conns, server },
+                            });
                         }
                     }
                     Bench::Rates => {
@@ -273,20 +273,32 @@ pub struct FaninPlan {
     pub size: usize,
     /// Rounds with a fan-in (the first ones; at most the plan's rounds).
     pub rounds: u32,
+    /// The thread-per-connection server runs up to this many connections (a thread and eight
+    /// descriptors each).
+    pub threads_up_to: usize,
+    /// Hub groups of these many members, at [`FaninPlan::group_conns`] connections, offered
+    /// as much as the client can send (their `rate` is what they took).
+    pub groups: Vec<usize>,
+    /// Connections of the group points.
+    pub group_conns: usize,
 }
 
 impl FaninPlan {
-    /// 1 to 1024 connections, 32768 messages at 8192/s: four seconds of messages at every
-    /// point, and 8 per connection and second at 1024 (the fairness windows need a few);
-    /// three rounds, a minute each under emulation.
+    /// 1 to 10,000 connections, 32768 messages at 8192/s: four seconds of messages up to
+    /// 1024 (8 per connection and second there), two batches per connection beyond; groups
+    /// of 1, 2 and 4 hubs at 1024 connections; three rounds, a few minutes each under
+    /// emulation.
     pub fn full() -> Self {
         Self {
-            conns: vec![1, 16, 256, 1024],
+            conns: vec![1, 16, 256, 1024, 4096, 10_000],
             messages: 32_768,
             rate: 8192.0,
             batch: 8,
             size: 64,
             rounds: 3,
+            threads_up_to: 1024,
+            groups: vec![1, 2, 4],
+            group_conns: 1024,
         }
     }
 
@@ -294,7 +306,36 @@ impl FaninPlan {
     pub fn load(&self, conns: usize) -> Load {
         Load::new(conns, self.messages, self.batch, self.size, self.rate)
     }
+
+    /// The load of `server` at `conns` connections: groups are offered as much as the client
+    /// can send.
+    pub fn load_for(&self, conns: usize, server: Server) -> Load {
+        match server {
+            Server::Group(_) => Load::new(conns, self.messages, self.batch, self.size, SATURATE),
+            _ => self.load(conns),
+        }
+    }
+
+    /// Every (connections, server) point, in the order they run.
+    pub fn points(&self) -> Vec<(usize, Server)> {
+        let mut v = Vec::new();
+        for &conns in &self.conns {
+            v.push((conns, Server::Hub));
+            if conns <= self.threads_up_to {
+                v.push((conns, Server::Threads));
+            }
+        }
+        v.extend(
+            self.groups
+                .iter()
+                .map(|&hubs| (self.group_conns, Server::Group(hubs))),
+        );
+        v
+    }
 }
+
+/// The offered rate of a saturating fan-in: more than any client sends (it never waits).
+pub const SATURATE: f64 = 1e9;
 
 /// Who is measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -657,7 +698,7 @@ impl Task {
                 v
             }
             What::Fanin { conns, server } => {
-                let m = fanin::measure(server, &plan.fanin.load(conns))?;
+                let m = fanin::measure(server, &plan.fanin.load_for(conns, server))?;
                 fanin_samples(self.round, conns, server, &m)
             }
             What::Large { size, count, who } => {
@@ -793,7 +834,11 @@ fn fanin_samples(round: u32, conns: usize, server: Server, m: &fanin::Measured) 
         ("connect_s", m.connect_secs),
         ("messages", m.messages as f64),
         ("offered_rate", m.offered_rate),
+        ("fair_window_s", m.fair_window_secs),
     ];
+    if m.recv_groups > 0 {
+        figures.push(("recv_groups", f64::from(m.recv_groups)));
+    }
     if let Some(asleep) = m.asleep {
         figures.push(("asleep", asleep));
     }
@@ -881,9 +926,9 @@ mod tests {
         let tasks = plan.tasks();
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
         // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, large: 2 sizes
-        // × 4 subjects, 3 fan-in points × 2 servers, 2 sweep rates × 4 receivers, 6 cost
-        // subjects.
-        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 6 + 8 + 6);
+        // × 4 subjects, 3 fan-in points × 2 servers and 2 groups, 2 sweep rates × 4
+        // receivers, 6 cost subjects.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 8 + 8 + 6);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -903,7 +948,7 @@ mod tests {
         assert_eq!(
             full.tasks().len(),
             5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4 + 5 * 4)
-                + 3 * 4 * 2
+                + 3 * (6 + 4 + 3)
                 + 3 * 6
         );
         assert!(full.tasks().iter().all(|t| t.round < 5));
@@ -976,7 +1021,8 @@ mod tests {
                 other => panic!("{other:?}"),
             })
             .collect();
-        assert_eq!(points.len(), 2 * 4 * 2, "fan-in rounds only");
+        // Hub at six N, threads at four, three groups: per round.
+        assert_eq!(points.len(), 2 * (6 + 4 + 3), "fan-in rounds only");
         assert_eq!(
             &points[..4],
             &[
@@ -987,9 +1033,28 @@ mod tests {
             ]
         );
         assert_eq!(tasks[7].describe(), "fanin 1024 connections, threads");
+        assert_eq!(
+            &points[8..13],
+            &[
+                (0, 4096, Server::Hub),
+                (0, 10_000, Server::Hub),
+                (0, 1024, Server::Group(1)),
+                (0, 1024, Server::Group(2)),
+                (0, 1024, Server::Group(4)),
+            ]
+        );
         let load = plan.fanin.load(1024);
         assert_eq!((load.per_conn, load.messages()), (32, 32_768));
         assert_eq!(plan.fanin.load(1).per_conn, 32_768);
+        assert_eq!(plan.fanin.load(10_000).per_conn, 16, "two batches at least");
+        assert_eq!(
+            plan.fanin.load_for(1024, Server::Group(2)).rate,
+            SATURATE,
+            "groups take what the client can send"
+        );
+        for server in [Server::Hub, Server::Threads, Server::Group(4)] {
+            assert_eq!(Server::parse(server.name()), Some(server));
+        }
         let failed = tasks[7].failure_samples(&anyhow::anyhow!("out of threads"));
         assert_eq!(failed.len(), 1);
         assert_eq!(
