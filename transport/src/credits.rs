@@ -42,6 +42,14 @@
 //! connection core); its predecessors found the echo-only case, and the crossing of two peers
 //! that each held all the other's slots.
 
+//! # Grants answer data
+//!
+//! A side sends an explicit grant only to return credits of data it received (credits owed
+//! beyond those, which a shared pool may lend, ride along, or wait for the peer's next
+//! message), or to echo. So a peer that was sent nothing cannot grant, and a shared receive
+//! side backs its grant slots only while the peer may: see [`Credits::shared`] and
+//! [`Credits::park_slots`]. A peer out of credits has sent data, so its grant always may go.
+
 /// The 32 bits of immediate data of every rdmsg message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Imm {
@@ -145,6 +153,19 @@ pub struct Credits {
     grant_slots: u8,
     /// Explicit grants are sent once this many credits are owed.
     grant_threshold: u32,
+
+    // Grant slots of a shared receive side, backed only while the peer may grant.
+    /// Our grant slots are backed only while the peer may send a grant ([`Credits::shared`]).
+    lazy_slots: bool,
+    /// Grant slots with no buffer behind them (lazy only): the peer cannot grant now.
+    dormant_slots: u32,
+    /// The driver wants the dormant slots backed (we are about to send).
+    wake_wanted: bool,
+    /// Data messages we sent whose credits the peer has not returned (saturating: credits
+    /// returned beyond them were new ones).
+    sent_unreturned: u32,
+    /// Data messages we received whose credits we have not returned (likewise).
+    received_unreturned: u32,
 }
 
 /// What the connection should do after taking in completions and re-posting.
@@ -167,14 +188,18 @@ impl Credits {
         peer_grant_slots: u8,
         initial_credits: u32,
     ) -> Self {
-        Self::shared(
-            depth,
-            grant_slots,
-            peer_depth,
-            peer_grant_slots,
-            initial_credits,
-            depth,
-        )
+        Self {
+            lazy_slots: false,
+            dormant_slots: 0,
+            ..Self::shared(
+                depth,
+                grant_slots,
+                peer_depth,
+                peer_grant_slots,
+                initial_credits,
+                depth,
+            )
+        }
     }
 
     /// Bookkeeping for a connection whose receive buffers come from a pool shared with other
@@ -183,6 +208,13 @@ impl Credits {
     /// it) and may never hold more than `max_credits` (our announced receive depth), however
     /// many the pool lends it later. Explicit grants are due after a quarter of
     /// `peer_initial` until [`Credits::set_grant_threshold`] says otherwise.
+    ///
+    /// Its grant slots start *dormant*, with no buffer behind them: a peer grants only to
+    /// return credits for data we sent it, or to echo our grants (see the module docs), so
+    /// until we send it anything it cannot grant, and an idle peer costs only its credits.
+    /// Before sending, the driver has them backed ([`Credits::want_slots`], then buffers
+    /// re-posted: [`Credits::on_reposted`]); once the peer returned everything and cannot
+    /// echo, they may sleep again ([`Credits::park_slots`]).
     pub fn shared(
         max_credits: u32,
         grant_slots: u8,
@@ -206,7 +238,77 @@ impl Credits {
             depth: max_credits,
             grant_slots,
             grant_threshold: (peer_initial / 4).max(1),
+            lazy_slots: true,
+            dormant_slots: u32::from(grant_slots),
+            wake_wanted: false,
+            sent_unreturned: 0,
+            received_unreturned: 0,
         }
+    }
+
+    /// These books with the grant slots of `before` (backed, dormant or wanted): the books of
+    /// a connection whose peer just became known replace placeholders whose slots the
+    /// driver may have woken already.
+    pub fn with_slots_of(mut self, before: &Credits) -> Self {
+        if self.lazy_slots && before.lazy_slots {
+            self.dormant_slots = before.dormant_slots.min(u32::from(self.grant_slots));
+            self.wake_wanted = before.wake_wanted;
+        }
+        self
+    }
+
+    /// Whether every grant slot is backed: we may send data.
+    pub fn slots_ready(&self) -> bool {
+        self.dormant_slots == 0
+    }
+
+    /// Whether a grant needs the grant slots backed first: it would leave the peer holding
+    /// enough of our grants unechoed to echo them with a grant of its own. (A grant returns
+    /// credits of data received, and gives the peer nothing to return.)
+    pub fn grant_needs_slots(&self) -> bool {
+        !self.slots_ready() && self.unconfirmed_grants() + 1 >= self.echo_threshold()
+    }
+
+    /// Our grants the peer must hold unechoed before it may echo them with a grant.
+    fn echo_threshold(&self) -> u8 {
+        self.peer_grant_slots.saturating_sub(1).max(1)
+    }
+
+    /// Asks for the dormant grant slots to be backed (the next buffers re-posted restore
+    /// them, after missing ones); returns how many are dormant.
+    pub fn want_slots(&mut self) -> u32 {
+        if self.dormant_slots > 0 {
+            self.wake_wanted = true;
+        }
+        self.dormant_slots
+    }
+
+    /// Dormant grant slots wanted backed ([`Credits::want_slots`]).
+    pub fn slots_wanted(&self) -> u32 {
+        if self.wake_wanted {
+            self.dormant_slots
+        } else {
+            0
+        }
+    }
+
+    /// Lets the grant slots of a lazy side sleep if the peer cannot grant any more: it
+    /// returned the credits of everything we sent, holds too few of our grants unechoed to
+    /// echo them, and no grant of its waits to be re-posted. Returns the buffers this frees
+    /// (0 if nothing changed).
+    pub fn park_slots(&mut self) -> u32 {
+        let echo_possible = self.unconfirmed_grants() >= self.echo_threshold();
+        if !self.lazy_slots
+            || self.dormant_slots > 0
+            || self.slots_missing > 0
+            || self.sent_unreturned > 0
+            || echo_possible
+        {
+            return 0;
+        }
+        self.dormant_slots = u32::from(self.grant_slots);
+        self.wake_wanted = false;
+        self.dormant_slots
     }
 
     /// Makes explicit grants due once `n` credits (at least 1) are owed. A connection whose
@@ -258,7 +360,9 @@ impl Credits {
     /// Receive buffers that must be posted for the peer to use what it may: its credits, the
     /// owed ones about to be returned, and the grant slots.
     pub fn must_be_posted(&self) -> u32 {
-        self.peer_credits + self.owed + u32::from(self.grant_slots) - self.slots_missing
+        self.peer_credits + self.owed + u32::from(self.grant_slots)
+            - self.slots_missing
+            - self.dormant_slots
     }
 
     /// Grants received whose slot is not re-posted yet.
@@ -282,7 +386,9 @@ impl Credits {
             return Err(Violation::TooManyCredits);
         }
         if imm.is_grant() {
-            if self.slots_missing >= u32::from(self.grant_slots) {
+            // Dormant slots have no buffer: a grant while they sleep broke the rule that a
+            // side grants only for data received or to echo.
+            if self.slots_missing + self.dormant_slots >= u32::from(self.grant_slots) {
                 return Err(Violation::GrantOverrun);
             }
             self.slots_missing += 1;
@@ -292,9 +398,11 @@ impl Credits {
             }
             self.peer_credits -= 1;
             self.peer_exhausted = imm.is_exhausted();
+            self.received_unreturned += 1;
         }
         self.peer_echo = imm.echo;
         self.credits += u32::from(imm.credits);
+        self.sent_unreturned = self.sent_unreturned.saturating_sub(u32::from(imm.credits));
         Ok(imm.is_grant())
     }
 
@@ -304,7 +412,13 @@ impl Credits {
         let slots = n.min(self.slots_missing);
         self.slots_missing -= slots;
         self.grants_seen = self.grants_seen.wrapping_add(slots as u8);
-        self.owed += n - slots;
+        // Dormant slots wanted back come next (nothing to echo: no grant used them).
+        let woken = (n - slots).min(self.slots_wanted());
+        self.dormant_slots -= woken;
+        if self.dormant_slots == 0 {
+            self.wake_wanted = false;
+        }
+        self.owed += n - slots - woken;
     }
 
     /// Immediate data for a data message we are about to send, spending one credit and
@@ -313,10 +427,11 @@ impl Credits {
     /// credit (the receiver must wake to grant more), or it returns credits to a peer that may
     /// be blocked.
     pub fn take_for_data(&mut self, flags: u8) -> Option<(Imm, bool)> {
-        if self.credits == 0 {
+        if self.credits == 0 || !self.slots_ready() {
             return None;
         }
         self.credits -= 1;
+        self.sent_unreturned += 1;
         let mut flags = flags & Imm::CLOSE;
         // Spending the last credit: we may block next, and the receiver must be awake to
         // grant, so this message wakes it even if it sleeps solicited-only.
@@ -340,6 +455,7 @@ impl Credits {
     fn return_owed(&mut self) -> u16 {
         let n = self.owed.min(u32::from(u16::MAX)) as u16;
         self.owed -= u32::from(n);
+        self.received_unreturned = self.received_unreturned.saturating_sub(u32::from(n));
         self.peer_credits += u32::from(n);
         if n > 0 {
             self.peer_exhausted = false;
@@ -356,26 +472,7 @@ impl Credits {
     /// Without it, two peers could each hold the other's grant slots unconfirmed and never
     /// grant again.
     pub fn take_grant(&mut self) -> Option<GrantDecision> {
-        // Out of credits, we send no data to carry our echo; if the peer may be at its limit
-        // of ordinary grants because of it, tell it. (At least `grant_slots - 1` unechoed, not
-        // 1: so that two blocked peers do not echo each other's echoes for ever.)
-        let news = self.grants_seen.wrapping_sub(self.echo_sent);
-        let echo_due = self.credits == 0
-            && self.slots_missing == 0
-            && news >= self.grant_slots.saturating_sub(1);
-        let echo_due = echo_due && news > 0;
-        let urgent = self.owed > 0 && self.peer_may_be_blocked();
-        if !(urgent || self.owed >= self.grant_threshold || echo_due) {
-            return None;
-        }
-        let limit = if news > 0 {
-            self.peer_grant_slots
-        } else {
-            self.peer_grant_slots.saturating_sub(1)
-        };
-        if self.unconfirmed_grants() >= limit {
-            return None;
-        }
+        let (urgent, echo_due) = self.grant_due()?;
         let credits = self.return_owed();
         self.grants_sent = self.grants_sent.wrapping_add(1);
         self.echo_sent = self.grants_seen;
@@ -388,6 +485,40 @@ impl Credits {
             // The peer may be blocked on the credits, or on this echo before it can grant.
             solicited: urgent || echo_due,
         })
+    }
+
+    /// Whether [`Credits::take_grant`] would grant now (slots aside): `Some((urgent,
+    /// echo_due))` if so.
+    ///
+    /// A side grants only to return credits of data it received (owed credits beyond those,
+    /// which a shared pool lends, ride along or wait for the peer's next message), or to
+    /// echo: so a peer that was sent nothing cannot grant, which lets a shared receive side
+    /// leave its grant slots unbacked ([`Credits::park_slots`]).
+    pub fn grant_due(&self) -> Option<(bool, bool)> {
+        // Out of credits, we send no data to carry our echo; if the peer may be at its limit
+        // of ordinary grants because of it, tell it. (At least `grant_slots - 1` unechoed, not
+        // 1: so that two blocked peers do not echo each other's echoes for ever.)
+        let news = self.grants_seen.wrapping_sub(self.echo_sent);
+        let echo_due = self.credits == 0
+            && self.slots_missing == 0
+            && news >= self.grant_slots.saturating_sub(1);
+        let echo_due = echo_due && news > 0;
+        let urgent = self.owed > 0 && self.peer_may_be_blocked();
+        if !(urgent || self.owed >= self.grant_threshold || echo_due) {
+            return None;
+        }
+        if self.received_unreturned == 0 && !echo_due {
+            return None;
+        }
+        let limit = if news > 0 {
+            self.peer_grant_slots
+        } else {
+            self.peer_grant_slots.saturating_sub(1)
+        };
+        if self.unconfirmed_grants() >= limit {
+            return None;
+        }
+        Some((urgent, echo_due))
     }
 
     /// Our data receive depth (with a shared receive side, the most credits the peer may hold).
@@ -445,8 +576,66 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_side_backs_its_grant_slots_only_while_the_peer_may_grant() {
+        let mut c = Credits::shared(64, 3, 8, 3, 8, 4);
+        // Sent nothing: the peer cannot grant, the slots sleep.
+        assert_eq!(c.must_be_posted(), 4);
+        assert!(!c.slots_ready());
+        assert!(
+            c.take_for_data(0).is_none(),
+            "no send before the slots are backed"
+        );
+        let grant = Imm {
+            credits: 1,
+            echo: 0,
+            flags: Imm::GRANT,
+        };
+        assert_eq!(
+            c.clone().on_receive(Imm {
+                credits: 0,
+                ..grant
+            }),
+            Err(Violation::GrantOverrun),
+            "a grant while they sleep breaks the rule"
+        );
+        assert_eq!(c.want_slots(), 3);
+        c.on_reposted(5);
+        assert!(c.slots_ready());
+        assert_eq!((c.owed(), c.must_be_posted()), (2, 4 + 2 + 3));
+        assert_eq!(c.park_slots(), 3, "still nothing sent");
+        c.want_slots();
+        c.on_reposted(3);
+        c.take_for_data(0).unwrap();
+        assert_eq!(c.park_slots(), 0, "the peer owes us a credit");
+        c.on_receive(grant).unwrap();
+        assert_eq!(c.park_slots(), 0, "its grant's slot is not re-posted yet");
+        c.on_reposted(1);
+        assert_eq!(c.park_slots(), 3, "everything back");
+        assert_eq!(c.must_be_posted(), 4 + 2);
+    }
+
+    #[test]
+    fn a_side_grants_only_for_data_received_or_to_echo() {
+        let mut c = Credits::shared(64, 3, 8, 3, 8, 4);
+        // Buffers lent beyond the minimum, with no data received: owed, not granted.
+        c.on_reposted(8);
+        assert_eq!(c.grant_due(), None);
+        c.on_receive(Imm::decode(0).unwrap()).unwrap();
+        let g = c.take_grant().unwrap();
+        assert_eq!(g.imm.credits, 8, "a grant for data returns everything owed");
+        c.on_reposted(1);
+        assert_eq!(
+            c.grant_due(),
+            None,
+            "and nothing more until more data comes"
+        );
+    }
+
+    #[test]
     fn a_shared_receive_side_starts_its_peer_at_the_minimum() {
         let mut c = Credits::shared(64, 3, 8, 3, 8, 4);
+        c.want_slots();
+        c.on_reposted(3);
         assert_eq!(c.peer_credits(), 4);
         assert_eq!(c.must_be_posted(), 4 + 3);
         assert_eq!(c.grant_threshold(), 1, "a quarter of the initial credits");
@@ -457,11 +646,17 @@ mod tests {
         assert_eq!(c.withdraw_owed(2), 2);
         assert_eq!(c.withdraw_owed(9), 3, "only what is owed");
         assert_eq!(c.must_be_posted(), 4 + 3);
-        // Up to 64 may be lent, whatever the initial 4.
+        // Up to 64 may be lent, whatever the initial 4 (returned with a grant for data).
         c.on_reposted(60);
-        assert_eq!(c.take_grant().unwrap().imm.credits, 60);
+        c.on_receive(Imm::decode(0).unwrap()).unwrap();
+        c.on_reposted(1);
+        assert_eq!(c.take_grant().unwrap().imm.credits, 61);
         assert_eq!(c.peer_credits(), 64);
         assert_eq!(Credits::new(8, 3, 8, 3, 8).grant_threshold(), 2);
+        assert!(
+            Credits::new(8, 3, 8, 3, 8).slots_ready(),
+            "a connection's are posted"
+        );
     }
 
     #[test]

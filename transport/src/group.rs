@@ -240,9 +240,10 @@ impl GroupHandle {
     }
 }
 
-/// Hubs on several threads behind one listening address (see the [module docs](self)): an
-/// acceptor places each client on a member hub, each member's thread runs the application's
-/// handler for its own events, and any thread sends to any peer through a [`GroupHandle`].
+/// Hubs on several threads behind one listening address: an acceptor places each client on a
+/// member hub, each member's thread runs the application's handler for its own events, and
+/// any thread sends to any peer through a [`GroupHandle`] (an inbox per member, drained by
+/// its thread). Nothing else is shared but the endpoint.
 ///
 /// ```no_run
 /// use rdmsg_transport::{Endpoint, GroupConfig, HubGroup, RawHubEvent};

@@ -170,8 +170,15 @@ fn client_with(addr: SocketAddr, n: usize, k: u32, config: HubConfig) -> (Vec<Pe
     println!("client: {n} connected");
     for seq in 0..k {
         for (i, &id) in ids.iter().enumerate() {
-            hub.send(id, &payload(i as u32, seq), seq % 4 == 3 || seq + 1 == k)
-                .expect("send");
+            if let Err(e) = hub.send(id, &payload(i as u32, seq), seq % 4 == 3 || seq + 1 == k) {
+                panic!(
+                    "send {seq} on connection {i}: {e:?}; its failure {:?}, stats {:?}; \
+                     the client hub {:?}",
+                    hub.failure(id),
+                    hub.conn_stats(id),
+                    hub.stats()
+                );
+            }
         }
     }
     (ids, hub)

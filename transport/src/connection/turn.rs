@@ -117,7 +117,9 @@ impl Connection {
             self.core.handle_timeout(Instant::now());
             self.do_actions();
         }
-        if self.core.failure().is_some() {
+        // A lingering queue pair (the peer's close came before its goodbye) is not failed
+        // yet: nothing flushes.
+        if self.core.failure().is_some() && !self.core.lingering() {
             self.drain_flushes();
         }
         // A poll that found nothing (no completion since the last re-post and grant, no
@@ -193,6 +195,7 @@ impl Connection {
                 }
             }
             self.core.handle_timeout(Instant::now());
+            self.do_actions();
         }
     }
 

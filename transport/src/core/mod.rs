@@ -391,6 +391,7 @@ impl Core {
         matches!(self.phase, Phase::Linked | Phase::Leaving)
             && self.failure.is_none()
             && self.credits.available() > 0
+            && self.credits.slots_ready()
             && room.sq > 0
             && room.buffers > 0
             && room.cq > 0
@@ -482,6 +483,8 @@ impl Core {
     /// The peer's hello is known: its real books replace the placeholder (once).
     pub(crate) fn learn_peer(&mut self, books: Credits) {
         if !std::mem::replace(&mut self.books_known, true) {
+            // Grant slots backed (or wanted) for a send queued during the handshake stay so.
+            let books = books.with_slots_of(&self.credits);
             debug_assert_eq!(books.must_be_posted(), self.credits.must_be_posted());
             self.credits = books;
         }
@@ -597,6 +600,12 @@ impl Core {
         self.timers.stop(Timer::Close);
         self.timers.stop(Timer::Vanish);
         self.actions.push(Action::FailQueuePair);
+    }
+
+    /// The peer's close message came before its goodbye: the queue pair stays up (not failed
+    /// yet, nothing to drain) until the goodbye or the deadline.
+    pub(crate) fn lingering(&self) -> bool {
+        self.timers.get(Timer::Linger).is_some()
     }
 
     /// The peer closed, and its goodbye is not here yet: failed with [`Failure::PeerClosed`]
@@ -724,7 +733,11 @@ impl Core {
     /// A credit grant, if one is due and there is room to post it (its credits count as
     /// returned: post it).
     pub(crate) fn grant(&mut self, room: Room) -> Option<Post> {
-        if self.failure.is_some() || room.sq == 0 || room.cq == 0 {
+        if self.failure.is_some()
+            || room.sq == 0
+            || room.cq == 0
+            || self.credits.grant_needs_slots()
+        {
             return None;
         }
         let g = self.credits.take_grant()?;

@@ -402,6 +402,9 @@ fn a_handshaking_core_sends_nothing_until_linked_and_takes_the_real_books_once()
     assert_eq!(c.credits().available(), 8, "the first books stay");
     assert!(c.data(false, ROOM).is_none(), "not linked yet");
     c.link();
+    assert!(c.data(false, ROOM).is_none(), "its grant slots sleep");
+    c.credits_mut().want_slots();
+    c.credits_mut().on_reposted(3);
     assert!(c.data(false, ROOM).is_some());
 }
 

@@ -96,17 +96,30 @@ impl RawHub {
     /// Busy peers ran out of credits with nothing spare: registers more buffers (in chunks of
     /// at least 64), up to `max_shared_credits` beyond everyone's minimum; `repost` posts them.
     pub(super) fn grow_for_demand(&mut self) -> Result<()> {
-        let demand: u32 = self.groups.iter_mut().map(|g| g.share.take_demand()).sum();
-        if demand == 0 {
+        let (mut quotas, mut slots) = (0u64, 0u64);
+        for g in &mut self.groups {
+            slots += u64::from(g.share.take_slot_demand());
+            quotas += u64::from(g.share.take_demand());
+        }
+        if quotas + slots == 0 {
             return Ok(());
         }
+        // Quotas grow up to `max_shared_credits` beyond everyone's minimum; grant slots that
+        // a sender waits for are always added (their room in the SRQs is kept: a group's SRQ
+        // holds every connection's grant slots).
         let admitted = self.admitted as u64;
-        let minimums = admitted * u64::from(self.config.per_connection());
+        let minimums = admitted * u64::from(self.config.min_credits);
         let rooms: u64 = self.groups.iter().map(|g| u64::from(g.room())).sum();
         let total = self.pool.stats(0).total as u64;
         let limit = minimums + u64::from(self.config.max_shared_credits);
-        let room = limit.saturating_sub(total).min(rooms);
-        let grow = u64::from(demand).max(64).min(room);
+        let for_quotas = if quotas > 0 {
+            quotas.max(64).min(limit.saturating_sub(total))
+        } else {
+            0
+        };
+        // Slots in batches too: what they do not take is spare for the next.
+        let for_slots = if slots > 0 { slots.max(64) } else { 0 };
+        let grow = (for_quotas + for_slots).min(rooms);
         if grow == 0 {
             return Ok(());
         }
@@ -209,6 +222,32 @@ impl RawHub {
         }
     }
 
+    /// Backs the dormant grant slots of `slot` before it sends (see [`Share::wake_slots`]);
+    /// whether they are backed now.
+    ///
+    /// [`Share::wake_slots`]: crate::share::Share::wake_slots
+    pub(super) fn wake_slots(&mut self, slot: usize) -> bool {
+        let s = self.slot(slot);
+        if s.core.credits().slots_ready() {
+            return true;
+        }
+        let Some(group) = s.group.filter(|_| s.admitted) else {
+            return false;
+        };
+        if self.groups[group]
+            .share
+            .wake_slots(slot, &mut self.slots, &mut self.touched)
+        {
+            return true;
+        }
+        // Nothing spare: register more now (nothing else may come to wake the hub); posted,
+        // they back the slots before anything else.
+        if self.grow_for_demand().is_err() || self.repost().is_err() {
+            return false;
+        }
+        self.slot(slot).core.credits().slots_ready()
+    }
+
     /// What is free for a send on `slot` now (nothing before it is linked).
     pub(super) fn room(&self, slot: usize) -> Room {
         let sq = self.slot(slot).link().map_or(0, |l| {
@@ -271,10 +310,12 @@ impl RawHub {
         // low. Buffers that came back are re-posted and their grants sent (a peer may be
         // waiting for those credits), which needs no step.
         self.sends_since_step += 1;
+        self.wake_slots(slot);
         if self.sends_since_step >= SEND_STEP_EVERY || !self.can_send(slot) {
             self.sends_since_step = 0;
             self.step()?;
             self.live_slot(peer)?;
+            self.wake_slots(slot);
         } else if self.pool.has_returns() {
             self.repost()?;
             self.grants();
@@ -288,6 +329,8 @@ impl RawHub {
         self.slot_mut(slot).core.send_waited();
         loop {
             self.live_slot(peer)?;
+            // A receive may have let them sleep again meanwhile.
+            self.wake_slots(slot);
             if self.can_send(slot) {
                 self.slot_mut(slot).core.send_waits(false);
                 return Ok(());

@@ -66,6 +66,8 @@ impl RawHub {
         let share = &mut self.groups[group].share;
         if s.admitted && s.group == Some(group) {
             share.on_consumed(slot, s, share_receipt, &mut self.touched);
+            // The peer may have returned all it could: its grant slots may sleep.
+            share.park_slots(slot, &mut self.slots, &mut self.touched);
         } else {
             share.on_stray();
         }

@@ -15,8 +15,11 @@ pub struct HubConfig {
     /// `max_credits`. Default: [`Config::default`](crate::Config::default) with 2 KiB buffers and 16 send slots per
     /// queue pair.
     pub conn: Config,
-    /// Credits every connection keeps however idle it is (its initial credits). With the
-    /// default 2 KiB buffers and 3 grant slots an idle connection holds 14 KiB. Default 4.
+    /// Credits every connection keeps however idle it is (its initial credits; the last one
+    /// is how a peer asks for more: spending it wakes the hub, which grants from the shared
+    /// pool as the peer's traffic needs). An idle connection holds this many receive buffers
+    /// (2 KiB each by default) and nothing more: its grant slots are backed only while the
+    /// hub has sent it something it may still grant back for. Default 1.
     pub min_credits: u32,
     /// Most credits one connection may hold (announced as its receive depth). Default 64.
     pub max_credits: u32,
@@ -52,7 +55,7 @@ impl Default for HubConfig {
                 send_depth: 16,
                 ..Config::default()
             },
-            min_credits: 4,
+            min_credits: 1,
             max_credits: 64,
             max_connections: 1024,
             shared_credits: 256,

@@ -16,8 +16,10 @@
 //! connection's backing is exactly its [`Credits::must_be_posted`] (its peer's credits, the
 //! credits owed to it, its grant slots not in use).
 //!
-//! - **Admission** sets aside `min_credits + grant_slots` spare buffers: the credits the new
-//!   peer starts with ([`Credits::shared`]) and its grant slots.
+//! - **Admission** sets aside `min_credits` spare buffers: the credits the new peer starts
+//!   with ([`Credits::shared`]). Its grant slots start dormant (the peer cannot grant before
+//!   we send it something): [`Share::wake_slots`] backs them before the connection sends,
+//!   first of all, and [`Share::park_slots`] lets them sleep once the peer cannot grant.
 //! - **A receive completion** takes one buffer from the connection it came from.
 //! - **A posted buffer** goes, in this order, to a connection missing a grant slot; to a
 //!   *starving* connection (the credits its peer holds or is owed are below `min_credits`, or
@@ -93,9 +95,15 @@ pub struct ShareConfig {
 }
 
 impl ShareConfig {
-    /// Posted buffers a new connection needs set aside: its initial credits and grant slots.
+    /// Posted buffers a new connection needs set aside: its initial credits (its grant slots
+    /// start dormant, see [`Credits::shared`]).
     pub fn admission_cost(&self) -> u32 {
-        self.min_credits.saturating_add(u32::from(self.grant_slots))
+        self.min_credits
+    }
+
+    /// Posted buffers a connection holds at most beyond its credits: its grant slots.
+    pub fn slot_cost(&self) -> u32 {
+        u32::from(self.grant_slots)
     }
 }
 
@@ -297,6 +305,8 @@ pub struct Share {
     /// Credits quotas would have grown by had there been headroom, since
     /// [`Share::take_demand`]: what a pool that may grow should add.
     demand: u32,
+    /// Grant slots that could not be woken from spare, since [`Share::take_slot_demand`].
+    slot_demand: u32,
 }
 
 impl Share {
@@ -327,6 +337,7 @@ impl Share {
             deficit: 0,
             headroom: 0,
             demand: 0,
+            slot_demand: 0,
         })
     }
 
@@ -387,6 +398,13 @@ impl Share {
     /// become headroom at the next [`Share::on_posted`]). Resets the count.
     pub fn take_demand(&mut self) -> u32 {
         std::mem::take(&mut self.demand)
+    }
+
+    /// Grant slots that connections about to send wanted backed and spare could not back,
+    /// since the last call: a pool that may grow should add them (the next buffers posted
+    /// back them before anything else), or a sender waits for buffers to come back.
+    pub fn take_slot_demand(&mut self) -> u32 {
+        std::mem::take(&mut self.slot_demand)
     }
 
     /// Admits a connection into `slot`, setting aside the buffers of its initial credits and
@@ -514,6 +532,75 @@ impl Share {
         self.posted = self.posted.saturating_sub(1);
         self.charge_pool();
         self.check_totals();
+    }
+
+    /// The connection in `slot` is about to send: its dormant grant slots (if any) must be
+    /// backed first. They are, at once, from spare; otherwise the connection waits for the
+    /// next buffers posted, before anyone else, and the pool's owner is asked for more
+    /// ([`Share::take_demand`]). Returns whether they are backed now.
+    pub fn wake_slots<H: CreditHolder>(
+        &mut self,
+        slot: usize,
+        conns: &mut [Option<H>],
+        touched: &mut Vec<usize>,
+    ) -> bool {
+        let Some(holder) = conns.get_mut(slot).and_then(Option::as_mut) else {
+            return false;
+        };
+        if holder.credits().slots_ready() {
+            return true;
+        }
+        if !self.live(slot).is_some_and(|s| !s.retired) {
+            return false;
+        }
+        let wanted = holder.credits_mut().want_slots();
+        self.requeue(slot, holder.credits());
+        let mark = touched.len();
+        let spare = self.spare;
+        self.slots[slot].touched = true;
+        // Spare means nobody else waits: it may take it, its slots first.
+        while self.spare > 0 && self.slots[slot].waiting.is_some() {
+            self.give(slot, holder, touched);
+        }
+        // Quotas grow only into what nobody took.
+        self.headroom = self.headroom.saturating_sub(spare - self.spare);
+        self.slots[slot].touched = false;
+        self.untouch(&touched[mark..]);
+        let ready = holder.credits().slots_ready();
+        if !ready {
+            self.slot_demand = self.slot_demand.saturating_add(wanted);
+        }
+        self.check_totals();
+        ready
+    }
+
+    /// Lets the grant slots of the connection in `slot` sleep if its peer cannot grant any
+    /// more ([`Credits::park_slots`]); the buffers behind them are spare, and go to those
+    /// waiting.
+    pub fn park_slots<H: CreditHolder>(
+        &mut self,
+        slot: usize,
+        conns: &mut [Option<H>],
+        touched: &mut Vec<usize>,
+    ) {
+        let Some(holder) = conns.get_mut(slot).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(s) = self.slots.get_mut(slot).filter(|s| s.live && !s.retired) else {
+            return;
+        };
+        let n = holder.credits_mut().park_slots();
+        if n == 0 {
+            return;
+        }
+        s.backing -= n;
+        self.backed -= n;
+        self.spare += n;
+        self.requeue(slot, holder.credits());
+        self.cover_deficit();
+        let mark = touched.len();
+        self.serve(conns, touched);
+        self.untouch(&touched[mark..]);
     }
 
     /// Stops handing buffers to the connection in `slot` (it is closing or failed); what backs
@@ -679,7 +766,7 @@ impl Share {
         if !s.live || s.retired {
             return None;
         }
-        if c.slots_missing() > 0 {
+        if c.slots_missing() > 0 || c.slots_wanted() > 0 {
             return Some((Need::GrantSlot, 0));
         }
         let lent = lent(c);
@@ -755,8 +842,10 @@ impl Share {
     /// queues it anew.
     fn give<H: CreditHolder>(&mut self, slot: usize, holder: &mut H, touched: &mut Vec<usize>) {
         let c = holder.credits_mut();
-        // `on_reposted` restores grant slots first.
-        let n = c.slots_missing().max(1).min(self.spare);
+        // `on_reposted` restores grant slots first (missing ones, then dormant ones wanted).
+        let n = (c.slots_missing() + c.slots_wanted())
+            .max(1)
+            .min(self.spare);
         c.on_reposted(n);
         debug_assert!(lent(c) <= self.cfg.max_credits);
         self.slots[slot].backing += n;

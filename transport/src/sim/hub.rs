@@ -104,8 +104,13 @@ impl Net {
             busy = true;
         }
         busy |= self.retire_drained();
-        // Every free buffer goes back to the SRQ, the share hands it out.
+        // As `RawHub::grow_for_demand`: grant slots a sender wanted and spare could not back
+        // come from new buffers.
         let h = self.hub();
+        let wanted = h.share.take_slot_demand();
+        h.total += wanted;
+        h.free += wanted;
+        // Every free buffer goes back to the SRQ, the share hands it out.
         if h.free > 0 {
             h.srq_posted += h.free;
             let n = std::mem::take(&mut h.free);
@@ -190,6 +195,7 @@ impl Net {
                 };
                 if slot.admitted {
                     h.share.on_consumed(e.qp, slot, r, &mut h.touched);
+                    h.share.park_slots(e.qp, &mut h.slots, &mut h.touched);
                 } else {
                     h.share.on_stray();
                 }
