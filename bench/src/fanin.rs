@@ -1275,6 +1275,8 @@ struct GroupBooks {
 struct MemberBooks {
     /// Arrival times by the peer's slot in the member's hub.
     times: Vec<Vec<Instant>>,
+    /// The slots of the member's peers (a peer served nothing still counts).
+    peers: Vec<usize>,
     /// The member's wait statistics at its first and at its latest message.
     first_waits: Option<Sleeps>,
     waits: Option<Sleeps>,
@@ -1340,7 +1342,15 @@ fn serve_group(ep: &Endpoint, load: &Load, before: Snapshot, hubs: usize) -> Res
     let group = HubGroup::start(ep, "127.0.0.1:0", config, |index| {
         let books = Arc::clone(&books);
         move |member: &mut Member<'_>, event: HubEvent| match event {
-            HubEvent::Connected { .. } => {
+            HubEvent::Connected { peer, .. } => {
+                let mut m = books.members[index]
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if m.times.len() <= peer.index() {
+                    m.times.resize_with(peer.index() + 1, Vec::new);
+                }
+                m.peers.push(peer.index());
+                drop(m);
                 books.connected.fetch_add(1, Ordering::AcqRel);
             }
             HubEvent::Message { peer, msg } => {

@@ -14,7 +14,8 @@
 //! peer re-posts at once and confirms through its echo. A side keeps at most `grant_slots`
 //! grants unconfirmed. So:
 //!
-//! - a sender never sends without a credit, and a grant always finds a slot: no
+//! - a sender never sends without a credit, and a grant always finds a slot (a shared
+//!   receive side backs its slots whenever the peer may grant, see below): no
 //!   receiver-not-ready NAK can happen;
 //! - grants never cost data credits, so two idle peers never bounce grants back and forth.
 //!
@@ -166,6 +167,10 @@ pub struct Credits {
     sent_unreturned: u32,
     /// Data messages we received whose credits we have not returned (likewise).
     received_unreturned: u32,
+    /// The peer announced fewer initial credits than its depth: a shared receive side that
+    /// lends credits beyond those of our data, so `sent_unreturned` is not exact and its
+    /// slots, once woken, never sleep again.
+    peer_lends: bool,
 }
 
 /// What the connection should do after taking in completions and re-posting.
@@ -243,6 +248,7 @@ impl Credits {
             wake_wanted: false,
             sent_unreturned: 0,
             received_unreturned: 0,
+            peer_lends: initial_credits < peer_depth,
         }
     }
 
@@ -294,11 +300,13 @@ impl Credits {
 
     /// Lets the grant slots of a lazy side sleep if the peer cannot grant any more: it
     /// returned the credits of everything we sent, holds too few of our grants unechoed to
-    /// echo them, and no grant of its waits to be re-posted. Returns the buffers this frees
-    /// (0 if nothing changed).
+    /// echo them, and no grant of its waits to be re-posted. Never toward a peer that lends
+    /// (a hub: it returns credits beyond those of our data, so which of ours are still
+    /// unreturned is not known). Returns the buffers this frees (0 if nothing changed).
     pub fn park_slots(&mut self) -> u32 {
         let echo_possible = self.unconfirmed_grants() >= self.echo_threshold();
         if !self.lazy_slots
+            || self.peer_lends
             || self.dormant_slots > 0
             || self.slots_missing > 0
             || self.sent_unreturned > 0

@@ -134,6 +134,11 @@ enum Command {
 
 struct MemberShared {
     inbox: Mutex<VecDeque<Command>>,
+    /// Set with every command pushed, taken by the member before it waits: a wake-up byte
+    /// its own step drained cannot hide a command.
+    pending: AtomicBool,
+    /// Messages queued (inbox and outbox) and not yet sent or dropped.
+    in_flight: AtomicUsize,
     waker: Waker,
     /// Connections established or in handshake.
     load: AtomicUsize,
@@ -155,6 +160,7 @@ impl Shared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push_back(cmd);
+        m.pending.store(true, Ordering::Release);
         m.waker.wake();
     }
 }
@@ -181,22 +187,24 @@ impl GroupHandle {
 
     /// Queues `data` for `to`; its member's thread sends it, in the order queued, as soon as
     /// the peer has a credit (never blocking that thread). `Ok(false)` if the member already
-    /// has `max_queued` messages waiting (nothing queued); a message to a peer that is gone
-    /// by then is dropped and counted ([`MemberStats::dropped`]).
+    /// has `max_queued` messages waiting to go (nothing queued): a peer without credits holds
+    /// at most that much memory of its member. A message to a peer that is gone by then is
+    /// dropped and counted ([`MemberStats::dropped`]).
     pub fn send(&self, to: GroupPeer, data: impl Into<Vec<u8>>, solicited: bool) -> Result<bool> {
         let m = self.member(to)?;
-        let mut inbox = m.inbox.lock().unwrap_or_else(PoisonError::into_inner);
-        if inbox.len() >= self.shared.max_queued {
+        if m.in_flight.fetch_add(1, Ordering::AcqRel) >= self.shared.max_queued {
+            m.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Ok(false);
         }
-        inbox.push_back(Command::Send {
-            peer: to.peer,
-            data: data.into(),
-            solicited,
-        });
-        drop(inbox);
         m.queued.fetch_add(1, Ordering::Relaxed);
-        m.waker.wake();
+        self.shared.push(
+            to.hub,
+            Command::Send {
+                peer: to.peer,
+                data: data.into(),
+                solicited,
+            },
+        );
         Ok(true)
     }
 
@@ -305,6 +313,8 @@ impl HubGroup {
             let hub = RawHub::new(endpoint, config.hub.clone())?;
             members.push(MemberShared {
                 inbox: Mutex::new(VecDeque::new()),
+                pending: AtomicBool::new(false),
+                in_flight: AtomicUsize::new(0),
                 waker: hub.waker()?,
                 load: AtomicUsize::new(0),
                 placed: AtomicU64::new(0),
@@ -456,6 +466,7 @@ where
     // Peers the acceptor placed here (the handler may connect to others itself).
     let mut accepted: HashSet<PeerId> = HashSet::new();
     loop {
+        me.pending.store(false, Ordering::Release);
         std::mem::swap(
             &mut commands,
             &mut *me.inbox.lock().unwrap_or_else(PoisonError::into_inner),
@@ -497,24 +508,31 @@ where
                     data,
                     solicited,
                 } => hub.try_send(*peer, data, *solicited),
-                // A close waits for a credit: only once there is one.
+                // A close waits for a credit: only once there is one (until then, a bounded
+                // send that sends nothing arms the hub for the grant).
                 Outgoing::Close(peer) => match hub.credits(*peer) {
-                    Ok(0) => Ok(false),
+                    Ok(0) => hub
+                        .send_with(*peer, false, Some(Duration::ZERO), |_| None)
+                        .map(|_| false),
                     Ok(_) => hub.start_close(*peer).map(|()| true),
                     Err(e) => Err(e),
                 },
             };
-            match sent {
-                Ok(true) => false,
+            let done = match sent {
+                Ok(true) => true,
                 Ok(false) | Err(Error::Timeout(_)) => {
                     blocked.push(peer);
-                    true
+                    false
                 }
                 Err(_) => {
                     me.dropped.fetch_add(1, Ordering::Relaxed);
-                    false
+                    true
                 }
+            };
+            if done && matches!(out, Outgoing::Data { .. }) {
+                me.in_flight.fetch_sub(1, Ordering::AcqRel);
             }
+            !done
         });
         while let Some(event) = hub.queued_event() {
             match &event {
@@ -538,6 +556,11 @@ where
                 group: &group,
             };
             handler(&mut member, event);
+        }
+        // A command pushed since the inbox was taken: look again before sleeping (its wake-up
+        // byte may have been drained by a step above).
+        if me.pending.swap(false, Ordering::AcqRel) {
+            continue;
         }
         // A peer without credit arms the hub for any completion: its grant ends this wait.
         hub.wait(None)?;

@@ -225,6 +225,9 @@ pub(crate) struct Core {
     last_wqe: bool,
     /// The peer's bootstrap stream said goodbye or ended.
     goodbye_seen: bool,
+    /// Our close message's request, once posted (kept when the peer's close makes us
+    /// linger: our goodbye still follows its completion).
+    our_close_wr: Option<u64>,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -277,6 +280,7 @@ impl Core {
             on_srq: false,
             last_wqe: false,
             goodbye_seen: false,
+            our_close_wr: None,
         }
     }
 
@@ -554,6 +558,12 @@ impl Core {
             self.timers.stop(Timer::Close);
             self.actions.push(Action::SayGoodbye);
             self.handle_failure(Failure::Closed);
+        } else if c.status == WcStatus::Success
+            && self.lingering()
+            && self.our_close_wr.take().is_some_and(|id| wr_id >= id)
+        {
+            // Both closed at once: the peer lingers for our goodbye as we do for its.
+            self.actions.push(Action::SayGoodbye);
         }
     }
 
@@ -590,6 +600,11 @@ impl Core {
     /// peer). The first one is kept: every later call reports it.
     pub(crate) fn handle_failure(&mut self, f: Failure) {
         if self.failure.is_some() {
+            // A real failure while lingering ends the wait for the goodbye.
+            if self.lingering() {
+                self.timers.stop(Timer::Linger);
+                self.actions.push(Action::FailQueuePair);
+            }
             return;
         }
         self.failure = Some(f);
@@ -776,6 +791,7 @@ impl Core {
         }
         if let Phase::Closing { close_wr: w @ None } = &mut self.phase {
             *w = Some(wr_id);
+            self.our_close_wr = Some(wr_id);
         }
     }
 

@@ -336,6 +336,30 @@ fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
 }
 
 #[test]
+fn both_closing_at_once_each_says_goodbye_when_its_close_completes() {
+    let t0 = Instant::now();
+    let close = Imm {
+        credits: 0,
+        echo: 0,
+        flags: Imm::CLOSE,
+    };
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.start_close(t0).unwrap();
+    c.posted(7, true);
+    // The peer's close arrives first: we linger for its goodbye...
+    c.handle_recv(&recv(close), || None, || t0);
+    assert_eq!(c.failure(), Some(Failure::PeerClosed));
+    assert!(c.lingering());
+    // ...and our own close completing still says ours, which it lingers for.
+    c.handle_send(&send_ok(), 7);
+    assert_eq!(actions(&mut c), [Action::SayGoodbye]);
+    // A real failure meanwhile ends the linger at once.
+    c.handle_failure(Failure::QpError);
+    assert!(!c.lingering());
+    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+}
+
+#[test]
 fn an_ended_stream_gives_the_close_message_50_ms_then_the_peer_vanished() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);

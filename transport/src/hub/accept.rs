@@ -158,6 +158,21 @@ impl RawHub {
     fn handshake_ended(&mut self, slot: usize) {
         if self.slot(slot).accepted {
             self.pending_accepted -= 1;
+            // Entries of ended handshakes are dropped as they reach the front, and all at
+            // once when they outnumber the live ones.
+            let slots = &self.slots;
+            let live = |&(i, generation): &(usize, u32)| {
+                slots
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|s| s.generation == generation && s.is_handshaking())
+            };
+            while self.accepted_order.front().is_some_and(|e| !live(e)) {
+                self.accepted_order.pop_front();
+            }
+            if self.accepted_order.len() > 2 * self.pending_accepted + 64 {
+                self.accepted_order.retain(live);
+            }
         } else {
             self.pending_outgoing -= 1;
         }

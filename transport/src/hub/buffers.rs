@@ -105,8 +105,8 @@ impl RawHub {
             return Ok(());
         }
         // Quotas grow up to `max_shared_credits` beyond everyone's minimum; grant slots that
-        // a sender waits for are always added (their room in the SRQs is kept: a group's SRQ
-        // holds every connection's grant slots).
+        // a sender waits for are added as far as the SRQs have room (a group's SRQ is sized
+        // for every connection's grant slots, though lending may have taken that room).
         let admitted = self.admitted as u64;
         let minimums = admitted * u64::from(self.config.min_credits);
         let rooms: u64 = self.groups.iter().map(|g| u64::from(g.room())).sum();
@@ -117,9 +117,7 @@ impl RawHub {
         } else {
             0
         };
-        // Slots in batches too: what they do not take is spare for the next.
-        let for_slots = if slots > 0 { slots.max(64) } else { 0 };
-        let grow = (for_quotas + for_slots).min(rooms);
+        let grow = (for_quotas + slots).min(rooms);
         if grow == 0 {
             return Ok(());
         }
@@ -206,6 +204,13 @@ impl RawHub {
             }
             let room = self.room(slot);
             if room.sq == 0 || room.cq == 0 {
+                keep.push(slot);
+                continue;
+            }
+            let books = self.slot(slot).core.credits();
+            if books.grant_needs_slots() && books.grant_due().is_some() && !self.wake_slots(slot) {
+                // The grant would let the peer echo with a grant of its own: its slots first
+                // (they come with the next buffers posted).
                 keep.push(slot);
                 continue;
             }

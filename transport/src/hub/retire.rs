@@ -88,6 +88,7 @@ impl RawHub {
             return Ok(());
         }
         let mut draining = std::mem::take(&mut self.draining);
+        let mut rescheduled = Vec::new();
         draining.retain(|&slot| {
             let s = self.slots[slot].as_mut().expect("a draining slot");
             let Some(link) = s.link_mut() else {
@@ -96,6 +97,8 @@ impl RawHub {
             let outstanding = link.qp.send_outstanding();
             s.core.handle_flushed(outstanding, Instant::now());
             if !s.core.is_drained() {
+                // Its drain deadline may have come nearer (the last-WQE wait).
+                rescheduled.push(slot);
                 return true;
             }
             let Phase::Linked(link) = std::mem::replace(&mut s.phase, Phase::Retired) else {
@@ -116,6 +119,9 @@ impl RawHub {
             false
         });
         self.draining = draining;
+        for slot in rescheduled {
+            self.schedule(slot);
+        }
         if destroyed {
             // Whatever of theirs was still queued is handled now, before they are released.
             let mut got = std::mem::take(&mut self.completions);

@@ -229,22 +229,14 @@ impl Net {
                     (&mut c.app, &mut c.core, room)
                 }
                 End::Hub(s) => {
-                    let h = self.hub.as_mut().expect("a hub");
-                    let Some(slot) = h.slots[s].as_ref() else {
+                    let Some(slot) = self.hub.as_ref().expect("a hub").slots[s].as_ref() else {
                         return busy;
                     };
                     // As `RawHub::wait_to_send`: its grant slots are backed before it sends.
-                    if slot.app.backlog > 0
-                        && slot.admitted
-                        && !h.share.wake_slots(s, &mut h.slots, &mut h.touched)
-                    {
-                        // Nothing spare: the pool grows at once, and the new buffers back
-                        // the slots first.
-                        let wanted = h.share.take_slot_demand();
-                        h.total += wanted;
-                        h.srq_posted += wanted;
-                        h.share.on_posted(wanted, &mut h.slots, &mut h.touched);
+                    if slot.app.backlog > 0 {
+                        self.hub_wake_slots(s);
                     }
+                    let h = self.hub.as_mut().expect("a hub");
                     let slot = h.slots[s].as_mut().expect("live");
                     let room = slot.room();
                     (&mut slot.app, &mut slot.core, room)

@@ -130,6 +130,11 @@ impl Net {
             };
             slot.touched = false;
             let room = slot.room();
+            let books = slot.core.credits();
+            if books.grant_needs_slots() && books.grant_due().is_some() && !self.hub_wake_slots(s) {
+                continue;
+            }
+            let slot = self.hub().slots[s].as_mut().expect("live");
             if let Some(g) = slot.core.grant(room) {
                 self.post_send(End::Hub(s), g, None);
                 busy = true;
@@ -159,6 +164,25 @@ impl Net {
         h.asleep = h.recv_cq.entries.is_empty() && h.send_cq.entries.is_empty();
         self.check_hub();
         busy
+    }
+
+    /// Backs the dormant grant slots of `s` before it sends, as `RawHub::wake_slots`: from
+    /// spare, else the pool grows at once and the new buffers back them first.
+    pub(super) fn hub_wake_slots(&mut self, s: usize) -> bool {
+        let h = self.hub();
+        if !h.slots[s].as_ref().is_some_and(|x| x.admitted) {
+            return false;
+        }
+        if h.share.wake_slots(s, &mut h.slots, &mut h.touched) {
+            return true;
+        }
+        let wanted = h.share.take_slot_demand();
+        h.total += wanted;
+        h.srq_posted += wanted;
+        h.share.on_posted(wanted, &mut h.slots, &mut h.touched);
+        h.slots[s]
+            .as_ref()
+            .is_some_and(|x| x.core.credits().slots_ready())
     }
 
     pub(super) fn poll_hub(&mut self) -> bool {
