@@ -36,7 +36,10 @@
 //! ```
 //!
 //! `HUB` is `--min-credits C` and `--shared-credits S`, for the collector's [`HubConfig`]
-//! (defaults: those of `HubConfig::default()`, which `--help` shows). `--count` and
+//! (defaults 8, a default batch, so that a sensor's batch goes without waiting for credits,
+//! and `HubConfig::default()`'s; `--help` shows them). With the hub's own default of one
+//! credit, an idle sensor holds 2 KiB rather than 16, but each sample of a batch waits for
+//! the credit of the one before. `--count` and
 //! `--sensors` are one option, in every role. `--help` (or `-h`) describes each role's
 //! options (`collector serve --help`, ...).
 //!
@@ -201,12 +204,15 @@ impl Workload {
     }
 }
 
+/// Credits a sensor keeps however idle: a default batch, which then never waits.
+const MIN_CREDITS: u32 = 8;
+
 /// The collector's hub: `HubConfig::default()` but for these (and `max_connections`, the
 /// number of sensors).
 #[derive(Debug, Clone, Args)]
 struct HubArgs {
-    /// Credits every connection keeps however idle (HubConfig::min_credits)
-    #[arg(long, value_name = "C", default_value_t = HubConfig::default().min_credits)]
+    /// Credits every connection keeps however idle (HubConfig::min_credits): a default batch
+    #[arg(long, value_name = "C", default_value_t = MIN_CREDITS)]
     min_credits: u32,
     /// Receive buffers kept spare beyond every connection's minimum (HubConfig::shared_credits)
     #[arg(long, value_name = "S", default_value_t = HubConfig::default().shared_credits)]
@@ -819,7 +825,7 @@ mod tests {
         let hub = c.hub.config(c.sensors);
         assert_eq!(
             (hub.min_credits, hub.shared_credits, hub.max_connections),
-            (d.min_credits, d.shared_credits, 1024)
+            (MIN_CREDITS, d.shared_credits, 1024)
         );
         assert_eq!(parse(&["--sensors", "256"]).sensors, 256);
         assert_eq!(parse(&["--sensors", "10000"]).sensors, 10000);
@@ -860,7 +866,7 @@ mod tests {
             panic!("{:?}", c.role)
         };
         assert_eq!((listen.as_str(), sensors), ("127.0.0.1:0", 64));
-        assert_eq!(hub.min_credits, HubConfig::default().min_credits);
+        assert_eq!(hub.min_credits, MIN_CREDITS);
         let c = parse(&[
             "serve",
             "--count",
