@@ -117,7 +117,10 @@ impl RawHub {
         } else {
             0
         };
-        let grow = (for_quotas + slots).min(rooms);
+        // Slots in batches too (a registration costs more than the buffers): what they do not
+        // take is spare for the next.
+        let for_slots = if slots > 0 { slots.max(64) } else { 0 };
+        let grow = (for_quotas + for_slots).min(rooms);
         if grow == 0 {
             return Ok(());
         }
