@@ -512,6 +512,26 @@ impl ClientProc {
             .with_context(|| format!("telling the client {line}"))
     }
 
+    /// Takes the client's output back from the watcher of its `CONNECTED` line, with the
+    /// watcher's verdict.
+    fn rejoin(
+        &mut self,
+        watch: thread::JoinHandle<(BufReader<ChildStdout>, Result<()>)>,
+    ) -> Result<()> {
+        let (stdout, res) = watch.join().expect("the watcher does not panic");
+        self.stdout = Some(stdout);
+        res
+    }
+
+    /// After `CLOSE`: the client says it closed everything, and exits by itself.
+    fn closed(mut self) -> Result<()> {
+        let closed = self.line()?;
+        if closed != CLOSED {
+            bail!("the fan-in client said {closed:?} instead of {CLOSED}");
+        }
+        self.wait(Duration::from_secs(30))
+    }
+
     /// The client's next line (blocking: only where it has it, or is about to).
     fn line(&mut self) -> Result<String> {
         read_line(self.stdout.as_mut().context("client output taken")?)
@@ -922,13 +942,9 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
     while peers.len() < n {
         // The client may be done before the hub has read every client's last bytes.
         if watch.as_ref().is_some_and(|w| w.is_finished()) {
-            let (stdout, res) = watch
-                .take()
-                .expect("checked")
-                .join()
-                .expect("the watcher does not panic");
-            res.with_context(|| format!("with {} of {n} connected", peers.len()))?;
-            client.stdout = Some(stdout);
+            client
+                .rejoin(watch.take().expect("checked"))
+                .with_context(|| format!("with {} of {n} connected", peers.len()))?;
         }
         if Instant::now() >= deadline {
             bail!(
@@ -960,9 +976,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
         }
     }
     if let Some(w) = watch {
-        let (stdout, res) = w.join().expect("the watcher does not panic");
-        res?;
-        client.stdout = Some(stdout);
+        client.rejoin(w)?;
     }
     let connect_secs = started.elapsed().as_secs_f64();
     // Idle: let the last handshakes' stragglers (the clients' final bytes) arrive.
@@ -1034,11 +1048,7 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
             None => {}
         }
     }
-    let closed = client.line()?;
-    if closed != CLOSED {
-        bail!("the fan-in client said {closed:?} instead of {CLOSED}");
-    }
-    client.wait(Duration::from_secs(30))?;
+    client.closed()?;
     // Only the slots that were connections.
     let times: Vec<Vec<Instant>> = peers
         .iter()
@@ -1200,9 +1210,7 @@ fn serve_threads(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Reading
             .with_context(|| format!("starting thread {} of {n}", i + 1))?;
         threads.push(t);
     }
-    let (stdout, res) = watch.join().expect("the watcher does not panic");
-    res?;
-    client.stdout = Some(stdout);
+    client.rejoin(watch)?;
     let connect_secs = started.elapsed().as_secs_f64();
     thread::sleep(Duration::from_millis(300));
     let idle = Snapshot::take()?;
@@ -1228,11 +1236,7 @@ fn serve_threads(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Reading
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
             .with_context(|| format!("connection {i}"))?;
     }
-    let closed = client.line()?;
-    if closed != CLOSED {
-        bail!("the fan-in client said {closed:?} instead of {CLOSED}");
-    }
-    client.wait(Duration::from_secs(30))?;
+    client.closed()?;
     let done: Vec<ThreadDone> =
         std::mem::take(&mut *books.done.lock().unwrap_or_else(PoisonError::into_inner))
             .into_iter()
@@ -1386,9 +1390,7 @@ fn serve_group(ep: &Endpoint, load: &Load, before: Snapshot, hubs: usize) -> Res
     books.wait_for("connections", n, connect_limit(n), || {
         books.connected.load(Ordering::Acquire)
     })?;
-    let (stdout, res) = watch.join().expect("the watcher does not panic");
-    res?;
-    client.stdout = Some(stdout);
+    client.rejoin(watch)?;
     let connect_secs = started.elapsed().as_secs_f64();
     thread::sleep(Duration::from_millis(300));
     let idle = Snapshot::take()?;
@@ -1407,11 +1409,7 @@ fn serve_group(ep: &Endpoint, load: &Load, before: Snapshot, hubs: usize) -> Res
     books.wait_for("connections closed", n, connect_limit(n), || {
         books.closed.load(Ordering::Acquire)
     })?;
-    let closed = client.line()?;
-    if closed != CLOSED {
-        bail!("the fan-in client said {closed:?} instead of {CLOSED}");
-    }
-    client.wait(Duration::from_secs(30))?;
+    client.closed()?;
     let stats = group
         .stop()
         .into_iter()

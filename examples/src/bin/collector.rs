@@ -808,6 +808,19 @@ mod tests {
             .unwrap_or_else(|e| panic!("{args:?}: {e}"))
     }
 
+    /// The `sensors` role's options, or a panic naming the role parsed.
+    fn sensors_of(c: Cli) -> (String, u32, u32, Workload) {
+        match c.role {
+            Some(Role::Sensors {
+                connect,
+                count,
+                first,
+                work,
+            }) => (connect, count, first, work),
+            other => panic!("{other:?}"),
+        }
+    }
+
     fn check_work(w: &Workload, (batches, batch, alarm_every): (u64, usize, u64)) {
         assert_eq!(
             (w.batches, w.batch, w.alarm_every),
@@ -894,15 +907,7 @@ mod tests {
             "--first",
             "32",
         ]);
-        let Some(Role::Sensors {
-            connect,
-            count,
-            first,
-            work,
-        }) = c.role
-        else {
-            panic!("{:?}", c.role)
-        };
+        let (connect, count, first, work) = sensors_of(c);
         assert_eq!((connect.as_str(), count, first), ("a:1", 32, 32));
         check_work(&work, (4, 8, 4));
         // As `both` starts them (`PeerProcess::start` adds `--connect ADDR`).
@@ -915,15 +920,7 @@ mod tests {
         args.extend(work.args());
         args.extend(["--connect".into(), "127.0.0.1:4000".into()]);
         let c = parse(&args.iter().map(String::as_str).collect::<Vec<_>>());
-        let Some(Role::Sensors {
-            connect,
-            count,
-            first,
-            work,
-        }) = c.role
-        else {
-            panic!("{:?}", c.role)
-        };
+        let (connect, count, first, work) = sensors_of(c);
         assert_eq!(
             (connect.as_str(), count, first),
             ("127.0.0.1:4000", 10000, 0)

@@ -6,6 +6,13 @@ use rdmsg_verbs::{WcOpcode, WcStatus};
 
 use super::*;
 
+/// The peer's close message.
+const CLOSE_MSG: Imm = Imm {
+    credits: 0,
+    echo: 0,
+    flags: Imm::CLOSE,
+};
+
 const CLOSE: Duration = Duration::from_secs(2);
 
 fn core(credits: Credits, signal_every: u32) -> Core {
@@ -283,13 +290,9 @@ fn a_goodbye_gives_the_close_message_until_the_close_timeout() {
     assert_eq!(actions(&mut c), [Action::UnwatchStream]);
     assert_eq!(c.next_timeout(), Some(t0 + CLOSE));
     // The close message arrives in time.
-    let close = Imm {
-        credits: 0,
-        echo: 0,
-        flags: Imm::CLOSE,
-    };
     assert_eq!(
-        c.handle_recv(&recv(close), || None, Instant::now).action,
+        c.handle_recv(&recv(CLOSE_MSG), || None, Instant::now)
+            .action,
         RecvAction::Recycle
     );
     assert_eq!(c.failure(), Some(Failure::PeerClosed));
@@ -302,13 +305,8 @@ fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
     // state at once could lose the acknowledgement, and the closing peer would retry its
     // close message until its close timed out.
     let t0 = Instant::now();
-    let close = Imm {
-        credits: 0,
-        echo: 0,
-        flags: Imm::CLOSE,
-    };
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.handle_recv(&recv(close), || None, || t0);
+    c.handle_recv(&recv(CLOSE_MSG), || None, || t0);
     assert_eq!(
         c.failure(),
         Some(Failure::PeerClosed),
@@ -329,7 +327,7 @@ fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
 
     // No goodbye: failed at the close timeout.
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.handle_recv(&recv(close), || None, || t0);
+    c.handle_recv(&recv(CLOSE_MSG), || None, || t0);
     c.handle_timeout(t0 + CLOSE);
     assert_eq!(actions(&mut c), [Action::FailQueuePair]);
     assert_eq!(c.failure(), Some(Failure::PeerClosed));
@@ -338,16 +336,11 @@ fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
 #[test]
 fn both_closing_at_once_each_says_goodbye_when_its_close_completes() {
     let t0 = Instant::now();
-    let close = Imm {
-        credits: 0,
-        echo: 0,
-        flags: Imm::CLOSE,
-    };
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.start_close(t0).unwrap();
     c.posted(7, true);
     // The peer's close arrives first: we linger for its goodbye...
-    c.handle_recv(&recv(close), || None, || t0);
+    c.handle_recv(&recv(CLOSE_MSG), || None, || t0);
     assert_eq!(c.failure(), Some(Failure::PeerClosed));
     assert!(c.lingering());
     // ...and our own close completing still says ours, which it lingers for.

@@ -516,12 +516,7 @@ impl Share {
             self.grow(slot, holder);
         }
         self.requeue(slot, holder.credits());
-        // Spare means nobody else waits: this connection may take it.
-        self.slots[slot].touched = true;
-        while self.spare > 0 && self.slots[slot].waiting.is_some() {
-            self.give(slot, holder, touched);
-        }
-        self.slots[slot].touched = false;
+        self.serve_slot(slot, holder, touched);
         self.check_totals();
     }
 
@@ -557,14 +552,9 @@ impl Share {
         self.requeue(slot, holder.credits());
         let mark = touched.len();
         let spare = self.spare;
-        self.slots[slot].touched = true;
-        // Spare means nobody else waits: it may take it, its slots first.
-        while self.spare > 0 && self.slots[slot].waiting.is_some() {
-            self.give(slot, holder, touched);
-        }
+        self.serve_slot(slot, holder, touched);
         // Quotas grow only into what nobody took.
         self.headroom = self.headroom.saturating_sub(spare - self.spare);
-        self.slots[slot].touched = false;
         self.untouch(&touched[mark..]);
         let ready = holder.credits().slots_ready();
         if !ready {
@@ -836,6 +826,21 @@ impl Share {
         }
         self.headroom = self.spare;
         self.check_totals();
+    }
+
+    /// Gives the connection in `slot` what it waits for from spare (its grant slots first):
+    /// spare means nobody else waits. It is pushed into `touched` at most once.
+    fn serve_slot<H: CreditHolder>(
+        &mut self,
+        slot: usize,
+        holder: &mut H,
+        touched: &mut Vec<usize>,
+    ) {
+        self.slots[slot].touched = true;
+        while self.spare > 0 && self.slots[slot].waiting.is_some() {
+            self.give(slot, holder, touched);
+        }
+        self.slots[slot].touched = false;
     }
 
     /// Gives a waiting connection its missing grant slots, or one credit, from spare, and

@@ -104,13 +104,8 @@ impl Net {
             busy = true;
         }
         busy |= self.retire_drained();
-        // As `RawHub::grow_for_demand`: grant slots a sender wanted and spare could not back
-        // come from new buffers.
-        let h = self.hub();
-        let wanted = h.share.take_slot_demand();
-        h.total += wanted;
-        h.free += wanted;
         // Every free buffer goes back to the SRQ, the share hands it out.
+        let h = self.hub();
         if h.free > 0 {
             h.srq_posted += h.free;
             let n = std::mem::take(&mut h.free);
