@@ -18,7 +18,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// (under a key of their own, for reading only), and the peer's device reads them straight
 /// into its buffer. The bytes are immutable and shared ([`Bytes`]), so nobody can change them
 /// while they are exposed; cloning a `Bulk` clones the handle, not the bytes. Decoding a
-/// `Bulk` copies (use a view type to avoid that).
+/// `Bulk` copies, except with [`crate::Envelope::decode_shared`], which hands out a `Bulk`
+/// sharing the received bytes: the same owned type then serves for sending and for
+/// zero-copy receiving.
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
 pub struct Bulk(Bytes);
 
@@ -80,6 +82,42 @@ thread_local! {
     static CAPTURE: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
 }
 
+thread_local! {
+    /// While a message is decoded by [`crate::Envelope::decode_shared`] on this thread: the
+    /// bytes its body is in, which `Bulk` payloads of that body share instead of copying.
+    static SOURCE: RefCell<Option<Bytes>> = const { RefCell::new(None) };
+}
+
+/// Runs `decode` with `source` as the bytes that `Bulk` payloads found in it share.
+pub(crate) fn sharing<T>(source: Bytes, decode: impl FnOnce() -> T) -> T {
+    struct Reset(Option<Bytes>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            SOURCE.with(|s| *s.borrow_mut() = self.0.take());
+        }
+    }
+    let _reset = Reset(SOURCE.with(|s| s.borrow_mut().replace(source)));
+    decode()
+}
+
+/// `v` as a `Bulk`: sharing the bytes of the body being decoded if it lies in them and is
+/// large enough to be worth it, else copied.
+fn shared_or_copied(v: &[u8]) -> Bulk {
+    if v.len() >= MIN_BY_REFERENCE {
+        let shared = SOURCE.with(|s| {
+            s.borrow().as_ref().and_then(|src| {
+                let (start, end) = (src.as_ptr() as usize, src.as_ptr() as usize + src.len());
+                let p = v.as_ptr() as usize;
+                (p >= start && p + v.len() <= end).then(|| src.slice_ref(v))
+            })
+        });
+        if let Some(b) = shared {
+            return Bulk(b);
+        }
+    }
+    Bulk(Bytes::copy_from_slice(v))
+}
+
 /// Payloads smaller than this are copied into the encoding all the same: exposing them
 /// would cost more than the copy.
 pub(crate) const MIN_BY_REFERENCE: usize = 4096;
@@ -106,7 +144,10 @@ impl<'de> Deserialize<'de> for Bulk {
                 f.write_str("a byte string")
             }
             fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Bulk, E> {
-                Ok(Bulk(Bytes::copy_from_slice(v)))
+                Ok(shared_or_copied(v))
+            }
+            fn visit_borrowed_bytes<E: serde::de::Error>(self, v: &'de [u8]) -> Result<Bulk, E> {
+                Ok(shared_or_copied(v))
             }
             fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Bulk, E> {
                 Ok(Bulk(v.into()))

@@ -9,6 +9,7 @@ use serde::Deserialize;
 pub use crate::bounded::MAX_DEPTH;
 use crate::bounded::{Bounded, Budget};
 use crate::bulk::Piece;
+use crate::call::{Origin, Request, Responder, CALL_TAG, REPLY_TAG};
 use crate::frame::{self, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV};
 use crate::rendezvous::{self, Descriptor, ReadBuf};
 use crate::{DecodeFailure, Error, Message, Result};
@@ -21,6 +22,12 @@ pub const DEFAULT_MAX_MESSAGE: usize = 16 << 20;
 /// make the decoder allocate more than a message may hold.
 fn config() -> impl bincode::config::Config {
     bincode::config::standard()
+}
+
+/// Decodes a `T` at the start of `body`: the value and how many bytes it took (`None` if
+/// it does not decode). For the fixed headers of requests and answers.
+pub(crate) fn decode_prefix<T: DeserializeOwned>(body: &[u8]) -> Option<(T, usize)> {
+    bincode::serde::decode_from_slice(body, config()).ok()
 }
 
 /// Tag of frames without a message (a [`crate::Session::flush`] nudge).
@@ -169,6 +176,8 @@ pub enum FrameBytes {
     /// A message's body read by rendezvous into a registered buffer, returned to its pool
     /// when dropped (no header: the descriptor carried it).
     Read(ReadBuf),
+    /// Bytes shared with payloads decoded from them ([`Envelope::decode_shared`]).
+    Shared(bytes::Bytes),
 }
 
 impl FrameBytes {
@@ -177,6 +186,7 @@ impl FrameBytes {
             FrameBytes::Received(r) => r,
             FrameBytes::Owned(v) => v,
             FrameBytes::Read(r) => r.bytes(),
+            FrameBytes::Shared(b) => b,
         }
     }
 }
@@ -214,6 +224,9 @@ pub struct Envelope {
     offset: usize,
     /// Bound on the decoded value.
     max: usize,
+    /// Where a request's answer goes (see [`Envelope::responder`]); dropped unanswered, it
+    /// answers "no answer".
+    origin: Option<Box<Origin>>,
 }
 
 impl Envelope {
@@ -226,7 +239,106 @@ impl Envelope {
             frame: FrameBytes::Owned(body),
             offset: 0,
             max,
+            origin: None,
         }
+    }
+
+    /// A request's envelope: its body starts `used` bytes on, it has the request's own tag,
+    /// and it carries where its answer goes.
+    pub(crate) fn unwrap_request(&mut self, used: usize, tag: u32, origin: Origin) {
+        self.skip(used);
+        self.tag = tag;
+        self.origin = Some(Box::new(origin));
+    }
+
+    /// The body starts `n` bytes further on.
+    pub(crate) fn skip(&mut self, n: usize) {
+        self.offset = (self.offset + n).min(self.frame.bytes().len());
+    }
+
+    /// An answer's envelope takes its response type's tag.
+    pub(crate) fn retag(&mut self, tag: u32) {
+        self.tag = tag;
+    }
+
+    /// Whether this is a request someone waits to have answered (see
+    /// [`Envelope::responder`]).
+    pub fn is_request(&self) -> bool {
+        self.origin.is_some()
+    }
+
+    /// Takes the answer's handle of a request of type `R` ([`crate::Request`]): answer it
+    /// with [`Responder::respond`] from any thread, or with [`crate::Session::reply`] /
+    /// [`crate::Hub::reply`] on the connection's own. [`Error::WrongType`] if the message is
+    /// not an `R`, [`Error::NotARequest`] if it is not a request (a plain message, or its
+    /// responder already taken). An envelope dropped with its responder still inside answers
+    /// "no answer" ([`Error::NoAnswer`] for the caller).
+    pub fn responder<R: Request>(&mut self) -> Result<Responder<R::Response>> {
+        if self.tag != R::TAG {
+            return Err(Error::WrongType {
+                expected: R::TAG,
+                got: self.tag,
+            });
+        }
+        match self.origin.take() {
+            Some(o) => Ok(Responder::new(*o, std::any::type_name::<R>())),
+            None => Err(Error::NotARequest {
+                request: std::any::type_name::<R>(),
+            }),
+        }
+    }
+
+    /// Copies the body out of a registered buffer (a receive buffer, or one a rendezvous
+    /// read landed in) into memory of its own, so that keeping this envelope no longer holds
+    /// the buffer (and, for a receive buffer, the peer's credit). Nothing to do for a body
+    /// that is already owned.
+    pub fn detach(&mut self) {
+        if matches!(self.frame, FrameBytes::Received(_) | FrameBytes::Read(_)) {
+            let body = self.body().to_vec();
+            self.frame = FrameBytes::Owned(body);
+            self.offset = 0;
+        }
+    }
+
+    /// Decodes the body as an `M` whose [`crate::Bulk`] fields share the received bytes
+    /// instead of copying them: one owned type serves for sending and for zero-copy
+    /// receiving, with no borrowed twin to keep in step (and its tag checked:
+    /// [`Error::WrongType`] for another type's message).
+    ///
+    /// Sharing keeps the bytes where they are: a large message reassembled from fragments
+    /// costs nothing to share; one read by rendezvous stays in its registered buffer for as
+    /// long as any of its payloads lives. So that payloads kept for long cannot hold the
+    /// registered memory every peer's large messages need, payloads share a rendezvous
+    /// buffer only while shared ones hold at most half of the read pool
+    /// ([`rdmsg_transport::Config::max_read_bytes`]); past that they are copied, as are
+    /// payloads under 4 KiB and messages still in a receive buffer (whose credit the peer
+    /// waits for). [`crate::Bulk::is_shared`] tells which.
+    pub fn decode_shared<M: Message + DeserializeOwned>(&mut self) -> Result<M> {
+        if self.tag != M::TAG {
+            return Err(Error::WrongType {
+                expected: M::TAG,
+                got: self.tag,
+            });
+        }
+        let frame = std::mem::replace(&mut self.frame, FrameBytes::Owned(Vec::new()));
+        self.frame = match frame {
+            FrameBytes::Owned(v) => FrameBytes::Shared(bytes::Bytes::from(v)),
+            FrameBytes::Read(mut r) => {
+                if r.share() {
+                    FrameBytes::Shared(bytes::Bytes::from_owner(r))
+                } else {
+                    FrameBytes::Read(r)
+                }
+            }
+            other => other,
+        };
+        let FrameBytes::Shared(b) = &self.frame else {
+            return self.decode();
+        };
+        let source = b.slice(self.offset..);
+        crate::bulk::sharing(source, || {
+            decode_body_borrowed(self.tag, self.body(), self.max)
+        })
     }
 
     /// The message's tag.
@@ -303,6 +415,10 @@ impl Decoder {
             }),
             Entry::Vacant(e) => {
                 e.insert(new);
+                // Requests and answers travel under tags of their own: a side that filters
+                // by type still takes them (a request's own type is checked once unwrapped).
+                self.known.entry(CALL_TAG).or_insert("rdmsg request");
+                self.known.entry(REPLY_TAG).or_insert("rdmsg answer");
                 Ok(())
             }
         }
@@ -332,6 +448,12 @@ impl Decoder {
         self.reassembler.buffered()
     }
 
+    /// Whether messages of `tag` are taken: every tag until a type is registered, then the
+    /// registered ones.
+    pub(crate) fn accepts(&self, tag: u32) -> bool {
+        self.known.is_empty() || self.known.contains_key(&tag)
+    }
+
     fn check_tag(&self, tag: u32) -> Result<()> {
         if !self.known.is_empty() && !self.known.contains_key(&tag) {
             return Err(Error::UnknownTag(tag));
@@ -354,6 +476,7 @@ impl Decoder {
             frame,
             offset,
             max: self.max_message(),
+            origin: None,
         }
     }
 

@@ -291,6 +291,7 @@ impl Dispatcher {
                 HubEvent::Connected { .. }
                 | HubEvent::Unread { .. }
                 | HubEvent::Unconfirmed { .. }
+                | HubEvent::Writable { .. }
                 | HubEvent::Disconnected { .. }
                 | HubEvent::HandshakeFailed { .. } => self.routes.stats.peer_events += 1,
             }

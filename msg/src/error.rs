@@ -107,6 +107,42 @@ pub enum Error {
         /// The type whose registration was refused.
         new: &'static str,
     },
+    /// A call's deadline passed before its answer came (the request may or may not have
+    /// been served; an answer that comes later is dropped and counted late).
+    #[error(
+        "call {request} timed out after {after:?} without an answer (the server is slow, \
+         stalled or gone; a later answer is dropped): give the call a longer timeout or check \
+         the server"
+    )]
+    CallTimedOut {
+        /// The request type.
+        request: &'static str,
+        /// The call's timeout.
+        after: std::time::Duration,
+    },
+    /// The server dropped the request's [`crate::Responder`] without answering.
+    #[error("call {request} was not answered: the server dropped its responder unanswered")]
+    NoAnswer {
+        /// The request type.
+        request: &'static str,
+    },
+    /// The server does not take requests of this type: it registered types, and not this
+    /// one.
+    #[error(
+        "call {request} was refused: the server registered its types and not this one \
+         (register it there with `register::<{request}>()`)"
+    )]
+    NotServed {
+        /// The request type.
+        request: &'static str,
+    },
+    /// [`crate::Envelope::responder`] on a message that is not a request (or whose responder
+    /// was taken already).
+    #[error("this {request} message is not a request waiting for an answer (sent with `send`, or its responder was taken already)")]
+    NotARequest {
+        /// The request type asked for.
+        request: &'static str,
+    },
 }
 
 /// Why a body did not decode.
@@ -166,7 +202,11 @@ impl Error {
             | Error::ReadFailed { .. }
             | Error::ReadRefused { .. }
             | Error::Unread { .. }
-            | Error::TooLarge { .. } => false,
+            | Error::TooLarge { .. }
+            | Error::CallTimedOut { .. }
+            | Error::NoAnswer { .. }
+            | Error::NotServed { .. }
+            | Error::NotARequest { .. } => false,
         }
     }
 

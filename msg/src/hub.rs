@@ -4,11 +4,15 @@
 use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId};
 use rdmsg_verbs::deadline_after;
 
+use crate::call::{
+    self, Call, CallOut, CallStats, Calls, Outgoing, Owned, OwnedReply, Replies, Request, Responder,
+};
 use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::unread_error;
 use crate::peer::{self, Delivery, HubLink, Link, PeerTable, ReassemblyBudget, Receiver, Sender};
@@ -77,6 +81,12 @@ pub enum HubEvent {
         /// [`Failure::CloseTimedOut`] when the peer did not take the close in time).
         failure: Failure,
     },
+    /// `peer`'s outbox, which refused a [`Hub::post`] (or an answer) for want of room, has
+    /// drained to half of [`SessionConfig::max_outbox_bytes`]: it can take more.
+    Writable {
+        /// The peer.
+        peer: PeerId,
+    },
     /// A handshake failed: a client accepted from the listener (`peer: None`), or one that
     /// [`Hub::connect`] started. The hub and every other connection go on.
     HandshakeFailed {
@@ -96,6 +106,7 @@ impl HubEvent {
             | HubEvent::BadFrame { peer, .. }
             | HubEvent::Unread { peer, .. }
             | HubEvent::Unconfirmed { peer, .. }
+            | HubEvent::Writable { peer }
             | HubEvent::Disconnected { peer, .. } => Some(*peer),
             HubEvent::HandshakeFailed { peer, .. } => *peer,
         }
@@ -111,12 +122,49 @@ struct PeerState {
     listed: bool,
     /// [`Hub::start_close`] waits for the peer to finish reading our messages, until then.
     close_at: Option<Instant>,
+    /// Messages waiting for the peer's credits, in order, each with its encoded length.
+    outbox: VecDeque<(Box<dyn Outgoing>, usize)>,
+    /// What the outbox holds and has done.
+    outbox_stats: OutboxStats,
+    /// A post was refused: [`HubEvent::Writable`] is due once there is room.
+    refused: bool,
 }
 
 impl PeerState {
     fn stats(&self) -> SessionStats {
         peer::stats(&self.sender, &self.receiver)
     }
+}
+
+/// What [`Hub::post`] did with a message.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Posted<M> {
+    /// Sent at once.
+    Sent,
+    /// Queued in the peer's outbox, behind what was there: it goes as the peer's credits
+    /// come, driven by the hub's later calls.
+    Queued,
+    /// The peer's outbox is full ([`SessionConfig::max_outbox_bytes`]): nothing was queued,
+    /// and here is the message back. [`HubEvent::Writable`] says when it has room.
+    Full(M),
+}
+
+/// A peer's outbox ([`Hub::post`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutboxStats {
+    /// Messages waiting now.
+    pub messages: usize,
+    /// Their encoded bytes.
+    pub bytes: usize,
+    /// The most bytes it has held.
+    pub peak_bytes: usize,
+    /// Messages queued in all (sent at once: not counted).
+    pub queued: u64,
+    /// Posts refused for want of room.
+    pub refused: u64,
+    /// Messages dropped: answers refused for want of room, and what was still waiting when
+    /// the peer disconnected.
+    pub dropped: u64,
 }
 
 /// Longest wait while a peer's flush before a wait found no free send slot.
@@ -162,6 +210,18 @@ pub struct Hub {
     reads_waiting: Vec<PeerId>,
     /// Peers whose [`Hub::start_close`] waits for them to finish reading our messages.
     closing: Vec<PeerId>,
+    /// Peers whose outboxes hold messages.
+    outboxed: Vec<PeerId>,
+    /// Our calls waiting for answers.
+    calls: Calls,
+    /// Answers to peers' requests given on other threads (or by dropped responders).
+    replies: Arc<Replies>,
+    /// Events taken in while a call waited for its answer: handed out first.
+    held: VecDeque<HubEvent>,
+    /// A call's wait is receiving: an answer ends the receive.
+    waiting_call: bool,
+    /// An answer was taken in since the last look.
+    answered: bool,
 }
 
 /// Whether a close must wait for the peer's application to take what was sent: copies are
@@ -212,7 +272,14 @@ impl Hub {
             // wakes the hub.
             pool.set_waker(waker);
         }
+        let replies = Replies::new(transport.waker().ok());
         Self {
+            outboxed: Vec::new(),
+            calls: Calls::default(),
+            replies,
+            held: VecDeque::new(),
+            waiting_call: false,
+            answered: false,
             pool,
             budget: ReassemblyBudget::new(config.max_reassembly_bytes),
             reads_waiting: Vec::new(),
@@ -441,6 +508,344 @@ impl Hub {
         })
     }
 
+    /// Sends `m` to `peer` without ever waiting: at once if it can go (nothing queued before
+    /// it, a credit and a send slot free), else queued in `peer`'s outbox behind what waits
+    /// there, within [`SessionConfig::max_outbox_bytes`]; beyond that, handed back
+    /// ([`Posted::Full`]), and [`HubEvent::Writable`] tells when there is room. Queued
+    /// messages go in order as the peer's credits come, driven by the hub's later calls
+    /// ([`Hub::recv`], [`Hub::try_recv`], [`Hub::step`]). So one slow or stalled peer costs
+    /// its outbox's memory and nothing else: the thread serving every peer never waits for
+    /// it. What is still queued when the peer disconnects is dropped (counted in
+    /// [`OutboxStats::dropped`]).
+    pub fn post<M: Message + Send + 'static>(&mut self, peer: PeerId, m: M) -> Result<Posted<M>> {
+        self.post_as(peer, m, M::SOLICITED)
+    }
+
+    /// [`Hub::post`], solicited or not as given.
+    pub fn post_as<M: Message + Send + 'static>(
+        &mut self,
+        peer: PeerId,
+        m: M,
+        solicited: bool,
+    ) -> Result<Posted<M>> {
+        if self.outbox_empty(peer)? {
+            let sent = peer::in_time(
+                self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
+                    s.try_send_as(link, &m, solicited)
+                })
+                .and_then(|sent| {
+                    if sent {
+                        Ok(())
+                    } else {
+                        Err(rdmsg_transport::Error::Timeout(Duration::ZERO).into())
+                    }
+                }),
+            )?;
+            if sent {
+                return Ok(Posted::Sent);
+            }
+        }
+        let size = call::encoded_len(&m);
+        if !self.room(peer, size) {
+            return Ok(Posted::Full(m));
+        }
+        self.queue(peer, Box::new(Owned { m, solicited }), size);
+        Ok(Posted::Queued)
+    }
+
+    /// Whether `peer`'s outbox is empty (an error for a peer unknown or failed).
+    fn outbox_empty(&mut self, peer: PeerId) -> Result<bool> {
+        match self.peers.get(peer) {
+            Some(s) => Ok(s.outbox.is_empty()),
+            None => {
+                if let Some(f) = self.transport.failure(peer) {
+                    return Err(rdmsg_transport::Error::Connection(f).into());
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    /// Whether `peer`'s outbox has room for `size` more bytes (one message always fits an
+    /// empty one); if not, the refusal is counted and a [`HubEvent::Writable`] is due.
+    fn room(&mut self, peer: PeerId, size: usize) -> bool {
+        let max = self.config.max_outbox_bytes;
+        let state = self.state(peer);
+        if state.outbox.is_empty() || state.outbox_stats.bytes + size <= max {
+            return true;
+        }
+        state.outbox_stats.refused += 1;
+        state.refused = true;
+        false
+    }
+
+    /// Queues `msg` in `peer`'s outbox (room checked by the caller).
+    fn queue(&mut self, peer: PeerId, msg: Box<dyn Outgoing>, size: usize) {
+        let state = self.state(peer);
+        let stats = &mut state.outbox_stats;
+        state.outbox.push_back((msg, size));
+        stats.messages += 1;
+        stats.bytes += size;
+        stats.peak_bytes = stats.peak_bytes.max(stats.bytes);
+        stats.queued += 1;
+        if state.outbox.len() == 1 {
+            self.outboxed.push(peer);
+        }
+    }
+
+    /// Sends what the outboxes hold as far as credits allow, in order per peer, never
+    /// waiting; queues the answers given on other threads first.
+    fn drain_outboxes(&mut self) {
+        if self.replies.waiting() {
+            for r in self.replies.take() {
+                let Some(peer) = r.peer else { continue };
+                if self.peers.get(peer).is_none() {
+                    continue; // gone: its calls failed on its side
+                }
+                let size = r.msg.size();
+                if self.room(peer, size) {
+                    self.queue(peer, r.msg, size);
+                } else if let Some(s) = self.peers.get_mut(peer) {
+                    s.outbox_stats.dropped += 1;
+                }
+            }
+        }
+        let mut i = 0;
+        while i < self.outboxed.len() {
+            let peer = self.outboxed[i];
+            let half = self.config.max_outbox_bytes / 2;
+            let (writable, listed, empty) = {
+                let Some((state, mut link)) = self.split(peer) else {
+                    self.outboxed.swap_remove(i);
+                    continue;
+                };
+                state.sender.learn_note(link.hub.peer_note(peer));
+                while let Some((msg, size)) = state.outbox.front() {
+                    // A failing peer: its Disconnected tells (and drops the rest).
+                    if !matches!(msg.try_send_hub(&mut state.sender, &mut link), Ok(true)) {
+                        break;
+                    }
+                    state.outbox_stats.messages -= 1;
+                    state.outbox_stats.bytes -= size;
+                    state.outbox.pop_front();
+                }
+                let writable = state.refused && state.outbox_stats.bytes <= half;
+                state.refused &= !writable;
+                let listed = state.sender.queued_frames() > 0 && !state.listed;
+                state.listed |= listed;
+                (writable, listed, state.outbox.is_empty())
+            };
+            if writable {
+                self.ready.push_back((HubEvent::Writable { peer }, None));
+            }
+            if listed {
+                self.unflushed.push(peer);
+            }
+            if empty {
+                self.outboxed.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// `peer`'s outbox ([`Hub::post`]); `None` for a peer unknown or gone.
+    pub fn outbox(&self, peer: PeerId) -> Option<OutboxStats> {
+        self.peers.get(peer).map(|s| s.outbox_stats)
+    }
+
+    /// Answers a request received from a peer at once, on the hub's thread, as
+    /// [`Hub::post`] sends: never waiting; queued in the peer's outbox if it cannot go now;
+    /// if that is full, dropped (counted in [`OutboxStats::dropped`]; the caller's call
+    /// times out) and the value handed back. From another thread, use
+    /// [`Responder::respond`].
+    pub fn reply<T: Message + Send + 'static>(
+        &mut self,
+        responder: Responder<T>,
+        value: T,
+    ) -> Result<Posted<T>> {
+        let Some(origin) = responder.into_origin() else {
+            return Ok(Posted::Sent);
+        };
+        let (id, peer) = origin.disarm();
+        let Some(peer) = peer else {
+            return Ok(Posted::Sent);
+        };
+        if self.peers.get(peer).is_none() {
+            return Ok(Posted::Sent); // gone: its Disconnected says so
+        }
+        if self.outbox_empty(peer)? {
+            let out = call::ReplyOut {
+                id,
+                status: 0,
+                value: Some(&value),
+            };
+            let sent = self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
+                s.try_send_as(link, &out, true)
+            });
+            if matches!(sent, Ok(true)) {
+                return Ok(Posted::Sent);
+            }
+        }
+        let reply = OwnedReply {
+            id,
+            status: 0,
+            value: Some(value),
+        };
+        let size = reply.size();
+        if !self.room(peer, size) {
+            self.state(peer).outbox_stats.dropped += 1;
+            return Ok(Posted::Full(reply.value.expect("built with a value")));
+        }
+        self.queue(peer, Box::new(reply), size);
+        Ok(Posted::Queued)
+    }
+
+    /// Calls `peer` (see [`crate::Session::call`]): sends `request` and waits for its
+    /// answer, all within `timeout`, driving the hub meanwhile (events that come wait for
+    /// [`Hub::recv`], in order).
+    pub fn call<R>(&mut self, peer: PeerId, request: &R, timeout: Duration) -> Result<R::Response>
+    where
+        R: Request,
+        R::Response: serde::de::DeserializeOwned,
+    {
+        let call = self.start_call(peer, request, timeout)?;
+        self.wait(call)
+    }
+
+    /// Starts a call to `peer` without waiting for its answer (see
+    /// [`crate::Session::start_call`]): waits at most `timeout` to send the request;
+    /// `Duration::ZERO`-bounded sends are [`Hub::try_start_call`].
+    pub fn start_call<R: Request>(
+        &mut self,
+        peer: PeerId,
+        request: &R,
+        timeout: Duration,
+    ) -> Result<Call<R::Response>> {
+        let deadline = call::deadline(timeout);
+        let call = self.new_call::<R>(peer, timeout, deadline);
+        let out = CallOut {
+            id: call.id(),
+            m: request,
+        };
+        let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
+            s.send_within(link, &out, R::SOLICITED, Some(timeout))
+        });
+        match peer::in_time(sent) {
+            Ok(true) => Ok(call),
+            Ok(false) => Err(call.timed_out()),
+            Err(e) => Err(self.unsent_call(call, e)),
+        }
+    }
+
+    /// Starts a call to `peer` without ever waiting (see [`Hub::post`]): the request goes at
+    /// once or waits in `peer`'s outbox; `Ok(None)` if the outbox is full (nothing sent).
+    /// The call's deadline is `timeout` from now, whatever the outbox.
+    pub fn try_start_call<R: Request + Clone + Send + 'static>(
+        &mut self,
+        peer: PeerId,
+        request: &R,
+        timeout: Duration,
+    ) -> Result<Option<Call<R::Response>>> {
+        let call = self.new_call::<R>(peer, timeout, call::deadline(timeout));
+        let out = call::CallOwned {
+            id: call.id(),
+            request: request.clone(),
+        };
+        match self.post(peer, out) {
+            Ok(Posted::Full(_)) => {
+                let _ = self.unsent_call(call, crate::Error::NoAnswer { request: "" });
+                Ok(None)
+            }
+            Ok(_) => Ok(Some(call)),
+            Err(e) => Err(self.unsent_call(call, e)),
+        }
+    }
+
+    fn new_call<R: Request>(
+        &mut self,
+        peer: PeerId,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Call<R::Response> {
+        let id = call::lock(&self.calls).start::<R>(Some(peer));
+        Call::new(
+            id,
+            self.calls.clone(),
+            std::any::type_name::<R>(),
+            timeout,
+            deadline,
+        )
+    }
+
+    /// A call whose request did not go: forgotten (not counted as started), `e` passed on.
+    fn unsent_call<T>(&mut self, call: Call<T>, e: crate::Error) -> crate::Error {
+        call::lock(&self.calls).forget(call.id());
+        std::mem::forget(call);
+        e
+    }
+
+    /// Waits for `call`'s answer until its deadline, driving the hub (events wait for
+    /// [`Hub::recv`]).
+    pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        let mut held = std::mem::take(&mut self.held);
+        let out = loop {
+            if let Some(outcome) = call.take_outcome() {
+                break call::finish(outcome);
+            }
+            let now = Instant::now();
+            if call.expired(now) {
+                break Err(call.timed_out());
+            }
+            self.waiting_call = true;
+            self.answered = false;
+            let got = self.recv_timeout(call.left(now));
+            self.waiting_call = false;
+            match got {
+                Ok(Some(ev)) => held.push_back(ev),
+                Ok(None) => {}
+                Err(e) => break Err(e),
+            }
+        };
+        held.append(&mut self.held);
+        self.held = held;
+        out
+    }
+
+    /// Takes in, without waiting, everything that has happened: answers go to their calls,
+    /// other events wait for [`Hub::recv`] (or [`Hub::try_recv`]). Whether it took in any
+    /// event. For event loops and async runtimes that wait for calls.
+    pub fn poll_calls(&mut self) -> Result<bool> {
+        let mut held = std::mem::take(&mut self.held);
+        let before = held.len();
+        let out = loop {
+            match self.try_recv() {
+                Ok(Some(ev)) => held.push_back(ev),
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        held.append(&mut self.held);
+        self.held = held;
+        out.map(|()| self.held.len() != before)
+    }
+
+    /// The call's answer if it is in, without waiting (`None`: not yet).
+    pub fn try_wait<T>(&mut self, call: &Call<T>) -> Option<Result<T>>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call.take_outcome().map(call::finish)
+    }
+
+    /// Counts of calls made and served, over every peer.
+    pub fn call_stats(&self) -> CallStats {
+        call::lock(&self.calls).stats()
+    }
+
     /// Whether unsolicited sends may wait within a bound
     /// ([`SessionConfig::max_unsolicited_delay`]; see [`crate::Session::delays_unsolicited`]).
     pub fn delays_unsolicited(&self) -> bool {
@@ -462,11 +867,21 @@ impl Hub {
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        if let Some(ev) = self.held.pop_front() {
+            return Ok(Some(ev));
+        }
         loop {
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
             }
+            if self.waiting_call && std::mem::take(&mut self.answered) {
+                return Ok(None);
+            }
             self.advance_reads();
+            self.drain_outboxes();
+            if let Some(ev) = self.take_ready() {
+                return Ok(Some(ev));
+            }
             let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if !self.unflushed.is_empty() {
                 if let Some(ev) = self.try_recv()? {
@@ -488,7 +903,21 @@ impl Hub {
                 let r = at.saturating_duration_since(Instant::now());
                 left = Some(left.map_or(r, |l| l.min(r)));
             }
-            let Some(raw) = self.transport.next_event(left)? else {
+            // An outbox waiting for credits: its failed send armed the hub to wake for the
+            // grant (or the send completion) that lets it go, which is no event: `wait`
+            // returns after any wake-up.
+            if self.waiting_call && std::mem::take(&mut self.answered) {
+                return Ok(None);
+            }
+            let raw = match self.transport.queued_event() {
+                Some(raw) => Some(raw),
+                None if left == Some(Duration::ZERO) => None,
+                None => {
+                    self.transport.wait(left)?;
+                    self.transport.queued_event()
+                }
+            };
+            let Some(raw) = raw else {
                 if deadline.map_or(true, |d| Instant::now() < d) {
                     continue;
                 }
@@ -502,15 +931,32 @@ impl Hub {
     /// (or the error in its place) handed out is taken: its peer's record moves on, and a
     /// request of the peer's it reaches is answered.
     fn take_ready(&mut self) -> Option<HubEvent> {
-        while self.ready.is_empty() {
-            let raw = self.stash.pop_front()?;
-            self.take(raw);
+        loop {
+            while self.ready.is_empty() {
+                let raw = self.stash.pop_front()?;
+                self.take(raw);
+            }
+            let (ev, seq) = self.ready.pop_front()?;
+            if let (Some(seq), Some(peer)) = (seq, ev.peer()) {
+                self.took(peer, seq);
+            }
+            match ev {
+                HubEvent::Message { peer, msg } => {
+                    let registry = &self.registry;
+                    let routed = call::route(msg, Some(peer), &self.calls, &self.replies, |t| {
+                        registry.accepts(t)
+                    });
+                    match routed {
+                        Ok(call::Routed::Deliver(msg)) => {
+                            return Some(HubEvent::Message { peer, msg })
+                        }
+                        Ok(call::Routed::Consumed) => self.answered = true,
+                        Err(error) => return Some(HubEvent::BadFrame { peer, error }),
+                    }
+                }
+                ev => return Some(ev),
+            }
         }
-        let (ev, seq) = self.ready.pop_front()?;
-        if let (Some(seq), Some(peer)) = (seq, ev.peer()) {
-            self.took(peer, seq);
-        }
-        Some(ev)
     }
 
     /// The application took `peer`'s message `seq`.
@@ -571,6 +1017,10 @@ impl Hub {
     /// [`AsFd`]: call it until `Ok(None)` whenever the hub's descriptor is readable, and at
     /// least every [`rdmsg_transport::RawHub::next_timeout`]).
     pub fn try_recv(&mut self) -> Result<Option<HubEvent>> {
+        if let Some(ev) = self.held.pop_front() {
+            return Ok(Some(ev));
+        }
+        self.drain_outboxes();
         loop {
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
@@ -615,7 +1065,12 @@ impl Hub {
                 failure,
                 last_note,
             } => {
+                call::lock(&self.calls).fail_peer(Some(peer), || {
+                    rdmsg_transport::Error::Connection(failure).into()
+                });
                 if let Some(mut gone) = self.peers.remove(peer) {
+                    let lost = gone.outbox.len() as u64;
+                    gone.outbox_stats.dropped += lost;
                     // Its last word: what its application took, as of its last grant or close.
                     gone.sender.learn_note(last_note);
                     // What arrived comes first: messages whose reads can no longer complete
@@ -637,6 +1092,11 @@ impl Hub {
                 HubEvent::Disconnected { peer, failure }
             }
             Raw::HandshakeFailed { peer, error } => {
+                if let Some(p) = peer {
+                    call::lock(&self.calls).fail_peer(Some(p), || {
+                        rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into()
+                    });
+                }
                 if let Some(gone) = peer.and_then(|p| self.peers.remove(p)) {
                     self.departed.add(&gone.stats());
                 }
@@ -665,6 +1125,9 @@ impl Hub {
                     .with_budget(self.budget.clone()),
                 listed: false,
                 close_at: None,
+                outbox: VecDeque::new(),
+                outbox_stats: OutboxStats::default(),
+                refused: false,
             };
             // A slot reused before its previous peer's `Disconnected` came through here.
             if let Some((_, stale)) = self.peers.insert(peer, fresh) {
@@ -830,6 +1293,9 @@ impl Hub {
     pub fn step(&mut self) -> Result<usize> {
         let queued = self.ready.len();
         self.advance_reads();
+        let outboxes = self.outboxed.len();
+        self.drain_outboxes();
+        let drained = usize::from(self.outboxed.len() != outboxes);
         let (stuck, nearest) = self.flush_before_wait();
         self.retry_at = if stuck {
             Some(Instant::now() + UNFLUSHED_RETRY)
@@ -837,7 +1303,7 @@ impl Hub {
             nearest
         };
         // Events this step queued count as work (those queued before were counted then).
-        Ok(self.transport.step()? + self.ready.len().saturating_sub(queued))
+        Ok(self.transport.step()? + self.ready.len().saturating_sub(queued) + drained)
     }
 
     /// See [`rdmsg_transport::RawHub::nobody_waits`]: after a wait on the descriptor, when nobody else

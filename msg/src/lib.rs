@@ -83,6 +83,7 @@
 
 mod bounded;
 mod bulk;
+pub mod call;
 pub mod codec;
 mod dispatch;
 mod drive;
@@ -97,10 +98,11 @@ mod session;
 mod split;
 
 pub use bulk::{Bulk, Piece};
+pub use call::{Call, CallStats, Request, Responder};
 pub use codec::Envelope;
 pub use dispatch::{DispatchStats, Dispatcher};
 pub use error::{DecodeFailure, Error, Result};
-pub use hub::{Hub, HubEvent};
+pub use hub::{Hub, HubEvent, OutboxStats, Posted};
 pub use message::{tag, Message};
 pub use peer::Delivery;
 pub use session::{Closed, Session, SessionConfig, SessionStats, DEFAULT_RENDEZVOUS_THRESHOLD};

@@ -305,6 +305,8 @@ struct PoolState {
     /// bound in reads under way (see [`ReadPool::within_share`]).
     readers: usize,
     waker: Option<rdmsg_transport::Waker>,
+    /// Bytes of buffers whose payloads the application shares ([`ReadBuf::share`]).
+    shared: usize,
 }
 
 impl PoolState {
@@ -331,6 +333,7 @@ impl ReadPool {
                 waiting: false,
                 readers: 0,
                 waker: None,
+                shared: 0,
             })),
         }
     }
@@ -454,6 +457,8 @@ pub struct ReadBuf {
     buf: Option<Buffer>,
     len: usize,
     pool: ReadPool,
+    /// Counted in the pool's shared bytes.
+    shared: bool,
 }
 
 impl ReadBuf {
@@ -462,7 +467,23 @@ impl ReadBuf {
             buf: Some(buf),
             len,
             pool,
+            shared: false,
         }
+    }
+
+    /// Whether its payloads may share it (see [`crate::Envelope::decode_shared`]): while
+    /// shared buffers hold at most half the pool. Counted until it is dropped.
+    pub(crate) fn share(&mut self) -> bool {
+        if !self.shared {
+            let size = self.buf.as_ref().map_or(0, |b| b.len());
+            let mut st = self.pool.lock();
+            if st.shared + size > st.max / 2 {
+                return false;
+            }
+            st.shared += size;
+            self.shared = true;
+        }
+        true
     }
 
     /// The message's bytes.
@@ -471,8 +492,19 @@ impl ReadBuf {
     }
 }
 
+impl AsRef<[u8]> for ReadBuf {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
 impl Drop for ReadBuf {
     fn drop(&mut self) {
+        if self.shared {
+            let size = self.buf.as_ref().map_or(0, |b| b.len());
+            let mut st = self.pool.lock();
+            st.shared = st.shared.saturating_sub(size);
+        }
         if let Some(b) = self.buf.take() {
             self.pool.release(b);
         }

@@ -1,11 +1,14 @@
 //! A message session over one transport connection.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::Connection;
 use rdmsg_verbs::deadline_after;
 
+use crate::call::{self, Call, CallOut, CallStats, Calls, Outgoing, Replies, Request, Responder};
 use crate::codec::{self, Decoder, Envelope};
 use crate::error::unread_error;
 use crate::peer::{self, Absorbing, Delivery, Receiver, Sender};
@@ -69,6 +72,13 @@ pub struct SessionConfig {
     /// message may always be under way. A session reassembles one message at a time and
     /// ignores this. Default 256 MiB (16 messages of the default `max_message` at once).
     pub max_reassembly_bytes: usize,
+    /// For a [`crate::Hub`]: bound on the bytes (encoded) each peer's outbox holds
+    /// ([`crate::Hub::post`]): messages, and answers to its requests, waiting for its
+    /// credits. A post beyond it is refused ([`crate::Posted::Full`]) and a
+    /// [`crate::HubEvent::Writable`] follows once the outbox has drained to half of it; one
+    /// message always fits an empty outbox. So a slow or stalled peer costs at most this
+    /// much memory, and never blocks the hub's thread. Default 4 MiB.
+    pub max_outbox_bytes: usize,
 }
 
 /// Default [`SessionConfig::rendezvous_threshold`]: 16 KiB (see the README for the
@@ -86,6 +96,7 @@ impl Default for SessionConfig {
             max_rendezvous_bytes: 64 << 20,
             keep_unconfirmed: None,
             max_reassembly_bytes: 256 << 20,
+            max_outbox_bytes: 4 << 20,
         }
     }
 }
@@ -151,6 +162,18 @@ pub struct Session {
     conn: Connection,
     sender: Sender,
     receiver: Receiver,
+    /// Our calls waiting for answers.
+    calls: Calls,
+    /// Answers to the peer's requests given on other threads (or by dropped responders).
+    replies: Arc<Replies>,
+    /// Answers taken from `replies` that could not go yet (a non-blocking call).
+    unsent: VecDeque<Box<dyn Outgoing>>,
+    /// Messages that arrived while a call waited for its answer: handed out first.
+    held: VecDeque<Envelope>,
+    /// A call's wait is receiving: an answer ends the receive.
+    waiting_call: bool,
+    /// An answer was taken in since the last look.
+    answered: bool,
 }
 
 /// The session's fields, borrowed apart: the sender and a link that waits by taking in what
@@ -184,6 +207,13 @@ impl Session {
             pool.set_waker(waker);
         }
         Self {
+            calls: Calls::default(),
+            // An answer given on another thread wakes whoever waits on the connection.
+            replies: Replies::new(conn.waker().ok()),
+            unsent: VecDeque::new(),
+            held: VecDeque::new(),
+            waiting_call: false,
+            answered: false,
             sender: Sender::new(&config, conn.peer().recv_depth)
                 .with_peer_max_read(conn.peer().max_read),
             receiver: Receiver::new(Decoder::new(config.max_message), pool),
@@ -295,6 +325,9 @@ impl Session {
     /// Flushes first, as [`Session::recv`] does, if it would wait (with
     /// [`SessionConfig::max_unsolicited_delay`], when that runs out).
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
+        if let Some(env) = self.held.pop_front() {
+            return Ok(Some(env));
+        }
         let got = self.recv_inner(timeout);
         self.took();
         got
@@ -314,6 +347,10 @@ impl Session {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
+            // An answer came: a call's wait looks whether it is its own.
+            if self.waiting_call && std::mem::take(&mut self.answered) {
+                return Ok(None);
+            }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if self.sender.queued_frames() > 0 || self.sender.flush_due() {
                 // Only if this would wait: what has arrived is taken first.
@@ -348,12 +385,20 @@ impl Session {
                 return Ok(None);
             }
             if let Some(r) = self.receiver.pop() {
-                return r.map(Some);
+                match self.route(r?)? {
+                    Some(env) => return Ok(Some(env)),
+                    None => continue,
+                }
             }
-            let arrival = self
-                .receiver
-                .advance(&mut self.conn)
-                .and_then(|()| Ok(self.conn.recv_any_timeout(left)?));
+            if self.replies.waiting() || !self.unsent.is_empty() {
+                self.send_replies(true)?;
+            }
+            let replies = &self.replies;
+            let arrival = self.receiver.advance(&mut self.conn).and_then(|()| {
+                Ok(self
+                    .conn
+                    .recv_any_interruptible(left, || replies.waiting())?)
+            });
             let arrival = match arrival {
                 Ok(a) => a,
                 Err(e) => {
@@ -387,15 +432,24 @@ impl Session {
 
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Envelope>> {
+        if let Some(env) = self.held.pop_front() {
+            return Ok(Some(env));
+        }
         let got = self.try_recv_inner();
         self.took();
         got
     }
 
     fn try_recv_inner(&mut self) -> Result<Option<Envelope>> {
+        if self.replies.waiting() || !self.unsent.is_empty() {
+            self.send_replies(false)?;
+        }
         loop {
             if let Some(r) = self.receiver.pop() {
-                return r.map(Some);
+                match self.route(r?)? {
+                    Some(env) => return Ok(Some(env)),
+                    None => continue,
+                }
             }
             let arrival = self
                 .receiver
@@ -535,11 +589,17 @@ impl Session {
         if self.receiver.has_waiting() {
             self.receiver.advance(&mut self.conn)?;
         }
-        let sent = self.sender.queued_frames() > 0 && {
-            let before = self.sender.queued_frames();
-            self.sender.send_committed(&mut self.conn)?;
-            self.sender.queued_frames() != before
+        let answered = (self.replies.waiting() || !self.unsent.is_empty()) && {
+            let before = self.unsent.len();
+            self.send_replies(false)?;
+            self.unsent.len() != before || self.unsent.is_empty()
         };
+        let sent = answered
+            || self.sender.queued_frames() > 0 && {
+                let before = self.sender.queued_frames();
+                self.sender.send_committed(&mut self.conn)?;
+                self.sender.queued_frames() != before
+            };
         if self.sender.flush_due() {
             let credits = self.conn.credits();
             self.sender
@@ -569,7 +629,7 @@ impl Session {
     /// Whether a message (or a frame to take) is there for [`Session::try_recv`] without
     /// waiting.
     pub fn has_ready(&self) -> bool {
-        self.receiver.has_ready() || self.conn.has_ready()
+        !self.held.is_empty() || self.receiver.has_ready() || self.conn.has_ready()
     }
 
     /// Whether a sent message's frames are still waiting for credits (see
@@ -598,6 +658,255 @@ impl Session {
     /// (see [`Session::split`]).
     pub fn delays_unsolicited(&self) -> bool {
         self.sender.delay_allowed()
+    }
+
+    /// Calls the peer: sends `request` and waits for its answer, all within `timeout`
+    /// ([`crate::Error::CallTimedOut`] past it; an answer that comes later is dropped and
+    /// counted in [`CallStats::late`]). The answer is decoded with
+    /// [`Envelope::decode_shared`]: its [`crate::Bulk`] fields share the received bytes.
+    /// Messages that arrive meanwhile wait for [`Session::recv`], in order. The server side
+    /// answers with the request's [`Responder`] ([`Envelope::responder`]).
+    pub fn call<R>(&mut self, request: &R, timeout: Duration) -> Result<R::Response>
+    where
+        R: Request,
+        R::Response: serde::de::DeserializeOwned,
+    {
+        let call = self.start_call(request, timeout)?;
+        self.wait(call)
+    }
+
+    /// Starts a call (see [`Session::call`]) without waiting for its answer: many can be in
+    /// flight, each waited for with [`Session::wait`] (or looked at with [`Call::is_done`]
+    /// after a receive). Waits at most `timeout` for the credit to send the request, and the
+    /// call's deadline is `timeout` from now; dropping the [`Call`] cancels it.
+    pub fn start_call<R: Request>(
+        &mut self,
+        request: &R,
+        timeout: Duration,
+    ) -> Result<Call<R::Response>> {
+        self.start_call_as(request, R::SOLICITED, timeout)
+    }
+
+    /// [`Session::start_call`] for a batch: every request but the last unsolicited, so the
+    /// whole batch wakes the server once. One deadline, `timeout` from now, for all of them.
+    pub fn start_calls<'a, R: Request + 'a>(
+        &mut self,
+        requests: impl IntoIterator<Item = &'a R>,
+        timeout: Duration,
+    ) -> Result<Vec<Call<R::Response>>> {
+        let deadline = call::deadline(timeout);
+        let mut requests = requests.into_iter().peekable();
+        let mut calls = Vec::new();
+        while let Some(r) = requests.next() {
+            let last = requests.peek().is_none();
+            let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
+            calls.push(self.start_call_until(r, last, timeout, left, deadline)?);
+        }
+        Ok(calls)
+    }
+
+    /// [`Session::start_call`], solicited or not as given.
+    pub fn start_call_as<R: Request>(
+        &mut self,
+        request: &R,
+        solicited: bool,
+        timeout: Duration,
+    ) -> Result<Call<R::Response>> {
+        let deadline = call::deadline(timeout);
+        self.start_call_until(request, solicited, timeout, timeout, deadline)
+    }
+
+    fn start_call_until<R: Request>(
+        &mut self,
+        request: &R,
+        solicited: bool,
+        timeout: Duration,
+        left: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Call<R::Response>> {
+        let id = call::lock(&self.calls).start::<R>(None);
+        let call = Call::new(
+            id,
+            self.calls.clone(),
+            std::any::type_name::<R>(),
+            timeout,
+            deadline,
+        );
+        let out = CallOut { id, m: request };
+        let (sender, link) = absorbing!(self);
+        match peer::in_time(sender.send_within(link, &out, solicited, Some(left))) {
+            Ok(true) => Ok(call),
+            Ok(false) => Err(call.timed_out()),
+            Err(e) => {
+                call::lock(&self.calls).forget(id);
+                std::mem::forget(call);
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Session::start_call`] only if the request can go without waiting: `Ok(None)`,
+    /// nothing sent, if the peer has no credit or no send slot is free. For event loops and
+    /// async runtimes.
+    pub fn try_start_call<R: Request>(
+        &mut self,
+        request: &R,
+        solicited: bool,
+        timeout: Duration,
+    ) -> Result<Option<Call<R::Response>>> {
+        let id = call::lock(&self.calls).start::<R>(None);
+        let call = Call::new(
+            id,
+            self.calls.clone(),
+            std::any::type_name::<R>(),
+            timeout,
+            call::deadline(timeout),
+        );
+        let out = CallOut { id, m: request };
+        match self.try_send_as(&out, solicited) {
+            Ok(true) => Ok(Some(call)),
+            other => {
+                call::lock(&self.calls).forget(id);
+                std::mem::forget(call);
+                other.map(|_| None)
+            }
+        }
+    }
+
+    /// Waits for `call`'s answer until its deadline, taking in what arrives meanwhile
+    /// (messages wait for [`Session::recv`]).
+    pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        loop {
+            if let Some(outcome) = call.take_outcome() {
+                return call::finish(outcome);
+            }
+            let now = Instant::now();
+            if call.expired(now) {
+                return Err(call.timed_out());
+            }
+            self.waiting_call = true;
+            self.answered = false;
+            let got = self.recv_inner(call.left(now));
+            self.waiting_call = false;
+            match got {
+                Ok(Some(env)) => {
+                    self.took();
+                    self.held.push_back(env);
+                }
+                Ok(None) => {}
+                Err(e) if e.is_fatal() => {
+                    self.took();
+                    call::lock(&self.calls).fail_peer(None, || self.failure_error());
+                    if let Some(outcome) = call.take_outcome() {
+                        return call::finish(outcome);
+                    }
+                    return Err(e);
+                }
+                // A bad frame costs its message only.
+                Err(_) => self.took(),
+            }
+        }
+    }
+
+    /// Takes in, without waiting, everything that has arrived: answers go to their calls,
+    /// messages wait for [`Session::recv`] (or [`Session::try_recv`]). Whether it took in
+    /// any message. For event loops and async runtimes that wait for calls.
+    pub fn poll_calls(&mut self) -> Result<bool> {
+        let before = self.held.len();
+        loop {
+            match self.try_recv_inner() {
+                Ok(Some(env)) => {
+                    self.took();
+                    self.held.push_back(env);
+                }
+                Ok(None) => break,
+                Err(e) if e.is_fatal() => {
+                    self.took();
+                    call::lock(&self.calls).fail_peer(None, || self.failure_error());
+                    return Err(e);
+                }
+                Err(_) => self.took(),
+            }
+        }
+        Ok(self.held.len() != before)
+    }
+
+    /// The call's answer if it is in, without waiting or receiving (`None`: not yet; it
+    /// stays under way). Pair it with [`Session::try_recv`] or [`Session::step`] in an event
+    /// loop.
+    pub fn try_wait<T>(&mut self, call: &Call<T>) -> Option<Result<T>>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call.take_outcome().map(call::finish)
+    }
+
+    /// The error calls under way fail with once the connection has failed.
+    fn failure_error(&self) -> crate::Error {
+        match self.conn.failure() {
+            Some(f) => rdmsg_transport::Error::Connection(f).into(),
+            None => rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into(),
+        }
+    }
+
+    /// Answers a request received on this session at once, on this thread: `value` is sent
+    /// as [`Session::send`] sends (waiting for a credit if need be). From another thread, use
+    /// [`Responder::respond`].
+    pub fn reply<T: Message>(&mut self, responder: Responder<T>, value: &T) -> Result<()> {
+        let Some(origin) = responder.into_origin() else {
+            return Ok(());
+        };
+        let (id, _) = origin.disarm();
+        let out = call::ReplyOut {
+            id,
+            status: 0,
+            value: Some(value),
+        };
+        let (sender, link) = absorbing!(self);
+        sender.send_as(link, &out, true)
+    }
+
+    /// Counts of calls made and served.
+    pub fn call_stats(&self) -> CallStats {
+        call::lock(&self.calls).stats()
+    }
+
+    /// A received message, as the application sees it: a request unwrapped (with where its
+    /// answer goes), an answer handed to its call (`None`).
+    fn route(&mut self, env: Envelope) -> Result<Option<Envelope>> {
+        let receiver = &self.receiver;
+        match call::route(env, None, &self.calls, &self.replies, |t| {
+            receiver.accepts(t)
+        })? {
+            call::Routed::Deliver(env) => Ok(Some(env)),
+            call::Routed::Consumed => {
+                self.answered = true;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Sends the answers given on other threads, in order: waiting for credits (`block`), or
+    /// those that can go now, keeping the rest for later.
+    fn send_replies(&mut self, block: bool) -> Result<()> {
+        self.unsent
+            .extend(self.replies.take().into_iter().map(|r| r.msg));
+        while let Some(msg) = self.unsent.front() {
+            if block {
+                let (sender, link) = absorbing!(self);
+                msg.send_session(sender, link)?;
+            } else {
+                self.sender.learn_note(self.conn.peer_note());
+                if !msg.try_send_conn(&mut self.sender, &mut self.conn)? {
+                    return Ok(());
+                }
+            }
+            self.unsent.pop_front();
+        }
+        Ok(())
     }
 }
 

@@ -127,6 +127,7 @@ fn serve(addr_tx: mpsc::Sender<SocketAddr>) -> Served {
             HubEvent::HandshakeFailed { error, .. } => panic!("handshake failed: {error}"),
             HubEvent::Unread { peer, messages } => panic!("{peer} closed with {messages} unread"),
             HubEvent::Unconfirmed { peer, .. } => panic!("{peer}: copies are not kept"),
+            HubEvent::Writable { peer } => panic!("{peer}: nothing was posted"),
             HubEvent::Message { .. } => {}
         }
         ControlFlow::Continue(())

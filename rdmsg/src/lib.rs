@@ -36,6 +36,8 @@
 //! | you want | use |
 //! |---|---|
 //! | typed messages, one wake-up per batch or alarm, handlers per type | the root: [`Session`], [`Message`], [`message!`], [`Dispatcher`] |
+//! | calls: a request answered by its response, with a deadline, many in flight | the root: [`request!`], [`Session::call`] / [`Session::start_call`], [`Envelope::responder`] and [`Responder`] on the serving side |
+//! | a server that never waits for one slow peer | the root: [`Hub::post`] (a bounded outbox per peer, [`HubEvent::Writable`]) |
 //! | the same with many peers, served by one thread | the root: [`Hub`] with a [`HubConfig`], [`HubEvent`]s naming a [`PeerId`] |
 //! | the same on tokio: sends, receives and accepts as futures | `rdmsg::tokio` (feature `tokio`): `AsyncSession`, `AsyncListener`, `AsyncHub` |
 //! | raw bytes with credits, zero-copy receive buffers, failures typed | [`transport`]: [`transport::Connection`] |
@@ -55,9 +57,9 @@
 #![deny(missing_docs)]
 
 pub use rdmsg_msg::{
-    message, tag, Bulk, Closed, DecodeFailure, Delivery, DispatchStats, Dispatcher, Envelope,
-    Error, Hub, HubEvent, Message, RecvHalf, Result, SendHalf, Session, SessionConfig,
-    SessionStats,
+    message, request, tag, Bulk, Call, CallStats, Closed, DecodeFailure, Delivery, DispatchStats,
+    Dispatcher, Envelope, Error, Hub, HubEvent, Message, OutboxStats, Posted, RecvHalf, Request,
+    Responder, Result, SendHalf, Session, SessionConfig, SessionStats,
 };
 pub use rdmsg_transport::{
     Config, Connection, Endpoint, Failure, HubConfig, Listener, PeerId, Psk, Received,

@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use rdmsg_msg::{Hub, HubEvent, Message, SessionStats};
+use rdmsg_msg::{Hub, HubEvent, Message, Posted, Request, Responder, SessionStats};
 use rdmsg_transport::PeerId;
 
 use crate::error::io;
@@ -88,6 +88,66 @@ impl AsyncHub {
             let delays = h.delays_unsolicited();
             Ok(h.try_send_as(peer, m, solicited || (waiting && !delays))?)
         })
+    }
+
+    /// Sends `m` to `peer` without ever waiting (see [`Hub::post`]): at once, or queued in
+    /// its bounded outbox, or handed back if that is full ([`HubEvent::Writable`] follows
+    /// once it has room). Queued messages go as the peer's credits come, driven by the tasks
+    /// that wait on the hub.
+    pub fn post<M: Message + Send + 'static>(&self, peer: PeerId, m: M) -> Result<Posted<M>> {
+        self.with_hub(|h| Ok(h.post(peer, m)?))
+    }
+
+    /// Answers a request from a peer without waiting (see [`Hub::reply`]).
+    /// [`Responder::respond`] does the same from any task or thread.
+    pub fn reply<T: Message + Send + 'static>(
+        &self,
+        responder: Responder<T>,
+        value: T,
+    ) -> Result<Posted<T>> {
+        self.with_hub(|h| Ok(h.reply(responder, value)?))
+    }
+
+    /// Calls `peer` (see [`Hub::call`]): the request goes at once or through `peer`'s
+    /// outbox, and its answer is awaited, all within `timeout`. Dropping the future cancels
+    /// the call. Other events wait for [`AsyncHub::recv`].
+    pub async fn call<R>(
+        &self,
+        peer: PeerId,
+        request: &R,
+        timeout: std::time::Duration,
+    ) -> Result<R::Response>
+    where
+        R: Request + Clone + Send + 'static,
+        R::Response: serde::de::DeserializeOwned,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let start = self
+            .shared
+            .run(false, |h, _| Ok(h.try_start_call(peer, request, timeout)?));
+        let call = match tokio::time::timeout_at(deadline, start).await {
+            Ok(call) => call?,
+            Err(_) => {
+                return Err(rdmsg_msg::Error::CallTimedOut {
+                    request: std::any::type_name::<R>(),
+                    after: timeout,
+                }
+                .into())
+            }
+        };
+        let answer = self.shared.run(true, |h, shared| {
+            if let Some(done) = h.try_wait(&call) {
+                return Ok(Some(done?));
+            }
+            if h.poll_calls()? {
+                shared.changed.notify_waiters();
+            }
+            Ok(h.try_wait(&call).transpose()?)
+        });
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(answer) => answer,
+            Err(_) => Err(call.expire().into()),
+        }
     }
 
     /// Flushes `peer` (see [`Hub::flush`]) without waiting: whether nothing is left pending.

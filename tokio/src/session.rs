@@ -4,7 +4,7 @@ use std::net::ToSocketAddrs;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use rdmsg_msg::{Envelope, Message, Session, SessionConfig, SessionStats};
+use rdmsg_msg::{Envelope, Message, Request, Session, SessionConfig, SessionStats};
 use rdmsg_transport::{Config, Endpoint};
 
 use crate::shared::{Drive, SharedDriver};
@@ -88,6 +88,50 @@ impl AsyncSession {
             self.shared.changed.notify_waiters();
         }
         Ok(sent)
+    }
+
+    /// Calls the peer (see [`Session::call`]): sends `request` and waits for its answer, all
+    /// within `timeout` ([`rdmsg_msg::Error::CallTimedOut`] past it). Cancel-safe in the
+    /// sense that matters for calls: dropping the future cancels the call (its answer, if
+    /// it comes, is dropped and counted late); the request may or may not have gone.
+    /// Messages that arrive meanwhile wait for [`AsyncSession::recv`]. A request received
+    /// here is answered with its [`rdmsg_msg::Responder::respond`], from any task: the
+    /// session's driver sends it without blocking anyone.
+    pub async fn call<R>(&self, request: &R, timeout: std::time::Duration) -> Result<R::Response>
+    where
+        R: Request,
+        R::Response: serde::de::DeserializeOwned,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let start = self.shared.run(false, |s, shared| {
+            let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
+            let solicit = R::SOLICITED || (waiting && !s.delays_unsolicited());
+            Ok(s.try_start_call(request, solicit, timeout)?)
+        });
+        let call = match tokio::time::timeout_at(deadline, start).await {
+            Ok(call) => call?,
+            Err(_) => {
+                return Err(rdmsg_msg::Error::CallTimedOut {
+                    request: std::any::type_name::<R>(),
+                    after: timeout,
+                }
+                .into())
+            }
+        };
+        let answer = self.shared.run(true, |s, shared| {
+            if let Some(done) = s.try_wait(&call) {
+                return Ok(Some(done?));
+            }
+            if s.poll_calls()? {
+                // Messages for the receiving tasks.
+                shared.changed.notify_waiters();
+            }
+            Ok(s.try_wait(&call).transpose()?)
+        });
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(answer) => answer,
+            Err(_) => Err(call.expire().into()),
+        }
     }
 
     /// Receives the next message (cancel-safe).

@@ -469,6 +469,7 @@ fn collect(
             HubEvent::Unread { peer, messages } => {
                 c.error(format_args!("{peer} closed with {messages} unread"))
             }
+            HubEvent::Writable { .. } => {} // nothing is posted here
             HubEvent::Unconfirmed { peer, delivery, .. } => c.error(format_args!(
                 "{peer} ended with {} message(s) not taken",
                 delivery.unconfirmed()
@@ -766,6 +767,7 @@ impl SensorsState {
             HubEvent::Disconnected { peer, failure } => bail!("{peer} failed: {failure}"),
             HubEvent::BadFrame { peer, error } => bail!("{peer}: {error}"),
             HubEvent::Unread { peer, messages } => bail!("{peer} closed with {messages} unread"),
+            HubEvent::Writable { .. } => {} // nothing is posted here
             HubEvent::Unconfirmed { peer, delivery, .. } => bail!(
                 "{peer} ended with {} message(s) not taken",
                 delivery.unconfirmed()

@@ -567,6 +567,8 @@ impl Node {
                     delivery.unconfirmed()
                 ));
             }
+            // Nothing is posted here: sends wait for credits.
+            HubEvent::Writable { .. } => {}
             HubEvent::Disconnected { peer, failure } => {
                 self.unjoined.retain(|c| *c != peer);
                 let Some(i) = self.index_of(peer) else {

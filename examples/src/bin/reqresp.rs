@@ -268,7 +268,8 @@ fn serve(listen: &str, clients: Option<u32>, process: Option<&mut PeerProcess>) 
                 let n = delivery.unconfirmed();
                 eprintln!("server: {peer} ended with {n} message(s) not taken");
             }
-            HubEvent::Message { .. } => {}
+            // Nothing is posted: answers wait for credits.
+            HubEvent::Writable { .. } | HubEvent::Message { .. } => {}
         }
         if Some(gone) == clients {
             ControlFlow::Break(())
@@ -440,6 +441,7 @@ fn run_clients(connect: &str, count: u32, requests: u64) -> Result<()> {
                 let n = delivery.unconfirmed();
                 eprintln!("clients: {peer} ended with {n} message(s) not taken");
             }
+            HubEvent::Writable { .. } => {}
             HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
         }
     }

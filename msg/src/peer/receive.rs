@@ -147,6 +147,11 @@ impl Receiver {
         self.decoder.register::<M>()
     }
 
+    /// Whether messages of `tag` are taken (see [`Decoder::accepts`]).
+    pub(crate) fn accepts(&self, tag: u32) -> bool {
+        self.decoder.accepts(tag)
+    }
+
     /// Takes one frame: a message (or the typed error of a frame that was dropped, counted)
     /// joins the queue in order; a descriptor queues its read; an acknowledgement is kept for
     /// the sender ([`Receiver::take_acked`]).

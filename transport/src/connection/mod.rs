@@ -637,6 +637,23 @@ impl Connection {
         self.wait_for(timeout, Self::try_recv_any)
     }
 
+    /// [`Connection::recv_any_timeout`] that also returns `Ok(None)` once `interrupted` holds
+    /// (looked at before each wait and after each wake-up): for a thread that sleeps here
+    /// while other threads hand it work, waking it with a [`Waker`].
+    pub fn recv_any_interruptible(
+        &mut self,
+        timeout: Option<Duration>,
+        interrupted: impl Fn() -> bool,
+    ) -> Result<Option<Arrival>> {
+        let got = self.wait_for(timeout, |c| {
+            if interrupted() {
+                return Ok(Some(None));
+            }
+            Ok(c.try_recv_any()?.map(Some))
+        })?;
+        Ok(got.flatten())
+    }
+
     /// A handle that makes the connection's descriptor readable (and ends its blocking
     /// waits), from any thread: for threads sharing the connection, one of which sleeps on
     /// it while another changed what it waits for.

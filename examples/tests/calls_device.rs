@@ -1,0 +1,367 @@
+//! Calls, outboxes and shared decoding on rxe0: calls with deadlines, many in flight, answered
+//! from other threads, refused, dropped and late; a hub whose stalled peer fills its outbox
+//! while the hub goes on serving another; `Bulk` payloads decoded in place; the key-value
+//! example. Ignored on hosts; `cargo xtask test` runs them in the VM.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdmsg::transport::loopback_pair;
+use rdmsg::{
+    message, request, Bulk, Config, Endpoint, Error, Hub, HubConfig, HubEvent, PeerId, Posted,
+    Session, SessionConfig,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Add {
+    a: i64,
+    b: i64,
+}
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Sum(i64);
+#[derive(Debug, Serialize, Deserialize)]
+struct Slow {
+    ms: u64,
+}
+#[derive(Debug, Serialize, Deserialize)]
+struct Ignored;
+#[derive(Debug, Serialize, Deserialize)]
+struct Unserved;
+#[derive(Debug, Serialize, Deserialize)]
+struct Big {
+    len: usize,
+}
+#[derive(Debug, Serialize, Deserialize)]
+struct Blob {
+    data: Bulk,
+}
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Note(u32);
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Tick {
+    n: u32,
+    pad: Vec<u8>,
+}
+#[derive(Debug, Serialize, Deserialize)]
+struct Put {
+    key: String,
+    value: Bulk,
+}
+
+request!(Add => Sum);
+request!(Slow => Sum);
+request!(Ignored => Sum);
+request!(Unserved => Sum);
+request!(Big => Blob);
+message!(Sum);
+message!(Blob);
+message!(Note);
+message!(Tick, solicited = false);
+message!(Put);
+
+const WAIT: Option<Duration> = Some(Duration::from_secs(20));
+const T: Duration = Duration::from_secs(20);
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8).collect()
+}
+
+/// The server side of the session test: answers on its own thread, from others, late, never.
+fn serve_session(mut s: Session) -> u32 {
+    s.register::<Add>().unwrap();
+    s.register::<Slow>().unwrap();
+    s.register::<Ignored>().unwrap();
+    s.register::<Big>().unwrap();
+    s.register::<Note>().unwrap();
+    let mut notes = 0;
+    loop {
+        let mut env = match s.recv() {
+            Ok(env) => env,
+            Err(e) if e.is_peer_closed() => return notes,
+            Err(e) => panic!("server: {e}"),
+        };
+        if env.is::<Note>() {
+            notes += 1;
+        } else if env.is::<Add>() {
+            let add: Add = env.decode().unwrap();
+            let r = env.responder::<Add>().unwrap();
+            if add.a == 100 {
+                // A plain message before the answer: the caller's call still ends, and the
+                // message waits for its receive.
+                s.send(&Note(7)).unwrap();
+            }
+            s.reply(r, &Sum(add.a + add.b)).unwrap();
+        } else if env.is::<Big>() {
+            let len = env.decode::<Big>().unwrap().len;
+            let r = env.responder::<Big>().unwrap();
+            thread::spawn(move || {
+                r.respond(Blob {
+                    data: Bulk::new(pattern(len)),
+                })
+            });
+        } else if env.is::<Slow>() {
+            let ms = env.decode::<Slow>().unwrap().ms;
+            let r = env.responder::<Slow>().unwrap();
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(ms));
+                r.respond(Sum(-1));
+            });
+        } else {
+            assert!(env.is::<Ignored>());
+            // Dropped with its responder inside: "no answer".
+        }
+    }
+}
+
+#[test]
+#[ignore = "device"]
+fn calls_end_in_an_answer_a_refusal_or_their_deadline() {
+    let (srv, cli) = loopback_pair(&Config::default(), &Config::default()).expect("device");
+    let server = thread::spawn(move || serve_session(Session::new(srv)));
+    let mut s = Session::new(cli);
+
+    assert_eq!(s.call(&Add { a: 1, b: 2 }, T).unwrap(), Sum(3));
+    // Many in flight, waited for out of order, plain messages between them.
+    let calls: Vec<_> = (0..8)
+        .map(|i| {
+            s.send(&Note(i)).unwrap();
+            s.start_call(&Add { a: i.into(), b: 1 }, T).unwrap()
+        })
+        .collect();
+    for (i, call) in calls.into_iter().enumerate().rev() {
+        assert_eq!(s.wait(call).unwrap(), Sum(i as i64 + 1));
+    }
+    // A batch of requests: one deadline, one wake-up's worth of solicitation.
+    let batch: Vec<Add> = (0..16).map(|i| Add { a: i, b: i }).collect();
+    let calls = s.start_calls(&batch, T).unwrap();
+    for (i, call) in calls.into_iter().enumerate() {
+        assert_eq!(s.wait(call).unwrap(), Sum(2 * i as i64));
+    }
+    // A message that comes while a call waits is kept for the next receive.
+    assert_eq!(s.call(&Add { a: 100, b: 1 }, T).unwrap(), Sum(101));
+    let note = s.recv_timeout(WAIT).unwrap().expect("the note");
+    assert_eq!(note.decode::<Note>().unwrap(), Note(7));
+    // Answered from another thread, by rendezvous (1 MiB).
+    let blob = s.call(&Big { len: 1 << 20 }, T).unwrap();
+    assert_eq!(&blob.data[..], &pattern(1 << 20)[..]);
+    // Dropped unanswered: known at once, not at the deadline.
+    let t = Instant::now();
+    let err = s.call(&Ignored, T).unwrap_err();
+    assert!(matches!(err, Error::NoAnswer { .. }), "{err}");
+    assert!(t.elapsed() < T / 2);
+    // A type the server does not take.
+    let err = s.call(&Unserved, T).unwrap_err();
+    assert!(matches!(err, Error::NotServed { .. }), "{err}");
+    // Past its deadline: timed out, its answer late when it comes.
+    let t = Instant::now();
+    let err = s
+        .call(&Slow { ms: 1500 }, Duration::from_millis(300))
+        .unwrap_err();
+    assert!(matches!(err, Error::CallTimedOut { .. }), "{err}");
+    assert!(t.elapsed() >= Duration::from_millis(300) && t.elapsed() < Duration::from_millis(1500));
+    thread::sleep(Duration::from_millis(1500));
+    assert_eq!(s.call(&Add { a: 2, b: 2 }, T).unwrap(), Sum(4));
+    // A dropped call: its answer is late too.
+    drop(s.start_call(&Add { a: 0, b: 0 }, T).unwrap());
+    assert_eq!(s.call(&Add { a: 3, b: 3 }, T).unwrap(), Sum(6));
+    let stats = s.call_stats();
+    println!("client {stats:?}");
+    assert_eq!(
+        (stats.late, stats.timed_out, stats.in_flight),
+        (2, 1, 0),
+        "{stats:?}"
+    );
+    s.close().unwrap();
+    assert_eq!(server.join().unwrap(), 8, "every note arrived");
+}
+
+/// A client that reads nothing until told, then everything: the hub's stalled peer.
+fn stalled_client(addr: SocketAddr, go: mpsc::Receiver<()>) -> u32 {
+    let ep = Endpoint::open_default().unwrap();
+    let mut s = Session::new(ep.connect(addr, &Config::default()).unwrap());
+    go.recv().unwrap();
+    let mut next = 0;
+    loop {
+        match s.recv() {
+            Ok(env) => {
+                let tick: Tick = env.decode().unwrap();
+                assert_eq!(tick.n, next, "in order, nothing lost");
+                next += 1;
+            }
+            Err(e) if e.is_peer_closed() => return next,
+            Err(e) => panic!("stalled client: {e}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "device"]
+fn a_stalled_peer_fills_its_outbox_and_never_blocks_the_hub() {
+    let ep = Endpoint::open_default().expect("device");
+    let session = SessionConfig {
+        max_outbox_bytes: 64 << 10,
+        ..SessionConfig::default()
+    };
+    let mut hub = Hub::with_config(&ep, HubConfig::default(), session).unwrap();
+    hub.register::<Add>().unwrap();
+    let addr = hub.listen("127.0.0.1:0").unwrap();
+    let next_peer = |hub: &mut Hub| match hub.recv_timeout(WAIT).unwrap() {
+        Some(HubEvent::Connected { peer, .. }) => peer,
+        ev => panic!("a client should have connected: {ev:?}"),
+    };
+    let (go_tx, go_rx) = mpsc::channel();
+    let stalled_thread = thread::spawn(move || stalled_client(addr, go_rx));
+    let stalled: PeerId = next_peer(&mut hub);
+    let lively_thread = thread::spawn(move || {
+        let ep = Endpoint::open_default().unwrap();
+        let mut s = Session::new(ep.connect(addr, &Config::default()).unwrap());
+        for i in 0..200 {
+            assert_eq!(s.call(&Add { a: i, b: i }, T).unwrap(), Sum(2 * i));
+        }
+        s.close().unwrap();
+    });
+    let lively = next_peer(&mut hub);
+    // Post to the stalled peer until its outbox is full.
+    let tick = |n| Tick {
+        n,
+        pad: vec![0; 1000],
+    };
+    let (mut posted, mut queued) = (0u32, 0u32);
+    loop {
+        match hub.post(stalled, tick(posted)).unwrap() {
+            Posted::Sent => posted += 1,
+            Posted::Queued => {
+                posted += 1;
+                queued += 1;
+            }
+            Posted::Full(t) => {
+                assert_eq!(t.n, posted, "the message comes back");
+                break;
+            }
+        }
+    }
+    let outbox = hub.outbox(stalled).unwrap();
+    println!("posted {posted} ({queued} queued), outbox {outbox:?}");
+    assert!(
+        queued > 0 && outbox.bytes <= 64 << 10 && outbox.refused == 1,
+        "{outbox:?}"
+    );
+    // The hub serves the other peer meanwhile.
+    let t = Instant::now();
+    let (mut answered, mut writable, mut lively_gone) = (0, false, false);
+    while !lively_gone {
+        match hub
+            .recv_timeout(WAIT)
+            .unwrap()
+            .expect("the lively client's calls")
+        {
+            HubEvent::Message { peer, mut msg } => {
+                assert_eq!(peer, lively);
+                let add: Add = msg.decode().unwrap();
+                let r = msg.responder::<Add>().unwrap();
+                assert!(matches!(
+                    hub.reply(r, Sum(add.a + add.b)).unwrap(),
+                    Posted::Sent
+                ));
+                answered += 1;
+            }
+            HubEvent::Disconnected { peer, .. } if peer == lively => lively_gone = true,
+            ev => panic!("{ev:?}"),
+        }
+    }
+    println!(
+        "200 calls served in {:?} beside the stalled peer",
+        t.elapsed()
+    );
+    assert_eq!(answered, 200);
+    assert_eq!(
+        hub.outbox(stalled).unwrap().messages,
+        outbox.messages,
+        "still stalled"
+    );
+    // The stalled peer reads: its outbox drains, and the hub says it can take more.
+    go_tx.send(()).unwrap();
+    while !writable {
+        match hub.recv_timeout(WAIT).unwrap().expect("Writable") {
+            HubEvent::Writable { peer } => {
+                assert_eq!(peer, stalled);
+                writable = true;
+            }
+            ev => panic!("{ev:?}"),
+        }
+    }
+    assert!(matches!(
+        hub.post(stalled, tick(posted)).unwrap(),
+        Posted::Sent | Posted::Queued
+    ));
+    posted += 1;
+    while hub.outbox(stalled).unwrap().messages > 0 {
+        hub.recv_timeout(Some(Duration::from_millis(10))).unwrap();
+    }
+    hub.close(stalled).unwrap();
+    assert_eq!(
+        stalled_thread.join().unwrap(),
+        posted,
+        "every posted message arrived"
+    );
+    lively_thread.join().unwrap();
+}
+
+#[test]
+#[ignore = "device"]
+fn bulk_payloads_decode_in_place() {
+    let (srv, cli) = loopback_pair(&Config::default(), &Config::default()).expect("device");
+    let mut rx = Session::new(srv);
+    let mut tx = Session::new(cli);
+    // By rendezvous (1 MiB), in fragments (12 KiB: under the rendezvous threshold), inline
+    // (100 B: too small to share).
+    for (len, shared) in [(1 << 20, true), (12 << 10, true), (100, false)] {
+        let value = Bulk::new(pattern(len));
+        tx.send(&Put {
+            key: format!("k{len}"),
+            value: value.clone(),
+        })
+        .unwrap();
+        let mut env = rx.recv_timeout(WAIT).unwrap().expect("the put");
+        let put: Put = env.decode_shared().unwrap();
+        assert_eq!(put.value, value);
+        let body = env.body().as_ptr_range();
+        assert_eq!(body.contains(&put.value.as_ptr()), shared, "{len} bytes");
+        // Kept past its envelope: the bytes stay valid.
+        drop(env);
+        assert_eq!(&put.value[..], &pattern(len)[..]);
+    }
+    tx.close().unwrap();
+}
+
+#[test]
+#[ignore = "device"]
+fn the_key_value_example_answers_every_call_right() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kv"))
+        .args([
+            "--clients",
+            "3",
+            "--requests",
+            "1200",
+            "--max-value",
+            "4194304",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success());
+    let last = text.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("kv: ") && last.contains(" mismatches=0 "),
+        "{last}"
+    );
+    assert!(
+        last.contains(" ok=1200 "),
+        "every call answered in time: {last}"
+    );
+}

@@ -1,0 +1,887 @@
+//! Calls: a typed request answered by a typed response, over the same connection as plain
+//! messages, each with one deadline for the whole exchange.
+//!
+//! On the wire a request is a message of its own tag ([`CALL_TAG`]) whose body is the call's
+//! number, the request type's tag and the request; an answer is a message of tag
+//! [`REPLY_TAG`] whose body is the call's number, a status and the response. The receiving
+//! side unwraps both before the application sees anything: a request arrives as an
+//! [`Envelope`] of the request's own type that also carries a [`Responder`]
+//! ([`Envelope::responder`]), so routing by type ([`crate::Dispatcher`]) and decoding
+//! (borrowed views included) work as for any message; an answer goes to the call waiting for
+//! it, and one nobody waits for any more (it came after its deadline, or its call was
+//! dropped) is counted in [`CallStats::late`] and dropped.
+//!
+//! A request type names its response type ([`Request`], declared with [`crate::request!`]).
+//! Requests and answers are solicited unless the request type says otherwise, so an answer
+//! always wakes the caller; `start_calls` sends a batch of requests that wakes the server
+//! once.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use rdmsg_transport::{Connection, PeerId, Waker};
+use serde::ser::{SerializeTuple, Serializer};
+use serde::Serialize;
+
+use crate::codec::Envelope;
+use crate::peer::{Absorbing, HubLink, Link, Sender};
+use crate::{tag, Error, Message, Result};
+
+/// A message that asks for an answer of type [`Request::Response`]. Declare both with
+/// [`crate::request!`].
+pub trait Request: Message {
+    /// The type of the answer.
+    type Response: Message;
+}
+
+/// Declares a request type: implements [`Message`] (as [`crate::message!`] does, with the
+/// same tag rules) and [`Request`] with its response type.
+///
+/// ```
+/// use serde::{Deserialize, Serialize};
+/// #[derive(Serialize, Deserialize)]
+/// struct Get { key: String }
+/// #[derive(Serialize, Deserialize)]
+/// struct Value(Option<Vec<u8>>);
+/// rdmsg_msg::message!(Value);
+/// rdmsg_msg::request!(Get => Value);                     // tag of "Get"
+/// # #[derive(Serialize, Deserialize)] struct Put;
+/// rdmsg_msg::request!(Put => Value, tag = "kv.put");     // wire name pinned
+/// ```
+#[macro_export]
+macro_rules! request {
+    ($name:ident => $resp:ty) => {
+        $crate::message!($name);
+        impl $crate::Request for $name {
+            type Response = $resp;
+        }
+    };
+    ($ty:ty => $resp:ty, tag = $t:expr) => {
+        $crate::message!($ty, tag = $t);
+        impl $crate::Request for $ty {
+            type Response = $resp;
+        }
+    };
+    ($ty:ty => $resp:ty, tag = $t:expr, solicited = $s:expr) => {
+        $crate::message!($ty, tag = $t, solicited = $s);
+        impl $crate::Request for $ty {
+            type Response = $resp;
+        }
+    };
+}
+
+/// Tag of a request's frame (its body: call number, request tag, request).
+pub const CALL_TAG: u32 = tag("rdmsg.call");
+/// Tag of an answer's frame (its body: call number, status, response).
+pub const REPLY_TAG: u32 = tag("rdmsg.reply");
+
+/// An answer's status.
+const ANSWERED: u8 = 0;
+/// The server dropped the request's responder without answering.
+const NO_ANSWER: u8 = 1;
+/// The server does not take requests of that type (it registered types, not this one).
+const NOT_SERVED: u8 = 2;
+
+/// A request as it goes: `(id, tag, request)`.
+pub(crate) struct CallOut<'a, M> {
+    pub(crate) id: u64,
+    pub(crate) m: &'a M,
+}
+
+impl<M: Message> Serialize for CallOut<'_, M> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut t = s.serialize_tuple(3)?;
+        t.serialize_element(&self.id)?;
+        t.serialize_element(&M::TAG)?;
+        t.serialize_element(self.m)?;
+        t.end()
+    }
+}
+
+impl<M: Message> Message for CallOut<'_, M> {
+    const TAG: u32 = CALL_TAG;
+    const SOLICITED: bool = M::SOLICITED;
+}
+
+/// A request owned by an outbox, as it goes (as [`CallOut`]).
+pub(crate) struct CallOwned<M> {
+    pub(crate) id: u64,
+    pub(crate) request: M,
+}
+
+impl<M: Message> Serialize for CallOwned<M> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        CallOut {
+            id: self.id,
+            m: &self.request,
+        }
+        .serialize(s)
+    }
+}
+
+impl<M: Message> Message for CallOwned<M> {
+    const TAG: u32 = CALL_TAG;
+    const SOLICITED: bool = M::SOLICITED;
+}
+
+/// An answer as it goes: `(id, status[, response])`.
+pub(crate) struct ReplyOut<'a, T> {
+    pub(crate) id: u64,
+    pub(crate) status: u8,
+    pub(crate) value: Option<&'a T>,
+}
+
+impl<T: Serialize> Serialize for ReplyOut<'_, T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut t = s.serialize_tuple(2 + usize::from(self.value.is_some()))?;
+        t.serialize_element(&self.id)?;
+        t.serialize_element(&self.status)?;
+        if let Some(v) = self.value {
+            t.serialize_element(v)?;
+        }
+        t.end()
+    }
+}
+
+impl<T: Serialize> Message for ReplyOut<'_, T> {
+    const TAG: u32 = REPLY_TAG;
+}
+
+/// A message owned by a queue (a hub's outbox, answers from other threads), sent later by
+/// the thread that drives the connection.
+pub(crate) trait Outgoing: Send + fmt::Debug {
+    /// Sends it over a session, waiting for credits as a send does.
+    fn send_session(&self, sender: &mut Sender, link: &mut Absorbing<'_>) -> Result<()>;
+    /// Sends it over a session's connection if it can go now.
+    fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool>;
+    /// Sends it to a hub's peer if it can go now.
+    fn try_send_hub(&self, sender: &mut Sender, link: &mut HubLink<'_>) -> Result<bool>;
+    /// Its encoded length (what it holds, roughly).
+    fn size(&self) -> usize;
+}
+
+/// Sends `m` if it can go now.
+fn try_send<M: Message>(
+    sender: &mut Sender,
+    link: &mut impl Link,
+    m: &M,
+    solicited: bool,
+) -> Result<bool> {
+    sender.try_send_as(link, m, solicited)
+}
+
+/// Encoded length of `m` (bincode's standard configuration, as frames use), without encoding
+/// it anywhere.
+pub(crate) fn encoded_len<M: Serialize>(m: &M) -> usize {
+    let mut size = bincode::enc::write::SizeWriter::default();
+    match bincode::serde::encode_into_writer(m, &mut size, bincode::config::standard()) {
+        Ok(()) => size.bytes_written,
+        Err(_) => 0,
+    }
+}
+
+/// A message of the application's, owned by a hub's outbox.
+pub(crate) struct Owned<M> {
+    pub(crate) m: M,
+    pub(crate) solicited: bool,
+}
+
+impl<T> fmt::Debug for OwnedReply<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "answer to call {} ({})", self.id, self.status)
+    }
+}
+
+impl<M> fmt::Debug for Owned<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(std::any::type_name::<M>())
+    }
+}
+
+impl<M: Message + Send> Outgoing for Owned<M> {
+    fn send_session(&self, sender: &mut Sender, link: &mut Absorbing<'_>) -> Result<()> {
+        sender.send_as(link, &self.m, self.solicited)
+    }
+    fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool> {
+        try_send(sender, conn, &self.m, self.solicited)
+    }
+    fn try_send_hub(&self, sender: &mut Sender, link: &mut HubLink<'_>) -> Result<bool> {
+        try_send(sender, link, &self.m, self.solicited)
+    }
+    fn size(&self) -> usize {
+        encoded_len(&self.m)
+    }
+}
+
+/// An answer owned by a queue.
+pub(crate) struct OwnedReply<T> {
+    pub(crate) id: u64,
+    pub(crate) status: u8,
+    pub(crate) value: Option<T>,
+}
+
+impl<T: Serialize> OwnedReply<T> {
+    fn out(&self) -> ReplyOut<'_, T> {
+        ReplyOut {
+            id: self.id,
+            status: self.status,
+            value: self.value.as_ref(),
+        }
+    }
+}
+
+impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
+    fn send_session(&self, sender: &mut Sender, link: &mut Absorbing<'_>) -> Result<()> {
+        sender.send_as(link, &self.out(), true)
+    }
+    fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool> {
+        try_send(sender, conn, &self.out(), true)
+    }
+    fn try_send_hub(&self, sender: &mut Sender, link: &mut HubLink<'_>) -> Result<bool> {
+        try_send(sender, link, &self.out(), true)
+    }
+    fn size(&self) -> usize {
+        encoded_len(&self.out())
+    }
+}
+
+/// An answer waiting for the thread that drives the connection.
+pub(crate) struct QueuedReply {
+    /// To whom (a hub's peer; `None` for a session).
+    pub(crate) peer: Option<PeerId>,
+    pub(crate) msg: Box<dyn Outgoing>,
+}
+
+impl fmt::Debug for QueuedReply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "QueuedReply({:?})", self.peer)
+    }
+}
+
+/// Answers given on other threads (or by dropped responders), for the session or hub that
+/// received the requests to send, and the waker that tells it.
+#[derive(Debug, Default)]
+pub(crate) struct Replies {
+    queue: Mutex<Vec<QueuedReply>>,
+    any: AtomicBool,
+    waker: Option<Waker>,
+}
+
+impl Replies {
+    /// Answers for a session or hub woken by `waker` (if it has one).
+    pub(crate) fn new(waker: Option<Waker>) -> Arc<Self> {
+        Arc::new(Self {
+            queue: Mutex::new(Vec::new()),
+            any: AtomicBool::new(false),
+            waker,
+        })
+    }
+
+    fn push(&self, reply: QueuedReply) {
+        self.queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(reply);
+        self.any.store(true, Ordering::SeqCst);
+        if let Some(w) = &self.waker {
+            w.wake();
+        }
+    }
+
+    /// Whether answers wait (one atomic load: cheap enough for every call).
+    pub(crate) fn waiting(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
+    /// The answers waiting, in the order given.
+    pub(crate) fn take(&self) -> Vec<QueuedReply> {
+        if !self.waiting() {
+            return Vec::new();
+        }
+        self.any.store(false, Ordering::SeqCst);
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// Where a received request came from, and where its answer goes. Dropped unanswered, it
+/// answers "no answer".
+#[derive(Debug)]
+pub(crate) struct Origin {
+    pub(crate) id: u64,
+    pub(crate) peer: Option<PeerId>,
+    pub(crate) replies: Arc<Replies>,
+    answered: bool,
+}
+
+impl Origin {
+    pub(crate) fn new(id: u64, peer: Option<PeerId>, replies: Arc<Replies>) -> Self {
+        Self {
+            id,
+            peer,
+            replies,
+            answered: false,
+        }
+    }
+
+    fn answer(mut self, msg: Box<dyn Outgoing>) {
+        self.answered = true;
+        self.replies.push(QueuedReply {
+            peer: self.peer,
+            msg,
+        });
+    }
+
+    /// Taken to be answered by the thread that drives the connection: no "no answer" on drop.
+    pub(crate) fn disarm(mut self) -> (u64, Option<PeerId>) {
+        self.answered = true;
+        (self.id, self.peer)
+    }
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.replies.push(QueuedReply {
+                peer: self.peer,
+                msg: Box::new(OwnedReply::<()> {
+                    id: self.id,
+                    status: NO_ANSWER,
+                    value: None,
+                }),
+            });
+        }
+    }
+}
+
+/// The answer to one received request, at most once, from any thread. Dropped without an
+/// answer, it answers "no answer" ([`Error::NoAnswer`] for the caller) so that the caller
+/// need not wait for its deadline.
+///
+/// [`Responder::respond`] hands the answer to the thread that drives the session (or hub),
+/// waking it: from another thread, that is how to answer. On that thread,
+/// [`crate::Session::reply`] (or [`crate::Hub::reply`]) sends it at once, without a queue.
+pub struct Responder<T> {
+    origin: Option<Origin>,
+    request: &'static str,
+    _answer: PhantomData<fn(T)>,
+}
+
+impl<T> fmt::Debug for Responder<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Responder")
+            .field("request", &self.request)
+            .field("call", &self.origin.as_ref().map(|o| o.id))
+            .field("peer", &self.origin.as_ref().and_then(|o| o.peer))
+            .finish()
+    }
+}
+
+impl<T: Message> Responder<T> {
+    pub(crate) fn new(origin: Origin, request: &'static str) -> Self {
+        Self {
+            origin: Some(origin),
+            request,
+            _answer: PhantomData,
+        }
+    }
+
+    /// The hub peer that asked (`None` in a session).
+    pub fn peer(&self) -> Option<PeerId> {
+        self.origin.as_ref().and_then(|o| o.peer)
+    }
+
+    /// The caller's number for this call.
+    pub fn call_id(&self) -> u64 {
+        self.origin.as_ref().map_or(0, |o| o.id)
+    }
+
+    /// Answers with `value`: queued for the session's (or hub's) thread, which is woken to
+    /// send it; a hub sends it through the peer's outbox (see [`crate::Hub::post`]). An
+    /// answer to a connection that has gone is dropped.
+    pub fn respond(mut self, value: T)
+    where
+        T: Send + 'static,
+    {
+        if let Some(origin) = self.origin.take() {
+            let id = origin.id;
+            origin.answer(Box::new(OwnedReply {
+                id,
+                status: ANSWERED,
+                value: Some(value),
+            }));
+        }
+    }
+
+    /// Taken apart to be answered at once by the owning thread.
+    pub(crate) fn into_origin(mut self) -> Option<Origin> {
+        self.origin.take()
+    }
+}
+
+impl<T> Drop for Responder<T> {
+    fn drop(&mut self) {
+        // `origin`'s own drop answers "no answer" if nobody answered.
+        let _ = self.origin.take();
+    }
+}
+
+/// Counts of a session's (or hub's) calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallStats {
+    /// Calls started.
+    pub started: u64,
+    /// Calls answered in time.
+    pub answered: u64,
+    /// Calls that ran out of their deadline.
+    pub timed_out: u64,
+    /// Answers that came for a call nobody waits for any more (after its deadline, or once
+    /// its [`Call`] was dropped): dropped.
+    pub late: u64,
+    /// Calls now waiting for their answer.
+    pub in_flight: u64,
+    /// Requests received and answered (or refused) by this side.
+    pub served: u64,
+}
+
+/// What a call came to, once its answer is in.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Answer(Envelope),
+    Failed(Error),
+}
+
+#[derive(Debug)]
+struct Pending {
+    peer: Option<PeerId>,
+    /// The response type's tag.
+    expect: u32,
+    request: &'static str,
+    outcome: Option<Outcome>,
+}
+
+/// The calls of one session or hub waiting for answers.
+#[derive(Debug, Default)]
+pub(crate) struct CallTable {
+    next: u64,
+    pending: HashMap<u64, Pending>,
+    stats: CallStats,
+}
+
+/// A call table shared with the [`Call`] handles (whose drop cancels).
+pub(crate) type Calls = Arc<Mutex<CallTable>>;
+
+pub(crate) fn lock(calls: &Calls) -> MutexGuard<'_, CallTable> {
+    calls.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl CallTable {
+    /// A new call's number.
+    pub(crate) fn start<R: Request>(&mut self, peer: Option<PeerId>) -> u64 {
+        self.next = self.next.wrapping_add(1);
+        let id = self.next;
+        self.pending.insert(
+            id,
+            Pending {
+                peer,
+                expect: R::Response::TAG,
+                request: std::any::type_name::<R>(),
+                outcome: None,
+            },
+        );
+        self.stats.started += 1;
+        id
+    }
+
+    /// A call whose request did not go.
+    pub(crate) fn forget(&mut self, id: u64) {
+        if self.pending.remove(&id).is_some() {
+            self.stats.started -= 1;
+        }
+    }
+
+    pub(crate) fn stats(&self) -> CallStats {
+        CallStats {
+            in_flight: self.pending.len() as u64,
+            ..self.stats
+        }
+    }
+
+    pub(crate) fn served(&mut self) {
+        self.stats.served += 1;
+    }
+
+    /// An answer arrived from `peer` (its body past the call number and status).
+    pub(crate) fn answer(&mut self, peer: Option<PeerId>, id: u64, status: u8, mut env: Envelope) {
+        let Some(p) = self
+            .pending
+            .get_mut(&id)
+            .filter(|p| p.peer == peer && p.outcome.is_none())
+        else {
+            self.stats.late += 1;
+            return;
+        };
+        let request = p.request;
+        p.outcome = Some(match status {
+            ANSWERED => {
+                env.retag(p.expect);
+                Outcome::Answer(env)
+            }
+            NOT_SERVED => Outcome::Failed(Error::NotServed { request }),
+            _ => Outcome::Failed(Error::NoAnswer { request }),
+        });
+    }
+
+    /// The connection to `peer` (every peer: `None` in a session) failed: its calls fail.
+    pub(crate) fn fail_peer(&mut self, peer: Option<PeerId>, error: impl Fn() -> Error) {
+        for p in self.pending.values_mut() {
+            if p.outcome.is_none() && (peer.is_none() || p.peer == peer) {
+                p.outcome = Some(Outcome::Failed(error()));
+            }
+        }
+    }
+
+    /// The outcome of call `id`, if it is in (the call is then over).
+    pub(crate) fn take(&mut self, id: u64) -> Option<Outcome> {
+        let p = self.pending.get_mut(&id)?;
+        let out = p.outcome.take()?;
+        self.pending.remove(&id);
+        if matches!(out, Outcome::Answer(_)) {
+            self.stats.answered += 1;
+        }
+        Some(out)
+    }
+
+    /// Call `id` ran out of time (or its handle went): an answer that comes now is late.
+    fn give_up(&mut self, id: u64, timed_out: bool) {
+        if let Some(p) = self.pending.remove(&id) {
+            if p.outcome.is_none() && timed_out {
+                self.stats.timed_out += 1;
+            }
+        }
+    }
+}
+
+/// A call under way: the handle to its answer. Dropping it cancels the call (its answer,
+/// should it come, is dropped and counted late).
+#[must_use = "dropping a call cancels it"]
+pub struct Call<T> {
+    id: u64,
+    deadline: Option<Instant>,
+    calls: Calls,
+    request: &'static str,
+    timeout: Duration,
+    _answer: PhantomData<fn() -> T>,
+}
+
+impl<T> fmt::Debug for Call<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Call")
+            .field("id", &self.id)
+            .field("request", &self.request)
+            .field("deadline", &self.deadline)
+            .finish()
+    }
+}
+
+impl<T> Call<T> {
+    pub(crate) fn new(
+        id: u64,
+        calls: Calls,
+        request: &'static str,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Self {
+        Self {
+            id,
+            deadline,
+            calls,
+            request,
+            timeout,
+            _answer: PhantomData,
+        }
+    }
+
+    /// The call's number (as its [`Responder::call_id`] on the other side).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// When it runs out of time.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// Gives up on the call as timed out (as a blocking wait does at its deadline): counted
+    /// in [`CallStats::timed_out`], an answer that comes later is dropped as late; returns
+    /// the [`Error::CallTimedOut`] to report. For callers that bound the wait themselves (an
+    /// async timeout around it).
+    pub fn expire(self) -> Error {
+        self.timed_out()
+    }
+
+    /// Whether its answer (or its failure) is in, without waiting.
+    pub fn is_done(&self) -> bool {
+        lock(&self.calls)
+            .pending
+            .get(&self.id)
+            .is_some_and(|p| p.outcome.is_some())
+    }
+
+    /// The answer if it is in: `Some(Ok(envelope))`, retagged as the response type, or the
+    /// call's failure. `None`: not yet (the deadline is not checked here).
+    pub(crate) fn take_outcome(&self) -> Option<Outcome> {
+        lock(&self.calls).take(self.id)
+    }
+
+    /// The timeout error of this call.
+    pub(crate) fn timed_out(&self) -> Error {
+        lock(&self.calls).give_up(self.id, true);
+        Error::CallTimedOut {
+            request: self.request,
+            after: self.timeout,
+        }
+    }
+
+    /// Whether the deadline has passed.
+    pub(crate) fn expired(&self, now: Instant) -> bool {
+        self.deadline.is_some_and(|d| now >= d)
+    }
+
+    /// How long is left until the deadline.
+    pub(crate) fn left(&self, now: Instant) -> Option<Duration> {
+        self.deadline.map(|d| d.saturating_duration_since(now))
+    }
+}
+
+impl<T> Drop for Call<T> {
+    fn drop(&mut self) {
+        lock(&self.calls).give_up(self.id, false);
+    }
+}
+
+/// The answer of a call: decoded ([`Envelope::decode_shared`]: its [`crate::Bulk`] fields
+/// share the received bytes), or the call's failure.
+pub(crate) fn finish<T>(outcome: Outcome) -> Result<T>
+where
+    T: Message + serde::de::DeserializeOwned,
+{
+    match outcome {
+        Outcome::Answer(mut env) => env.decode_shared(),
+        Outcome::Failed(e) => Err(e),
+    }
+}
+
+/// What a received message is, for the layer that routes calls.
+pub(crate) enum Routed {
+    /// A message for the application (a request among them, with its origin attached).
+    Deliver(Envelope),
+    /// An answer, or a request refused: nothing for the application.
+    Consumed,
+}
+
+/// Routes one received message: unwraps a request (attaching where its answer goes, or
+/// refusing it if `accepts` does not know its type), hands an answer to its call.
+pub(crate) fn route(
+    mut env: Envelope,
+    peer: Option<PeerId>,
+    calls: &Calls,
+    replies: &Arc<Replies>,
+    accepts: impl Fn(u32) -> bool,
+) -> Result<Routed> {
+    match env.tag() {
+        CALL_TAG => {
+            let ((id, inner), used) =
+                crate::codec::decode_prefix::<(u64, u32)>(env.body()).ok_or(Error::Decode {
+                    tag: CALL_TAG,
+                    source: crate::DecodeFailure::Trailing(0),
+                })?;
+            lock(calls).served();
+            if !accepts(inner) {
+                replies.push(QueuedReply {
+                    peer,
+                    msg: Box::new(OwnedReply::<()> {
+                        id,
+                        status: NOT_SERVED,
+                        value: None,
+                    }),
+                });
+                return Ok(Routed::Consumed);
+            }
+            env.unwrap_request(used, inner, Origin::new(id, peer, replies.clone()));
+            Ok(Routed::Deliver(env))
+        }
+        REPLY_TAG => {
+            let ((id, status), used) =
+                crate::codec::decode_prefix::<(u64, u8)>(env.body()).ok_or(Error::Decode {
+                    tag: REPLY_TAG,
+                    source: crate::DecodeFailure::Trailing(0),
+                })?;
+            env.skip(used);
+            lock(calls).answer(peer, id, status, env);
+            Ok(Routed::Consumed)
+        }
+        _ => Ok(Routed::Deliver(env)),
+    }
+}
+
+/// A deadline `timeout` from now (none if it does not fit the clock).
+pub(crate) fn deadline(timeout: Duration) -> Option<Instant> {
+    Instant::now().checked_add(timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::{Deserialize, Serialize};
+
+    use super::*;
+    use crate::codec::{self, Decoder, FrameBytes};
+    use crate::Bulk;
+
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    struct Get {
+        key: String,
+    }
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    struct Value {
+        data: Bulk,
+    }
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Other;
+    crate::message!(Value);
+    crate::message!(Other);
+    crate::request!(Get => Value);
+
+    /// `m` as the decoder hands it out, from one frame.
+    fn received<M: Message>(m: &M, decoder: &mut Decoder) -> Result<Envelope> {
+        let mut frame = vec![0; 1 << 20];
+        let n = codec::encode_single(m, 0, &mut frame)?.expect("fits");
+        frame.truncate(n);
+        Ok(decoder
+            .push(FrameBytes::Owned(frame))?
+            .expect("one whole frame"))
+    }
+
+    fn deliver(
+        env: Envelope,
+        calls: &Calls,
+        replies: &Arc<Replies>,
+        d: &Decoder,
+    ) -> Option<Envelope> {
+        match route(env, None, calls, replies, |t| d.accepts(t)).unwrap() {
+            Routed::Deliver(e) => Some(e),
+            Routed::Consumed => None,
+        }
+    }
+
+    #[test]
+    fn a_request_arrives_as_its_own_type_and_its_answer_reaches_its_call() {
+        let (client, server) = (Calls::default(), Calls::default());
+        let replies = Replies::new(None);
+        let mut decoder = Decoder::new(1 << 20);
+        decoder.register::<Get>().unwrap();
+        let id = lock(&client).start::<Get>(None);
+        let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::from_secs(1), None);
+        let get = Get { key: "k".into() };
+        let env = received(&CallOut { id, m: &get }, &mut decoder).unwrap();
+        let mut env = deliver(env, &server, &replies, &decoder).expect("for the application");
+        assert!(env.is::<Get>() && env.is_request());
+        assert_eq!(env.decode::<Get>().unwrap(), get);
+        let responder = env.responder::<Get>().unwrap();
+        assert!(matches!(
+            env.responder::<Get>(),
+            Err(Error::NotARequest { .. })
+        ));
+        assert_eq!(responder.call_id(), id);
+        // The answer as it goes: large enough to be shared, not copied.
+        let data = Bulk::new(vec![7u8; 8192]);
+        let out = ReplyOut {
+            id,
+            status: ANSWERED,
+            value: Some(&Value { data: data.clone() }),
+        };
+        let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+        assert!(deliver(answer, &client, &replies, &decoder).is_none());
+        assert!(call.is_done());
+        let Some(Outcome::Answer(mut env)) = call.take_outcome() else {
+            panic!("answered")
+        };
+        let got: Value = env.decode_shared().unwrap();
+        assert_eq!(got.data, data);
+        let body = env.body().as_ptr_range();
+        assert!(
+            body.contains(&got.data.as_ptr()),
+            "the payload shares the received bytes"
+        );
+        assert_eq!(lock(&client).stats().answered, 1);
+        // A second answer to the same call is late.
+        let again = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+        assert!(deliver(again, &client, &replies, &decoder).is_none());
+        assert_eq!(lock(&client).stats().late, 1);
+        drop(responder);
+        let queued = replies.take();
+        assert_eq!(
+            queued.len(),
+            1,
+            "a responder dropped unanswered answers 'no answer'"
+        );
+    }
+
+    #[test]
+    fn a_request_of_a_type_not_served_is_refused_at_once() {
+        let (calls, replies) = (Calls::default(), Replies::new(None));
+        let mut decoder = Decoder::new(1 << 20);
+        decoder.register::<Other>().unwrap();
+        let get = Get { key: "k".into() };
+        let env = received(&CallOut { id: 5, m: &get }, &mut decoder).unwrap();
+        assert!(deliver(env, &calls, &replies, &decoder).is_none());
+        assert_eq!(replies.take().len(), 1, "answered NOT_SERVED");
+        // ... which the caller sees as NotServed.
+        let client = Calls::default();
+        let id = lock(&client).start::<Get>(None);
+        let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::from_secs(1), None);
+        let out = ReplyOut::<()> {
+            id,
+            status: NOT_SERVED,
+            value: None,
+        };
+        let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+        assert!(deliver(answer, &client, &replies, &decoder).is_none());
+        let err = finish::<Value>(call.take_outcome().unwrap()).unwrap_err();
+        assert!(matches!(err, Error::NotServed { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_cancelled_or_expired_call_counts_its_answer_late() {
+        let (client, replies, decoder) =
+            (Calls::default(), Replies::new(None), Decoder::new(1 << 20));
+        let id = lock(&client).start::<Get>(None);
+        let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::ZERO, None);
+        let err = call.expire();
+        assert!(matches!(err, Error::CallTimedOut { .. }));
+        let id2 = lock(&client).start::<Get>(None);
+        drop(Call::<Value>::new(
+            id2,
+            client.clone(),
+            "Get",
+            Duration::ZERO,
+            None,
+        ));
+        for id in [id, id2] {
+            let out = ReplyOut {
+                id,
+                status: ANSWERED,
+                value: Some(&Value {
+                    data: Bulk::default(),
+                }),
+            };
+            let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+            assert!(deliver(answer, &client, &replies, &decoder).is_none());
+        }
+        let stats = lock(&client).stats();
+        assert_eq!((stats.late, stats.timed_out, stats.in_flight), (2, 1, 0));
+    }
+}
