@@ -95,6 +95,7 @@ pub mod policy;
 pub mod rendezvous;
 mod session;
 mod split;
+mod trace;
 
 pub use bulk::{Bulk, Piece};
 pub use codec::Envelope;

@@ -213,6 +213,7 @@ impl Connection {
     /// send waiting for a credit) that slept until an event came (`wait_stats().wakeups`),
     /// and [`Connection::step`]s after an external wait that found an event (an event loop's
     /// wake-ups).
+    #[inline]
     pub fn wakeups(&self) -> u64 {
         self.waiter.stats().wakeups + self.step_wakeups
     }

@@ -830,6 +830,7 @@ impl RawHub {
     /// event came (`wait_stats().wakeups`), and [`RawHub::step`]s that found an event (an
     /// event loop's wake-ups, or a busy sender's look every few sends). It moves once per
     /// wake-up: everything taken between two changes came with one wake-up (or none).
+    #[inline]
     pub fn wakeups(&self) -> u64 {
         self.waiter.stats().wakeups + self.step_wakeups
     }
