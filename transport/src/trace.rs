@@ -10,7 +10,7 @@
 //! | event | level | from |
 //! |---|---|---|
 //! | `connecting`, `connected` | info | [`Endpoint::connect`](crate::Endpoint::connect), a hub's connect |
-//! | `connect failed` | warn | [`Endpoint::connect`](crate::Endpoint::connect) |
+//! | `connect failed` | warn | [`Endpoint::connect`](crate::Endpoint::connect), a hub's connect (its TCP connect) |
 //! | `handshake started` | debug | a listener's or hub's client accepted over TCP |
 //! | `accepted` | info | a listener's or hub's handshake done |
 //! | `handshake failed` | warn | a listener's or hub's handshake (the reason as `error`) |
@@ -100,8 +100,15 @@ pub(crate) fn connected(addr: &dyn fmt::Debug, res: &Result<Connection>) {
             peer_qp = c.peer().addr.qpn,
             "connected"
         ),
-        Err(e) => trace_event!(WARN, addr = ?addr, error = %e, "connect failed"),
+        Err(e) => connect_failed(addr, e),
     }
+}
+
+/// A client's connect to `addr` failed with `error` (a hub's: before its handshake).
+#[inline(always)]
+pub(crate) fn connect_failed(addr: &dyn fmt::Debug, error: &Error) {
+    unused(&(addr, error));
+    trace_event!(WARN, addr = ?addr, error = %error, "connect failed");
 }
 
 /// A client's TCP connection was accepted (from `from`): its handshake starts.

@@ -322,12 +322,15 @@ impl RawHub {
             addr: format!("{addr:?}"),
             source,
         };
-        let resolved = addr
+        let stream = addr
             .to_socket_addrs()
-            .map_err(connect_err)?
-            .next()
-            .ok_or_else(|| connect_err(io::ErrorKind::NotFound.into()))?;
-        let stream = TcpStream::connect_timeout(&resolved, timeout).map_err(connect_err)?;
+            .map_err(connect_err)
+            .and_then(|mut all| {
+                all.next()
+                    .ok_or_else(|| connect_err(io::ErrorKind::NotFound.into()))
+            })
+            .and_then(|to| TcpStream::connect_timeout(&to, timeout).map_err(connect_err));
+        let stream = stream.inspect_err(|e| crate::trace::connect_failed(&addr, e))?;
         self.connect_stream(stream)
     }
 
