@@ -344,6 +344,7 @@ impl Hub {
         for p in self.peers.values() {
             total.add(&p.stats());
         }
+        total.credit_waits = self.transport.stats().credit_stalls;
         total
     }
 
@@ -356,7 +357,14 @@ impl Hub {
 
     /// What was exchanged with `peer`, while it is connected.
     pub fn peer_stats(&self, peer: PeerId) -> Option<SessionStats> {
-        self.peers.get(peer).map(PeerState::stats)
+        let stalls = self
+            .transport
+            .conn_stats(peer)
+            .map_or(0, |c| c.credit_stalls);
+        self.peers.get(peer).map(|p| SessionStats {
+            credit_waits: stalls,
+            ..p.stats()
+        })
     }
 
     /// Sends `m` to `peer`, solicited or not as its type says ([`Message::SOLICITED`]).
@@ -1048,7 +1056,10 @@ impl Hub {
                 HubEvent::Connected { peer, accepted }
             }
             Raw::Message { peer, msg } => {
-                self.state(peer).receiver.arrive(FrameBytes::Received(msg));
+                let wakeup = self.transport.wakeups();
+                let receiver = &mut self.state(peer).receiver;
+                receiver.woken(wakeup);
+                receiver.arrive(FrameBytes::Received(msg));
                 return self.collect(peer);
             }
             Raw::Read { peer, read } => {

@@ -96,6 +96,7 @@ pub mod policy;
 pub mod rendezvous;
 mod session;
 mod split;
+mod trace;
 
 pub use bulk::{Bulk, Piece};
 pub use call::{Call, CallStats, Request, Responder};

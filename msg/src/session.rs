@@ -133,6 +133,25 @@ pub struct SessionStats {
     pub stray_acks: u64,
     /// Bytes registered for rendezvous reads now (for a hub: shared by its peers).
     pub rendezvous_registered: u64,
+    /// Bytes of the messages sent: their encoded bodies (frame headers, fragments' framing,
+    /// nudges, acknowledgements and rendezvous descriptors left out; a message sent by
+    /// rendezvous counts its whole body).
+    pub bytes_sent: u64,
+    /// Bytes of the messages received, counted as [`SessionStats::bytes_sent`] counts them.
+    pub bytes_received: u64,
+    /// Credit stalls: times sends had to wait because the peer had no credit for us, each
+    /// episode once (from the first send that found none until a send went, however many
+    /// sends waited or were refused meanwhile). The connection's
+    /// [`ConnStats::credit_stalls`](rdmsg_transport::ConnStats::credit_stalls).
+    pub credit_waits: u64,
+    /// Wake-ups. For a session, times its connection was woken by the completion channel
+    /// ([`Connection::wakeups`](rdmsg_transport::Connection::wakeups): a receive or a send
+    /// that slept until an event came, or a [`Session::step`] after an event loop's wait that
+    /// found one). For a hub's peer ([`crate::Hub::peer_stats`]), the hub's wake-ups
+    /// ([`RawHub::wakeups`](rdmsg_transport::RawHub::wakeups)) that brought frames of that
+    /// peer, each counted once however many frames it brought (what `received / wakeups`
+    /// makes a batch); in a hub's totals, the sum over its peers.
+    pub wakeups: u64,
 }
 
 impl SessionStats {
@@ -150,6 +169,10 @@ impl SessionStats {
         self.rendezvous_received += other.rendezvous_received;
         self.rendezvous_waits += other.rendezvous_waits;
         self.stray_acks += other.stray_acks;
+        self.bytes_sent += other.bytes_sent;
+        self.bytes_received += other.bytes_received;
+        self.credit_waits += other.credit_waits;
+        self.wakeups += other.wakeups;
         self.rendezvous_registered = self.rendezvous_registered.max(other.rendezvous_registered);
     }
 }
@@ -241,7 +264,11 @@ impl Session {
 
     /// Statistics.
     pub fn stats(&self) -> SessionStats {
-        peer::stats(&self.sender, &self.receiver)
+        SessionStats {
+            credit_waits: self.conn.stats().credit_stalls,
+            wakeups: self.conn.wakeups(),
+            ..peer::stats(&self.sender, &self.receiver)
+        }
     }
 
     /// The delivery record: how many messages were sent, and how many of them the peer's

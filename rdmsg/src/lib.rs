@@ -47,7 +47,10 @@
 //! Each layer is also a crate of its own (`rdmsg-verbs`, `rdmsg-notify`, `rdmsg-transport`,
 //! `rdmsg-msg`, library names with underscores), so their names never collide with other
 //! crates (the file-system `notify` crate, say). Async support is the optional `tokio` feature
-//! (crate `rdmsg-tokio`); the default build has no runtime.
+//! (crate `rdmsg-tokio`); the default build has no runtime. Spans and events through the
+//! `tracing` crate (connects, closes, failures, credit stalls, rendezvous reads) are the
+//! optional `tracing` feature; without it no event code is compiled. Counters are always on:
+//! [`SessionStats`], and the transport's `ConnStats` and `HubStats`.
 //!
 //! # Requirements
 //!

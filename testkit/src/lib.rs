@@ -5,6 +5,9 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+#[cfg(feature = "tracing")]
+pub mod events;
+
 use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{

@@ -24,12 +24,14 @@ use crate::error::{Error, Result};
 use crate::handshake::{Action, Handshake, Hello, Reject};
 use crate::setup::{nonce, our_hello, LocalSide, Setup};
 use crate::stream::{accept_next, bootstrap_err};
+use crate::trace::{self, trace_span};
 
 /// One handshake over a non-blocking stream, and the resources it set up so far.
 #[derive(Debug)]
 pub(crate) struct Pending<S = Setup> {
     pub(crate) stream: TcpStream,
-    peer_addr: Option<SocketAddr>,
+    /// Where the stream goes (read once, for errors and events).
+    pub(crate) peer_addr: Option<SocketAddr>,
     pub(crate) hs: Handshake,
     /// The client's from the start; the server's once the client passed.
     pub(crate) setup: Option<S>,
@@ -352,6 +354,7 @@ impl Listener {
                     Err(e) => {
                         // Out of descriptors or memory, most likely: report it, and stop
                         // accepting for a moment while the pending handshakes go on.
+                        trace::client_refused(&e);
                         let _ = self.watch.remove(self.tcp.as_fd());
                         *paused = Some(Instant::now() + ACCEPT_BACKOFF);
                         return Err(e);
@@ -373,7 +376,10 @@ impl Listener {
                     Err(e) => Err(e),
                 };
                 let p = self.remove(&mut pending, i);
-                return outcome.and_then(|()| p.finish(&self.endpoint)).map(Some);
+                let from = p.peer_addr;
+                let made = outcome.and_then(|()| p.finish(&self.endpoint));
+                trace::accepted(from, &made);
+                return made.map(Some);
             }
             let next = nearest_deadline(&pending, *paused)
                 .into_iter()
@@ -421,7 +427,9 @@ impl Listener {
                         .min_by_key(|&i| pending[i].as_ref().map(|p| p.deadline))
                         .expect("a full table has a pending handshake");
                     let p = self.remove(pending, oldest);
-                    evicted.get_or_insert(p.evicted(max as u32));
+                    let e = p.evicted(max as u32);
+                    trace::handshake_failed(p.peer_addr, None, &e);
+                    evicted.get_or_insert(e);
                     oldest
                 }
             };
@@ -434,9 +442,11 @@ impl Listener {
             match Pending::new(stream, hs, None, config) {
                 Ok(p) => {
                     self.watch.add(p.stream.as_fd(), slot as u8 + 1)?;
+                    trace::handshake_started(p.peer_addr, None);
                     pending[slot] = Some(p);
                 }
                 Err(e) => {
+                    trace::handshake_failed(None, None, &e);
                     evicted.get_or_insert(e);
                 }
             }
@@ -506,11 +516,16 @@ impl Endpoint {
         addr: impl ToSocketAddrs + fmt::Debug,
         config: &Config,
     ) -> Result<Connection> {
-        let stream = std::net::TcpStream::connect(&addr).map_err(|source| Error::Connect {
-            addr: format!("{addr:?}"),
-            source,
-        })?;
-        connect(self, stream, config)
+        let _span = trace_span!(INFO, "connect", addr = ?addr);
+        trace::connecting(&addr);
+        let made = std::net::TcpStream::connect(&addr)
+            .map_err(|source| Error::Connect {
+                addr: format!("{addr:?}"),
+                source,
+            })
+            .and_then(|stream| connect(self, stream, config));
+        trace::connected(&addr, &made);
+        made
     }
 }
 

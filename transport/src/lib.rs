@@ -126,6 +126,7 @@ pub mod share;
 mod sim;
 mod stream;
 mod token;
+mod trace;
 
 pub use crate::core::ConnStats;
 pub use addr::QpAddress;

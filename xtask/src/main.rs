@@ -924,7 +924,7 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
     let mut step_times = Vec::new();
     let mut quickstart = None;
     if !plan.device_only {
-        let lints: [(&'static str, &str, Vec<&str>); 3] = [
+        let lints: [(&'static str, &str, Vec<&str>); 4] = [
             ("fmt", "cargo fmt --check", vec!["fmt", "--all", "--check"]),
             (
                 "clippy",
@@ -933,6 +933,20 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
                     "clippy",
                     "--workspace",
                     "--all-targets",
+                    "--",
+                    "-D",
+                    "warnings",
+                ],
+            ),
+            (
+                "clippy-tracing",
+                "cargo clippy --workspace --all-targets --features rdmsg/tracing -- -D warnings",
+                vec![
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--features",
+                    "rdmsg/tracing",
                     "--",
                     "-D",
                     "warnings",
@@ -957,16 +971,34 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
             step_times.push(took(name, t));
         }
 
-        {
-            let t = Instant::now();
-            let _s = Step::new(
+        // The workspace's host tests, then the layers' own again with their events on (the
+        // `tracing` feature's tests, which record what the drivers report).
+        let host_tests: [(&str, &str, Vec<&str>); 2] = [
+            (
                 "host-tests",
-                "cargo test --workspace (device tests are left out)",
-            );
-            let mut child = cargo()
-                .args(["test", "--workspace"])
-                .stdout(Stdio::piped())
-                .spawn()?;
+                "cargo test --workspace",
+                vec!["test", "--workspace"],
+            ),
+            (
+                "host-tests-tracing",
+                "cargo test -p rdmsg-transport -p rdmsg-msg --lib --features rdmsg-transport/tracing,rdmsg-msg/tracing",
+                vec![
+                    "test",
+                    "-p",
+                    "rdmsg-transport",
+                    "-p",
+                    "rdmsg-msg",
+                    "--lib",
+                    "--features",
+                    "rdmsg-transport/tracing,rdmsg-msg/tracing",
+                ],
+            ),
+        ];
+        for (name, line, args) in host_tests {
+            let t = Instant::now();
+            let _s = Step::new(name, &format!("{line} (device tests are left out)"));
+            let failed_before = host.failed;
+            let mut child = cargo().args(&args).stdout(Stdio::piped()).spawn()?;
             let stdout = child.stdout.take().context("cargo test stdout")?;
             for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
                 let line = line?;
@@ -974,12 +1006,10 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
                 host.add_line(&line);
             }
             let status = child.wait()?;
-            if !status.success() && host.failed == 0 {
-                bail!(
-                    "step `host-tests` failed before running tests; rerun with: cargo test --workspace"
-                );
+            if !status.success() && host.failed == failed_before {
+                bail!("step `{name}` failed before running tests; rerun with: {line}");
             }
-            step_times.push(took("host-tests", t));
+            step_times.push(took(name, t));
         }
 
         let fuzz_secs: u64 = std::env::var("RDMSG_FUZZ_SECS")

@@ -292,6 +292,7 @@ impl Link for HubLink<'_> {
                     Some(rdmsg_transport::RawHubEvent::Message { peer, msg })
                         if peer == self.peer =>
                     {
+                        receiver.woken(self.hub.wakeups());
                         receiver.arrive(FrameBytes::Received(msg));
                         None
                     }

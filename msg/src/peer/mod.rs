@@ -58,6 +58,8 @@ pub(crate) fn stats(sender: &Sender, receiver: &Receiver) -> SessionStats {
         received: receiver.received,
         dropped_frames: receiver.dropped_frames,
         rendezvous_received: receiver.rendezvous_received,
+        bytes_received: receiver.bytes_received,
+        wakeups: receiver.wakeups,
         rendezvous_registered: receiver.pool.registered() as u64,
         ..sender.stats
     }

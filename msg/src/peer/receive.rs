@@ -10,6 +10,7 @@ use rdmsg_transport::{Arrival, Buffer, ReadDone, ReadPost, ReadSegment};
 use crate::codec::{Decoded, Decoder, Envelope, FrameBytes};
 use crate::frame::{self};
 use crate::rendezvous::{Descriptor, ReadBuf, ReadPool, Segment};
+use crate::trace::trace_event;
 use crate::{Message, Result};
 
 use super::*;
@@ -23,6 +24,12 @@ pub(crate) struct Receiver {
     pub(super) received: u64,
     pub(super) dropped_frames: u64,
     pub(super) rendezvous_received: u64,
+    /// Bodies of the messages received, in bytes ([`SessionStats::bytes_received`]).
+    pub(super) bytes_received: u64,
+    /// A hub's wake-ups that brought frames of this peer ([`SessionStats::wakeups`]), and the
+    /// hub's wake-up count when the last one came ([`Receiver::woken`]).
+    pub(super) wakeups: u64,
+    pub(super) last_wakeup: u64,
     /// Messages (or the errors of dropped frames) in order; some still being read.
     pub(super) order: VecDeque<Place>,
     /// Descriptors whose reads are not posted yet (no buffer room, or no send slot).
@@ -121,6 +128,9 @@ impl Receiver {
             received: 0,
             dropped_frames: 0,
             rendezvous_received: 0,
+            bytes_received: 0,
+            wakeups: 0,
+            last_wakeup: u64::MAX,
             order: VecDeque::new(),
             waiting: VecDeque::new(),
             reading: std::collections::HashMap::new(),
@@ -150,6 +160,15 @@ impl Receiver {
     /// Whether messages of `tag` are taken (see [`Decoder::accepts`]).
     pub(crate) fn accepts(&self, tag: u32) -> bool {
         self.decoder.accepts(tag)
+    }
+
+    /// A frame of this peer's is taken after the hub's `wakeup`-th wake-up
+    /// ([`rdmsg_transport::RawHub::wakeups`]): counted once per wake-up.
+    pub(crate) fn woken(&mut self, wakeup: u64) {
+        if self.last_wakeup != wakeup {
+            self.last_wakeup = wakeup;
+            self.wakeups += 1;
+        }
     }
 
     /// Takes one frame: a message (or the typed error of a frame that was dropped, counted)
@@ -247,6 +266,7 @@ impl Receiver {
         match self.decoder.take(frame) {
             Ok(Decoded::Message(env)) => {
                 self.received += 1;
+                self.bytes_received += env.body().len() as u64;
                 self.order.push_back(Place::Ready(Some(env.seq()), Ok(env)));
             }
             Ok(Decoded::Nothing) => {}
@@ -312,10 +332,19 @@ impl Receiver {
         let len = descriptor.total as usize;
         let max = self.decoder.max_message().min(self.pool.max());
         if len > max {
+            trace_event!(WARN, seq, tag, bytes = len, max, "rendezvous read refused");
             self.acks.push(seq);
             return self.drop_frame(Some(seq), crate::Error::TooLarge { len, max });
         }
         if self.waiting.len() >= MAX_WAITING_READS {
+            trace_event!(
+                WARN,
+                seq,
+                tag,
+                bytes = len,
+                waiting = self.waiting.len(),
+                "rendezvous read refused"
+            );
             self.acks.push(seq);
             let e = frame::FrameError::Rendezvous("too many messages waiting to be read");
             return self.drop_frame(Some(seq), e.into());
@@ -362,6 +391,7 @@ impl Receiver {
                     // RLIMIT_MEMLOCK): this message is refused alone, and acknowledged so
                     // that its sender frees it; the connection and the next message go on.
                     let (seq, tag) = (w.seq, w.tag);
+                    trace_event!(WARN, seq, tag, bytes = len, error = %source, "rendezvous read refused");
                     self.waiting.pop_front();
                     self.acks.push(seq);
                     self.fill(seq, Err(crate::Error::ReadRefused { tag, seq, source }));
@@ -394,6 +424,14 @@ impl Receiver {
             let cap = buf.len();
             match link.post_read(buf, &segments) {
                 Ok(ReadPost::Posted(id)) => {
+                    trace_event!(
+                        DEBUG,
+                        seq,
+                        tag,
+                        bytes = len,
+                        segments = segments.len(),
+                        "rendezvous read started"
+                    );
                     self.waiting.pop_front();
                     if self.reading.is_empty() {
                         self.pool.reading(true);
@@ -408,6 +446,7 @@ impl Receiver {
                     // The buffer went with the refused post: count it out of the pool.
                     self.pool.forget(cap);
                     if let rdmsg_transport::Error::ReadTooLarge { .. } = e {
+                        trace_event!(WARN, seq, tag, bytes = len, error = %e, "rendezvous read refused");
                         // More pieces than our send queue takes at once: refused alone.
                         self.waiting.pop_front();
                         self.acks.push(seq);
@@ -434,8 +473,10 @@ impl Receiver {
         }
         self.acks.push(seq);
         if done.ok {
+            trace_event!(DEBUG, seq, tag, bytes = len, "rendezvous read finished");
             self.complete(seq, tag, done.buffer, len);
         } else {
+            trace_event!(WARN, seq, tag, bytes = len, "rendezvous read failed");
             self.pool.release(done.buffer);
             self.fill(seq, Err(crate::Error::ReadFailed { tag, seq }));
         }
@@ -448,6 +489,7 @@ impl Receiver {
             .read_message(tag, seq, ReadBuf::new(buf, len, self.pool.clone()));
         self.received += 1;
         self.rendezvous_received += 1;
+        self.bytes_received += len as u64;
         self.fill(seq, Ok(env));
     }
 
@@ -466,6 +508,14 @@ impl Receiver {
     /// place ([`crate::Error::ReadFailed`]), so that everything before and after it in the
     /// order is delivered, before the connection's failure.
     pub(crate) fn abandon_reads(&mut self) {
+        if !self.waiting.is_empty() || !self.reading.is_empty() {
+            trace_event!(
+                WARN,
+                waiting = self.waiting.len(),
+                reading = self.reading.len(),
+                "rendezvous read failed"
+            );
+        }
         for w in std::mem::take(&mut self.waiting) {
             self.fill(
                 w.seq,

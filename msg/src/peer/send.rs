@@ -11,6 +11,7 @@ use crate::codec::{self, NUDGE_TAG};
 use crate::frame::{self, ASK, FIRST, HEADER_LEN, LAST};
 use crate::policy::SolicitPolicy;
 use crate::rendezvous::{self, Descriptor, Lent, Segment};
+use crate::trace::trace_event;
 use crate::{Message, Result, SessionConfig, SessionStats};
 
 use super::*;
@@ -354,8 +355,17 @@ impl Sender {
         if !sent {
             return Ok(false);
         }
+        trace_event!(
+            DEBUG,
+            seq,
+            tag,
+            bytes = total,
+            exposed = exposed.len(),
+            "lent by rendezvous"
+        );
         self.lent.lend(seq, exposed, total);
         self.stats.rendezvous_sent += 1;
+        self.stats.bytes_sent += total as u64;
         self.finish(true, requested, len, 1, tag, copy);
         self.send_committed(link)?;
         Ok(true)
@@ -409,6 +419,7 @@ impl Sender {
         })?;
         let single = outcome?;
         if sent {
+            self.sent_single(single);
             self.finish(want, solicited, single.unwrap_or(0), 1, M::TAG, copy);
             self.send_committed(link)?;
             return Ok(());
@@ -439,6 +450,7 @@ impl Sender {
         }
         let body = concat(pieces);
         let mut frames = codec::fragment(&body, M::TAG, seq, frame_max, self.max_message)?;
+        let body_len = body.len() as u64;
         let copy = keep.then_some(body);
         let count = frames.len();
         let mut bytes = 0;
@@ -450,6 +462,7 @@ impl Sender {
             bytes += f.len();
         }
         self.stats.fragmented += 1;
+        self.stats.bytes_sent += body_len;
         self.finish(want, solicited, bytes, count as u64, M::TAG, copy);
         self.send_committed(link)?;
         Ok(())
@@ -497,6 +510,7 @@ impl Sender {
         };
         let single = outcome?;
         if sent {
+            self.sent_single(single);
             self.finish(want, solicited, single.unwrap_or(0), 1, M::TAG, copy);
             self.send_committed(link)?;
             return Ok(true);
@@ -518,6 +532,7 @@ impl Sender {
         }
         let body = concat(pieces);
         let frames = codec::fragment(&body, M::TAG, seq, frame_max, self.max_message)?;
+        let body_len = body.len() as u64;
         let copy = keep.then_some(body);
         let count = frames.len();
         let mut frames = frames.into_iter().enumerate();
@@ -532,6 +547,7 @@ impl Sender {
         let bytes = bytes + rest.iter().map(|(f, _)| f.len()).sum::<usize>();
         self.outgoing.extend(rest);
         self.stats.fragmented += 1;
+        self.stats.bytes_sent += body_len;
         self.finish(want, solicited, bytes, count as u64, M::TAG, copy);
         self.send_committed(link)?;
         Ok(true)
@@ -566,6 +582,12 @@ impl Sender {
     /// Whether unsolicited sends may wait up to a bound ([`crate::SessionConfig::max_unsolicited_delay`]).
     pub(crate) fn delay_allowed(&self) -> bool {
         self.policy.max_delay().is_some()
+    }
+
+    /// A message went whole in one frame of `frame_len` bytes: its body is counted.
+    fn sent_single(&mut self, frame_len: Option<usize>) {
+        let body = frame_len.map_or(0, |n| n.saturating_sub(HEADER_LEN));
+        self.stats.bytes_sent += body as u64;
     }
 
     /// A message of type `tag` went (`copy`: its encoded body, if the record keeps copies).

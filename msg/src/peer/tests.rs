@@ -162,6 +162,31 @@ fn a_read_without_a_buffer_is_refused_alone_and_acknowledged() {
     assert!(!rx.has_waiting());
 }
 
+#[cfg(feature = "tracing")]
+#[test]
+fn a_refused_read_is_reported_with_its_message() {
+    use rdmsg_testkit::events::recording;
+
+    let ((), events) = recording(|| {
+        let mut wire = Wire::new(256);
+        let mut rx = receiver();
+        rx.on_descriptor(Blob::TAG, 7, one_remote_piece(100_000));
+        rx.advance(&mut wire).expect("the connection goes on");
+    });
+    let refused: Vec<_> = events
+        .iter()
+        .filter(|e| e.message == "rendezvous read refused")
+        .collect();
+    assert_eq!(refused.len(), 1, "{events:#?}");
+    let e = refused[0];
+    assert_eq!(e.level, tracing::Level::WARN);
+    assert_eq!(
+        (e.field("seq"), e.field("bytes")),
+        (Some("7"), Some("100000"))
+    );
+    assert!(e.field("error").is_some());
+}
+
 #[test]
 fn acknowledgements_that_cannot_go_are_merged_into_few_frames() {
     // A peer that withholds credits while we read 100,000 of its messages.
@@ -357,12 +382,27 @@ fn small_messages_go_whole_large_ones_in_fragments_solicited_last() {
     assert_eq!((st.sent, st.fragmented, st.sent_solicited), (2, 1, 1));
     assert_eq!(st.frames_sent, solicited.len() as u64);
     let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
-    let got: Vec<Blob> = deliver(&wire, &mut rx)
+    let envelopes: Vec<Envelope> = deliver(&wire, &mut rx)
         .into_iter()
-        .map(|e| e.unwrap().decode().unwrap())
+        .map(|e| e.unwrap())
         .collect();
+    let bodies: u64 = envelopes.iter().map(|e| e.body().len() as u64).sum();
+    let got: Vec<Blob> = envelopes.iter().map(|e| e.decode().unwrap()).collect();
     assert_eq!(got, [Blob(vec![1; 10]), Blob(vec![2; 1000])]);
-    assert_eq!(stats(&tx, &rx).received, 2);
+    let rs = stats(&tx, &rx);
+    assert_eq!(rs.received, 2);
+    // Bodies, not frames: the headers of the 6 frames are left out.
+    assert!(bodies >= 1010, "{bodies}");
+    assert_eq!((st.bytes_sent, rs.bytes_received), (bodies, bodies));
+}
+
+#[test]
+fn a_hub_wake_up_counts_once_for_a_peer_however_many_frames_it_brought() {
+    let mut rx = receiver();
+    for wakeup in [0, 0, 0, 3, 3, 4] {
+        rx.woken(wakeup);
+    }
+    assert_eq!(rx.wakeups, 3);
 }
 
 #[test]

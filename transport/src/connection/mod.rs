@@ -26,6 +26,7 @@ use crate::read::{Arrival, ReadDone, ReadPost};
 use crate::send::{self, Payload, SendBuffers};
 use crate::setup::Setup;
 use crate::stream::{bootstrap_err, keepalive_probes};
+use crate::trace::{self, trace_span, Stall};
 
 mod channel;
 mod turn;
@@ -83,6 +84,11 @@ pub struct Connection {
     stepped_asleep: bool,
     /// The last step found nothing to do, so its caller waited (or will) before the next.
     step_quiet: bool,
+    /// Steps after a wait that found the completion channel fired (see
+    /// [`Connection::wakeups`]).
+    step_wakeups: u64,
+    /// The credit stall under way, for its events (nothing without the `tracing` feature).
+    stall: Stall,
 }
 
 impl AsFd for Connection {
@@ -178,6 +184,8 @@ impl Connection {
             granted_at: 0,
             stepped_asleep: false,
             step_quiet: false,
+            step_wakeups: 0,
+            stall: Stall::default(),
         })
     }
 
@@ -199,6 +207,15 @@ impl Connection {
     /// Wake-up statistics of this connection's waits.
     pub fn wait_stats(&self) -> rdmsg_notify::Stats {
         self.waiter.stats()
+    }
+
+    /// Times the connection was woken by its completion channel: its own waits (a receive, a
+    /// send waiting for a credit) that slept until an event came (`wait_stats().wakeups`),
+    /// and [`Connection::step`]s after an external wait that found an event (an event loop's
+    /// wake-ups).
+    #[inline]
+    pub fn wakeups(&self) -> u64 {
+        self.waiter.stats().wakeups + self.step_wakeups
     }
 
     /// Counts of the receive pool's buffers.
@@ -326,10 +343,14 @@ impl Connection {
             self.repost_and_grant()?;
         }
         if self.can_send() {
-            self.core.send_waits(false);
+            if self.core.send_waits(false) {
+                self.stall.ended(self.qp.qp_num(), None);
+            }
             return Ok(());
         }
-        self.core.send_waited();
+        if self.core.send_waited() {
+            self.stall.began(self.qp.qp_num(), None);
+        }
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         // While blocked, any grant (not only a solicited one) and any send completion must
@@ -352,8 +373,8 @@ impl Connection {
                 break Err(e);
             }
         };
-        if res.is_ok() {
-            self.core.send_waits(false);
+        if res.is_ok() && self.core.send_waits(false) {
+            self.stall.ended(self.qp.qp_num(), None);
         }
         self.waiter.set_mode(self.recv_key, self.config.recv_arm)?;
         self.waiter.set_mode(self.send_key, self.core.send_arm())?;
@@ -470,7 +491,9 @@ impl Connection {
         // asynchronous events) are then looked at only now and then, as a busy connection
         // does, and at the latest by the health check's step. Otherwise something else made
         // the descriptor readable: look at all of them.
-        let explained = !after_wait || self.waiter.stats().events != events;
+        let fired = self.waiter.stats().events != events;
+        self.step_wakeups += u64::from(after_wait && fired);
+        let explained = !after_wait || fired;
         let liveness = !explained || self.liveness_due();
         if liveness {
             // The liveness check reads (and routes) the device's asynchronous events too.
@@ -670,6 +693,7 @@ impl Connection {
     /// `close_timeout`) until it is delivered, then writes [`GOODBYE`](crate::handshake::GOODBYE) on the bootstrap stream
     /// and shuts it down. The peer receives everything, then [`Failure::PeerClosed`].
     pub fn close(mut self) -> Result<()> {
+        let _span = trace_span!(INFO, "close", qp = self.qp.qp_num());
         self.check_can_send()?;
         let timeout = self.config.close_timeout;
         self.wait_to_send(Some(timeout))?;
@@ -680,6 +704,7 @@ impl Connection {
         // The close carries the note too: the peer's last word from us.
         let note = self.send.note(self.core.note());
         self.post(note, post)?;
+        trace::close_started(self.qp.qp_num(), None);
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         loop {
             if let Some(ended) = self.core.close_result(timeout) {

@@ -18,6 +18,7 @@ use crate::handshake::GOODBYE;
 use crate::read;
 use crate::send;
 use crate::stream::read_after_handshake;
+use crate::trace;
 
 impl Connection {
     /// The failure, once every message that arrived before it has been delivered.
@@ -164,6 +165,7 @@ impl Connection {
                 }
                 Action::UnwatchStream => ch.stop_watching_bootstrap(),
                 Action::FailQueuePair => {
+                    trace::ended(self.qp.qp_num(), None, self.core.failure());
                     // The end of our bootstrap stream fails the peer's side at once, rather
                     // than leaving it waiting on a queue pair that no longer answers.
                     let _ = ch.bootstrap.shutdown(std::net::Shutdown::Both);

@@ -215,6 +215,9 @@ pub(crate) struct Core {
     /// A send found no credit or send slot and none has gone since: the driver waits for any
     /// completion (see [`Core::wants_any_completion`]).
     send_blocked: bool,
+    /// A send found no credit and none has gone since: a credit stall is under way
+    /// ([`ConnStats::credit_stalls`]).
+    stalled: bool,
     /// The upper layer's word our grants carry ([`Core::set_note`]).
     note: u32,
     /// The word the peer's latest grant carried.
@@ -275,6 +278,7 @@ impl Core {
             close_timeout,
             sends_since_poll: 0,
             send_blocked: false,
+            stalled: false,
             note: 0,
             peer_note: None,
             on_srq: false,
@@ -807,18 +811,25 @@ impl Core {
         Ok(())
     }
 
-    /// A send found no credit or send slot, or one went: see
-    /// [`Core::wants_any_completion`].
-    pub(crate) fn send_waits(&mut self, blocked: bool) {
+    /// A send found no credit or send slot (`blocked`), or one goes now: see
+    /// [`Core::wants_any_completion`]. Whether a credit stall ended (a send goes after one
+    /// found no credit), for the driver to report.
+    pub(crate) fn send_waits(&mut self, blocked: bool) -> bool {
         self.send_blocked = blocked;
+        !blocked && std::mem::take(&mut self.stalled)
     }
 
-    /// A send waited for a credit, or else for a send slot (counted).
-    pub(crate) fn send_waited(&mut self) {
+    /// A send waited for a credit, or else for a send slot (counted). Whether a credit stall
+    /// began (the first send to find no credit since one went), for the driver to report.
+    pub(crate) fn send_waited(&mut self) -> bool {
         if self.credits.available() == 0 {
             self.stats.credit_waits += 1;
+            let began = !std::mem::replace(&mut self.stalled, true);
+            self.stats.credit_stalls += u64::from(began);
+            began
         } else {
             self.stats.send_slot_waits += 1;
+            false
         }
     }
 

@@ -18,8 +18,12 @@ pub struct ConnStats {
     pub grants_sent: u64,
     /// Credit grants received.
     pub grants_received: u64,
-    /// Times a send waited for a credit.
+    /// Times a send waited for a credit (a refused bounded send retried counts each time).
     pub credit_waits: u64,
+    /// Credit stalls: episodes from the first send that found no credit until a send went,
+    /// however many sends were refused or waited meanwhile (an event loop retrying a
+    /// non-blocking send counts once).
+    pub credit_stalls: u64,
     /// Times a send waited for a send buffer or send queue slot.
     pub send_slot_waits: u64,
     /// `ibv_post_recv` calls made to refill the receive queue.

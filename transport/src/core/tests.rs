@@ -269,6 +269,23 @@ fn a_refused_send_wants_any_completion_until_one_goes() {
 }
 
 #[test]
+fn a_credit_stall_counts_once_however_many_sends_it_refused() {
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    while c.data(false, ROOM).is_some() {}
+    assert_eq!(c.credits().available(), 0);
+    assert!(c.send_waited(), "the stall begins");
+    // A bounded send refused, retried by an event loop, refused again.
+    assert!(!c.send_waits(true));
+    assert!(!c.send_waited(), "the same stall");
+    assert!(!c.send_waits(true));
+    assert!(c.send_waits(false), "a send goes: the stall ends");
+    assert!(!c.send_waits(false), "once");
+    assert!(c.send_waited(), "a new stall");
+    let s = c.stats();
+    assert_eq!((s.credit_stalls, s.credit_waits), (2, 3));
+}
+
+#[test]
 fn a_close_past_its_deadline_is_closed_and_says_it_timed_out() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);

@@ -16,6 +16,7 @@ use crate::handshake::Handshake;
 use crate::setup::{nonce, random_psn};
 use crate::stream::{accept_next, keepalive_probes, read_after_handshake};
 use crate::token::Token;
+use crate::trace;
 
 impl RawHub {
     pub(super) fn accept_all(&mut self) {
@@ -30,13 +31,13 @@ impl RawHub {
                     // Out of descriptors, most likely: the listener stays readable, so the next
                     // step tries again; report it once per step.
                     self.stats.handshakes_failed += 1;
-                    self.events.push_back(RawHubEvent::HandshakeFailed {
-                        peer: None,
-                        error: Error::Bootstrap {
-                            stage: "accepting",
-                            source,
-                        },
-                    });
+                    let error = Error::Bootstrap {
+                        stage: "accepting",
+                        source,
+                    };
+                    trace::client_refused(&error);
+                    self.events
+                        .push_back(RawHubEvent::HandshakeFailed { peer: None, error });
                     return;
                 }
             };
@@ -72,6 +73,7 @@ impl RawHub {
             Ok(slot) => slot,
             Err(e) => {
                 // Full: the client sees its stream end.
+                trace::client_refused(&e);
                 self.stats.refused += 1;
                 return Err(e);
             }
@@ -82,10 +84,15 @@ impl RawHub {
             Pending::new(stream, hs, None, &conn)
         });
         match made {
-            Ok(p) => self.start_handshake(slot, p).inspect_err(|_| {
-                self.stats.handshakes_failed += 1;
-            }),
+            Ok(p) => {
+                trace::handshake_started(p.peer_addr, Some(self.slot(slot).id(slot)));
+                self.start_handshake(slot, p).inspect_err(|e| {
+                    trace::handshake_failed(None, None, e);
+                    self.stats.handshakes_failed += 1;
+                })
+            }
             Err(error) => {
+                trace::handshake_failed(None, None, &error);
                 self.abandon(slot);
                 self.stats.handshakes_failed += 1;
                 self.events
@@ -220,10 +227,17 @@ impl RawHub {
     fn establish(&mut self, slot: usize, pending: Pending<HubSide>) {
         self.handshake_ended(slot);
         let Pending {
-            stream, setup, hs, ..
+            stream,
+            setup,
+            hs,
+            peer_addr,
+            ..
         } = pending;
         let side = setup.expect("a finished handshake has its queue pair");
         let peer = *hs.peer().expect("a finished handshake knows its peer");
+        let accepted = self.slot(slot).accepted;
+        let id = self.slot(slot).id(slot);
+        trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
         if let Some(limit) = self.config.conn.keepalive {
             let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive_probes(limit));
         }
@@ -242,8 +256,6 @@ impl RawHub {
         s.phase = Phase::Linked(Box::new(link));
         s.core.link();
         s.announced = true;
-        let id = s.id(slot);
-        let accepted = s.accepted;
         let early = std::mem::take(&mut s.early);
         if accepted {
             self.stats.accepted += 1;
@@ -267,6 +279,11 @@ impl RawHub {
     pub(super) fn handshake_failed(&mut self, slot: usize, error: Error) {
         self.stats.handshakes_failed += 1;
         let s = self.slot(slot);
+        let from = match &s.phase {
+            Phase::Handshake(p) => p.peer_addr,
+            _ => None,
+        };
+        trace::handshake_failed(from, Some(s.id(slot)), &error);
         let peer = (!s.accepted).then(|| s.id(slot));
         self.events
             .push_back(RawHubEvent::HandshakeFailed { peer, error });

@@ -329,18 +329,22 @@ impl RawHub {
             self.grants();
         }
         if self.can_send(slot) {
-            self.slot_mut(slot).core.send_waits(false);
+            self.sends_again(slot, peer);
             return Ok(());
         }
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        self.slot_mut(slot).core.send_waited();
+        let s = self.slot_mut(slot);
+        if s.core.send_waited() {
+            let qpn = s.qpn.unwrap_or(0);
+            s.stall.began(qpn, Some(peer));
+        }
         loop {
             self.live_slot(peer)?;
             // A receive may have let them sleep again meanwhile.
             self.wake_slots(slot);
             if self.can_send(slot) {
-                self.slot_mut(slot).core.send_waits(false);
+                self.sends_again(slot, peer);
                 return Ok(());
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -353,6 +357,15 @@ impl RawHub {
                 return Err(Error::Timeout(timeout.unwrap_or_default()));
             }
             self.wait_for_progress(left, true)?;
+        }
+    }
+
+    /// A send to `slot` goes now: a credit stall of its ends.
+    fn sends_again(&mut self, slot: usize, peer: PeerId) {
+        let s = self.slot_mut(slot);
+        if s.core.send_waits(false) {
+            let qpn = s.qpn.unwrap_or(0);
+            s.stall.ended(qpn, Some(peer));
         }
     }
 }

@@ -162,9 +162,11 @@ impl RawHub {
             return;
         }
         let group = s.group.filter(|_| s.admitted);
+        let (qpn, id, failure) = (s.qpn.unwrap_or(0), s.id(slot), s.core.failure());
         let Some(link) = s.link_mut() else {
             return;
         };
+        crate::trace::ended(qpn, Some(id), failure);
         let _ = link.stream.shutdown(std::net::Shutdown::Both);
         let _ = link.qp.to_error();
         s.core.flushing_since(Instant::now());

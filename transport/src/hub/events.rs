@@ -132,6 +132,9 @@ pub struct HubStats {
     pub forced_solicited: u64,
     /// Times a send waited for a credit, all connections, past and present.
     pub credit_waits: u64,
+    /// Credit stalls ([`ConnStats::credit_stalls`](crate::ConnStats::credit_stalls)), all
+    /// connections, past and present.
+    pub credit_stalls: u64,
     /// Failed queue pairs the device said had let go of their last shared receive
     /// (`IBV_EVENT_QP_LAST_WQE_REACHED`) before they were destroyed; the others were
     /// destroyed after a short wait for it (rxe never sends it).

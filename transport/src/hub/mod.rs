@@ -174,6 +174,8 @@ pub struct RawHub {
     blocked: Vec<usize>,
     /// Sends since the hub last stepped.
     sends_since_step: u32,
+    /// Steps that found the completion channel fired (see [`RawHub::wakeups`]).
+    step_wakeups: u64,
 }
 
 impl fmt::Debug for RawHub {
@@ -262,6 +264,7 @@ impl RawHub {
             stepped_asleep: false,
             blocked: Vec::new(),
             sends_since_step: 0,
+            step_wakeups: 0,
         };
         hub.new_group()?;
         hub.repost()?;
@@ -319,12 +322,15 @@ impl RawHub {
             addr: format!("{addr:?}"),
             source,
         };
-        let resolved = addr
+        let stream = addr
             .to_socket_addrs()
-            .map_err(connect_err)?
-            .next()
-            .ok_or_else(|| connect_err(io::ErrorKind::NotFound.into()))?;
-        let stream = TcpStream::connect_timeout(&resolved, timeout).map_err(connect_err)?;
+            .map_err(connect_err)
+            .and_then(|mut all| {
+                all.next()
+                    .ok_or_else(|| connect_err(io::ErrorKind::NotFound.into()))
+            })
+            .and_then(|to| TcpStream::connect_timeout(&to, timeout).map_err(connect_err));
+        let stream = stream.inspect_err(|e| crate::trace::connect_failed(&addr, e))?;
         self.connect_stream(stream)
     }
 
@@ -351,8 +357,10 @@ impl RawHub {
                 return Err(e);
             }
         };
+        let to = pending.peer_addr;
         self.start_handshake(slot, pending)?;
         let id = self.slot(slot).id(slot);
+        crate::trace::hub_connecting(id, to);
         // The client speaks first: its hello is written at once.
         self.advance_handshake(slot);
         Ok(id)
@@ -430,8 +438,10 @@ impl RawHub {
         self.check_fatal()?;
         self.nobody_waits();
         self.arm(false)?;
+        let events = self.waiter.stats().events;
         let mut got = std::mem::take(&mut self.completions);
         let polled = self.waiter.step(&mut |key, wc| got.push((key, wc.clone())));
+        self.step_wakeups += u64::from(self.waiter.stats().events != events);
         self.completions = got;
         self.handle_completions();
         if let Err(e) = polled {
@@ -718,6 +728,7 @@ impl RawHub {
         // The close carries the note too: the peer's last word from us.
         let note = self.send.note(self.slot(slot).core.note());
         self.post(slot, note, post)?;
+        crate::trace::close_started(self.slot(slot).qpn.unwrap_or(0), Some(peer));
         self.schedule(slot);
         Ok(())
     }
@@ -790,6 +801,7 @@ impl RawHub {
             let c = slot.core.stats();
             s.forced_solicited += c.forced_solicited;
             s.credit_waits += c.credit_waits;
+            s.credit_stalls += c.credit_stalls;
         }
         debug_assert_eq!(
             s.handshakes,
@@ -815,6 +827,15 @@ impl RawHub {
     /// Wake-up statistics of the hub's waits.
     pub fn wait_stats(&self) -> rdmsg_notify::Stats {
         self.waiter.stats()
+    }
+
+    /// Times the hub was woken by its completion channel: its own waits that slept until an
+    /// event came (`wait_stats().wakeups`), and [`RawHub::step`]s that found an event (an
+    /// event loop's wake-ups, or a busy sender's look every few sends). It moves once per
+    /// wake-up: everything taken between two changes came with one wake-up (or none).
+    #[inline]
+    pub fn wakeups(&self) -> u64 {
+        self.waiter.stats().wakeups + self.step_wakeups
     }
 
     /// The credits the hub lets `peer` hold at most now (its quota in the shared pool).

@@ -155,10 +155,12 @@ impl RawHub {
         let c = s.core.stats();
         self.stats.forced_solicited += c.forced_solicited;
         self.stats.credit_waits += c.credit_waits;
+        self.stats.credit_stalls += c.credit_stalls;
         let failure = s.core.failure().unwrap_or(Failure::QpError);
         let last_note = s.core.peer_note();
         self.unadmit(slot);
         if announced {
+            crate::trace::disconnected(peer, failure);
             self.stats.disconnected += 1;
             self.events.push_back(RawHubEvent::Disconnected {
                 peer,
@@ -212,6 +214,7 @@ impl RawHub {
             },
         };
         if self.fatal.is_none() {
+            crate::trace::hub_failed(f);
             self.fatal = Some(f);
             for slot in 0..self.slots.len() {
                 if self.slots[slot].is_some() {

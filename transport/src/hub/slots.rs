@@ -93,6 +93,8 @@ pub(super) struct Slot {
     pub(super) reads: std::collections::VecDeque<(u64, usize)>,
     /// The deadline of its entry in `RawHub::timers`, if it has one.
     pub(super) timer_at: Option<std::time::Instant>,
+    /// Its credit stall under way, for its events (nothing without the `tracing` feature).
+    pub(super) stall: crate::trace::Stall,
 }
 
 impl CreditHolder for Slot {
@@ -199,6 +201,7 @@ impl RawHub {
             unsignaled: 0,
             reads: std::collections::VecDeque::new(),
             timer_at: None,
+            stall: crate::trace::Stall::default(),
         };
         let i = match self.free_slots.pop() {
             Some(i) => i,

@@ -275,6 +275,16 @@ impl Net {
                 Action::SayGoodbye => self.tell_stream(peer, StreamNews::Goodbye),
                 Action::UnwatchStream => {}
                 Action::FailQueuePair => {
+                    // Reported as the drivers do (an end's index stands for its queue pair).
+                    let (qp, failure) = match end {
+                        End::Conn(i) => (i, self.conns[i].core.failure()),
+                        End::Hub(s) => (
+                            s,
+                            self.hub().slots[s].as_ref().and_then(|s| s.core.failure()),
+                        ),
+                        End::Gone(n) => (n, None),
+                    };
+                    crate::trace::ended(qp as u32, None, failure);
                     self.tell_stream(peer, StreamNews::Ended);
                     self.break_queue_pair(end);
                     let now = self.now;
@@ -416,6 +426,7 @@ impl Net {
             return false;
         };
         self.post_send(End::Conn(i), post, None);
+        crate::trace::close_started(i as u32, None);
         true
     }
 

@@ -672,3 +672,62 @@ proptest! {
         run_hub(cfg, shared, peers, &ops);
     }
 }
+
+// ----- what the drivers report (feature `tracing`) -----
+
+#[cfg(feature = "tracing")]
+#[test]
+fn closes_and_failures_are_reported_once_each_at_their_levels() {
+    use rdmsg_testkit::events::recording;
+    use tracing::Level;
+
+    let ((), events) = recording(|| {
+        // A graceful close: started and done on one side, the peer's close on the other.
+        let (mut net, a, b) = pair(Shape::default(), Shape::default());
+        net.conns[a].app.backlog = 20;
+        net.conns[b].app.hold = 0;
+        net.drive(10_000);
+        assert!(net.close(a));
+        net.drive(10_000);
+        // A sender beyond its credits: the receiver's receive queue would have run dry.
+        let (mut net, a, b) = pair(Shape::default(), Shape::default());
+        net.conns[a].core = Core::new(Credits::new(8, 3, 8 + 4, 3, 8 + 4), 4, CLOSE);
+        net.conns[a].app.backlog = 12;
+        net.drive(10_000);
+        assert!(net.conns[b].core.failure().is_some());
+    });
+    let of = |message: &str| -> Vec<_> { events.iter().filter(|e| e.message == message).collect() };
+    let one = |message: &str, level: Level, conn: &str| {
+        let found = of(message);
+        assert_eq!(found.len(), 1, "{message}: {events:#?}");
+        assert_eq!(found[0].level, level, "{message}");
+        assert_eq!(found[0].field("conn"), Some(conn), "{message}");
+        found[0].clone()
+    };
+    one("close started", Level::INFO, "qp 0x0");
+    one("closed", Level::INFO, "qp 0x0");
+    one("peer closed", Level::INFO, "qp 0x1");
+    // Both sides of the lie: the receiver sees data beyond its credits, the liar's message
+    // meets a receiver not ready until its retries run out.
+    let mut rnr: Vec<_> = of("receiver not ready")
+        .into_iter()
+        .map(|e| (e.level, e.field("conn"), e.field("failure")))
+        .collect();
+    rnr.sort();
+    assert_eq!(
+        rnr,
+        [
+            (
+                Level::WARN,
+                Some("qp 0x0"),
+                Some("a work request completed with RnrRetryExcErr (vendor error 0x0)")
+            ),
+            (
+                Level::WARN,
+                Some("qp 0x1"),
+                Some("protocol violation: data message beyond the credits granted")
+            ),
+        ]
+    );
+    assert!(of("connection failed").is_empty(), "{events:#?}");
+}
