@@ -812,7 +812,8 @@ impl Hub {
                 if sent {
                     Ok(())
                 } else {
-                    Err(rdmsg_transport::Error::Timeout(Duration::ZERO).into())
+                    let none = crate::error::WAIT_NONE;
+                    Err(rdmsg_transport::Error::timeout("sending", none, Duration::ZERO).into())
                 }
             }),
         )
