@@ -89,11 +89,12 @@ pub enum Error {
         /// Most requests the shared receive queue holds.
         capacity: u32,
     },
-    /// A message larger than the peer's receive buffers.
+    /// A message larger than the peer's receive buffers (for a hub, than its own buffers if
+    /// they are smaller).
     #[error(
-        "message of {len} bytes exceeds the peer's receive buffer size of {max} bytes (its \
-         Config::buf_size): a Connection sends a message in one buffer, so split it, or send \
-         it through a Session, which fragments it"
+        "message of {len} bytes exceeds the largest this connection sends whole, {max} bytes \
+         (the peer's Config::buf_size, or a hub's own if smaller): the transport sends a message \
+         in one buffer, so split it, or send it through a Session or typed Hub, which fragment"
     )]
     TooLarge {
         /// Message length.
@@ -423,9 +424,10 @@ mod tests {
                     len: 5000,
                     max: 4096,
                 },
-                "message of 5000 bytes exceeds the peer's receive buffer size of 4096 bytes (its \
-                 Config::buf_size): a Connection sends a message in one buffer, so split it, or \
-                 send it through a Session, which fragments it",
+                "message of 5000 bytes exceeds the largest this connection sends whole, 4096 \
+                 bytes (the peer's Config::buf_size, or a hub's own if smaller): the transport \
+                 sends a message in one buffer, so split it, or send it through a Session or \
+                 typed Hub, which fragment",
             ),
         ];
         for (e, want) in cases {
