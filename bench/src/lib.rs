@@ -3,7 +3,7 @@
 //! report that turns rounds of samples into medians, ratios and goals.
 //!
 //! `cargo xtask bench` runs [`runner`] inside the Soft-RoCE VM, the codec rounds on the host,
-//! then [`report`] and [`chart`] on the host; see the README.
+//! then [`report`] and [`chart`] on the host; see DEVELOPING.md (Benchmarks).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 

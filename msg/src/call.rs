@@ -27,7 +27,7 @@ use rdmsg_transport::{Connection, PeerId, Waker};
 use serde::ser::{SerializeTuple, Serializer};
 use serde::Serialize;
 
-use crate::codec::Envelope;
+use crate::codec::{Decoder, Envelope};
 use crate::peer::{Absorbing, HubLink, Link, Sender};
 use crate::{tag, Error, Message, Result};
 
@@ -457,8 +457,8 @@ pub(crate) enum Outcome {
 #[derive(Debug)]
 struct Pending {
     peer: Option<PeerId>,
-    /// The response type's tag.
-    expect: u32,
+    /// The response type's tag and name.
+    expect: (u32, &'static str),
     request: &'static str,
     outcome: Option<Outcome>,
 }
@@ -487,7 +487,7 @@ impl CallTable {
             id,
             Pending {
                 peer,
-                expect: R::Response::TAG,
+                expect: (R::Response::TAG, std::any::type_name::<R::Response>()),
                 request: std::any::type_name::<R>(),
                 outcome: None,
             },
@@ -527,7 +527,7 @@ impl CallTable {
         let request = p.request;
         p.outcome = Some(match status {
             ANSWERED => {
-                env.retag(p.expect);
+                env.retag(p.expect.0, p.expect.1);
                 Outcome::Answer(env)
             }
             NOT_SERVED => Outcome::Failed(Error::NotServed { request }),
@@ -684,13 +684,13 @@ pub(crate) enum Routed {
 }
 
 /// Routes one received message: unwraps a request (attaching where its answer goes, or
-/// refusing it if `accepts` does not know its type), hands an answer to its call.
+/// refusing it if `decoder` does not take its type), hands an answer to its call.
 pub(crate) fn route(
     mut env: Envelope,
     peer: Option<PeerId>,
     calls: &Calls,
     replies: &Arc<Replies>,
-    accepts: impl Fn(u32) -> bool,
+    decoder: &Decoder,
 ) -> Result<Routed> {
     match env.tag() {
         CALL_TAG => {
@@ -700,7 +700,7 @@ pub(crate) fn route(
                     source: crate::DecodeFailure::Trailing(0),
                 })?;
             lock(calls).served();
-            if !accepts(inner) {
+            if !decoder.accepts(inner) {
                 replies.push(QueuedReply {
                     peer,
                     msg: Box::new(OwnedReply::<()> {
@@ -711,7 +711,8 @@ pub(crate) fn route(
                 });
                 return Ok(Routed::Consumed);
             }
-            env.unwrap_request(used, inner, Origin::new(id, peer, replies.clone()));
+            let ty = decoder.type_of(inner);
+            env.unwrap_request(used, (inner, ty), Origin::new(id, peer, replies.clone()));
             Ok(Routed::Deliver(env))
         }
         REPLY_TAG => {
@@ -738,7 +739,7 @@ mod tests {
     use serde::{Deserialize, Serialize};
 
     use super::*;
-    use crate::codec::{self, Decoder, FrameBytes};
+    use crate::codec::{self, FrameBytes};
     use crate::Bulk;
 
     #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -771,7 +772,7 @@ mod tests {
         replies: &Arc<Replies>,
         d: &Decoder,
     ) -> Option<Envelope> {
-        match route(env, None, calls, replies, |t| d.accepts(t)).unwrap() {
+        match route(env, None, calls, replies, d).unwrap() {
             Routed::Deliver(e) => Some(e),
             Routed::Consumed => None,
         }

@@ -2,6 +2,7 @@
 
 use std::collections::hash_map::{Entry, HashMap};
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -29,6 +30,10 @@ fn config() -> impl bincode::config::Config {
 pub(crate) fn decode_prefix<T: DeserializeOwned>(body: &[u8]) -> Option<(T, usize)> {
     bincode::serde::decode_from_slice(body, config()).ok()
 }
+
+/// What the registry calls the tags of requests and answers (never listed as types).
+const CALL_NAME: &str = "rdmsg request";
+const REPLY_NAME: &str = "rdmsg answer";
 
 /// Tag of frames without a message (a [`crate::Session::flush`] nudge).
 pub const NUDGE_TAG: u32 = 0;
@@ -90,7 +95,7 @@ pub fn fragment(
     let chunk = frame_max.saturating_sub(HEADER_LEN).max(1);
     let count = body.len().div_ceil(chunk).max(1);
     if count > usize::from(u16::MAX) + 1 {
-        return Err(Error::TooLarge {
+        return Err(Error::TooManyFragments {
             len: body.len(),
             max: chunk * (usize::from(u16::MAX) + 1),
         });
@@ -135,10 +140,7 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
     max: usize,
 ) -> Result<M> {
     if tag != M::TAG {
-        return Err(Error::WrongType {
-            expected: M::TAG,
-            got: tag,
-        });
+        return Err(wrong_type::<M>(tag, None));
     }
     let budget = Budget::new(max);
     let seed = Bounded {
@@ -164,6 +166,16 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
         });
     }
     Ok(m)
+}
+
+/// [`Error::WrongType`]: `M` asked of a message of `tag` (of type `actual`, if known).
+fn wrong_type<M: Message>(tag: u32, actual: Option<&'static str>) -> Error {
+    Error::WrongType {
+        expected: std::any::type_name::<M>(),
+        expected_tag: M::TAG,
+        tag,
+        actual,
+    }
 }
 
 /// The bytes of a received frame: a zero-copy transport buffer or owned bytes.
@@ -219,6 +231,9 @@ pub enum Decoded {
 #[derive(Debug)]
 pub struct Envelope {
     tag: u32,
+    /// The type registered under `tag` with the decoder that made it, if any (for
+    /// [`Error::WrongType`]).
+    ty: Option<&'static str>,
     seq: u32,
     frame: FrameBytes,
     offset: usize,
@@ -235,6 +250,7 @@ impl Envelope {
     pub(crate) fn returned(tag: u32, seq: u32, body: Vec<u8>, max: usize) -> Self {
         Self {
             tag,
+            ty: None,
             seq,
             frame: FrameBytes::Owned(body),
             offset: 0,
@@ -245,9 +261,15 @@ impl Envelope {
 
     /// A request's envelope: its body starts `used` bytes on, it has the request's own tag,
     /// and it carries where its answer goes.
-    pub(crate) fn unwrap_request(&mut self, used: usize, tag: u32, origin: Origin) {
+    pub(crate) fn unwrap_request(
+        &mut self,
+        used: usize,
+        (tag, ty): (u32, Option<&'static str>),
+        origin: Origin,
+    ) {
         self.skip(used);
         self.tag = tag;
+        self.ty = ty;
         self.origin = Some(Box::new(origin));
     }
 
@@ -256,9 +278,10 @@ impl Envelope {
         self.offset = (self.offset + n).min(self.frame.bytes().len());
     }
 
-    /// An answer's envelope takes its response type's tag.
-    pub(crate) fn retag(&mut self, tag: u32) {
+    /// An answer's envelope takes its response type's tag (and name).
+    pub(crate) fn retag(&mut self, tag: u32, ty: &'static str) {
         self.tag = tag;
+        self.ty = Some(ty);
     }
 
     /// Whether this is a request someone waits to have answered (see
@@ -275,10 +298,7 @@ impl Envelope {
     /// "no answer" ([`Error::NoAnswer`] for the caller).
     pub fn responder<R: Request>(&mut self) -> Result<Responder<R::Response>> {
         if self.tag != R::TAG {
-            return Err(Error::WrongType {
-                expected: R::TAG,
-                got: self.tag,
-            });
+            return Err(wrong_type::<R>(self.tag, self.ty));
         }
         match self.origin.take() {
             Some(o) => Ok(Responder::new(*o, std::any::type_name::<R>())),
@@ -315,10 +335,7 @@ impl Envelope {
     /// waits for). [`crate::Bulk::is_shared`] tells which.
     pub fn decode_shared<M: Message + DeserializeOwned>(&mut self) -> Result<M> {
         if self.tag != M::TAG {
-            return Err(Error::WrongType {
-                expected: M::TAG,
-                got: self.tag,
-            });
+            return Err(wrong_type::<M>(self.tag, self.ty));
         }
         let frame = std::mem::replace(&mut self.frame, FrameBytes::Owned(Vec::new()));
         self.frame = match frame {
@@ -361,17 +378,44 @@ impl Envelope {
         &self.frame.bytes()[self.offset..]
     }
 
+    /// The type registered under this message's tag with the session, hub or decoder that
+    /// received it (`std::any::type_name`), if one was.
+    pub fn type_name(&self) -> Option<&'static str> {
+        self.ty
+    }
+
     /// Decodes the body as an `M`, holding at most the decoder's `max_message` bytes
-    /// ([`DecodeFailure::TooLarge`] otherwise).
+    /// ([`DecodeFailure::TooLarge`] otherwise). A message of another tag is
+    /// [`Error::WrongType`], naming both types as far as they are known; nothing is decoded.
     pub fn decode<M: Message + DeserializeOwned>(&self) -> Result<M> {
+        self.check::<M>()?;
         decode_body(self.tag, self.body(), self.max)
     }
 
     /// Decodes the body as an `M` that borrows from the envelope: byte strings and strings are
     /// read in place, from the receive buffer of a single-frame message.
     pub fn decode_borrowed<'a, M: Message + Deserialize<'a>>(&'a self) -> Result<M> {
+        self.check::<M>()?;
         decode_body_borrowed(self.tag, self.body(), self.max)
     }
+
+    fn check<M: Message>(&self) -> Result<()> {
+        if self.tag != M::TAG {
+            return Err(wrong_type::<M>(self.tag, self.ty));
+        }
+        Ok(())
+    }
+}
+
+/// The registered types by name, for [`Error::UnknownTag`].
+fn registered(known: &HashMap<u32, &'static str>) -> Arc<[(&'static str, u32)]> {
+    let mut types: Vec<_> = known
+        .iter()
+        .filter(|(&tag, _)| tag != CALL_TAG && tag != REPLY_TAG)
+        .map(|(&tag, &name)| (name, tag))
+        .collect();
+    types.sort_unstable();
+    types.into()
 }
 
 /// Turns received frames into messages: checks each frame, reassembles fragments, filters
@@ -385,6 +429,9 @@ pub struct Decoder {
     reassembler: Reassembler,
     /// Registered tags and the type each was registered for.
     known: HashMap<u32, &'static str>,
+    /// The same, by name, for [`Error::UnknownTag`] (made at registration, shared by every
+    /// error).
+    registered: Arc<[(&'static str, u32)]>,
     /// `(tag, seq)` of a fragmented message refused by its first fragment, whose other
     /// fragments are dropped quietly.
     skipping: Option<(u32, u32)>,
@@ -398,6 +445,7 @@ impl Decoder {
         Self {
             reassembler: Reassembler::new(max_message),
             known: HashMap::new(),
+            registered: Arc::new([]),
             skipping: None,
             lost_partials: 0,
         }
@@ -417,8 +465,9 @@ impl Decoder {
                 e.insert(new);
                 // Requests and answers travel under tags of their own: a side that filters
                 // by type still takes them (a request's own type is checked once unwrapped).
-                self.known.entry(CALL_TAG).or_insert("rdmsg request");
-                self.known.entry(REPLY_TAG).or_insert("rdmsg answer");
+                self.known.entry(CALL_TAG).or_insert(CALL_NAME);
+                self.known.entry(REPLY_TAG).or_insert(REPLY_NAME);
+                self.registered = registered(&self.known);
                 Ok(())
             }
         }
@@ -429,6 +478,7 @@ impl Decoder {
     pub(crate) fn fresh(&self) -> Decoder {
         Self {
             known: self.known.clone(),
+            registered: self.registered.clone(),
             ..Decoder::new(self.max_message())
         }
     }
@@ -454,11 +504,23 @@ impl Decoder {
         self.known.is_empty() || self.known.contains_key(&tag)
     }
 
-    fn check_tag(&self, tag: u32) -> Result<()> {
-        if !self.known.is_empty() && !self.known.contains_key(&tag) {
-            return Err(Error::UnknownTag(tag));
+    /// The type registered under `tag`, if any.
+    pub(crate) fn type_of(&self, tag: u32) -> Option<&'static str> {
+        self.known.get(&tag).copied()
+    }
+
+    /// Whether `tag` is accepted, and the type registered under it.
+    fn check_tag(&self, tag: u32) -> Result<Option<&'static str>> {
+        if self.known.is_empty() {
+            return Ok(None);
         }
-        Ok(())
+        match self.known.get(&tag) {
+            Some(&name) => Ok(Some(name)),
+            None => Err(Error::UnknownTag {
+                tag,
+                registered: self.registered.clone(),
+            }),
+        }
     }
 
     fn drop_partial(&mut self) {
@@ -469,9 +531,17 @@ impl Decoder {
         }
     }
 
-    fn envelope(&self, tag: u32, seq: u32, frame: FrameBytes, offset: usize) -> Envelope {
+    fn envelope(
+        &self,
+        tag: u32,
+        ty: Option<&'static str>,
+        seq: u32,
+        frame: FrameBytes,
+        offset: usize,
+    ) -> Envelope {
         Envelope {
             tag,
+            ty,
             seq,
             frame,
             offset,
@@ -492,7 +562,8 @@ impl Decoder {
 
     /// A message read by rendezvous: its body, under the tag and number its descriptor gave.
     pub fn read_message(&self, tag: u32, seq: u32, body: ReadBuf) -> Envelope {
-        self.envelope(tag, seq, FrameBytes::Read(body), 0)
+        let ty = self.known.get(&tag).copied();
+        self.envelope(tag, ty, seq, FrameBytes::Read(body), 0)
     }
 
     /// Takes one frame: a message, nothing yet, or a rendezvous frame. A descriptor or an
@@ -541,8 +612,8 @@ impl Decoder {
             if h.tag == NUDGE_TAG {
                 return Ok(None);
             }
-            self.check_tag(h.tag)?;
-            return Ok(Some(self.envelope(h.tag, h.seq, frame, HEADER_LEN)));
+            let ty = self.check_tag(h.tag)?;
+            return Ok(Some(self.envelope(h.tag, ty, h.seq, frame, HEADER_LEN)));
         }
         if h.flags & FIRST != 0 {
             if let Err(e) = self.check_tag(h.tag) {
@@ -555,9 +626,10 @@ impl Decoder {
         match self.reassembler.push(&h, body)? {
             None => Ok(None),
             Some((tag, joined)) => {
-                self.check_tag(tag)?;
+                let ty = self.check_tag(tag)?;
                 Ok(Some(self.envelope(
                     tag,
+                    ty,
                     h.seq,
                     FrameBytes::Owned(joined),
                     0,

@@ -2,6 +2,7 @@
 
 use std::collections::hash_map::{Entry, HashMap};
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
 use crossbeam::channel::{Receiver, Sender};
 use rdmsg_transport::PeerId;
@@ -40,6 +41,8 @@ pub struct DispatchStats {
 struct Routes<P> {
     /// Per tag: the type it was registered for, and its route.
     handlers: HashMap<u32, (&'static str, Handler<P>)>,
+    /// The routed types by name, for [`Error::UnknownTag`] (made as routes are added).
+    registered: Arc<[(&'static str, u32)]>,
     stats: DispatchStats,
 }
 
@@ -47,6 +50,7 @@ impl<P> Default for Routes<P> {
     fn default() -> Self {
         Self {
             handlers: HashMap::new(),
+            registered: Arc::new([]),
             stats: DispatchStats::default(),
         }
     }
@@ -64,6 +68,13 @@ impl<P: Copy + Send + 'static> Routes<P> {
             }),
             Entry::Vacant(e) => {
                 e.insert((new, handler));
+                let mut types: Vec<_> = self
+                    .handlers
+                    .iter()
+                    .map(|(&tag, &(name, _))| (name, tag))
+                    .collect();
+                types.sort_unstable();
+                self.registered = types.into();
                 Ok(())
             }
         }
@@ -118,7 +129,10 @@ impl<P: Copy + Send + 'static> Routes<P> {
     fn dispatch(&mut self, peer: Option<P>, env: &Envelope) -> Result<()> {
         let Some((_, h)) = self.handlers.get_mut(&env.tag()) else {
             self.stats.unknown += 1;
-            return Err(Error::UnknownTag(env.tag()));
+            return Err(Error::UnknownTag {
+                tag: env.tag(),
+                registered: self.registered.clone(),
+            });
         };
         match h(peer, env) {
             Ok(()) => {
@@ -391,7 +405,7 @@ mod tests {
         ));
         assert!(matches!(
             r.dispatch(Some(1), &envelope(&Tick)),
-            Err(Error::UnknownTag(_))
+            Err(Error::UnknownTag { .. })
         ));
         // An Ask's tag over a body that is not one.
         let forged = frame::build(FIRST | LAST, Ask::TAG, 0, 0, &[0xff; 9]);

@@ -86,10 +86,18 @@ mod tests {
     fn non_fatal_errors_are_skipped_and_the_loop_goes_on() {
         let calls = std::cell::Cell::new(0);
         let script = vec![
-            Err(Error::UnknownTag(7)),
+            Err(Error::UnknownTag {
+                tag: 7,
+                registered: Vec::new().into(),
+            }),
             Ok(envelope(1)),
             Err(Error::BadFrame(frame::FrameError::TooShort(3))),
-            Err(rdmsg_transport::Error::Timeout(std::time::Duration::from_millis(1)).into()),
+            Err(rdmsg_transport::Error::timeout(
+                "sending",
+                "(test)",
+                std::time::Duration::from_millis(1),
+            )
+            .into()),
             Ok(envelope(2)),
         ];
         let seqs: Vec<u32> = messages(scripted(script, || Err(verbs_error()), &calls))
@@ -106,7 +114,13 @@ mod tests {
     #[test]
     fn next_message_hands_skipped_errors_over_and_returns_the_fatal_one() {
         let calls = std::cell::Cell::new(0);
-        let script = vec![Err(Error::ReceiverGone(1)), Err(Error::UnknownTag(2))];
+        let script = vec![
+            Err(Error::ReceiverGone(1)),
+            Err(Error::UnknownTag {
+                tag: 2,
+                registered: Vec::new().into(),
+            }),
+        ];
         let mut skipped = Vec::new();
         let r = next_message(scripted(script, || Err(verbs_error()), &calls), |e| {
             skipped.push(e.to_string())

@@ -1,5 +1,8 @@
 //! Errors of the message layer.
 
+use std::fmt;
+use std::sync::Arc;
+
 use crate::frame::FrameError;
 
 /// Result alias for msg.
@@ -31,12 +34,27 @@ pub enum Error {
         #[source]
         source: DecodeFailure,
     },
-    /// A frame that was dropped.
-    #[error("bad frame dropped")]
-    BadFrame(#[from] FrameError),
-    /// A tag nobody registered: the message was dropped.
-    #[error("unknown message tag {0:#010x}")]
-    UnknownTag(u32),
+    /// A frame that was dropped (its fault in the message: the frame error is not repeated as
+    /// a source).
+    #[error("bad frame dropped: {0}")]
+    BadFrame(FrameError),
+    /// A message of a tag no type is registered for on this side (with the session, hub or
+    /// dispatcher that received it): it was dropped. The message lists the types registered
+    /// and says what to do: register the sender's type here, or make both programs agree on
+    /// its tag.
+    #[error(
+        "received a message of tag {tag:#010x}, but no type is registered under that tag here \
+         ({}): register the sender's type on this side (`register::<T>()`, or a Dispatcher \
+         route), or check that both programs give the type the same tag (its name as written \
+         in `message!(T)`, or `message!(T, tag = \"...\")`)",
+        Registered(.registered)
+    )]
+    UnknownTag {
+        /// The message's tag.
+        tag: u32,
+        /// The types registered on this side, by name (`std::any::type_name`), with their tags.
+        registered: Arc<[(&'static str, u32)]>,
+    },
     /// Every receiver of a dispatcher channel for this tag is gone: the message was dropped.
     #[error("no receiver left for message tag {0:#010x}")]
     ReceiverGone(u32),
@@ -44,13 +62,23 @@ pub enum Error {
     /// (`Dispatcher::on_from`, `Dispatcher::channel_from`): it was dropped.
     #[error("message tag {0:#010x} is routed to a handler of hub peers but came without a peer")]
     NoPeer(u32),
-    /// `decode` asked for another type than the message has.
-    #[error("message has tag {got:#010x}, not {expected:#010x}")]
+    /// `decode` asked for another type than the message has: nothing was decoded. Check
+    /// [`Envelope::is`](crate::Envelope::is) (or match on the tag) before decoding.
+    #[error(
+        "decode::<{expected}>() on a message of {}: check `env.is::<T>()` (or match on \
+         `env.tag()`) before decoding, or check that the sender sent the type you expect",
+        Actual { tag: *.tag, actual: *.actual, expected_tag: *.expected_tag }
+    )]
     WrongType {
-        /// The tag of the type asked for.
-        expected: u32,
+        /// The type asked for (`std::any::type_name`).
+        expected: &'static str,
+        /// Its tag.
+        expected_tag: u32,
         /// The message's tag.
-        got: u32,
+        tag: u32,
+        /// The type registered under the message's tag on this side, if the decoder that
+        /// received it knew one.
+        actual: Option<&'static str>,
     },
     /// A message sent by rendezvous could not be read (the connection failed under the read,
     /// or the sender's memory was not what its descriptor said): the message is lost, and
@@ -87,12 +115,32 @@ pub enum Error {
         /// Messages the peer had not finished reading.
         messages: usize,
     },
-    /// A message larger than the configured bound.
-    #[error("message of {len} bytes exceeds {max} bytes")]
+    /// A message larger than [`crate::SessionConfig::max_message`] (on this side: a sender
+    /// refuses to send it, a receiver drops it). Both sides must allow it: raise
+    /// `max_message` on both. [`Bulk`](crate::Bulk) payloads count towards it too.
+    #[error(
+        "message of {len} bytes exceeds SessionConfig::max_message ({max} bytes) on this side: \
+         raise max_message on both sides (the sender refuses larger messages, the receiver \
+         drops them)"
+    )]
     TooLarge {
         /// Encoded length.
         len: usize,
         /// The bound.
+        max: usize,
+    },
+    /// A message that would go in fragments needs more than a frame's fragment index can
+    /// count (65,536 fragments of one receive buffer of the peer's each): it was not sent.
+    #[error(
+        "message of {len} bytes needs more than 65536 fragments (at most {max} bytes go in \
+         fragments of the peer's receive buffers): let it go by rendezvous \
+         (SessionConfig::rendezvous_threshold, and the peer's Config::max_read_bytes), or \
+         raise the peer's Config::buf_size"
+    )]
+    TooManyFragments {
+        /// Encoded length.
+        len: usize,
+        /// The most that fragments of the peer's buffers hold.
         max: usize,
     },
     /// A type was registered for a tag that another registration already holds (two types
@@ -145,6 +193,83 @@ pub enum Error {
     },
 }
 
+// By hand rather than `#[from]`, which would also make the frame error the error's source and
+// print its text twice in a chain.
+impl From<FrameError> for Error {
+    fn from(e: FrameError) -> Self {
+        Error::BadFrame(e)
+    }
+}
+
+/// Most registered types an [`Error::UnknownTag`] names.
+const NAMED_TYPES: usize = 8;
+
+/// The registered types as an [`Error::UnknownTag`] lists them.
+struct Registered<'a>(&'a [(&'static str, u32)]);
+
+impl fmt::Display for Registered<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none are registered");
+        }
+        f.write_str("registered: ")?;
+        for (i, (name, tag)) in self.0.iter().take(NAMED_TYPES).enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{name} {tag:#010x}")?;
+        }
+        if self.0.len() > NAMED_TYPES {
+            write!(f, " and {} more", self.0.len() - NAMED_TYPES)?;
+        }
+        Ok(())
+    }
+}
+
+/// The message an [`Error::WrongType`] was asked to decode.
+struct Actual {
+    tag: u32,
+    actual: Option<&'static str>,
+    expected_tag: u32,
+}
+
+impl fmt::Display for Actual {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.actual {
+            Some(name) => write!(f, "type {name} (tag {:#010x}", self.tag)?,
+            None => write!(
+                f,
+                "tag {:#010x} (no type is registered under it here",
+                self.tag
+            )?,
+        }
+        write!(
+            f,
+            "; the type asked for has tag {:#010x})",
+            self.expected_tag
+        )
+    }
+}
+
+/// What a send that timed out waited for, by the message layer's waits (see
+/// [`rdmsg_transport::TimedOut`]).
+pub(crate) const WAIT_RECORD: &str = "waiting for the peer's application to take earlier \
+    messages (16,384 are untaken, or the copies SessionConfig::keep_unconfirmed keeps are at \
+    their bound): the peer is not receiving, or has gone";
+
+/// What a send waits for while the rest of an earlier message waits to go.
+pub(crate) const WAIT_COMMITTED: &str = "waiting for credits to send the rest of an earlier \
+    message (the peer is not taking its messages, or has gone)";
+
+/// What a send by rendezvous waits for.
+pub(crate) const WAIT_LENT: &str = "waiting for the peer to finish reading earlier large \
+    messages (SessionConfig::max_rendezvous_bytes bounds what it may be reading) or for a \
+    credit (the peer is not taking its messages, or has gone)";
+
+/// What a send that must not wait found: no credit or send slot (never shown: it becomes
+/// `Ok(false)`).
+pub(crate) const WAIT_NONE: &str = "without waiting: no credit or free send slot";
+
 /// Why a body did not decode.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -195,7 +320,7 @@ impl Error {
             Error::Encode { .. }
             | Error::Decode { .. }
             | Error::BadFrame(_)
-            | Error::UnknownTag(_)
+            | Error::UnknownTag { .. }
             | Error::ReceiverGone(_)
             | Error::NoPeer(_)
             | Error::WrongType { .. }
@@ -203,6 +328,7 @@ impl Error {
             | Error::ReadRefused { .. }
             | Error::Unread { .. }
             | Error::TooLarge { .. }
+            | Error::TooManyFragments { .. }
             | Error::CallTimedOut { .. }
             | Error::NoAnswer { .. }
             | Error::NotServed { .. }
@@ -261,5 +387,42 @@ fn transport_is_fatal(e: &rdmsg_transport::Error) -> bool {
         // `rdmsg_transport::Error` is non-exhaustive: a variant added later is fatal until it is
         // classified here, so that no loop spins on it.
         _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_send_that_timed_out_says_what_it_waited_for() {
+        let ms = Duration::from_millis(10);
+        let cases = [
+            (
+                WAIT_RECORD,
+                "sending timed out after 10ms waiting for the peer's application to take \
+                 earlier messages (16,384 are untaken, or the copies \
+                 SessionConfig::keep_unconfirmed keeps are at their bound): the peer is not \
+                 receiving, or has gone",
+            ),
+            (
+                WAIT_COMMITTED,
+                "sending timed out after 10ms waiting for credits to send the rest of an \
+                 earlier message (the peer is not taking its messages, or has gone)",
+            ),
+            (
+                WAIT_LENT,
+                "sending timed out after 10ms waiting for the peer to finish reading earlier \
+                 large messages (SessionConfig::max_rendezvous_bytes bounds what it may be \
+                 reading) or for a credit (the peer is not taking its messages, or has gone)",
+            ),
+        ];
+        for (waiting_for, want) in cases {
+            let e = Error::from(rdmsg_transport::Error::timeout("sending", waiting_for, ms));
+            assert_eq!(e.to_string(), want);
+            assert!(!e.is_fatal());
+        }
     }
 }

@@ -81,8 +81,12 @@ pub enum FrameError {
         /// Its index.
         frag: u16,
     },
-    /// A reassembled message would exceed the configured bound.
-    #[error("message exceeds {0} bytes")]
+    /// A reassembled message would exceed the configured bound
+    /// ([`crate::SessionConfig::max_message`]).
+    #[error(
+        "message in fragments exceeds SessionConfig::max_message ({0} bytes) on this side: \
+         raise max_message on both sides"
+    )]
     TooLarge(usize),
     /// A rendezvous descriptor or acknowledgement that cannot be taken apart.
     #[error("bad rendezvous frame: {0}")]

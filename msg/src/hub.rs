@@ -545,7 +545,8 @@ impl Hub {
                     if sent {
                         Ok(())
                     } else {
-                        Err(rdmsg_transport::Error::Timeout(Duration::ZERO).into())
+                        let none = crate::error::WAIT_NONE;
+                        Err(rdmsg_transport::Error::timeout("posting", none, Duration::ZERO).into())
                     }
                 }),
             )?;
@@ -950,10 +951,8 @@ impl Hub {
             }
             match ev {
                 HubEvent::Message { peer, msg } => {
-                    let registry = &self.registry;
-                    let routed = call::route(msg, Some(peer), &self.calls, &self.replies, |t| {
-                        registry.accepts(t)
-                    });
+                    let routed =
+                        call::route(msg, Some(peer), &self.calls, &self.replies, &self.registry);
                     match routed {
                         Ok(call::Routed::Deliver(msg)) => {
                             return Some(HubEvent::Message { peer, msg })
@@ -1286,7 +1285,8 @@ impl Hub {
                 if sent {
                     Ok(())
                 } else {
-                    Err(rdmsg_transport::Error::Timeout(Duration::ZERO).into())
+                    let none = crate::error::WAIT_NONE;
+                    Err(rdmsg_transport::Error::timeout("sending", none, Duration::ZERO).into())
                 }
             }),
         )

@@ -904,10 +904,7 @@ impl Session {
     /// A received message, as the application sees it: a request unwrapped (with where its
     /// answer goes), an answer handed to its call (`None`).
     fn route(&mut self, env: Envelope) -> Result<Option<Envelope>> {
-        let receiver = &self.receiver;
-        match call::route(env, None, &self.calls, &self.replies, |t| {
-            receiver.accepts(t)
-        })? {
+        match call::route(env, None, &self.calls, &self.replies, self.receiver.decoder())? {
             call::Routed::Deliver(env) => Ok(Some(env)),
             call::Routed::Consumed => {
                 self.answered = true;

@@ -173,7 +173,7 @@ fn unknown_tags_and_disordered_fragments_are_dropped_with_errors() {
     let mut dec = Decoder::new(1 << 20);
     dec.register::<Sample>().unwrap();
     let r = push(&mut dec, frame::build(FIRST | LAST, Other::TAG, 0, 0, &[5]));
-    assert!(matches!(r, Err(Error::UnknownTag(t)) if t == Other::TAG));
+    assert!(matches!(r, Err(Error::UnknownTag { tag, .. }) if tag == Other::TAG));
     // A middle fragment without a first one.
     let r = push(&mut dec, frame::build(0, Sample::TAG, 1, 1, &[1]));
     assert!(matches!(
@@ -507,7 +507,7 @@ fn an_unknown_first_fragment_is_refused_without_buffering() {
     // ...an unknown one is refused at once, and the partial message before it is dropped.
     let r = push(&mut dec, frame::build(FIRST, Other::TAG, 2, 0, &chunk));
     assert!(
-        matches!(r, Err(Error::UnknownTag(t)) if t == Other::TAG),
+        matches!(r, Err(Error::UnknownTag { tag, .. }) if tag == Other::TAG),
         "{r:?}"
     );
     assert_eq!(dec.buffered(), 0);

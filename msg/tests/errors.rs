@@ -62,17 +62,23 @@ fn every_error_is_classified() {
         assert!(e.is_fatal(), "{e:?} must be fatal");
     }
     let per_message: Vec<Error> = vec![
-        rdmsg_transport::Error::Timeout(Duration::from_millis(1)).into(),
+        rdmsg_transport::Error::timeout("sending", "(test)", Duration::from_millis(1)).into(),
         rdmsg_transport::Error::TooLarge { len: 9, max: 8 }.into(),
         Error::BadFrame(FrameError::TooShort(1)),
-        Error::UnknownTag(5),
+        Error::UnknownTag {
+            tag: 5,
+            registered: Vec::new().into(),
+        },
         Error::ReceiverGone(5),
         Error::NoPeer(5),
         Error::WrongType {
-            expected: 1,
-            got: 2,
+            expected: "Ping",
+            expected_tag: 1,
+            tag: 2,
+            actual: None,
         },
         Error::TooLarge { len: 9, max: 8 },
+        Error::TooManyFragments { len: 9, max: 8 },
         Error::Unread { messages: 2 },
         Error::ReadRefused {
             tag: 1,
@@ -127,9 +133,12 @@ fn the_dispatcher_skips_per_message_errors_and_goes_on() {
     let script = vec![
         Err(Error::BadFrame(FrameError::TooShort(2))),
         Ok(envelope(&Ping(1))),
-        Err(Error::UnknownTag(9)),
+        Err(Error::UnknownTag {
+            tag: 9,
+            registered: Vec::new().into(),
+        }),
         Ok(envelope(&Stray)),
-        Err(rdmsg_transport::Error::Timeout(Duration::from_millis(1)).into()),
+        Err(rdmsg_transport::Error::timeout("sending", "(test)", Duration::from_millis(1)).into()),
         Ok(envelope(&Ping(2))),
     ];
     let e = d.run_from(scripted(script, notify, &calls));

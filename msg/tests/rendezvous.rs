@@ -264,6 +264,6 @@ fn the_decoder_hands_rendezvous_frames_out_between_fragments() {
     other.truncate(n);
     assert!(matches!(
         dec.take(FrameBytes::Owned(other)),
-        Err(Error::UnknownTag(0x1234))
+        Err(Error::UnknownTag { tag: 0x1234, .. })
     ));
 }

@@ -52,10 +52,41 @@
 //! optional `tracing` feature; without it no event code is compiled. Counters are always on:
 //! [`SessionStats`], and the transport's `ConnStats` and `HubStats`.
 //!
+//! # Good to know
+//!
+//! - **Any end meets any other.** A plain [`Session`] (from [`Endpoint::connect`]) can be the
+//!   client of a [`Hub`] serving it from [`Hub::listen`]; a hub's [`Hub::connect`] reaches a
+//!   [`Listener`] or another hub. Only buffer sizes differ: a [`Connection`] posts 4 KiB
+//!   receive buffers ([`Config::buf_size`]), a hub 2 KiB ones; a connection sends frames as
+//!   large as its peer's buffers, a hub no larger than its own. So frames are 4 KiB between two
+//!   sessions and 2 KiB whenever a hub is at either end: larger messages go in fragments up to
+//!   [`SessionConfig::rendezvous_threshold`] (16 KiB), and from there by rendezvous (the peer
+//!   reads them from our memory).
+//! - **A wake-up is a sleep, not a message.** `wait_stats().wakeups`
+//!   ([`Connection::wait_stats`], `session.connection().wait_stats()`, a hub's
+//!   `transport().wait_stats()`) counts the times the thread slept in the kernel and was woken
+//!   by its completion channel (a solicited message, an error completion, or, while a send
+//!   waits for credits, any completion). Messages already there when a receive looks cost no
+//!   sleep and count nothing; one wake-up takes everything that arrived before it. Timeouts
+//!   and other descriptors (a returned buffer, the peer's stream) are not counted.
+//!   `AsyncSession::wakeups` and `AsyncHub::wakeups` (feature `tokio`) count the times a
+//!   waiting task was woken by the descriptor becoming readable, those causes included.
+//! - **`try_send` never waits.** `Ok(false)` means nothing of the message was sent: no credit
+//!   or send slot, or, for a large message, no room under
+//!   [`SessionConfig::max_rendezvous_bytes`] or no credit for its descriptor or first fragment.
+//! - **A [`Bulk`] goes by reference wherever it is** in the message (a field, an enum variant,
+//!   a `Vec<Bulk>`): every `Bulk` of at least 4 KiB that serialization meets in a message going
+//!   by rendezvous is exposed to the peer, not copied. It counts toward
+//!   [`SessionConfig::max_message`] (16 MiB) on both sides.
+//!
 //! # Requirements
 //!
-//! Linux, libibverbs with a provider, and an RDMA device (hardware or Soft-RoCE). Building
-//! needs libclang ≤ 15 for `rdma-sys`' bindgen (Debian 12's works).
+//! Linux, libibverbs with a provider, and an RDMA device (hardware or Soft-RoCE:
+//! `modprobe rdma_rxe; rdma link add rxe0 type rxe netdev <iface>`, as root). Building needs
+//! `libibverbs-dev`, `pkg-config` and libclang ≤ 15 for `rdma-sys`' bindgen (Debian 12's
+//! works). The crates are not on crates.io: depend on a clone by path
+//! (`rdmsg = { path = "/path/to/rdmsg/rdmsg" }`) or on the repository by git; the README says
+//! how, and how to run a program in a VM with Soft-RoCE (`cargo xtask vm -- CMD`).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 

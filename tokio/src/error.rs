@@ -12,7 +12,7 @@ pub enum Error {
     #[error(transparent)]
     Msg(#[from] rdmsg_msg::Error),
     /// Registering a descriptor with the runtime, or connecting the TCP stream, failed.
-    #[error("{op} failed")]
+    #[error("{op} failed: {}", Brief(.source))]
     Io {
         /// What was being done.
         op: &'static str,
@@ -40,6 +40,29 @@ impl From<rdmsg_transport::Error> for Error {
 /// This crate's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The short text of an I/O error, for a message whose source it is: the OS's description
+/// without ` (os error N)`, first letter in lower case (`connection refused`).
+struct Brief<'a>(&'a std::io::Error);
+
+impl std::fmt::Display for Brief<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = self.0.to_string();
+        let text = match self.0.raw_os_error() {
+            Some(n) => text
+                .strip_suffix(&format!(" (os error {n})"))
+                .unwrap_or(&text),
+            None => &text,
+        };
+        let mut chars = text.chars();
+        match (chars.next(), chars.next()) {
+            (Some(a), Some(b)) if a.is_uppercase() && !b.is_uppercase() => {
+                write!(f, "{}{}", a.to_lowercase(), &text[a.len_utf8()..])
+            }
+            _ => f.write_str(text),
+        }
+    }
+}
+
 pub(crate) fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { op, source }
 }
@@ -52,4 +75,18 @@ pub(crate) fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
 #[allow(deprecated)]
 pub(crate) fn register(fd: OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
     AsyncFd::with_interest(fd, tokio::io::Interest::READABLE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_io_failure_shows_the_os_text() {
+        let e = io("connecting the bootstrap stream")(std::io::Error::from_raw_os_error(111));
+        assert_eq!(
+            e.to_string(),
+            "connecting the bootstrap stream failed: connection refused"
+        );
+    }
 }

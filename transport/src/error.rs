@@ -22,10 +22,10 @@ pub enum Error {
     #[error(transparent)]
     Notify(#[from] rdmsg_notify::Error),
     /// The wake-up pipe of a receive pool could not be set up.
-    #[error("cannot create the receive pool's wake-up pipe")]
+    #[error("cannot create the receive pool's wake-up pipe: {}{}", Brief(.0), FdHint(.0))]
     WakePipe(#[source] io::Error),
     /// Listening for bootstrap connections failed.
-    #[error("cannot listen on {addr}")]
+    #[error("cannot listen on {addr}: {}{}", Brief(.source), ListenHint(.source))]
     Listen {
         /// The address.
         addr: String,
@@ -34,7 +34,7 @@ pub enum Error {
         source: io::Error,
     },
     /// Connecting the bootstrap TCP stream failed.
-    #[error("cannot connect to {addr}")]
+    #[error("cannot connect to {addr}: {}{}", Brief(.source), ConnectHint(.source))]
     Connect {
         /// The address.
         addr: String,
@@ -43,7 +43,7 @@ pub enum Error {
         source: io::Error,
     },
     /// Bootstrap socket I/O failed (peer gone, timeout, ...).
-    #[error("bootstrap exchange failed while {stage}")]
+    #[error("bootstrap exchange failed while {stage}: {}{}", Brief(.source), FdHint(.source))]
     Bootstrap {
         /// What was being exchanged.
         stage: &'static str,
@@ -89,23 +89,154 @@ pub enum Error {
         /// Most requests the shared receive queue holds.
         capacity: u32,
     },
-    /// A message larger than the peer's receive buffers.
-    #[error("message of {len} bytes exceeds the peer's buffer size of {max} bytes")]
+    /// A message larger than the peer's receive buffers (for a hub, than its own buffers if
+    /// they are smaller).
+    #[error(
+        "message of {len} bytes exceeds the largest this connection sends whole, {max} bytes \
+         (the peer's Config::buf_size, or a hub's own if smaller): the transport sends a message \
+         in one buffer, so split it, or send it through a Session or typed Hub, which fragment"
+    )]
     TooLarge {
         /// Message length.
         len: usize,
         /// The peer's buffer size.
         max: usize,
     },
-    /// Nothing could be sent within the time given.
-    #[error("timed out after {0:?}")]
-    Timeout(Duration),
+    /// A wait ran out of time: which operation, what it waited for and how long (see
+    /// [`TimedOut`]). Not fatal: the next call may succeed.
+    #[error(transparent)]
+    Timeout(TimedOut),
     /// No connection of the hub has this id (never had, or it was disconnected).
     #[error("no connection {0} in the hub")]
     UnknownPeer(crate::PeerId),
     /// The connection failed; every later call reports the same.
     #[error("connection failed: {0}")]
     Connection(Failure),
+}
+
+impl Error {
+    /// A [`Error::Timeout`] of `op` (`"sending"`, `"closing"`) after `after`, spent
+    /// `waiting_for` what it says (see [`TimedOut`]).
+    pub fn timeout(op: &'static str, waiting_for: &'static str, after: Duration) -> Self {
+        Error::Timeout(TimedOut {
+            op,
+            waiting_for,
+            after,
+        })
+    }
+
+    /// This error, a [`Error::Timeout`] renamed as `op` spent `waiting_for` (a wait shared by
+    /// several operations, named by the one that called it); any other error unchanged.
+    pub fn timeout_as(self, op: &'static str, waiting_for: &'static str) -> Self {
+        match self {
+            Error::Timeout(t) => Error::timeout(op, waiting_for, t.after),
+            e => e,
+        }
+    }
+}
+
+/// A wait that ran out of time ([`Error::Timeout`]): `"{op} timed out after {after:?}
+/// {waiting_for}"`, for example `closing timed out after 2s waiting for the peer to
+/// acknowledge the close message (…)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{op} timed out after {after:?} {waiting_for}")]
+pub struct TimedOut {
+    /// The operation that waited: `"sending"`, `"closing"`, ...
+    pub op: &'static str,
+    /// What it waited for, and where its bound is set or what may be wrong.
+    pub waiting_for: &'static str,
+    /// How long it waited.
+    pub after: Duration,
+}
+
+/// What a send waits for when the peer has no credit left for us, or every send slot is in
+/// flight ([`Error::timeout`]).
+pub(crate) const WAIT_SEND: &str =
+    "waiting for a credit from the peer or a free send slot (the peer \
+                             is not taking its messages, or has gone)";
+
+/// What a close waits for before its close message can go ([`Error::timeout`]).
+pub(crate) const WAIT_CLOSE_CREDIT: &str =
+    "waiting for a credit to send the close message (the peer \
+                                     is not taking its messages, or has gone); \
+                                     Config::close_timeout bounds this wait";
+
+/// What a close waits for once its close message went ([`Error::timeout`]).
+pub(crate) const WAIT_CLOSE_ACK: &str =
+    "waiting for the peer to acknowledge the close message (it \
+                                  may have gone); Config::close_timeout bounds this wait";
+
+/// The short text of an I/O error, for a message whose source it is: the OS's description
+/// without ` (os error N)`, first letter in lower case (`connection refused`).
+struct Brief<'a>(&'a io::Error);
+
+impl std::fmt::Display for Brief<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = self.0.to_string();
+        let text = match self.0.raw_os_error() {
+            Some(n) => text
+                .strip_suffix(&format!(" (os error {n})"))
+                .unwrap_or(&text),
+            None => &text,
+        };
+        let mut chars = text.chars();
+        match (chars.next(), chars.next()) {
+            (Some(a), Some(b)) if a.is_uppercase() && !b.is_uppercase() => {
+                write!(f, "{}{}", a.to_lowercase(), &text[a.len_utf8()..])
+            }
+            _ => f.write_str(text),
+        }
+    }
+}
+
+/// After a failed connect: what the usual causes mean.
+struct ConnectHint<'a>(&'a io::Error);
+
+impl std::fmt::Display for ConnectHint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.kind() {
+            io::ErrorKind::ConnectionRefused => f.write_str(
+                " (nothing listens there: start the peer's Listener or Hub first, or check the \
+                 address and port)",
+            ),
+            io::ErrorKind::TimedOut => f.write_str(
+                " (the host did not answer: check the address, and that a firewall lets the \
+                 port through)",
+            ),
+            _ => FdHint(self.0).fmt(f),
+        }
+    }
+}
+
+/// After a failed listen: what the usual cause means.
+struct ListenHint<'a>(&'a io::Error);
+
+impl std::fmt::Display for ListenHint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.kind() {
+            io::ErrorKind::AddrInUse => f.write_str(
+                " (another process, or an earlier run of this one, holds the port: pick \
+                 another, or port 0 for any free one)",
+            ),
+            _ => FdHint(self.0).fmt(f),
+        }
+    }
+}
+
+/// After a call that hit the process's limit on open descriptors (`EMFILE`).
+struct FdHint<'a>(&'a io::Error);
+
+impl std::fmt::Display for FdHint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // EMFILE on Linux.
+        if self.0.raw_os_error() == Some(24) {
+            f.write_str(
+                " (each connection holds a few descriptors: raise the limit with `ulimit -n`, \
+                 or serve many peers from one Hub)",
+            )?;
+        }
+        Ok(())
+    }
 }
 
 // By hand rather than `#[from]`, which would also make the failure the error's source and print
@@ -227,5 +358,80 @@ mod tests {
             f.to_string(),
             "polling the completion queues failed (Input/output error (os error 5))"
         );
+    }
+
+    #[test]
+    fn messages_say_what_failed_and_what_to_do() {
+        let os = io::Error::from_raw_os_error;
+        let cases: Vec<(Error, &str)> = vec![
+            (
+                Error::Connect {
+                    addr: "\"127.0.0.1:1\"".into(),
+                    source: os(111),
+                },
+                "cannot connect to \"127.0.0.1:1\": connection refused (nothing listens there: \
+                 start the peer's Listener or Hub first, or check the address and port)",
+            ),
+            (
+                Error::Connect {
+                    addr: "\"nowhere:1\"".into(),
+                    source: io::ErrorKind::NotFound.into(),
+                },
+                "cannot connect to \"nowhere:1\": entity not found",
+            ),
+            (
+                Error::Listen {
+                    addr: "\"0.0.0.0:18600\"".into(),
+                    source: os(98),
+                },
+                "cannot listen on \"0.0.0.0:18600\": address already in use (another process, \
+                 or an earlier run of this one, holds the port: pick another, or port 0 for \
+                 any free one)",
+            ),
+            (
+                Error::WakePipe(os(24)),
+                "cannot create the receive pool's wake-up pipe: too many open files (each \
+                 connection holds a few descriptors: raise the limit with `ulimit -n`, or serve \
+                 many peers from one Hub)",
+            ),
+            (
+                Error::Bootstrap {
+                    stage: "reading the peer's hello",
+                    source: os(104),
+                },
+                "bootstrap exchange failed while reading the peer's hello: connection reset by \
+                 peer",
+            ),
+            (
+                Error::timeout("closing", WAIT_CLOSE_ACK, Duration::from_secs(2)),
+                "closing timed out after 2s waiting for the peer to acknowledge the close \
+                 message (it may have gone); Config::close_timeout bounds this wait",
+            ),
+            (
+                Error::timeout("sending", WAIT_SEND, Duration::from_millis(10))
+                    .timeout_as("closing", WAIT_CLOSE_CREDIT),
+                "closing timed out after 10ms waiting for a credit to send the close message \
+                 (the peer is not taking its messages, or has gone); Config::close_timeout \
+                 bounds this wait",
+            ),
+            (
+                Error::timeout("sending", WAIT_SEND, Duration::from_millis(10)),
+                "sending timed out after 10ms waiting for a credit from the peer or a free send \
+                 slot (the peer is not taking its messages, or has gone)",
+            ),
+            (
+                Error::TooLarge {
+                    len: 5000,
+                    max: 4096,
+                },
+                "message of 5000 bytes exceeds the largest this connection sends whole, 4096 \
+                 bytes (the peer's Config::buf_size, or a hub's own if smaller): the transport \
+                 sends a message in one buffer, so split it, or send it through a Session or \
+                 typed Hub, which fragment",
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.to_string(), want);
+        }
     }
 }

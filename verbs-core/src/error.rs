@@ -16,22 +16,24 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// `ibv_get_device_list` failed (typically: `ib_uverbs` not loaded).
-    #[error("ibv_get_device_list failed ({})", Errno(.0))]
+    /// `ibv_get_device_list` failed (typically `ENOSYS`: the kernel has no RDMA support
+    /// loaded, `ib_uverbs`). The message says how to set up Soft-RoCE ([`SETUP_HINT`]).
+    #[error("ibv_get_device_list failed ({}){}", Errno(.0), ListHint(.0))]
     ListDevices(#[source] io::Error),
     /// No device of that name is present.
-    #[error("no RDMA device named {name:?} (present: {present:?})")]
+    #[error("no RDMA device named {name:?} {}", Present(.present))]
     DeviceNotFound {
         /// The requested name.
         name: String,
         /// The names that are present.
         present: Vec<String>,
     },
-    /// The system has no RDMA device at all.
-    #[error("no RDMA device present")]
+    /// The system has no RDMA device at all. The message says how to set up Soft-RoCE
+    /// ([`SETUP_HINT`]).
+    #[error("no RDMA device present; {SETUP_HINT}")]
     NoDevice,
     /// `ibv_open_device` failed.
-    #[error("ibv_open_device on {device} failed ({})", Errno(.source))]
+    #[error("ibv_open_device on {device} failed ({}){}", Errno(.source), FdHint(.source))]
     OpenDevice {
         /// Device name.
         device: String,
@@ -82,7 +84,7 @@ pub enum Error {
     #[error("ibv_alloc_pd failed ({})", Errno(.0))]
     AllocPd(#[source] io::Error),
     /// `ibv_reg_mr` failed (or the memory to register could not be allocated: `ENOMEM`).
-    #[error("ibv_reg_mr of {len} bytes failed ({})", Errno(.source))]
+    #[error("ibv_reg_mr of {len} bytes failed ({}){}", Errno(.source), MemlockHint(.source))]
     RegisterMemory {
         /// Requested length.
         len: usize,
@@ -98,7 +100,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_create_comp_channel` failed.
-    #[error("ibv_create_comp_channel failed ({})", Errno(.0))]
+    #[error("ibv_create_comp_channel failed ({}){}", Errno(.0), FdHint(.0))]
     CreateCompChannel(#[source] io::Error),
     /// Switching a file descriptor between blocking and non-blocking failed.
     #[error("fcntl setting O_NONBLOCK={nonblocking} on fd {fd} failed ({})", Errno(.source))]
@@ -231,7 +233,7 @@ pub enum Error {
     GetAsyncEvent(#[source] io::Error),
     /// A call waiting for verbs descriptors (`poll`, `epoll_create1`, `epoll_ctl`,
     /// `epoll_wait`) failed.
-    #[error("{call}{} failed ({})", OnFd(.fd), Errno(.source))]
+    #[error("{call}{} failed ({}){}", OnFd(.fd), Errno(.source), FdHint(.source))]
     WaitFd {
         /// The call that failed.
         call: &'static str,
@@ -244,6 +246,79 @@ pub enum Error {
     /// An argument was rejected before any verb was called.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+/// What to do on a host without a usable RDMA device, as the errors that find none say it:
+/// create a Soft-RoCE device over an Ethernet interface, or run the program in rdmsg's test VM.
+pub const SETUP_HINT: &str = "to use Soft-RoCE over an Ethernet interface, run as root \
+    `modprobe rdma_rxe; rdma link add rxe0 type rxe netdev <iface>`, or, in a clone of rdmsg, \
+    `cargo xtask vm -- <program>` runs the program in a VM that has rxe0";
+
+/// What follows a failed device listing: for the error numbers that mean "no RDMA support
+/// here" (`ENOSYS`: no `ib_uverbs`; `ENOENT`, `ENODEV`), how to get a device.
+struct ListHint<'a>(&'a io::Error);
+
+impl std::fmt::Display for ListHint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.raw_os_error() {
+            Some(libc::ENOSYS | libc::ENOENT | libc::ENODEV) => {
+                write!(f, ": this host has no RDMA support loaded; {SETUP_HINT}")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What follows a call that needed a descriptor and hit the process's limit (`EMFILE`): each
+/// connection holds a few (its completion channel, wake-up pipe, bootstrap stream), a hub's
+/// connections share all but their streams.
+struct FdHint<'a>(&'a io::Error);
+
+impl std::fmt::Display for FdHint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.raw_os_error() == Some(libc::EMFILE) {
+            f.write_str(
+                ": the process has too many open files; raise its limit (`ulimit -n`), or \
+                 serve many peers from one Hub, whose connections share one completion channel",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What follows a failed registration that the locked-memory limit may explain (`ENOMEM`,
+/// `EPERM`): registered memory is pinned, and counts against `RLIMIT_MEMLOCK` for a process
+/// without `CAP_IPC_LOCK`.
+struct MemlockHint<'a>(&'a io::Error);
+
+impl std::fmt::Display for MemlockHint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if matches!(self.0.raw_os_error(), Some(libc::ENOMEM | libc::EPERM)) {
+            f.write_str(
+                ": registered memory counts against the locked-memory limit; check it \
+                 (`ulimit -l`) and raise it, or register less",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// After a device name that was not found: which ones are there (and how to pick one), or,
+/// with none, how to get one.
+struct Present<'a>(&'a [String]);
+
+impl std::fmt::Display for Present<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            write!(f, "(no RDMA device is present); {SETUP_HINT}")
+        } else {
+            write!(
+                f,
+                "(present: {:?}); name one of them (`$RDMSG_DEVICE` for `open_default`)",
+                self.0
+            )
+        }
+    }
 }
 
 /// The short form of an OS error, for messages: the errno's symbolic name (`ENOMEM`), or
@@ -422,7 +497,9 @@ mod tests {
                     fd: -1,
                     source: os(libc::EMFILE),
                 },
-                "epoll_create1 failed (EMFILE)",
+                "epoll_create1 failed (EMFILE): the process has too many open files; raise its \
+                 limit (`ulimit -n`), or serve many peers from one Hub, whose connections share \
+                 one completion channel",
             ),
             (
                 Error::CreateSrq {
@@ -450,6 +527,68 @@ mod tests {
             (
                 Error::GetCqEvent(last_os_error_of(0)),
                 "ibv_get_cq_event failed (no errno)",
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.to_string(), want);
+        }
+    }
+
+    #[test]
+    fn no_device_says_how_to_get_one() {
+        let setup = "to use Soft-RoCE over an Ethernet interface, run as root \
+                     `modprobe rdma_rxe; rdma link add rxe0 type rxe netdev <iface>`, or, in a \
+                     clone of rdmsg, `cargo xtask vm -- <program>` runs the program in a VM \
+                     that has rxe0";
+        assert_eq!(SETUP_HINT, setup);
+        let cases: Vec<(Error, String)> = vec![
+            (
+                Error::ListDevices(os(libc::ENOSYS)),
+                format!(
+                    "ibv_get_device_list failed (ENOSYS): this host has no RDMA support \
+                     loaded; {setup}"
+                ),
+            ),
+            (
+                Error::ListDevices(os(libc::ENOMEM)),
+                "ibv_get_device_list failed (ENOMEM)".into(),
+            ),
+            (Error::NoDevice, format!("no RDMA device present; {setup}")),
+            (
+                Error::DeviceNotFound {
+                    name: "rxe0".into(),
+                    present: vec![],
+                },
+                format!("no RDMA device named \"rxe0\" (no RDMA device is present); {setup}"),
+            ),
+            (
+                Error::DeviceNotFound {
+                    name: "rxe1".into(),
+                    present: vec!["rxe0".into()],
+                },
+                "no RDMA device named \"rxe1\" (present: [\"rxe0\"]); name one of them \
+                 (`$RDMSG_DEVICE` for `open_default`)"
+                    .into(),
+            ),
+            (
+                Error::CreateCompChannel(os(libc::EMFILE)),
+                "ibv_create_comp_channel failed (EMFILE): the process has too many open \
+                 files; raise its limit (`ulimit -n`), or serve many peers from one Hub, whose \
+                 connections share one completion channel"
+                    .into(),
+            ),
+            (
+                Error::RegisterMemory {
+                    len: 1 << 20,
+                    source: os(libc::ENOMEM),
+                },
+                "ibv_reg_mr of 1048576 bytes failed (ENOMEM): registered memory counts against \
+                 the locked-memory limit; check it (`ulimit -l`) and raise it, or register less"
+                    .into(),
+            ),
+            (
+                Error::CreateCompChannel(os(libc::ENOMEM)),
+                "ibv_create_comp_channel failed (ENOMEM)".into(),
             ),
         ];
         for (e, want) in cases {

@@ -99,7 +99,7 @@ pub use device::{
     devices, AsyncElement, AsyncEvent, AsyncEventKind, Context, DeviceAttr, DeviceInfo, Gid,
     LinkLayer, Mtu, PortAttr, PortState,
 };
-pub use error::{Error, Result};
+pub use error::{Error, Result, SETUP_HINT};
 pub use loopback::connect_loopback;
 pub use mr::{Access, Buffer, Exposed};
 pub use pd::ProtectionDomain;

@@ -157,9 +157,9 @@ impl Receiver {
         self.decoder.register::<M>()
     }
 
-    /// Whether messages of `tag` are taken (see [`Decoder::accepts`]).
-    pub(crate) fn accepts(&self, tag: u32) -> bool {
-        self.decoder.accepts(tag)
+    /// The decoder (its registered types).
+    pub(crate) fn decoder(&self) -> &Decoder {
+        &self.decoder
     }
 
     /// A frame of this peer's is taken after the hub's `wakeup`-th wake-up
@@ -330,11 +330,18 @@ impl Receiver {
 
     pub(super) fn on_descriptor(&mut self, tag: u32, seq: u32, descriptor: Descriptor) {
         let len = descriptor.total as usize;
-        let max = self.decoder.max_message().min(self.pool.max());
+        let max = self.decoder.max_message();
         if len > max {
             trace_event!(WARN, seq, tag, bytes = len, max, "rendezvous read refused");
             self.acks.push(seq);
             return self.drop_frame(Some(seq), crate::Error::TooLarge { len, max });
+        }
+        if len > self.pool.max() {
+            // Beyond what we announced we read (`Config::max_read_bytes`): the peer should
+            // have sent it in fragments.
+            self.acks.push(seq);
+            let e = frame::FrameError::Rendezvous("larger than the reads this side announced");
+            return self.drop_frame(Some(seq), e.into());
         }
         if self.waiting.len() >= MAX_WAITING_READS {
             trace_event!(

@@ -159,7 +159,13 @@ impl Sender {
             self.send_committed(link)?;
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left == Some(Duration::ZERO) || !self.wait_and_take_acks(link, left)? {
-                return Err(rdmsg_transport::Error::Timeout(timeout.unwrap_or_default()).into());
+                let waited = timeout.unwrap_or_default();
+                return Err(rdmsg_transport::Error::timeout(
+                    "sending",
+                    crate::error::WAIT_RECORD,
+                    waited,
+                )
+                .into());
             }
         }
         Ok(())
@@ -400,7 +406,12 @@ impl Sender {
         // Frames committed earlier go first; until they have, nothing of `m` is sent.
         if !self.drain(link, first_timeout)? {
             let waited = first_timeout.unwrap_or_default();
-            return Err(rdmsg_transport::Error::Timeout(waited).into());
+            return Err(rdmsg_transport::Error::timeout(
+                "sending",
+                crate::error::WAIT_COMMITTED,
+                waited,
+            )
+            .into());
         }
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
@@ -427,7 +438,9 @@ impl Sender {
         let (pieces, total) = self.encode_large(m)?;
         let frame_max = link.max_message()?;
         if self.by_rendezvous(total) && Self::descriptor_fits(pieces.len(), frame_max) {
-            let timed_out = || rdmsg_transport::Error::Timeout(first_timeout.unwrap_or_default());
+            let waited = first_timeout.unwrap_or_default();
+            let timed_out =
+                || rdmsg_transport::Error::timeout("sending", crate::error::WAIT_LENT, waited);
             self.stats.rendezvous_waits += u64::from(!self.lent.has_room(total));
             while !self.lent.has_room(total) {
                 let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));

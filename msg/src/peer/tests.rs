@@ -78,7 +78,8 @@ impl Link for Wire {
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool> {
         if self.full || self.room == 0 {
-            return Err(rdmsg_transport::Error::Timeout(timeout.unwrap_or_default()));
+            let waited = timeout.unwrap_or_default();
+            return Err(rdmsg_transport::Error::timeout("sending", "(test)", waited));
         }
         let mut buf = vec![0; self.max];
         let Some(n) = fill(&mut buf) else {
@@ -466,7 +467,7 @@ fn a_dropped_frame_is_counted_and_the_next_one_decodes() {
     let mut rx = Receiver::new(decoder, ReadPool::new(1 << 20));
     let got = deliver(&wire, &mut rx);
     assert!(matches!(got[0], Err(Error::BadFrame(_))));
-    assert!(matches!(got[1], Err(Error::UnknownTag(t)) if t == Other::TAG));
+    assert!(matches!(got[1], Err(Error::UnknownTag { tag, .. }) if tag == Other::TAG));
     assert_eq!(
         got[2].as_ref().unwrap().decode::<Blob>().unwrap(),
         Blob(vec![1])

@@ -367,7 +367,11 @@ impl Connection {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left == Some(Duration::ZERO) {
                 self.core.send_waits(true);
-                break Err(Error::Timeout(timeout.unwrap_or_default()));
+                break Err(Error::timeout(
+                    "sending",
+                    crate::error::WAIT_SEND,
+                    timeout.unwrap_or_default(),
+                ));
             }
             if let Err(e) = self.wait_once(left) {
                 break Err(e);
@@ -696,7 +700,8 @@ impl Connection {
         let _span = trace_span!(INFO, "close", qp = self.qp.qp_num());
         self.check_can_send()?;
         let timeout = self.config.close_timeout;
-        self.wait_to_send(Some(timeout))?;
+        self.wait_to_send(Some(timeout))
+            .map_err(|e| e.timeout_as("closing", crate::error::WAIT_CLOSE_CREDIT))?;
         let post = self
             .core
             .start_close(Instant::now())

@@ -475,7 +475,11 @@ impl Core {
     /// failure when something else ended the connection first. `None` while it is under way.
     pub(crate) fn close_result(&self, timeout: Duration) -> Option<Result<(), Error>> {
         Some(match self.failure? {
-            Failure::CloseTimedOut => Err(Error::Timeout(timeout)),
+            Failure::CloseTimedOut => Err(Error::timeout(
+                "closing",
+                crate::error::WAIT_CLOSE_ACK,
+                timeout,
+            )),
             Failure::Closed => Ok(()),
             f => Err(f.into()),
         })

@@ -354,7 +354,11 @@ impl RawHub {
                 if !self.blocked.contains(&slot) {
                     self.blocked.push(slot);
                 }
-                return Err(Error::Timeout(timeout.unwrap_or_default()));
+                return Err(Error::timeout(
+                    "sending",
+                    crate::error::WAIT_SEND,
+                    timeout.unwrap_or_default(),
+                ));
             }
             self.wait_for_progress(left, true)?;
         }

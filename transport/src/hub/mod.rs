@@ -695,7 +695,11 @@ impl RawHub {
                     } if *p == peer => Some(*failure),
                     _ => None,
                 }) {
-                    Some(Failure::CloseTimedOut) => Err(Error::Timeout(timeout)),
+                    Some(Failure::CloseTimedOut) => Err(Error::timeout(
+                        "closing",
+                        crate::error::WAIT_CLOSE_ACK,
+                        timeout,
+                    )),
                     Some(f) if f != Failure::Closed => Err(f.into()),
                     _ => Ok(()),
                 };
@@ -719,7 +723,8 @@ impl RawHub {
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
         let slot = self.live_slot(peer)?;
         let timeout = self.config.conn.close_timeout;
-        self.wait_to_send(slot, peer, Some(timeout))?;
+        self.wait_to_send(slot, peer, Some(timeout))
+            .map_err(|e| e.timeout_as("closing", crate::error::WAIT_CLOSE_CREDIT))?;
         let post = self
             .slot_mut(slot)
             .core
