@@ -358,3 +358,125 @@ fn an_async_hub_serves_many_peers() {
         assert_eq!(other_got, Some(Response { id: 99, sum: 42 }));
     });
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Double(u64);
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Doubled(u64);
+rdmsg::msg::request!(Double => Doubled, tag = "rdmsg.test.AsyncDouble");
+rdmsg::msg::message!(Doubled, tag = "rdmsg.test.AsyncDoubled");
+
+/// Calls on tokio: 64 concurrent calls from tasks of one session answered by a serving task
+/// (half through `Responder::respond` from spawned tasks), calls cancelled by a timeout whose
+/// answers come late, and an async hub that calls a session and answers its calls through
+/// the outbox.
+#[test]
+#[ignore = "device"]
+fn async_calls_answer_concurrent_tasks_and_count_cancelled_ones_late() {
+    runtime().block_on(async {
+        let (client, server) = pair(SessionConfig::default(), SessionConfig::default());
+        let serving = tokio::spawn(async move {
+            let mut served = 0u64;
+            loop {
+                let mut env = match server.recv().await {
+                    Ok(env) => env,
+                    Err(_) => return served,
+                };
+                let Double(x) = env.decode().unwrap();
+                let responder = env.responder::<Double>().unwrap();
+                served += 1;
+                tokio::spawn(async move {
+                    if x >= 1000 {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                    responder.respond(Doubled(2 * x));
+                });
+            }
+        });
+        let tasks: Vec<_> = (0..64u64)
+            .map(|i| {
+                let c = client.clone();
+                tokio::spawn(async move { c.call(&Double(i), LONG).await.unwrap() })
+            })
+            .collect();
+        for (i, t) in tasks.into_iter().enumerate() {
+            assert_eq!(t.await.unwrap(), Doubled(2 * i as u64));
+        }
+        // Cancelled by its own deadline, and by a timeout around the future.
+        let err = client
+            .call(&Double(1000), Duration::from_millis(50))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+        let cancelled =
+            tokio::time::timeout(Duration::from_millis(50), client.call(&Double(1001), LONG));
+        assert!(cancelled.await.is_err());
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(client.call(&Double(5), LONG).await.unwrap(), Doubled(10));
+        let stats = client.with_session(|s| s.call_stats());
+        assert_eq!(
+            (stats.late, stats.timed_out, stats.in_flight),
+            (2, 1, 0),
+            "{stats:?}"
+        );
+        client.close().await.unwrap();
+        assert_eq!(serving.await.unwrap(), 67);
+
+        // An async hub: calls a session, and answers the session's calls by `reply`.
+        let ep = Endpoint::open_default().unwrap();
+        let hub = AsyncHub::new(rdmsg::msg::Hub::new(&ep, HubConfig::default()).unwrap()).unwrap();
+        let addr = hub.with_hub(|h| h.listen("127.0.0.1:0")).unwrap();
+        let ep2 = ep.clone();
+        // The handshake runs inside the hub: it must be driven (here, by `recv`) meanwhile.
+        let connecting = tokio::spawn(async move {
+            AsyncSession::connect(&ep2, addr, Config::default(), SessionConfig::default()).await
+        });
+        let peer = loop {
+            if let HubEvent::Connected { peer, .. } = hub.recv().await.unwrap() {
+                break peer;
+            }
+        };
+        let session = connecting.await.unwrap().unwrap();
+        let s2 = session.clone();
+        let answering = tokio::spawn(async move {
+            for _ in 0..10 {
+                let mut env = s2.recv().await.unwrap();
+                let Double(x) = env.decode().unwrap();
+                env.responder::<Double>().unwrap().respond(Doubled(2 * x));
+            }
+        });
+        for i in 0..10 {
+            let got = hub.call(peer, &Double(i), LONG).await;
+            let (hs, ss) = (
+                hub.with_hub(|h| (h.call_stats(), h.peer_stats(peer), h.outbox(peer))),
+                session.with_session(|s| (s.call_stats(), s.stats(), s.connection().credits())),
+            );
+            assert_eq!(
+                got.unwrap_or_else(|e| panic!("call {i}: {e}\nhub {hs:?}\nsession {ss:?}")),
+                Doubled(2 * i)
+            );
+        }
+        answering.await.unwrap();
+        let h2 = hub.clone();
+        let hub_side = tokio::spawn(async move {
+            for _ in 0..10 {
+                match h2.recv().await.unwrap() {
+                    HubEvent::Message { mut msg, .. } => {
+                        let Double(x) = msg.decode().unwrap();
+                        let r = msg.responder::<Double>().unwrap();
+                        h2.reply(r, Doubled(3 * x)).unwrap();
+                    }
+                    ev => panic!("{ev:?}"),
+                }
+            }
+        });
+        for i in 0..10 {
+            assert_eq!(
+                session.call(&Double(i), LONG).await.unwrap(),
+                Doubled(3 * i)
+            );
+        }
+        hub_side.await.unwrap();
+        session.close().await.unwrap();
+    });
+}

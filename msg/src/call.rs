@@ -264,11 +264,25 @@ impl fmt::Debug for QueuedReply {
 
 /// Answers given on other threads (or by dropped responders), for the session or hub that
 /// received the requests to send, and the waker that tells it.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Replies {
     queue: Mutex<Vec<QueuedReply>>,
     any: AtomicBool,
     waker: Option<Waker>,
+    /// Called after an answer is queued (see [`crate::Session::on_answer`]).
+    hook: Mutex<Option<AnswerHook>>,
+}
+
+/// What a driver runs when an answer is given (see [`crate::Session::on_answer`]).
+pub(crate) type AnswerHook = Arc<dyn Fn() + Send + Sync>;
+
+impl fmt::Debug for Replies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Replies")
+            .field("any", &self.any)
+            .field("waker", &self.waker)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Replies {
@@ -278,7 +292,13 @@ impl Replies {
             queue: Mutex::new(Vec::new()),
             any: AtomicBool::new(false),
             waker,
+            hook: Mutex::new(None),
         })
+    }
+
+    /// Runs `hook` after each answer queued from now on.
+    pub(crate) fn set_hook(&self, hook: AnswerHook) {
+        *self.hook.lock().unwrap_or_else(PoisonError::into_inner) = Some(hook);
     }
 
     fn push(&self, reply: QueuedReply) {
@@ -289,6 +309,14 @@ impl Replies {
         self.any.store(true, Ordering::SeqCst);
         if let Some(w) = &self.waker {
             w.wake();
+        }
+        let hook = self
+            .hook
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(hook) = hook {
+            hook();
         }
     }
 
@@ -443,7 +471,7 @@ pub struct CallStats {
     pub late: u64,
     /// Calls now waiting for their answer.
     pub in_flight: u64,
-    /// Requests received and answered (or refused) by this side.
+    /// Requests received by this side (answered, refused, or waiting for their answer).
     pub served: u64,
 }
 
@@ -469,6 +497,8 @@ pub(crate) struct CallTable {
     next: u64,
     pending: HashMap<u64, Pending>,
     stats: CallStats,
+    /// A hub's counts per peer (its calls to the peer, and the peer's requests served).
+    by_peer: HashMap<PeerId, CallStats>,
 }
 
 /// A call table shared with the [`Call`] handles (whose drop cancels).
@@ -479,6 +509,21 @@ pub(crate) fn lock(calls: &Calls) -> MutexGuard<'_, CallTable> {
 }
 
 impl CallTable {
+    /// Counts `f` in all and for `peer` (for a peer gone, in all only).
+    fn count(&mut self, peer: Option<PeerId>, f: impl Fn(&mut CallStats)) {
+        f(&mut self.stats);
+        if let Some(s) = peer.and_then(|p| self.by_peer.get_mut(&p)) {
+            f(s);
+        }
+    }
+
+    /// The counts of a peer that is starting a call or has sent a request.
+    fn counted(&mut self, peer: Option<PeerId>) {
+        if let Some(p) = peer {
+            self.by_peer.entry(p).or_default();
+        }
+    }
+
     /// A new call's number.
     pub(crate) fn start<R: Request>(&mut self, peer: Option<PeerId>) -> u64 {
         self.next = self.next.wrapping_add(1);
@@ -492,26 +537,45 @@ impl CallTable {
                 outcome: None,
             },
         );
-        self.stats.started += 1;
+        self.counted(peer);
+        self.count(peer, |s| {
+            s.started += 1;
+            s.in_flight += 1;
+        });
         id
+    }
+
+    /// Call `id` is over: no longer in flight.
+    fn remove(&mut self, id: u64) -> Option<Pending> {
+        let p = self.pending.remove(&id)?;
+        self.count(p.peer, |s| s.in_flight = s.in_flight.saturating_sub(1));
+        Some(p)
     }
 
     /// A call whose request did not go.
     pub(crate) fn forget(&mut self, id: u64) {
-        if self.pending.remove(&id).is_some() {
-            self.stats.started -= 1;
+        if let Some(p) = self.remove(id) {
+            self.count(p.peer, |s| s.started -= 1);
         }
     }
 
     pub(crate) fn stats(&self) -> CallStats {
-        CallStats {
-            in_flight: self.pending.len() as u64,
-            ..self.stats
-        }
+        self.stats
     }
 
-    pub(crate) fn served(&mut self) {
-        self.stats.served += 1;
+    /// The counts of calls to and from `peer`, while it is connected.
+    pub(crate) fn peer_stats(&self, peer: PeerId) -> CallStats {
+        self.by_peer.get(&peer).copied().unwrap_or_default()
+    }
+
+    /// `peer` is gone: its counts are dropped (they stay in the totals).
+    pub(crate) fn forget_peer(&mut self, peer: PeerId) {
+        self.by_peer.remove(&peer);
+    }
+
+    pub(crate) fn served(&mut self, peer: Option<PeerId>) {
+        self.counted(peer);
+        self.count(peer, |s| s.served += 1);
     }
 
     /// An answer arrived from `peer` (its body past the call number and status).
@@ -521,7 +585,7 @@ impl CallTable {
             .get_mut(&id)
             .filter(|p| p.peer == peer && p.outcome.is_none())
         else {
-            self.stats.late += 1;
+            self.count(peer, |s| s.late += 1);
             return;
         };
         let request = p.request;
@@ -546,20 +610,19 @@ impl CallTable {
 
     /// The outcome of call `id`, if it is in (the call is then over).
     pub(crate) fn take(&mut self, id: u64) -> Option<Outcome> {
-        let p = self.pending.get_mut(&id)?;
-        let out = p.outcome.take()?;
-        self.pending.remove(&id);
+        let out = self.pending.get_mut(&id)?.outcome.take()?;
+        let p = self.remove(id)?;
         if matches!(out, Outcome::Answer(_)) {
-            self.stats.answered += 1;
+            self.count(p.peer, |s| s.answered += 1);
         }
         Some(out)
     }
 
     /// Call `id` ran out of time (or its handle went): an answer that comes now is late.
     fn give_up(&mut self, id: u64, timed_out: bool) {
-        if let Some(p) = self.pending.remove(&id) {
+        if let Some(p) = self.remove(id) {
             if p.outcome.is_none() && timed_out {
-                self.stats.timed_out += 1;
+                self.count(p.peer, |s| s.timed_out += 1);
             }
         }
     }
@@ -699,7 +762,7 @@ pub(crate) fn route(
                     tag: CALL_TAG,
                     source: crate::DecodeFailure::Trailing(0),
                 })?;
-            lock(calls).served();
+            lock(calls).served(peer);
             if !decoder.accepts(inner) {
                 replies.push(QueuedReply {
                     peer,

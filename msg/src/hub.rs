@@ -658,6 +658,19 @@ impl Hub {
         }
     }
 
+    /// Whether outboxes hold messages, or answers given by [`Responder`]s wait to be queued:
+    /// they go as credits come, with the calls that drive the hub ([`Hub::recv`],
+    /// [`Hub::step`], ...).
+    pub fn outboxes_waiting(&self) -> bool {
+        !self.outboxed.is_empty() || self.replies.waiting()
+    }
+
+    /// Runs `hook` whenever a [`Responder`] of this hub answers (see
+    /// [`crate::Session::on_answer`]).
+    pub fn on_answer(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.replies.set_hook(Arc::new(hook));
+    }
+
     /// `peer`'s outbox ([`Hub::post`]); `None` for a peer unknown or gone.
     pub fn outbox(&self, peer: PeerId) -> Option<OutboxStats> {
         self.peers.get(peer).map(|s| s.outbox_stats)
@@ -850,9 +863,16 @@ impl Hub {
         call.take_outcome().map(call::finish)
     }
 
-    /// Counts of calls made and served, over every peer.
+    /// Counts of calls made and served, over every peer, present and past.
     pub fn call_stats(&self) -> CallStats {
         call::lock(&self.calls).stats()
+    }
+
+    /// Counts of calls to `peer` and of its requests served here, while it is connected
+    /// (in flight, late answers, ...); `None` for a peer unknown or gone.
+    pub fn peer_call_stats(&self, peer: PeerId) -> Option<CallStats> {
+        self.peers.get(peer)?;
+        Some(call::lock(&self.calls).peer_stats(peer))
     }
 
     /// Whether unsolicited sends may wait within a bound
@@ -1075,9 +1095,13 @@ impl Hub {
                 failure,
                 last_note,
             } => {
-                call::lock(&self.calls).fail_peer(Some(peer), || {
-                    rdmsg_transport::Error::Connection(failure).into()
-                });
+                {
+                    let mut calls = call::lock(&self.calls);
+                    calls.fail_peer(Some(peer), || {
+                        rdmsg_transport::Error::Connection(failure).into()
+                    });
+                    calls.forget_peer(peer);
+                }
                 if let Some(mut gone) = self.peers.remove(peer) {
                     let lost = gone.outbox.len() as u64;
                     gone.outbox_stats.dropped += lost;

@@ -896,6 +896,20 @@ impl Session {
         sender.send_as(link, &out, true)
     }
 
+    /// Whether answers given by [`Responder`]s wait to be sent (they go with the next call
+    /// that drives the session: a receive, a [`Session::step`], ...).
+    pub fn answers_waiting(&self) -> bool {
+        self.replies.waiting() || !self.unsent.is_empty()
+    }
+
+    /// Runs `hook` whenever a [`Responder`] of this session answers (on the answering
+    /// thread, after the session's descriptor was made readable): for drivers, such as async
+    /// runtimes, that drive the session only while someone waits on it and must make sure
+    /// the answer goes even when nobody does.
+    pub fn on_answer(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.replies.set_hook(Arc::new(hook));
+    }
+
     /// Counts of calls made and served.
     pub fn call_stats(&self) -> CallStats {
         call::lock(&self.calls).stats()
@@ -904,7 +918,13 @@ impl Session {
     /// A received message, as the application sees it: a request unwrapped (with where its
     /// answer goes), an answer handed to its call (`None`).
     fn route(&mut self, env: Envelope) -> Result<Option<Envelope>> {
-        match call::route(env, None, &self.calls, &self.replies, self.receiver.decoder())? {
+        match call::route(
+            env,
+            None,
+            &self.calls,
+            &self.replies,
+            self.receiver.decoder(),
+        )? {
             call::Routed::Deliver(env) => Ok(Some(env)),
             call::Routed::Consumed => {
                 self.answered = true;

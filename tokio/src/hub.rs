@@ -95,7 +95,17 @@ impl AsyncHub {
     /// once it has room). Queued messages go as the peer's credits come, driven by the tasks
     /// that wait on the hub.
     pub fn post<M: Message + Send + 'static>(&self, peer: PeerId, m: M) -> Result<Posted<M>> {
-        self.with_hub(|h| Ok(h.post(peer, m)?))
+        let posted = self.with_hub(|h| h.post(peer, m))?;
+        self.send_queued();
+        Ok(posted)
+    }
+
+    /// What waits in outboxes goes as credits come, even while no task waits on the hub.
+    fn send_queued(&self) {
+        if self.shared.lock().outboxes_waiting() {
+            self.shared
+                .send_in_background(&tokio::runtime::Handle::current());
+        }
     }
 
     /// Answers a request from a peer without waiting (see [`Hub::reply`]).
@@ -105,7 +115,9 @@ impl AsyncHub {
         responder: Responder<T>,
         value: T,
     ) -> Result<Posted<T>> {
-        self.with_hub(|h| Ok(h.reply(responder, value)?))
+        let posted = self.with_hub(|h| h.reply(responder, value))?;
+        self.send_queued();
+        Ok(posted)
     }
 
     /// Calls `peer` (see [`Hub::call`]): the request goes at once or through `peer`'s

@@ -27,6 +27,11 @@ pub(crate) trait Drive: AsFd + Send + 'static {
     fn has_queued(&self) -> bool;
     /// Nobody waits on the descriptor any more (see `Connection::nobody_waits`).
     fn nobody_waits(&mut self);
+    /// Whether something must still go out that only a step sends (answers given by
+    /// responders, a hub's outboxes).
+    fn outgoing(&self) -> bool;
+    /// Runs `hook` whenever a responder answers.
+    fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>);
 }
 
 impl Drive for Session {
@@ -47,6 +52,12 @@ impl Drive for Session {
     }
     fn nobody_waits(&mut self) {
         Session::nobody_waits(self);
+    }
+    fn outgoing(&self) -> bool {
+        self.answers_waiting()
+    }
+    fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>) {
+        Session::on_answer(self, hook);
     }
 }
 
@@ -70,6 +81,12 @@ impl Drive for Hub {
     fn nobody_waits(&mut self) {
         Hub::nobody_waits(self);
     }
+    fn outgoing(&self) -> bool {
+        self.outboxes_waiting()
+    }
+    fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>) {
+        Hub::on_answer(self, hook);
+    }
 }
 
 /// The state behind every clone of a handle.
@@ -87,6 +104,8 @@ pub(crate) struct SharedDriver<D> {
     /// Tasks awaiting the descriptor (counted under the mutex, after their step marked the
     /// pool asleep); the last to wake takes the mark back.
     pub(crate) sleepers: AtomicUsize,
+    /// A task sends what waits to go out ([`SharedDriver::send_in_background`]).
+    flushing: std::sync::atomic::AtomicBool,
 }
 
 /// Counts a waiting task (a receiver, or one on the descriptor) for as long as it waits,
@@ -112,6 +131,14 @@ impl<D: Drive> SharedDriver<D> {
     pub(crate) fn start(driven: D) -> Result<Arc<Self>> {
         let tick = driven.tick();
         let shared = Arc::new(Self::new(driven)?);
+        // An answer given while no task waits on the session or hub would wait for the next
+        // one that does: a task sends it.
+        let (weak, runtime) = (Arc::downgrade(&shared), tokio::runtime::Handle::current());
+        shared.lock().on_answer(Box::new(move || {
+            if let Some(s) = weak.upgrade() {
+                s.send_in_background(&runtime);
+            }
+        }));
         if let Some(every) = tick {
             let weak = Arc::downgrade(&shared);
             tokio::spawn(async move {
@@ -142,7 +169,31 @@ impl<D: Drive> SharedDriver<D> {
             receivers: AtomicUsize::new(0),
             wakeups: AtomicU64::new(0),
             sleepers: AtomicUsize::new(0),
+            flushing: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Unless a task does already, spawns one that drives the session or hub until what waits
+    /// to go out (answers, outboxes) has gone: nobody else may be waiting on it.
+    pub(crate) fn send_in_background(self: &Arc<Self>, runtime: &tokio::runtime::Handle) {
+        if self.flushing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let me = Arc::downgrade(self);
+        runtime.spawn(async move {
+            let Some(s) = me.upgrade() else { return };
+            let _ = s
+                .run(false, |d, _| {
+                    d.step()?;
+                    Ok((!d.outgoing()).then_some(()))
+                })
+                .await;
+            s.flushing.store(false, Ordering::SeqCst);
+            // An answer given after the last look but before the flag fell.
+            if s.lock().outgoing() {
+                s.send_in_background(&tokio::runtime::Handle::current());
+            }
+        });
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, D> {

@@ -48,6 +48,9 @@ struct Cli {
     /// Largest value, in bytes (one value in 16 is large: 16 KiB up to this).
     #[arg(long, default_value_t = 4 << 20)]
     max_value: usize,
+    /// Print the server's per-peer counters every this many milliseconds (0: never).
+    #[arg(long, default_value_t = 0)]
+    live_ms: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -89,8 +92,8 @@ fn main() -> ExitCode {
         let endpoint = Endpoint::open_default()?;
         let (addr_tx, addr_rx) = mpsc::channel();
         let server_ep = endpoint.clone();
-        let clients = cli.clients;
-        let server = thread::spawn(move || serve(&server_ep, clients, addr_tx));
+        let (clients, live) = (cli.clients, Duration::from_millis(cli.live_ms));
+        let server = thread::spawn(move || serve(&server_ep, clients, live, addr_tx));
         let addr = addr_rx.recv().context("the server did not start")?;
         let started = Instant::now();
         let per_client = cli.requests / cli.clients;
@@ -134,7 +137,12 @@ struct Served {
 }
 
 /// The server: one hub, one thread; values kept as the `Bulk`s they arrived as.
-fn serve(endpoint: &Endpoint, clients: usize, addr: mpsc::Sender<SocketAddr>) -> Result<Served> {
+fn serve(
+    endpoint: &Endpoint,
+    clients: usize,
+    live: Duration,
+    addr: mpsc::Sender<SocketAddr>,
+) -> Result<Served> {
     let mut hub = Hub::new(endpoint, HubConfig::default())?;
     hub.register::<Put>()?
         .register::<Get>()?
@@ -142,8 +150,17 @@ fn serve(endpoint: &Endpoint, clients: usize, addr: mpsc::Sender<SocketAddr>) ->
     addr.send(hub.listen("127.0.0.1:0")?)?;
     let mut store: HashMap<String, Bulk> = HashMap::new();
     let (mut gone, mut shared) = (0, 0);
+    let mut print_at = Instant::now() + live;
     while gone < clients {
-        match hub.recv()? {
+        if !live.is_zero() && Instant::now() >= print_at {
+            print_peers(&hub);
+            print_at += live;
+        }
+        let wait = (!live.is_zero()).then(|| print_at.saturating_duration_since(Instant::now()));
+        let Some(event) = hub.recv_timeout(wait)? else {
+            continue;
+        };
+        match event {
             HubEvent::Message { mut msg, .. } => {
                 let answered = answer(&mut hub, &mut store, &mut msg, &mut shared)?;
                 ensure!(answered, "an answer found its client's outbox full");
@@ -158,6 +175,34 @@ fn serve(endpoint: &Endpoint, clients: usize, addr: mpsc::Sender<SocketAddr>) ->
         keys: store.len(),
         shared,
     })
+}
+
+/// One line per peer: what the hub counts for it.
+fn print_peers(hub: &Hub) {
+    for peer in hub.peers() {
+        let (Some(s), Some(o), Some(c)) = (
+            hub.peer_stats(peer),
+            hub.outbox(peer),
+            hub.peer_call_stats(peer),
+        ) else {
+            continue;
+        };
+        println!(
+            "kv live: peer={peer} received={} bytes_in={} sent={} bytes_out={} wakeups={} \
+             credit_waits={} outbox={}/{}B served={} in_flight={} late={}",
+            s.received,
+            s.bytes_received,
+            s.sent,
+            s.bytes_sent,
+            s.wakeups,
+            s.credit_waits,
+            o.messages,
+            o.bytes,
+            c.served,
+            c.in_flight,
+            c.late
+        );
+    }
 }
 
 /// Answers one request; whether the answer went (or waits in the outbox).
