@@ -6,10 +6,11 @@
 //! [`REPLY_TAG`] whose body is the call's number, a status and the response. The receiving
 //! side unwraps both before the application sees anything: a request arrives as an
 //! [`Envelope`] of the request's own type that also carries a [`Responder`]
-//! ([`Envelope::responder`]), so routing by type ([`crate::Dispatcher`]) and decoding
-//! (borrowed views included) work as for any message; an answer goes to the call waiting for
-//! it, and one nobody waits for any more (it came after its deadline, or its call was
-//! dropped) is counted in [`CallStats::late`] and dropped.
+//! ([`Envelope::responder`]), so telling types apart (`env.is::<T>()`) and decoding
+//! (shared or borrowed included) work as for any message (a [`crate::Dispatcher`] handler
+//! sees the decoded request only: answer calls before dispatching); an answer goes to the
+//! call waiting for it, and one nobody waits for any more (it came after its deadline, or its
+//! call was dropped) is counted in [`CallStats::late`] and dropped.
 //!
 //! A request type names its response type ([`Request`], declared with [`crate::request!`]).
 //! Requests and answers are solicited unless the request type says otherwise, so an answer
@@ -20,7 +21,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::{Connection, PeerId, Waker};
@@ -29,7 +30,7 @@ use serde::Serialize;
 
 use crate::codec::{Decoder, Envelope};
 use crate::peer::{Absorbing, HubLink, Link, Sender};
-use crate::{tag, Error, Message, Result};
+use crate::{Error, Message, Result};
 
 /// A message that asks for an answer of type [`Request::Response`]. Declare both with
 /// [`crate::request!`].
@@ -74,10 +75,7 @@ macro_rules! request {
     };
 }
 
-/// Tag of a request's frame (its body: call number, request tag, request).
-pub const CALL_TAG: u32 = tag("rdmsg.call");
-/// Tag of an answer's frame (its body: call number, status, response).
-pub const REPLY_TAG: u32 = tag("rdmsg.reply");
+pub use crate::message::{CALL_TAG, REPLY_TAG};
 
 /// An answer's status.
 const ANSWERED: u8 = 0;
@@ -154,8 +152,14 @@ impl<T: Serialize> Message for ReplyOut<'_, T> {
 /// A message owned by a queue (a hub's outbox, answers from other threads), sent later by
 /// the thread that drives the connection.
 pub(crate) trait Outgoing: Send + fmt::Debug {
-    /// Sends it over a session, waiting for credits as a send does.
-    fn send_session(&self, sender: &mut Sender, link: &mut Absorbing<'_>) -> Result<()>;
+    /// Sends it over a session, waiting at most `timeout` for credits (a timeout error:
+    /// nothing sent).
+    fn send_session(
+        &self,
+        sender: &mut Sender,
+        link: &mut Absorbing<'_>,
+        timeout: Option<Duration>,
+    ) -> Result<()>;
     /// Sends it over a session's connection if it can go now.
     fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool>;
     /// Sends it to a hub's peer if it can go now.
@@ -203,8 +207,13 @@ impl<M> fmt::Debug for Owned<M> {
 }
 
 impl<M: Message + Send> Outgoing for Owned<M> {
-    fn send_session(&self, sender: &mut Sender, link: &mut Absorbing<'_>) -> Result<()> {
-        sender.send_as(link, &self.m, self.solicited)
+    fn send_session(
+        &self,
+        sender: &mut Sender,
+        link: &mut Absorbing<'_>,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        sender.send_within(link, &self.m, self.solicited, timeout)
     }
     fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool> {
         try_send(sender, conn, &self.m, self.solicited)
@@ -235,8 +244,13 @@ impl<T: Serialize> OwnedReply<T> {
 }
 
 impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
-    fn send_session(&self, sender: &mut Sender, link: &mut Absorbing<'_>) -> Result<()> {
-        sender.send_as(link, &self.out(), true)
+    fn send_session(
+        &self,
+        sender: &mut Sender,
+        link: &mut Absorbing<'_>,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        sender.send_within(link, &self.out(), true, timeout)
     }
     fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool> {
         try_send(sender, conn, &self.out(), true)
@@ -268,7 +282,7 @@ impl fmt::Debug for QueuedReply {
 pub(crate) struct Replies {
     queue: Mutex<Vec<QueuedReply>>,
     any: AtomicBool,
-    waker: Option<Waker>,
+    waker: OnceLock<Waker>,
     /// Called after an answer is queued (see [`crate::Session::on_answer`]).
     hook: Mutex<Option<AnswerHook>>,
 }
@@ -291,9 +305,20 @@ impl Replies {
         Arc::new(Self {
             queue: Mutex::new(Vec::new()),
             any: AtomicBool::new(false),
-            waker,
+            waker: waker.map_or_else(OnceLock::new, OnceLock::from),
             hook: Mutex::new(None),
         })
+    }
+
+    /// Whether answers given on other threads wake the owner (set once, when the first
+    /// request arrives: a session that serves no calls keeps no descriptor for it).
+    pub(crate) fn has_waker(&self) -> bool {
+        self.waker.get().is_some()
+    }
+
+    /// The owner's waker, from now on.
+    pub(crate) fn set_waker(&self, waker: Waker) {
+        let _ = self.waker.set(waker);
     }
 
     /// Runs `hook` after each answer queued from now on.
@@ -307,7 +332,7 @@ impl Replies {
             .unwrap_or_else(PoisonError::into_inner)
             .push(reply);
         self.any.store(true, Ordering::SeqCst);
-        if let Some(w) = &self.waker {
+        if let Some(w) = self.waker.get() {
             w.wake();
         }
         let hook = self
@@ -457,6 +482,26 @@ impl<T> Drop for Responder<T> {
     }
 }
 
+impl Envelope {
+    /// Takes the answer's handle of a request of type `R` ([`Request`]): answer it with
+    /// [`Responder::respond`] from any thread, or with [`crate::Session::reply`] /
+    /// [`crate::Hub::reply`] on the connection's own. [`Error::WrongType`] if the message is
+    /// not an `R`, [`Error::NotARequest`] if it is not a request (a plain message, or its
+    /// responder already taken). An envelope dropped with its responder still inside answers
+    /// "no answer" ([`Error::NoAnswer`] for the caller).
+    pub fn responder<R: Request>(&mut self) -> Result<Responder<R::Response>> {
+        if !self.is::<R>() {
+            return Err(crate::codec::wrong_type::<R>(self.tag(), self.type_name()));
+        }
+        match self.take_origin().map(|o| o.downcast::<Origin>()) {
+            Some(Ok(o)) => Ok(Responder::new(*o, std::any::type_name::<R>())),
+            _ => Err(Error::NotARequest {
+                request: std::any::type_name::<R>(),
+            }),
+        }
+    }
+}
+
 /// Counts of a session's (or hub's) calls.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CallStats {
@@ -473,6 +518,10 @@ pub struct CallStats {
     pub in_flight: u64,
     /// Requests received by this side (answered, refused, or waiting for their answer).
     pub served: u64,
+    /// Answers this side gave that could not be sent: past the bound on answers waiting to
+    /// go ([`crate::SessionConfig::max_outbox_bytes`]) while the peer took nothing, not
+    /// encodable, or the connection gone.
+    pub answers_dropped: u64,
 }
 
 /// What a call came to, once its answer is in.
@@ -573,6 +622,10 @@ impl CallTable {
         self.by_peer.remove(&peer);
     }
 
+    pub(crate) fn answer_dropped(&mut self) {
+        self.stats.answers_dropped += 1;
+    }
+
     pub(crate) fn served(&mut self, peer: Option<PeerId>) {
         self.counted(peer);
         self.count(peer, |s| s.served += 1);
@@ -592,6 +645,9 @@ impl CallTable {
         p.outcome = Some(match status {
             ANSWERED => {
                 env.retag(p.expect.0, p.expect.1);
+                // It may wait for its caller a while: not in a receive buffer, whose credit
+                // the peer needs.
+                env.release_credit();
                 Outcome::Answer(env)
             }
             NOT_SERVED => Outcome::Failed(Error::NotServed { request }),
@@ -619,7 +675,7 @@ impl CallTable {
     }
 
     /// Call `id` ran out of time (or its handle went): an answer that comes now is late.
-    fn give_up(&mut self, id: u64, timed_out: bool) {
+    pub(crate) fn give_up(&mut self, id: u64, timed_out: bool) {
         if let Some(p) = self.remove(id) {
             if p.outcome.is_none() && timed_out {
                 self.count(p.peer, |s| s.timed_out += 1);
@@ -676,6 +732,15 @@ impl<T> Call<T> {
     /// When it runs out of time.
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
+    }
+
+    /// Gives up on the call as timed out, unless its answer is in (then that). For a wait
+    /// bounded by its caller (an async timeout around it).
+    pub(crate) fn expire_or_take(self) -> Result<Outcome> {
+        match self.take_outcome() {
+            Some(out) => Ok(out),
+            None => Err(self.timed_out()),
+        }
     }
 
     /// Gives up on the call as timed out (as a blocking wait does at its deadline): counted
@@ -758,10 +823,14 @@ pub(crate) fn route(
     match env.tag() {
         CALL_TAG => {
             let ((id, inner), used) =
-                crate::codec::decode_prefix::<(u64, u32)>(env.body()).ok_or(Error::Decode {
-                    tag: CALL_TAG,
-                    source: crate::DecodeFailure::Trailing(0),
+                crate::codec::decode_prefix::<(u64, u32)>(env.body()).ok_or(Error::BadCall {
+                    reason: "a request whose header (call number, type's tag) does not decode",
                 })?;
+            if matches!(inner, CALL_TAG | REPLY_TAG | crate::codec::NUDGE_TAG) {
+                return Err(Error::BadCall {
+                    reason: "a request whose type's tag is one of the library's own",
+                });
+            }
             lock(calls).served(peer);
             if !decoder.accepts(inner) {
                 replies.push(QueuedReply {
@@ -775,15 +844,20 @@ pub(crate) fn route(
                 return Ok(Routed::Consumed);
             }
             let ty = decoder.type_of(inner);
-            env.unwrap_request(used, (inner, ty), Origin::new(id, peer, replies.clone()));
+            let origin = Box::new(Origin::new(id, peer, replies.clone()));
+            env.unwrap_request(used, (inner, ty), origin);
             Ok(Routed::Deliver(env))
         }
         REPLY_TAG => {
             let ((id, status), used) =
-                crate::codec::decode_prefix::<(u64, u8)>(env.body()).ok_or(Error::Decode {
-                    tag: REPLY_TAG,
-                    source: crate::DecodeFailure::Trailing(0),
+                crate::codec::decode_prefix::<(u64, u8)>(env.body()).ok_or(Error::BadCall {
+                    reason: "an answer whose header (call number, status) does not decode",
                 })?;
+            if status > NOT_SERVED {
+                return Err(Error::BadCall {
+                    reason: "an answer with an unknown status",
+                });
+            }
             env.skip(used);
             lock(calls).answer(peer, id, status, env);
             Ok(Routed::Consumed)
@@ -916,6 +990,46 @@ mod tests {
         assert!(deliver(answer, &client, &replies, &decoder).is_none());
         let err = finish::<Value>(call.take_outcome().unwrap()).unwrap_err();
         assert!(matches!(err, Error::NotServed { .. }), "{err}");
+    }
+
+    #[test]
+    fn forged_call_frames_are_bad_frames() {
+        let (calls, replies) = (Calls::default(), Replies::new(None));
+        let decoder = Decoder::new(1 << 20);
+        let bad = |m: &dyn Fn(&mut Decoder) -> Envelope| {
+            let env = m(&mut Decoder::new(1 << 20));
+            let r = route(env, None, &calls, &replies, &decoder);
+            matches!(r, Err(Error::BadCall { .. }))
+        };
+        // A request posing as one of the library's own tags.
+        let inner = CallOut {
+            id: 1,
+            m: &ReplyOut::<()> {
+                id: 1,
+                status: 0,
+                value: None,
+            },
+        };
+        assert!(bad(&|d| received(&inner, d).unwrap()));
+        // An answer of an unknown status.
+        let status = ReplyOut::<()> {
+            id: 1,
+            status: 9,
+            value: None,
+        };
+        assert!(bad(&|d| received(&status, d).unwrap()));
+        // Headers that do not decode.
+        #[derive(Serialize)]
+        struct Junk(u8);
+        impl Message for Junk {
+            const TAG: u32 = CALL_TAG;
+        }
+        assert!(bad(&|d| received(&Junk(0xff), d).unwrap()));
+        assert_eq!(
+            lock(&calls).stats(),
+            CallStats::default(),
+            "nothing counted"
+        );
     }
 
     #[test]

@@ -10,8 +10,8 @@ use serde::Deserialize;
 pub use crate::bounded::MAX_DEPTH;
 use crate::bounded::{Bounded, Budget};
 use crate::bulk::Piece;
-use crate::call::{Origin, Request, Responder, CALL_TAG, REPLY_TAG};
 use crate::frame::{self, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV};
+use crate::message::{CALL_TAG, REPLY_TAG};
 use crate::rendezvous::{self, Descriptor, ReadBuf};
 use crate::{DecodeFailure, Error, Message, Result};
 
@@ -169,7 +169,7 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
 }
 
 /// [`Error::WrongType`]: `M` asked of a message of `tag` (of type `actual`, if known).
-fn wrong_type<M: Message>(tag: u32, actual: Option<&'static str>) -> Error {
+pub(crate) fn wrong_type<M: Message>(tag: u32, actual: Option<&'static str>) -> Error {
     Error::WrongType {
         expected: std::any::type_name::<M>(),
         expected_tag: M::TAG,
@@ -239,9 +239,10 @@ pub struct Envelope {
     offset: usize,
     /// Bound on the decoded value.
     max: usize,
-    /// Where a request's answer goes (see [`Envelope::responder`]); dropped unanswered, it
-    /// answers "no answer".
-    origin: Option<Box<Origin>>,
+    /// Where a request's answer goes (see [`Envelope::responder`]): a `call::Origin`, which
+    /// answers "no answer" when dropped unanswered (opaque here, so that frames know nothing
+    /// of calls).
+    origin: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Envelope {
@@ -259,18 +260,23 @@ impl Envelope {
         }
     }
 
-    /// A request's envelope: its body starts `used` bytes on, it has the request's own tag,
-    /// and it carries where its answer goes.
+    /// A request's envelope: its body starts `used` bytes on, it has the request's own tag
+    /// (and name), and it carries where its answer goes.
     pub(crate) fn unwrap_request(
         &mut self,
         used: usize,
         (tag, ty): (u32, Option<&'static str>),
-        origin: Origin,
+        origin: Box<dyn std::any::Any + Send + Sync>,
     ) {
         self.skip(used);
         self.tag = tag;
         self.ty = ty;
-        self.origin = Some(Box::new(origin));
+        self.origin = Some(origin);
+    }
+
+    /// Where a request's answer goes, taken out.
+    pub(crate) fn take_origin(&mut self) -> Option<Box<dyn std::any::Any + Send + Sync>> {
+        self.origin.take()
     }
 
     /// The body starts `n` bytes further on.
@@ -290,21 +296,12 @@ impl Envelope {
         self.origin.is_some()
     }
 
-    /// Takes the answer's handle of a request of type `R` ([`crate::Request`]): answer it
-    /// with [`Responder::respond`] from any thread, or with [`crate::Session::reply`] /
-    /// [`crate::Hub::reply`] on the connection's own. [`Error::WrongType`] if the message is
-    /// not an `R`, [`Error::NotARequest`] if it is not a request (a plain message, or its
-    /// responder already taken). An envelope dropped with its responder still inside answers
-    /// "no answer" ([`Error::NoAnswer`] for the caller).
-    pub fn responder<R: Request>(&mut self) -> Result<Responder<R::Response>> {
-        if self.tag != R::TAG {
-            return Err(wrong_type::<R>(self.tag, self.ty));
-        }
-        match self.origin.take() {
-            Some(o) => Ok(Responder::new(*o, std::any::type_name::<R>())),
-            None => Err(Error::NotARequest {
-                request: std::any::type_name::<R>(),
-            }),
+    /// Copies the body out of a receive buffer, if it is in one, so that keeping this
+    /// envelope does not keep the peer's credit (a rendezvous read buffer is kept: it holds
+    /// no credit).
+    pub(crate) fn release_credit(&mut self) {
+        if matches!(self.frame, FrameBytes::Received(_)) {
+            self.detach();
         }
     }
 
@@ -332,7 +329,7 @@ impl Envelope {
     /// buffer only while shared ones hold at most half of the read pool
     /// ([`rdmsg_transport::Config::max_read_bytes`]); past that they are copied, as are
     /// payloads under 4 KiB and messages still in a receive buffer (whose credit the peer
-    /// waits for). [`crate::Bulk::is_shared`] tells which.
+    /// waits for): a payload shares when its address lies in [`Envelope::body`].
     pub fn decode_shared<M: Message + DeserializeOwned>(&mut self) -> Result<M> {
         if self.tag != M::TAG {
             return Err(wrong_type::<M>(self.tag, self.ty));

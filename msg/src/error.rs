@@ -184,6 +184,18 @@ pub enum Error {
         /// The request type.
         request: &'static str,
     },
+    /// A request or an answer whose call header is malformed (a confused or lying peer): it
+    /// was dropped.
+    #[error("bad call frame dropped: {reason}")]
+    BadCall {
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// A [`crate::Responder`] handed to another session or hub than the one its request came
+    /// through: nothing was sent (answer it with [`crate::Responder::respond`], or through
+    /// the session or hub that received the request).
+    #[error("this responder answers a request received by another session or hub")]
+    ForeignResponder,
     /// [`crate::Envelope::responder`] on a message that is not a request (or whose responder
     /// was taken already).
     #[error("this {request} message is not a request waiting for an answer (sent with `send`, or its responder was taken already)")]
@@ -332,7 +344,9 @@ impl Error {
             | Error::CallTimedOut { .. }
             | Error::NoAnswer { .. }
             | Error::NotServed { .. }
-            | Error::NotARequest { .. } => false,
+            | Error::NotARequest { .. }
+            | Error::BadCall { .. }
+            | Error::ForeignResponder => false,
         }
     }
 

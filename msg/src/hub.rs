@@ -136,6 +136,17 @@ impl PeerState {
     }
 }
 
+impl OutboxStats {
+    fn add(&mut self, o: &OutboxStats) {
+        self.messages += o.messages;
+        self.bytes += o.bytes;
+        self.peak_bytes = self.peak_bytes.max(o.peak_bytes);
+        self.queued += o.queued;
+        self.refused += o.refused;
+        self.dropped += o.dropped;
+    }
+}
+
 /// What [`Hub::post`] did with a message.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Posted<M> {
@@ -222,6 +233,20 @@ pub struct Hub {
     waiting_call: bool,
     /// An answer was taken in since the last look.
     answered: bool,
+    /// The outbox counts of peers gone.
+    departed_outboxes: OutboxStats,
+}
+
+/// An event kept while a call waits, its message out of its receive buffer (whose credit the
+/// peer may need to send the answer).
+fn keep(ev: HubEvent) -> HubEvent {
+    match ev {
+        HubEvent::Message { peer, mut msg } => {
+            msg.release_credit();
+            HubEvent::Message { peer, msg }
+        }
+        ev => ev,
+    }
 }
 
 /// Whether a close must wait for the peer's application to take what was sent: copies are
@@ -280,6 +305,7 @@ impl Hub {
             held: VecDeque::new(),
             waiting_call: false,
             answered: false,
+            departed_outboxes: OutboxStats::default(),
             pool,
             budget: ReassemblyBudget::new(config.max_reassembly_bytes),
             reads_waiting: Vec::new(),
@@ -420,6 +446,20 @@ impl Hub {
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
         // The peer may still be reading our messages: closing now would fail its reads.
         let deadline = deadline_after(Instant::now(), self.transport.config().conn.close_timeout);
+        // What waits in its outbox goes first (within the close's time).
+        while self.peers.get(peer).is_some_and(|s| !s.outbox.is_empty()) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.transport.failure(peer).is_some() {
+                break;
+            }
+            self.drain_outboxes();
+            if self.peers.get(peer).is_some_and(|s| !s.outbox.is_empty()) {
+                self.transport.wait(Some(left))?;
+                while let Some(raw) = self.transport.queued_event() {
+                    self.stash.push_back(raw);
+                }
+            }
+        }
         let record = self.config.keep_unconfirmed.is_some();
         let unread = self.with_sender(peer, |s, link| {
             s.wait_until_returned(link, deadline, record)
@@ -435,7 +475,11 @@ impl Hub {
         match self.peers.get_mut(peer) {
             // The peer may still be reading our messages: the close waits for that (at most
             // `close_timeout`), driven by later calls.
-            Some(state) if state.sender.lent() > 0 || waits_for_record(&state.sender) => {
+            Some(state)
+                if state.sender.lent() > 0
+                    || waits_for_record(&state.sender)
+                    || !state.outbox.is_empty() =>
+            {
                 if state.sender.keeps_copies() {
                     state.sender.ask_all();
                     if !state.listed {
@@ -471,7 +515,9 @@ impl Hub {
             let due = match self.peers.get_mut(peer) {
                 Some(state) => match state.close_at {
                     Some(at)
-                        if (state.sender.lent() == 0 && !waits_for_record(&state.sender))
+                        if (state.sender.lent() == 0
+                            && !waits_for_record(&state.sender)
+                            && state.outbox.is_empty())
                             || now >= at =>
                     {
                         state.close_at = None;
@@ -630,9 +676,13 @@ impl Hub {
                 };
                 state.sender.learn_note(link.hub.peer_note(peer));
                 while let Some((msg, size)) = state.outbox.front() {
-                    // A failing peer: its Disconnected tells (and drops the rest).
-                    if !matches!(msg.try_send_hub(&mut state.sender, &mut link), Ok(true)) {
-                        break;
+                    match msg.try_send_hub(&mut state.sender, &mut link) {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        // A failing peer: its Disconnected tells (and drops the rest).
+                        Err(_) if link.hub.failure(peer).is_some() => break,
+                        // This message alone (too large, not encodable): dropped, counted.
+                        Err(_) => state.outbox_stats.dropped += 1,
                     }
                     state.outbox_stats.messages -= 1;
                     state.outbox_stats.bytes -= size;
@@ -671,6 +721,18 @@ impl Hub {
         self.replies.set_hook(Arc::new(hook));
     }
 
+    /// Every outbox's counts in all, peers gone included (`messages` and `bytes`: what
+    /// waits now).
+    pub fn outbox_totals(&self) -> OutboxStats {
+        let mut total = self.departed_outboxes;
+        total.messages = 0;
+        total.bytes = 0;
+        for s in self.peers.values() {
+            total.add(&s.outbox_stats);
+        }
+        total
+    }
+
     /// `peer`'s outbox ([`Hub::post`]); `None` for a peer unknown or gone.
     pub fn outbox(&self, peer: PeerId) -> Option<OutboxStats> {
         self.peers.get(peer).map(|s| s.outbox_stats)
@@ -689,12 +751,16 @@ impl Hub {
         let Some(origin) = responder.into_origin() else {
             return Ok(Posted::Sent);
         };
+        if !Arc::ptr_eq(&origin.replies, &self.replies) {
+            // Dropped: it answers "no answer" through its own session or hub.
+            return Err(crate::Error::ForeignResponder);
+        }
         let (id, peer) = origin.disarm();
-        let Some(peer) = peer else {
-            return Ok(Posted::Sent);
-        };
+        let peer = peer.ok_or(crate::Error::ForeignResponder)?;
         if self.peers.get(peer).is_none() {
-            return Ok(Posted::Sent); // gone: its Disconnected says so
+            // Gone (its Disconnected says so): the answer cannot go.
+            call::lock(&self.calls).answer_dropped();
+            return Err(rdmsg_transport::Error::UnknownPeer(peer).into());
         }
         if self.outbox_empty(peer)? {
             let out = call::ReplyOut {
@@ -705,8 +771,13 @@ impl Hub {
             let sent = self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
                 s.try_send_as(link, &out, true)
             });
-            if matches!(sent, Ok(true)) {
-                return Ok(Posted::Sent);
+            match sent {
+                Ok(true) => return Ok(Posted::Sent),
+                Ok(false) | Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {}
+                Err(e) => {
+                    call::lock(&self.calls).answer_dropped();
+                    return Err(e);
+                }
             }
         }
         let reply = OwnedReply {
@@ -717,6 +788,7 @@ impl Hub {
         let size = reply.size();
         if !self.room(peer, size) {
             self.state(peer).outbox_stats.dropped += 1;
+            call::lock(&self.calls).answer_dropped();
             return Ok(Posted::Full(reply.value.expect("built with a value")));
         }
         self.queue(peer, Box::new(reply), size);
@@ -745,18 +817,31 @@ impl Hub {
         timeout: Duration,
     ) -> Result<Call<R::Response>> {
         let deadline = call::deadline(timeout);
-        let call = self.new_call::<R>(peer, timeout, deadline);
-        let out = CallOut {
-            id: call.id(),
-            m: request,
-        };
+        let id = call::lock(&self.calls).start::<R>(Some(peer));
+        let out = CallOut { id, m: request };
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
             s.send_within(link, &out, R::SOLICITED, Some(timeout))
         });
+        let request = std::any::type_name::<R>();
         match peer::in_time(sent) {
-            Ok(true) => Ok(call),
-            Ok(false) => Err(call.timed_out()),
-            Err(e) => Err(self.unsent_call(call, e)),
+            Ok(true) => Ok(Call::new(
+                id,
+                self.calls.clone(),
+                request,
+                timeout,
+                deadline,
+            )),
+            Ok(false) => {
+                call::lock(&self.calls).give_up(id, true);
+                Err(crate::Error::CallTimedOut {
+                    request,
+                    after: timeout,
+                })
+            }
+            Err(e) => {
+                call::lock(&self.calls).forget(id);
+                Err(e)
+            }
         }
     }
 
@@ -769,42 +854,30 @@ impl Hub {
         request: &R,
         timeout: Duration,
     ) -> Result<Option<Call<R::Response>>> {
-        let call = self.new_call::<R>(peer, timeout, call::deadline(timeout));
+        let deadline = call::deadline(timeout);
+        let id = call::lock(&self.calls).start::<R>(Some(peer));
         let out = call::CallOwned {
-            id: call.id(),
+            id,
             request: request.clone(),
         };
+        let request = std::any::type_name::<R>();
         match self.post(peer, out) {
+            Ok(Posted::Sent | Posted::Queued) => Ok(Some(Call::new(
+                id,
+                self.calls.clone(),
+                request,
+                timeout,
+                deadline,
+            ))),
             Ok(Posted::Full(_)) => {
-                let _ = self.unsent_call(call, crate::Error::NoAnswer { request: "" });
+                call::lock(&self.calls).forget(id);
                 Ok(None)
             }
-            Ok(_) => Ok(Some(call)),
-            Err(e) => Err(self.unsent_call(call, e)),
+            Err(e) => {
+                call::lock(&self.calls).forget(id);
+                Err(e)
+            }
         }
-    }
-
-    fn new_call<R: Request>(
-        &mut self,
-        peer: PeerId,
-        timeout: Duration,
-        deadline: Option<Instant>,
-    ) -> Call<R::Response> {
-        let id = call::lock(&self.calls).start::<R>(Some(peer));
-        Call::new(
-            id,
-            self.calls.clone(),
-            std::any::type_name::<R>(),
-            timeout,
-            deadline,
-        )
-    }
-
-    /// A call whose request did not go: forgotten (not counted as started), `e` passed on.
-    fn unsent_call<T>(&mut self, call: Call<T>, e: crate::Error) -> crate::Error {
-        call::lock(&self.calls).forget(call.id());
-        std::mem::forget(call);
-        e
     }
 
     /// Waits for `call`'s answer until its deadline, driving the hub (events wait for
@@ -827,7 +900,7 @@ impl Hub {
             let got = self.recv_timeout(call.left(now));
             self.waiting_call = false;
             match got {
-                Ok(Some(ev)) => held.push_back(ev),
+                Ok(Some(ev)) => held.push_back(keep(ev)),
                 Ok(None) => {}
                 Err(e) => break Err(e),
             }
@@ -845,7 +918,7 @@ impl Hub {
         let before = held.len();
         let out = loop {
             match self.try_recv() {
-                Ok(Some(ev)) => held.push_back(ev),
+                Ok(Some(ev)) => held.push_back(keep(ev)),
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             }
@@ -853,6 +926,14 @@ impl Hub {
         held.append(&mut self.held);
         self.held = held;
         out.map(|()| self.held.len() != before)
+    }
+
+    /// The answer of a call whose waiter gave up (see [`crate::Session::expire`]).
+    pub fn expire<T>(&mut self, call: Call<T>) -> Result<T>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call.expire_or_take().and_then(call::finish)
     }
 
     /// The call's answer if it is in, without waiting (`None`: not yet).
@@ -1105,6 +1186,7 @@ impl Hub {
                 if let Some(mut gone) = self.peers.remove(peer) {
                     let lost = gone.outbox.len() as u64;
                     gone.outbox_stats.dropped += lost;
+                    self.departed_outboxes.add(&gone.outbox_stats);
                     // Its last word: what its application took, as of its last grant or close.
                     gone.sender.learn_note(last_note);
                     // What arrived comes first: messages whose reads can no longer complete
@@ -1127,9 +1209,11 @@ impl Hub {
             }
             Raw::HandshakeFailed { peer, error } => {
                 if let Some(p) = peer {
-                    call::lock(&self.calls).fail_peer(Some(p), || {
+                    let mut calls = call::lock(&self.calls);
+                    calls.fail_peer(Some(p), || {
                         rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into()
                     });
+                    calls.forget_peer(p);
                 }
                 if let Some(gone) = peer.and_then(|p| self.peers.remove(p)) {
                     self.departed.add(&gone.stats());

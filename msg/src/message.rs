@@ -18,6 +18,12 @@ pub trait Message: Serialize {
     const SOLICITED: bool = true;
 }
 
+/// Tag of a request's frame (its body: call number, request tag, request; see
+/// [`crate::call`]).
+pub const CALL_TAG: u32 = tag("rdmsg.call");
+/// Tag of an answer's frame (its body: call number, status, response).
+pub const REPLY_TAG: u32 = tag("rdmsg.reply");
+
 /// A tag from a name: 32-bit FNV-1a, never 0. Stable across builds and platforms.
 pub const fn tag(name: &str) -> u32 {
     let bytes = name.as_bytes();

@@ -190,9 +190,13 @@ pub struct Session {
     /// Answers to the peer's requests given on other threads (or by dropped responders).
     replies: Arc<Replies>,
     /// Answers taken from `replies` that could not go yet (a non-blocking call).
-    unsent: VecDeque<Box<dyn Outgoing>>,
+    unsent: VecDeque<(Box<dyn Outgoing>, usize)>,
+    /// Their encoded bytes (bounded by [`SessionConfig::max_outbox_bytes`]).
+    unsent_bytes: usize,
+    /// The bound on `unsent_bytes`.
+    max_unsent: usize,
     /// Messages that arrived while a call waited for its answer: handed out first.
-    held: VecDeque<Envelope>,
+    held: VecDeque<Result<Envelope>>,
     /// A call's wait is receiving: an answer ends the receive.
     waiting_call: bool,
     /// An answer was taken in since the last look.
@@ -231,9 +235,12 @@ impl Session {
         }
         Self {
             calls: Calls::default(),
-            // An answer given on another thread wakes whoever waits on the connection.
-            replies: Replies::new(conn.waker().ok()),
+            // An answer given on another thread wakes whoever waits on the connection (its
+            // waker made when the first request arrives).
+            replies: Replies::new(None),
             unsent: VecDeque::new(),
+            unsent_bytes: 0,
+            max_unsent: config.max_outbox_bytes,
             held: VecDeque::new(),
             waiting_call: false,
             answered: false,
@@ -352,8 +359,8 @@ impl Session {
     /// Flushes first, as [`Session::recv`] does, if it would wait (with
     /// [`SessionConfig::max_unsolicited_delay`], when that runs out).
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
-        if let Some(env) = self.held.pop_front() {
-            return Ok(Some(env));
+        if let Some(r) = self.held.pop_front() {
+            return r.map(Some);
         }
         let got = self.recv_inner(timeout);
         self.took();
@@ -418,13 +425,17 @@ impl Session {
                 }
             }
             if self.replies.waiting() || !self.unsent.is_empty() {
-                self.send_replies(true)?;
+                self.send_replies()?;
             }
-            let replies = &self.replies;
+            if self.waiting_call && self.answered {
+                continue;
+            }
+            // Answers given meanwhile, or a credit for those waiting, end the wait.
+            let (replies, unsent) = (&self.replies, !self.unsent.is_empty());
             let arrival = self.receiver.advance(&mut self.conn).and_then(|()| {
-                Ok(self
-                    .conn
-                    .recv_any_interruptible(left, || replies.waiting())?)
+                Ok(self.conn.recv_any_interruptible(left, |c| {
+                    replies.waiting() || (unsent && c.credits() > 0)
+                })?)
             });
             let arrival = match arrival {
                 Ok(a) => a,
@@ -448,7 +459,12 @@ impl Session {
     /// complete fail in their place, and what is then deliverable comes before `e` (`Ok`:
     /// look again). A failed connection stays failed: `e` comes once nothing is left.
     fn before_failure(&mut self, e: crate::Error) -> Result<()> {
-        if self.conn.failure().is_some() {
+        if let Some(f) = self.conn.failure() {
+            // Calls under way end with it (their answers can no longer come), and answers
+            // waiting to go are dropped.
+            call::lock(&self.calls)
+                .fail_peer(None, || rdmsg_transport::Error::Connection(f).into());
+            self.drop_unsent();
             self.receiver.abandon_reads();
             if self.receiver.has_ready() {
                 return Ok(());
@@ -459,8 +475,8 @@ impl Session {
 
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Envelope>> {
-        if let Some(env) = self.held.pop_front() {
-            return Ok(Some(env));
+        if let Some(r) = self.held.pop_front() {
+            return r.map(Some);
         }
         let got = self.try_recv_inner();
         self.took();
@@ -469,7 +485,7 @@ impl Session {
 
     fn try_recv_inner(&mut self) -> Result<Option<Envelope>> {
         if self.replies.waiting() || !self.unsent.is_empty() {
-            self.send_replies(false)?;
+            self.send_replies()?;
         }
         loop {
             if let Some(r) = self.receiver.pop() {
@@ -566,6 +582,8 @@ impl Session {
         // it, as it rides our grants).
         let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
         let left = |now: Instant| Some(deadline.saturating_duration_since(now));
+        // Answers given before the close go before it.
+        self.send_replies_before(deadline)?;
         self.sender
             .flush_within(&mut self.conn, left(Instant::now()))?;
         // The peer may still be reading our messages: closing now would fail its reads.
@@ -618,7 +636,7 @@ impl Session {
         }
         let answered = (self.replies.waiting() || !self.unsent.is_empty()) && {
             let before = self.unsent.len();
-            self.send_replies(false)?;
+            self.send_replies()?;
             self.unsent.len() != before || self.unsent.is_empty()
         };
         let sent = answered
@@ -752,21 +770,39 @@ impl Session {
         deadline: Option<Instant>,
     ) -> Result<Call<R::Response>> {
         let id = call::lock(&self.calls).start::<R>(None);
-        let call = Call::new(
-            id,
-            self.calls.clone(),
-            std::any::type_name::<R>(),
-            timeout,
-            deadline,
-        );
         let out = CallOut { id, m: request };
         let (sender, link) = absorbing!(self);
-        match peer::in_time(sender.send_within(link, &out, solicited, Some(left))) {
-            Ok(true) => Ok(call),
-            Ok(false) => Err(call.timed_out()),
+        let sent = peer::in_time(sender.send_within(link, &out, solicited, Some(left)));
+        self.started::<R>(id, sent.map(|s| s.then_some(())), timeout, deadline)
+    }
+
+    /// The call `id` whose request went (`Ok(Some)`), did not go in time (`Ok(None)`: timed
+    /// out), or failed.
+    fn started<R: Request>(
+        &mut self,
+        id: u64,
+        sent: Result<Option<()>>,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Call<R::Response>> {
+        let request = std::any::type_name::<R>();
+        match sent {
+            Ok(Some(())) => Ok(Call::new(
+                id,
+                self.calls.clone(),
+                request,
+                timeout,
+                deadline,
+            )),
+            Ok(None) => {
+                call::lock(&self.calls).give_up(id, true);
+                Err(crate::Error::CallTimedOut {
+                    request,
+                    after: timeout,
+                })
+            }
             Err(e) => {
                 call::lock(&self.calls).forget(id);
-                std::mem::forget(call);
                 Err(e)
             }
         }
@@ -781,27 +817,23 @@ impl Session {
         solicited: bool,
         timeout: Duration,
     ) -> Result<Option<Call<R::Response>>> {
+        let deadline = call::deadline(timeout);
         let id = call::lock(&self.calls).start::<R>(None);
-        let call = Call::new(
-            id,
-            self.calls.clone(),
-            std::any::type_name::<R>(),
-            timeout,
-            call::deadline(timeout),
-        );
-        let out = CallOut { id, m: request };
-        match self.try_send_as(&out, solicited) {
-            Ok(true) => Ok(Some(call)),
+        match self.try_send_as(&CallOut { id, m: request }, solicited) {
+            Ok(true) => self
+                .started::<R>(id, Ok(Some(())), timeout, deadline)
+                .map(Some),
             other => {
                 call::lock(&self.calls).forget(id);
-                std::mem::forget(call);
                 other.map(|_| None)
             }
         }
     }
 
-    /// Waits for `call`'s answer until its deadline, taking in what arrives meanwhile
-    /// (messages wait for [`Session::recv`]).
+    /// Waits for `call`'s answer until its deadline, taking in what arrives meanwhile:
+    /// messages (and the errors that come in their place) wait for [`Session::recv`], in
+    /// order, out of their receive buffers so that they hold none of the peer's credits.
+    /// Handing them out of the session counts them taken in the delivery record.
     pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
     where
         T: Message + serde::de::DeserializeOwned,
@@ -818,52 +850,51 @@ impl Session {
             self.answered = false;
             let got = self.recv_inner(call.left(now));
             self.waiting_call = false;
+            self.took();
             match got {
-                Ok(Some(env)) => {
-                    self.took();
-                    self.held.push_back(env);
-                }
+                Ok(Some(env)) => self.hold(Ok(env)),
                 Ok(None) => {}
                 Err(e) if e.is_fatal() => {
-                    self.took();
-                    call::lock(&self.calls).fail_peer(None, || self.failure_error());
                     if let Some(outcome) = call.take_outcome() {
                         return call::finish(outcome);
                     }
                     return Err(e);
                 }
-                // A bad frame costs its message only.
-                Err(_) => self.took(),
+                // Its place in the order, for `recv`.
+                Err(e) => self.hold(Err(e)),
             }
         }
     }
 
+    /// Keeps what a call's wait took in for `recv`, holding no receive buffer.
+    fn hold(&mut self, got: Result<Envelope>) {
+        self.held.push_back(got.map(|mut env| {
+            env.release_credit();
+            env
+        }));
+    }
+
     /// Takes in, without waiting, everything that has arrived: answers go to their calls,
-    /// messages wait for [`Session::recv`] (or [`Session::try_recv`]). Whether it took in
-    /// any message. For event loops and async runtimes that wait for calls.
+    /// messages wait for [`Session::recv`] (or [`Session::try_recv`]), as a call's wait keeps
+    /// them. Whether it took in any message. For event loops and async runtimes that wait
+    /// for calls.
     pub fn poll_calls(&mut self) -> Result<bool> {
         let before = self.held.len();
         loop {
-            match self.try_recv_inner() {
-                Ok(Some(env)) => {
-                    self.took();
-                    self.held.push_back(env);
-                }
+            let got = self.try_recv_inner();
+            self.took();
+            match got {
+                Ok(Some(env)) => self.hold(Ok(env)),
                 Ok(None) => break,
-                Err(e) if e.is_fatal() => {
-                    self.took();
-                    call::lock(&self.calls).fail_peer(None, || self.failure_error());
-                    return Err(e);
-                }
-                Err(_) => self.took(),
+                Err(e) if e.is_fatal() => return Err(e),
+                Err(e) => self.hold(Err(e)),
             }
         }
         Ok(self.held.len() != before)
     }
 
     /// The call's answer if it is in, without waiting or receiving (`None`: not yet; it
-    /// stays under way). Pair it with [`Session::try_recv`] or [`Session::step`] in an event
-    /// loop.
+    /// stays under way). In an event loop, [`Session::poll_calls`] takes answers in.
     pub fn try_wait<T>(&mut self, call: &Call<T>) -> Option<Result<T>>
     where
         T: Message + serde::de::DeserializeOwned,
@@ -871,21 +902,27 @@ impl Session {
         call.take_outcome().map(call::finish)
     }
 
-    /// The error calls under way fail with once the connection has failed.
-    fn failure_error(&self) -> crate::Error {
-        match self.conn.failure() {
-            Some(f) => rdmsg_transport::Error::Connection(f).into(),
-            None => rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into(),
-        }
+    /// The answer of a call whose waiter gave up (an async timeout): its answer if it came
+    /// meanwhile, else [`crate::Error::CallTimedOut`] (and the call is counted timed out).
+    pub fn expire<T>(&mut self, call: Call<T>) -> Result<T>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call.expire_or_take().and_then(call::finish)
     }
 
     /// Answers a request received on this session at once, on this thread: `value` is sent
     /// as [`Session::send`] sends (waiting for a credit if need be). From another thread, use
-    /// [`Responder::respond`].
+    /// [`Responder::respond`]. [`crate::Error::ForeignResponder`] for the responder of a
+    /// request another session or hub received (nothing is sent).
     pub fn reply<T: Message>(&mut self, responder: Responder<T>, value: &T) -> Result<()> {
         let Some(origin) = responder.into_origin() else {
             return Ok(());
         };
+        if !Arc::ptr_eq(&origin.replies, &self.replies) {
+            // Dropped: it answers "no answer" through its own session.
+            return Err(crate::Error::ForeignResponder);
+        }
         let (id, _) = origin.disarm();
         let out = call::ReplyOut {
             id,
@@ -918,6 +955,12 @@ impl Session {
     /// A received message, as the application sees it: a request unwrapped (with where its
     /// answer goes), an answer handed to its call (`None`).
     fn route(&mut self, env: Envelope) -> Result<Option<Envelope>> {
+        if env.tag() == call::CALL_TAG && !self.replies.has_waker() {
+            // The first request: answers from other threads must wake us from now on.
+            if let Ok(w) = self.conn.waker() {
+                self.replies.set_waker(w);
+            }
+        }
         match call::route(
             env,
             None,
@@ -933,22 +976,62 @@ impl Session {
         }
     }
 
-    /// Sends the answers given on other threads, in order: waiting for credits (`block`), or
-    /// those that can go now, keeping the rest for later.
-    fn send_replies(&mut self, block: bool) -> Result<()> {
-        self.unsent
-            .extend(self.replies.take().into_iter().map(|r| r.msg));
-        while let Some(msg) = self.unsent.front() {
-            if block {
-                let (sender, link) = absorbing!(self);
-                msg.send_session(sender, link)?;
-            } else {
-                self.sender.learn_note(self.conn.peer_note());
-                if !msg.try_send_conn(&mut self.sender, &mut self.conn)? {
-                    return Ok(());
-                }
+    /// Sends the answers given on other threads that can go now, in order, keeping the rest
+    /// (within [`SessionConfig::max_outbox_bytes`]; answers beyond it, or that cannot be
+    /// encoded or sent, are dropped and counted: their callers time out or learn "no
+    /// answer" from a dropped responder). Never waits: a peer that takes nothing costs the
+    /// bound and no receive's time.
+    fn send_replies(&mut self) -> Result<()> {
+        for r in self.replies.take() {
+            let size = r.msg.size();
+            if !self.unsent.is_empty() && self.unsent_bytes + size > self.max_unsent {
+                call::lock(&self.calls).answer_dropped();
+                continue;
             }
+            self.unsent_bytes += size;
+            self.unsent.push_back((r.msg, size));
+        }
+        self.sender.learn_note(self.conn.peer_note());
+        while let Some((msg, size)) = self.unsent.front() {
+            match msg.try_send_conn(&mut self.sender, &mut self.conn) {
+                Ok(true) => {}
+                Ok(false) => return Ok(()),
+                Err(e) if e.is_fatal() || self.conn.failure().is_some() => {
+                    self.drop_unsent();
+                    return Err(e);
+                }
+                // This answer alone (too large, not encodable).
+                Err(_) => call::lock(&self.calls).answer_dropped(),
+            }
+            self.unsent_bytes -= size;
             self.unsent.pop_front();
+        }
+        Ok(())
+    }
+
+    /// The connection failed: answers waiting to go never will.
+    fn drop_unsent(&mut self) {
+        let lost = self.unsent.len() + self.replies.take().len();
+        if lost > 0 {
+            let mut calls = call::lock(&self.calls);
+            for _ in 0..lost {
+                calls.answer_dropped();
+            }
+        }
+        self.unsent.clear();
+        self.unsent_bytes = 0;
+    }
+
+    /// Before a close: the answers waiting go, within `deadline`.
+    fn send_replies_before(&mut self, deadline: Instant) -> Result<()> {
+        self.send_replies()?;
+        while let Some((msg, size)) = self.unsent.pop_front() {
+            self.unsent_bytes -= size;
+            let left = Some(deadline.saturating_duration_since(Instant::now()));
+            let (sender, link) = absorbing!(self);
+            if msg.send_session(sender, link, left).is_err() {
+                call::lock(&self.calls).answer_dropped();
+            }
         }
         Ok(())
     }

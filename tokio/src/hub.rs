@@ -158,7 +158,8 @@ impl AsyncHub {
         });
         match tokio::time::timeout_at(deadline, answer).await {
             Ok(answer) => answer,
-            Err(_) => Err(call.expire().into()),
+            // Its answer, if it came meanwhile; else the timeout.
+            Err(_) => Ok(self.shared.lock().expire(call)?),
         }
     }
 

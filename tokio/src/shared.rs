@@ -181,17 +181,32 @@ impl<D: Drive> SharedDriver<D> {
         }
         let me = Arc::downgrade(self);
         runtime.spawn(async move {
-            let Some(s) = me.upgrade() else { return };
-            let _ = s
-                .run(false, |d, _| {
+            // Holds the session or hub only for a second at a time, and stops once only it
+            // holds it (every handle gone) or a step fails (the failure is the next caller's).
+            loop {
+                let Some(s) = me.upgrade() else { return };
+                if Arc::strong_count(&s) <= 1 {
+                    return;
+                }
+                let round = s.run(false, |d, _| {
                     d.step()?;
                     Ok((!d.outgoing()).then_some(()))
-                })
-                .await;
-            s.flushing.store(false, Ordering::SeqCst);
-            // An answer given after the last look but before the flag fell.
-            if s.lock().outgoing() {
-                s.send_in_background(&tokio::runtime::Handle::current());
+                });
+                match tokio::time::timeout(Duration::from_secs(1), round).await {
+                    Err(_) => continue,
+                    Ok(Err(_)) => {
+                        s.flushing.store(false, Ordering::SeqCst);
+                        return;
+                    }
+                    Ok(Ok(())) => {
+                        s.flushing.store(false, Ordering::SeqCst);
+                        // An answer given after the last look but before the flag fell.
+                        if s.lock().outgoing() {
+                            s.send_in_background(&tokio::runtime::Handle::current());
+                        }
+                        return;
+                    }
+                }
             }
         });
     }

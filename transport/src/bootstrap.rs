@@ -378,7 +378,7 @@ impl Listener {
                 let p = self.remove(&mut pending, i);
                 let from = p.peer_addr;
                 let made = outcome.and_then(|()| p.finish(&self.endpoint));
-                trace::accepted(from, &made);
+                trace::accepted(from, made.as_ref().map(|c| (c.qp_num(), c.peer().addr.qpn)));
                 return made.map(Some);
             }
             let next = nearest_deadline(&pending, *paused)
@@ -524,7 +524,10 @@ impl Endpoint {
                 source,
             })
             .and_then(|stream| connect(self, stream, config));
-        trace::connected(&addr, &made);
+        trace::connected(
+            &addr,
+            made.as_ref().map(|c| (c.qp_num(), c.peer().addr.qpn)),
+        );
         made
     }
 }

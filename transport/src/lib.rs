@@ -117,6 +117,7 @@ mod events;
 mod group;
 pub mod handshake;
 mod hub;
+mod peer_id;
 mod pool;
 mod read;
 mod send;

@@ -30,9 +30,8 @@
 use std::time::Instant;
 use std::{fmt, net::SocketAddr};
 
-use crate::connection::Connection;
 use crate::error::{Error, Failure, Result};
-use crate::hub::PeerId;
+use crate::peer_id::PeerId;
 
 /// `tracing::event!` at `tracing::Level::$level` with the `tracing` feature; nothing without
 /// it (its arguments are not even compiled).
@@ -87,17 +86,18 @@ pub(crate) fn connecting(addr: &dyn fmt::Debug) {
     trace_event!(INFO, addr = ?addr, "connecting");
 }
 
-/// A client's connect (TCP connect and handshake) to `addr` came to `res`.
+/// A client's connect (TCP connect and handshake) to `addr` came to `res`: the queue pair
+/// numbers, ours and the peer's.
 #[inline(always)]
-pub(crate) fn connected(addr: &dyn fmt::Debug, res: &Result<Connection>) {
-    unused(&(addr, res));
+pub(crate) fn connected(addr: &dyn fmt::Debug, res: Result<(u32, u32), &Error>) {
+    unused(&(addr, &res));
     #[cfg(feature = "tracing")]
     match res {
-        Ok(c) => trace_event!(
+        Ok((qp, peer_qp)) => trace_event!(
             INFO,
             addr = ?addr,
-            conn = %Conn(c.qp_num(), None),
-            peer_qp = c.peer().addr.qpn,
+            conn = %Conn(qp, None),
+            peer_qp = peer_qp,
             "connected"
         ),
         Err(e) => connect_failed(addr, e),
@@ -118,17 +118,18 @@ pub(crate) fn handshake_started(from: Option<SocketAddr>, peer: Option<PeerId>) 
     trace_event!(DEBUG, from = ?from, peer = ?peer, "handshake started");
 }
 
-/// A listener's handshake with the client at `from` came to `res`.
+/// A listener's handshake with the client at `from` came to `res`: the queue pair numbers,
+/// ours and the peer's.
 #[inline(always)]
-pub(crate) fn accepted(from: Option<SocketAddr>, res: &Result<Connection>) {
-    unused(&(from, res));
+pub(crate) fn accepted(from: Option<SocketAddr>, res: Result<(u32, u32), &Error>) {
+    unused(&(from, &res));
     #[cfg(feature = "tracing")]
     match res {
-        Ok(c) => trace_event!(
+        Ok((qp, peer_qp)) => trace_event!(
             INFO,
             from = ?from,
-            conn = %Conn(c.qp_num(), None),
-            peer_qp = c.peer().addr.qpn,
+            conn = %Conn(qp, None),
+            peer_qp = peer_qp,
             "accepted"
         ),
         Err(e) => handshake_failed(from, None, e),

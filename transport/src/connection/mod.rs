@@ -670,10 +670,10 @@ impl Connection {
     pub fn recv_any_interruptible(
         &mut self,
         timeout: Option<Duration>,
-        interrupted: impl Fn() -> bool,
+        interrupted: impl Fn(&Connection) -> bool,
     ) -> Result<Option<Arrival>> {
         let got = self.wait_for(timeout, |c| {
-            if interrupted() {
+            if interrupted(c) {
                 return Ok(Some(None));
             }
             Ok(c.try_recv_any()?.map(Some))

@@ -1,39 +1,11 @@
 //! What a hub tells its user: who a connection is ([`PeerId`]), what happened
 //! ([`RawHubEvent`]), and what it did ([`HubStats`]).
 
-use std::fmt;
+pub use crate::peer_id::PeerId;
 
 use crate::error::{Error, Failure};
 use crate::pool::Received;
 use crate::read::ReadDone;
-
-/// A connection of a [`RawHub`](super::RawHub): small, copyable, never reused for another connection (a slot's
-/// generation changes when it is).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerId {
-    pub(super) slot: u32,
-    pub(super) generation: u32,
-}
-
-impl PeerId {
-    /// The slot of this connection in the hub: below the number of slots the hub ever used, so
-    /// usable as an index into a `Vec` of per-peer state (a later connection may reuse it).
-    pub fn index(self) -> usize {
-        self.slot as usize
-    }
-}
-
-impl fmt::Debug for PeerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "PeerId({}.{})", self.slot, self.generation)
-    }
-}
-
-impl fmt::Display for PeerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "peer {}.{}", self.slot, self.generation)
-    }
-}
 
 /// What happened in a [`RawHub`](super::RawHub).
 #[derive(Debug)]
