@@ -141,6 +141,16 @@ fn calls_end_in_an_answer_a_refusal_or_their_deadline() {
     for (i, call) in calls.into_iter().enumerate() {
         assert_eq!(s.wait(call).unwrap(), Sum(2 * i as i64));
     }
+    // Whichever ends first: the quick call before the slow one started before it.
+    let mut calls = vec![
+        s.start_call(&Slow { ms: 400 }, T).unwrap(),
+        s.start_call(&Add { a: 5, b: 5 }, T).unwrap(),
+    ];
+    let (i, first) = s.wait_any(&mut calls).unwrap();
+    assert_eq!((i, first.unwrap()), (1, Sum(10)));
+    let (i, second) = s.wait_any(&mut calls).unwrap();
+    assert_eq!((i, second.unwrap()), (0, Sum(-1)));
+    assert!(s.wait_any(&mut calls).is_none());
     // A message that comes while a call waits is kept for the next receive.
     assert_eq!(s.call(&Add { a: 100, b: 1 }, T).unwrap(), Sum(101));
     let note = s.recv_timeout(WAIT).unwrap().expect("the note");

@@ -13,9 +13,9 @@
 //! call was dropped) is counted in [`CallStats::late`] and dropped.
 //!
 //! A request type names its response type ([`Request`], declared with [`crate::request!`]).
-//! Requests and answers are solicited unless the request type says otherwise, so an answer
-//! always wakes the caller; `start_calls` sends a batch of requests that wakes the server
-//! once.
+//! Answers are always solicited, so an answer always wakes the caller; requests are unless
+//! the request type says otherwise, and `start_calls` sends a batch of requests that wakes
+//! the server once. A deadline is the caller's alone: the server does not learn of it.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -263,10 +263,21 @@ impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
     }
 }
 
+/// "No answer" to call `id`.
+pub(crate) fn no_answer(id: u64) -> OwnedReply<()> {
+    OwnedReply {
+        id,
+        status: NO_ANSWER,
+        value: None,
+    }
+}
+
 /// An answer waiting for the thread that drives the connection.
 pub(crate) struct QueuedReply {
     /// To whom (a hub's peer; `None` for a session).
     pub(crate) peer: Option<PeerId>,
+    /// The call it answers.
+    pub(crate) id: u64,
     pub(crate) msg: Box<dyn Outgoing>,
 }
 
@@ -384,6 +395,7 @@ impl Origin {
         self.answered = true;
         self.replies.push(QueuedReply {
             peer: self.peer,
+            id: self.id,
             msg,
         });
     }
@@ -400,11 +412,8 @@ impl Drop for Origin {
         if !self.answered {
             self.replies.push(QueuedReply {
                 peer: self.peer,
-                msg: Box::new(OwnedReply::<()> {
-                    id: self.id,
-                    status: NO_ANSWER,
-                    value: None,
-                }),
+                id: self.id,
+                msg: Box::new(no_answer(self.id)),
             });
         }
     }
@@ -835,6 +844,7 @@ pub(crate) fn route(
             if !decoder.accepts(inner) {
                 replies.push(QueuedReply {
                     peer,
+                    id,
                     msg: Box::new(OwnedReply::<()> {
                         id,
                         status: NOT_SERVED,

@@ -147,8 +147,9 @@ impl OutboxStats {
     }
 }
 
-/// What [`Hub::post`] did with a message.
+/// What [`Hub::post`] (or [`Hub::reply`]) did with a message.
 #[derive(Debug, PartialEq, Eq)]
+#[must_use = "a message handed back was not sent"]
 pub enum Posted<M> {
     /// Sent at once.
     Sent,
@@ -156,8 +157,14 @@ pub enum Posted<M> {
     /// come, driven by the hub's later calls.
     Queued,
     /// The peer's outbox is full ([`SessionConfig::max_outbox_bytes`]): nothing was queued,
-    /// and here is the message back. [`HubEvent::Writable`] says when it has room.
+    /// and here is the message back. After a [`Hub::post`], [`HubEvent::Writable`] says when
+    /// it has room. After a [`Hub::reply`], the caller is told "no answer" at once (a few
+    /// bytes that go past the bound), since a responder answers only once.
     Full(M),
+    /// The peer is gone (its [`HubEvent::Disconnected`] is, or will be, among the events):
+    /// nothing was sent, and here is the message back. Not an error: a request handed out
+    /// before its peer's disconnection is still answered with `reply`, and lands here.
+    PeerGone(M),
 }
 
 /// A peer's outbox ([`Hub::post`]).
@@ -582,7 +589,10 @@ impl Hub {
         m: M,
         solicited: bool,
     ) -> Result<Posted<M>> {
-        if self.outbox_empty(peer)? {
+        let Some(empty) = self.outbox_empty(peer) else {
+            return Ok(Posted::PeerGone(m));
+        };
+        if empty {
             let sent = peer::in_time(
                 self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
                     s.try_send_as(link, &m, solicited)
@@ -602,36 +612,40 @@ impl Hub {
         }
         let size = call::encoded_len(&m);
         if !self.room(peer, size) {
+            let state = self.state(peer);
+            state.outbox_stats.refused += 1;
+            state.refused = true;
             return Ok(Posted::Full(m));
         }
         self.queue(peer, Box::new(Owned { m, solicited }), size);
         Ok(Posted::Queued)
     }
 
-    /// Whether `peer`'s outbox is empty (an error for a peer unknown or failed).
-    fn outbox_empty(&mut self, peer: PeerId) -> Result<bool> {
-        match self.peers.get(peer) {
-            Some(s) => Ok(s.outbox.is_empty()),
-            None => {
-                if let Some(f) = self.transport.failure(peer) {
-                    return Err(rdmsg_transport::Error::Connection(f).into());
-                }
-                Ok(true)
-            }
+    /// Whether `peer`'s outbox is empty; `None` for a peer gone (failed).
+    fn outbox_empty(&mut self, peer: PeerId) -> Option<bool> {
+        if self.transport.failure(peer).is_some() {
+            return None;
         }
+        Some(self.peers.get(peer).map_or(true, |s| s.outbox.is_empty()))
     }
 
     /// Whether `peer`'s outbox has room for `size` more bytes (one message always fits an
-    /// empty one); if not, the refusal is counted and a [`HubEvent::Writable`] is due.
+    /// empty one).
     fn room(&mut self, peer: PeerId, size: usize) -> bool {
         let max = self.config.max_outbox_bytes;
         let state = self.state(peer);
-        if state.outbox.is_empty() || state.outbox_stats.bytes + size <= max {
-            return true;
-        }
-        state.outbox_stats.refused += 1;
-        state.refused = true;
-        false
+        state.outbox.is_empty() || state.outbox_stats.bytes + size <= max
+    }
+
+    /// An answer to `peer`'s call `id` could not be queued (no room): "no answer" goes in its
+    /// place, past the bound (a few bytes, one per request the peer sent), so that the caller
+    /// does not wait for its deadline. Counted dropped.
+    fn refuse_answer(&mut self, peer: PeerId, id: u64) {
+        call::lock(&self.calls).answer_dropped();
+        let no = call::no_answer(id);
+        let size = no.size();
+        self.state(peer).outbox_stats.dropped += 1;
+        self.queue(peer, Box::new(no), size);
     }
 
     /// Queues `msg` in `peer`'s outbox (room checked by the caller).
@@ -654,14 +668,16 @@ impl Hub {
         if self.replies.waiting() {
             for r in self.replies.take() {
                 let Some(peer) = r.peer else { continue };
-                if self.peers.get(peer).is_none() {
-                    continue; // gone: its calls failed on its side
+                if self.peers.get(peer).is_none() || self.transport.failure(peer).is_some() {
+                    // Gone: its calls failed on its side.
+                    call::lock(&self.calls).answer_dropped();
+                    continue;
                 }
                 let size = r.msg.size();
                 if self.room(peer, size) {
                     self.queue(peer, r.msg, size);
-                } else if let Some(s) = self.peers.get_mut(peer) {
-                    s.outbox_stats.dropped += 1;
+                } else {
+                    self.refuse_answer(peer, r.id);
                 }
             }
         }
@@ -757,12 +773,15 @@ impl Hub {
         }
         let (id, peer) = origin.disarm();
         let peer = peer.ok_or(crate::Error::ForeignResponder)?;
-        if self.peers.get(peer).is_none() {
+        let Some(empty) = self
+            .outbox_empty(peer)
+            .filter(|_| self.peers.get(peer).is_some())
+        else {
             // Gone (its Disconnected says so): the answer cannot go.
             call::lock(&self.calls).answer_dropped();
-            return Err(rdmsg_transport::Error::UnknownPeer(peer).into());
-        }
-        if self.outbox_empty(peer)? {
+            return Ok(Posted::PeerGone(value));
+        };
+        if empty {
             let out = call::ReplyOut {
                 id,
                 status: 0,
@@ -774,8 +793,13 @@ impl Hub {
             match sent {
                 Ok(true) => return Ok(Posted::Sent),
                 Ok(false) | Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {}
-                Err(e) => {
+                Err(_) if self.transport.failure(peer).is_some() => {
                     call::lock(&self.calls).answer_dropped();
+                    return Ok(Posted::PeerGone(value));
+                }
+                // This answer alone (too large, not encodable): the caller hears "no answer".
+                Err(e) => {
+                    self.refuse_answer(peer, id);
                     return Err(e);
                 }
             }
@@ -787,8 +811,7 @@ impl Hub {
         };
         let size = reply.size();
         if !self.room(peer, size) {
-            self.state(peer).outbox_stats.dropped += 1;
-            call::lock(&self.calls).answer_dropped();
+            self.refuse_answer(peer, id);
             return Ok(Posted::Full(reply.value.expect("built with a value")));
         }
         self.queue(peer, Box::new(reply), size);
@@ -873,6 +896,10 @@ impl Hub {
                 call::lock(&self.calls).forget(id);
                 Ok(None)
             }
+            Ok(Posted::PeerGone(_)) => {
+                call::lock(&self.calls).forget(id);
+                Err(rdmsg_transport::Error::UnknownPeer(peer).into())
+            }
             Err(e) => {
                 call::lock(&self.calls).forget(id);
                 Err(e)
@@ -903,6 +930,44 @@ impl Hub {
                 Ok(Some(ev)) => held.push_back(keep(ev)),
                 Ok(None) => {}
                 Err(e) => break Err(e),
+            }
+        };
+        held.append(&mut self.held);
+        self.held = held;
+        out
+    }
+
+    /// Waits for the first of `calls` to end (see [`crate::Session::wait_any`]), driving the
+    /// hub (events wait for [`Hub::recv`]).
+    pub fn wait_any<T>(&mut self, calls: &mut Vec<Call<T>>) -> Option<(usize, Result<T>)>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        let mut held = std::mem::take(&mut self.held);
+        let out = loop {
+            if let Some(i) = calls.iter().position(|c| c.is_done()) {
+                let c = calls.remove(i);
+                break c.take_outcome().map(|o| (i, call::finish(o)));
+            }
+            let now = Instant::now();
+            if let Some(i) = calls.iter().position(|c| c.expired(now)) {
+                break Some((i, Err(calls.remove(i).timed_out())));
+            }
+            if calls.is_empty() {
+                break None;
+            }
+            let left = calls.iter().filter_map(|c| c.left(now)).min();
+            self.waiting_call = true;
+            self.answered = false;
+            let got = self.recv_timeout(left);
+            self.waiting_call = false;
+            match got {
+                Ok(Some(ev)) => held.push_back(keep(ev)),
+                Ok(None) => {}
+                Err(e) => {
+                    calls.remove(0);
+                    break Some((0, Err(e)));
+                }
             }
         };
         held.append(&mut self.held);

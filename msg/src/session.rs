@@ -866,6 +866,46 @@ impl Session {
         }
     }
 
+    /// Waits for the first of `calls` to end (its answer, its failure or its deadline),
+    /// taking in what arrives meanwhile as [`Session::wait`] does: removes it from `calls`
+    /// and returns where it was and what it came to; `None` once `calls` is empty.
+    pub fn wait_any<T>(&mut self, calls: &mut Vec<Call<T>>) -> Option<(usize, Result<T>)>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        loop {
+            if let Some(i) = calls.iter().position(|c| c.is_done()) {
+                let c = calls.remove(i);
+                return c.take_outcome().map(|o| (i, call::finish(o)));
+            }
+            let now = Instant::now();
+            if let Some(i) = calls.iter().position(|c| c.expired(now)) {
+                return Some((i, Err(calls.remove(i).timed_out())));
+            }
+            if calls.is_empty() {
+                return None;
+            }
+            let left = calls.iter().filter_map(|c| c.left(now)).min();
+            self.waiting_call = true;
+            self.answered = false;
+            let got = self.recv_inner(left);
+            self.waiting_call = false;
+            self.took();
+            match got {
+                Ok(Some(env)) => self.hold(Ok(env)),
+                Ok(None) => {}
+                // The calls failed with the connection: their outcomes are in.
+                Err(e) if e.is_fatal() => {
+                    if !calls.iter().any(|c| c.is_done()) {
+                        calls.remove(0);
+                        return Some((0, Err(e)));
+                    }
+                }
+                Err(e) => self.hold(Err(e)),
+            }
+        }
+    }
+
     /// Keeps what a call's wait took in for `recv`, holding no receive buffer.
     fn hold(&mut self, got: Result<Envelope>) {
         self.held.push_back(got.map(|mut env| {

@@ -24,7 +24,7 @@ use anyhow::{bail, ensure, Context as _, Result};
 use clap::Parser;
 use rdmsg::{
     message, request, Bulk, Call, Config, Endpoint, Envelope, Error, Hub, HubConfig, HubEvent,
-    Posted, Session,
+    Posted, Session, SessionConfig,
 };
 use serde::{Deserialize, Serialize};
 
@@ -143,7 +143,13 @@ fn serve(
     live: Duration,
     addr: mpsc::Sender<SocketAddr>,
 ) -> Result<Served> {
-    let mut hub = Hub::new(endpoint, HubConfig::default())?;
+    // Answers of up to 4 MiB, several waiting for one client: room for them (`Bulk` bytes
+    // count, though they are not copied).
+    let session = SessionConfig {
+        max_outbox_bytes: 64 << 20,
+        ..SessionConfig::default()
+    };
+    let mut hub = Hub::with_config(endpoint, HubConfig::default(), session)?;
     hub.register::<Put>()?
         .register::<Get>()?
         .register::<Delete>()?;
