@@ -252,6 +252,7 @@ fn a_stalled_peer_fills_its_outbox_and_never_blocks_the_hub() {
                 assert_eq!(t.n, posted, "the message comes back");
                 break;
             }
+            Posted::PeerGone(_) => panic!("the stalled client is connected"),
         }
     }
     let outbox = hub.outbox(stalled).unwrap();
@@ -288,6 +289,10 @@ fn a_stalled_peer_fills_its_outbox_and_never_blocks_the_hub() {
         t.elapsed()
     );
     assert_eq!(answered, 200);
+    assert!(
+        matches!(hub.post(lively, tick(0)).unwrap(), Posted::PeerGone(_)),
+        "a peer gone is not an error"
+    );
     assert_eq!(
         hub.outbox(stalled).unwrap().messages,
         outbox.messages,

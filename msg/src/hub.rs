@@ -965,7 +965,7 @@ impl Hub {
                 Ok(Some(ev)) => held.push_back(keep(ev)),
                 Ok(None) => {}
                 Err(e) => {
-                    calls.remove(0);
+                    drop(calls.remove(0));
                     break Some((0, Err(e)));
                 }
             }

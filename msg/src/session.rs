@@ -897,7 +897,7 @@ impl Session {
                 // The calls failed with the connection: their outcomes are in.
                 Err(e) if e.is_fatal() => {
                     if !calls.iter().any(|c| c.is_done()) {
-                        calls.remove(0);
+                        drop(calls.remove(0));
                         return Some((0, Err(e)));
                     }
                 }

@@ -309,7 +309,7 @@ impl Connection {
                 .saturating_sub(self.qp.send_outstanding() + self.sq_reserve),
             buffers: self.send.free.len(),
             cq: usize::MAX,
-            unsignaled: usize::MAX,
+            unsignaled: crate::core::unsignaled_in_queue(self.sq_depth),
         }
     }
 
@@ -601,7 +601,9 @@ impl Connection {
     /// The most pieces [`Connection::expose_to_peer`] binds at once (its send queue, less
     /// the message that names them).
     pub fn max_exposures(&self) -> usize {
-        self.sq_depth.saturating_sub(1)
+        crate::core::max_in_one_go(self.sq_depth)
+            .saturating_sub(1)
+            .max(1)
     }
 
     /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).

@@ -145,6 +145,23 @@ pub(crate) fn unsignaled_share(cq_entries: usize, queue_pairs: usize) -> usize {
 /// silent). Otherwise queue pairs whose traffic stopped fill the CQ with sends that only
 /// their next signaled one would retire: a hub's 1,024 peers each holding a few unsignaled
 /// grants did, and every send then waited for the one allowed to be signaled.
+/// Most sends a queue pair of `sq_depth` send slots may leave unsignaled behind its last
+/// signaled one: fewer than half. Unsignaled sends hold their slots until a later signaled one
+/// retires them, so a queue full of them would never free a slot (and a send that waits for
+/// one, or for the several a memory-window bind or a read takes, would wait for ever); with
+/// at most half so held, at least half the queue frees once the last signaled send completes,
+/// room for anything [`max_in_one_go`] allows.
+pub(crate) fn unsignaled_in_queue(sq_depth: usize) -> usize {
+    (sq_depth / 2).saturating_sub(1)
+}
+
+/// Most work requests one operation (a bind of several memory windows and the send after it,
+/// a read of several segments) may need at once on a send queue of `sq_depth` slots: what
+/// half of it always has free (see [`unsignaled_in_queue`]).
+pub(crate) fn max_in_one_go(sq_depth: usize) -> usize {
+    (sq_depth / 2).max(1)
+}
+
 pub(crate) fn unsignaled_room(
     cq_entries: usize,
     queue_pairs: usize,
@@ -783,7 +800,9 @@ impl Core {
     /// are about to run out (`room` is what is left once it is posted), so that a blocked
     /// sender has a completion coming.
     fn signal_for(&mut self, room: Room) -> bool {
-        let must = room.sq <= 1 || room.buffers == 0 || room.cq <= 1;
+        // The send that takes the last free buffer is signaled: else nothing might ever come
+        // back to retire it, and no buffer would free (a send that waits sleeps for good).
+        let must = room.sq <= 1 || room.buffers <= 1 || room.cq <= 1;
         let signaled = must
             || self.unsignaled + 1 >= self.signal_every
             || self.unsignaled as usize >= room.unsignaled;

@@ -508,3 +508,16 @@ fn a_queue_pair_on_a_shared_receive_queue_waits_briefly_for_its_last_wqe() {
     c.handle_flushed(0, t0);
     assert!(c.is_drained());
 }
+
+#[test]
+fn a_queue_half_unsignaled_always_has_room_for_one_operation() {
+    use crate::core::{max_in_one_go, unsignaled_in_queue};
+    for depth in 1..=256 {
+        // With no signaled send outstanding, the unsignaled ones hold at most this many slots,
+        // and what is left fits the largest operation allowed.
+        assert!(
+            unsignaled_in_queue(depth) + max_in_one_go(depth) <= depth.max(1),
+            "{depth}"
+        );
+    }
+}

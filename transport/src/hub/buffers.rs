@@ -258,20 +258,26 @@ impl RawHub {
 
     /// What is free for a send on `slot` now (nothing before it is linked).
     pub(super) fn room(&self, slot: usize) -> Room {
-        let sq = self.slot(slot).link().map_or(0, |l| {
+        let link = self.slot(slot).link();
+        let sq = link.map_or(0, |l| {
             l.sq_depth
                 .saturating_sub(l.qp.send_outstanding() + self.sq_reserve)
         });
+        let depth = link.map_or(0, |l| l.sq_depth);
         Room {
             sq,
             buffers: self.send.free.len(),
             cq: self.send_cq_room().saturating_sub(self.sq_reserve),
+            // Unsignaled sends hold their buffers until a later signaled one on their queue
+            // pair retires them, and a peer that falls silent posts none: at most half the
+            // send buffers (as of the CQ) may be so held, whatever the peers do.
             unsignaled: unsignaled_room(
-                self.send_cq_entries,
+                self.send_cq_entries.min(self.config.send_buffers as usize),
                 self.slots.len() - self.free_slots.len(),
                 self.slot(slot).core.unsignaled_behind(),
                 self.unsignaled_total,
-            ),
+            )
+            .min(crate::core::unsignaled_in_queue(depth)),
         }
     }
 

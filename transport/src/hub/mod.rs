@@ -600,10 +600,11 @@ impl RawHub {
     /// The most pieces [`RawHub::expose_to_peer`] binds at once for `peer`.
     pub fn max_exposures(&self, peer: PeerId) -> Result<usize> {
         let slot = self.live_slot(peer)?;
-        Ok(self
-            .slot(slot)
-            .link()
-            .map_or(0, |l| l.sq_depth.saturating_sub(1)))
+        Ok(self.slot(slot).link().map_or(0, |l| {
+            crate::core::max_in_one_go(l.sq_depth)
+                .saturating_sub(1)
+                .max(1)
+        }))
     }
 
     /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).
