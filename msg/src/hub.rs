@@ -623,7 +623,8 @@ impl Hub {
 
     /// Whether `peer`'s outbox is empty; `None` for a peer gone (failed).
     fn outbox_empty(&mut self, peer: PeerId) -> Option<bool> {
-        if self.transport.failure(peer).is_some() {
+        // Failed, or its slot released (`Disconnected` handed out): gone.
+        if self.transport.failure(peer).is_some() || self.transport.credits(peer).is_err() {
             return None;
         }
         Some(self.peers.get(peer).map_or(true, |s| s.outbox.is_empty()))
