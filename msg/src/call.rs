@@ -812,6 +812,41 @@ where
     }
 }
 
+/// Where waiting for the first of some calls stands ([`first_ended`]).
+pub(crate) enum Next<T> {
+    /// The call at this index ended (removed from the list), with what it came to.
+    Ended(usize, Result<T>),
+    /// No call is left to wait for.
+    NoneLeft,
+    /// None has ended: wait at most this long (the nearest deadline).
+    Wait(Option<Duration>),
+}
+
+/// The first of `calls` whose outcome is in, or else whose deadline has passed (counted
+/// timed out), removed from `calls`; else how long until the nearest deadline. What a
+/// session's and a hub's `wait_any` do between receives.
+pub(crate) fn first_ended<T>(calls: &mut Vec<Call<T>>) -> Next<T>
+where
+    T: Message + serde::de::DeserializeOwned,
+{
+    let done = calls
+        .iter()
+        .enumerate()
+        .find_map(|(i, c)| c.take_outcome().map(|o| (i, o)));
+    if let Some((i, outcome)) = done {
+        drop(calls.remove(i));
+        return Next::Ended(i, finish(outcome));
+    }
+    let now = Instant::now();
+    if let Some(i) = calls.iter().position(|c| c.expired(now)) {
+        return Next::Ended(i, Err(calls.remove(i).timed_out()));
+    }
+    if calls.is_empty() {
+        return Next::NoneLeft;
+    }
+    Next::Wait(calls.iter().filter_map(|c| c.left(now)).min())
+}
+
 /// What a received message is, for the layer that routes calls.
 pub(crate) enum Routed {
     /// A message for the application (a request among them, with its origin attached).

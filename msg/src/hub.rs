@@ -914,28 +914,9 @@ impl Hub {
     where
         T: Message + serde::de::DeserializeOwned,
     {
-        let mut held = std::mem::take(&mut self.held);
-        let out = loop {
-            if let Some(outcome) = call.take_outcome() {
-                break call::finish(outcome);
-            }
-            let now = Instant::now();
-            if call.expired(now) {
-                break Err(call.timed_out());
-            }
-            self.waiting_call = true;
-            self.answered = false;
-            let got = self.recv_timeout(call.left(now));
-            self.waiting_call = false;
-            match got {
-                Ok(Some(ev)) => held.push_back(keep(ev)),
-                Ok(None) => {}
-                Err(e) => break Err(e),
-            }
-        };
-        held.append(&mut self.held);
-        self.held = held;
-        out
+        let mut calls = vec![call];
+        let (_, outcome) = self.wait_any(&mut calls).expect("one call to wait for");
+        outcome
     }
 
     /// Waits for the first of `calls` to end (see [`crate::Session::wait_any`]), driving the
@@ -946,18 +927,11 @@ impl Hub {
     {
         let mut held = std::mem::take(&mut self.held);
         let out = loop {
-            if let Some(i) = calls.iter().position(|c| c.is_done()) {
-                let c = calls.remove(i);
-                break c.take_outcome().map(|o| (i, call::finish(o)));
-            }
-            let now = Instant::now();
-            if let Some(i) = calls.iter().position(|c| c.expired(now)) {
-                break Some((i, Err(calls.remove(i).timed_out())));
-            }
-            if calls.is_empty() {
-                break None;
-            }
-            let left = calls.iter().filter_map(|c| c.left(now)).min();
+            let left = match call::first_ended(calls) {
+                call::Next::Ended(i, outcome) => break Some((i, outcome)),
+                call::Next::NoneLeft => break None,
+                call::Next::Wait(left) => left,
+            };
             self.waiting_call = true;
             self.answered = false;
             let got = self.recv_timeout(left);
@@ -965,6 +939,7 @@ impl Hub {
             match got {
                 Ok(Some(ev)) => held.push_back(keep(ev)),
                 Ok(None) => {}
+                // The hub's own failure.
                 Err(e) => {
                     drop(calls.remove(0));
                     break Some((0, Err(e)));

@@ -838,32 +838,9 @@ impl Session {
     where
         T: Message + serde::de::DeserializeOwned,
     {
-        loop {
-            if let Some(outcome) = call.take_outcome() {
-                return call::finish(outcome);
-            }
-            let now = Instant::now();
-            if call.expired(now) {
-                return Err(call.timed_out());
-            }
-            self.waiting_call = true;
-            self.answered = false;
-            let got = self.recv_inner(call.left(now));
-            self.waiting_call = false;
-            self.took();
-            match got {
-                Ok(Some(env)) => self.hold(Ok(env)),
-                Ok(None) => {}
-                Err(e) if e.is_fatal() => {
-                    if let Some(outcome) = call.take_outcome() {
-                        return call::finish(outcome);
-                    }
-                    return Err(e);
-                }
-                // Its place in the order, for `recv`.
-                Err(e) => self.hold(Err(e)),
-            }
-        }
+        let mut calls = vec![call];
+        let (_, outcome) = self.wait_any(&mut calls).expect("one call to wait for");
+        outcome
     }
 
     /// Waits for the first of `calls` to end (its answer, its failure or its deadline),
@@ -874,18 +851,11 @@ impl Session {
         T: Message + serde::de::DeserializeOwned,
     {
         loop {
-            if let Some(i) = calls.iter().position(|c| c.is_done()) {
-                let c = calls.remove(i);
-                return c.take_outcome().map(|o| (i, call::finish(o)));
-            }
-            let now = Instant::now();
-            if let Some(i) = calls.iter().position(|c| c.expired(now)) {
-                return Some((i, Err(calls.remove(i).timed_out())));
-            }
-            if calls.is_empty() {
-                return None;
-            }
-            let left = calls.iter().filter_map(|c| c.left(now)).min();
+            let left = match call::first_ended(calls) {
+                call::Next::Ended(i, outcome) => return Some((i, outcome)),
+                call::Next::NoneLeft => return None,
+                call::Next::Wait(left) => left,
+            };
             self.waiting_call = true;
             self.answered = false;
             let got = self.recv_inner(left);
@@ -894,13 +864,15 @@ impl Session {
             match got {
                 Ok(Some(env)) => self.hold(Ok(env)),
                 Ok(None) => {}
-                // The calls failed with the connection: their outcomes are in.
+                // The calls failed with the connection: their outcomes are in (else the
+                // failure is the first call's).
                 Err(e) if e.is_fatal() => {
                     if !calls.iter().any(|c| c.is_done()) {
                         drop(calls.remove(0));
                         return Some((0, Err(e)));
                     }
                 }
+                // Its place in the order, for `recv`.
                 Err(e) => self.hold(Err(e)),
             }
         }

@@ -2,6 +2,7 @@
 
 use std::os::fd::OwnedFd;
 
+use rdmsg_transport::Brief;
 use tokio::io::unix::AsyncFd;
 
 /// What can fail here.
@@ -39,29 +40,6 @@ impl From<rdmsg_transport::Error> for Error {
 
 /// This crate's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// The short text of an I/O error, for a message whose source it is: the OS's description
-/// without ` (os error N)`, first letter in lower case (`connection refused`).
-struct Brief<'a>(&'a std::io::Error);
-
-impl std::fmt::Display for Brief<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let text = self.0.to_string();
-        let text = match self.0.raw_os_error() {
-            Some(n) => text
-                .strip_suffix(&format!(" (os error {n})"))
-                .unwrap_or(&text),
-            None => &text,
-        };
-        let mut chars = text.chars();
-        match (chars.next(), chars.next()) {
-            (Some(a), Some(b)) if a.is_uppercase() && !b.is_uppercase() => {
-                write!(f, "{}{}", a.to_lowercase(), &text[a.len_utf8()..])
-            }
-            _ => f.write_str(text),
-        }
-    }
-}
 
 pub(crate) fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { op, source }

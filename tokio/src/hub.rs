@@ -133,34 +133,12 @@ impl AsyncHub {
         R: Request + Clone + Send + 'static,
         R::Response: serde::de::DeserializeOwned,
     {
-        let deadline = tokio::time::Instant::now() + timeout;
-        let start = self
-            .shared
-            .run(false, |h, _| Ok(h.try_start_call(peer, request, timeout)?));
-        let call = match tokio::time::timeout_at(deadline, start).await {
-            Ok(call) => call?,
-            Err(_) => {
-                return Err(rdmsg_msg::Error::CallTimedOut {
-                    request: std::any::type_name::<R>(),
-                    after: timeout,
-                }
-                .into())
-            }
-        };
-        let answer = self.shared.run(true, |h, shared| {
-            if let Some(done) = h.try_wait(&call) {
-                return Ok(Some(done?));
-            }
-            if h.poll_calls()? {
-                shared.changed.notify_waiters();
-            }
-            Ok(h.try_wait(&call).transpose()?)
-        });
-        match tokio::time::timeout_at(deadline, answer).await {
-            Ok(answer) => answer,
-            // Its answer, if it came meanwhile; else the timeout.
-            Err(_) => Ok(self.shared.lock().expire(call)?),
-        }
+        let request_type = std::any::type_name::<R>();
+        self.shared
+            .call(timeout, request_type, |h, _| {
+                Ok(h.try_start_call(peer, request, timeout)?)
+            })
+            .await
     }
 
     /// Flushes `peer` (see [`Hub::flush`]) without waiting: whether nothing is left pending.

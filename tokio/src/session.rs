@@ -102,37 +102,14 @@ impl AsyncSession {
         R: Request,
         R::Response: serde::de::DeserializeOwned,
     {
-        let deadline = tokio::time::Instant::now() + timeout;
-        let start = self.shared.run(false, |s, shared| {
-            let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
-            let solicit = R::SOLICITED || (waiting && !s.delays_unsolicited());
-            Ok(s.try_start_call(request, solicit, timeout)?)
-        });
-        let call = match tokio::time::timeout_at(deadline, start).await {
-            Ok(call) => call?,
-            Err(_) => {
-                return Err(rdmsg_msg::Error::CallTimedOut {
-                    request: std::any::type_name::<R>(),
-                    after: timeout,
-                }
-                .into())
-            }
-        };
-        let answer = self.shared.run(true, |s, shared| {
-            if let Some(done) = s.try_wait(&call) {
-                return Ok(Some(done?));
-            }
-            if s.poll_calls()? {
-                // Messages for the receiving tasks.
-                shared.changed.notify_waiters();
-            }
-            Ok(s.try_wait(&call).transpose()?)
-        });
-        match tokio::time::timeout_at(deadline, answer).await {
-            Ok(answer) => answer,
-            // Its answer, if it came meanwhile; else the timeout.
-            Err(_) => Ok(self.shared.lock().expire(call)?),
-        }
+        let request_type = std::any::type_name::<R>();
+        self.shared
+            .call(timeout, request_type, |s, shared| {
+                let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
+                let solicit = R::SOLICITED || (waiting && !s.delays_unsolicited());
+                Ok(s.try_start_call(request, solicit, timeout)?)
+            })
+            .await
     }
 
     /// Receives the next message (cancel-safe).

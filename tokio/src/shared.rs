@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdmsg_msg::{Hub, Session};
+use rdmsg_msg::{Call, Hub, Message, Session};
+use serde::de::DeserializeOwned;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
@@ -32,6 +33,33 @@ pub(crate) trait Drive: AsFd + Send + 'static {
     fn outgoing(&self) -> bool;
     /// Runs `hook` whenever a responder answers.
     fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>);
+    /// Takes in what arrived: answers to their calls, the rest held (see `Session::poll_calls`).
+    fn poll_calls(&mut self) -> rdmsg_msg::Result<bool>;
+    /// `call`'s answer, if it is in.
+    fn try_wait<T: Message + DeserializeOwned>(
+        &mut self,
+        call: &Call<T>,
+    ) -> Option<rdmsg_msg::Result<T>>;
+    /// `call`'s answer if it came, else its timeout (see `Session::expire`).
+    fn expire<T: Message + DeserializeOwned>(&mut self, call: Call<T>) -> rdmsg_msg::Result<T>;
+}
+
+/// The [`Drive`] methods for calls, the same on a session and a hub.
+macro_rules! drive_calls {
+    ($ty:ty) => {
+        fn poll_calls(&mut self) -> rdmsg_msg::Result<bool> {
+            <$ty>::poll_calls(self)
+        }
+        fn try_wait<T: Message + DeserializeOwned>(
+            &mut self,
+            call: &Call<T>,
+        ) -> Option<rdmsg_msg::Result<T>> {
+            <$ty>::try_wait(self, call)
+        }
+        fn expire<T: Message + DeserializeOwned>(&mut self, call: Call<T>) -> rdmsg_msg::Result<T> {
+            <$ty>::expire(self, call)
+        }
+    };
 }
 
 impl Drive for Session {
@@ -59,6 +87,7 @@ impl Drive for Session {
     fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>) {
         Session::on_answer(self, hook);
     }
+    drive_calls!(Session);
 }
 
 impl Drive for Hub {
@@ -87,6 +116,7 @@ impl Drive for Hub {
     fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>) {
         Hub::on_answer(self, hook);
     }
+    drive_calls!(Hub);
 }
 
 /// The state behind every clone of a handle.
@@ -209,6 +239,43 @@ impl<D: Drive> SharedDriver<D> {
                 }
             }
         });
+    }
+
+    /// A call of `request`'s type: `start` sends the request once it can (or says the call is
+    /// under way), then its answer is awaited (other messages or events wait for the
+    /// receiving tasks), all within `timeout`. Dropping the future cancels the call.
+    pub(crate) async fn call<T>(
+        &self,
+        timeout: Duration,
+        request: &'static str,
+        start: impl FnMut(&mut D, &Self) -> Result<Option<Call<T>>>,
+    ) -> Result<T>
+    where
+        T: Message + DeserializeOwned,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let call = match tokio::time::timeout_at(deadline, self.run(false, start)).await {
+            Ok(call) => call?,
+            Err(_) => {
+                let after = timeout;
+                return Err(rdmsg_msg::Error::CallTimedOut { request, after }.into());
+            }
+        };
+        let answer = self.run(true, |d, shared| {
+            if let Some(done) = d.try_wait(&call) {
+                return Ok(Some(done?));
+            }
+            if d.poll_calls()? {
+                // Messages (or events) for the receiving tasks.
+                shared.changed.notify_waiters();
+            }
+            Ok(d.try_wait(&call).transpose()?)
+        });
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(answer) => answer,
+            // Its answer, if it came meanwhile; else the timeout.
+            Err(_) => Ok(self.lock().expire(call)?),
+        }
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, D> {

@@ -167,8 +167,10 @@ pub(crate) const WAIT_CLOSE_ACK: &str =
                                   may have gone); Config::close_timeout bounds this wait";
 
 /// The short text of an I/O error, for a message whose source it is: the OS's description
-/// without ` (os error N)`, first letter in lower case (`connection refused`).
-struct Brief<'a>(&'a io::Error);
+/// without ` (os error N)`, first letter in lower case (`connection refused`). The layers
+/// above format their own I/O errors with it too.
+#[derive(Debug)]
+pub struct Brief<'a>(pub &'a io::Error);
 
 impl std::fmt::Display for Brief<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -138,7 +138,7 @@ pub use config::Config;
 pub use config::{Fault, TestHooks};
 pub use connection::Connection;
 pub use endpoint::{Endpoint, GidChoice, PathParams};
-pub use error::{Error, Failure, Result, TimedOut};
+pub use error::{Brief, Error, Failure, Result, TimedOut};
 pub use group::{GroupConfig, GroupHandle, GroupPeer, HubGroup, Member, MemberStats, Placement};
 pub use handshake::Psk;
 pub use hub::{HubConfig, HubStats, PeerId, RawHub, RawHubEvent};
