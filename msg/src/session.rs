@@ -325,7 +325,8 @@ impl Session {
     /// If anything went unsolicited since the last solicited frame, sends a payload-less
     /// solicited frame so that the receiver looks now. Call it when a burst ends.
     pub fn flush(&mut self) -> Result<()> {
-        self.sender.flush(&mut self.conn)
+        let (sender, link) = absorbing!(self);
+        sender.flush(link)
     }
 
     /// Sends `m` as [`Session::send_as`] does, but waits at most `timeout` for the peer's
@@ -561,6 +562,20 @@ impl Session {
         }
     }
 
+    /// [`Session::close`], returning with its outcome the delivery record at the end and,
+    /// with [`SessionConfig::keep_unconfirmed`], the messages the peer's application was not
+    /// seen to take (committed ones never sent included), without waiting for its record
+    /// as [`Session::close_with_record`] does.
+    pub fn close_with_delivery(self) -> Closed {
+        let keep = self.sender.keeps_copies();
+        let (result, delivery, unconfirmed) = self.close_inner(keep);
+        Closed {
+            result,
+            delivery,
+            unconfirmed,
+        }
+    }
+
     fn close_inner(mut self, record: bool) -> (Result<()>, Delivery, Vec<Envelope>) {
         let waited = self.wait_before_close(record);
         self.sender.learn_note(self.conn.peer_note());
@@ -584,13 +599,12 @@ impl Session {
         let left = |now: Instant| Some(deadline.saturating_duration_since(now));
         // Answers given before the close go before it.
         self.send_replies_before(deadline)?;
-        self.sender
-            .flush_within(&mut self.conn, left(Instant::now()))?;
-        // The peer may still be reading our messages: closing now would fail its reads.
+        // Committed messages may wait for rendezvous room: the link takes in acknowledgements.
         let (sender, link) = absorbing!(self);
+        sender.flush_within(link, left(Instant::now()))?;
+        // The peer may still be reading our messages: closing now would fail its reads.
         let unread = sender.wait_until_returned(link, deadline, record)?;
-        self.sender
-            .flush_within(&mut self.conn, left(Instant::now()))?;
+        sender.flush_within(link, left(Instant::now()))?;
         Ok(unread)
     }
 
@@ -602,6 +616,26 @@ impl Session {
     pub fn try_send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<bool> {
         self.sender.learn_note(self.conn.peer_note());
         self.sender.try_send_as(&mut self.conn, m, solicited)
+    }
+
+    /// Commits `m` to go, without waiting: it is sent now if it can go, else encoded
+    /// ([`crate::Bulk`] payloads by reference) and queued to go before anything sent later,
+    /// as credits come, driven by any later call that sends, flushes, steps or closes. Only
+    /// an error (too large, not encodable, the connection failed) leaves it unsent; once
+    /// this returned `Ok`, the message is the session's to deliver (see
+    /// [`Session::delivery`]; a message committed but never sent because the connection
+    /// ended is among [`Session::take_unconfirmed`]'s). For the async layer's
+    /// reserve-then-send: wait for [`Session::ready_to_send`], then commit.
+    pub fn commit_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
+        self.sender.learn_note(self.conn.peer_note());
+        self.sender.commit_as(&mut self.conn, m, solicited)
+    }
+
+    /// Whether a message can very likely go at once: nothing committed waits before it, the
+    /// peer has a credit, and the window of messages not yet confirmed has room. (A send
+    /// slot, or rendezvous room for a large message, may still be missing.)
+    pub fn ready_to_send(&self) -> bool {
+        self.sender.queued_frames() == 0 && self.conn.credits() > 0 && self.sender.has_room()
     }
 
     /// [`Session::try_send_as`] with the type's own solicitation.

@@ -27,9 +27,16 @@ pub enum Error {
         /// What it was doing.
         op: &'static str,
     },
-    /// [`AsyncSession::close`](crate::AsyncSession::close) was called while other clones of the handle exist.
-    #[error("the session is shared by other handles")]
-    SharedDriver,
+    /// The session was closed (by [`AsyncSession::close`](crate::AsyncSession::close) on
+    /// one of its handles).
+    #[error("the session was closed (by close on one of its handles): make a new connection")]
+    Closed,
+    /// A handle was made outside a tokio runtime.
+    #[error("{op} must be called within a tokio runtime (inside #[tokio::main], a task, or Runtime::enter)")]
+    NoRuntime {
+        /// What was called.
+        op: &'static str,
+    },
 }
 
 impl From<rdmsg_transport::Error> for Error {
@@ -38,8 +45,33 @@ impl From<rdmsg_transport::Error> for Error {
     }
 }
 
+impl Error {
+    /// Whether the handle is done for: a loop that retries must stop (see
+    /// [`rdmsg_msg::Error::is_fatal`]). The runtime's own failures, a blocking task that did
+    /// not finish and a closed session are fatal; a handle made outside a runtime is not (make
+    /// it inside one).
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            Error::Msg(e) => e.is_fatal(),
+            Error::Io { .. } | Error::Blocking { .. } | Error::Closed => true,
+            Error::NoRuntime { .. } => false,
+        }
+    }
+
+    /// Whether this is the peer's graceful close: everything it sent has been received (see
+    /// [`rdmsg_msg::Error::is_peer_closed`]).
+    pub fn is_peer_closed(&self) -> bool {
+        matches!(self, Error::Msg(e) if e.is_peer_closed())
+    }
+}
+
 /// This crate's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The runtime `op` is called in ([`Error::NoRuntime`] outside one).
+pub(crate) fn runtime(op: &'static str) -> Result<tokio::runtime::Handle> {
+    tokio::runtime::Handle::try_current().map_err(|_| Error::NoRuntime { op })
+}
 
 pub(crate) fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { op, source }

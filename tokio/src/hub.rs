@@ -7,27 +7,85 @@ use rdmsg_msg::{Hub, HubEvent, Message, Posted, Request, Responder, SessionStats
 use rdmsg_transport::PeerId;
 
 use crate::error::io;
-use crate::shared::SharedDriver;
+use crate::shared::{Locked, SharedDriver};
+use crate::stream::{HubEvents, PeerSink};
 use crate::Result;
 
-/// A typed hub on tokio: many peers, one descriptor. Clones share the hub.
+/// A typed hub on tokio: many peers, one descriptor. Clones share the hub; the last one
+/// dropped tears it down on the runtime's blocking pool.
 #[derive(Debug, Clone)]
 pub struct AsyncHub {
     shared: Arc<SharedDriver<Hub>>,
 }
 
 impl AsyncHub {
-    /// Wraps a hub; call within a tokio runtime.
+    /// Wraps a hub; call within a tokio runtime ([`crate::Error::NoRuntime`] outside one).
     pub fn new(hub: Hub) -> Result<Self> {
         Ok(Self {
-            shared: SharedDriver::start(hub)?,
+            shared: SharedDriver::start(hub, "AsyncHub::new")?,
         })
+    }
+
+    /// The hub, locked. A hub is never taken out of its handles (only sessions close so).
+    fn hub(&self) -> Locked<'_, Hub> {
+        self.shared
+            .lock()
+            .unwrap_or_else(|_| unreachable!("a hub is never closed through its handles"))
     }
 
     /// Runs `f` on the hub (to listen, register types, read figures): `f` must not block.
     pub fn with_hub<R>(&self, f: impl FnOnce(&mut Hub) -> R) -> R {
-        let mut hub = self.shared.lock();
+        let mut hub = self.hub();
         self.shared.signalling(&mut hub, f)
+    }
+
+    /// The hub's events as a [`futures_core::Stream`] (see [`HubEvents`]).
+    pub fn events(&self) -> HubEvents {
+        HubEvents::new(self.clone())
+    }
+
+    /// A [`futures_sink::Sink`] of messages to `peer` through its outbox (see [`PeerSink`]).
+    pub fn sink_to(&self, peer: PeerId) -> PeerSink {
+        PeerSink::new(self.clone(), peer)
+    }
+
+    /// Posts `m` to `peer` (see [`Hub::post`]), waiting while its outbox is too full for it:
+    /// for a writer that may wait for its peer. Cancel-safe: `m` is handed over only in the
+    /// poll that returns `Ok` (dropping the future drops `m`, unsent). A peer that left:
+    /// [`rdmsg_transport::Error::UnknownPeer`].
+    pub async fn post_when_room<M: Message + Send + 'static>(
+        &self,
+        peer: PeerId,
+        m: M,
+    ) -> Result<()> {
+        let mut item = Some(m);
+        self.shared
+            .run(false, |h, _| {
+                let Some(m) = item.take() else {
+                    return Ok(Some(()));
+                };
+                match h.post(peer, m)? {
+                    Posted::Sent | Posted::Queued => Ok(Some(())),
+                    Posted::Full(m) => {
+                        item = Some(m);
+                        Ok(None)
+                    }
+                    Posted::PeerGone(_) => Err(rdmsg_transport::Error::UnknownPeer(peer).into()),
+                }
+            })
+            .await?;
+        self.send_queued();
+        Ok(())
+    }
+
+    /// Waits until `peer`'s outbox is empty: everything posted to it handed to the transport
+    /// (a peer that left has nothing waiting).
+    pub async fn outbox_sent(&self, peer: PeerId) -> Result<()> {
+        self.shared
+            .run(false, |h, _| {
+                Ok(h.outbox(peer).map_or(true, |o| o.messages == 0).then_some(()))
+            })
+            .await
     }
 
     /// Starts a connection to the hub or listener at `addr`: the TCP connect is awaited, then
@@ -102,9 +160,8 @@ impl AsyncHub {
 
     /// What waits in outboxes goes as credits come, even while no task waits on the hub.
     fn send_queued(&self) {
-        if self.shared.lock().outboxes_waiting() {
-            self.shared
-                .send_in_background(&tokio::runtime::Handle::current());
+        if self.hub().outboxes_waiting() {
+            self.shared.send_in_background();
         }
     }
 
@@ -154,7 +211,7 @@ impl AsyncHub {
 
     /// The hub's statistics over all peers.
     pub fn stats(&self) -> SessionStats {
-        self.shared.lock().stats()
+        self.shared.stats()
     }
 
     /// How many times a waiting task was woken by the hub's descriptor.

@@ -9,21 +9,49 @@
 //! their senders solicited. Tasks sharing a handle wake each other when one moved the
 //! connection on (queued a message, took a credit grant).
 //!
-//! Handles are `Clone + Send + Sync` and work on the multi-thread runtime: any number of tasks
-//! may send while one receives.
+//! Handles are `Clone + Send + Sync` and work on the multi-thread and the `current_thread`
+//! runtime alike: any number of tasks may send while one receives, and any of them may close.
+//! Every handle is made inside a runtime ([`Error::NoRuntime`] outside one); the runtime's
+//! worker threads never run verbs setup or teardown: connecting, accepting, closing and the
+//! teardown of the last handle dropped run on its blocking pool.
+//!
+//! # Sending without waiting for room twice
+//! [`AsyncSession::reserve`] waits for room and commits nothing; the [`SendPermit`] it gives
+//! then hands a message over synchronously. So a timeout around the wait means "nothing
+//! sent", and the message is never half sent:
+//!
+//! ```no_run
+//! # async fn f(session: rdmsg_tokio::AsyncSession, m: impl rdmsg_msg::Message) -> rdmsg_tokio::Result<()> {
+//! use std::time::Duration;
+//! match tokio::time::timeout(Duration::from_millis(50), session.reserve()).await {
+//!     Ok(permit) => permit?.send(&m)?, // committed: it goes, in order
+//!     Err(_) => { /* nothing was sent: keep `m`, retry or give up */ }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! [`SessionSink`]'s `poll_ready` is that wait, and `start_send` that hand-over.
 //!
 //! # Cancellation
-//! - `recv`: cancel-safe. A message is taken from the session only in the poll that returns
-//!   it: a dropped future has taken nothing.
-//! - `send`: a dropped future either sent the message or did not. A message that needs several
-//!   frames is committed once its first frame goes; if the future is dropped after that, the
-//!   rest go out, in order and before anything sent later, on the next call that sends, flushes,
-//!   closes or waits (a `recv` that finds nothing included).
-//! - `flush`: cancel-safe (a flush not sent stays pending).
-//! - [`AsyncListener::accept`]: cancel-safe. Handshakes are moved on by a blocking task whose
-//!   result stays in the listener for the next call.
+//! Cancel-safe, as tokio's own docs use the word (dropping the future, as a `select!` branch
+//! that lost or a timeout does, loses nothing and commits nothing):
+//! - [`AsyncSession::recv`], [`AsyncHub::recv`], and the streams over them: a message is
+//!   taken only in the poll that returns it.
+//! - [`AsyncSession::send`], [`AsyncSession::send_as`] and [`AsyncSession::reserve`]: a
+//!   message is committed only in the poll that returns `Ok`. A dropped future sent nothing;
+//!   a completed one committed its message, which goes whole, in order, before anything sent
+//!   later (a message of many frames has its other frames sent by the session's tasks as
+//!   credits come; [`AsyncSession::flush`] waits for them).
+//! - [`AsyncHub::send`], [`AsyncHub::post_when_room`]: the same, per peer.
+//! - [`AsyncSession::flush`] and the sinks' `poll_flush`: what is not sent yet stays committed.
+//! - [`AsyncListener::accept`] and [`AsyncListener::incoming`]: handshakes are moved on by a
+//!   blocking task whose result stays in the listener for the next call.
 //! - [`AsyncSession::connect`]: a dropped future leaves no connection (one made meanwhile is
 //!   dropped, which the peer sees as a vanished client).
+//! - [`AsyncSession::close`]: the close goes on when its future is dropped.
+//! - Calls ([`AsyncSession::call`], [`AsyncHub::call`]): dropping the future cancels the
+//!   call; its request may have gone, and its answer, if it comes, is dropped and counted
+//!   late.
 //!
 //! # The solicitation rule
 //! While a task waits in `recv`, a message another task sends without solicitation goes
@@ -37,8 +65,10 @@ mod hub;
 mod listener;
 mod session;
 mod shared;
+mod stream;
 
 pub use error::{Error, Result};
 pub use hub::AsyncHub;
 pub use listener::AsyncListener;
-pub use session::AsyncSession;
+pub use session::{AsyncSession, SendPermit};
+pub use stream::{HubEvents, Incoming, PeerSink, SessionSink, SessionStream};

@@ -2,19 +2,24 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdmsg_msg::{Session, SessionConfig};
-use rdmsg_transport::{Config, Connection, Endpoint, Listener};
+use rdmsg_transport::{Config, Endpoint, Listener};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
-use crate::error::{io, register};
+use crate::error::{io, register, runtime};
+use crate::stream::Incoming;
 use crate::{AsyncSession, Result};
 
-/// A [`Listener`] on tokio: [`AsyncListener::accept`] is cancel-safe.
+/// A client's outcome (`Ok(Err)`: its handshake failed), or the listener's own failure.
+pub(crate) type Outcome = Result<Result<AsyncSession>>;
+
+/// A [`Listener`] on tokio: [`AsyncListener::accept`] is cancel-safe, and a client that
+/// fails its handshake never stops it.
 #[derive(Debug, Clone)]
 pub struct AsyncListener {
     inner: Arc<ListenerInner>,
@@ -22,17 +27,37 @@ pub struct AsyncListener {
 
 #[derive(Debug)]
 struct ListenerInner {
-    listener: Listener,
+    /// `None` only while dropping (see the `Drop` impl).
+    listener: Option<Listener>,
     config: Config,
     session: SessionConfig,
     fd: AsyncFd<OwnedFd>,
-    /// Connections (or handshake failures) a blocking task finished, for the next `accept`.
-    done: Mutex<std::collections::VecDeque<rdmsg_transport::Result<Connection>>>,
+    /// Sessions (or handshake failures) a blocking task finished, for the next `accept`.
+    done: Mutex<std::collections::VecDeque<rdmsg_transport::Result<Session>>>,
+    /// Clients whose handshake failed, skipped by `accept`.
+    failed: AtomicU64,
+    runtime: tokio::runtime::Handle,
     /// A blocking task is moving handshakes on.
     working: AtomicBool,
     /// The last task stopped at an error: look again without waiting for readiness.
     again: AtomicBool,
     finished: Notify,
+}
+
+impl ListenerInner {
+    fn listener(&self) -> &Listener {
+        self.listener.as_ref().expect("only Drop takes the listener")
+    }
+}
+
+impl Drop for ListenerInner {
+    /// Handshakes in progress and sessions not taken hold queue pairs and registered memory:
+    /// they are torn down on the blocking pool, never on a worker thread.
+    fn drop(&mut self) {
+        let listener = self.listener.take();
+        let done = std::mem::take(self.done.get_mut().unwrap_or_else(|p| p.into_inner()));
+        drop(self.runtime.spawn_blocking(move || drop((listener, done))));
+    }
 }
 
 impl AsyncListener {
@@ -44,6 +69,7 @@ impl AsyncListener {
         config: Config,
         session: SessionConfig,
     ) -> Result<Self> {
+        let runtime = runtime("AsyncListener::bind")?;
         let listener = endpoint.listen(addr)?;
         let fd = listener
             .as_fd()
@@ -51,7 +77,7 @@ impl AsyncListener {
             .map_err(io("duplicating the listener's descriptor"))?;
         Ok(Self {
             inner: Arc::new(ListenerInner {
-                listener,
+                listener: Some(listener),
                 config,
                 session,
                 fd: register(fd).map_err(io("registering the listener with the runtime"))?,
@@ -59,18 +85,44 @@ impl AsyncListener {
                 working: AtomicBool::new(false),
                 again: AtomicBool::new(false),
                 finished: Notify::new(),
+                failed: AtomicU64::new(0),
+                runtime,
             }),
         })
     }
 
     /// The address listened on.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.inner.listener.local_addr()?)
+        Ok(self.inner.listener().local_addr()?)
     }
 
-    /// The next client whose handshake completes, as a session. A client that fails its
-    /// handshake makes this return its error; the listener goes on.
+    /// The next client whose handshake completes, as a session (cancel-safe). Clients that
+    /// fail their handshake are skipped (counted in [`AsyncListener::failed_handshakes`],
+    /// and traced with the `tracing` feature; [`AsyncListener::incoming`] yields them), so
+    /// `Err` is the listener's own failure only: `while let Ok(client) = listener.accept().await`
+    /// stops only when the listener can no longer accept.
     pub async fn accept(&self) -> Result<AsyncSession> {
+        loop {
+            if let Ok(client) = self.next_client().await? {
+                return Ok(client);
+            }
+        }
+    }
+
+    /// Every client's outcome as a [`futures_core::Stream`] (see [`Incoming`]): a failed
+    /// handshake is an `Err` item, and the stream goes on.
+    pub fn incoming(&self) -> Incoming {
+        Incoming::new(self.clone())
+    }
+
+    /// How many clients failed their handshake so far.
+    pub fn failed_handshakes(&self) -> u64 {
+        self.inner.failed.load(Ordering::Relaxed)
+    }
+
+    /// The next client's outcome: `Ok(Ok)` a session, `Ok(Err)` a client whose handshake
+    /// failed, `Err` the listener's own failure.
+    pub(crate) async fn next_client(&self) -> Outcome {
         let inner = &self.inner;
         loop {
             // Enabled before looking: a blocking task finishing after the look is not missed.
@@ -83,7 +135,13 @@ impl AsyncListener {
                 .unwrap_or_else(|p| p.into_inner())
                 .pop_front();
             if let Some(made) = next {
-                return AsyncSession::new(Session::with_config(made?, inner.session.clone()));
+                return Ok(match made {
+                    Ok(session) => Ok(AsyncSession::new(session)?),
+                    Err(e) => {
+                        inner.failed.fetch_add(1, Ordering::Relaxed);
+                        Err(e.into())
+                    }
+                });
             }
             if inner.working.load(Ordering::SeqCst) {
                 // A blocking task is at it: wait for its result.
@@ -93,7 +151,7 @@ impl AsyncListener {
             // Wait until there is something to do (a client, handshake bytes, a handshake's
             // deadline), then let a blocking task move the handshakes on: they create queue
             // pairs and register memory, which has no place on the runtime's threads.
-            let deadline = inner.listener.next_timeout();
+            let deadline = inner.listener().next_timeout();
             let timer = async {
                 match deadline {
                     Some(t) => tokio::time::sleep(t).await,
@@ -114,11 +172,13 @@ impl AsyncListener {
                     // Everything that can go on now: each call returns at the first handshake
                     // that completes (or fails), so call again until none does.
                     while let Some(made) = task
-                        .listener
+                        .listener()
                         .accept_timeout(&task.config, Some(Duration::ZERO))
                         .transpose()
                     {
                         let failed = made.is_err();
+                        // The session registers memory: made here too.
+                        let made = made.map(|c| Session::with_config(c, task.session.clone()));
                         task.done
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())

@@ -7,22 +7,87 @@ use std::sync::Arc;
 use rdmsg_msg::{Envelope, Message, Request, Session, SessionConfig, SessionStats};
 use rdmsg_transport::{Config, Endpoint};
 
-use crate::shared::{Drive, SharedDriver};
+use crate::shared::{Drive, Locked, SharedDriver};
+use crate::stream::{SessionSink, SessionStream};
 use crate::{Error, Result};
 
 /// A typed-message session on tokio. Clones share the session: send from any number of tasks,
-/// receive from one (or several, each message going to one of them). See the crate docs for
-/// cancellation.
+/// receive from one (or several, each message going to one of them), close from any. See the
+/// crate docs for cancellation.
 #[derive(Debug, Clone)]
 pub struct AsyncSession {
+    pub(crate) shared: Arc<SharedDriver<Session>>,
+}
+
+/// Room for one message, reserved by [`AsyncSession::reserve`]: [`SendPermit::send`] hands
+/// the message over at once, without waiting. Dropping it unused gives the room back.
+#[derive(Debug)]
+#[must_use = "a permit reserves room until it is used or dropped"]
+pub struct SendPermit {
     shared: Arc<SharedDriver<Session>>,
 }
 
+impl SendPermit {
+    /// Commits `m`, solicited or not as its type says: see [`SendPermit::send_as`].
+    pub fn send<M: Message>(self, m: &M) -> Result<()> {
+        self.send_as(m, M::SOLICITED)
+    }
+
+    /// Commits `m` without waiting: once this returns `Ok`, the message goes, in order, before
+    /// anything sent later (at once if it can, else as credits come, driven by the session's
+    /// tasks). `Err` (too large, not encodable, the connection failed, the session closed):
+    /// nothing of it was sent. The crate docs' solicitation rule applies.
+    pub fn send_as<M: Message>(self, m: &M, solicited: bool) -> Result<()> {
+        commit(&self.shared, m, solicited)
+    }
+}
+
+impl Drop for SendPermit {
+    fn drop(&mut self) {
+        self.shared.permits.fetch_sub(1, Ordering::SeqCst);
+        // A task waiting in `reserve` may take the room.
+        self.shared.changed.notify_waiters();
+    }
+}
+
+/// Commits `m` on the shared session (see [`Session::commit_as`]), waking the tasks that must
+/// know, and a background sender if part of it waits to go.
+pub(crate) fn commit<M: Message>(shared: &Arc<SharedDriver<Session>>, m: &M, solicited: bool) -> Result<()> {
+    let s = shared.lock()?;
+    commit_locked(shared, s, m, solicited)
+}
+
+/// [`commit`] on the session locked already.
+fn commit_locked<M: Message>(
+    shared: &Arc<SharedDriver<Session>>,
+    mut s: Locked<'_, Session>,
+    m: &M,
+    solicited: bool,
+) -> Result<()> {
+    // Read under the mutex: a receiver counts itself before it steps (and flushes) under it.
+    let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
+    let solicit = solicited || (waiting && !s.delays_unsolicited());
+    let (mark, was_pending) = (s.mark(), s.unsolicited_pending());
+    s.commit_as(m, solicit)?;
+    if s.mark() != mark || (!was_pending && s.unsolicited_pending()) {
+        // Moved on, or a new flush deadline that waiters must time their waits by.
+        shared.changed.notify_waiters();
+    }
+    let queued = s.has_queued_frames();
+    drop(s);
+    if queued {
+        // The rest goes as credits come, whether or not a task waits on the session.
+        shared.send_in_background();
+    }
+    Ok(())
+}
+
 impl AsyncSession {
-    /// Wraps a session; call within a tokio runtime (its descriptor is registered there).
+    /// Wraps a session; call within a tokio runtime (its descriptor is registered there):
+    /// [`Error::NoRuntime`] outside one.
     pub fn new(session: Session) -> Result<Self> {
         Ok(Self {
-            shared: SharedDriver::start(session)?,
+            shared: SharedDriver::start(session, "AsyncSession::new")?,
         })
     }
 
@@ -35,49 +100,74 @@ impl AsyncSession {
         session: SessionConfig,
     ) -> Result<Self> {
         let endpoint = endpoint.clone();
-        let conn = tokio::task::spawn_blocking(move || endpoint.connect(addr, &config))
-            .await
-            .map_err(|_| Error::Blocking { op: "connect" })??;
-        Self::new(Session::with_config(conn, session))
+        crate::error::runtime("AsyncSession::connect")?;
+        // The session too is made there: it registers memory.
+        let session = tokio::task::spawn_blocking(move || {
+            let conn = endpoint.connect(addr, &config)?;
+            Ok::<_, Error>(Session::with_config(conn, session))
+        })
+        .await
+        .map_err(|_| Error::Blocking { op: "connect" })??;
+        Self::new(session)
     }
 
-    /// Sends `m`, solicited or not as its type says, waiting for credits as long as it
-    /// takes.
+    /// Sends `m`, solicited or not as its type says, waiting for room as long as it takes
+    /// (cancel-safe: see [`AsyncSession::send_as`]).
     pub async fn send<M: Message>(&self, m: &M) -> Result<()> {
         self.send_as(m, M::SOLICITED).await
     }
 
     /// Sends `m`, solicited or not as given (see [`Session::send_as`] and the crate docs'
-    /// solicitation rule), waiting for credits as long as it takes.
+    /// solicitation rule), waiting for room as long as it takes. Cancel-safe: the message is
+    /// committed only in the poll that returns `Ok`, so a future dropped before that sent
+    /// nothing. Once committed it goes, in order, before anything sent later; a message of
+    /// several frames has its other frames sent by the session's tasks as credits come.
+    /// [`AsyncSession::reserve`] splits the wait from the hand-over.
     pub async fn send_as<M: Message>(&self, m: &M, solicited: bool) -> Result<()> {
+        if let Some(committed) = self.commit_if_free(m, solicited) {
+            return committed;
+        }
+        self.reserve().await?.send_as(m, solicited)
+    }
+
+    /// The common case of a send, without a permit: room now, and nobody holding one.
+    fn commit_if_free<M: Message>(&self, m: &M, solicited: bool) -> Option<Result<()>> {
+        let s = match self.shared.lock() {
+            Ok(s) => s,
+            Err(e) => return Some(Err(e)),
+        };
+        let free = self.shared.permits.load(Ordering::SeqCst) == 0 && s.ready_to_send();
+        free.then(|| commit_locked(&self.shared, s, m, solicited))
+    }
+
+    /// Waits until a message can go, reserving room for it, and commits nothing: cancel-safe,
+    /// so a timeout around it means nothing was sent. The permit's
+    /// [`send`](SendPermit::send) then hands the message over without waiting. Room is a
+    /// credit of the peer's not promised to another permit, with nothing committed still
+    /// waiting to go; a permit's message that finds the room taken after all (by a
+    /// [`AsyncSession::try_send_as`], or a large message short of rendezvous room) is queued
+    /// and goes first as credits come.
+    pub async fn reserve(&self) -> Result<SendPermit> {
         self.shared
-            .run(false, |s, shared| {
-                let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
-                let solicit = solicited || (waiting && !s.delays_unsolicited());
-                let was_pending = s.unsolicited_pending();
-                let sent = s.try_send_as(m, solicit)?;
-                if sent && !was_pending && s.unsolicited_pending() {
-                    // A new flush deadline: waiting tasks must time their waits by it.
-                    shared.changed.notify_waiters();
-                }
-                Ok(sent.then_some(()))
-            })
+            .run(false, |s, shared| Ok(reserve(s, shared).then_some(())))
             .await?;
-        // A fragmented message's other frames: wait until they are gone too.
-        self.shared
-            .run(false, |s, _| {
-                if s.has_queued_frames() {
-                    Session::step(s)?;
-                }
-                Ok((!s.has_queued_frames()).then_some(()))
-            })
-            .await
+        Ok(SendPermit {
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// [`AsyncSession::reserve`] without waiting: `None` if there is no room now.
+    pub fn try_reserve(&self) -> Result<Option<SendPermit>> {
+        let s = self.shared.lock()?;
+        Ok(reserve(&s, &self.shared).then(|| SendPermit {
+            shared: self.shared.clone(),
+        }))
     }
 
     /// Sends `m` only if it can go at once: `Ok(false)`, nothing sent, if the peer has no
     /// credit or no send slot is free.
     pub fn try_send_as<M: Message>(&self, m: &M, solicited: bool) -> Result<bool> {
-        let mut s = self.shared.lock();
+        let mut s = self.shared.lock()?;
         // Read under the mutex: a receiver counts itself before it steps (and flushes) under it.
         let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
         let solicit = solicited || (waiting && !s.delays_unsolicited());
@@ -86,6 +176,11 @@ impl AsyncSession {
         if s.mark() != mark || (!was_pending && s.unsolicited_pending()) {
             // Moved on, or a new flush deadline that waiters must time their waits by.
             self.shared.changed.notify_waiters();
+        }
+        let queued = s.has_queued_frames();
+        drop(s);
+        if queued {
+            self.shared.send_in_background();
         }
         Ok(sent)
     }
@@ -119,33 +214,44 @@ impl AsyncSession {
 
     /// A message that has already arrived, without waiting.
     pub fn try_recv(&self) -> Result<Option<Envelope>> {
-        let mut s = self.shared.lock();
+        let mut s = self.shared.lock()?;
         Ok(self.shared.signalling(&mut s, |s| s.try_recv())?)
     }
 
-    /// If anything went unsolicited since the last solicited frame, sends a payload-less
-    /// solicited frame (see [`Session::flush`]), waiting for a credit as long as it takes.
+    /// Sends what was committed and, if anything went unsolicited since the last solicited
+    /// frame, a payload-less solicited frame (see [`Session::flush`]), waiting for credits as
+    /// long as it takes. Cancel-safe: what is not sent yet stays committed.
     pub async fn flush(&self) -> Result<()> {
         self.shared
             .run(false, |s, _| Ok(s.try_flush()?.then_some(())))
             .await
     }
 
-    /// The session's statistics.
+    /// The session's statistics (once closed, the last ones).
     pub fn stats(&self) -> SessionStats {
-        self.shared.lock().stats()
+        self.shared.stats()
     }
 
     /// The delivery record: messages sent, and how many of them the peer's application took
-    /// (see [`Session::delivery`]).
+    /// (see [`Session::delivery`]); once closed, the record its close ended with.
     pub fn delivery(&self) -> rdmsg_msg::Delivery {
-        self.shared.lock().delivery()
+        match self.shared.lock() {
+            Ok(s) => s.delivery(),
+            Err(_) => {
+                let ended = self.shared.ended();
+                ended.as_ref().and_then(|e| e.delivery).unwrap_or_default()
+            }
+        }
     }
 
-    /// Once the connection has ended, the messages the peer's application was not seen to
-    /// take, in order (see [`Session::take_unconfirmed`]); `None` while it is up.
+    /// Once the connection has ended (or the session was closed), the messages the peer's
+    /// application was not seen to take, in order (see [`Session::take_unconfirmed`]);
+    /// `None` while it is up.
     pub fn take_unconfirmed(&self) -> Option<Vec<Envelope>> {
-        self.shared.lock().take_unconfirmed()
+        match self.shared.lock() {
+            Ok(mut s) => s.take_unconfirmed(),
+            Err(_) => self.shared.ended().as_mut()?.unconfirmed.take(),
+        }
     }
 
     /// How many times a waiting task was woken by the session's descriptor (a completion
@@ -156,19 +262,56 @@ impl AsyncSession {
     }
 
     /// Runs `f` on the session (to register types, read its connection's figures): `f` must
-    /// not block.
-    pub fn with_session<R>(&self, f: impl FnOnce(&mut Session) -> R) -> R {
-        f(&mut self.shared.lock())
+    /// not block. [`Error::Closed`] once closed.
+    pub fn with_session<R>(&self, f: impl FnOnce(&mut Session) -> R) -> Result<R> {
+        Ok(f(&mut *self.shared.lock()?))
     }
 
-    /// Closes gracefully (see [`Session::close`]) on a blocking task, once this is the last
-    /// handle ([`Error::SharedDriver`] otherwise).
-    pub async fn close(self) -> Result<()> {
-        let shared = Arc::try_unwrap(self.shared).map_err(|_| Error::SharedDriver)?;
-        let session = shared.inner.into_inner().unwrap_or_else(|p| p.into_inner());
-        tokio::task::spawn_blocking(move || session.close())
-            .await
-            .map_err(|_| Error::Blocking { op: "close" })??;
-        Ok(())
+    /// The messages received, as a [`futures_core::Stream`] (see [`SessionStream`]).
+    pub fn stream(&self) -> SessionStream {
+        SessionStream::new(self.clone())
     }
+
+    /// A [`futures_sink::Sink`] of messages over this session (see [`SessionSink`]).
+    pub fn sink(&self) -> SessionSink {
+        SessionSink::new(self.clone())
+    }
+
+    /// The sending and the receiving half, for two tasks: [`AsyncSession::sink`] and
+    /// [`AsyncSession::stream`]. (Every handle can do both; these are two of them.)
+    pub fn split(&self) -> (SessionSink, SessionStream) {
+        (self.sink(), self.stream())
+    }
+
+    /// Closes gracefully (see [`Session::close`]) for every handle, from any of them: what
+    /// was committed goes first, then the close; tasks waiting on the session, and every later
+    /// call, get [`Error::Closed`]. The verbs teardown runs on the blocking pool. A peer
+    /// already gone makes it return at once with the peer's failure (see
+    /// [`rdmsg_msg::Error::is_peer_closed`]). Dropping the future does not stop the close.
+    /// Called again, or after another handle closed, [`Error::Closed`].
+    pub async fn close(&self) -> Result<()> {
+        let session = self.shared.take().ok_or(Error::Closed)?;
+        let shared = self.shared.clone();
+        let closed = tokio::task::spawn_blocking(move || {
+            let closed = session.close_with_delivery();
+            let mut ended = shared.ended();
+            let ended = ended.get_or_insert_with(Default::default);
+            ended.delivery = Some(closed.delivery);
+            ended.unconfirmed = Some(closed.unconfirmed);
+            closed.result
+        })
+        .await
+        .map_err(|_| Error::Blocking { op: "close" })?;
+        Ok(closed?)
+    }
+}
+
+/// Whether a permit can be had now (and if so, counts it).
+fn reserve(s: &Session, shared: &SharedDriver<Session>) -> bool {
+    let held = shared.permits.load(Ordering::SeqCst);
+    let room = s.ready_to_send() && s.connection().credits() as usize > held;
+    if room {
+        shared.permits.fetch_add(1, Ordering::SeqCst);
+    }
+    room
 }

@@ -2,16 +2,17 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdmsg_msg::{Call, Hub, Message, Session};
+use rdmsg_msg::{Call, Delivery, Envelope, Hub, Message, Session, SessionStats};
 use serde::de::DeserializeOwned;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
-use crate::error::{io, register};
-use crate::Result;
+use crate::error::{io, register, runtime};
+use crate::{Error, Result};
 
 /// What a shared handle drives: a session or a hub.
 pub(crate) trait Drive: AsFd + Send + 'static {
@@ -33,6 +34,8 @@ pub(crate) trait Drive: AsFd + Send + 'static {
     fn outgoing(&self) -> bool;
     /// Runs `hook` whenever a responder answers.
     fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>);
+    /// Its counters.
+    fn stats(&self) -> SessionStats;
     /// Takes in what arrived: answers to their calls, the rest held (see `Session::poll_calls`).
     fn poll_calls(&mut self) -> rdmsg_msg::Result<bool>;
     /// `call`'s answer, if it is in.
@@ -82,10 +85,13 @@ impl Drive for Session {
         Session::nobody_waits(self);
     }
     fn outgoing(&self) -> bool {
-        self.answers_waiting()
+        self.answers_waiting() || self.has_queued_frames()
     }
     fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>) {
         Session::on_answer(self, hook);
+    }
+    fn stats(&self) -> SessionStats {
+        Session::stats(self)
     }
     drive_calls!(Session);
 }
@@ -116,13 +122,17 @@ impl Drive for Hub {
     fn on_answer(&mut self, hook: Box<dyn Fn() + Send + Sync>) {
         Hub::on_answer(self, hook);
     }
+    fn stats(&self) -> SessionStats {
+        Hub::stats(self)
+    }
     drive_calls!(Hub);
 }
 
 /// The state behind every clone of a handle.
 #[derive(Debug)]
-pub(crate) struct SharedDriver<D> {
-    pub(crate) inner: Mutex<D>,
+pub(crate) struct SharedDriver<D: Send + 'static> {
+    /// `None` once closed ([`SharedDriver::take`]).
+    inner: Mutex<Option<D>>,
     /// A duplicate of the driven descriptor, registered with the runtime.
     pub(crate) fd: AsyncFd<OwnedFd>,
     /// Signalled when a task moved the connection on, or a new flush deadline appeared.
@@ -136,6 +146,50 @@ pub(crate) struct SharedDriver<D> {
     pub(crate) sleepers: AtomicUsize,
     /// A task sends what waits to go out ([`SharedDriver::send_in_background`]).
     flushing: std::sync::atomic::AtomicBool,
+    /// Send permits handed out and neither used nor dropped yet (a session's).
+    pub(crate) permits: AtomicUsize,
+    /// What a closed session left for its handles to read.
+    pub(crate) ended: Mutex<Option<Ended>>,
+    /// The runtime the handle was made in: background tasks, and the blocking pool that
+    /// tears the session or hub down.
+    pub(crate) runtime: tokio::runtime::Handle,
+}
+
+/// What a closed session leaves: its last counters, and its delivery record and the
+/// messages not confirmed once its close finished.
+#[derive(Debug, Default)]
+pub(crate) struct Ended {
+    pub(crate) stats: SessionStats,
+    pub(crate) delivery: Option<Delivery>,
+    pub(crate) unconfirmed: Option<Vec<Envelope>>,
+}
+
+/// The locked session or hub of a handle not closed.
+pub(crate) struct Locked<'a, D>(MutexGuard<'a, Option<D>>);
+
+impl<D> Deref for Locked<'_, D> {
+    type Target = D;
+    fn deref(&self) -> &D {
+        // Checked when locked; only `take`, under this same lock, empties it.
+        self.0.as_ref().expect("a locked handle is open")
+    }
+}
+
+impl<D> DerefMut for Locked<'_, D> {
+    fn deref_mut(&mut self) -> &mut D {
+        self.0.as_mut().expect("a locked handle is open")
+    }
+}
+
+impl<D: Send + 'static> Drop for SharedDriver<D> {
+    /// Verbs teardown (destroying queue pairs, deregistering memory) can take milliseconds:
+    /// it runs on the runtime's blocking pool, never on a worker thread.
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(driven) = inner.take() {
+            drop(self.runtime.spawn_blocking(move || drop(driven)));
+        }
+    }
 }
 
 /// Counts a waiting task (a receiver, or one on the descriptor) for as long as it waits,
@@ -158,20 +212,22 @@ impl Drop for Counted<'_> {
 impl<D: Drive> SharedDriver<D> {
     /// The shared state, and a ticker task that wakes its waiters every [`Drive::tick`] (the
     /// health check) for as long as a handle lives.
-    pub(crate) fn start(driven: D) -> Result<Arc<Self>> {
+    pub(crate) fn start(driven: D, op: &'static str) -> Result<Arc<Self>> {
+        // Outside a runtime there is no blocking pool: `driven` is dropped here.
+        let runtime = runtime(op)?;
         let tick = driven.tick();
-        let shared = Arc::new(Self::new(driven)?);
+        let shared = Arc::new(Self::new(driven, runtime.clone())?);
         // An answer given while no task waits on the session or hub would wait for the next
         // one that does: a task sends it.
-        let (weak, runtime) = (Arc::downgrade(&shared), tokio::runtime::Handle::current());
-        shared.lock().on_answer(Box::new(move || {
+        let weak = Arc::downgrade(&shared);
+        shared.lock()?.on_answer(Box::new(move || {
             if let Some(s) = weak.upgrade() {
-                s.send_in_background(&runtime);
+                s.send_in_background();
             }
         }));
         if let Some(every) = tick {
             let weak = Arc::downgrade(&shared);
-            tokio::spawn(async move {
+            shared.runtime.spawn(async move {
                 let mut interval = tokio::time::interval(every);
                 interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 interval.tick().await;
@@ -187,30 +243,71 @@ impl<D: Drive> SharedDriver<D> {
         Ok(shared)
     }
 
-    pub(crate) fn new(driven: D) -> Result<Self> {
+    fn new(driven: D, runtime: tokio::runtime::Handle) -> Result<Self> {
         let fd = driven
             .as_fd()
             .try_clone_to_owned()
             .map_err(io("duplicating the descriptor"))?;
+        let _entered = runtime.enter();
+        let fd = register(fd).map_err(io("registering the descriptor with the runtime"));
+        let fd = match fd {
+            Ok(fd) => fd,
+            Err(e) => {
+                drop(runtime.spawn_blocking(move || drop(driven)));
+                return Err(e);
+            }
+        };
         Ok(Self {
-            inner: Mutex::new(driven),
-            fd: register(fd).map_err(io("registering the descriptor with the runtime"))?,
+            inner: Mutex::new(Some(driven)),
+            fd,
             changed: Notify::new(),
             receivers: AtomicUsize::new(0),
             wakeups: AtomicU64::new(0),
             sleepers: AtomicUsize::new(0),
             flushing: std::sync::atomic::AtomicBool::new(false),
+            permits: AtomicUsize::new(0),
+            ended: Mutex::new(None),
+            runtime,
         })
+    }
+
+    /// Takes the session or hub out (closing it for every handle): the waiting tasks wake
+    /// to find it gone ([`Error::Closed`]). `None` if it was taken already.
+    pub(crate) fn take(&self) -> Option<D> {
+        let taken = {
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let taken = inner.take();
+            if let Some(d) = &taken {
+                let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
+                ended.get_or_insert_with(Ended::default).stats = d.stats();
+            }
+            taken
+        };
+        self.changed.notify_waiters();
+        taken
+    }
+
+    /// Its counters, or the last ones if it was closed.
+    pub(crate) fn stats(&self) -> SessionStats {
+        match self.lock() {
+            Ok(d) => d.stats(),
+            Err(_) => self.ended().as_ref().map(|e| e.stats.clone()).unwrap_or_default(),
+        }
+    }
+
+    /// What a closed session left.
+    pub(crate) fn ended(&self) -> MutexGuard<'_, Option<Ended>> {
+        self.ended.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Unless a task does already, spawns one that drives the session or hub until what waits
     /// to go out (answers, outboxes) has gone: nobody else may be waiting on it.
-    pub(crate) fn send_in_background(self: &Arc<Self>, runtime: &tokio::runtime::Handle) {
+    pub(crate) fn send_in_background(self: &Arc<Self>) {
         if self.flushing.swap(true, Ordering::SeqCst) {
             return;
         }
         let me = Arc::downgrade(self);
-        runtime.spawn(async move {
+        self.runtime.spawn(async move {
             // Holds the session or hub only for a second at a time, and stops once only it
             // holds it (every handle gone) or a step fails (the failure is the next caller's).
             loop {
@@ -231,8 +328,8 @@ impl<D: Drive> SharedDriver<D> {
                     Ok(Ok(())) => {
                         s.flushing.store(false, Ordering::SeqCst);
                         // An answer given after the last look but before the flag fell.
-                        if s.lock().outgoing() {
-                            s.send_in_background(&tokio::runtime::Handle::current());
+                        if s.lock().is_ok_and(|d| d.outgoing()) {
+                            s.send_in_background();
                         }
                         return;
                     }
@@ -274,13 +371,18 @@ impl<D: Drive> SharedDriver<D> {
         match tokio::time::timeout_at(deadline, answer).await {
             Ok(answer) => answer,
             // Its answer, if it came meanwhile; else the timeout.
-            Err(_) => Ok(self.lock().expire(call)?),
+            Err(_) => Ok(self.lock()?.expire(call)?),
         }
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, D> {
+    /// The session or hub, locked; [`Error::Closed`] once closed.
+    pub(crate) fn lock(&self) -> Result<Locked<'_, D>> {
         // A task that panicked mid-step left the session as consistent as any failed call.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        match *inner {
+            Some(_) => Ok(Locked(inner)),
+            None => Err(Error::Closed),
+        }
     }
 
     /// Runs `f` on the locked session or hub, and signals the other tasks if it moved the
@@ -304,7 +406,7 @@ impl<D: Drive> SharedDriver<D> {
         // The fast path: what is there already is taken without the bookkeeping of a wait. A
         // receiver with nothing queued goes straight to the loop, which looks (polls) once.
         let fast = {
-            let mut d = self.lock();
+            let mut d = self.lock()?;
             if receiving && !d.has_queued() {
                 None
             } else {
@@ -333,7 +435,7 @@ impl<D: Drive> SharedDriver<D> {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let (timeout, sleeping) = {
-                let mut d = self.lock();
+                let mut d = self.lock()?;
                 if std::mem::take(&mut woke) && self.sleepers.load(Ordering::SeqCst) == 0 {
                     // The last task on the descriptor is awake.
                     d.nobody_waits();

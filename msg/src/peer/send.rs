@@ -58,6 +58,78 @@ pub(crate) struct Sender {
     /// The largest message the peer reads from us, as its handshake announced: larger ones
     /// go in fragments.
     pub(super) peer_max_read: usize,
+    /// Whole messages committed by [`Sender::commit_as`] that could not go at once, encoded:
+    /// they go after `outgoing`, in order, before anything sent later.
+    pub(super) committed: VecDeque<Committed>,
+}
+
+/// What a send needs of a message: its tag and its encodings. A typed message, or one
+/// encoded already ([`Committed`]).
+pub(crate) trait Encode {
+    /// The type's tag.
+    fn tag(&self) -> u32;
+    /// It whole as one frame written into `out` (header included): the frame's length, or
+    /// `None` if it does not fit.
+    fn encode_single(&self, seq: u32, out: &mut [u8]) -> Result<Option<usize>>;
+    /// Its pieces, [`crate::Bulk`] payloads by reference.
+    fn encode_pieces(&self) -> Result<Vec<Piece>>;
+}
+
+impl<M: Message> Encode for M {
+    fn tag(&self) -> u32 {
+        M::TAG
+    }
+    fn encode_single(&self, seq: u32, out: &mut [u8]) -> Result<Option<usize>> {
+        codec::encode_single(self, seq, out)
+    }
+    fn encode_pieces(&self) -> Result<Vec<Piece>> {
+        codec::encode_pieces(self)
+    }
+}
+
+/// A message committed to go, encoded once (payloads by reference), with its solicitation.
+#[derive(Debug)]
+pub(crate) struct Committed {
+    tag: u32,
+    pieces: Vec<Piece>,
+    total: usize,
+    solicited: bool,
+}
+
+impl Committed {
+    /// Its body, for the record of messages not confirmed.
+    fn body(&self) -> Vec<u8> {
+        concat(self.pieces.clone())
+    }
+}
+
+impl Encode for Committed {
+    fn tag(&self) -> u32 {
+        self.tag
+    }
+    fn encode_single(&self, seq: u32, out: &mut [u8]) -> Result<Option<usize>> {
+        let len = HEADER_LEN + self.total;
+        if out.len() < len {
+            return Ok(None);
+        }
+        frame::Header {
+            flags: FIRST | LAST,
+            tag: self.tag,
+            seq,
+            frag: 0,
+            len: self.total as u32,
+        }
+        .write(&mut out[..HEADER_LEN]);
+        let mut at = HEADER_LEN;
+        for p in &self.pieces {
+            out[at..at + p.len()].copy_from_slice(p.bytes());
+            at += p.len();
+        }
+        Ok(Some(len))
+    }
+    fn encode_pieces(&self) -> Result<Vec<Piece>> {
+        Ok(self.pieces.clone())
+    }
 }
 
 impl Sender {
@@ -77,6 +149,7 @@ impl Sender {
             record: Record::new(config.keep_unconfirmed, config.max_message),
             taken_to_tell: 0,
             peer_max_read: usize::MAX,
+            committed: VecDeque::new(),
         }
     }
 
@@ -109,8 +182,16 @@ impl Sender {
     }
 
     /// The copies of the messages the peer's application has not taken, in order.
+    /// Messages committed but never sent (the connection ended first) follow them.
     pub(crate) fn take_unconfirmed(&mut self) -> Vec<crate::Envelope> {
-        self.record.take_unconfirmed()
+        let mut all = self.record.take_unconfirmed();
+        if self.record.keeps() {
+            let (seq, max) = (self.seq, self.max_message);
+            all.extend(self.committed.drain(..).enumerate().map(|(i, c)| {
+                crate::Envelope::returned(c.tag, seq.wrapping_add(i as u32), c.body(), max)
+            }));
+        }
+        all
     }
 
     /// The peer's count of our messages taken, as one of its frames carried it.
@@ -173,8 +254,8 @@ impl Sender {
 
     /// A message too large for one frame, encoded once into pieces ([`Bulk`](crate::Bulk)
     /// payloads by reference), and its length, within `max_message`.
-    pub(super) fn encode_large<M: Message>(&self, m: &M) -> Result<(Vec<Piece>, usize)> {
-        let pieces = codec::encode_pieces(m)?;
+    pub(super) fn encode_large<E: Encode + ?Sized>(&self, m: &E) -> Result<(Vec<Piece>, usize)> {
+        let pieces = m.encode_pieces()?;
         let total: usize = pieces.iter().map(Piece::len).sum();
         if total > self.max_message {
             return Err(crate::Error::TooLarge {
@@ -413,6 +494,18 @@ impl Sender {
             )
             .into());
         }
+        self.send_one_within(link, m, solicited, first_timeout)
+    }
+
+    /// [`Sender::send_within`] once what was committed earlier has gone.
+    fn send_one_within<E: Encode + ?Sized>(
+        &mut self,
+        link: &mut impl Link,
+        m: &E,
+        solicited: bool,
+        first_timeout: Option<Duration>,
+    ) -> Result<()> {
+        let tag = m.tag();
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
         self.wait_for_record(link, deadline, first_timeout)?;
@@ -422,7 +515,7 @@ impl Sender {
         let (keep, taken) = (self.record.keeps(), self.taken_to_tell);
         let mut copy = None;
         let sent = link.send_with(want, first_timeout, |buf| {
-            outcome = codec::encode_single(m, seq, buf);
+            outcome = m.encode_single(seq, buf);
             let n = outcome.as_ref().ok().copied().flatten()?;
             frame::stamp_taken(&mut buf[..n], taken);
             copy = keep.then(|| buf[HEADER_LEN..n].to_vec());
@@ -431,7 +524,7 @@ impl Sender {
         let single = outcome?;
         if sent {
             self.sent_single(single);
-            self.finish(want, solicited, single.unwrap_or(0), 1, M::TAG, copy);
+            self.finish(want, solicited, single.unwrap_or(0), 1, tag, copy);
             self.send_committed(link)?;
             return Ok(());
         }
@@ -450,7 +543,7 @@ impl Sender {
             }
             return match self.send_rendezvous(
                 link,
-                M::TAG,
+                tag,
                 seq,
                 pieces,
                 total,
@@ -462,7 +555,7 @@ impl Sender {
             };
         }
         let body = concat(pieces);
-        let mut frames = codec::fragment(&body, M::TAG, seq, frame_max, self.max_message)?;
+        let mut frames = codec::fragment(&body, tag, seq, frame_max, self.max_message)?;
         let body_len = body.len() as u64;
         let copy = keep.then_some(body);
         let count = frames.len();
@@ -476,7 +569,7 @@ impl Sender {
         }
         self.stats.fragmented += 1;
         self.stats.bytes_sent += body_len;
-        self.finish(want, solicited, bytes, count as u64, M::TAG, copy);
+        self.finish(want, solicited, bytes, count as u64, tag, copy);
         self.send_committed(link)?;
         Ok(())
     }
@@ -495,12 +588,50 @@ impl Sender {
         if !self.send_committed(link)? {
             return Ok(false);
         }
+        if !self.try_send_now(link, m, solicited)? {
+            return Ok(false);
+        }
+        self.send_committed(link)?;
+        Ok(true)
+    }
+
+    /// Commits `m`: sends it now if it can go ([`Sender::try_send_as`]), else encodes it
+    /// and queues it to go, in order, before anything sent later, as credits come (any
+    /// later call that drives the link sends it). Only an error (too large, not encodable,
+    /// the link failed) leaves it unsent, and nothing of it committed.
+    pub(crate) fn commit_as<M: Message>(
+        &mut self,
+        link: &mut impl Link,
+        m: &M,
+        solicited: bool,
+    ) -> Result<()> {
+        if self.try_send_as(link, m, solicited)? {
+            return Ok(());
+        }
+        let (pieces, total) = self.encode_large(m)?;
+        self.committed.push_back(Committed {
+            tag: M::TAG,
+            pieces,
+            total,
+            solicited,
+        });
+        Ok(())
+    }
+
+    /// Sends `m` if it can go now, committed frames aside (the caller sent them).
+    fn try_send_now<E: Encode + ?Sized>(
+        &mut self,
+        link: &mut impl Link,
+        m: &E,
+        solicited: bool,
+    ) -> Result<bool> {
+        let tag = m.tag();
         if !self.record.has_room() {
             // The peer is asked for its record (once): its answer, solicited, wakes us.
             if let Some(through) = self.record.ask_due() {
                 self.queue_ask(through);
             }
-            self.send_committed(link)?;
+            self.drain_frames(link, Some(Duration::ZERO))?;
             return Ok(false);
         }
         let seq = self.seq;
@@ -511,7 +642,7 @@ impl Sender {
         let mut copy = None;
         let sent = match link.send_with(want, Some(Duration::ZERO), |buf| {
             asked = true;
-            outcome = codec::encode_single(m, seq, buf);
+            outcome = m.encode_single(seq, buf);
             let n = outcome.as_ref().ok().copied().flatten()?;
             frame::stamp_taken(&mut buf[..n], taken);
             copy = keep.then(|| buf[HEADER_LEN..n].to_vec());
@@ -524,8 +655,7 @@ impl Sender {
         let single = outcome?;
         if sent {
             self.sent_single(single);
-            self.finish(want, solicited, single.unwrap_or(0), 1, M::TAG, copy);
-            self.send_committed(link)?;
+            self.finish(want, solicited, single.unwrap_or(0), 1, tag, copy);
             return Ok(true);
         }
         if !asked {
@@ -538,13 +668,13 @@ impl Sender {
                 return Ok(false);
             }
             let zero = Some(Duration::ZERO);
-            return match self.send_rendezvous(link, M::TAG, seq, pieces, total, solicited, zero) {
+            return match self.send_rendezvous(link, tag, seq, pieces, total, solicited, zero) {
                 Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
                 other => other,
             };
         }
         let body = concat(pieces);
-        let frames = codec::fragment(&body, M::TAG, seq, frame_max, self.max_message)?;
+        let frames = codec::fragment(&body, tag, seq, frame_max, self.max_message)?;
         let body_len = body.len() as u64;
         let copy = keep.then_some(body);
         let count = frames.len();
@@ -561,8 +691,7 @@ impl Sender {
         self.outgoing.extend(rest);
         self.stats.fragmented += 1;
         self.stats.bytes_sent += body_len;
-        self.finish(want, solicited, bytes, count as u64, M::TAG, copy);
-        self.send_committed(link)?;
+        self.finish(want, solicited, bytes, count as u64, tag, copy);
         Ok(true)
     }
 
@@ -571,9 +700,14 @@ impl Sender {
         self.drain(link, Some(Duration::ZERO))
     }
 
-    /// Frames committed but not sent yet.
+    /// Whether the window of messages not yet confirmed has room for one more.
+    pub(crate) fn has_room(&self) -> bool {
+        self.record.has_room()
+    }
+
+    /// Frames and messages committed but not sent yet.
     pub(crate) fn queued_frames(&self) -> usize {
-        self.outgoing.len()
+        self.outgoing.len() + self.committed.len()
     }
 
     /// With [`crate::SessionConfig::max_unsolicited_delay`], when what went unsolicited must be
@@ -670,12 +804,41 @@ impl Sender {
         Ok(true)
     }
 
-    /// Sends every committed frame, waiting at most `timeout` for each; whether all went.
+    /// Sends every committed frame, then every committed message, waiting at most `timeout`
+    /// for each; whether all went.
     pub(crate) fn drain(
         &mut self,
         link: &mut impl Link,
         timeout: Option<Duration>,
     ) -> Result<bool> {
+        loop {
+            if !self.drain_frames(link, timeout)? {
+                return Ok(false);
+            }
+            let Some(next) = self.committed.pop_front() else {
+                return Ok(true);
+            };
+            let sent = if timeout == Some(Duration::ZERO) {
+                self.try_send_now(link, &next, next.solicited)
+            } else {
+                match self.send_one_within(link, &next, next.solicited, timeout) {
+                    Ok(()) => Ok(true),
+                    Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+                    Err(e) => Err(e),
+                }
+            };
+            if !sent.as_ref().is_ok_and(|&sent| sent) {
+                // Still first in line, whether it waits for room or the link failed.
+                self.committed.push_front(next);
+            }
+            if !sent? {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Sends every committed frame, waiting at most `timeout` for each; whether all went.
+    fn drain_frames(&mut self, link: &mut impl Link, timeout: Option<Duration>) -> Result<bool> {
         let taken = self.taken_to_tell;
         while let Some((f, solicited)) = self.outgoing.front_mut() {
             frame::stamp_taken(f, taken);
