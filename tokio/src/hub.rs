@@ -83,7 +83,9 @@ impl AsyncHub {
     pub async fn outbox_sent(&self, peer: PeerId) -> Result<()> {
         self.shared
             .run(false, |h, _| {
-                Ok(h.outbox(peer).map_or(true, |o| o.messages == 0).then_some(()))
+                Ok(h.outbox(peer)
+                    .map_or(true, |o| o.messages == 0)
+                    .then_some(()))
             })
             .await
     }

@@ -36,7 +36,6 @@ struct ListenerInner {
     done: Mutex<std::collections::VecDeque<rdmsg_transport::Result<Session>>>,
     /// Clients whose handshake failed, skipped by `accept`.
     failed: AtomicU64,
-    runtime: tokio::runtime::Handle,
     /// A blocking task is moving handshakes on.
     working: AtomicBool,
     /// The last task stopped at an error: look again without waiting for readiness.
@@ -46,7 +45,9 @@ struct ListenerInner {
 
 impl ListenerInner {
     fn listener(&self) -> &Listener {
-        self.listener.as_ref().expect("only Drop takes the listener")
+        self.listener
+            .as_ref()
+            .expect("only Drop takes the listener")
     }
 }
 
@@ -56,7 +57,7 @@ impl Drop for ListenerInner {
     fn drop(&mut self) {
         let listener = self.listener.take();
         let done = std::mem::take(self.done.get_mut().unwrap_or_else(|p| p.into_inner()));
-        drop(self.runtime.spawn_blocking(move || drop((listener, done))));
+        crate::shared::tear_down(Box::new((listener, done)));
     }
 }
 
@@ -69,7 +70,7 @@ impl AsyncListener {
         config: Config,
         session: SessionConfig,
     ) -> Result<Self> {
-        let runtime = runtime("AsyncListener::bind")?;
+        runtime("AsyncListener::bind")?;
         let listener = endpoint.listen(addr)?;
         let fd = listener
             .as_fd()
@@ -86,7 +87,6 @@ impl AsyncListener {
                 again: AtomicBool::new(false),
                 finished: Notify::new(),
                 failed: AtomicU64::new(0),
-                runtime,
             }),
         })
     }
@@ -169,6 +169,7 @@ impl AsyncListener {
             if !inner.working.swap(true, Ordering::SeqCst) {
                 let task = self.inner.clone();
                 tokio::task::spawn_blocking(move || {
+                    crate::shared::teardown_thread();
                     // Everything that can go on now: each call returns at the first handshake
                     // that completes (or fails), so call again until none does.
                     while let Some(made) = task

@@ -52,7 +52,11 @@ impl Drop for SendPermit {
 
 /// Commits `m` on the shared session (see [`Session::commit_as`]), waking the tasks that must
 /// know, and a background sender if part of it waits to go.
-pub(crate) fn commit<M: Message>(shared: &Arc<SharedDriver<Session>>, m: &M, solicited: bool) -> Result<()> {
+pub(crate) fn commit<M: Message>(
+    shared: &Arc<SharedDriver<Session>>,
+    m: &M,
+    solicited: bool,
+) -> Result<()> {
     let s = shared.lock()?;
     commit_locked(shared, s, m, solicited)
 }
@@ -103,6 +107,7 @@ impl AsyncSession {
         crate::error::runtime("AsyncSession::connect")?;
         // The session too is made there: it registers memory.
         let session = tokio::task::spawn_blocking(move || {
+            crate::shared::teardown_thread();
             let conn = endpoint.connect(addr, &config)?;
             Ok::<_, Error>(Session::with_config(conn, session))
         })

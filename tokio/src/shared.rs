@@ -1,8 +1,8 @@
 //! What every async handle shares: the session or hub behind a mutex held only for steps, its descriptor registered with the runtime, and the waits that cannot lose a wake-up.
 
+use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -183,13 +183,43 @@ impl<D> DerefMut for Locked<'_, D> {
 
 impl<D: Send + 'static> Drop for SharedDriver<D> {
     /// Verbs teardown (destroying queue pairs, deregistering memory) can take milliseconds:
-    /// it runs on the runtime's blocking pool, never on a worker thread.
+    /// it runs on the teardown thread, never on a runtime thread.
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Some(driven) = inner.take() {
-            drop(self.runtime.spawn_blocking(move || drop(driven)));
+            tear_down(Box::new(driven));
         }
     }
+}
+
+/// Drops what the last handle let go of on a thread of rdmsg's own. Not the blocking pool:
+/// when its threads are busy (with the teardowns before), it spawns one more on the caller's
+/// thread, which takes milliseconds too.
+pub(crate) fn tear_down(what: Box<dyn Send>) {
+    if let Some(Err(failed)) = teardown_thread().map(|t| t.send(what)) {
+        drop(failed.0); // No teardown thread: here, then.
+    }
+}
+
+/// The teardown thread's queue, the thread started on first use (once per process: the
+/// blocking tasks that connect and accept start it, so a runtime thread seldom does).
+pub(crate) fn teardown_thread() -> Option<&'static std::sync::mpsc::Sender<Box<dyn Send>>> {
+    static QUEUE: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Box<dyn Send>>>> =
+        std::sync::OnceLock::new();
+    QUEUE
+        .get_or_init(|| {
+            let (queue, dropped) = std::sync::mpsc::channel::<Box<dyn Send>>();
+            std::thread::Builder::new()
+                .name("rdmsg-teardown".into())
+                .spawn(move || {
+                    for what in dropped {
+                        drop(what);
+                    }
+                })
+                .ok()
+                .map(|_| queue)
+        })
+        .as_ref()
 }
 
 /// Counts a waiting task (a receiver, or one on the descriptor) for as long as it waits,
@@ -253,7 +283,7 @@ impl<D: Drive> SharedDriver<D> {
         let fd = match fd {
             Ok(fd) => fd,
             Err(e) => {
-                drop(runtime.spawn_blocking(move || drop(driven)));
+                tear_down(Box::new(driven));
                 return Err(e);
             }
         };
@@ -291,7 +321,11 @@ impl<D: Drive> SharedDriver<D> {
     pub(crate) fn stats(&self) -> SessionStats {
         match self.lock() {
             Ok(d) => d.stats(),
-            Err(_) => self.ended().as_ref().map(|e| e.stats.clone()).unwrap_or_default(),
+            Err(_) => self
+                .ended()
+                .as_ref()
+                .map(|e| e.stats.clone())
+                .unwrap_or_default(),
         }
     }
 

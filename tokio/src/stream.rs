@@ -84,7 +84,10 @@ impl Stream for SessionStream {
             let session = this.session.clone();
             this.next = Some(Box::pin(async move { session.recv().await }));
         }
-        let got = ready!(this.next.as_mut().map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        let got = ready!(this
+            .next
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
         this.next = None;
         Poll::Ready(match got {
             Ok(env) => Some(Ok(env)),
@@ -244,7 +247,10 @@ impl Stream for HubEvents {
             let hub = this.hub.clone();
             this.next = Some(Box::pin(async move { hub.recv().await }));
         }
-        let got = ready!(this.next.as_mut().map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        let got = ready!(this
+            .next
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
         this.next = None;
         Poll::Ready(match got {
             Ok(ev) => Some(Ok(ev)),
@@ -319,7 +325,9 @@ impl<M: Message + Send + 'static> Sink<M> for PeerSink {
             rdmsg_msg::Posted::Sent | rdmsg_msg::Posted::Queued => Ok(()),
             rdmsg_msg::Posted::Full(item) => {
                 let hub = this.hub.clone();
-                this.held = Some(Box::pin(async move { hub.post_when_room(peer, item).await }));
+                this.held = Some(Box::pin(
+                    async move { hub.post_when_room(peer, item).await },
+                ));
                 Ok(())
             }
             rdmsg_msg::Posted::PeerGone(_) => Err(rdmsg_transport::Error::UnknownPeer(peer).into()),
@@ -387,7 +395,10 @@ impl Stream for Incoming {
             let listener = this.listener.clone();
             this.next = Some(Box::pin(async move { listener.next_client().await }));
         }
-        let got = ready!(this.next.as_mut().map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        let got = ready!(this
+            .next
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
         this.next = None;
         Poll::Ready(Some(match got {
             Ok(client) => client,
