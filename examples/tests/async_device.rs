@@ -483,3 +483,29 @@ fn async_calls_answer_concurrent_tasks_and_count_cancelled_ones_late() {
         session.close().await.unwrap();
     });
 }
+
+/// `AsyncSession::close` towards a peer dropped without closing (as when its process dies)
+/// fails as the peer vanished at once, not after `close_timeout`, as the blocking close does.
+#[test]
+#[ignore = "device"]
+fn an_async_close_towards_a_vanished_peer_fails_at_once_as_vanished() {
+    runtime().block_on(async {
+        let (a, b) = pair(SessionConfig::default(), SessionConfig::default());
+        drop(b);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t = Instant::now();
+        let r = a.close().await;
+        let took = t.elapsed();
+        println!("stats async close towards a vanished peer: {took:?}");
+        assert!(
+            matches!(
+                r,
+                Err(rdmsg::tokio::Error::Msg(rdmsg::msg::Error::Transport(
+                    rdmsg::transport::Error::Connection(rdmsg::transport::Failure::PeerVanished)
+                )))
+            ),
+            "{r:?}"
+        );
+        assert!(took < Duration::from_millis(500), "{took:?}");
+    });
+}

@@ -332,3 +332,65 @@ fn timeouts_of_any_length_are_waits() {
     let end = rx.recv_timeout(Some(Duration::MAX)).unwrap_err();
     assert!(end.is_peer_closed(), "{end}");
 }
+
+/// `Session::close` towards a peer dropped without closing (as when its process dies): rxe
+/// never acknowledges the close message (it retries for ever), so the close fails as the
+/// peer vanished as soon as its stream's end is seen, not after `close_timeout`: whether a
+/// receive saw the end first, nothing looked yet, or the peer goes while the close waits for
+/// it to read a message it was lent by rendezvous.
+#[test]
+#[ignore = "device"]
+fn closing_a_session_whose_peer_vanished_fails_at_once_as_vanished() {
+    use rdmsg::msg::Error;
+    use rdmsg::transport::Failure;
+    use std::time::Instant;
+    const PROMPT: Duration = Duration::from_millis(500);
+    let check = |what: &str, r: Result<(), Error>, took: Duration| {
+        println!("stats session close towards a vanished peer, {what}: {took:?}");
+        assert!(
+            matches!(
+                r,
+                Err(Error::Transport(rdmsg::transport::Error::Connection(
+                    Failure::PeerVanished
+                )))
+            ),
+            "{what}: {r:?}"
+        );
+        assert!(took < PROMPT, "{what}: {took:?}");
+    };
+
+    // A receive saw the end first.
+    let (mut a, b) = sessions();
+    drop(b);
+    let err = a.recv_timeout(WAIT).unwrap_err();
+    assert!(!err.is_peer_closed(), "{err}");
+    let t = Instant::now();
+    check("seen by a receive", a.close(), t.elapsed());
+
+    // Nothing looked since the peer went.
+    let (a, b) = sessions();
+    drop(b);
+    thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    check("not looked at yet", a.close(), t.elapsed());
+
+    // Lent a message by rendezvous it never reads, the close waits for it; then it goes.
+    let (mut a, b) = sessions();
+    a.send(&Command::Firmware(vec![7; 1 << 20])).unwrap();
+    assert_eq!(a.stats().rendezvous_sent, 1);
+    let dropper = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        drop(b);
+        t
+    });
+    let r = a.close();
+    let closed = Instant::now();
+    let dropped = dropper.join().unwrap();
+    assert!(closed >= dropped, "the close waited for the peer: {r:?}");
+    check(
+        "gone while the close waits for its read",
+        r,
+        closed - dropped,
+    );
+}

@@ -446,3 +446,124 @@ fn a_hub_flushes_what_it_sent_unsolicited_before_it_waits() {
     assert_eq!((st.sent_solicited, st.wait_flushes), (0, 1), "{st:?}");
     answering.join().unwrap();
 }
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Blob {
+    #[serde(with = "serde_bytes")]
+    data: Vec<u8>,
+}
+rdmsg_msg::message!(Blob);
+
+/// A client hub on a thread of its own, connected to `addr` and then not driven (it reads
+/// nothing), dropped without closing (as when its process dies) 200 ms after `go`: when.
+fn vanishing_client(
+    addr: SocketAddr,
+    up: mpsc::Sender<()>,
+    go: mpsc::Receiver<()>,
+) -> std::thread::JoinHandle<std::time::Instant> {
+    std::thread::spawn(move || {
+        let ep = endpoint();
+        let mut client = Hub::new(&ep, config()).unwrap();
+        client.register::<Blob>().unwrap();
+        client.connect(addr).unwrap();
+        assert!(matches!(next(&mut client), HubEvent::Connected { .. }));
+        up.send(()).unwrap();
+        let _ = go.recv();
+        std::thread::sleep(Duration::from_millis(200));
+        let t = std::time::Instant::now();
+        drop(client);
+        t
+    })
+}
+
+/// The typed hub closing a peer dropped without closing (as when its process dies): rxe never
+/// acknowledges the close message (it retries for ever), so `close` fails as the peer
+/// vanished as soon as its stream's end is seen, and `start_close`'s `Disconnected` says so
+/// as promptly, not `close_timeout` later; and a close waiting for the peer to read what it
+/// was lent by rendezvous ends as promptly when the peer goes meanwhile.
+#[test]
+#[ignore = "device"]
+fn closing_a_vanished_peer_ends_at_once_as_vanished() {
+    const PROMPT: Duration = Duration::from_millis(500);
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, config()).unwrap();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    let vanished = |r: &Result<(), Error>| {
+        matches!(
+            r,
+            Err(Error::Transport(rdmsg_transport::Error::Connection(
+                Failure::PeerVanished
+            )))
+        )
+    };
+    // A client that goes once told to; the server's id for it.
+    let connect = |server: &mut Hub| {
+        let (up_tx, up) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel();
+        let client = vanishing_client(addr, up_tx, go_rx);
+        let peer = match next(server) {
+            HubEvent::Connected { peer, accepted } => {
+                assert!(accepted);
+                peer
+            }
+            other => panic!("while connecting: {other:?}"),
+        };
+        up.recv_timeout(Duration::from_secs(10))
+            .expect("the client is up");
+        (client, go, peer)
+    };
+    let ended = |server: &mut Hub, peer: PeerId| match next(server) {
+        HubEvent::Disconnected { peer: p, failure } if p == peer => failure,
+        other => panic!("waiting for {peer} to end: {other:?}"),
+    };
+
+    // `close`, nothing having looked since the peer went.
+    let (client, go, peer) = connect(&mut server);
+    go.send(()).unwrap();
+    client.join().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let t = std::time::Instant::now();
+    let r = server.close(peer);
+    let took = t.elapsed();
+    println!("stats typed hub close towards a vanished peer: {took:?}");
+    assert!(vanished(&r), "{r:?}");
+    assert!(took < PROMPT, "{took:?}");
+    assert_eq!(ended(&mut server, peer), Failure::PeerVanished);
+
+    // `start_close`: the peer's `Disconnected` follows as promptly.
+    let (client, go, peer) = connect(&mut server);
+    go.send(()).unwrap();
+    client.join().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let t = std::time::Instant::now();
+    server
+        .start_close(peer)
+        .expect("the hub has not looked yet");
+    let failure = ended(&mut server, peer);
+    let took = t.elapsed();
+    println!("stats typed hub start_close towards a vanished peer: Disconnected after {took:?}");
+    assert_eq!(failure, Failure::PeerVanished);
+    assert!(took < PROMPT, "{took:?}");
+
+    // Lent a message by rendezvous it never reads, the close waits for it; then it goes.
+    let (client, go, peer) = connect(&mut server);
+    server
+        .send(
+            peer,
+            &Blob {
+                data: vec![7; 1 << 20],
+            },
+        )
+        .unwrap();
+    assert_eq!(server.peer_stats(peer).unwrap().rendezvous_sent, 1);
+    go.send(()).unwrap();
+    let r = server.close(peer);
+    let closed = std::time::Instant::now();
+    let dropped = client.join().unwrap();
+    assert!(closed >= dropped, "the close waited for the peer: {r:?}");
+    let took = closed - dropped;
+    println!("stats typed hub close, the peer gone while it reads: {took:?} after");
+    assert!(vanished(&r), "{r:?}");
+    assert!(took < PROMPT, "{took:?}");
+    assert_eq!(ended(&mut server, peer), Failure::PeerVanished);
+}

@@ -303,6 +303,59 @@ fn a_vanished_peer_wakes_a_sleeping_receiver() {
     assert_eq!(p.free, p.total);
 }
 
+/// `close` towards a peer dropped without closing (as when its process dies): rxe never
+/// acknowledges the close message (it retries for ever), so the close ends as the peer
+/// vanished as soon as its stream's end is seen (and the 50 ms a close message in flight is
+/// given), not after `close_timeout`: whether a receive saw the end first, nothing looked
+/// yet, or the peer goes while the close waits for its acknowledgement.
+#[test]
+#[ignore = "device"]
+fn closing_towards_a_vanished_peer_fails_at_once_as_vanished() {
+    const PROMPT: Duration = Duration::from_millis(500);
+    let check = |what: &str, r: Result<(), Error>, took: Duration| {
+        println!("stats close towards a vanished peer, {what}: {took:?}");
+        assert!(
+            matches!(r, Err(Error::Connection(Failure::PeerVanished))),
+            "{what}: {r:?}"
+        );
+        assert!(took < PROMPT, "{what}: {took:?}");
+    };
+
+    // A receive saw the end first.
+    let (mut a, b, _l) = pair();
+    drop(b);
+    let err = a.recv_timeout(WAIT).unwrap_err();
+    assert!(
+        matches!(err, Error::Connection(Failure::PeerVanished)),
+        "{err:?}"
+    );
+    let t = Instant::now();
+    check("seen by a receive", a.close(), t.elapsed());
+
+    // Nothing looked since the peer went.
+    let (a, b, _l) = pair();
+    drop(b);
+    thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    check("not looked at yet", a.close(), t.elapsed());
+
+    // The peer's queue pair stops answering (as a dying process's does), so the close waits
+    // for its acknowledgement; then the peer goes.
+    let (a, mut b, _l) = pair();
+    b.break_queue_pair().unwrap();
+    let dropper = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        drop(b);
+        t
+    });
+    let r = a.close();
+    let ended = Instant::now();
+    let dropped = dropper.join().unwrap();
+    assert!(ended >= dropped, "the close waited for the peer: {r:?}");
+    check("gone while the close waits", r, ended - dropped);
+}
+
 /// A receiver whose consumer holds every buffer blocks the sender; when another thread drops
 /// the handles, the receiver (asleep in `recv`) re-posts them and the grant wakes the sender.
 #[test]

@@ -479,6 +479,114 @@ fn a_killed_client_fails_only_its_own_connections() {
     assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
 }
 
+/// A connection to `server` (at `addr`) from this process, the hub driven until it is up:
+/// the connection, and its id at the hub.
+fn connection_to(server: &mut RawHub, addr: SocketAddr) -> (rdmsg_transport::Connection, PeerId) {
+    let ep = endpoint();
+    let connecting = std::thread::spawn(move || {
+        ep.connect(addr, &rdmsg_transport::Config::default())
+            .expect("connect")
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut peer = None;
+    while peer.is_none() || !connecting.is_finished() {
+        assert!(Instant::now() < deadline, "not connected in 10 s");
+        match server
+            .next_event(Some(Duration::from_millis(10)))
+            .expect("hub")
+        {
+            Some(RawHubEvent::Connected { peer: p, accepted }) => {
+                assert!(accepted);
+                peer = Some(p);
+            }
+            Some(other) => panic!("while connecting: {other:?}"),
+            None => {}
+        }
+    }
+    (connecting.join().expect("connecting thread"), peer.unwrap())
+}
+
+/// How `peer`'s connection ended, by its `Disconnected` (within 10 s).
+fn ended(server: &mut RawHub, peer: PeerId) -> Failure {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(Instant::now() < deadline, "{peer} not disconnected in 10 s");
+        match server
+            .next_event(Some(Duration::from_millis(100)))
+            .expect("hub")
+        {
+            Some(RawHubEvent::Disconnected {
+                peer: p, failure, ..
+            }) if p == peer => return failure,
+            Some(other) => panic!("waiting for {peer} to end: {other:?}"),
+            None => {}
+        }
+    }
+}
+
+/// The hub closing a peer dropped without closing (as when its process dies): rxe never
+/// acknowledges the close message (it retries for ever), so `close` fails as the peer
+/// vanished as soon as its stream's end is seen, and after `start_close` the peer's
+/// `Disconnected` says so as promptly, not `close_timeout` later; also when the peer goes
+/// while the close waits for its acknowledgement.
+#[test]
+#[ignore = "device"]
+fn closing_a_vanished_peer_ends_at_once_as_vanished() {
+    use rdmsg_transport::Error;
+    const PROMPT: Duration = Duration::from_millis(500);
+    let ep = endpoint();
+    let mut server = RawHub::new(&ep, HubConfig::default()).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let vanished =
+        |r: &Result<(), Error>| matches!(r, Err(Error::Connection(Failure::PeerVanished)));
+
+    // `close`, nothing having looked since the peer went.
+    let (client, peer) = connection_to(&mut server, addr);
+    drop(client);
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    let r = server.close(peer);
+    let took = t.elapsed();
+    println!("stats hub close towards a vanished peer: {took:?}");
+    assert!(vanished(&r), "{r:?}");
+    assert!(took < PROMPT, "{took:?}");
+    assert_eq!(ended(&mut server, peer), Failure::PeerVanished);
+
+    // `start_close`: the peer's `Disconnected` follows as promptly.
+    let (client, peer) = connection_to(&mut server, addr);
+    drop(client);
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    server
+        .start_close(peer)
+        .expect("the hub has not looked yet");
+    let failure = ended(&mut server, peer);
+    let took = t.elapsed();
+    println!("stats hub start_close towards a vanished peer: Disconnected after {took:?}");
+    assert_eq!(failure, Failure::PeerVanished);
+    assert!(took < PROMPT, "{took:?}");
+
+    // The peer's queue pair stops answering (as a dying process's does), so the close waits
+    // for its acknowledgement; then the peer goes.
+    let (mut client, peer) = connection_to(&mut server, addr);
+    client.break_queue_pair().unwrap();
+    let dropper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        drop(client);
+        t
+    });
+    let r = server.close(peer);
+    let closed = Instant::now();
+    let dropped = dropper.join().unwrap();
+    assert!(closed >= dropped, "the close waited for the peer: {r:?}");
+    let took = closed - dropped;
+    println!("stats hub close, the peer gone while it waits: {took:?} after");
+    assert!(vanished(&r), "{r:?}");
+    assert!(took < PROMPT, "{took:?}");
+    assert_eq!(ended(&mut server, peer), Failure::PeerVanished);
+}
+
 #[test]
 #[ignore = "device"]
 fn a_peer_that_sends_beyond_its_credits_fails_alone() {

@@ -697,7 +697,10 @@ impl Connection {
 
     /// Closes gracefully: sends a close message after everything sent so far and waits (up to
     /// `close_timeout`) until it is delivered, then writes [`GOODBYE`](crate::handshake::GOODBYE) on the bootstrap stream
-    /// and shuts it down. The peer receives everything, then [`Failure::PeerClosed`].
+    /// and shuts it down. The peer receives everything, then [`Failure::PeerClosed`]. A peer
+    /// that went without closing (its bootstrap stream ended) never acknowledges the message:
+    /// the close fails with [`Failure::PeerVanished`], at once if that is known, else 50 ms
+    /// after the stream's end, as a receive would.
     pub fn close(mut self) -> Result<()> {
         let _span = trace_span!(INFO, "close", qp = self.qp.qp_num());
         self.check_can_send()?;

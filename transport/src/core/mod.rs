@@ -33,9 +33,11 @@
 //!
 //! A core is *handshaking* (a hub's queue pair whose handshake runs: nothing may be sent),
 //! *linked*, *closing* (our close message is posted: closed once a successful completion
-//! covers it, whatever grants were posted after it; failed at the close deadline), *leaving* (the peer's stream said goodbye or ended: its close message is
-//! waited for until the vanish deadline), or *failed* (the first failure is kept; the queue
-//! pair is being flushed until it is drained or the drain deadline passes).
+//! covers it, whatever grants were posted after it; failed at the close deadline, or at the
+//! vanish deadline once the peer's stream ended), *leaving* (the peer's stream said goodbye
+//! or ended: its close message is waited for until the vanish deadline), or *failed* (the
+//! first failure is kept; the queue pair is being flushed until it is drained or the drain
+//! deadline passes).
 
 mod inbound;
 mod stats;
@@ -608,10 +610,18 @@ impl Core {
                     self.timers.stop(Timer::Linger);
                     self.actions.push(Action::FailQueuePair);
                 }
-                // Closing ourselves, the end of the stream is the peer having taken our close
-                // message (it shuts its stream at once): the close completes on its own.
-                if matches!(self.phase, Phase::Linked | Phase::Handshaking) && !self.peer_closed() {
-                    self.phase = Phase::Leaving;
+                // The peer's close message gets the grace to arrive. Closing ourselves, ours
+                // gets it to complete: a peer that took it and then dropped its side
+                // acknowledged it before its stream ended (an acknowledgement lost all the
+                // same ends the close as vanished, not timed out); one that died never will
+                // (rxe retries for ever), and the close ends as the peer vanished rather than
+                // at `close_timeout`.
+                let closing = matches!(self.phase, Phase::Closing { .. });
+                let linked = matches!(self.phase, Phase::Linked | Phase::Handshaking);
+                if (linked || closing) && !self.peer_closed() {
+                    if linked {
+                        self.phase = Phase::Leaving;
+                    }
                     self.timers.set(
                         Timer::Vanish,
                         deadline_after(now, news.grace(self.close_timeout)),
@@ -704,7 +714,11 @@ impl Core {
                         drained: false,
                     };
                 }
-                (Timer::Vanish, Phase::Leaving) => self.handle_failure(Failure::PeerVanished),
+                // Our close under way or not: a peer gone is gone (a close started while the
+                // peer was leaving keeps its deadline).
+                (Timer::Vanish, Phase::Leaving | Phase::Closing { .. }) => {
+                    self.handle_failure(Failure::PeerVanished)
+                }
                 (Timer::Linger, _) => self.actions.push(Action::FailQueuePair),
                 (Timer::Drain, _) => self.drained(),
                 _ => {}
@@ -752,8 +766,10 @@ impl Core {
 
     /// Starts a graceful close at `now`: the close message to post (solicited, signaled,
     /// spending a credit), after which nothing more may be sent; closed once it completes, or
-    /// failed with [`Failure::Closed`] (and [`Core::close_timed_out`]) `close_timeout` after
-    /// `now`. `None` without a credit, or when the connection may not send.
+    /// failed with [`Failure::CloseTimedOut`] `close_timeout` after `now`, or with
+    /// [`Failure::PeerVanished`] when the peer's stream ended (before or since) and the
+    /// message did not complete within that end's grace. `None` without a credit, or when
+    /// the connection may not send.
     pub(crate) fn start_close(&mut self, now: Instant) -> Option<Post> {
         if self.check_send().is_err() || !self.is_linked() {
             return None;

@@ -383,18 +383,61 @@ fn an_ended_stream_gives_the_close_message_50_ms_then_the_peer_vanished() {
 }
 
 #[test]
-fn while_closing_the_end_of_the_stream_is_the_close_being_taken() {
+fn while_closing_an_ended_stream_gives_our_close_50_ms_then_the_peer_vanished() {
     let t0 = Instant::now();
-    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.start_close(t0).unwrap();
+    let grace = Duration::from_millis(50);
+    let closing = |at: Instant| {
+        let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+        c.start_close(at).unwrap();
+        c.posted(9, true);
+        c
+    };
+    // A peer that took our close and dropped its side at once: the completion comes within
+    // the grace, and the close is a close.
+    let mut c = closing(t0);
     c.handle_stream(StreamNews::Ended, t0);
     assert_eq!(actions(&mut c), [Action::UnwatchStream]);
     assert_eq!(c.failure(), None);
+    assert_eq!(c.next_timeout(), Some(t0 + grace));
+    c.handle_send(&send_ok(), 9);
+    assert!(matches!(c.close_result(CLOSE), Some(Ok(()))));
+    assert_eq!(c.next_timeout(), None);
+
+    // A peer that died while we waited: nothing acknowledges our close (rxe retries it for
+    // ever), and the close ends at the grace as the peer vanished, not at the close timeout.
+    let mut c = closing(t0);
+    let ended = t0 + Duration::from_millis(300);
+    c.handle_stream(StreamNews::Ended, ended);
+    c.handle_timeout(ended + grace - Duration::from_millis(1));
+    assert!(c.close_result(CLOSE).is_none(), "still in the grace");
+    c.handle_timeout(ended + grace);
+    assert!(matches!(
+        c.close_result(CLOSE),
+        Some(Err(Error::Connection(Failure::PeerVanished)))
+    ));
+    assert!(!c.close_timed_out());
     assert_eq!(
-        c.next_timeout(),
-        Some(t0 + CLOSE),
-        "only the close deadline"
+        actions(&mut c),
+        [Action::UnwatchStream, Action::FailQueuePair]
     );
+
+    // A peer that died before the close began (its stream's end already seen): the close
+    // keeps the deadline the end set.
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.handle_stream(StreamNews::Ended, t0);
+    let post = c.start_close(t0 + Duration::from_millis(10));
+    assert!(post.is_some(), "a leaving peer's credits are still good");
+    assert_eq!(c.next_timeout(), Some(t0 + grace));
+    c.handle_timeout(t0 + grace);
+    assert_eq!(c.failure(), Some(Failure::PeerVanished));
+
+    // A goodbye (the peer closing too, its close message on its way): the close deadline
+    // still decides.
+    let mut c = closing(t0);
+    c.handle_stream(StreamNews::Goodbye, t0 + Duration::from_millis(10));
+    assert_eq!(c.next_timeout(), Some(t0 + CLOSE));
+    c.handle_timeout(t0 + CLOSE);
+    assert_eq!(c.failure(), Some(Failure::CloseTimedOut));
 }
 
 #[test]

@@ -8,8 +8,8 @@ use std::time::Instant;
 pub(crate) enum Timer {
     /// Our close message must complete by then, or the close failed.
     Close,
-    /// The peer said goodbye (or its stream ended): its close message must arrive by then, or
-    /// it vanished.
+    /// The peer said goodbye (or its stream ended): its close message must arrive by then (or,
+    /// while we close, ours complete), or it vanished.
     Vanish,
     /// After a failure: the queue pair's posted requests must be flushed back by then, or the
     /// driver stops waiting for them.

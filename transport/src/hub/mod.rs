@@ -719,8 +719,10 @@ impl RawHub {
     /// more may be sent to it. Once the message is delivered the hub says goodbye on the
     /// bootstrap stream and reports [`RawHubEvent::Disconnected`] with [`Failure::Closed`]; the
     /// peer receives everything, then [`Failure::PeerClosed`]. If it is not delivered within
-    /// `close_timeout`, the connection is failed with [`Failure::CloseTimedOut`]. Keep
-    /// driving the hub until then: dropping it first fails the peer as vanished.
+    /// `close_timeout`, the connection is failed with [`Failure::CloseTimedOut`]; if the
+    /// peer's stream ended without a goodbye (it went without closing), with
+    /// [`Failure::PeerVanished`] 50 ms after that end. Keep driving the hub until then:
+    /// dropping it first fails the peer as vanished.
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
         let slot = self.live_slot(peer)?;
         let timeout = self.config.conn.close_timeout;

@@ -269,8 +269,12 @@ impl Net {
             End::Gone(_) => true,
         };
         if receiver_error {
-            // No acknowledgement will ever come: the sender's retries run out.
+            // No acknowledgement will ever come: the sender's retries run out, or go on for
+            // ever.
             self.wire_from(from).expect("a link").pop_front();
+            if self.endless_retries {
+                return true;
+            }
             self.complete_send(from, p.wr_id, WcStatus::RetryExcErr);
             self.wake_if_fired(from);
             return true;

@@ -12,8 +12,9 @@
 //! - a send's completion comes once the peer took it; unsignaled sends retire silently with a
 //!   later signaled one, in order;
 //! - a queue pair in the error state flushes every posted request with `WrFlushErr` (a shared
-//!   receive queue's buffers stay posted); a message sent to it completes with
-//!   `RetryExcErr` at the sender;
+//!   receive queue's buffers stay posted); a message sent to it (or to a dead peer) completes
+//!   with `RetryExcErr` at the sender, or, on a network that retries for ever
+//!   ([`Net::retry_for_ever`]: rxe with `retry_cnt` 7), never completes;
 //! - a completion queue armed solicited-only fires for a solicited receive or an error, one
 //!   armed for the next completion for any, each arm once; completions queued before the arm
 //!   fire nothing (the driver polls after arming, as the real ones do).
@@ -119,6 +120,8 @@ pub(crate) struct Net {
     /// Receiver-not-ready events: a message that found no posted receive.
     pub rnr: u64,
     close_timeout: Duration,
+    /// A message that no queue pair takes is retried for ever (see [`Net::retry_for_ever`]).
+    endless_retries: bool,
 }
 
 impl Net {
@@ -130,7 +133,15 @@ impl Net {
             wires: Vec::new(),
             rnr: 0,
             close_timeout,
+            endless_retries: false,
         }
+    }
+
+    /// From now on a message to a dead peer, or to a queue pair in the error state, is never
+    /// acknowledged and its sender's device never gives up on it, as rxe with `retry_cnt` 7
+    /// (the default): the request stays posted until the sender's own queue pair fails.
+    pub(crate) fn retry_for_ever(&mut self) {
+        self.endless_retries = true;
     }
 
     /// Two connections linked to each other: (a, b).

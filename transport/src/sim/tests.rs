@@ -156,6 +156,109 @@ fn a_dead_peer_is_noticed_as_vanished_after_what_it_sent() {
     assert!(net.conns[a].core.is_drained());
 }
 
+/// A close of a peer whose process died (rxe retries the close message for ever): it ends as
+/// the peer vanished, 50 ms after its stream's end (the grace a close message in flight
+/// gets), whether the end was seen before the close, came in while the close was being
+/// started, or came while it waited; never at `close_timeout`.
+#[test]
+fn a_close_to_a_peer_that_died_ends_as_vanished_not_at_the_close_timeout() {
+    let grace = Duration::from_millis(50);
+    let ended = |net: &Net, a: usize| {
+        let c = &net.conns[a].core;
+        assert_eq!(c.failure(), Some(Failure::PeerVanished));
+        assert!(!c.close_timed_out());
+        assert!(matches!(
+            c.close_result(CLOSE),
+            Some(Err(crate::Error::Connection(Failure::PeerVanished)))
+        ));
+        assert!(c.is_drained());
+    };
+    let pair = || {
+        let (mut net, a, b) = pair(Shape::default(), Shape::default());
+        net.retry_for_ever();
+        net.conns[a].app.backlog = 5;
+        net.conns[b].app.hold = 0;
+        net.drive(10_000);
+        (net, a, b)
+    };
+
+    // Seen before: the close is refused with the failure at once.
+    let (mut net, a, b) = pair();
+    net.kill(b);
+    net.drive(10_000);
+    assert!(!net.close(a));
+    assert_eq!(net.conns[a].core.check_send(), Err(Failure::PeerVanished));
+
+    // The end not looked at yet when the close starts.
+    let (mut net, a, b) = pair();
+    net.kill(b);
+    let start = net.now;
+    assert!(net.close(a));
+    net.drive(10_000);
+    ended(&net, a);
+    assert_eq!(net.now.duration_since(start), grace);
+
+    // Seen by a turn, the close started within the grace: it keeps the deadline.
+    let (mut net, a, b) = pair();
+    net.kill(b);
+    let start = net.now;
+    net.turn(a);
+    net.advance(grace / 2);
+    assert!(net.close(a));
+    net.drive(10_000);
+    ended(&net, a);
+    assert_eq!(net.now.duration_since(start), grace);
+
+    // The peer dies while the close waits.
+    let (mut net, a, b) = pair();
+    assert!(net.close(a));
+    net.turn(a);
+    net.advance(Duration::from_millis(300));
+    net.kill(b);
+    let died = net.now;
+    net.drive(10_000);
+    ended(&net, a);
+    assert_eq!(net.now.duration_since(died), grace);
+    assert_eq!(
+        net.conns[b].app.received,
+        seqs(5),
+        "what went before it arrived"
+    );
+}
+
+/// The hub closing a peer whose process died, before the close or while it waits: its
+/// `Disconnected` says vanished, 50 ms after the peer's stream ended, not `close_timeout`
+/// later.
+#[test]
+fn a_hub_closing_a_peer_that_died_reports_it_vanished_at_once() {
+    for died_first in [true, false] {
+        let (mut net, ids) = hub(2, SHARE, 4);
+        net.retry_for_ever();
+        let (slot, dead) = ids[0];
+        net.hub().slots[slot].as_mut().unwrap().app.backlog = 3;
+        net.conns[dead].app.hold = 0;
+        net.drive(10_000);
+        if died_first {
+            net.kill(dead);
+            assert!(
+                net.close_hub_slot(slot),
+                "a leaving peer's credits are still good"
+            );
+        } else {
+            assert!(net.close_hub_slot(slot));
+            net.hub_turn();
+            net.advance(Duration::from_millis(300));
+            net.kill(dead);
+        }
+        let died = net.now;
+        net.drive(10_000);
+        assert_eq!(net.hub().ended, vec![(slot, Failure::PeerVanished)]);
+        let took = net.now.duration_since(died);
+        assert!(took < CLOSE / 4, "{took:?}");
+        assert_eq!(net.conns[dead].app.received, seqs(3));
+    }
+}
+
 #[test]
 fn a_goodbye_waits_for_the_close_message_it_announces() {
     let (mut net, a, b) = pair(Shape::default(), Shape::default());
