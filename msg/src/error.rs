@@ -93,7 +93,10 @@ pub enum Error {
     /// A message sent by rendezvous could not be read because no buffer could be registered
     /// for it (the memory-lock limit, `RLIMIT_MEMLOCK`, is a common cause): it was refused
     /// alone and its sender told to free it; the connection goes on.
-    #[error("message {seq} (tag {tag:#010x}) could not be read: no buffer for it")]
+    #[error(
+        "message {seq} (tag {tag:#010x}) could not be read: no buffer for it{}",
+        OsCause(.source)
+    )]
     ReadRefused {
         /// Its tag.
         tag: u32,
@@ -233,6 +236,24 @@ impl fmt::Display for Registered<'_> {
         }
         if self.0.len() > NAMED_TYPES {
             write!(f, " and {} more", self.0.len() - NAMED_TYPES)?;
+        }
+        Ok(())
+    }
+}
+
+/// ` (cannot allocate memory)`: the OS error behind a transport error, in short, for a message
+/// whose source that error is (the OS's reason shows without printing the chain); nothing if
+/// none is.
+struct OsCause<'a>(&'a rdmsg_transport::Error);
+
+impl fmt::Display for OsCause<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(self.0);
+        while let Some(e) = cur {
+            if let Some(os) = e.downcast_ref::<std::io::Error>() {
+                return write!(f, " ({})", rdmsg_transport::Brief(os));
+            }
+            cur = e.source();
         }
         Ok(())
     }

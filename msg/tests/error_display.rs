@@ -24,11 +24,48 @@ fn a_failed_verb_prints_as_the_verb_and_why() {
 #[test]
 fn a_failed_connection_prints_why_it_failed() {
     let e = rdmsg_msg::Error::from(rdmsg_transport::Error::Connection(
-        rdmsg_transport::Failure::PeerClosed,
+        rdmsg_transport::Failure::PeerVanished,
     ));
     assert_eq!(
         e.to_string(),
-        "connection failed: the peer closed the connection"
+        "connection failed: the peer vanished (bootstrap stream ended without a graceful close)"
+    );
+    assert!(e.is_fatal() && !e.is_peer_closed());
+}
+
+#[test]
+fn a_graceful_close_by_the_peer_reads_as_one() {
+    let e = rdmsg_msg::Error::from(rdmsg_transport::Error::Connection(
+        rdmsg_transport::Failure::PeerClosed,
+    ));
+    assert_eq!(e.to_string(), "the peer closed the connection");
+    assert_eq!(
+        rdmsg_testkit::error_chain(&e),
+        e.to_string(),
+        "nothing more"
+    );
+    assert!(e.is_fatal() && e.is_peer_closed());
+}
+
+#[test]
+fn a_read_refused_for_want_of_memory_says_why() {
+    let e = rdmsg_msg::Error::ReadRefused {
+        tag: 1,
+        seq: 7,
+        source: rdmsg_transport::Error::from(rdmsg_verbs::Error::RegisterMemory {
+            len: 1 << 20,
+            source: io::Error::from_raw_os_error(12),
+        }),
+    };
+    assert_eq!(
+        e.to_string(),
+        "message 7 (tag 0x00000001) could not be read: no buffer for it (cannot allocate memory)"
+    );
+    assert!(!e.is_fatal());
+    assert!(
+        rdmsg_testkit::error_chain(&e).contains("`ulimit -l`"),
+        "the chain has the rest: {}",
+        rdmsg_testkit::error_chain(&e)
     );
 }
 

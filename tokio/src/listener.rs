@@ -139,7 +139,7 @@ impl AsyncListener {
                     Ok(session) => Ok(AsyncSession::new(session)?),
                     Err(e) => {
                         inner.failed.fetch_add(1, Ordering::Relaxed);
-                        Err(e.into())
+                        Err(crate::Error::Handshake(e))
                     }
                 });
             }

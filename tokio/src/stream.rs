@@ -354,9 +354,9 @@ impl<M: Message + Send + 'static> Sink<M> for PeerSink {
     }
 }
 
-/// Clients as they come, as a [`Stream`] that never ends ([`AsyncListener::incoming`]):
-/// a client that fails its handshake is an `Err` item and the stream goes on; an error of the
-/// listener itself ([`Error::is_fatal`]) is yielded and ends it.
+/// Clients as they come, as a [`Stream`] ([`AsyncListener::incoming`]): a client that fails
+/// its handshake is an [`Error::Handshake`] item (not fatal) and the stream goes on; an
+/// error of the listener itself (fatal) is yielded and ends it.
 #[must_use = "streams do nothing unless polled"]
 pub struct Incoming {
     listener: AsyncListener,

@@ -518,18 +518,22 @@ impl Endpoint {
     ) -> Result<Connection> {
         let _span = trace_span!(INFO, "connect", addr = ?addr);
         trace::connecting(&addr);
-        let made = std::net::TcpStream::connect(&addr)
-            .map_err(|source| Error::Connect {
-                addr: format!("{addr:?}"),
-                source,
-            })
-            .and_then(|stream| connect(self, stream, config));
+        let made = dial(&addr).and_then(|stream| connect(self, stream, config));
         trace::connected(
             &addr,
             made.as_ref().map(|c| (c.qp_num(), c.peer().addr.qpn)),
         );
         made
     }
+}
+
+/// The bootstrap TCP stream to `addr`, or [`Error::Connect`], which shows the OS's reason
+/// (`connection refused`) and what it usually means.
+fn dial(addr: &(impl ToSocketAddrs + fmt::Debug)) -> Result<TcpStream> {
+    TcpStream::connect(addr).map_err(|source| Error::Connect {
+        addr: format!("{addr:?}"),
+        source,
+    })
 }
 
 /// Connects two connections to each other through TCP on loopback, on the default device
@@ -553,6 +557,34 @@ pub fn loopback_pair(server: &Config, client: &Config) -> Result<(Connection, Co
 mod tests {
     use super::*;
     use crate::handshake::Psk;
+
+    #[test]
+    fn a_refused_connect_shows_why_in_its_message() {
+        // A port nobody listens on: one just freed.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let e = dial(&addr.as_str()).unwrap_err();
+        assert!(
+            matches!(&e, Error::Connect { source, .. } if source.kind() == io::ErrorKind::ConnectionRefused),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "cannot connect to \"{addr}\": connection refused (nothing listens there: start \
+                 the peer's Listener or Hub first, or check the address and port)"
+            )
+        );
+        let e = dial(&"127.0.0.1:1").unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("cannot connect to \"127.0.0.1:1\": connection refused"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn config_bounds_what_peers_may_ask_and_checks_its_key() {

@@ -22,7 +22,7 @@ pub enum Error {
     #[error(transparent)]
     Notify(#[from] rdmsg_notify::Error),
     /// The wake-up pipe of a receive pool could not be set up.
-    #[error("cannot create the receive pool's wake-up pipe: {}{}", Brief(.0), FdHint(.0))]
+    #[error("cannot create the receive pool's wake-up pipe: {}", Brief(.0))]
     WakePipe(#[source] io::Error),
     /// Listening for bootstrap connections failed.
     #[error("cannot listen on {addr}: {}{}", Brief(.source), ListenHint(.source))]
@@ -43,7 +43,7 @@ pub enum Error {
         source: io::Error,
     },
     /// Bootstrap socket I/O failed (peer gone, timeout, ...).
-    #[error("bootstrap exchange failed while {stage}: {}{}", Brief(.source), FdHint(.source))]
+    #[error("bootstrap exchange failed while {stage}: {}", Brief(.source))]
     Bootstrap {
         /// What was being exchanged.
         stage: &'static str,
@@ -109,8 +109,10 @@ pub enum Error {
     /// No connection of the hub has this id (never had, or it was disconnected).
     #[error("no connection {0} in the hub")]
     UnknownPeer(crate::PeerId),
-    /// The connection failed; every later call reports the same.
-    #[error("connection failed: {0}")]
+    /// The connection ended: it failed, or either side closed it; every later call reports
+    /// the same. A close reads as one (`the peer closed the connection`), a failure as
+    /// `connection failed: ` and why.
+    #[error("{}", Ended(.0))]
     Connection(Failure),
 }
 
@@ -167,13 +169,17 @@ pub(crate) const WAIT_CLOSE_ACK: &str =
                                   may have gone); Config::close_timeout bounds this wait";
 
 /// The short text of an I/O error, for a message whose source it is: the OS's description
-/// without ` (os error N)`, first letter in lower case (`connection refused`). The layers
-/// above format their own I/O errors with it too.
+/// without ` (os error N)`, first letter in lower case (`connection refused`); for a limit on
+/// open descriptors (`EMFILE`, `ENFILE`), which one and what to do
+/// ([`rdmsg_verbs::FdLimit`]). The layers above format their own I/O errors with it too.
 #[derive(Debug)]
 pub struct Brief<'a>(pub &'a io::Error);
 
 impl std::fmt::Display for Brief<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(limit) = rdmsg_verbs::FdLimit::of(self.0) {
+            return limit.fmt(f);
+        }
         let text = self.0.to_string();
         let text = match self.0.raw_os_error() {
             Some(n) => text
@@ -205,7 +211,7 @@ impl std::fmt::Display for ConnectHint<'_> {
                 " (the host did not answer: check the address, and that a firewall lets the \
                  port through)",
             ),
-            _ => FdHint(self.0).fmt(f),
+            _ => Ok(()),
         }
     }
 }
@@ -220,24 +226,20 @@ impl std::fmt::Display for ListenHint<'_> {
                 " (another process, or an earlier run of this one, holds the port: pick \
                  another, or port 0 for any free one)",
             ),
-            _ => FdHint(self.0).fmt(f),
+            _ => Ok(()),
         }
     }
 }
 
-/// After a call that hit the process's limit on open descriptors (`EMFILE`).
-struct FdHint<'a>(&'a io::Error);
+/// An [`Error::Connection`]: a close reads as what it is, anything else as a failure.
+struct Ended<'a>(&'a Failure);
 
-impl std::fmt::Display for FdHint<'_> {
+impl std::fmt::Display for Ended<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // EMFILE on Linux.
-        if self.0.raw_os_error() == Some(24) {
-            f.write_str(
-                " (each connection holds a few descriptors: raise the limit with `ulimit -n`, \
-                 or serve many peers from one Hub)",
-            )?;
+        match self.0 {
+            Failure::PeerClosed | Failure::Closed | Failure::CloseTimedOut => self.0.fmt(f),
+            failure => write!(f, "connection failed: {failure}"),
         }
-        Ok(())
     }
 }
 
@@ -314,9 +316,13 @@ pub enum Failure {
 }
 
 fn errno_suffix(errno: Option<i32>) -> String {
-    match errno {
-        Some(n) => format!(" ({})", io::Error::from_raw_os_error(n)),
-        None => String::new(),
+    let Some(n) = errno else {
+        return String::new();
+    };
+    let e = io::Error::from_raw_os_error(n);
+    match rdmsg_verbs::FdLimit::of(&e) {
+        Some(limit) => format!(": {limit}"),
+        None => format!(" ({e})"),
     }
 }
 
@@ -391,12 +397,6 @@ mod tests {
                  any free one)",
             ),
             (
-                Error::WakePipe(os(24)),
-                "cannot create the receive pool's wake-up pipe: too many open files (each \
-                 connection holds a few descriptors: raise the limit with `ulimit -n`, or serve \
-                 many peers from one Hub)",
-            ),
-            (
                 Error::Bootstrap {
                     stage: "reading the peer's hello",
                     source: os(104),
@@ -435,5 +435,124 @@ mod tests {
         for (e, want) in cases {
             assert_eq!(e.to_string(), want);
         }
+    }
+
+    /// What `EMFILE` (24 on Linux) reads as, with the process's soft limit as it is now.
+    fn emfile_text() -> String {
+        let now = rdmsg_verbs::fd_limit().map_or(String::new(), |n| format!(", currently {n}"));
+        format!(
+            "too many open files (EMFILE): this process reached its descriptor limit (`ulimit \
+             -n`{now}): raise it, or serve many peers from one `Hub` (one descriptor per peer; a \
+             session holds about 9) instead of a session each"
+        )
+    }
+
+    #[test]
+    fn a_descriptor_limit_says_so_wherever_it_is_met() {
+        let os = io::Error::from_raw_os_error;
+        let emfile = emfile_text();
+        let cases: Vec<(Error, String)> = vec![
+            (
+                Error::WakePipe(os(24)),
+                format!("cannot create the receive pool's wake-up pipe: {emfile}"),
+            ),
+            (
+                Error::Bootstrap {
+                    stage: "accepting",
+                    source: os(24),
+                },
+                format!("bootstrap exchange failed while accepting: {emfile}"),
+            ),
+            (
+                Error::Connect {
+                    addr: "\"127.0.0.1:7000\"".into(),
+                    source: os(24),
+                },
+                format!("cannot connect to \"127.0.0.1:7000\": {emfile}"),
+            ),
+            (
+                Error::Listen {
+                    addr: "\"0.0.0.0:7000\"".into(),
+                    source: os(24),
+                },
+                format!("cannot listen on \"0.0.0.0:7000\": {emfile}"),
+            ),
+            (
+                Error::Verbs(rdmsg_verbs::Error::CreateCompChannel(os(24))),
+                format!("ibv_create_comp_channel failed: {emfile}"),
+            ),
+            (
+                Error::Verbs(rdmsg_verbs::Error::WaitFd {
+                    call: "epoll_create1",
+                    fd: -1,
+                    source: os(24),
+                }),
+                format!("epoll_create1 failed: {emfile}"),
+            ),
+            (
+                Error::Connection(Failure::Local {
+                    op: "waiting on the completion channel",
+                    errno: Some(24),
+                }),
+                format!("connection failed: waiting on the completion channel failed: {emfile}"),
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.to_string(), want);
+        }
+        // ENFILE (23) too, as the system's limit.
+        let e = Error::Bootstrap {
+            stage: "accepting",
+            source: os(23),
+        };
+        assert!(
+            e.to_string().starts_with(
+                "bootstrap exchange failed while accepting: too many open files in the system \
+                 (ENFILE): the system reached its limit on open files (`sysctl fs.file-max`)"
+            ),
+            "{e}"
+        );
+        // Other errors are shown as before.
+        assert_eq!(
+            Brief(&os(104)).to_string(),
+            "connection reset by peer",
+            "no hint for other errors"
+        );
+    }
+
+    #[test]
+    fn a_close_reads_as_a_close_and_a_failure_as_a_failure() {
+        let cases = [
+            (Failure::PeerClosed, "the peer closed the connection"),
+            (Failure::Closed, "the connection was closed locally"),
+            (
+                Failure::CloseTimedOut,
+                "the connection was closed locally before the peer took the close \
+                 (close_timeout ran out)",
+            ),
+            (
+                Failure::PeerVanished,
+                "connection failed: the peer vanished (bootstrap stream ended without a graceful \
+                 close)",
+            ),
+            (
+                Failure::QpError,
+                "connection failed: the queue pair entered the error state",
+            ),
+        ];
+        for (f, want) in cases {
+            assert_eq!(Error::Connection(f).to_string(), want);
+        }
+    }
+
+    #[test]
+    fn a_peer_that_could_not_set_up_its_side_may_have_hit_its_limits() {
+        assert_eq!(
+            Error::Rejected(Reject::Resources).to_string(),
+            "the peer rejected our handshake: the peer could not set up its side of the \
+             connection (its queue pair, buffers or descriptors): it may have reached its \
+             descriptor limit (`ulimit -n`) or locked-memory limit (`ulimit -l`); the error on \
+             its side says which"
+        );
     }
 }

@@ -10,15 +10,16 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// A failed verb, with the context needed to tell which call failed and why.
 ///
 /// Each message names the call, its context and, in short form, the error number (for example
-/// `ibv_post_send on QP 0x11 failed (ENOMEM)`); the OS error itself (`errno`, or the error
-/// number a verb returned directly) is the `#[source]`, so printing the chain (anyhow's `{:#}`)
-/// adds its full text once.
+/// `ibv_post_send on QP 0x11 failed (ENOMEM)`), or for a limit on open descriptors what it
+/// means and what to do ([`FdLimit`]: `failed: too many open files (EMFILE): ...`); the OS
+/// error itself (`errno`, or the error number a verb returned directly) is the `#[source]`, so
+/// printing the chain (anyhow's `{:#}`) adds its full text once.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// `ibv_get_device_list` failed (typically `ENOSYS`: the kernel has no RDMA support
     /// loaded, `ib_uverbs`). The message says how to set up Soft-RoCE ([`SETUP_HINT`]).
-    #[error("ibv_get_device_list failed ({}){}", Errno(.0), ListHint(.0))]
+    #[error("ibv_get_device_list failed{}{}", Failed(.0), ListHint(.0))]
     ListDevices(#[source] io::Error),
     /// No device of that name is present.
     #[error("no RDMA device named {name:?} {}", Present(.present))]
@@ -33,7 +34,7 @@ pub enum Error {
     #[error("no RDMA device present; {SETUP_HINT}")]
     NoDevice,
     /// `ibv_open_device` failed.
-    #[error("ibv_open_device on {device} failed ({}){}", Errno(.source), FdHint(.source))]
+    #[error("ibv_open_device on {device} failed{}", Failed(.source))]
     OpenDevice {
         /// Device name.
         device: String,
@@ -42,7 +43,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_device` failed.
-    #[error("ibv_query_device on {device} failed ({})", Errno(.source))]
+    #[error("ibv_query_device on {device} failed{}", Failed(.source))]
     QueryDevice {
         /// Device name.
         device: String,
@@ -51,7 +52,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_port` failed.
-    #[error("ibv_query_port on {device} port {port} failed ({})", Errno(.source))]
+    #[error("ibv_query_port on {device} port {port} failed{}", Failed(.source))]
     QueryPort {
         /// Device name.
         device: String,
@@ -62,7 +63,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_gid` failed.
-    #[error("ibv_query_gid on {device} port {port} index {index} failed ({})", Errno(.source))]
+    #[error("ibv_query_gid on {device} port {port} index {index} failed{}", Failed(.source))]
     QueryGid {
         /// Device name.
         device: String,
@@ -81,10 +82,10 @@ pub enum Error {
         port: u8,
     },
     /// `ibv_alloc_pd` failed.
-    #[error("ibv_alloc_pd failed ({})", Errno(.0))]
+    #[error("ibv_alloc_pd failed{}", Failed(.0))]
     AllocPd(#[source] io::Error),
     /// `ibv_reg_mr` failed (or the memory to register could not be allocated: `ENOMEM`).
-    #[error("ibv_reg_mr of {len} bytes failed ({}){}", Errno(.source), MemlockHint(.source))]
+    #[error("ibv_reg_mr of {len} bytes failed{}{}", Failed(.source), MemlockHint(.source))]
     RegisterMemory {
         /// Requested length.
         len: usize,
@@ -93,17 +94,17 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_alloc_mw` failed (or the device has no memory windows of type 2: `EOPNOTSUPP`).
-    #[error("ibv_alloc_mw failed ({})", Errno(.source))]
+    #[error("ibv_alloc_mw failed{}", Failed(.source))]
     AllocMw {
         /// Cause.
         #[source]
         source: io::Error,
     },
     /// `ibv_create_comp_channel` failed.
-    #[error("ibv_create_comp_channel failed ({}){}", Errno(.0), FdHint(.0))]
+    #[error("ibv_create_comp_channel failed{}", Failed(.0))]
     CreateCompChannel(#[source] io::Error),
     /// Switching a file descriptor between blocking and non-blocking failed.
-    #[error("fcntl setting O_NONBLOCK={nonblocking} on fd {fd} failed ({})", Errno(.source))]
+    #[error("fcntl setting O_NONBLOCK={nonblocking} on fd {fd} failed{}", Failed(.source))]
     SetNonBlocking {
         /// The file descriptor.
         fd: i32,
@@ -114,7 +115,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_create_cq` failed.
-    #[error("ibv_create_cq of {cqe} entries failed ({})", Errno(.source))]
+    #[error("ibv_create_cq of {cqe} entries failed{}", Failed(.source))]
     CreateCq {
         /// Requested number of entries.
         cqe: u32,
@@ -123,7 +124,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_req_notify_cq` failed.
-    #[error("ibv_req_notify_cq (solicited_only={solicited_only}) failed ({})", Errno(.source))]
+    #[error("ibv_req_notify_cq (solicited_only={solicited_only}) failed{}", Failed(.source))]
     ReqNotifyCq {
         /// The arming mode.
         solicited_only: bool,
@@ -132,15 +133,15 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_get_cq_event` failed (other than `EAGAIN` on a non-blocking channel).
-    #[error("ibv_get_cq_event failed ({})", Errno(.0))]
+    #[error("ibv_get_cq_event failed{}", Failed(.0))]
     GetCqEvent(#[source] io::Error),
     /// `ibv_poll_cq` failed.
-    #[error("ibv_poll_cq failed ({})", Errno(.0))]
+    #[error("ibv_poll_cq failed{}", Failed(.0))]
     PollCq(#[source] io::Error),
     /// `ibv_create_qp` failed.
     #[error(
-        "ibv_create_qp (max_send_wr {}, max_recv_wr {}, max_inline_data {}) failed ({})",
-        .caps.max_send_wr, .caps.max_recv_wr, .caps.max_inline_data, Errno(.source)
+        "ibv_create_qp (max_send_wr {}, max_recv_wr {}, max_inline_data {}) failed{}",
+        .caps.max_send_wr, .caps.max_recv_wr, .caps.max_inline_data, Failed(.source)
     )]
     CreateQp {
         /// The queue sizes requested.
@@ -150,7 +151,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_modify_qp` failed.
-    #[error("ibv_modify_qp on QP {qp_num:#x} from {from:?} to {to:?} failed ({})", Errno(.source))]
+    #[error("ibv_modify_qp on QP {qp_num:#x} from {from:?} to {to:?} failed{}", Failed(.source))]
     ModifyQp {
         /// Queue pair number.
         qp_num: u32,
@@ -164,7 +165,7 @@ pub enum Error {
     },
     /// `ibv_destroy_qp` failed (the queue pair's posted buffers are leaked: the device may
     /// still own them).
-    #[error("ibv_destroy_qp on QP {qp_num:#x} failed ({})", Errno(.source))]
+    #[error("ibv_destroy_qp on QP {qp_num:#x} failed{}", Failed(.source))]
     DestroyQp {
         /// Queue pair number.
         qp_num: u32,
@@ -173,7 +174,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_query_qp` failed.
-    #[error("ibv_query_qp on QP {qp_num:#x} failed ({})", Errno(.source))]
+    #[error("ibv_query_qp on QP {qp_num:#x} failed{}", Failed(.source))]
     QueryQp {
         /// Queue pair number.
         qp_num: u32,
@@ -182,7 +183,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_post_send` failed.
-    #[error("ibv_post_send on QP {qp_num:#x} failed ({})", Errno(.source))]
+    #[error("ibv_post_send on QP {qp_num:#x} failed{}", Failed(.source))]
     PostSend {
         /// Queue pair number.
         qp_num: u32,
@@ -191,7 +192,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_post_recv` failed.
-    #[error("ibv_post_recv on QP {qp_num:#x} failed ({})", Errno(.source))]
+    #[error("ibv_post_recv on QP {qp_num:#x} failed{}", Failed(.source))]
     PostRecv {
         /// Queue pair number.
         qp_num: u32,
@@ -200,7 +201,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_create_srq` failed.
-    #[error("ibv_create_srq (max_wr {max_wr}) failed ({})", Errno(.source))]
+    #[error("ibv_create_srq (max_wr {max_wr}) failed{}", Failed(.source))]
     CreateSrq {
         /// Requested number of work requests.
         max_wr: u32,
@@ -209,7 +210,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_post_srq_recv` failed.
-    #[error("ibv_post_srq_recv of {requests} requests (max_wr {max_wr}) failed ({})", Errno(.source))]
+    #[error("ibv_post_srq_recv of {requests} requests (max_wr {max_wr}) failed{}", Failed(.source))]
     PostSrqRecv {
         /// Requests in the failed post.
         requests: usize,
@@ -220,7 +221,7 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_modify_srq` setting the SRQ limit failed.
-    #[error("ibv_modify_srq (srq_limit {limit}) failed ({})", Errno(.source))]
+    #[error("ibv_modify_srq (srq_limit {limit}) failed{}", Failed(.source))]
     ModifySrq {
         /// Requested limit.
         limit: u32,
@@ -229,11 +230,11 @@ pub enum Error {
         source: io::Error,
     },
     /// `ibv_get_async_event` failed (other than `EAGAIN` in non-blocking mode).
-    #[error("ibv_get_async_event failed ({})", Errno(.0))]
+    #[error("ibv_get_async_event failed{}", Failed(.0))]
     GetAsyncEvent(#[source] io::Error),
     /// A call waiting for verbs descriptors (`poll`, `epoll_create1`, `epoll_ctl`,
     /// `epoll_wait`) failed.
-    #[error("{call}{} failed ({}){}", OnFd(.fd), Errno(.source), FdHint(.source))]
+    #[error("{call}{} failed{}", OnFd(.fd), Failed(.source))]
     WaitFd {
         /// The call that failed.
         call: &'static str,
@@ -269,20 +270,69 @@ impl std::fmt::Display for ListHint<'_> {
     }
 }
 
-/// What follows a call that needed a descriptor and hit the process's limit (`EMFILE`): each
-/// connection holds a few (its completion channel, wake-up pipe, bootstrap stream), a hub's
-/// connections share all but their streams.
-struct FdHint<'a>(&'a io::Error);
+/// What a call that hit a limit on open descriptors means, and what to do: `EMFILE` (this
+/// process's limit, `ulimit -n`) or `ENFILE` (the system's). A session holds about nine
+/// descriptors, so the usual soft limit of 1024 stops a process near a hundred sessions with
+/// errors that would otherwise name only the call; a hub holds one per peer beyond its own few.
+/// Every layer's error that carries an OS error shows this in place of the bare error: this
+/// crate's, and the transport's (through `rdmsg_transport::Brief`).
+///
+/// ```text
+/// too many open files (EMFILE): this process reached its descriptor limit (`ulimit -n`,
+/// currently 1024): raise it, or serve many peers from one `Hub` (one descriptor per peer; a
+/// session holds about 9) instead of a session each
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdLimit {
+    errno: i32,
+}
 
-impl std::fmt::Display for FdHint<'_> {
+impl FdLimit {
+    /// The explanation of `e`, if it is `EMFILE` or `ENFILE`.
+    pub fn of(e: &io::Error) -> Option<Self> {
+        matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)).then(|| Self {
+            errno: e.raw_os_error().unwrap_or_default(),
+        })
+    }
+}
+
+/// What to do instead of raising a limit further, the same for both limits.
+const USE_A_HUB: &str =
+    "serve many peers from one `Hub` (one descriptor per peer; a session holds about 9) instead \
+     of a session each";
+
+impl std::fmt::Display for FdLimit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.0.raw_os_error() == Some(libc::EMFILE) {
-            f.write_str(
-                ": the process has too many open files; raise its limit (`ulimit -n`), or \
-                 serve many peers from one Hub, whose connections share one completion channel",
-            )?;
+        if self.errno == libc::ENFILE {
+            return write!(
+                f,
+                "too many open files in the system (ENFILE): the system reached its limit on \
+                 open files (`sysctl fs.file-max`): raise it or close files elsewhere, and \
+                 {USE_A_HUB}"
+            );
         }
-        Ok(())
+        f.write_str(
+            "too many open files (EMFILE): this process reached its descriptor limit \
+             (`ulimit -n`",
+        )?;
+        // Read when shown: the limit the process has now, which it may have raised since.
+        if let Some(n) = crate::fd_limit() {
+            write!(f, ", currently {n}")?;
+        }
+        write!(f, "): raise it, or {USE_A_HUB}")
+    }
+}
+
+/// What follows "failed" in a verb's message: ` (ENOMEM)`, the errno in short form, or for a
+/// descriptor limit `: ` and what it means ([`FdLimit`]).
+struct Failed<'a>(&'a io::Error);
+
+impl std::fmt::Display for Failed<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match FdLimit::of(self.0) {
+            Some(limit) => write!(f, ": {limit}"),
+            None => write!(f, " ({})", Errno(self.0)),
+        }
     }
 }
 
@@ -492,16 +542,6 @@ mod tests {
                 "epoll_ctl on fd 7 failed (EBADF)",
             ),
             (
-                Error::WaitFd {
-                    call: "epoll_create1",
-                    fd: -1,
-                    source: os(libc::EMFILE),
-                },
-                "epoll_create1 failed (EMFILE): the process has too many open files; raise its \
-                 limit (`ulimit -n`), or serve many peers from one Hub, whose connections share \
-                 one completion channel",
-            ),
-            (
                 Error::CreateSrq {
                     max_wr: 256,
                     source: os(libc::ENOMEM),
@@ -571,13 +611,6 @@ mod tests {
                     .into(),
             ),
             (
-                Error::CreateCompChannel(os(libc::EMFILE)),
-                "ibv_create_comp_channel failed (EMFILE): the process has too many open \
-                 files; raise its limit (`ulimit -n`), or serve many peers from one Hub, whose \
-                 connections share one completion channel"
-                    .into(),
-            ),
-            (
                 Error::RegisterMemory {
                     len: 1 << 20,
                     source: os(libc::ENOMEM),
@@ -594,6 +627,85 @@ mod tests {
         for (e, want) in cases {
             assert_eq!(e.to_string(), want);
         }
+    }
+
+    /// What the descriptor limits read as, with the process's soft limit as it is now.
+    fn fd_limit_texts() -> (String, String) {
+        let now = crate::fd_limit().map_or(String::new(), |n| format!(", currently {n}"));
+        (
+            format!(
+                "too many open files (EMFILE): this process reached its descriptor limit \
+                 (`ulimit -n`{now}): raise it, or serve many peers from one `Hub` (one \
+                 descriptor per peer; a session holds about 9) instead of a session each"
+            ),
+            "too many open files in the system (ENFILE): the system reached its limit on open \
+             files (`sysctl fs.file-max`): raise it or close files elsewhere, and serve many \
+             peers from one `Hub` (one descriptor per peer; a session holds about 9) instead of \
+             a session each"
+                .to_owned(),
+        )
+    }
+
+    #[test]
+    fn a_descriptor_limit_says_which_and_what_to_do() {
+        let (emfile, enfile) = fd_limit_texts();
+        assert!(
+            emfile.contains(", currently "),
+            "getrlimit reads on Linux: {emfile}"
+        );
+        let cases: Vec<(Error, String)> = vec![
+            (
+                Error::CreateCompChannel(os(libc::EMFILE)),
+                format!("ibv_create_comp_channel failed: {emfile}"),
+            ),
+            (
+                Error::CreateCompChannel(os(24)),
+                format!("ibv_create_comp_channel failed: {emfile}"),
+            ),
+            (
+                Error::WaitFd {
+                    call: "epoll_create1",
+                    fd: -1,
+                    source: os(libc::EMFILE),
+                },
+                format!("epoll_create1 failed: {emfile}"),
+            ),
+            (
+                Error::OpenDevice {
+                    device: "rxe0".into(),
+                    source: os(libc::ENFILE),
+                },
+                format!("ibv_open_device on rxe0 failed: {enfile}"),
+            ),
+            (
+                Error::CreateCq {
+                    cqe: 64,
+                    source: os(libc::EMFILE),
+                },
+                format!("ibv_create_cq of 64 entries failed: {emfile}"),
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.to_string(), want);
+            // The full OS text stays the source, for chains.
+            assert!(
+                chain(&e).ends_with(&os(e_errno(&e)).to_string()),
+                "{}",
+                chain(&e)
+            );
+        }
+        assert_eq!(FdLimit::of(&os(libc::ENOMEM)), None);
+        assert_eq!(FdLimit::of(&io::Error::other("no errno")), None);
+        assert_eq!(FdLimit::of(&os(libc::EMFILE)).unwrap().to_string(), emfile);
+        assert_eq!(FdLimit::of(&os(libc::ENFILE)).unwrap().to_string(), enfile);
+    }
+
+    /// The errno of an error's source.
+    fn e_errno(e: &Error) -> i32 {
+        std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<io::Error>())
+            .and_then(io::Error::raw_os_error)
+            .expect("an OS error as the source")
     }
 
     /// What `last_os_error` makes of an errno value.

@@ -99,7 +99,7 @@ pub use device::{
     devices, AsyncElement, AsyncEvent, AsyncEventKind, Context, DeviceAttr, DeviceInfo, Gid,
     LinkLayer, Mtu, PortAttr, PortState,
 };
-pub use error::{Error, Result, SETUP_HINT};
+pub use error::{Error, FdLimit, Result, SETUP_HINT};
 pub use loopback::connect_loopback;
 pub use mr::{Access, Buffer, Exposed};
 pub use pd::ProtectionDomain;
@@ -294,6 +294,21 @@ pub fn raise_fd_limit(want: u64) -> std::io::Result<u64> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(target)
+}
+
+/// The soft limit on open descriptors (`RLIMIT_NOFILE`, what `ulimit -n` shows) in force now:
+/// `None` when unlimited or unreadable. Read by the errors that hit it ([`FdLimit`]), so that
+/// they say how far the process got.
+pub fn fd_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit to write to.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return None;
+    }
+    (lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
 }
 
 /// The soft limit on memory a process may pin (`RLIMIT_MEMLOCK`), which bounds what it can

@@ -51,8 +51,11 @@ tasks:
                    and the fan-in (1 to 1024 connections: one hub thread vs a thread per
                    connection); writes target/bench/report.md, report.json, chart.png (ARGS
                    go to `rdmsg-bench run`, e.g. --rounds 3, --only lat or --only fanin)
-  vm [--kernel K] -- CMD...
-                   boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's)
+  vm [--kernel K] [--env NAME[=VALUE]]... -- CMD...
+                   boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's).
+                   The guest has none of the host's environment but RUST_LOG and RUST_BACKTRACE
+                   (when set); --env passes NAME with the host's value, or sets it to VALUE
+                   (repeatable)
   vm2 [--kernel K] two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
                    exchange between them, then one VM is killed; the other must report it
   cluster [--kernel K] [--hosts H] [--seconds S] [--sweep]
@@ -118,7 +121,7 @@ fn main() -> ExitCode {
             kernel,
             run_args,
         } => bench(quick, kernel, run_args),
-        Task::Vm { kernel, cmd } => vm_cmd(kernel, &cmd),
+        Task::Vm { kernel, cmd, env } => vm_cmd(kernel, &cmd, &env),
         Task::Vm2(kernel) => vm2_cmd(kernel),
         Task::Cluster {
             kernel,
@@ -157,6 +160,8 @@ enum Task {
     Vm {
         kernel: Kernel,
         cmd: Vec<String>,
+        /// `--env` arguments, `NAME` or `NAME=VALUE`, in order.
+        env: Vec<String>,
     },
     Vm2(Kernel),
     Cluster {
@@ -193,6 +198,8 @@ struct Opts {
     hosts: Option<u16>,
     seconds: Option<f64>,
     sweep: bool,
+    /// `--env` arguments, in order.
+    env: Vec<String>,
     rest: Vec<String>,
 }
 
@@ -223,7 +230,10 @@ fn options(
         if !allowed.contains(&flag) {
             return Err(format!("`{task}` takes no option {arg:?}"));
         }
-        let takes_value = matches!(flag, "--kernel" | "--bins" | "--hosts" | "--seconds");
+        let takes_value = matches!(
+            flag,
+            "--kernel" | "--bins" | "--hosts" | "--seconds" | "--env"
+        );
         let value = match (takes_value, inline) {
             (true, Some(v)) => v,
             (true, None) => {
@@ -262,6 +272,7 @@ fn options(
                         .ok_or("--seconds must be a positive number")?,
                 )
             }
+            "--env" => o.env.push(env_arg(&value)?),
             "--sweep" => o.sweep = true,
             "--quick" => o.quick = true,
             "--device-only" => o.device_only = true,
@@ -340,13 +351,16 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
             }
         }
         "vm" => {
-            let o = options(task, rest, &["--kernel"], true)?;
+            let o = options(task, rest, &["--kernel", "--env"], true)?;
             if o.rest.is_empty() {
-                return Err("usage: cargo xtask vm [--kernel K] -- CMD...".into());
+                return Err(
+                    "usage: cargo xtask vm [--kernel K] [--env NAME[=VALUE]]... -- CMD...".into(),
+                );
             }
             Task::Vm {
                 kernel: kernel(&o),
                 cmd: o.rest,
+                env: o.env,
             }
         }
         "vm2" => Task::Vm2(kernel(&no_rest(options(
@@ -495,17 +509,89 @@ fn vm_timeout() -> Duration {
     Duration::from_secs(secs)
 }
 
-fn vm_cmd(kernel: Kernel, args: &[String]) -> Result<ExitCode> {
+/// An `--env` argument, checked: `NAME` or `NAME=VALUE`, NAME a shell variable's name (the
+/// guest exports it).
+fn env_arg(arg: &str) -> Result<String, String> {
+    let name = arg.split_once('=').map_or(arg, |(name, _)| name);
+    let mut chars = name.chars();
+    let valid = chars
+        .next()
+        .is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+        && chars.all(|c| c == '_' || c.is_ascii_alphanumeric());
+    if valid {
+        Ok(arg.to_owned())
+    } else {
+        Err(format!(
+            "--env {arg:?}: give NAME or NAME=VALUE, NAME made of letters, digits and _ (not \
+             starting with a digit)"
+        ))
+    }
+}
+
+/// Variables passed into the guest whenever the host has them: what a failing program's
+/// output depends on.
+const PASSED_BY_DEFAULT: &[&str] = &["RUST_LOG", "RUST_BACKTRACE"];
+
+/// What `cargo xtask vm` sets in the guest: [`PASSED_BY_DEFAULT`] as the host has them, then
+/// each `--env` argument in order (`NAME=VALUE` as given, `NAME` with the host's value, read
+/// through `host`), a later one for a name replacing an earlier one. Second: the names given
+/// alone that the host does not have (left out).
+fn guest_env(
+    args: &[String],
+    host: impl Fn(&str) -> Option<String>,
+) -> (Vec<(String, String)>, Vec<String>) {
+    fn set(vars: &mut Vec<(String, String)>, name: &str, value: String) {
+        vars.retain(|(n, _)| n != name);
+        vars.push((name.to_owned(), value));
+    }
+    let mut vars = Vec::new();
+    let mut unset = Vec::new();
+    for name in PASSED_BY_DEFAULT {
+        if let Some(value) = host(name) {
+            set(&mut vars, name, value);
+        }
+    }
+    for arg in args {
+        match arg.split_once('=') {
+            Some((name, value)) => set(&mut vars, name, value.to_owned()),
+            None => match host(arg) {
+                Some(value) => set(&mut vars, arg, value),
+                None => unset.push(arg.clone()),
+            },
+        }
+    }
+    (vars, unset)
+}
+
+/// Shell lines that export `vars` (values quoted: any byte but NUL survives).
+fn env_exports(vars: &[(String, String)]) -> String {
+    vars.iter()
+        .map(|(name, value)| format!("export {name}={}\n", sh_quote(value)))
+        .collect()
+}
+
+fn vm_cmd(kernel: Kernel, args: &[String], env: &[String]) -> Result<ExitCode> {
     ensure_packages()?;
-    let script = args
-        .iter()
-        .map(|a| sh_quote(a))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let (vars, unset) = guest_env(env, |name| std::env::var(name).ok());
+    for name in unset {
+        eprintln!("xtask: --env {name}: the host has no {name}; not set in the guest");
+    }
+    let script = env_exports(&vars)
+        + &args
+            .iter()
+            .map(|a| sh_quote(a))
+            .collect::<Vec<_>>()
+            .join(" ");
+    let passed = if vars.is_empty() {
+        String::new()
+    } else {
+        let names: Vec<&str> = vars.iter().map(|(n, _)| n.as_str()).collect();
+        format!(" (with {})", names.join(", "))
+    };
     let _s = Step::new(
         "vm",
         &format!(
-            "booting the Soft-RoCE VM (Linux {kernel}) to run: {}",
+            "booting the Soft-RoCE VM (Linux {kernel}) to run: {}{passed}",
             args.join(" ")
         ),
     );
@@ -1512,6 +1598,7 @@ mod tests {
         let vm = |kernel: &str, cmd: &str| Task::Vm {
             kernel: k(kernel),
             cmd: args(cmd),
+            env: vec![],
         };
         assert_eq!(
             parse(&args("vm -- uname -r"), None),
@@ -1582,6 +1669,86 @@ mod tests {
             3
         );
         assert!(select_binaries(all, &args("nothing")).is_err());
+    }
+
+    #[test]
+    fn vm_takes_environment_variables_for_the_guest() {
+        assert_eq!(
+            parse(
+                &args("vm --env RUST_LOG=debug --env=HOME --kernel 6.12 --env A=b=c -- env"),
+                None
+            ),
+            Ok(Task::Vm {
+                kernel: k("6.12"),
+                cmd: args("env"),
+                env: args("RUST_LOG=debug HOME A=b=c"),
+            })
+        );
+        assert_eq!(
+            parse(&args("vm ls --env X=1"), None),
+            Ok(Task::Vm {
+                kernel: k("6.1"),
+                cmd: args("ls --env X=1"),
+                env: vec![],
+            }),
+            "options end at the command"
+        );
+        for bad in [
+            "vm --env -- ls",
+            "vm --env 1X=2 -- ls",
+            "vm --env A-B -- ls",
+            "vm --env =v -- ls",
+        ] {
+            assert!(parse(&args(bad), None).is_err(), "{bad}");
+        }
+        assert!(
+            parse(&args("demo --env A=1"), None).is_err(),
+            "only vm takes --env"
+        );
+    }
+
+    #[test]
+    fn the_guest_gets_the_logging_variables_and_what_env_names() {
+        let host = |name: &str| match name {
+            "RUST_LOG" => Some("rdmsg_transport=debug".to_owned()),
+            "HOME" => Some("/root".to_owned()),
+            _ => None,
+        };
+        let (vars, unset) = guest_env(&args("HOME K=v NOPE RUST_LOG=info K=w"), host);
+        let pairs: Vec<(&str, &str)> = vars.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        assert_eq!(pairs, [("HOME", "/root"), ("RUST_LOG", "info"), ("K", "w")]);
+        assert_eq!(unset, ["NOPE"]);
+        let (vars, unset) = guest_env(&[], host);
+        assert_eq!(
+            vars,
+            [("RUST_LOG".to_owned(), "rdmsg_transport=debug".to_owned())]
+        );
+        assert!(unset.is_empty());
+        assert_eq!(guest_env(&[], |_| None), (vec![], vec![]));
+    }
+
+    #[test]
+    fn guest_variables_are_quoted_for_the_shell() {
+        let vars = [
+            ("A".to_owned(), "it's $HOME `id` \"x\"\nline 2".to_owned()),
+            ("B".to_owned(), String::new()),
+        ];
+        let exports = env_exports(&vars);
+        assert_eq!(
+            exports,
+            "export A='it'\\''s $HOME `id` \"x\"\nline 2'\nexport B=''\n"
+        );
+        // What a shell makes of them: the values, byte for byte.
+        if let Ok(out) = Command::new("sh")
+            .arg("-c")
+            .arg(format!("{exports}printf '%s|%s' \"$A\" \"$B\""))
+            .output()
+        {
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout),
+                "it's $HOME `id` \"x\"\nline 2|"
+            );
+        }
     }
 
     #[test]

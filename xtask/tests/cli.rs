@@ -11,7 +11,12 @@ fn xtask(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn an_unknown_task_prints_usage_and_exits_2() {
-    for args in [&["no-such-task"][..], &[], &["vm", "--kernel", "2.6"]] {
+    for args in [
+        &["no-such-task"][..],
+        &[],
+        &["vm", "--kernel", "2.6"],
+        &["vm", "--env", "1X=2", "--", "true"],
+    ] {
         let out = xtask(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -24,4 +29,5 @@ fn help_exits_0() {
     let out = xtask(&["--help"]);
     assert_eq!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stdout).contains("--kernel K"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--env NAME[=VALUE]"));
 }

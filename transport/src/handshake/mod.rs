@@ -189,8 +189,13 @@ pub enum Reject {
     #[error("pre-shared key authentication failed")]
     BadKey,
     /// The peer could not set up its side (creating, registering or connecting its queue
-    /// pair and buffers).
-    #[error("the peer could not set up its side of the connection")]
+    /// pair and buffers). Why does not travel; running out of descriptors or of locked memory
+    /// is the common cause, and the peer's own error names it.
+    #[error(
+        "the peer could not set up its side of the connection (its queue pair, buffers or \
+         descriptors): it may have reached its descriptor limit (`ulimit -n`) or locked-memory \
+         limit (`ulimit -l`); the error on its side says which"
+    )]
     Resources,
     /// A verdict byte we do not know.
     #[error("unknown verdict {0:#04x}")]
