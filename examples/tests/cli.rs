@@ -5,7 +5,8 @@
 
 use std::process::{Command, Output};
 
-const EXAMPLES: [(&str, &str); 12] = [
+const EXAMPLES: [(&str, &str); 13] = [
+    ("broker", env!("CARGO_BIN_EXE_broker")),
     ("collector", env!("CARGO_BIN_EXE_collector")),
     ("dispatcher", env!("CARGO_BIN_EXE_dispatcher")),
     ("epoll_hub", env!("CARGO_BIN_EXE_epoll_hub")),
@@ -138,6 +139,13 @@ fn an_unknown_argument_is_one_line_without_a_backtrace() {
         ("stream", &["send", "a:1", "ten", "64"], "ten"),
         ("two_hosts", &["both"], "both"),
         ("dispatcher", &["extra"], "extra"),
+        (
+            "broker",
+            &["--serve", "127.0.0.1:1", "--publish", "127.0.0.1:1"],
+            "--publish",
+        ),
+        // Checked before the device is opened: a fast subscriber's queue must hold its topic.
+        ("broker", &["--queue", "100"], "--queue 100"),
     ] {
         let what = format!("{name} {args:?}");
         assert_one_line_error(&run(name, args), &what, says);
