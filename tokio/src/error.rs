@@ -21,7 +21,8 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// The blocking task that made or accepted a connection panicked or was cancelled.
+    /// The task that made, accepted or closed a connection off the runtime's threads
+    /// panicked.
     #[error("the blocking {op} task did not finish")]
     Blocking {
         /// What it was doing.

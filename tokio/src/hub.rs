@@ -8,11 +8,19 @@ use rdmsg_transport::PeerId;
 
 use crate::error::io;
 use crate::shared::{Locked, SharedDriver};
-use crate::stream::{HubEvents, PeerSink};
-use crate::Result;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use futures_core::Stream;
+use futures_sink::Sink;
+
+use crate::stream::{ending, Waiting};
+
+use crate::{Error, Result};
 
 /// A typed hub on tokio: many peers, one descriptor. Clones share the hub; the last one
-/// dropped tears it down on the runtime's blocking pool.
+/// dropped has it torn down on rdmsg's own threads.
 #[derive(Debug, Clone)]
 pub struct AsyncHub {
     shared: Arc<SharedDriver<Hub>>,
@@ -44,8 +52,9 @@ impl AsyncHub {
         HubEvents::new(self.clone())
     }
 
-    /// A [`futures_sink::Sink`] of messages to `peer` through its outbox (see [`PeerSink`]).
-    pub fn sink_to(&self, peer: PeerId) -> PeerSink {
+    /// A [`futures_sink::Sink`] of messages of type `M` to `peer` through its outbox (see
+    /// [`PeerSink`]).
+    pub fn sink_to<M: Message + Send + 'static>(&self, peer: PeerId) -> PeerSink<M> {
         PeerSink::new(self.clone(), peer)
     }
 
@@ -219,5 +228,160 @@ impl AsyncHub {
     /// How many times a waiting task was woken by the hub's descriptor.
     pub fn wakeups(&self) -> u64 {
         self.shared.wakeups.load(Ordering::Relaxed)
+    }
+}
+
+/// A hub's events as a [`Stream`] ([`AsyncHub::events`]): it ends after the first fatal
+/// error of the hub itself, which it yields (a peer's failure is an event, not an error).
+/// Cancel-safe as [`AsyncHub::recv`].
+#[must_use = "streams do nothing unless polled"]
+pub struct HubEvents {
+    hub: AsyncHub,
+    next: Option<Waiting<Result<HubEvent>>>,
+    done: bool,
+}
+
+impl std::fmt::Debug for HubEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HubEvents")
+            .field("waiting", &self.next.is_some())
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+impl HubEvents {
+    pub(crate) fn new(hub: AsyncHub) -> Self {
+        Self {
+            hub,
+            next: None,
+            done: false,
+        }
+    }
+}
+
+impl Stream for HubEvents {
+    type Item = Result<HubEvent>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.next.is_none() {
+            match this.hub.try_recv() {
+                Ok(Some(ev)) => return Poll::Ready(Some(Ok(ev))),
+                Ok(None) => {}
+                Err(e) => return Poll::Ready(ending(&mut this.done, e)),
+            }
+            let hub = this.hub.clone();
+            this.next = Some(Box::pin(async move { hub.recv().await }));
+        }
+        let got = ready!(this
+            .next
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        this.next = None;
+        Poll::Ready(match got {
+            Ok(ev) => Some(Ok(ev)),
+            Err(e) => ending(&mut this.done, e),
+        })
+    }
+}
+
+/// Messages of type `M` to one peer of a hub, as a [`Sink`] ([`AsyncHub::sink_to`]): a
+/// writer that never holds up the hub or its other peers.
+///
+/// `start_send` posts the message ([`AsyncHub::post`]): sent at once or queued in the peer's
+/// bounded outbox. If the outbox is full, the sink keeps the message and the next
+/// `poll_ready` (or `poll_flush`) waits until the peer has read enough for it to fit: a slow
+/// peer slows its own writer only. `poll_flush` also waits until the outbox is empty (every
+/// message handed to the transport). A peer that left fails the send with
+/// [`rdmsg_transport::Error::UnknownPeer`].
+#[must_use = "sinks do nothing unless polled"]
+pub struct PeerSink<M> {
+    hub: AsyncHub,
+    peer: PeerId,
+    /// A message the full outbox refused, being posted once it fits.
+    held: Option<Waiting<Result<()>>>,
+    flushing: Option<Waiting<Result<()>>>,
+    sends: PhantomData<fn(M)>,
+}
+
+impl<M> std::fmt::Debug for PeerSink<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSink")
+            .field("peer", &self.peer)
+            .field("holding", &self.held.is_some())
+            .finish()
+    }
+}
+
+impl<M> PeerSink<M> {
+    pub(crate) fn new(hub: AsyncHub, peer: PeerId) -> Self {
+        Self {
+            hub,
+            peer,
+            held: None,
+            flushing: None,
+            sends: PhantomData,
+        }
+    }
+
+    /// The peer it writes to.
+    pub fn peer(&self) -> PeerId {
+        self.peer
+    }
+
+    fn poll_held(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let Some(held) = self.held.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        let posted = ready!(held.as_mut().poll(cx));
+        self.held = None;
+        Poll::Ready(posted)
+    }
+}
+
+impl<M: Message + Send + 'static> Sink<M> for PeerSink<M> {
+    type Error = Error;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.get_mut().poll_held(cx)
+    }
+
+    fn start_send(self: Pin<&mut Self>, item: M) -> Result<()> {
+        let this = self.get_mut();
+        let peer = this.peer;
+        match this.hub.post(peer, item)? {
+            rdmsg_msg::Posted::Sent | rdmsg_msg::Posted::Queued => Ok(()),
+            rdmsg_msg::Posted::Full(item) => {
+                let hub = this.hub.clone();
+                this.held = Some(Box::pin(
+                    async move { hub.post_when_room(peer, item).await },
+                ));
+                Ok(())
+            }
+            rdmsg_msg::Posted::PeerGone(_) => Err(rdmsg_transport::Error::UnknownPeer(peer).into()),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_held(cx))?;
+        if this.flushing.is_none() {
+            let (hub, peer) = (this.hub.clone(), this.peer);
+            this.flushing = Some(Box::pin(async move { hub.outbox_sent(peer).await }));
+        }
+        let done = ready!(this
+            .flushing
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        this.flushing = None;
+        Poll::Ready(done)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.poll_flush(cx)
     }
 }

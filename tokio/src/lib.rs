@@ -13,7 +13,9 @@
 //! runtime alike: any number of tasks may send while one receives, and any of them may close.
 //! Every handle is made inside a runtime ([`Error::NoRuntime`] outside one); the runtime's
 //! worker threads never run verbs setup or teardown: connecting, accepting, closing and the
-//! teardown of the last handle dropped run on its blocking pool.
+//! teardown of the last handle dropped run on threads of rdmsg's own, which a runtime thread
+//! only hands the work to (not tokio's blocking pool, which creates a thread on the caller's
+//! when its own are busy).
 //!
 //! # Sending without waiting for room twice
 //! [`AsyncSession::reserve`] waits for room and commits nothing; the [`SendPermit`] it gives
@@ -63,12 +65,12 @@
 mod error;
 mod hub;
 mod listener;
+mod offload;
 mod session;
 mod shared;
 mod stream;
 
 pub use error::{Error, Result};
-pub use hub::AsyncHub;
-pub use listener::AsyncListener;
-pub use session::{AsyncSession, SendPermit};
-pub use stream::{HubEvents, Incoming, PeerSink, SessionSink, SessionStream};
+pub use hub::{AsyncHub, HubEvents, PeerSink};
+pub use listener::{AsyncListener, Incoming};
+pub use session::{AsyncSession, SendPermit, SessionSink, SessionStream};

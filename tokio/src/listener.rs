@@ -12,8 +12,11 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
 use crate::error::{io, register, runtime};
-use crate::stream::Incoming;
+use crate::stream::Waiting;
 use crate::{AsyncSession, Result};
+use futures_core::Stream;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 
 /// A client's outcome (`Ok(Err)`: its handshake failed), or the listener's own failure.
 pub(crate) type Outcome = Result<Result<AsyncSession>>;
@@ -31,7 +34,8 @@ struct ListenerInner {
     listener: Option<Listener>,
     config: Config,
     session: SessionConfig,
-    fd: AsyncFd<OwnedFd>,
+    /// `None` only while dropping.
+    fd: Option<AsyncFd<OwnedFd>>,
     /// Sessions (or handshake failures) a blocking task finished, for the next `accept`.
     done: Mutex<std::collections::VecDeque<rdmsg_transport::Result<Session>>>,
     /// Clients whose handshake failed, skipped by `accept`.
@@ -40,6 +44,9 @@ struct ListenerInner {
     working: AtomicBool,
     /// The last task stopped at an error: look again without waiting for readiness.
     again: AtomicBool,
+    /// When the earliest handshake in progress times out, as the last task left it: read
+    /// here, since the listener's own answer waits while a task holds it.
+    deadline: Mutex<Option<std::time::Instant>>,
     finished: Notify,
 }
 
@@ -49,15 +56,19 @@ impl ListenerInner {
             .as_ref()
             .expect("only Drop takes the listener")
     }
+
+    fn fd(&self) -> &AsyncFd<OwnedFd> {
+        self.fd.as_ref().expect("only Drop takes the descriptor")
+    }
 }
 
 impl Drop for ListenerInner {
     /// Handshakes in progress and sessions not taken hold queue pairs and registered memory:
-    /// they are torn down on the blocking pool, never on a worker thread.
+    /// they are torn down on rdmsg's own threads, never on a runtime thread.
     fn drop(&mut self) {
         let listener = self.listener.take();
         let done = std::mem::take(self.done.get_mut().unwrap_or_else(|p| p.into_inner()));
-        crate::shared::tear_down(Box::new((listener, done)));
+        crate::offload::tear_down((listener, done, self.fd.take()));
     }
 }
 
@@ -81,10 +92,11 @@ impl AsyncListener {
                 listener: Some(listener),
                 config,
                 session,
-                fd: register(fd).map_err(io("registering the listener with the runtime"))?,
+                fd: Some(register(fd).map_err(io("registering the listener with the runtime"))?),
                 done: Mutex::new(Default::default()),
                 working: AtomicBool::new(false),
                 again: AtomicBool::new(false),
+                deadline: Mutex::new(None),
                 finished: Notify::new(),
                 failed: AtomicU64::new(0),
             }),
@@ -151,16 +163,16 @@ impl AsyncListener {
             // Wait until there is something to do (a client, handshake bytes, a handshake's
             // deadline), then let a blocking task move the handshakes on: they create queue
             // pairs and register memory, which has no place on the runtime's threads.
-            let deadline = inner.listener().next_timeout();
+            let deadline = *inner.deadline.lock().unwrap_or_else(|p| p.into_inner());
             let timer = async {
                 match deadline {
-                    Some(t) => tokio::time::sleep(t).await,
+                    Some(t) => tokio::time::sleep_until(t.into()).await,
                     None => std::future::pending().await,
                 }
             };
             if !inner.again.swap(false, Ordering::SeqCst) {
                 tokio::select! {
-                    ready = inner.fd.readable() => {
+                    ready = inner.fd().readable() => {
                         ready.map_err(io("waiting for the listener"))?.clear_ready();
                     }
                     _ = timer => {}
@@ -168,8 +180,7 @@ impl AsyncListener {
             }
             if !inner.working.swap(true, Ordering::SeqCst) {
                 let task = self.inner.clone();
-                tokio::task::spawn_blocking(move || {
-                    crate::shared::teardown_thread();
+                crate::offload::run(move || {
                     // Everything that can go on now: each call returns at the first handshake
                     // that completes (or fails), so call again until none does.
                     while let Some(made) = task
@@ -191,10 +202,69 @@ impl AsyncListener {
                             break;
                         }
                     }
+                    let next = task.listener().next_timeout();
+                    *task.deadline.lock().unwrap_or_else(|p| p.into_inner()) =
+                        next.and_then(|t| std::time::Instant::now().checked_add(t));
                     task.working.store(false, Ordering::SeqCst);
                     task.finished.notify_waiters();
                 });
             }
         }
+    }
+}
+
+/// Clients as they come, as a [`Stream`] ([`AsyncListener::incoming`]): a client that fails
+/// its handshake is an [`crate::Error::Handshake`] item (not fatal) and the stream goes on; an
+/// error of the listener itself (fatal) is yielded and ends it.
+#[must_use = "streams do nothing unless polled"]
+pub struct Incoming {
+    listener: AsyncListener,
+    next: Option<Waiting<crate::listener::Outcome>>,
+    done: bool,
+}
+
+impl std::fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming")
+            .field("waiting", &self.next.is_some())
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+impl Incoming {
+    pub(crate) fn new(listener: AsyncListener) -> Self {
+        Self {
+            listener,
+            next: None,
+            done: false,
+        }
+    }
+}
+
+impl Stream for Incoming {
+    type Item = Result<AsyncSession>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.next.is_none() {
+            let listener = this.listener.clone();
+            this.next = Some(Box::pin(async move { listener.next_client().await }));
+        }
+        let got = ready!(this
+            .next
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        this.next = None;
+        Poll::Ready(Some(match got {
+            Ok(client) => client,
+            Err(e) => {
+                this.done = true;
+                Err(e)
+            }
+        }))
     }
 }

@@ -8,7 +8,15 @@ use rdmsg_msg::{Envelope, Message, Request, Session, SessionConfig, SessionStats
 use rdmsg_transport::{Config, Endpoint};
 
 use crate::shared::{Drive, Locked, SharedDriver};
-use crate::stream::{SessionSink, SessionStream};
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use futures_core::Stream;
+use futures_sink::Sink;
+
+use crate::stream::{ending, Waiting};
+
 use crate::{Error, Result};
 
 /// A typed-message session on tokio. Clones share the session: send from any number of tasks,
@@ -106,13 +114,12 @@ impl AsyncSession {
         let endpoint = endpoint.clone();
         crate::error::runtime("AsyncSession::connect")?;
         // The session too is made there: it registers memory.
-        let session = tokio::task::spawn_blocking(move || {
-            crate::shared::teardown_thread();
+        let session = crate::offload::spawn(move || {
             let conn = endpoint.connect(addr, &config)?;
             Ok::<_, Error>(Session::with_config(conn, session))
         })
         .await
-        .map_err(|_| Error::Blocking { op: "connect" })??;
+        .ok_or(Error::Blocking { op: "connect" })??;
         Self::new(session)
     }
 
@@ -277,27 +284,29 @@ impl AsyncSession {
         SessionStream::new(self.clone())
     }
 
-    /// A [`futures_sink::Sink`] of messages over this session (see [`SessionSink`]).
-    pub fn sink(&self) -> SessionSink {
+    /// A [`futures_sink::Sink`] of messages of type `M` over this session (see
+    /// [`SessionSink`]). Sinks of several types may share the session.
+    pub fn sink<M: Message>(&self) -> SessionSink<M> {
         SessionSink::new(self.clone())
     }
 
     /// The sending and the receiving half, for two tasks: [`AsyncSession::sink`] and
     /// [`AsyncSession::stream`]. (Every handle can do both; these are two of them.)
-    pub fn split(&self) -> (SessionSink, SessionStream) {
+    pub fn split<M: Message>(&self) -> (SessionSink<M>, SessionStream) {
         (self.sink(), self.stream())
     }
 
     /// Closes gracefully (see [`Session::close`]) for every handle, from any of them: what
     /// was committed goes first, then the close; tasks waiting on the session, and every later
-    /// call, get [`Error::Closed`]. The verbs teardown runs on the blocking pool. A peer
+    /// call, get [`Error::Closed`]. The close and the verbs teardown run on rdmsg's own
+    /// threads. A peer
     /// already gone makes it return at once with the peer's failure (see
     /// [`rdmsg_msg::Error::is_peer_closed`]). Dropping the future does not stop the close.
     /// Called again, or after another handle closed, [`Error::Closed`].
     pub async fn close(&self) -> Result<()> {
         let session = self.shared.take().ok_or(Error::Closed)?;
         let shared = self.shared.clone();
-        let closed = tokio::task::spawn_blocking(move || {
+        let closed = crate::offload::spawn(move || {
             let closed = session.close_with_delivery();
             let mut ended = shared.ended();
             let ended = ended.get_or_insert_with(Default::default);
@@ -306,7 +315,7 @@ impl AsyncSession {
             closed.result
         })
         .await
-        .map_err(|_| Error::Blocking { op: "close" })?;
+        .ok_or(Error::Blocking { op: "close" })?;
         Ok(closed?)
     }
 }
@@ -319,4 +328,179 @@ fn reserve(s: &Session, shared: &SharedDriver<Session>) -> bool {
         shared.permits.fetch_add(1, Ordering::SeqCst);
     }
     room
+}
+
+/// The messages a session receives, in order, as a [`Stream`] ([`AsyncSession::stream`]).
+///
+/// It ends (`None`) after the peer's graceful close, and after the first fatal error, which
+/// it yields; errors that cost one message only ([`Error::is_fatal`] false: a bad frame, an
+/// unknown tag) are yielded and it goes on. Dropping it, or a `next()` future, loses
+/// nothing: a message is taken only in the poll that returns it.
+#[must_use = "streams do nothing unless polled"]
+pub struct SessionStream {
+    session: AsyncSession,
+    next: Option<Waiting<Result<Envelope>>>,
+    done: bool,
+}
+
+impl std::fmt::Debug for SessionStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionStream")
+            .field("waiting", &self.next.is_some())
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+impl SessionStream {
+    pub(crate) fn new(session: AsyncSession) -> Self {
+        Self {
+            session,
+            next: None,
+            done: false,
+        }
+    }
+
+    /// The session it reads.
+    pub fn session(&self) -> &AsyncSession {
+        &self.session
+    }
+}
+
+impl Stream for SessionStream {
+    type Item = Result<Envelope>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.next.is_none() {
+            // What has arrived already, without a future.
+            match this.session.try_recv() {
+                Ok(Some(env)) => return Poll::Ready(Some(Ok(env))),
+                Ok(None) => {}
+                Err(e) => return Poll::Ready(ending(&mut this.done, e)),
+            }
+            let session = this.session.clone();
+            this.next = Some(Box::pin(async move { session.recv().await }));
+        }
+        let got = ready!(this
+            .next
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        this.next = None;
+        Poll::Ready(match got {
+            Ok(env) => Some(Ok(env)),
+            Err(e) => ending(&mut this.done, e),
+        })
+    }
+}
+
+/// Messages of type `M` sent over a session, as a [`Sink`] ([`AsyncSession::sink`]; one
+/// per type sent, or an enum of them as `M`).
+///
+/// `poll_ready` is [`AsyncSession::reserve`]: it waits for room and commits nothing;
+/// `start_send` then commits the message at once ([`SendPermit::send`]), solicited as its
+/// type says. `poll_flush` is [`AsyncSession::flush`]: everything committed sent, and a
+/// wake-up for what went unsolicited. `poll_close` flushes; it does not close the session
+/// ([`AsyncSession::close`] does, from any handle).
+#[must_use = "sinks do nothing unless polled"]
+pub struct SessionSink<M> {
+    session: AsyncSession,
+    permit: Option<SendPermit>,
+    reserving: Option<Waiting<Result<SendPermit>>>,
+    flushing: Option<Waiting<Result<()>>>,
+    /// `fn` so that the sink is `Send`, `Sync` and `Unpin` whatever `M` is.
+    sends: PhantomData<fn(M)>,
+}
+
+impl<M> std::fmt::Debug for SessionSink<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionSink")
+            .field("ready", &self.permit.is_some())
+            .field("reserving", &self.reserving.is_some())
+            .field("flushing", &self.flushing.is_some())
+            .finish()
+    }
+}
+
+impl<M> SessionSink<M> {
+    pub(crate) fn new(session: AsyncSession) -> Self {
+        Self {
+            session,
+            permit: None,
+            reserving: None,
+            flushing: None,
+            sends: PhantomData,
+        }
+    }
+
+    /// The session it sends over.
+    pub fn session(&self) -> &AsyncSession {
+        &self.session
+    }
+
+    fn poll_reserve(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if self.permit.is_some() {
+            return Poll::Ready(Ok(()));
+        }
+        if self.reserving.is_none() {
+            if let Some(permit) = self.session.try_reserve()? {
+                self.permit = Some(permit);
+                return Poll::Ready(Ok(()));
+            }
+            let session = self.session.clone();
+            self.reserving = Some(Box::pin(async move { session.reserve().await }));
+        }
+        let got = ready!(self
+            .reserving
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        self.reserving = None;
+        self.permit = Some(got?);
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_flushed(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if self.flushing.is_none() {
+            let session = self.session.clone();
+            self.flushing = Some(Box::pin(async move { session.flush().await }));
+        }
+        let done = ready!(self
+            .flushing
+            .as_mut()
+            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
+        self.flushing = None;
+        Poll::Ready(done)
+    }
+}
+
+impl<M: Message> Sink<M> for SessionSink<M> {
+    type Error = Error;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.get_mut().poll_reserve(cx)
+    }
+
+    /// Commits `item` (see [`SendPermit::send`]). Without a `poll_ready` first it is
+    /// committed all the same, queued behind what waits to go.
+    fn start_send(self: Pin<&mut Self>, item: M) -> Result<()> {
+        let this = self.get_mut();
+        match this.permit.take() {
+            Some(permit) => permit.send(&item),
+            None => crate::session::commit(&this.session.shared, &item, M::SOLICITED),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.get_mut().poll_flushed(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = self.get_mut();
+        this.permit = None;
+        this.reserving = None;
+        this.poll_flushed(cx)
+    }
 }

@@ -134,7 +134,8 @@ pub(crate) struct SharedDriver<D: Send + 'static> {
     /// `None` once closed ([`SharedDriver::take`]).
     inner: Mutex<Option<D>>,
     /// A duplicate of the driven descriptor, registered with the runtime.
-    pub(crate) fd: AsyncFd<OwnedFd>,
+    /// `None` only while dropping (see the `Drop` impl).
+    fd: Option<AsyncFd<OwnedFd>>,
     /// Signalled when a task moved the connection on, or a new flush deadline appeared.
     pub(crate) changed: Notify,
     /// Tasks waiting in `recv`.
@@ -150,8 +151,7 @@ pub(crate) struct SharedDriver<D: Send + 'static> {
     pub(crate) permits: AtomicUsize,
     /// What a closed session left for its handles to read.
     pub(crate) ended: Mutex<Option<Ended>>,
-    /// The runtime the handle was made in: background tasks, and the blocking pool that
-    /// tears the session or hub down.
+    /// The runtime the handle was made in, for its background tasks.
     pub(crate) runtime: tokio::runtime::Handle,
 }
 
@@ -183,43 +183,13 @@ impl<D> DerefMut for Locked<'_, D> {
 
 impl<D: Send + 'static> Drop for SharedDriver<D> {
     /// Verbs teardown (destroying queue pairs, deregistering memory) can take milliseconds:
-    /// it runs on the teardown thread, never on a runtime thread.
+    /// it runs on rdmsg's own threads ([`crate::offload`]), never on a runtime thread.
+    /// The registration goes there too: leaving the runtime's reactor and closing the
+    /// descriptor cost a system call each.
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Some(driven) = inner.take() {
-            tear_down(Box::new(driven));
-        }
+        crate::offload::tear_down((inner.take(), self.fd.take()));
     }
-}
-
-/// Drops what the last handle let go of on a thread of rdmsg's own. Not the blocking pool:
-/// when its threads are busy (with the teardowns before), it spawns one more on the caller's
-/// thread, which takes milliseconds too.
-pub(crate) fn tear_down(what: Box<dyn Send>) {
-    if let Some(Err(failed)) = teardown_thread().map(|t| t.send(what)) {
-        drop(failed.0); // No teardown thread: here, then.
-    }
-}
-
-/// The teardown thread's queue, the thread started on first use (once per process: the
-/// blocking tasks that connect and accept start it, so a runtime thread seldom does).
-pub(crate) fn teardown_thread() -> Option<&'static std::sync::mpsc::Sender<Box<dyn Send>>> {
-    static QUEUE: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Box<dyn Send>>>> =
-        std::sync::OnceLock::new();
-    QUEUE
-        .get_or_init(|| {
-            let (queue, dropped) = std::sync::mpsc::channel::<Box<dyn Send>>();
-            std::thread::Builder::new()
-                .name("rdmsg-teardown".into())
-                .spawn(move || {
-                    for what in dropped {
-                        drop(what);
-                    }
-                })
-                .ok()
-                .map(|_| queue)
-        })
-        .as_ref()
 }
 
 /// Counts a waiting task (a receiver, or one on the descriptor) for as long as it waits,
@@ -283,13 +253,13 @@ impl<D: Drive> SharedDriver<D> {
         let fd = match fd {
             Ok(fd) => fd,
             Err(e) => {
-                tear_down(Box::new(driven));
+                crate::offload::tear_down(driven);
                 return Err(e);
             }
         };
         Ok(Self {
             inner: Mutex::new(Some(driven)),
-            fd,
+            fd: Some(fd),
             changed: Notify::new(),
             receivers: AtomicUsize::new(0),
             wakeups: AtomicU64::new(0),
@@ -299,6 +269,10 @@ impl<D: Drive> SharedDriver<D> {
             ended: Mutex::new(None),
             runtime,
         })
+    }
+
+    fn fd(&self) -> &AsyncFd<OwnedFd> {
+        self.fd.as_ref().expect("only Drop takes the descriptor")
     }
 
     /// Takes the session or hub out (closing it for every handle): the waiting tasks wake
@@ -321,11 +295,7 @@ impl<D: Drive> SharedDriver<D> {
     pub(crate) fn stats(&self) -> SessionStats {
         match self.lock() {
             Ok(d) => d.stats(),
-            Err(_) => self
-                .ended()
-                .as_ref()
-                .map(|e| e.stats.clone())
-                .unwrap_or_default(),
+            Err(_) => self.ended().as_ref().map(|e| e.stats).unwrap_or_default(),
         }
     }
 
@@ -496,7 +466,7 @@ impl<D: Drive> SharedDriver<D> {
                 }
             };
             tokio::select! {
-                ready = self.fd.readable() => {
+                ready = self.fd().readable() => {
                     // The next step drains what made it readable (and re-arms).
                     ready.map_err(io("waiting for the descriptor"))?.clear_ready();
                     self.wakeups.fetch_add(1, Ordering::Relaxed);

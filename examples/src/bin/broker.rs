@@ -376,8 +376,8 @@ async fn publisher(ep: Endpoint, addr: SocketAddr, count: u64, topics: u64) -> R
         })
         .await?; // waits for room, no flush
     }
-    // All of it sent. The sink takes any message type: `flush` needs the one it flushes named.
-    SinkExt::<Publish>::flush(&mut sink).await?;
+    // All of it sent.
+    sink.flush().await?;
     Ok(session.close().await?)
 }
 

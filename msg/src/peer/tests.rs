@@ -298,6 +298,64 @@ fn a_non_blocking_send_commits_a_fragmented_message_and_queues_its_rest_first() 
     assert_eq!(got[1].decode::<Other>().unwrap(), Other(2));
 }
 
+/// A commit with no room queues the message whole (nothing on the wire, its number not
+/// taken yet); what is sent later goes after it, in order, one frame or many; a record that
+/// keeps copies lists a committed message the connection never sent.
+#[test]
+fn a_commit_without_room_queues_the_message_and_it_goes_first() {
+    let mut tx = Sender::new(&config(100), 64);
+    let mut wire = Wire {
+        room: 0,
+        ..Wire::new(256)
+    };
+    tx.commit_as(&mut wire, &Other(1), true).unwrap();
+    tx.commit_as(&mut wire, &Blob(vec![5; 600]), false).unwrap();
+    assert_eq!((tx.seq, wire.frames.len(), tx.queued_frames()), (0, 0, 2));
+    // Later sends wait behind them.
+    assert!(!tx.try_send_as(&mut wire, &Other(3), true).unwrap());
+    // Room for one frame: the first goes, the fragmented one waits whole.
+    wire.room = 1;
+    assert!(!tx.send_committed(&mut wire).unwrap());
+    assert_eq!((tx.seq, wire.frames.len(), tx.queued_frames()), (1, 1, 1));
+    wire.room = 10;
+    assert!(tx.try_send_as(&mut wire, &Other(3), true).unwrap());
+    assert_eq!((tx.seq, tx.queued_frames()), (3, 0));
+    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let got: Vec<Envelope> = deliver(&wire, &mut rx)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    assert_eq!(got.len(), 3);
+    assert_eq!(got[0].decode::<Other>().unwrap(), Other(1));
+    assert_eq!(got[1].decode::<Blob>().unwrap(), Blob(vec![5; 600]));
+    assert_eq!(got[2].decode::<Other>().unwrap(), Other(3));
+    // Too large: an error, and nothing committed.
+    let mut small = Sender::new(
+        &SessionConfig {
+            max_message: 100,
+            ..config(100)
+        },
+        64,
+    );
+    wire.room = 0;
+    assert!(small
+        .commit_as(&mut wire, &Blob(vec![1; 500]), true)
+        .is_err());
+    assert_eq!(small.queued_frames(), 0);
+    // Kept copies include what was committed and never sent.
+    let mut keeping = Sender::new(
+        &SessionConfig {
+            keep_unconfirmed: Some(1024),
+            ..config(100)
+        },
+        64,
+    );
+    keeping.commit_as(&mut wire, &Other(9), true).unwrap();
+    let left = keeping.take_unconfirmed();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].decode::<Other>().unwrap(), Other(9));
+}
+
 #[test]
 fn a_flush_goes_after_the_queued_frames() {
     let mut tx = Sender::new(&config(100), 64);
