@@ -118,6 +118,18 @@ pub enum Error {
         /// Messages the peer had not finished reading.
         messages: usize,
     },
+    /// A close gave up on messages committed to go (see
+    /// [`Session::commit_as`](crate::Session::commit_as)) that found no room within
+    /// `close_timeout`: they were not sent (the connection is closed all the same; with
+    /// [`crate::SessionConfig::keep_unconfirmed`] they are among the messages not confirmed).
+    #[error(
+        "closed with {messages} committed message(s) unsent: the peer gave no room for them \
+         within close_timeout (raise Config::close_timeout, or make sure the peer reads)"
+    )]
+    Unsent {
+        /// Committed messages not sent.
+        messages: usize,
+    },
     /// A message larger than [`crate::SessionConfig::max_message`] (on this side: a sender
     /// refuses to send it, a receiver drops it). Both sides must allow it: raise
     /// `max_message` on both. [`Bulk`](crate::Bulk) payloads count towards it too.
@@ -360,6 +372,7 @@ impl Error {
             | Error::ReadFailed { .. }
             | Error::ReadRefused { .. }
             | Error::Unread { .. }
+            | Error::Unsent { .. }
             | Error::TooLarge { .. }
             | Error::TooManyFragments { .. }
             | Error::CallTimedOut { .. }
@@ -390,6 +403,15 @@ pub(crate) fn unread_error(messages: usize) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Unread { messages })
+    }
+}
+
+/// `Ok` if a close sent everything committed, else [`Error::Unsent`].
+pub(crate) fn unsent_error(messages: usize) -> Result<()> {
+    if messages == 0 {
+        Ok(())
+    } else {
+        Err(Error::Unsent { messages })
     }
 }
 

@@ -152,6 +152,10 @@ pub struct SessionStats {
     /// peer, each counted once however many frames it brought (what `received / wakeups`
     /// makes a batch); in a hub's totals, the sum over its peers.
     pub wakeups: u64,
+    /// Messages committed to go ([`Session::commit_as`]) that failed for a reason of their
+    /// own when their turn came (their memory could not be registered, say) while the
+    /// connection stayed up: dropped, unsent, each error returned once.
+    pub committed_dropped: u64,
 }
 
 impl SessionStats {
@@ -173,6 +177,7 @@ impl SessionStats {
         self.bytes_received += other.bytes_received;
         self.credit_waits += other.credit_waits;
         self.wakeups += other.wakeups;
+        self.committed_dropped += other.committed_dropped;
         self.rendezvous_registered = self.rendezvous_registered.max(other.rendezvous_registered);
     }
 }
@@ -394,7 +399,8 @@ impl Session {
                 }
                 // A message committed earlier goes out whole before we wait for anything: the
                 // peer may be waiting for its rest (the send waits take in what arrives).
-                let drained = match self.sender.drain(&mut self.conn, left) {
+                let (sender, link) = absorbing!(self);
+                let drained = match sender.drain(link, left) {
                     Ok(drained) => drained,
                     Err(e) => {
                         self.before_failure(e)?;
@@ -580,10 +586,12 @@ impl Session {
         let waited = self.wait_before_close(record);
         self.sender.learn_note(self.conn.peer_note());
         let delivery = self.sender.delivery(None);
+        let unsent = self.sender.committed_waiting();
         let unconfirmed = self.sender.take_unconfirmed();
         let result = waited.and_then(|unread| {
             self.conn.close()?;
-            unread_error(unread)
+            unread_error(unread)?;
+            crate::error::unsent_error(unsent)
         });
         (result, delivery, unconfirmed)
     }

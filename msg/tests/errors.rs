@@ -80,6 +80,7 @@ fn every_error_is_classified() {
         Error::TooLarge { len: 9, max: 8 },
         Error::TooManyFragments { len: 9, max: 8 },
         Error::Unread { messages: 2 },
+        Error::Unsent { messages: 2 },
         Error::ReadRefused {
             tag: 1,
             seq: 2,

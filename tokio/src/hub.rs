@@ -15,7 +15,7 @@ use std::task::{ready, Context, Poll};
 use futures_core::Stream;
 use futures_sink::Sink;
 
-use crate::stream::{ending, Waiting};
+use crate::stream::{Receives, Receiving, Waiting};
 
 use crate::{Error, Result};
 
@@ -235,28 +235,22 @@ impl AsyncHub {
 /// error of the hub itself, which it yields (a peer's failure is an event, not an error).
 /// Cancel-safe as [`AsyncHub::recv`].
 #[must_use = "streams do nothing unless polled"]
-pub struct HubEvents {
-    hub: AsyncHub,
-    next: Option<Waiting<Result<HubEvent>>>,
-    done: bool,
-}
-
-impl std::fmt::Debug for HubEvents {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HubEvents")
-            .field("waiting", &self.next.is_some())
-            .field("done", &self.done)
-            .finish()
-    }
-}
+#[derive(Debug)]
+pub struct HubEvents(Receives<AsyncHub>);
 
 impl HubEvents {
     pub(crate) fn new(hub: AsyncHub) -> Self {
-        Self {
-            hub,
-            next: None,
-            done: false,
-        }
+        Self(Receives::new(hub))
+    }
+}
+
+impl Receiving for AsyncHub {
+    type Item = HubEvent;
+    fn try_next(&self) -> Result<Option<HubEvent>> {
+        self.try_recv()
+    }
+    fn next(self) -> Waiting<Result<HubEvent>> {
+        Box::pin(async move { self.recv().await })
     }
 }
 
@@ -264,28 +258,7 @@ impl Stream for HubEvents {
     type Item = Result<HubEvent>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        if this.done {
-            return Poll::Ready(None);
-        }
-        if this.next.is_none() {
-            match this.hub.try_recv() {
-                Ok(Some(ev)) => return Poll::Ready(Some(Ok(ev))),
-                Ok(None) => {}
-                Err(e) => return Poll::Ready(ending(&mut this.done, e)),
-            }
-            let hub = this.hub.clone();
-            this.next = Some(Box::pin(async move { hub.recv().await }));
-        }
-        let got = ready!(this
-            .next
-            .as_mut()
-            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
-        this.next = None;
-        Poll::Ready(match got {
-            Ok(ev) => Some(Ok(ev)),
-            Err(e) => ending(&mut this.done, e),
-        })
+        self.get_mut().0.poll_next(cx)
     }
 }
 
@@ -353,6 +326,15 @@ impl<M: Message + Send + 'static> Sink<M> for PeerSink<M> {
     fn start_send(self: Pin<&mut Self>, item: M) -> Result<()> {
         let this = self.get_mut();
         let peer = this.peer;
+        if let Some(before) = this.held.take() {
+            // Sent without waiting for `poll_ready`: it waits behind the one held, in order.
+            let hub = this.hub.clone();
+            this.held = Some(Box::pin(async move {
+                before.await?;
+                hub.post_when_room(peer, item).await
+            }));
+            return Ok(());
+        }
         match this.hub.post(peer, item)? {
             rdmsg_msg::Posted::Sent | rdmsg_msg::Posted::Queued => Ok(()),
             rdmsg_msg::Posted::Full(item) => {

@@ -11,11 +11,12 @@
 //!
 //! Handles are `Clone + Send + Sync` and work on the multi-thread and the `current_thread`
 //! runtime alike: any number of tasks may send while one receives, and any of them may close.
-//! Every handle is made inside a runtime ([`Error::NoRuntime`] outside one); the runtime's
-//! worker threads never run verbs setup or teardown: connecting, accepting, closing and the
-//! teardown of the last handle dropped run on threads of rdmsg's own, which a runtime thread
-//! only hands the work to (not tokio's blocking pool, which creates a thread on the caller's
-//! when its own are busy).
+//! Every handle is made inside a runtime ([`Error::NoRuntime`] outside one). A session's
+//! verbs setup and teardown never run on the runtime's threads: connecting, accepting, closing
+//! and the teardown of the last handle dropped run on threads of rdmsg's own, which a runtime
+//! thread only hands the work to (not tokio's blocking pool, which creates a thread on the
+//! caller's when its own are busy). An [`AsyncHub`] accepts, connects and retires its peers
+//! within its steps, on the thread that drives it.
 //!
 //! # Sending without waiting for room twice
 //! [`AsyncSession::reserve`] waits for room and commits nothing; the [`SendPermit`] it gives

@@ -62,6 +62,16 @@ impl ListenerInner {
     }
 }
 
+/// Ends a handshake task: another may start, and `accept`s waiting for it look.
+struct Finished<'a>(&'a ListenerInner);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.working.store(false, Ordering::SeqCst);
+        self.0.finished.notify_waiters();
+    }
+}
+
 impl Drop for ListenerInner {
     /// Handshakes in progress and sessions not taken hold queue pairs and registered memory:
     /// they are torn down on rdmsg's own threads, never on a runtime thread.
@@ -147,13 +157,19 @@ impl AsyncListener {
                 .unwrap_or_else(|p| p.into_inner())
                 .pop_front();
             if let Some(made) = next {
-                return Ok(match made {
-                    Ok(session) => Ok(AsyncSession::new(session)?),
+                return match made {
+                    // Failing to take one client (its descriptor, at the limit) is that
+                    // client's failure: the listener goes on.
+                    Ok(session) => Ok(AsyncSession::new(session).inspect_err(|_| {
+                        inner.failed.fetch_add(1, Ordering::Relaxed);
+                    })),
+                    // The listener's configuration is wrong: every client would fail so.
+                    Err(e @ rdmsg_transport::Error::Config(_)) => Err(e.into()),
                     Err(e) => {
                         inner.failed.fetch_add(1, Ordering::Relaxed);
-                        Err(crate::Error::Handshake(e))
+                        Ok(Err(crate::Error::Handshake(e)))
                     }
-                });
+                };
             }
             if inner.working.load(Ordering::SeqCst) {
                 // A blocking task is at it: wait for its result.
@@ -176,11 +192,16 @@ impl AsyncListener {
                         ready.map_err(io("waiting for the listener"))?.clear_ready();
                     }
                     _ = timer => {}
+                    // A task that finished between the look and now.
+                    _ = &mut finished => continue,
                 }
             }
             if !inner.working.swap(true, Ordering::SeqCst) {
                 let task = self.inner.clone();
                 crate::offload::run(move || {
+                    // However the task ends (a panic included), the next `accept` can start
+                    // another.
+                    let _done = Finished(&task);
                     // Everything that can go on now: each call returns at the first handshake
                     // that completes (or fails), so call again until none does.
                     while let Some(made) = task
@@ -205,8 +226,6 @@ impl AsyncListener {
                     let next = task.listener().next_timeout();
                     *task.deadline.lock().unwrap_or_else(|p| p.into_inner()) =
                         next.and_then(|t| std::time::Instant::now().checked_add(t));
-                    task.working.store(false, Ordering::SeqCst);
-                    task.finished.notify_waiters();
                 });
             }
         }

@@ -17,6 +17,10 @@ type Job = Box<dyn FnOnce() + Send>;
 /// How long a worker waits for a job before it ends.
 const IDLE: Duration = Duration::from_secs(10);
 
+/// Most workers at once: beyond, jobs wait their turn (closes waiting for their peers could
+/// otherwise take a thread each).
+const MAX_WORKERS: usize = 64;
+
 struct Pool {
     state: Mutex<State>,
     work: Condvar,
@@ -27,6 +31,8 @@ struct Pool {
 #[derive(Default)]
 struct State {
     jobs: VecDeque<Job>,
+    /// Workers running.
+    workers: usize,
     idle: usize,
     /// Workers asked for and not started yet.
     coming: usize,
@@ -47,7 +53,9 @@ fn pool() -> Option<&'static Pool> {
                         // No thread to be had: the jobs waiting run here.
                         if let Some(p) = pool() {
                             p.lock().coming -= 1;
-                            while let Some(job) = p.lock().jobs.pop_front() {
+                            loop {
+                                let next = p.lock().jobs.pop_front();
+                                let Some(job) = next else { break };
                                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                             }
                         }
@@ -76,6 +84,7 @@ fn work() {
     let Some(pool) = pool() else { return };
     let mut state = pool.lock();
     state.coming -= 1;
+    state.workers += 1;
     loop {
         if let Some(job) = state.jobs.pop_front() {
             drop(state);
@@ -92,6 +101,7 @@ fn work() {
         state = next;
         state.idle -= 1;
         if waited.timed_out() && state.jobs.is_empty() {
+            state.workers -= 1;
             return;
         }
     }
@@ -106,7 +116,7 @@ pub(crate) fn run(job: impl FnOnce() + Send + 'static) {
     let mut state = pool.lock();
     state.jobs.push_back(Box::new(job));
     // Idle workers and those on their way take the jobs waiting; more jobs, more workers.
-    if state.idle + state.coming < state.jobs.len() {
+    if state.idle + state.coming < state.jobs.len() && state.workers + state.coming < MAX_WORKERS {
         state.coming += 1;
         if pool.grow.send(()).is_err() {
             state.coming -= 1;

@@ -15,7 +15,7 @@ use std::task::{ready, Context, Poll};
 use futures_core::Stream;
 use futures_sink::Sink;
 
-use crate::stream::{ending, Waiting};
+use crate::stream::{Receives, Receiving, Waiting};
 
 use crate::{Error, Result};
 
@@ -297,7 +297,8 @@ impl AsyncSession {
     }
 
     /// Closes gracefully (see [`Session::close`]) for every handle, from any of them: what
-    /// was committed goes first, then the close; tasks waiting on the session, and every later
+    /// was committed goes first (within `close_timeout`; what found no room by then is
+    /// [`rdmsg_msg::Error::Unsent`]), then the close; tasks waiting on the session, and every later
     /// call, get [`Error::Closed`]. The close and the verbs teardown run on rdmsg's own
     /// threads. A peer
     /// already gone makes it return at once with the peer's failure (see
@@ -337,33 +338,27 @@ fn reserve(s: &Session, shared: &SharedDriver<Session>) -> bool {
 /// unknown tag) are yielded and it goes on. Dropping it, or a `next()` future, loses
 /// nothing: a message is taken only in the poll that returns it.
 #[must_use = "streams do nothing unless polled"]
-pub struct SessionStream {
-    session: AsyncSession,
-    next: Option<Waiting<Result<Envelope>>>,
-    done: bool,
-}
-
-impl std::fmt::Debug for SessionStream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SessionStream")
-            .field("waiting", &self.next.is_some())
-            .field("done", &self.done)
-            .finish()
-    }
-}
+#[derive(Debug)]
+pub struct SessionStream(Receives<AsyncSession>);
 
 impl SessionStream {
     pub(crate) fn new(session: AsyncSession) -> Self {
-        Self {
-            session,
-            next: None,
-            done: false,
-        }
+        Self(Receives::new(session))
     }
 
     /// The session it reads.
     pub fn session(&self) -> &AsyncSession {
-        &self.session
+        &self.0.handle
+    }
+}
+
+impl Receiving for AsyncSession {
+    type Item = Envelope;
+    fn try_next(&self) -> Result<Option<Envelope>> {
+        self.try_recv()
+    }
+    fn next(self) -> Waiting<Result<Envelope>> {
+        Box::pin(async move { self.recv().await })
     }
 }
 
@@ -371,29 +366,7 @@ impl Stream for SessionStream {
     type Item = Result<Envelope>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        if this.done {
-            return Poll::Ready(None);
-        }
-        if this.next.is_none() {
-            // What has arrived already, without a future.
-            match this.session.try_recv() {
-                Ok(Some(env)) => return Poll::Ready(Some(Ok(env))),
-                Ok(None) => {}
-                Err(e) => return Poll::Ready(ending(&mut this.done, e)),
-            }
-            let session = this.session.clone();
-            this.next = Some(Box::pin(async move { session.recv().await }));
-        }
-        let got = ready!(this
-            .next
-            .as_mut()
-            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
-        this.next = None;
-        Poll::Ready(match got {
-            Ok(env) => Some(Ok(env)),
-            Err(e) => ending(&mut this.done, e),
-        })
+        self.get_mut().0.poll_next(cx)
     }
 }
 

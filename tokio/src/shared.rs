@@ -213,7 +213,7 @@ impl<D: Drive> SharedDriver<D> {
     /// The shared state, and a ticker task that wakes its waiters every [`Drive::tick`] (the
     /// health check) for as long as a handle lives.
     pub(crate) fn start(driven: D, op: &'static str) -> Result<Arc<Self>> {
-        // Outside a runtime there is no blocking pool: `driven` is dropped here.
+        // Outside a runtime, `driven` is dropped here: not a runtime's thread.
         let runtime = runtime(op)?;
         let tick = driven.tick();
         let shared = Arc::new(Self::new(driven, runtime.clone())?);
@@ -244,12 +244,12 @@ impl<D: Drive> SharedDriver<D> {
     }
 
     fn new(driven: D, runtime: tokio::runtime::Handle) -> Result<Self> {
-        let fd = driven
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(io("duplicating the descriptor"))?;
+        let fd = driven.as_fd().try_clone_to_owned();
         let _entered = runtime.enter();
-        let fd = register(fd).map_err(io("registering the descriptor with the runtime"));
+        let fd = fd
+            .map_err(io("duplicating the descriptor"))
+            .and_then(|fd| register(fd).map_err(io("registering the descriptor with the runtime")));
+        // Failed: what it was given is torn down off the runtime's threads too.
         let fd = match fd {
             Ok(fd) => fd,
             Err(e) => {

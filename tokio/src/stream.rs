@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 
 use crate::{Error, Result};
 
@@ -20,4 +21,63 @@ pub(crate) fn ending<T>(done: &mut bool, e: Error) -> Option<Result<T>> {
     }
     *done = e.is_fatal();
     Some(Err(e))
+}
+
+/// A handle whose receives a stream yields.
+pub(crate) trait Receiving: Clone + Send + Sync + 'static {
+    type Item: Send + 'static;
+    /// What is there already, without waiting.
+    fn try_next(&self) -> Result<Option<Self::Item>>;
+    /// The next one, waited for (cancel-safe).
+    fn next(self) -> Waiting<Result<Self::Item>>;
+}
+
+/// A stream of a handle's receives: what is there is taken without a future, else one boxed
+/// wait; it ends at the peer's graceful close or after a fatal error (see [`ending`]).
+pub(crate) struct Receives<H: Receiving> {
+    pub(crate) handle: H,
+    next: Option<Waiting<Result<H::Item>>>,
+    done: bool,
+}
+
+impl<H: Receiving> std::fmt::Debug for Receives<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receives")
+            .field("waiting", &self.next.is_some())
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+impl<H: Receiving> Receives<H> {
+    pub(crate) fn new(handle: H) -> Self {
+        Self {
+            handle,
+            next: None,
+            done: false,
+        }
+    }
+
+    pub(crate) fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<H::Item>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let next = match &mut self.next {
+            Some(next) => next,
+            None => {
+                match self.handle.try_next() {
+                    Ok(Some(item)) => return Poll::Ready(Some(Ok(item))),
+                    Ok(None) => {}
+                    Err(e) => return Poll::Ready(ending(&mut self.done, e)),
+                }
+                self.next.insert(self.handle.clone().next())
+            }
+        };
+        let got = ready!(next.as_mut().poll(cx));
+        self.next = None;
+        Poll::Ready(match got {
+            Ok(item) => Some(Ok(item)),
+            Err(e) => ending(&mut self.done, e),
+        })
+    }
 }

@@ -61,6 +61,49 @@ pub(crate) struct Sender {
     /// Whole messages committed by [`Sender::commit_as`] that could not go at once, encoded:
     /// they go after `outgoing`, in order, before anything sent later.
     pub(super) committed: VecDeque<Committed>,
+    /// A committed message is being sent: waits within its send (for room) send frames
+    /// only, so that nothing committed after it overtakes it.
+    pub(super) draining: bool,
+}
+
+/// How long a send may wait for room.
+#[derive(Debug, Clone, Copy)]
+enum Patience {
+    Not,
+    Until(Instant),
+    Forever,
+}
+
+impl Patience {
+    /// A wait of at most `timeout` (`None`: as long as it takes).
+    fn from_timeout(timeout: Option<Duration>) -> Self {
+        match timeout {
+            Some(t) if t.is_zero() => Patience::Not,
+            // A timeout too long to add to the clock is no deadline at all.
+            Some(t) => Instant::now()
+                .checked_add(t)
+                .map_or(Patience::Forever, Patience::Until),
+            None => Patience::Forever,
+        }
+    }
+
+    /// What is left of it, as a timeout.
+    fn left(self) -> Option<Duration> {
+        match self {
+            Patience::Not => Some(Duration::ZERO),
+            Patience::Until(d) => Some(d.saturating_duration_since(Instant::now())),
+            Patience::Forever => None,
+        }
+    }
+
+    /// Its deadline, for the waits that take one.
+    fn deadline(self) -> Option<Instant> {
+        match self {
+            Patience::Not => Some(Instant::now()),
+            Patience::Until(d) => Some(d),
+            Patience::Forever => None,
+        }
+    }
 }
 
 /// What a send needs of a message: its tag and its encodings. A typed message, or one
@@ -150,6 +193,7 @@ impl Sender {
             taken_to_tell: 0,
             peer_max_read: usize::MAX,
             committed: VecDeque::new(),
+            draining: false,
         }
     }
 
@@ -588,7 +632,7 @@ impl Sender {
         if !self.send_committed(link)? {
             return Ok(false);
         }
-        if !self.try_send_now(link, m, solicited)? {
+        if !self.try_send_now(link, m, solicited, Patience::Not)? {
             return Ok(false);
         }
         self.send_committed(link)?;
@@ -605,8 +649,19 @@ impl Sender {
         m: &M,
         solicited: bool,
     ) -> Result<()> {
-        if self.try_send_as(link, m, solicited)? {
-            return Ok(());
+        if self.send_committed(link)? {
+            let before = self.seq;
+            match self.try_send_now(link, m, solicited, Patience::Not) {
+                Ok(true) => {
+                    // It went: an error of what follows it recurs on the next call.
+                    let _ = self.send_committed(link);
+                    return Ok(());
+                }
+                Ok(false) => {}
+                // It went, then the link failed: that recurs on the next call.
+                Err(_) if self.seq != before => return Ok(()),
+                Err(e) => return Err(e),
+            }
         }
         let (pieces, total) = self.encode_large(m)?;
         self.committed.push_back(Committed {
@@ -618,21 +673,33 @@ impl Sender {
         Ok(())
     }
 
-    /// Sends `m` if it can go now, committed frames aside (the caller sent them).
+    /// Sends `m` if it can go within `patience`, committed frames aside (the caller sent
+    /// them): `Ok(false)`, nothing of it sent, if no room came. Its first frame, or its
+    /// descriptor, is what waits; a fragmented message's other frames are queued in
+    /// `outgoing`, which goes first whoever drives the link next.
     fn try_send_now<E: Encode + ?Sized>(
         &mut self,
         link: &mut impl Link,
         m: &E,
         solicited: bool,
+        patience: Patience,
     ) -> Result<bool> {
         let tag = m.tag();
         if !self.record.has_room() {
-            // The peer is asked for its record (once): its answer, solicited, wakes us.
-            if let Some(through) = self.record.ask_due() {
-                self.queue_ask(through);
+            if matches!(patience, Patience::Not) {
+                // The peer is asked for its record (once): its answer, solicited, wakes us.
+                if let Some(through) = self.record.ask_due() {
+                    self.queue_ask(through);
+                }
+                self.drain_frames(link, Patience::Not)?;
+                return Ok(false);
             }
-            self.drain_frames(link, Some(Duration::ZERO))?;
-            return Ok(false);
+            match self.wait_for_record(link, patience.deadline(), patience.left()) {
+                Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {
+                    return Ok(false)
+                }
+                other => other?,
+            }
         }
         let seq = self.seq;
         let want = self.policy.decide(solicited);
@@ -640,7 +707,7 @@ impl Sender {
         let mut asked = false;
         let (keep, taken) = (self.record.keeps(), self.taken_to_tell);
         let mut copy = None;
-        let sent = match link.send_with(want, Some(Duration::ZERO), |buf| {
+        let sent = match link.send_with(want, patience.left(), |buf| {
             asked = true;
             outcome = m.encode_single(seq, buf);
             let n = outcome.as_ref().ok().copied().flatten()?;
@@ -664,11 +731,15 @@ impl Sender {
         let (pieces, total) = self.encode_large(m)?;
         let frame_max = link.max_message()?;
         if self.by_rendezvous(total) && Self::descriptor_fits(pieces.len(), frame_max) {
-            if !self.lent.has_room(total) {
-                return Ok(false);
+            while !self.lent.has_room(total) {
+                // Acknowledgements make room; nothing committed goes meanwhile.
+                let left = patience.left();
+                if left == Some(Duration::ZERO) || !self.wait_and_take_acks(link, left)? {
+                    return Ok(false);
+                }
             }
-            let zero = Some(Duration::ZERO);
-            return match self.send_rendezvous(link, tag, seq, pieces, total, solicited, zero) {
+            let left = patience.left();
+            return match self.send_rendezvous(link, tag, seq, pieces, total, solicited, left) {
                 Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
                 other => other,
             };
@@ -681,7 +752,7 @@ impl Sender {
         let mut frames = frames.into_iter().enumerate();
         let (_, mut first) = frames.next().expect("a message has a first frame");
         frame::stamp_taken(&mut first, taken);
-        if !link.send(&first, count == 1 && want, Some(Duration::ZERO))? {
+        if !link.send(&first, count == 1 && want, patience.left())? {
             // The credit seen a moment ago is still there (only we spend it): a send slot.
             return Ok(false);
         }
@@ -698,6 +769,12 @@ impl Sender {
     /// Sends committed frames that can go without waiting; whether none is left.
     pub(crate) fn send_committed(&mut self, link: &mut impl Link) -> Result<bool> {
         self.drain(link, Some(Duration::ZERO))
+    }
+
+    /// Messages committed and not sent yet (a fragmented one whose first frame went
+    /// excluded: it went).
+    pub(crate) fn committed_waiting(&self) -> usize {
+        self.committed.len()
     }
 
     /// Whether the window of messages not yet confirmed has room for one more.
@@ -804,45 +881,58 @@ impl Sender {
         Ok(true)
     }
 
-    /// Sends every committed frame, then every committed message, waiting at most `timeout`
-    /// for each; whether all went.
+    /// Sends every committed frame, then every committed message, in order, all within
+    /// `timeout`; whether all went. A committed message that fails for a reason of its own
+    /// (the connection still up) is dropped and its error returned, once: it would fail again
+    /// and hold up everything behind it.
     pub(crate) fn drain(
         &mut self,
         link: &mut impl Link,
         timeout: Option<Duration>,
     ) -> Result<bool> {
+        let patience = Patience::from_timeout(timeout);
         loop {
-            if !self.drain_frames(link, timeout)? {
+            if !self.drain_frames(link, patience)? {
                 return Ok(false);
+            }
+            if self.draining {
+                // A wait within a committed message's send: it stays first.
+                return Ok(self.committed.is_empty());
             }
             let Some(next) = self.committed.pop_front() else {
                 return Ok(true);
             };
-            let sent = if timeout == Some(Duration::ZERO) {
-                self.try_send_now(link, &next, next.solicited)
-            } else {
-                match self.send_one_within(link, &next, next.solicited, timeout) {
-                    Ok(()) => Ok(true),
-                    Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
-                    Err(e) => Err(e),
+            self.draining = true;
+            let before = self.seq;
+            let sent = self.try_send_now(link, &next, next.solicited, patience);
+            self.draining = false;
+            match sent {
+                Ok(true) => {}
+                // It went; what failed after it recurs on the next call.
+                Err(e) if self.seq != before => return Err(e),
+                Ok(false) | Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {
+                    self.committed.push_front(next);
+                    return Ok(false);
                 }
-            };
-            if !sent.as_ref().is_ok_and(|&sent| sent) {
-                // Still first in line, whether it waits for room or the link failed.
-                self.committed.push_front(next);
-            }
-            if !sent? {
-                return Ok(false);
+                Err(e) if e.is_fatal() => {
+                    // The connection failed: it is among the messages not confirmed.
+                    self.committed.push_front(next);
+                    return Err(e);
+                }
+                Err(e) => {
+                    self.stats.committed_dropped += 1;
+                    return Err(e);
+                }
             }
         }
     }
 
-    /// Sends every committed frame, waiting at most `timeout` for each; whether all went.
-    fn drain_frames(&mut self, link: &mut impl Link, timeout: Option<Duration>) -> Result<bool> {
+    /// Sends every committed frame within `patience`; whether all went.
+    fn drain_frames(&mut self, link: &mut impl Link, patience: Patience) -> Result<bool> {
         let taken = self.taken_to_tell;
         while let Some((f, solicited)) = self.outgoing.front_mut() {
             frame::stamp_taken(f, taken);
-            if !link.send(f, *solicited, timeout)? {
+            if !link.send(f, *solicited, patience.left())? {
                 return Ok(false);
             }
             self.outgoing.pop_front();
