@@ -562,6 +562,32 @@ pub(crate) struct CallTable {
 /// A call table shared with the [`Call`] handles (whose drop cancels).
 pub(crate) type Calls = Arc<Mutex<CallTable>>;
 
+/// The call `id` of `R` whose request went (`Ok(true)`), did not go within `timeout`
+/// (`Ok(false)`: [`crate::Error::CallTimedOut`]), or failed: a session's and a hub's start.
+pub(crate) fn started<R: Request>(
+    calls: &Calls,
+    id: u64,
+    sent: Result<bool>,
+    timeout: Duration,
+    deadline: Option<Instant>,
+) -> Result<Call<R::Response>> {
+    let request = std::any::type_name::<R>();
+    match sent {
+        Ok(true) => Ok(Call::new(id, calls.clone(), request, timeout, deadline)),
+        Ok(false) => {
+            lock(calls).give_up(id, true);
+            Err(crate::Error::CallTimedOut {
+                request,
+                after: timeout,
+            })
+        }
+        Err(e) => {
+            lock(calls).forget(id);
+            Err(e)
+        }
+    }
+}
+
 pub(crate) fn lock(calls: &Calls) -> MutexGuard<'_, CallTable> {
     calls.lock().unwrap_or_else(PoisonError::into_inner)
 }

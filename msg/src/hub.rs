@@ -846,27 +846,7 @@ impl Hub {
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
             s.send_within(link, &out, R::SOLICITED, Some(timeout))
         });
-        let request = std::any::type_name::<R>();
-        match peer::in_time(sent) {
-            Ok(true) => Ok(Call::new(
-                id,
-                self.calls.clone(),
-                request,
-                timeout,
-                deadline,
-            )),
-            Ok(false) => {
-                call::lock(&self.calls).give_up(id, true);
-                Err(crate::Error::CallTimedOut {
-                    request,
-                    after: timeout,
-                })
-            }
-            Err(e) => {
-                call::lock(&self.calls).forget(id);
-                Err(e)
-            }
-        }
+        call::started::<R>(&self.calls, id, peer::in_time(sent), timeout, deadline)
     }
 
     /// Starts a call to `peer` without ever waiting (see [`Hub::post`]): the request goes at

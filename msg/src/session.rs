@@ -815,39 +815,7 @@ impl Session {
         let out = CallOut { id, m: request };
         let (sender, link) = absorbing!(self);
         let sent = peer::in_time(sender.send_within(link, &out, solicited, Some(left)));
-        self.started::<R>(id, sent.map(|s| s.then_some(())), timeout, deadline)
-    }
-
-    /// The call `id` whose request went (`Ok(Some)`), did not go in time (`Ok(None)`: timed
-    /// out), or failed.
-    fn started<R: Request>(
-        &mut self,
-        id: u64,
-        sent: Result<Option<()>>,
-        timeout: Duration,
-        deadline: Option<Instant>,
-    ) -> Result<Call<R::Response>> {
-        let request = std::any::type_name::<R>();
-        match sent {
-            Ok(Some(())) => Ok(Call::new(
-                id,
-                self.calls.clone(),
-                request,
-                timeout,
-                deadline,
-            )),
-            Ok(None) => {
-                call::lock(&self.calls).give_up(id, true);
-                Err(crate::Error::CallTimedOut {
-                    request,
-                    after: timeout,
-                })
-            }
-            Err(e) => {
-                call::lock(&self.calls).forget(id);
-                Err(e)
-            }
-        }
+        call::started::<R>(&self.calls, id, sent, timeout, deadline)
     }
 
     /// [`Session::start_call`] only if the request can go without waiting: `Ok(None)`,
@@ -862,9 +830,7 @@ impl Session {
         let deadline = call::deadline(timeout);
         let id = call::lock(&self.calls).start::<R>(None);
         match self.try_send_as(&CallOut { id, m: request }, solicited) {
-            Ok(true) => self
-                .started::<R>(id, Ok(Some(())), timeout, deadline)
-                .map(Some),
+            Ok(true) => call::started::<R>(&self.calls, id, Ok(true), timeout, deadline).map(Some),
             other => {
                 call::lock(&self.calls).forget(id);
                 other.map(|_| None)

@@ -15,7 +15,7 @@ use std::task::{ready, Context, Poll};
 use futures_core::Stream;
 use futures_sink::Sink;
 
-use crate::stream::{Receives, Receiving, Waiting};
+use crate::stream::{poll_wait, Receives, Receiving, Waiting};
 
 use crate::{Error, Result};
 
@@ -351,16 +351,11 @@ impl<M: Message + Send + 'static> Sink<M> for PeerSink<M> {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = self.get_mut();
         ready!(this.poll_held(cx))?;
-        if this.flushing.is_none() {
-            let (hub, peer) = (this.hub.clone(), this.peer);
-            this.flushing = Some(Box::pin(async move { hub.outbox_sent(peer).await }));
-        }
-        let done = ready!(this
-            .flushing
-            .as_mut()
-            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
-        this.flushing = None;
-        Poll::Ready(done)
+        let (hub, peer) = (&this.hub, this.peer);
+        poll_wait(&mut this.flushing, cx, || {
+            let hub = hub.clone();
+            Box::pin(async move { hub.outbox_sent(peer).await })
+        })
     }
 
     fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {

@@ -12,7 +12,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
 use crate::error::{io, register, runtime};
-use crate::stream::Waiting;
+use crate::stream::{poll_wait, Waiting};
 use crate::{AsyncSession, Result};
 use futures_core::Stream;
 use std::pin::Pin;
@@ -269,15 +269,11 @@ impl Stream for Incoming {
         if this.done {
             return Poll::Ready(None);
         }
-        if this.next.is_none() {
-            let listener = this.listener.clone();
-            this.next = Some(Box::pin(async move { listener.next_client().await }));
-        }
-        let got = ready!(this
-            .next
-            .as_mut()
-            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
-        this.next = None;
+        let listener = &this.listener;
+        let got = ready!(poll_wait(&mut this.next, cx, || {
+            let listener = listener.clone();
+            Box::pin(async move { listener.next_client().await })
+        }));
         Poll::Ready(Some(match got {
             Ok(client) => client,
             Err(e) => {

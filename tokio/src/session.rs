@@ -15,7 +15,7 @@ use std::task::{ready, Context, Poll};
 use futures_core::Stream;
 use futures_sink::Sink;
 
-use crate::stream::{Receives, Receiving, Waiting};
+use crate::stream::{poll_wait, Receives, Receiving, Waiting};
 
 use crate::{Error, Result};
 
@@ -423,29 +423,22 @@ impl<M> SessionSink<M> {
                 self.permit = Some(permit);
                 return Poll::Ready(Ok(()));
             }
-            let session = self.session.clone();
-            self.reserving = Some(Box::pin(async move { session.reserve().await }));
         }
-        let got = ready!(self
-            .reserving
-            .as_mut()
-            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
-        self.reserving = None;
+        let session = &self.session;
+        let got = ready!(poll_wait(&mut self.reserving, cx, || {
+            let session = session.clone();
+            Box::pin(async move { session.reserve().await })
+        }));
         self.permit = Some(got?);
         Poll::Ready(Ok(()))
     }
 
     fn poll_flushed(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        if self.flushing.is_none() {
-            let session = self.session.clone();
-            self.flushing = Some(Box::pin(async move { session.flush().await }));
-        }
-        let done = ready!(self
-            .flushing
-            .as_mut()
-            .map_or(Poll::Pending, |f| f.as_mut().poll(cx)));
-        self.flushing = None;
-        Poll::Ready(done)
+        let session = &self.session;
+        poll_wait(&mut self.flushing, cx, || {
+            let session = session.clone();
+            Box::pin(async move { session.flush().await })
+        })
     }
 }
 

@@ -23,6 +23,18 @@ pub(crate) fn ending<T>(done: &mut bool, e: Error) -> Option<Result<T>> {
     Some(Err(e))
 }
 
+/// Polls the wait in `slot`, started by `start` if none is in progress; clears the slot once
+/// it is done.
+pub(crate) fn poll_wait<T>(
+    slot: &mut Option<Waiting<T>>,
+    cx: &mut Context<'_>,
+    start: impl FnOnce() -> Waiting<T>,
+) -> Poll<T> {
+    let done = ready!(slot.get_or_insert_with(start).as_mut().poll(cx));
+    *slot = None;
+    Poll::Ready(done)
+}
+
 /// A handle whose receives a stream yields.
 pub(crate) trait Receiving: Clone + Send + Sync + 'static {
     type Item: Send + 'static;
@@ -62,19 +74,15 @@ impl<H: Receiving> Receives<H> {
         if self.done {
             return Poll::Ready(None);
         }
-        let next = match &mut self.next {
-            Some(next) => next,
-            None => {
-                match self.handle.try_next() {
-                    Ok(Some(item)) => return Poll::Ready(Some(Ok(item))),
-                    Ok(None) => {}
-                    Err(e) => return Poll::Ready(ending(&mut self.done, e)),
-                }
-                self.next.insert(self.handle.clone().next())
+        if self.next.is_none() {
+            match self.handle.try_next() {
+                Ok(Some(item)) => return Poll::Ready(Some(Ok(item))),
+                Ok(None) => {}
+                Err(e) => return Poll::Ready(ending(&mut self.done, e)),
             }
-        };
-        let got = ready!(next.as_mut().poll(cx));
-        self.next = None;
+        }
+        let handle = &self.handle;
+        let got = ready!(poll_wait(&mut self.next, cx, || handle.clone().next()));
         Poll::Ready(match got {
             Ok(item) => Some(Ok(item)),
             Err(e) => ending(&mut self.done, e),

@@ -538,18 +538,7 @@ impl Sender {
             )
             .into());
         }
-        self.send_one_within(link, m, solicited, first_timeout)
-    }
-
-    /// [`Sender::send_within`] once what was committed earlier has gone.
-    fn send_one_within<E: Encode + ?Sized>(
-        &mut self,
-        link: &mut impl Link,
-        m: &E,
-        solicited: bool,
-        first_timeout: Option<Duration>,
-    ) -> Result<()> {
-        let tag = m.tag();
+        let tag = M::TAG;
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
         self.wait_for_record(link, deadline, first_timeout)?;
