@@ -40,7 +40,7 @@ const USAGE: &str = "usage:
       --fanin-messages messages per fan-in measurement (32768; --quick 16384)
       --fanin-rounds rounds that include the fan-in (default 1)
   rdmsg-bench codec [--quick] [--rounds N]
-  rdmsg-bench cost-check [--iters N] [--runs K]
+  rdmsg-bench cost-check [--iters N] [--runs K] [--only LAYER]
       counts instructions and allocations per round trip of each layer with callgrind
       (the smallest of K runs) and fails above the ceilings (cargo xtask test runs it)
   rdmsg-bench report --out DIR SAMPLE_FILE...";
