@@ -154,6 +154,29 @@ pub fn poll_n(cq: &mut CompletionQueue, n: usize) -> Vec<WorkCompletion> {
     out
 }
 
+/// The IPv4 address of port 1 of the test device (`$RDMSG_DEVICE`): the first IPv4-mapped GID
+/// in its table, where RoCE carries its interface's addresses. The address rdma_cm tests
+/// connect to; panics if there is none.
+pub fn device_ipv4() -> std::net::Ipv4Addr {
+    let device = std::env::var(Context::DEVICE_ENV).expect("device tests need $RDMSG_DEVICE");
+    let dir = format!("/sys/class/infiniband/{device}/ports/1/gids");
+    let mut gids: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{dir}: {e}"))
+        .map(|e| e.unwrap().path())
+        .collect();
+    gids.sort();
+    gids.iter()
+        .find_map(|path| {
+            let gid = std::fs::read_to_string(path).ok()?;
+            let hex: String = gid.trim().chars().filter(|c| *c != ':').collect();
+            let v4 = hex.strip_prefix("00000000000000000000ffff")?;
+            u32::from_str_radix(v4, 16)
+                .ok()
+                .map(std::net::Ipv4Addr::from)
+        })
+        .unwrap_or_else(|| panic!("no IPv4 GID on {device}"))
+}
+
 /// Open file descriptors of this process.
 pub fn fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()

@@ -111,11 +111,42 @@ impl AsyncSession {
         config: Config,
         session: SessionConfig,
     ) -> Result<Self> {
+        Self::connect_through(endpoint, addr, config, session, false).await
+    }
+
+    /// Connects to a [`CmListener`](rdmsg_transport::CmListener) at `addr` through the RDMA
+    /// connection manager ([`Endpoint::connect_cm`]), on rdmsg's worker threads like
+    /// [`AsyncSession::connect`].
+    pub async fn connect_cm(
+        endpoint: &Endpoint,
+        addr: impl ToSocketAddrs + std::fmt::Debug + Send + 'static,
+        config: Config,
+        session: SessionConfig,
+    ) -> Result<Self> {
+        Self::connect_through(endpoint, addr, config, session, true).await
+    }
+
+    /// Connects on rdmsg's worker threads, through the TCP bootstrap or (`cm`) the
+    /// connection manager. The session too is made there: it registers memory.
+    async fn connect_through(
+        endpoint: &Endpoint,
+        addr: impl ToSocketAddrs + std::fmt::Debug + Send + 'static,
+        config: Config,
+        session: SessionConfig,
+        cm: bool,
+    ) -> Result<Self> {
         let endpoint = endpoint.clone();
-        crate::error::runtime("AsyncSession::connect")?;
-        // The session too is made there: it registers memory.
+        crate::error::runtime(if cm {
+            "AsyncSession::connect_cm"
+        } else {
+            "AsyncSession::connect"
+        })?;
         let session = crate::offload::spawn(move || {
-            let conn = endpoint.connect(addr, &config)?;
+            let conn = if cm {
+                endpoint.connect_cm(addr, &config)?
+            } else {
+                endpoint.connect(addr, &config)?
+            };
             Ok::<_, Error>(Session::with_config(conn, session))
         })
         .await

@@ -189,7 +189,13 @@ impl Pending<Setup> {
             .setup
             .expect("a finished handshake set up its queue pair");
         setup.register_send_buffers(endpoint, &peer)?;
-        Connection::establish(endpoint, setup, self.stream, &self.config, peer)
+        Connection::establish(
+            endpoint,
+            setup,
+            crate::control::Control::Tcp(self.stream),
+            &self.config,
+            peer,
+        )
     }
 }
 

@@ -54,6 +54,35 @@ pub enum Error {
     /// The peer's connection record is not `LID:QPN:PSN:GID`.
     #[error("invalid connection record from the peer")]
     BadRecord(#[from] crate::addr::RecordError),
+    /// The RDMA connection manager could not make the connection: an event other than the
+    /// one awaited, or a refusal that is not rdmsg's.
+    #[error("rdma_cm could not connect to {addr} while {stage}: {detail}")]
+    Cm {
+        /// The peer's address.
+        addr: String,
+        /// What was being done.
+        stage: &'static str,
+        /// What happened instead.
+        detail: String,
+    },
+    /// The connection manager resolved the address to another device or port than the
+    /// endpoint's, where the queue pair would have to be.
+    #[error(
+        "rdma_cm resolved {addr} to {resolved} port {port}, but the endpoint is on {ours} port \
+         {our_port}: open the endpoint on that device, or use an address of this one"
+    )]
+    CmDevice {
+        /// The address.
+        addr: String,
+        /// The device the CM chose.
+        resolved: String,
+        /// Its port.
+        port: u8,
+        /// The endpoint's device.
+        ours: String,
+        /// The endpoint's port.
+        our_port: u8,
+    },
     /// The peer's hello is unacceptable; it was told why.
     #[error("rejected the peer's handshake: {0}")]
     BadHandshake(Reject),

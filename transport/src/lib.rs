@@ -107,8 +107,10 @@
 
 pub mod addr;
 mod bootstrap;
+mod cm;
 mod config;
 mod connection;
+mod control;
 mod core;
 pub mod credits;
 mod endpoint;
@@ -133,6 +135,7 @@ pub use crate::core::ConnStats;
 pub use addr::QpAddress;
 pub use bootstrap::loopback_pair;
 pub use bootstrap::Listener;
+pub use cm::CmListener;
 pub use config::Config;
 #[cfg(feature = "test-hooks")]
 pub use config::{Fault, TestHooks};

@@ -67,6 +67,12 @@ impl Setup {
         })
     }
 
+    /// Notes how many send buffers the handshake settled on (the CM path, which connects the
+    /// queue pair itself rather than through [`LocalSide::connect`]).
+    pub(crate) fn set_send_buffers(&mut self, n: u32) {
+        self.send_buffers = n;
+    }
+
     /// Registers the send buffers, sized by the peer's receive buffers. Only once the handshake
     /// is complete: a client that stops before its "ready" (authenticated or not) must not
     /// hold `send_depth` × its buffer size of pinned memory per pending handshake.

@@ -244,9 +244,35 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A call of the RDMA connection manager (librdmacm) failed. Without `/dev/infiniband/
+    /// rdma_cm` (the `rdma_ucm` module not loaded) creating the event channel fails with
+    /// `ENOENT`/`ENODEV`, and the message says which modules the CM needs.
+    #[error("{call} failed{}{}", Failed(.source), CmHint(.source))]
+    Cm {
+        /// The librdmacm call (`rdma_resolve_addr`, `rdma_connect`...).
+        call: &'static str,
+        /// Cause.
+        #[source]
+        source: io::Error,
+    },
     /// An argument was rejected before any verb was called.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+/// What follows a failed connection-manager call whose error number means "no CM here".
+struct CmHint<'a>(&'a io::Error);
+
+impl std::fmt::Display for CmHint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.raw_os_error() {
+            Some(libc::ENOENT | libc::ENODEV | libc::ENOSYS) => f.write_str(
+                ": the RDMA connection manager needs /dev/infiniband/rdma_cm (modprobe rdma_ucm, \
+                 which loads rdma_cm, ib_cm and iw_cm)",
+            ),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// What to do on a host without a usable RDMA device, as the errors that find none say it:

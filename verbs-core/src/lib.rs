@@ -79,6 +79,7 @@
 //! long the pointer stays valid.
 #![deny(missing_docs)]
 
+mod cm;
 mod cq;
 mod device;
 mod error;
@@ -94,6 +95,11 @@ mod watch;
 pub use rdma_sys as ffi;
 
 pub use bytes::Bytes;
+pub use cm::{
+    CmEvent, CmEventChannel, CmEventKind, CmId, CmIdKey, ConnParams, QpTuning,
+    ACCEPT_PRIVATE_DATA_MAX, CONNECT_PRIVATE_DATA_MAX, REJECT_CONSUMER, REJECT_INVALID_SERVICE,
+    REJECT_PRIVATE_DATA_MAX,
+};
 pub use cq::{CompletionChannel, CompletionQueue, CqEvent, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{
     devices, AsyncElement, AsyncEvent, AsyncEventKind, Context, DeviceAttr, DeviceInfo, Gid,

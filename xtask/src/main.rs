@@ -88,6 +88,8 @@ const PACKAGES: &[&str] = &[
     "ibverbs-providers",
     "ibverbs-utils",
     "rdmacm-utils",
+    // The librpma peer of the rdma_cm interop tests (compiled by the test with cc).
+    "librpma-dev",
     "perftest",
     "iproute2",
     "vde2",

@@ -36,6 +36,13 @@ const MODULES: &[&str] = &[
     // fails with a bare "failed to add".
     "crc32_generic",
     "ib_uverbs",
+    // The RDMA connection manager for user space (/dev/infiniband/rdma_cm): rdma_ucm, with
+    // rdma_cm, ib_cm, iw_cm and configfs as modules.dep orders them.
+    "configfs",
+    "ib_cm",
+    "iw_cm",
+    "rdma_cm",
+    "rdma_ucm",
     "rdma_rxe",
 ];
 

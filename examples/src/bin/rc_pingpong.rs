@@ -60,6 +60,10 @@ struct Options {
     /// Sleep on completion events (else poll)
     #[arg(short, long)]
     events: bool,
+    /// Hold each message this many microseconds before sending it, so that the peer is asleep
+    /// when it comes (not an ibv_rc_pingpong flag: rdmsg-bench's cost check uses it)
+    #[arg(long, value_name = "MICROSECONDS", default_value_t = 0)]
+    hold_us: u64,
     /// Local port GID index (default: the RoCE v2 IPv4 one)
     #[arg(short, long = "gid-idx", value_name = "GID_INDEX")]
     gid_index: Option<u8>,
@@ -170,7 +174,11 @@ fn pingpong(o: &Options) -> Result<()> {
 
     let mut send_buf = Some(ep.pd().register(o.size, Access::LOCAL_WRITE)?);
     let payload = vec![0x5a; o.size];
+    let hold = std::time::Duration::from_micros(o.hold_us);
     let post_send = |qp: &mut QueuePair, buf: &mut Option<rdmsg::verbs::Buffer>| -> Result<()> {
+        if !hold.is_zero() {
+            std::thread::sleep(hold);
+        }
         let req = if inline {
             SendRequest::inline(&payload)
         } else {

@@ -1,13 +1,13 @@
 //! The completion channel of a connection and the other descriptors that end its sleep, in
 //! one epoll set.
 
-use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
 use rdmsg_notify::{EventChannel, EventTarget, Readiness};
 use rdmsg_verbs::{CompletionChannel, CompletionQueue, ReadyWatch};
 
+use crate::control::Control;
 use crate::endpoint::Endpoint;
 use crate::error::Result;
 use crate::token::Token;
@@ -21,7 +21,8 @@ pub(super) struct ConnChannel {
     pub(super) watch: ReadyWatch,
     /// Registered in `watch`: kept open here.
     _wake: std::os::unix::net::UnixStream,
-    pub(super) bootstrap: TcpStream,
+    /// The bootstrap stream, or the connection manager's id (see [`Control`]).
+    pub(super) bootstrap: Control,
     /// Stop watching the bootstrap stream once it has ended (it stays readable forever).
     pub(super) watch_bootstrap: bool,
     /// Owns the context whose async-event descriptor is registered in `watch`.
@@ -32,7 +33,7 @@ impl ConnChannel {
     pub(super) fn new(
         channel: CompletionChannel,
         wake: std::os::unix::net::UnixStream,
-        bootstrap: TcpStream,
+        bootstrap: Control,
         endpoint: Endpoint,
     ) -> Result<Self> {
         let watch = ReadyWatch::new()?;

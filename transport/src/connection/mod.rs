@@ -4,7 +4,6 @@
 //! watches; `turn` is the private half of the driver: polling, waiting, the core's actions.
 
 use std::collections::VecDeque;
-use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +14,7 @@ use rdmsg_verbs::{Buffer, CompletionQueue, Exposed, QueuePair, ReadSegment, Work
 use crate::config::{extra_credits, Config};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
+use crate::control::Control;
 use crate::core::{earliest, ConnStats, Core, Post, Room};
 use crate::credits::Credits;
 use crate::endpoint::Endpoint;
@@ -112,7 +112,7 @@ impl Connection {
     pub(crate) fn establish(
         endpoint: &Endpoint,
         setup: Setup,
-        stream: TcpStream,
+        control: Control,
         config: &Config,
         peer: Hello,
     ) -> Result<Self> {
@@ -125,18 +125,20 @@ impl Connection {
             send_bufs,
             ..
         } = setup;
-        stream
-            .set_nonblocking(true)
-            .map_err(bootstrap_err("making the stream non-blocking"))?;
-        if let Some(limit) = config.keepalive {
-            socket2::SockRef::from(&stream)
-                .set_tcp_keepalive(&keepalive_probes(limit))
-                .map_err(bootstrap_err("enabling TCP keepalive"))?;
+        if let Control::Tcp(stream) = &control {
+            stream
+                .set_nonblocking(true)
+                .map_err(bootstrap_err("making the stream non-blocking"))?;
+            if let Some(limit) = config.keepalive {
+                socket2::SockRef::from(stream)
+                    .set_tcp_keepalive(&keepalive_probes(limit))
+                    .map_err(bootstrap_err("enabling TCP keepalive"))?;
+            }
         }
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
         channel.set_nonblocking(true)?;
         let mut waiter = Waiter::new(
-            ConnChannel::new(channel, wake, stream, endpoint.clone())?,
+            ConnChannel::new(channel, wake, control, endpoint.clone())?,
             config.policy,
         );
         let recv_key = waiter.add(recv_cq, config.recv_arm);

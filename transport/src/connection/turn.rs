@@ -1,7 +1,6 @@
 //! The private half of the connection driver: polling and waiting, handing completions and
 //! the bootstrap stream to the core, doing its actions, re-posting and granting.
 
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 use rdmsg_notify::{CqKey, Policy};
@@ -14,10 +13,8 @@ use crate::core::{earliest, Action, Completion, RecvAction};
 use crate::endpoint::Endpoint;
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::events::{self, Mailbox};
-use crate::handshake::GOODBYE;
 use crate::read;
 use crate::send;
-use crate::stream::read_after_handshake;
 use crate::trace;
 
 impl Connection {
@@ -161,14 +158,14 @@ impl Connection {
                 Action::SayGoodbye => {
                     // The peer reading its end waits for our close message rather than
                     // calling us vanished.
-                    let _ = (&ch.bootstrap).write_all(&[GOODBYE]);
+                    ch.bootstrap.say_goodbye();
                 }
                 Action::UnwatchStream => ch.stop_watching_bootstrap(),
                 Action::FailQueuePair => {
                     trace::ended(self.qp.qp_num(), None, self.core.failure());
                     // The end of our bootstrap stream fails the peer's side at once, rather
                     // than leaving it waiting on a queue pair that no longer answers.
-                    let _ = ch.bootstrap.shutdown(std::net::Shutdown::Both);
+                    ch.bootstrap.shut_down();
                     ch.stop_watching_bootstrap();
                     let _ = self.qp.to_error();
                     self.core.flushing_since(Instant::now());
@@ -369,16 +366,16 @@ impl Connection {
         self.qp.as_raw()
     }
 
-    /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`] may come,
+    /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`](crate::handshake::GOODBYE) may come,
     /// and tells the core (see [`crate::core::StreamNews`]).
     pub(super) fn check_bootstrap(&mut self) {
         let now = Instant::now();
         self.bootstrap_checked = now;
-        let ch = self.waiter.channel();
+        let ch = self.waiter.channel_mut();
         if !ch.watch_bootstrap {
             return;
         }
-        let news = read_after_handshake(&ch.bootstrap);
+        let news = ch.bootstrap.news();
         self.core.handle_stream(news, now);
         self.do_actions();
     }

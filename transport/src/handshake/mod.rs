@@ -65,6 +65,8 @@
 //! mean nothing. The key authenticates the peer; it does not encrypt or protect the stream
 //! afterwards.
 
+pub mod cm;
+
 use std::fmt;
 use std::sync::Arc;
 

@@ -224,6 +224,27 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Whether the queue pair receives through a shared receive queue.
+    pub(crate) fn has_srq(&self) -> bool {
+        self.srq.is_some()
+    }
+
+    /// A state change with the attributes the connection manager computed for it
+    /// ([`crate::CmId::init_qp`], [`crate::CmId::ready_qp`]).
+    pub(crate) fn modify_from_cm(
+        &mut self,
+        attr: &mut ffi::ibv_qp_attr,
+        mask: u32,
+        to: QpState,
+    ) -> Result<()> {
+        let port = attr.port_num;
+        self.modify(attr, mask, to)?;
+        if to == QpState::Init {
+            self.port = port;
+        }
+        Ok(())
+    }
+
     fn zeroed_attr() -> ffi::ibv_qp_attr {
         // SAFETY: ibv_qp_attr is plain old data; all-zero is valid.
         unsafe { std::mem::zeroed() }

@@ -1,0 +1,421 @@
+//! Connections made by the RDMA connection manager (rdma_cm) instead of the TCP bootstrap:
+//! [`Endpoint::connect_cm`] and [`CmListener`].
+//!
+//! The handshake is the TCP one reshaped for private data ([`crate::handshake::cm`]): the
+//! client's hello rides in the connection request, the server's in the accept, a refusal's
+//! reason in the reject; the queue pair's number, PSNs and path are the CM's. The server
+//! creates nothing for a client before its hello passed every check, as over TCP. Afterwards
+//! each connection keeps its id alone on an event channel of its own, watched beside its
+//! completion channel ([`crate::control`]): a peer's disconnect is what the end of the
+//! bootstrap stream is on TCP. A pre-shared key cannot be proved within one exchange of
+//! private data, so [`Config::psk`] is refused here before anything is sent.
+
+use std::fmt;
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use rdmsg_verbs::{
+    deadline_after, CmEvent, CmEventChannel, CmEventKind, CmId, ConnParams, QpTuning, ReadyWatch,
+    REJECT_INVALID_SERVICE,
+};
+
+use crate::config::Config;
+use crate::connection::Connection;
+use crate::control::{CmLink, Control};
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result, TimedOut};
+use crate::handshake::cm::{decode_hello, decode_reject, encode_hello, encode_reject};
+use crate::handshake::{Hello, Reject};
+use crate::setup::{our_hello, Setup};
+
+/// What the handshake over rdma_cm waits for when it runs out of time.
+const WAIT_CM: &str = "for the connection manager (address, route, or the peer's answer): \
+                       Config::handshake_timeout bounds it";
+
+/// The first address `addr` resolves to, IPv4 first (rxe and most RoCE set-ups route it).
+fn socket_addr(addr: &(impl ToSocketAddrs + fmt::Debug)) -> Result<SocketAddr> {
+    let fail = |source| Error::Connect {
+        addr: format!("{addr:?}"),
+        source,
+    };
+    let all: Vec<SocketAddr> = addr.to_socket_addrs().map_err(fail)?.collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or(all.first())
+        .copied()
+        .ok_or_else(|| fail(io::Error::new(io::ErrorKind::NotFound, "no address")))
+}
+
+fn refuse_psk(config: &Config) -> Result<()> {
+    if config.psk.is_some() {
+        return Err(Error::Config(
+            "a pre-shared key cannot be proved over rdma_cm (its private data allows one \
+             exchange): connect through the TCP bootstrap (Endpoint::connect / listen) to use \
+             Config::psk"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// What rdmsg sets itself on a CM queue pair: the transport's path parameters, as the TCP
+/// bootstrap sets them.
+fn tuning(endpoint: &Endpoint, config: &Config, accepting: Option<ConnParams>) -> QpTuning {
+    QpTuning {
+        accepting,
+        min_rnr_timer: config.path.min_rnr_timer,
+        path_mtu: Some(endpoint.path_mtu(&config.path)),
+        timeout: Some(config.path.timeout),
+        retry_cnt: Some(config.path.retry_cnt),
+        rnr_retry: Some(config.path.rnr_retry),
+    }
+}
+
+fn conn_params(endpoint: &Endpoint, config: &Config) -> ConnParams {
+    ConnParams {
+        responder_resources: endpoint.reads_served(),
+        initiator_depth: endpoint.reads_served(),
+        retry_count: config.path.retry_cnt.min(7),
+        rnr_retry_count: config.path.rnr_retry.min(7),
+    }
+}
+
+/// The device the CM bound `id` to must be the endpoint's: the queue pair is created there.
+fn check_device(endpoint: &Endpoint, id: &CmId, addr: &str) -> Result<()> {
+    let ours = endpoint.context().name();
+    match id.device_name() {
+        Some(name) if name == ours && id.port_num() == endpoint.port() => Ok(()),
+        resolved => Err(Error::CmDevice {
+            addr: addr.to_owned(),
+            resolved: resolved.unwrap_or_else(|| "no device".into()),
+            port: id.port_num(),
+            ours: ours.to_owned(),
+            our_port: endpoint.port(),
+        }),
+    }
+}
+
+/// Checks the peer's hello against ours and our limits; the send buffers to register.
+fn check_peer(endpoint: &Endpoint, config: &Config, peer: &Hello) -> Result<u32, Reject> {
+    our_hello(endpoint, config, None).check_peer(peer)?;
+    config.limits().check(peer)
+}
+
+/// Waits for the next event of the only id on `channel`, until `deadline`.
+fn next_event(channel: &CmEventChannel, watch: &ReadyWatch, deadline: Instant) -> Result<CmEvent> {
+    let started = Instant::now();
+    loop {
+        if let Some(ev) = channel.next_event()? {
+            return Ok(ev);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(TimedOut {
+                op: "connecting over rdma_cm",
+                waiting_for: WAIT_CM,
+                after: started.elapsed(),
+            }));
+        }
+        watch.wait(Some(left))?;
+    }
+}
+
+/// A CM event that ends a connection in the making, as the error it stands for.
+fn cm_failure(ev: &CmEvent, addr: &str, stage: &'static str) -> Error {
+    match ev.kind {
+        CmEventKind::Rejected => match decode_reject(&ev.private_data) {
+            Some(reason) => Error::Rejected(reason),
+            None if ev.status == REJECT_INVALID_SERVICE => Error::Connect {
+                addr: addr.to_owned(),
+                source: io::ErrorKind::ConnectionRefused.into(),
+            },
+            None => Error::Cm {
+                addr: addr.to_owned(),
+                stage,
+                detail: format!(
+                    "rejected without an rdmsg reason (IB CM reason {})",
+                    ev.status
+                ),
+            },
+        },
+        CmEventKind::Unreachable
+        | CmEventKind::ConnectError
+        | CmEventKind::AddrError
+        | CmEventKind::RouteError
+            if ev.status < 0 =>
+        {
+            Error::Connect {
+                addr: addr.to_owned(),
+                source: io::Error::from_raw_os_error(-ev.status),
+            }
+        }
+        kind => Error::Cm {
+            addr: addr.to_owned(),
+            stage,
+            detail: format!("{kind:?} (status {})", ev.status),
+        },
+    }
+}
+
+/// Waits for `want`, failing with what came instead.
+fn expect(
+    channel: &CmEventChannel,
+    watch: &ReadyWatch,
+    deadline: Instant,
+    want: CmEventKind,
+    addr: &str,
+    stage: &'static str,
+) -> Result<CmEvent> {
+    let ev = next_event(channel, watch, deadline)?;
+    if ev.kind == want && ev.status == 0 {
+        Ok(ev)
+    } else {
+        Err(cm_failure(&ev, addr, stage))
+    }
+}
+
+/// Connecting and listening through the connection manager.
+impl Endpoint {
+    /// Connects to a [`CmListener`] at `addr` (an IP address and port) through the RDMA
+    /// connection manager: the address and route are resolved to this endpoint's device,
+    /// and no TCP connection is made. Within [`Config::handshake_timeout`] in all.
+    pub fn connect_cm(
+        &self,
+        addr: impl ToSocketAddrs + fmt::Debug,
+        config: &Config,
+    ) -> Result<Connection> {
+        config.check()?;
+        refuse_psk(config)?;
+        let dst = socket_addr(&addr)?;
+        let name = dst.to_string();
+        let deadline = deadline_after(Instant::now(), config.handshake_timeout);
+        let channel = CmEventChannel::new()?;
+        let watch = ReadyWatch::new()?;
+        watch.add(channel.as_fd(), 0)?;
+        let mut id = CmId::new(&channel)?;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        id.resolve_addr(None, dst, left())?;
+        expect(
+            &channel,
+            &watch,
+            deadline,
+            CmEventKind::AddrResolved,
+            &name,
+            "resolving the address",
+        )?;
+        id.resolve_route(left())?;
+        expect(
+            &channel,
+            &watch,
+            deadline,
+            CmEventKind::RouteResolved,
+            &name,
+            "resolving the route",
+        )?;
+        check_device(self, &id, &name)?;
+        let mut setup = Setup::new(self, config)?;
+        let ours = our_hello(self, config, None);
+        id.connect(&setup.qp, &conn_params(self, config), &encode_hello(&ours))?;
+        let answer = expect(
+            &channel,
+            &watch,
+            deadline,
+            CmEventKind::ConnectResponse,
+            &name,
+            "connecting",
+        )?;
+        // A server hello we cannot take: dropping the id refuses the connection.
+        let peer =
+            decode_hello(&answer.private_data, answer.peer_qp_num).map_err(Error::BadHandshake)?;
+        let send_buffers = check_peer(self, config, &peer).map_err(Error::BadHandshake)?;
+        setup.set_send_buffers(send_buffers);
+        setup.register_send_buffers(self, &peer)?;
+        id.ready_qp(&mut setup.qp, &tuning(self, config, None))?;
+        id.establish()?;
+        Connection::establish(
+            self,
+            setup,
+            Control::Cm(CmLink::new(channel, id)),
+            config,
+            peer,
+        )
+    }
+
+    /// Listens for connection requests through the RDMA connection manager on `addr` (an IP
+    /// address of this endpoint's device, or a wildcard, and a port; port 0 picks one).
+    pub fn listen_cm(&self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<CmListener> {
+        let bind = socket_addr(&addr).map_err(|e| match e {
+            Error::Connect { addr, source } => Error::Listen { addr, source },
+            e => e,
+        })?;
+        let channel = CmEventChannel::new()?;
+        let mut id = CmId::new(&channel)?;
+        let listen = |id: &mut CmId| -> rdmsg_verbs::Result<()> {
+            id.bind(bind)?;
+            id.listen(128)
+        };
+        listen(&mut id).map_err(|e| match e {
+            rdmsg_verbs::Error::Cm { source, .. } => Error::Listen {
+                addr: format!("{addr:?}"),
+                source,
+            },
+            e => e.into(),
+        })?;
+        let watch = ReadyWatch::new()?;
+        watch.add(channel.as_fd(), 0)?;
+        Ok(CmListener {
+            endpoint: self.clone(),
+            channel,
+            id,
+            watch,
+        })
+    }
+}
+
+/// Accepts connections made through the RDMA connection manager for an [`Endpoint`]
+/// ([`Endpoint::listen_cm`]). A request whose hello fails a check is rejected with the reason
+/// in the reject, and accepting goes on with the next one.
+pub struct CmListener {
+    endpoint: Endpoint,
+    channel: CmEventChannel,
+    id: CmId,
+    watch: ReadyWatch,
+}
+
+impl fmt::Debug for CmListener {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CmListener")
+            .field("local", &self.id.local_addr())
+            .finish()
+    }
+}
+
+impl CmListener {
+    /// The address listened on (with the port picked, if 0 was asked for).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.id.local_addr()
+    }
+
+    /// The endpoint connections are made on.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Waits for the next client whose handshake succeeds; clients that fail theirs are
+    /// refused (with the reason) and skipped.
+    pub fn accept(&self, config: &Config) -> Result<Connection> {
+        loop {
+            if let Some(conn) = self.accept_timeout(config, None)? {
+                return Ok(conn);
+            }
+        }
+    }
+
+    /// [`CmListener::accept`] for at most `timeout` (`None`: for ever); `Ok(None)` when no
+    /// client finished its handshake in time. A client that failed its handshake is refused
+    /// and skipped.
+    pub fn accept_timeout(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Connection>> {
+        config.check()?;
+        refuse_psk(config)?;
+        let deadline = timeout.map(|t| deadline_after(Instant::now(), t));
+        loop {
+            // Only the listener's own events come here: each accepted id moves to a channel
+            // of its own before anything else can happen to it.
+            let request = match self.channel.next_event()? {
+                Some(ev) => ev,
+                None => {
+                    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                    if left.is_some_and(|l| l.is_zero()) {
+                        return Ok(None);
+                    }
+                    self.watch.wait(left)?;
+                    continue;
+                }
+            };
+            if request.kind != CmEventKind::ConnectRequest {
+                continue;
+            }
+            match self.serve(request, config) {
+                Ok(conn) => return Ok(Some(conn)),
+                // The client's failure, not ours: it was told, if it could be.
+                Err(_) => continue,
+            }
+        }
+    }
+
+    /// Checks one request's hello, sets up its side and accepts it; rejects it with the
+    /// reason on a failed check.
+    fn serve(&self, mut request: CmEvent, config: &Config) -> Result<Connection> {
+        let mut id = request.request.take().ok_or_else(|| Error::Cm {
+            addr: "?".into(),
+            stage: "accepting",
+            detail: "a connection request without its id".into(),
+        })?;
+        let name = id.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
+        let endpoint = &self.endpoint;
+        let checked = decode_hello(&request.private_data, request.peer_qp_num)
+            .and_then(|peer| Ok((check_peer(endpoint, config, &peer)?, peer)));
+        let (send_buffers, peer) = match checked {
+            Ok(ok) => ok,
+            Err(reason) => {
+                let _ = id.reject(&encode_reject(reason));
+                return Err(Error::BadHandshake(reason));
+            }
+        };
+        if let Err(e) = check_device(endpoint, &id, &name) {
+            let _ = id.reject(&encode_reject(Reject::Resources));
+            return Err(e);
+        }
+        // Our reads towards the peer are bounded by what its request says it serves.
+        let params = ConnParams {
+            initiator_depth: endpoint
+                .reads_served()
+                .min(request.params.responder_resources),
+            ..conn_params(endpoint, config)
+        };
+        let made = (|| -> Result<Setup> {
+            let mut setup = Setup::new(endpoint, config)?;
+            setup.set_send_buffers(send_buffers);
+            setup.register_send_buffers(endpoint, &peer)?;
+            id.ready_qp(&mut setup.qp, &tuning(endpoint, config, Some(params)))?;
+            Ok(setup)
+        })();
+        let setup = match made {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = id.reject(&encode_reject(Reject::Resources));
+                return Err(e);
+            }
+        };
+        // Its own channel before the accept, so that its ESTABLISHED (and everything after)
+        // lands there, not among the listener's requests.
+        let channel = CmEventChannel::new()?;
+        id.migrate(&channel)?;
+        let ours = our_hello(endpoint, config, None);
+        id.accept(&setup.qp, &params, &encode_hello(&ours))?;
+        let watch = ReadyWatch::new()?;
+        watch.add(channel.as_fd(), 0)?;
+        let deadline = deadline_after(Instant::now(), config.handshake_timeout);
+        expect(
+            &channel,
+            &watch,
+            deadline,
+            CmEventKind::Established,
+            &name,
+            "accepting",
+        )?;
+        Connection::establish(
+            endpoint,
+            setup,
+            Control::Cm(CmLink::new(channel, id)),
+            config,
+            peer,
+        )
+    }
+}
