@@ -246,3 +246,88 @@ fn connect_times_over_cm_and_over_tcp() {
         median(tcp)
     );
 }
+
+/// A client that sends a valid request and then never completes the connection (no
+/// `rdma_establish`) holds its own slot until its handshake timeout, not the listener: a good
+/// client connecting meanwhile is served at once.
+#[test]
+#[ignore = "device"]
+fn a_half_connected_client_does_not_stall_the_listener() {
+    use rdmsg::transport::handshake::{cm::encode_hello, Hello, VERSION};
+    use rdmsg::transport::{PathParams, QpAddress};
+    use rdmsg::verbs::{
+        CmEventChannel, CmEventKind, CmId, CompletionQueue, ConnParams, Gid, ProtectionDomain,
+        QpCaps, QueuePair,
+    };
+
+    let ep = Endpoint::open_default().expect("device");
+    let listener = ep.listen_cm(cm_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let config = Config {
+            handshake_timeout: Duration::from_secs(20),
+            ..Config::default()
+        };
+        let t = Instant::now();
+        let conn = listener.accept(&config).expect("the good client");
+        (t.elapsed(), Session::new(conn))
+    });
+
+    // The half-connected client: a valid hello, then silence.
+    let ch = CmEventChannel::new().unwrap();
+    let mut id = CmId::new(&ch).unwrap();
+    let next = |want: CmEventKind| {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(ev) = ch.next_event().unwrap() {
+                assert_eq!(ev.kind, want, "{ev:?}");
+                return ev;
+            }
+            assert!(Instant::now() < until, "no {want:?}");
+            thread::sleep(Duration::from_millis(5));
+        }
+    };
+    id.resolve_addr(None, addr, Duration::from_secs(5)).unwrap();
+    next(CmEventKind::AddrResolved);
+    id.resolve_route(Duration::from_secs(5)).unwrap();
+    next(CmEventKind::RouteResolved);
+    let pd = ProtectionDomain::new(ep.context()).unwrap();
+    let cq = CompletionQueue::new(ep.context(), 16, None).unwrap();
+    let mut qp = QueuePair::new_rc(&pd, &cq, &cq, QpCaps::default()).unwrap();
+    id.init_qp(&mut qp).unwrap();
+    let hello = Hello {
+        version: VERSION,
+        addr: QpAddress {
+            lid: 0,
+            qpn: 0,
+            psn: 0,
+            gid: Gid([0; 16]),
+        },
+        mtu: ep.path_mtu(&PathParams::default()).bytes() as u32,
+        buf_size: 4096,
+        recv_depth: 64,
+        initial_credits: 64,
+        grant_slots: 4,
+        reads: 1,
+        max_read: 0,
+    };
+    id.connect(&qp, &ConnParams::default(), &encode_hello(&hello))
+        .unwrap();
+    next(CmEventKind::ConnectResponse);
+    // ... and no rdma_establish.
+
+    let t = Instant::now();
+    let mut good = Session::new(ep.connect_cm(addr, &Config::default()).expect("served"));
+    let connect = t.elapsed();
+    good.send(&Request {
+        id: 3,
+        operands: vec![],
+    })
+    .unwrap();
+    let (waited, mut s) = server.join().unwrap();
+    let r: Request = recv_one(&mut s);
+    assert_eq!(r.id, 3);
+    println!("stats good client beside a half-connected one: connect {connect:?}, accept returned after {waited:?}");
+    assert!(connect < Duration::from_secs(5), "{connect:?}");
+    drop(id);
+}

@@ -14,6 +14,7 @@ use std::fmt;
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsFd;
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{
@@ -264,25 +265,45 @@ impl Endpoint {
             e => e.into(),
         })?;
         let watch = ReadyWatch::new()?;
-        watch.add(channel.as_fd(), 0)?;
+        watch.add_keyed(channel.as_fd(), LISTENER_KEY)?;
         Ok(CmListener {
             endpoint: self.clone(),
             channel,
             id,
             watch,
+            pending: Mutex::new(Vec::new()),
         })
     }
 }
 
 /// Accepts connections made through the RDMA connection manager for an [`Endpoint`]
 /// ([`Endpoint::listen_cm`]). A request whose hello fails a check is rejected with the reason
-/// in the reject, and accepting goes on with the next one.
+/// in the reject, and accepting goes on with the next one. Accepted requests wait for their
+/// `ESTABLISHED` side by side, each within [`Config::handshake_timeout`], in the same wait as
+/// new requests: a client that never completes its side holds its own slot, not the others.
 pub struct CmListener {
     endpoint: Endpoint,
     channel: CmEventChannel,
     id: CmId,
     watch: ReadyWatch,
+    /// Accepted, waiting for the client's side (its `ESTABLISHED`).
+    pending: Mutex<Vec<Accepted>>,
 }
+
+/// A request accepted and set up, on its own channel (in the listener's watch, keyed by its
+/// descriptor), waiting for the client to complete the connection.
+struct Accepted {
+    id: CmId,
+    channel: CmEventChannel,
+    setup: Setup,
+    peer: Hello,
+    config: Config,
+    deadline: Instant,
+}
+
+/// Watch key of the listener's own channel (pending accepts use their descriptor, never 0
+/// for a CM channel, which is opened after stdin).
+const LISTENER_KEY: u64 = u64::MAX;
 
 impl fmt::Debug for CmListener {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -325,33 +346,86 @@ impl CmListener {
         refuse_psk(config)?;
         let deadline = timeout.map(|t| deadline_after(Instant::now(), t));
         loop {
-            // Only the listener's own events come here: each accepted id moves to a channel
-            // of its own before anything else can happen to it.
-            let request = match self.channel.next_event()? {
-                Some(ev) => ev,
-                None => {
-                    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-                    if left.is_some_and(|l| l.is_zero()) {
-                        return Ok(None);
+            // New requests: checked, set up and accepted at once (nothing in them waits).
+            while let Some(ev) = self.channel.next_event()? {
+                if ev.kind == CmEventKind::ConnectRequest {
+                    if let Ok(accepted) = self.start(ev, config) {
+                        self.watch
+                            .add_keyed(accepted.channel.as_fd(), accepted.key())?;
+                        self.lock_pending().push(accepted);
                     }
-                    self.watch.wait(left)?;
-                    continue;
                 }
-            };
-            if request.kind != CmEventKind::ConnectRequest {
-                continue;
             }
-            match self.serve(request, config) {
-                Ok(conn) => return Ok(Some(conn)),
-                // The client's failure, not ours: it was told, if it could be.
-                Err(_) => continue,
+            if let Some(conn) = self.finish_one()? {
+                return Ok(Some(conn));
+            }
+            let now = Instant::now();
+            let next = self
+                .lock_pending()
+                .iter()
+                .map(|a| a.deadline)
+                .chain(deadline)
+                .min();
+            if deadline.is_some_and(|d| d <= now) {
+                return Ok(None);
+            }
+            let mut ready = Vec::new();
+            self.watch
+                .wait_keys(next.map(|n| n.saturating_duration_since(now)), &mut ready)?;
+        }
+    }
+
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<Accepted>> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The first pending accept whose client completed the connection, as a connection;
+    /// those that failed or ran out of time are dropped (which refuses or disconnects them).
+    fn finish_one(&self) -> Result<Option<Connection>> {
+        let now = Instant::now();
+        let mut pending = self.lock_pending();
+        let mut i = 0;
+        while i < pending.len() {
+            let a = &pending[i];
+            let outcome = match a.channel.next_event() {
+                Ok(Some(ev)) => Some(ev.kind == CmEventKind::Established && ev.status == 0),
+                Ok(None) if a.deadline <= now => Some(false),
+                Ok(None) => None,
+                Err(_) => Some(false),
+            };
+            match outcome {
+                None => i += 1,
+                Some(done) => {
+                    let a = pending.swap_remove(i);
+                    let _ = self.watch.remove(a.channel.as_fd());
+                    if done {
+                        drop(pending);
+                        let Accepted {
+                            id,
+                            channel,
+                            setup,
+                            peer,
+                            config,
+                            ..
+                        } = a;
+                        return Connection::establish(
+                            &self.endpoint,
+                            setup,
+                            Control::Cm(CmLink::new(channel, id)),
+                            &config,
+                            peer,
+                        )
+                        .map(Some);
+                    }
+                }
             }
         }
+        Ok(None)
     }
 
     /// Checks one request's hello, sets up its side and accepts it; rejects it with the
     /// reason on a failed check.
-    fn serve(&self, mut request: CmEvent, config: &Config) -> Result<Connection> {
+    fn start(&self, mut request: CmEvent, config: &Config) -> Result<Accepted> {
         let mut id = request.request.take().ok_or_else(|| Error::Cm {
             addr: "?".into(),
             stage: "accepting",
@@ -399,23 +473,20 @@ impl CmListener {
         id.migrate(&channel)?;
         let ours = our_hello(endpoint, config, None);
         id.accept(&setup.qp, &params, &encode_hello(&ours))?;
-        let watch = ReadyWatch::new()?;
-        watch.add(channel.as_fd(), 0)?;
-        let deadline = deadline_after(Instant::now(), config.handshake_timeout);
-        expect(
-            &channel,
-            &watch,
-            deadline,
-            CmEventKind::Established,
-            &name,
-            "accepting",
-        )?;
-        Connection::establish(
-            endpoint,
+        Ok(Accepted {
+            id,
+            channel,
             setup,
-            Control::Cm(CmLink::new(channel, id)),
-            config,
             peer,
-        )
+            config: config.clone(),
+            deadline: deadline_after(Instant::now(), config.handshake_timeout),
+        })
+    }
+}
+
+impl Accepted {
+    fn key(&self) -> u64 {
+        use std::os::fd::AsRawFd;
+        self.channel.as_raw_fd() as u64
     }
 }
