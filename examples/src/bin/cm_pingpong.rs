@@ -359,6 +359,23 @@ impl Exchange {
         Ok(())
     }
 
+    /// One step of the waiter (drain the channel, re-arm, poll), each completion handled;
+    /// whether there was any. `completions` is scratch space kept across steps.
+    fn step(
+        &mut self,
+        link: &mut Link,
+        completions: &mut Vec<(bool, WorkCompletion)>,
+    ) -> Result<bool> {
+        let recv_key = link.recv_key;
+        completions.clear();
+        link.waiter
+            .step(&mut |key, wc| completions.push((key == recv_key, wc.clone())))?;
+        for (recv, wc) in completions.iter() {
+            self.handle(link, *recv, wc)?;
+        }
+        Ok(!completions.is_empty())
+    }
+
     /// Runs to the end, waking on completions and CM events alike.
     fn run(&mut self, link: &mut Link, id: &CmId, events: &Events) -> Result<()> {
         let recv_key = link.recv_key;
@@ -374,16 +391,11 @@ impl Exchange {
             }
             // Step first (drain the channel, re-arm, poll), then sleep: nothing that arrived
             // before the arm is missed.
-            completions.clear();
-            link.waiter
-                .step(&mut |key, wc| completions.push((key == recv_key, wc.clone())))?;
-            for (recv, wc) in &completions {
-                self.handle(link, *recv, wc)?;
-            }
+            let any = self.step(link, &mut completions)?;
             if self.done() {
                 return Ok(());
             }
-            if !completions.is_empty() || self.can_send() {
+            if any || self.can_send() {
                 continue;
             }
             ready.clear();
@@ -412,12 +424,7 @@ impl Exchange {
                     }
                     // The peer may have ended because our last message reached it: what
                     // is already in the queues counts first.
-                    completions.clear();
-                    link.waiter
-                        .step(&mut |key, wc| completions.push((key == recv_key, wc.clone())))?;
-                    for (recv, wc) in &completions {
-                        self.handle(link, *recv, wc)?;
-                    }
+                    self.step(link, &mut completions)?;
                     if self.done() {
                         return Ok(());
                     }
