@@ -331,3 +331,59 @@ fn a_half_connected_client_does_not_stall_the_listener() {
     assert!(connect < Duration::from_secs(5), "{connect:?}");
     drop(id);
 }
+
+/// A peer host that dies says nothing: no DREQ, no end of a stream. Its queue pair here stops
+/// answering (moved to the error state behind its connection's back, which is then left
+/// alone), and the liveness probes of the other side notice within about `keepalive`; a
+/// peer that is merely idle (not driven at all) answers them from its device.
+#[test]
+#[ignore = "device"]
+fn a_silent_peer_host_is_noticed_by_probes_and_an_idle_one_is_not() {
+    let keepalive = Duration::from_secs(3);
+    let config = Config {
+        keepalive: Some(keepalive),
+        ..Config::default()
+    };
+    let (mut a, mut b) = cm_pair(config.clone(), config);
+    let r = Request {
+        id: 1,
+        operands: vec![],
+    };
+    b.send(&r).unwrap();
+    assert_eq!(recv_one::<Request>(&mut a), r);
+    // Idle for two keepalive limits, the peer not even driven: probed, and alive.
+    let idle = a
+        .recv_timeout(Some(2 * keepalive))
+        .expect("an idle peer is not a dead one");
+    assert!(idle.is_none());
+    let probes = a.connection().stats().probes;
+    assert!(probes >= 1, "probes {probes}");
+    b.send(&r).unwrap();
+    assert_eq!(recv_one::<Request>(&mut a), r);
+    // Now the peer's side stops answering, as a dead host's would.
+    let stopped = Instant::now();
+    b.connection_mut().break_queue_pair().unwrap();
+    let e = match a.recv_timeout(Some(Duration::from_secs(30))) {
+        Err(e) => e,
+        Ok(got) => panic!(
+            "the peer is gone, yet after 30 s: {got:?}; {:?}",
+            a.connection().stats()
+        ),
+    };
+    let took = stopped.elapsed();
+    println!(
+        "stats silent peer host noticed after {took:?} (keepalive {keepalive:?}, {} probes)",
+        a.connection().stats().probes
+    );
+    assert!(
+        matches!(
+            e,
+            rdmsg::msg::Error::Transport(TError::Connection(
+                rdmsg::transport::Failure::PeerVanished
+            ))
+        ),
+        "{e}"
+    );
+    assert!(took < keepalive + Duration::from_secs(2), "{took:?}");
+    drop(b);
+}

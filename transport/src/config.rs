@@ -71,6 +71,13 @@ pub struct Config {
     /// the peer is declared gone only when every probe went unanswered: on a lossy link,
     /// where probes are lost too, a longer limit makes false alarms much rarer (at 5 % loss
     /// each way, 3 probes all fail about once in a thousand rounds, 5 about once in 10^5).
+    ///
+    /// A connection made through rdma_cm has no stream, and the connection manager no
+    /// keepalive: once half of it passes with nothing from the peer, the connection posts a
+    /// probe, a zero-length RDMA read that the peer's device answers without its process
+    /// ([`ConnStats::probes`](crate::ConnStats::probes)). The queue pair's own retries
+    /// (`timeout`, `retry_cnt`) decide when an unanswered one fails the connection, so a dead
+    /// host is noticed between one and two halves of the limit plus those retries.
     pub keepalive: Option<Duration>,
     /// Longest a sleeping connection goes without polling its queues for an error nothing
     /// woke it for. The verbs specification has an error completion fire even a solicited-only

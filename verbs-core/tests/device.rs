@@ -200,6 +200,39 @@ fn a_send_with_a_bad_lkey_completes_in_error_with_its_wr_id() {
     drop(buf);
 }
 
+#[test]
+#[ignore = "device"]
+fn a_probe_is_answered_by_a_live_peer_and_not_once_the_peer_stops_answering() {
+    let mut p = Pair::new(4);
+    let id = p.sender.qp.post_probe().unwrap();
+    let wc = &poll_n(&mut p.sender.send_cq, 1)[0];
+    assert_eq!((wc.wr_id(), wc.status()), (id, WcStatus::Success), "{wc:?}");
+    assert_eq!(wc.opcode(), WcOpcode::RdmaRead);
+    assert!(p.sender.qp.complete_send(wc).is_empty());
+    assert_eq!(p.sender.qp.send_outstanding(), 0);
+    // Nothing reached the peer's queues: a probe takes no receive.
+    let mut wcs = [WorkCompletion::default()];
+    assert_eq!(p.b_recv_cq.poll(&mut wcs).unwrap(), 0);
+    // The peer's queue pair stops answering (as with its host): the probe goes unanswered.
+    // (rxe takes `retry_cnt` 7 as "for ever", and retries until its requester is destroyed;
+    // elsewhere it ends in `RetryExcErr`.)
+    p.b.to_error().unwrap();
+    p.sender.qp.post_probe().unwrap();
+    let quiet = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < quiet {
+        let n = p.sender.send_cq.poll(&mut wcs).unwrap();
+        assert!(
+            n == 0 || wcs[0].status() == WcStatus::RetryExcErr,
+            "{:?}",
+            wcs[0]
+        );
+        if n == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// `n` registered buffers of [`BUF`] bytes, one region, plus one more of that region kept aside
 /// to tell by [`Buffer::same_region`] where a handed-back buffer comes from.
 fn region(pd: &ProtectionDomain, n: usize) -> (Vec<Buffer>, Buffer) {

@@ -135,6 +135,10 @@ impl Connection {
                     .map_err(bootstrap_err("enabling TCP keepalive"))?;
             }
         }
+        // The connection manager has no keepalive: a silent peer host is probed instead.
+        let probe = matches!(control, Control::Cm(_))
+            .then_some(config.keepalive)
+            .flatten();
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
         channel.set_nonblocking(true)?;
         let mut waiter = Waiter::new(
@@ -160,9 +164,13 @@ impl Connection {
             peer.grant_slots,
             peer.initial_credits + extra_credits(config),
         );
+        let mut core = Core::new(books, config.signal_every, config.close_timeout);
+        if let Some(limit) = probe {
+            core.probe_every(crate::core::probe_interval(limit), Instant::now());
+        }
         Ok(Self {
             endpoint: endpoint.clone(),
-            core: Core::new(books, config.signal_every, config.close_timeout),
+            core,
             sq_depth: qp.caps().max_send_wr.min(config.send_depth) as usize,
             sq_reserve: 0,
             qp,

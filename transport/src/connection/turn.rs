@@ -170,6 +170,19 @@ impl Connection {
                     let _ = self.qp.to_error();
                     self.core.flushing_since(Instant::now());
                 }
+                Action::Probe => {
+                    if self.room().sq == 0 {
+                        // Sends in flight will tell whether the peer is there.
+                        continue;
+                    }
+                    match self.qp.post_probe() {
+                        Ok(wr_id) => self.core.probe_posted(wr_id),
+                        Err(e) => self.core.handle_failure(Failure::Local {
+                            op: "posting a liveness probe (ibv_post_send)",
+                            errno: errno_of(&Error::from(e)),
+                        }),
+                    }
+                }
             }
         }
     }

@@ -30,6 +30,8 @@ pub(crate) struct Completion {
     pub vendor_err: u32,
     /// Immediate data.
     pub imm: Option<u32>,
+    /// The request's wr_id (a send's tells a liveness probe from the rest).
+    pub wr_id: u64,
 }
 
 impl Completion {
@@ -40,6 +42,7 @@ impl Completion {
             opcode: wc.opcode(),
             vendor_err: wc.vendor_err(),
             imm: wc.imm_data(),
+            wr_id: wc.wr_id(),
         }
     }
 
@@ -88,14 +91,19 @@ impl Inbound {
     pub(crate) fn first_error(
         known: Option<Failure>,
         batch: impl IntoIterator<Item = Completion>,
+        probe: Option<u64>,
     ) -> Option<Failure> {
         if known.is_some() {
             return None;
         }
-        batch
-            .into_iter()
-            .find(Completion::is_real_error)
-            .map(|c| c.failure())
+        batch.into_iter().find(Completion::is_real_error).map(|c| {
+            // A liveness probe nobody answered: the peer's host is gone (or cut off).
+            if !c.recv && c.status == WcStatus::RetryExcErr && Some(c.wr_id) == probe {
+                Failure::PeerVanished
+            } else {
+                c.failure()
+            }
+        })
     }
 
     /// A send completion: the failure it stands for, if any (flushes explain nothing).
@@ -166,6 +174,7 @@ mod tests {
             opcode: WcOpcode::Recv,
             vendor_err: 0,
             imm: Some(NO_FLAGS.encode()),
+            wr_id: 0,
         }
     }
 
@@ -176,6 +185,7 @@ mod tests {
             opcode: WcOpcode::Other(0),
             vendor_err: 7,
             imm: None,
+            wr_id: 0,
         }
     }
 
@@ -187,7 +197,7 @@ mod tests {
         failure: &mut Option<Failure>,
         batch: &[Completion],
     ) -> usize {
-        if let Some(f) = Inbound::first_error(*failure, batch.iter().copied()) {
+        if let Some(f) = Inbound::first_error(*failure, batch.iter().copied(), None) {
             failure.get_or_insert(f);
         }
         let mut delivered = 0;

@@ -22,7 +22,7 @@
 //!   on its side of the wire.
 //!
 //! After *every* input or command, call `poll_action` until it returns `None` and do each
-//! [`Action`] in order; each comes at most once per connection. Before waiting, wait at most
+//! [`Action`] in order; each comes at most once per connection, but for [`Action::Probe`]. Before waiting, wait at most
 //! until `next_timeout`, and call `handle_timeout` with the time once it has passed. `now`
 //! never goes backwards. A driver posts a data message only when `may_send` says so, and then
 //! as `data` says (its immediate data, whether solicited, whether signaled); it re-posts
@@ -68,6 +68,15 @@ pub(crate) const LAST_WQE_WAIT: Duration = Duration::from_millis(50);
 
 /// A sender polls its queues at least every this many sends.
 pub(crate) const SEND_PROGRESS_EVERY: u32 = 16;
+
+/// How often a connection without keepalive looks whether its peer, silent, is still there,
+/// for a peer host that may stay silent `limit` ([`Config::keepalive`](crate::Config::keepalive)):
+/// a probe goes at the end of the first silent interval (one to two intervals after the last
+/// sign of life), and one still unanswered an interval later means the peer is gone: within
+/// `limit` of its end.
+pub(crate) fn probe_interval(limit: Duration) -> Duration {
+    (limit / 3).max(Duration::from_millis(100))
+}
 
 /// The sooner of two optional durations (`None`: no bound).
 pub(crate) fn earliest(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
@@ -116,6 +125,10 @@ pub(crate) enum Action {
     /// move the queue pair to the error state, so that every posted request is flushed back;
     /// then [`Core::flushing_since`] with the time.
     FailQueuePair,
+    /// Nothing came from the peer for a probe interval ([`Core::probe_every`]): post a
+    /// liveness probe if the send queue has a free slot (a send in flight will tell as much),
+    /// then [`Core::probe_posted`] with its wr_id.
+    Probe,
 }
 
 /// What the driver has free for a send right now (`usize::MAX` for what it does not count).
@@ -250,12 +263,19 @@ pub(crate) struct Core {
     /// Our close message's request, once posted (kept when the peer's close makes us
     /// linger: our goodbye still follows its completion).
     our_close_wr: Option<u64>,
+    /// How often a silent peer is probed, where nothing else would notice its host's end.
+    probe_every: Option<Duration>,
+    /// The liveness probe posted and not yet completed.
+    probe_wr: Option<u64>,
+    /// The peer showed signs of life (a receive, a send it acknowledged) since the last
+    /// probe interval began.
+    heard: bool,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
 #[derive(Debug, Default)]
 struct ActionQueue {
-    queue: [Option<Action>; 3],
+    queue: [Option<Action>; 4],
     len: u8,
 }
 
@@ -304,6 +324,9 @@ impl Core {
             last_wqe: false,
             goodbye_seen: false,
             our_close_wr: None,
+            probe_every: None,
+            probe_wr: None,
+            heard: false,
         }
     }
 
@@ -312,6 +335,25 @@ impl Core {
     pub(crate) fn on_shared_receive_queue(mut self) -> Self {
         self.on_srq = true;
         self
+    }
+
+    /// Probes the peer for liveness from `now` on: whenever a whole interval of `every` passes
+    /// without a sign of life from it, [`Action::Probe`]. A probe still unanswered an interval
+    /// later, or failed by the queue pair's retries, fails the connection with
+    /// [`Failure::PeerVanished`]. For connections without a bootstrap stream whose keepalive
+    /// would tell (rdma_cm's).
+    pub(crate) fn probe_every(&mut self, every: Duration, now: Instant) {
+        self.probe_every = Some(every);
+        self.timers.set(Timer::Probe, deadline_after(now, every));
+    }
+
+    /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled).
+    pub(crate) fn probe_posted(&mut self, wr_id: u64) {
+        self.stats.probes += 1;
+        self.probe_wr = Some(wr_id);
+        self.last_signaled = Some(wr_id);
+        // Signaled: its completion retires the unsignaled sends before it.
+        self.unsignaled = 0;
     }
 
     /// `IBV_EVENT_QP_LAST_WQE_REACHED` came for the queue pair.
@@ -531,7 +573,7 @@ impl Core {
     /// Before a polled batch is handled: records the failure its first real error stands for,
     /// so that flushes in the batch are explained by it.
     pub(crate) fn begin_batch(&mut self, batch: impl IntoIterator<Item = Completion>) {
-        if let Some(f) = Inbound::first_error(self.failure, batch) {
+        if let Some(f) = Inbound::first_error(self.failure, batch, self.probe_wr) {
             self.handle_failure(f);
         }
     }
@@ -554,6 +596,7 @@ impl Core {
             RecvAction::Recycle => {}
         }
         let spent_credit = action != RecvAction::Grant && self.credits.must_be_posted() < before;
+        self.heard |= c.status == WcStatus::Success;
         match failure {
             // Moving our queue pair to the error state now could lose the acknowledgement of
             // the close message (rxe completes a receive before it acknowledges it), and the
@@ -576,6 +619,10 @@ impl Core {
         if self.last_signaled.is_some_and(|id| wr_id >= id) {
             self.last_signaled = None;
         }
+        if self.probe_wr.is_some_and(|id| wr_id >= id) {
+            self.probe_wr = None;
+        }
+        self.heard |= c.status == WcStatus::Success;
         let close_delivered = c.status == WcStatus::Success
             && matches!(self.phase, Phase::Closing { close_wr: Some(id) } if wr_id >= id);
         if let Some(f) = Inbound::on_send(c) {
@@ -720,6 +767,20 @@ impl Core {
                     self.handle_failure(Failure::PeerVanished)
                 }
                 (Timer::Linger, _) => self.actions.push(Action::FailQueuePair),
+                (Timer::Probe, Phase::Linked) => {
+                    if self.probe_wr.is_some() {
+                        // Posted at the last interval's start and still unanswered, however
+                        // the queue pair retries (rxe takes `retry_cnt` 7 as for ever).
+                        self.handle_failure(Failure::PeerVanished);
+                        continue;
+                    }
+                    if !std::mem::take(&mut self.heard) {
+                        self.actions.push(Action::Probe);
+                    }
+                    if let Some(every) = self.probe_every {
+                        self.timers.set(Timer::Probe, deadline_after(now, every));
+                    }
+                }
                 (Timer::Drain, _) => self.drained(),
                 _ => {}
             }

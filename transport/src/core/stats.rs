@@ -28,4 +28,8 @@ pub struct ConnStats {
     pub send_slot_waits: u64,
     /// `ibv_post_recv` calls made to refill the receive queue.
     pub refills: u64,
+    /// Liveness probes posted to a silent peer (rdma_cm connections, [`Config::keepalive`]).
+    ///
+    /// [`Config::keepalive`]: crate::Config::keepalive
+    pub probes: u64,
 }

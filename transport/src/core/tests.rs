@@ -26,6 +26,7 @@ fn recv(imm: Imm) -> Completion {
         opcode: WcOpcode::Recv,
         vendor_err: 0,
         imm: Some(imm.encode()),
+        wr_id: 0,
     }
 }
 
@@ -36,6 +37,7 @@ fn send_ok() -> Completion {
         opcode: WcOpcode::Send,
         vendor_err: 0,
         imm: None,
+        wr_id: 0,
     }
 }
 
@@ -563,4 +565,98 @@ fn a_queue_half_unsignaled_always_has_room_for_one_operation() {
             "{depth}"
         );
     }
+}
+
+#[test]
+fn a_silent_peer_is_probed_once_per_interval_and_never_twice_at_once() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs(1);
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.probe_every(s, t0);
+    assert_eq!(c.next_timeout(), Some(t0 + s));
+    // Traffic in the first interval: no probe, the next interval begins.
+    c.begin_batch([send_ok()]);
+    c.handle_send(&send_ok(), 1);
+    c.handle_timeout(t0 + s);
+    assert_eq!(actions(&mut c), []);
+    assert_eq!(c.next_timeout(), Some(t0 + 2 * s));
+    // A silent interval: one probe, signaled (the send queue is armed for it).
+    c.handle_timeout(t0 + 2 * s);
+    assert_eq!(actions(&mut c), [Action::Probe]);
+    c.probe_posted(5);
+    assert_eq!(c.send_arm(), ArmMode::Next);
+    // Answered within the interval: the peer lives, and the interval after its answer is
+    // quiet again.
+    let answer = Completion {
+        wr_id: 5,
+        ..send_ok()
+    };
+    c.begin_batch([answer]);
+    c.handle_send(&answer, 5);
+    assert_eq!(c.failure(), None);
+    assert_eq!(c.send_arm(), ArmMode::SolicitedOnly);
+    c.handle_timeout(t0 + 3 * s);
+    assert_eq!(actions(&mut c), []);
+    c.handle_timeout(t0 + 4 * s);
+    assert_eq!(actions(&mut c), [Action::Probe]);
+    c.probe_posted(6);
+    c.handle_send(
+        &Completion {
+            wr_id: 6,
+            ..send_ok()
+        },
+        6,
+    );
+    c.handle_timeout(t0 + 5 * s);
+    assert_eq!(actions(&mut c), []);
+    // A receive is a sign of life too.
+    c.handle_recv(&recv(Imm::default_data()), || None, || t0);
+    c.handle_timeout(t0 + 6 * s);
+    assert_eq!(actions(&mut c), []);
+    // Closing, nothing is probed and the interval is not renewed.
+    c.start_close(t0 + 6 * s).unwrap();
+    c.handle_timeout(t0 + 7 * s);
+    assert_eq!(actions(&mut c), []);
+}
+
+#[test]
+fn a_probe_still_unanswered_an_interval_later_is_the_peer_vanished() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs(1);
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.probe_every(s, t0);
+    c.handle_timeout(t0 + s);
+    assert_eq!(actions(&mut c), [Action::Probe]);
+    c.probe_posted(3);
+    c.handle_timeout(t0 + 2 * s);
+    assert_eq!(c.failure(), Some(Failure::PeerVanished));
+    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+}
+
+#[test]
+fn an_unanswered_probe_is_the_peer_vanished_and_any_other_send_error_says_itself() {
+    let retry = |wr_id| Completion {
+        status: WcStatus::RetryExcErr,
+        wr_id,
+        ..send_ok()
+    };
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.probe_every(Duration::from_secs(1), Instant::now());
+    c.probe_posted(9);
+    c.begin_batch([retry(9)]);
+    c.handle_send(&retry(9), 9);
+    assert_eq!(c.failure(), Some(Failure::PeerVanished));
+    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+
+    // A send of ours that exhausted its retries, ahead of the probe: that is what failed.
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.probe_posted(9);
+    c.begin_batch([retry(8), retry(9)]);
+    assert!(matches!(
+        c.failure(),
+        Some(Failure::Completion {
+            status: WcStatus::RetryExcErr,
+            ..
+        })
+    ));
 }

@@ -17,10 +17,18 @@ pub(crate) enum Timer {
     /// The peer's close message arrived before its goodbye: our queue pair stays up until the
     /// goodbye (its close completed, so our acknowledgement reached it) or until then.
     Linger,
+    /// The end of a liveness probe interval ([`super::Core::probe_every`]).
+    Probe,
 }
 
 impl Timer {
-    const ALL: [Timer; 4] = [Timer::Close, Timer::Vanish, Timer::Drain, Timer::Linger];
+    const ALL: [Timer; 5] = [
+        Timer::Close,
+        Timer::Vanish,
+        Timer::Drain,
+        Timer::Linger,
+        Timer::Probe,
+    ];
 
     fn index(self) -> usize {
         self as usize
@@ -30,7 +38,7 @@ impl Timer {
 /// At most one deadline per [`Timer`].
 #[derive(Debug, Clone, Default)]
 pub(crate) struct TimerTable {
-    at: [Option<Instant>; 4],
+    at: [Option<Instant>; 5],
 }
 
 impl TimerTable {

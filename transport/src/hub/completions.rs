@@ -144,7 +144,36 @@ impl RawHub {
                 }
                 Action::UnwatchStream => self.unwatch_stream(slot),
                 Action::FailQueuePair => self.fail_queue_pair(slot),
+                Action::Probe => self.probe(slot),
             }
+        }
+    }
+
+    /// Posts the liveness probe the core of `slot` asks for, if its send queue and the
+    /// hub's send CQ have room (sends in flight tell as much otherwise).
+    fn probe(&mut self, slot: usize) {
+        let room = self.room(slot);
+        if room.sq == 0 || room.cq == 0 {
+            return;
+        }
+        let Some(s) = self.slots[slot].as_mut() else {
+            return;
+        };
+        let Phase::Linked(link) = &mut s.phase else {
+            return;
+        };
+        match link.qp.post_probe() {
+            Ok(id) => {
+                s.core.probe_posted(id);
+                self.sends_outstanding += 1;
+                let behind = s.core.unsignaled_behind();
+                self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
+                s.unsignaled = behind;
+            }
+            Err(e) => s.core.handle_failure(crate::error::Failure::Local {
+                op: "posting a liveness probe (ibv_post_send)",
+                errno: crate::error::errno_of(&Error::from(e)),
+            }),
         }
     }
 

@@ -111,6 +111,7 @@ pub(super) fn recv_completion(status: WcStatus, imm: Option<u32>, solicited: boo
         opcode: WcOpcode::Recv,
         vendor_err: if solicited { SOLICITED } else { 0 },
         imm,
+        wr_id: 0,
     }
 }
 
@@ -121,6 +122,7 @@ pub(super) fn send_completion(status: WcStatus) -> Completion {
         opcode: WcOpcode::Send,
         vendor_err: 0,
         imm: None,
+        wr_id: 0,
     }
 }
 

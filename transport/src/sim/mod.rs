@@ -284,7 +284,8 @@ impl Net {
             let peer = self.peer_of(end);
             match action {
                 Action::SayGoodbye => self.tell_stream(peer, StreamNews::Goodbye),
-                Action::UnwatchStream => {}
+                // The simulated connections have streams; none probes.
+                Action::UnwatchStream | Action::Probe => {}
                 Action::FailQueuePair => {
                     // Reported as the drivers do (an end's index stands for its queue pair).
                     let (qp, failure) = match end {

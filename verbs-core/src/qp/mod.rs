@@ -769,6 +769,43 @@ impl QueuePair {
         }
         Ok(first_id + n as u64 - 1)
     }
+
+    /// Posts a liveness probe: a signaled zero-length RDMA read (no local or remote memory, so
+    /// no key: a zero-length read names none, C9-88 of the InfiniBand specification). The
+    /// peer's device answers it without its process or a receive buffer; a peer whose host is
+    /// gone leaves it unanswered, and it completes with `RetryExcErr` once the queue pair's
+    /// `timeout` and `retry_cnt` are spent. The queue pair must allow remote reads (every
+    /// queue pair made here does) and be in RTS. Takes a send queue slot until its completion
+    /// (retired by [`QueuePair::complete_send_split`] like any request); returns its wr_id.
+    pub fn post_probe(&mut self) -> Result<u64> {
+        let id = draw_wr_ids(1);
+        // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
+        let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = id;
+        wr.num_sge = 0;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_READ;
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; `wr` is a single request (next is NULL) without scatter
+        // entries: the device writes nothing locally and reads zero bytes remotely.
+        let ret = unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) };
+        if let Err(source) = check_ret(ret) {
+            if !bad.is_null() {
+                return Err(Error::PostSend {
+                    qp_num: self.qp_num,
+                    source,
+                });
+            }
+            // The provider did not name the request: it may have been posted.
+            self.posted.send.push_back((id, None, true));
+            return Err(Error::PostSend {
+                qp_num: self.qp_num,
+                source,
+            });
+        }
+        self.posted.send.push_back((id, None, true));
+        Ok(id)
+    }
 }
 
 impl QueuePair {
