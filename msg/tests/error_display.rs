@@ -28,7 +28,7 @@ fn a_failed_connection_prints_why_it_failed() {
     ));
     assert_eq!(
         e.to_string(),
-        "connection failed: the peer vanished (bootstrap stream ended without a graceful close)"
+        "connection failed: the peer vanished (its side ended without a graceful close, or its host stopped answering)"
     );
     assert!(e.is_fatal() && !e.is_peer_closed());
 }

@@ -287,9 +287,11 @@ pub enum Failure {
     /// The peer closed the connection gracefully; everything it sent was delivered.
     #[error("the peer closed the connection")]
     PeerClosed,
-    /// The peer's bootstrap stream ended without a close (its process is gone, or its side of
-    /// the connection failed), or its host stopped answering TCP keepalive.
-    #[error("the peer vanished (bootstrap stream ended without a graceful close)")]
+    /// The peer's bootstrap stream ended (or, over rdma_cm, it disconnected) without a close:
+    /// its process is gone, or its side of the connection failed. Or its host stopped
+    /// answering: TCP keepalive on the stream, liveness probes over rdma_cm
+    /// ([`Config::keepalive`](crate::Config::keepalive)).
+    #[error("the peer vanished (its side ended without a graceful close, or its host stopped answering)")]
     PeerVanished,
     /// Our queue pair entered the error state with no completion error or asynchronous event
     /// to explain it (every posted receive was flushed).
@@ -561,8 +563,8 @@ mod tests {
             ),
             (
                 Failure::PeerVanished,
-                "connection failed: the peer vanished (bootstrap stream ended without a graceful \
-                 close)",
+                "connection failed: the peer vanished (its side ended without a graceful close, \
+                 or its host stopped answering)",
             ),
             (
                 Failure::QpError,

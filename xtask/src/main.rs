@@ -57,7 +57,8 @@ tasks:
                    (when set); --env passes NAME with the host's value, or sets it to VALUE
                    (repeatable)
   vm2 [--kernel K] two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
-                   exchange between them, then one VM is killed; the other must report it
+                   exchange between them over TCP and one over rdma_cm, then one VM is killed;
+                   the other must report it on both
   cluster [--kernel K] [--hosts H] [--seconds S] [--sweep]
                    H VMs (default 4) on a vde_switch, rxe0 on each one's virtio NIC, every host
                    exchanging checked typed messages with every other (the `mesh` example) under
@@ -811,27 +812,32 @@ fn build_mesh(release: bool) -> Result<()> {
 #[derive(Debug)]
 struct TwoHosts {
     boot_secs: f64,
-    exchange: String,
-    detected_after: Duration,
-    report: String,
+    /// Per way of connecting: (way, exchange, noticed after, report).
+    ways: Vec<(&'static str, String, Duration, String)>,
 }
 
 impl std::fmt::Display for TwoHosts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "two hosts: booted in {:.1} s; {}; client VM killed, server reported \"{}\" {:.1} s later",
-            self.boot_secs,
-            self.exchange,
-            self.report,
-            self.detected_after.as_secs_f64()
-        )
+        write!(f, "two hosts: booted in {:.1} s", self.boot_secs)?;
+        for (way, exchange, after, report) in &self.ways {
+            write!(
+                f,
+                "; {way}: {exchange}, client VM killed, server reported \"{report}\" {:.1} s later",
+                after.as_secs_f64()
+            )?;
+        }
+        Ok(())
     }
 }
 
+/// The ways the two-host run connects, side by side in the same VMs: (name as `two_hosts`
+/// prints it, its flag, the server's port).
+const TWO_HOST_WAYS: [(&str, &str, u16); 2] = [("tcp", "", 18800), ("rdma_cm", "--cm ", 18801)];
+
 /// Two VMs joined by a qemu socket network, each with rxe0 on its own virtio NIC: the server
-/// VM (10.78.0.1) receives a msg exchange from the client VM (10.78.0.2); once it is done the
-/// client's qemu is killed, and the server must report the vanished peer, typed, in time.
+/// VM (10.78.0.1) receives a msg exchange from the client VM (10.78.0.2) over the TCP
+/// bootstrap and, at the same time, over rdma_cm; once both are done the client's qemu is
+/// killed, and each server must report the vanished peer, typed, in time.
 fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
@@ -871,7 +877,21 @@ fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
     // DETECT_LIMIT to report it before its VM is killed too (no run waits out the timeout).
     let server_kill = Arc::new(AtomicBool::new(false));
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
-    let reported: Arc<Mutex<Option<(Instant, String)>>> = Arc::default();
+    // Per way: when and what its server reported.
+    let reported: Arc<Mutex<Vec<(&'static str, Instant, String)>>> = Arc::default();
+    // Both sides of every way in one script each: `a & b & wait`, failing if any failed.
+    let both = |role: &str, addr: &str| {
+        let runs: Vec<String> = TWO_HOST_WAYS
+            .iter()
+            .map(|(_, flag, port)| {
+                format!("./target/debug/two_hosts {role} {flag}--listen {addr}:{port} --messages {MESSAGES}")
+            })
+            .collect();
+        format!(
+            "{} & first=$!; {}; second=$?; wait $first; exit $(( $? | second ))",
+            runs[0], runs[1]
+        )
+    };
     let lines: Arc<Mutex<Vec<String>>> = Arc::default();
     let server = {
         let (reported, lines, server_kill) = (
@@ -881,14 +901,18 @@ fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
         );
         std::thread::spawn(move || {
             server_vm.run_script_killable(
-                &format!(
-                    "./target/debug/two_hosts server --listen 0.0.0.0:18800 --messages {MESSAGES}"
-                ),
+                &both("server", "10.78.0.1"),
                 timeout,
                 &mut |l| {
                     println!("[server vm] {l}");
-                    if let Some(report) = l.split("server: peer failure: ").nth(1) {
-                        *reported.lock().unwrap() = Some((Instant::now(), report.to_owned()));
+                    for (way, _, _) in TWO_HOST_WAYS {
+                        let tag = format!("server: peer failure over {way}: ");
+                        if let Some(report) = l.split(&tag).nth(1) {
+                            reported
+                                .lock()
+                                .unwrap()
+                                .push((way, Instant::now(), report.to_owned()));
+                        }
                     }
                     lines.lock().unwrap().push(l.to_owned());
                 },
@@ -902,12 +926,15 @@ fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
     let client = {
         let (kill, killed_at) = (Arc::clone(&kill), Arc::clone(&killed_at));
         std::thread::spawn(move || {
+            let mut ready = 0;
             client_vm.run_script_killable(
-                &format!("./target/debug/two_hosts client --connect 10.78.0.1:18800 --messages {MESSAGES}"),
+                &both("client", "10.78.0.1"),
                 timeout,
                 &mut |l| {
                     println!("[client vm] {l}");
-                    if l.contains("READY-TO-DIE") {
+                    // Killed once every way's exchange is done.
+                    ready += usize::from(l.contains("READY-TO-DIE"));
+                    if ready == TWO_HOST_WAYS.len() {
                         *killed_at.lock().unwrap() = Some(Instant::now());
                         kill.store(true, Ordering::SeqCst);
                     }
@@ -938,33 +965,34 @@ fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
         .lock()
         .unwrap()
         .context("the client never got ready")?;
-    let (when, report) = reported
-        .lock()
-        .unwrap()
-        .clone()
-        .context("the server reported no peer failure")?;
     if server.code != 0 {
         bail!("the server failed (exit {})", server.code);
     }
-    let detected_after = when.saturating_duration_since(killed_at);
-    if detected_after > DETECT_LIMIT {
-        bail!("the server took {detected_after:?} to notice the dead host");
+    let reported = reported.lock().unwrap().clone();
+    let lines = lines.lock().unwrap();
+    let mut ways = Vec::new();
+    for (way, _, _) in TWO_HOST_WAYS {
+        let (_, when, report) = reported
+            .iter()
+            .find(|(w, _, _)| *w == way)
+            .with_context(|| format!("the server over {way} reported no peer failure"))?;
+        let detected_after = when.saturating_duration_since(killed_at);
+        if detected_after > DETECT_LIMIT {
+            bail!("the server over {way} took {detected_after:?} to notice the dead host");
+        }
+        let exchange = lines
+            .iter()
+            .find_map(|l| {
+                l.strip_prefix("server: ")
+                    .filter(|l| l.contains(&format!("readings over {way} in")))
+                    .map(str::to_owned)
+            })
+            .unwrap_or_default();
+        ways.push((way, exchange, detected_after, report.clone()));
     }
-    let exchange = lines
-        .lock()
-        .unwrap()
-        .iter()
-        .find_map(|l| {
-            l.strip_prefix("server: ")
-                .filter(|l| l.contains("readings in"))
-                .map(str::to_owned)
-        })
-        .unwrap_or_default();
     Ok(TwoHosts {
         boot_secs: server.boot_secs,
-        exchange,
-        detected_after,
-        report,
+        ways,
     })
 }
 

@@ -1,14 +1,17 @@
 //! Two hosts, one connection: the client sends `--messages` readings in batches and an alarm,
 //! the server checks them, answers, and then waits for whatever comes next. When the client's
-//! host dies (no FIN, no RST: `cargo xtask vm2` kills its VM), the server must report the
-//! peer as gone, typed, within the keepalive limit, not hang.
+//! host dies (no FIN, no RST, no DREQ: `cargo xtask vm2` kills its VM), the server must report
+//! the peer as gone, typed, within the keepalive limit, not hang: through TCP keepalive on the
+//! bootstrap stream, or with `--cm` (connected through rdma_cm, which has no keepalive) through
+//! the connection's liveness probes.
 //!
 //! ```text
-//! two_hosts server [--listen ADDR] [--messages N]
-//! two_hosts client --connect ADDR [--messages N]
+//! two_hosts server [--cm] [--listen ADDR] [--messages N]
+//! two_hosts client [--cm] --connect ADDR [--messages N]
 //! ```
 //!
-//! `--listen` and `--connect` are one option (default `0.0.0.0:18800`, in both roles).
+//! `--listen` and `--connect` are one option (default `0.0.0.0:18800`, in both roles; over
+//! rdma_cm the server's must be the address of its RDMA device).
 
 #![forbid(unsafe_code)]
 
@@ -41,6 +44,19 @@ struct Options {
     /// Readings the client sends (and the server expects)
     #[arg(long, value_name = "N", default_value_t = 10_000)]
     messages: u64,
+    /// Connect through the RDMA connection manager instead of the TCP bootstrap
+    #[arg(long)]
+    cm: bool,
+}
+
+impl Options {
+    fn way(&self) -> &'static str {
+        if self.cm {
+            "rdma_cm"
+        } else {
+            "tcp"
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -60,10 +76,11 @@ fn run_role(o: &Options) -> Result<()> {
     let server = o.role == Role::Server;
     let ep = Endpoint::open_default()?;
     println!(
-        "two_hosts: {} on {} ({})",
+        "two_hosts: {} on {} ({} over {})",
         if server { "server" } else { "client" },
         ep.context().name(),
-        o.addr
+        o.addr,
+        o.way()
     );
     if server {
         serve(o, &ep)
@@ -73,9 +90,17 @@ fn run_role(o: &Options) -> Result<()> {
 }
 
 fn serve(o: &Options, ep: &Endpoint) -> Result<()> {
-    let listener = ep.listen(o.addr.as_str())?;
-    let mut s = Session::new(listener.accept(&Config::default())?);
-    println!("server: connected to {}", s.connection().peer().addr);
+    let conn = if o.cm {
+        ep.listen_cm(o.addr.as_str())?.accept(&Config::default())?
+    } else {
+        ep.listen(o.addr.as_str())?.accept(&Config::default())?
+    };
+    let mut s = Session::new(conn);
+    let way = o.way();
+    println!(
+        "server: connected to {} over {way}",
+        s.connection().peer().addr
+    );
     let started = Instant::now();
     let mut readings = 0u64;
     loop {
@@ -102,7 +127,7 @@ fn serve(o: &Options, ep: &Endpoint) -> Result<()> {
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "server: {readings} readings in {secs:.2} s ({:.0}/s), {} wake-ups; waiting for the peer",
+        "server: {readings} readings over {way} in {secs:.2} s ({:.0}/s), {} wake-ups; waiting for the peer",
         readings as f64 / secs,
         s.connection().wait_stats().wakeups
     );
@@ -110,8 +135,9 @@ fn serve(o: &Options, ep: &Endpoint) -> Result<()> {
     match s.recv() {
         Err(rdmsg::msg::Error::Transport(Error::Connection(f @ Failure::PeerVanished))) => {
             println!(
-                "server: peer failure: {f} after {:.2} s of silence",
-                quiet.elapsed().as_secs_f64()
+                "server: peer failure over {way}: {f} after {:.2} s of silence ({} probes)",
+                quiet.elapsed().as_secs_f64(),
+                s.connection().stats().probes
             );
             Ok(())
         }
@@ -124,16 +150,27 @@ fn client(o: &Options, ep: &Endpoint) -> Result<()> {
     // The server's host may still be booting: retry for a while.
     let deadline = Instant::now() + Duration::from_secs(60);
     let conn = loop {
-        match ep.connect(o.addr.as_str(), &Config::default()) {
+        let made = if o.cm {
+            ep.connect_cm(o.addr.as_str(), &Config::default())
+        } else {
+            ep.connect(o.addr.as_str(), &Config::default())
+        };
+        match made {
             Ok(c) => break c,
-            Err(Error::Connect { .. } | Error::Bootstrap { .. }) if Instant::now() < deadline => {
+            Err(Error::Connect { .. } | Error::Bootstrap { .. } | Error::Cm { .. })
+                if Instant::now() < deadline =>
+            {
                 std::thread::sleep(Duration::from_millis(200));
             }
             Err(e) => return Err(e.into()),
         }
     };
     let mut s = Session::new(conn);
-    println!("client: connected to {}", s.connection().peer().addr);
+    println!(
+        "client: connected to {} over {}",
+        s.connection().peer().addr,
+        o.way()
+    );
     let mut seq = 0;
     while seq < o.messages {
         let n = 50.min(o.messages - seq);
@@ -194,6 +231,8 @@ mod tests {
         let o = parse(&["client"]);
         assert_eq!((o.addr.as_str(), o.messages), ("0.0.0.0:18800", 10_000));
         assert_eq!(parse(&["server", "--connect", "a:1"]).addr, "a:1");
+        let o = parse(&["server", "--cm", "--listen", "10.78.0.1:18801"]);
+        assert!(o.cm && !parse(&["server"]).cm);
     }
 
     #[test]
