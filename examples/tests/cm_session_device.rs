@@ -9,9 +9,10 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use rdmsg::msg::{Message, Session};
+use rdmsg::msg::{Hub, HubEvent, Message, Session};
 use rdmsg::transport::handshake::Reject;
 use rdmsg::transport::{Config, Endpoint, Error as TError};
+use rdmsg::HubConfig;
 use rdmsg_examples::{Command as Cmd, Request};
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
@@ -386,4 +387,148 @@ fn a_silent_peer_host_is_noticed_by_probes_and_an_idle_one_is_not() {
     );
     assert!(took < keepalive + Duration::from_secs(2), "{took:?}");
     drop(b);
+}
+
+/// The next event of `hub`, within 10 s.
+fn hub_event(hub: &mut Hub) -> HubEvent {
+    hub.recv_timeout(WAIT)
+        .unwrap()
+        .expect("a hub event within 10 s")
+}
+
+/// A hub listening through rdma_cm and TCP at once serves a session connected over each, and
+/// another hub connected over rdma_cm: messages both ways, then graceful closes.
+#[test]
+#[ignore = "device"]
+fn a_hub_serves_peers_connected_through_the_connection_manager_beside_tcp() {
+    let ep = Endpoint::open_default().expect("device");
+    let mut hub = Hub::new(&ep, HubConfig::default()).unwrap();
+    let cm_at = hub.listen_cm(cm_addr()).unwrap();
+    let tcp_at = hub.listen("127.0.0.1:0").unwrap();
+    assert_ne!(cm_at.port(), 0);
+    let clients = thread::spawn(move || {
+        let ep = Endpoint::open_default().unwrap();
+        let mut sessions = vec![
+            Session::new(ep.connect_cm(cm_at, &Config::default()).unwrap()),
+            Session::new(ep.connect(tcp_at, &Config::default()).unwrap()),
+        ];
+        // A hub on the client side too, connecting through the CM itself.
+        let mut other = Hub::new(&ep, HubConfig::default()).unwrap();
+        let to = other.connect_cm(cm_at).unwrap();
+        assert!(
+            matches!(hub_event(&mut other), HubEvent::Connected { peer, accepted: false } if peer == to)
+        );
+        for (i, s) in sessions.iter_mut().enumerate() {
+            let r = Request {
+                id: i as u64,
+                operands: vec![],
+            };
+            s.send(&r).unwrap();
+            assert_eq!(recv_one::<Request>(s), r, "echoed");
+        }
+        let r = Request {
+            id: 7,
+            operands: vec![7],
+        };
+        other.send(to, &r).unwrap();
+        match hub_event(&mut other) {
+            HubEvent::Message { peer, msg } if peer == to => {
+                assert_eq!(msg.decode::<Request>().unwrap(), r)
+            }
+            ev => panic!("{ev:?}"),
+        }
+        other.close(to).unwrap();
+        for s in sessions {
+            s.close().unwrap();
+        }
+    });
+    let (mut connected, mut echoed, mut closed) = (0, 0, 0);
+    while closed < 3 {
+        match hub_event(&mut hub) {
+            HubEvent::Connected { accepted, .. } => {
+                assert!(accepted);
+                connected += 1;
+            }
+            HubEvent::Message { peer, msg } => {
+                let r: Request = msg.decode().unwrap();
+                hub.send(peer, &r).unwrap();
+                echoed += 1;
+            }
+            HubEvent::Disconnected { failure, .. } => {
+                assert_eq!(failure, rdmsg::transport::Failure::PeerClosed);
+                closed += 1;
+            }
+            ev => panic!("{ev:?}"),
+        }
+    }
+    clients.join().unwrap();
+    assert_eq!((connected, echoed), (3, 3));
+    println!("stats hub over rdma_cm: {:?}", hub.transport().stats());
+}
+
+/// A hub refuses a CM client's hello beyond its limits with the reason, and a peer that stops
+/// answering (its queue pair failed behind its back, as a dead host's) is reported by the
+/// hub's probes as vanished within its keepalive, the others untouched.
+#[test]
+#[ignore = "device"]
+fn a_hub_refuses_a_bad_cm_hello_and_notices_a_silent_cm_peer() {
+    let ep = Endpoint::open_default().expect("device");
+    let keepalive = Duration::from_secs(3);
+    let mut config = HubConfig::default();
+    config.conn.max_peer_buf_size = 8192;
+    config.conn.keepalive = Some(keepalive);
+    let mut hub = Hub::new(&ep, config).unwrap();
+    let at = hub.listen_cm(cm_addr()).unwrap();
+    // Clients connect from a thread: the hub answers only while it is driven.
+    let client = Config {
+        keepalive: Some(keepalive),
+        ..Config::default()
+    };
+    let clients = thread::spawn(move || {
+        let ep = Endpoint::open_default().unwrap();
+        let refused = ep.connect_cm(
+            at,
+            &Config {
+                buf_size: 65536,
+                ..Config::default()
+            },
+        );
+        assert!(
+            matches!(refused, Err(TError::Rejected(Reject::Limits(_)))),
+            "{refused:?}"
+        );
+        let quiet = Session::new(ep.connect_cm(at, &client).unwrap());
+        let silent = Session::new(ep.connect_cm(at, &client).unwrap());
+        (quiet, silent)
+    });
+    let (mut peers, mut failed) = (Vec::new(), 0);
+    while peers.len() < 2 {
+        match hub_event(&mut hub) {
+            HubEvent::Connected { peer, .. } => peers.push(peer),
+            HubEvent::HandshakeFailed { peer: None, .. } => failed += 1,
+            ev => panic!("{ev:?}"),
+        }
+    }
+    assert_eq!(failed, 1, "the refused hello");
+    let (mut quiet, mut silent) = clients.join().unwrap();
+    let stopped = Instant::now();
+    silent.connection_mut().break_queue_pair().unwrap();
+    let (gone, failure) = match hub.recv_timeout(Some(Duration::from_secs(30))).unwrap() {
+        Some(HubEvent::Disconnected { peer, failure }) => (peer, failure),
+        other => panic!("the silent peer was not noticed in 30 s: {other:?}"),
+    };
+    let took = stopped.elapsed();
+    println!("stats hub noticed a silent rdma_cm peer after {took:?} (keepalive {keepalive:?})");
+    assert_eq!(failure, rdmsg::transport::Failure::PeerVanished);
+    assert!(peers.contains(&gone));
+    assert!(took < keepalive + Duration::from_secs(2), "{took:?}");
+    // The quiet one, probed all along, is still there.
+    let live = *peers.iter().find(|p| **p != gone).unwrap();
+    let r = Request {
+        id: 9,
+        operands: vec![],
+    };
+    hub.send(live, &r).unwrap();
+    assert_eq!(recv_one::<Request>(&mut quiet), r);
+    drop(silent);
 }

@@ -355,6 +355,20 @@ impl Hub {
         Ok(self.transport.connect(addr)?)
     }
 
+    /// Listens for clients through the RDMA connection manager at `addr` (an IP address of
+    /// the hub's device, or a wildcard, and a port), beside any TCP listener; returns the
+    /// address bound. See [`rdmsg_transport::RawHub::listen_cm`].
+    pub fn listen_cm(&mut self, addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<SocketAddr> {
+        Ok(self.transport.listen_cm(addr)?)
+    }
+
+    /// Starts a connection through the RDMA connection manager to a CM listener or another
+    /// hub at `addr` (an IP address and port); everything after the call runs inside the hub,
+    /// as with [`Hub::connect`]. See [`rdmsg_transport::RawHub::connect_cm`].
+    pub fn connect_cm(&mut self, addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<PeerId> {
+        Ok(self.transport.connect_cm(addr)?)
+    }
+
     /// The transport hub underneath.
     pub fn transport(&self) -> &rdmsg_transport::RawHub {
         &self.transport

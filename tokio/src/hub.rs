@@ -120,6 +120,21 @@ impl AsyncHub {
         Ok(peer)
     }
 
+    /// Starts a connection through the RDMA connection manager to the CM listener or hub at
+    /// `addr`: everything after the call runs in the hub, without a thread of its own (its
+    /// outcome is an event). Waits first while a quarter of `max_pending_handshakes` of our
+    /// own handshakes are in flight.
+    pub async fn connect_cm(&self, addr: std::net::SocketAddr) -> Result<PeerId> {
+        let most = self
+            .with_hub(|h| (h.transport().config().conn.max_pending_handshakes as usize / 4).max(1));
+        self.shared
+            .run(false, |h, _| {
+                Ok((h.transport().pending_connects() < most).then_some(()))
+            })
+            .await?;
+        Ok(self.with_hub(|h| h.connect_cm(addr))?)
+    }
+
     /// The next event (cancel-safe).
     pub async fn recv(&self) -> Result<HubEvent> {
         self.shared.run(true, |h, _| Ok(h.try_recv()?)).await

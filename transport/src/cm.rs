@@ -32,11 +32,12 @@ use crate::handshake::{Hello, Reject};
 use crate::setup::{our_hello, Setup};
 
 /// What the handshake over rdma_cm waits for when it runs out of time.
-const WAIT_CM: &str = "for the connection manager (address, route, or the peer's answer): \
+pub(crate) const WAIT_CM: &str =
+    "for the connection manager (address, route, or the peer's answer): \
                        Config::handshake_timeout bounds it";
 
 /// The first address `addr` resolves to, IPv4 first (rxe and most RoCE set-ups route it).
-fn socket_addr(addr: &(impl ToSocketAddrs + fmt::Debug)) -> Result<SocketAddr> {
+pub(crate) fn socket_addr(addr: &(impl ToSocketAddrs + fmt::Debug)) -> Result<SocketAddr> {
     let fail = |source| Error::Connect {
         addr: format!("{addr:?}"),
         source,
@@ -49,7 +50,7 @@ fn socket_addr(addr: &(impl ToSocketAddrs + fmt::Debug)) -> Result<SocketAddr> {
         .ok_or_else(|| fail(io::Error::new(io::ErrorKind::NotFound, "no address")))
 }
 
-fn refuse_psk(config: &Config) -> Result<()> {
+pub(crate) fn refuse_psk(config: &Config) -> Result<()> {
     if config.psk.is_some() {
         return Err(Error::Config(
             "a pre-shared key cannot be proved over rdma_cm (its private data allows one \
@@ -63,7 +64,11 @@ fn refuse_psk(config: &Config) -> Result<()> {
 
 /// What rdmsg sets itself on a CM queue pair: the transport's path parameters, as the TCP
 /// bootstrap sets them.
-fn tuning(endpoint: &Endpoint, config: &Config, accepting: Option<ConnParams>) -> QpTuning {
+pub(crate) fn tuning(
+    endpoint: &Endpoint,
+    config: &Config,
+    accepting: Option<ConnParams>,
+) -> QpTuning {
     QpTuning {
         accepting,
         min_rnr_timer: config.path.min_rnr_timer,
@@ -74,7 +79,7 @@ fn tuning(endpoint: &Endpoint, config: &Config, accepting: Option<ConnParams>) -
     }
 }
 
-fn conn_params(endpoint: &Endpoint, config: &Config) -> ConnParams {
+pub(crate) fn conn_params(endpoint: &Endpoint, config: &Config) -> ConnParams {
     ConnParams {
         responder_resources: endpoint.reads_served(),
         initiator_depth: endpoint.reads_served(),
@@ -84,7 +89,7 @@ fn conn_params(endpoint: &Endpoint, config: &Config) -> ConnParams {
 }
 
 /// The device the CM bound `id` to must be the endpoint's: the queue pair is created there.
-fn check_device(endpoint: &Endpoint, id: &CmId, addr: &str) -> Result<()> {
+pub(crate) fn check_device(endpoint: &Endpoint, id: &CmId, addr: &str) -> Result<()> {
     let ours = endpoint.context().name();
     match id.device_name() {
         Some(name) if name == ours && id.port_num() == endpoint.port() => Ok(()),
@@ -124,7 +129,7 @@ fn next_event(channel: &CmEventChannel, watch: &ReadyWatch, deadline: Instant) -
 }
 
 /// A CM event that ends a connection in the making, as the error it stands for.
-fn cm_failure(ev: &CmEvent, addr: &str, stage: &'static str) -> Error {
+pub(crate) fn cm_failure(ev: &CmEvent, addr: &str, stage: &'static str) -> Error {
     match ev.kind {
         CmEventKind::Rejected => match decode_reject(&ev.private_data) {
             Some(reason) => Error::Rejected(reason),

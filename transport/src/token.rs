@@ -15,7 +15,10 @@ pub(crate) enum Token {
     Async,
     /// The hub's listening socket.
     Listen,
-    /// A bootstrap stream: a connection's own, or that of a hub's slot.
+    /// The event channel of the hub's rdma_cm listener.
+    CmListen,
+    /// A bootstrap stream (a connection's own, or that of a hub's slot), or the event channel
+    /// of a slot's rdma_cm id.
     Stream(u32),
 }
 
@@ -30,6 +33,7 @@ impl Token {
             Token::Wake => 1,
             Token::Async => 2,
             Token::Listen => 3,
+            Token::CmListen => 4,
             Token::Stream(slot) => STREAM | slot as u64,
         }
     }
@@ -41,6 +45,7 @@ impl Token {
             1 => Token::Wake,
             2 => Token::Async,
             3 => Token::Listen,
+            4 => Token::CmListen,
             k if k & STREAM != 0 => Token::Stream((k & !STREAM) as u32),
             _ => return None,
         })
@@ -53,6 +58,7 @@ impl Token {
             Token::Wake => 1,
             Token::Async => 2,
             Token::Listen => 3,
+            Token::CmListen => 5,
             Token::Stream(_) => 4,
         }
     }
@@ -74,6 +80,7 @@ mod tests {
             Token::Wake,
             Token::Async,
             Token::Listen,
+            Token::CmListen,
             Token::Stream(0),
             Token::Stream(1 << 20),
         ] {

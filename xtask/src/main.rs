@@ -878,7 +878,8 @@ fn two_hosts(kernel: Kernel) -> Result<TwoHosts> {
     let server_kill = Arc::new(AtomicBool::new(false));
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     // Per way: when and what its server reported.
-    let reported: Arc<Mutex<Vec<(&'static str, Instant, String)>>> = Arc::default();
+    type Reports = Vec<(&'static str, Instant, String)>;
+    let reported: Arc<Mutex<Reports>> = Arc::default();
     // Both sides of every way in one script each: `a & b & wait`, failing if any failed.
     let both = |role: &str, addr: &str| {
         let runs: Vec<String> = TWO_HOST_WAYS

@@ -11,10 +11,11 @@ use super::slots::{Established, HubSide, Phase};
 use super::{RawHub, RawHubEvent};
 use crate::bootstrap::Pending;
 use crate::config::Config;
+use crate::control::Control;
 use crate::error::{Error, Failure, Result};
-use crate::handshake::Handshake;
+use crate::handshake::{Handshake, Hello};
 use crate::setup::{nonce, random_psn};
-use crate::stream::{accept_next, keepalive_probes, read_after_handshake};
+use crate::stream::{accept_next, keepalive_probes};
 use crate::token::Token;
 use crate::trace;
 
@@ -50,25 +51,7 @@ impl RawHub {
     /// is full, or no socket or handshake state could be made: counted, and the client sees
     /// its stream end).
     pub(super) fn take_client(&mut self, stream: TcpStream) -> Result<()> {
-        let max_pending = self.config.conn.max_pending_handshakes;
-        if self.pending_accepted >= max_pending as usize {
-            // Evict the oldest pending client: the first started still handshaking.
-            while let Some((i, generation)) = self.accepted_order.pop_front() {
-                let pending =
-                    self.slots
-                        .get(i)
-                        .and_then(Option::as_ref)
-                        .and_then(|s| match &s.phase {
-                            Phase::Handshake(p) if s.generation == generation => Some(p),
-                            _ => None,
-                        });
-                if let Some(p) = pending {
-                    let e = p.evicted(max_pending);
-                    self.handshake_failed(i, e);
-                    break;
-                }
-            }
-        }
+        self.evict_oldest_pending();
         let slot = match self.new_slot(true) {
             Ok(slot) => slot,
             Err(e) => {
@@ -98,6 +81,32 @@ impl RawHub {
                 self.events
                     .push_back(RawHubEvent::HandshakeFailed { peer: None, error });
                 Ok(())
+            }
+        }
+    }
+
+    /// Makes room for one more accepted handshake when `max_pending_handshakes` are under
+    /// way: the oldest pending one (the first started still handshaking, over TCP or rdma_cm)
+    /// fails.
+    pub(super) fn evict_oldest_pending(&mut self) {
+        let max_pending = self.config.conn.max_pending_handshakes;
+        if self.pending_accepted < max_pending as usize {
+            return;
+        }
+        while let Some((i, generation)) = self.accepted_order.pop_front() {
+            let evicted = self
+                .slots
+                .get(i)
+                .and_then(Option::as_ref)
+                .filter(|s| s.generation == generation)
+                .and_then(|s| match &s.phase {
+                    Phase::Handshake(p) => Some(p.evicted(max_pending)),
+                    Phase::CmHandshake(p) => Some(p.evicted(max_pending)),
+                    _ => None,
+                });
+            if let Some(e) = evicted {
+                self.handshake_failed(i, e);
+                return;
             }
         }
     }
@@ -148,8 +157,15 @@ impl RawHub {
             self.abandon(slot);
             return Err(e.into());
         }
-        let s = self.slot_mut(slot);
-        s.phase = Phase::Handshake(Box::new(pending));
+        self.slot_mut(slot).phase = Phase::Handshake(Box::new(pending));
+        self.handshake_started(slot);
+        Ok(())
+    }
+
+    /// The handshake of `slot` started: it counts as pending until it ends, and wakes the hub
+    /// at its deadline.
+    pub(super) fn handshake_started(&mut self, slot: usize) {
+        let s = self.slot(slot);
         let (accepted, generation) = (s.accepted, s.generation);
         if accepted {
             self.pending_accepted += 1;
@@ -158,11 +174,10 @@ impl RawHub {
             self.pending_outgoing += 1;
         }
         self.schedule(slot);
-        Ok(())
     }
 
     /// The handshake of `slot` ended (established or failed): it no longer counts.
-    fn handshake_ended(&mut self, slot: usize) {
+    pub(super) fn handshake_ended(&mut self, slot: usize) {
         if self.slot(slot).accepted {
             self.pending_accepted -= 1;
             // Entries of ended handshakes are dropped as they reach the front, and all at
@@ -191,6 +206,7 @@ impl RawHub {
         };
         match s.phase {
             Phase::Handshake(_) => self.advance_handshake(slot),
+            Phase::CmHandshake(_) => self.advance_cm_handshake(slot),
             Phase::Linked(_) => self.check_stream(slot),
             Phase::Retired => {}
         }
@@ -225,7 +241,6 @@ impl RawHub {
 
     /// The handshake of `slot` is done: the connection is announced, with what arrived early.
     fn establish(&mut self, slot: usize, pending: Pending<HubSide>) {
-        self.handshake_ended(slot);
         let Pending {
             stream,
             setup,
@@ -235,12 +250,30 @@ impl RawHub {
         } = pending;
         let side = setup.expect("a finished handshake has its queue pair");
         let peer = *hs.peer().expect("a finished handshake knows its peer");
-        let accepted = self.slot(slot).accepted;
-        let id = self.slot(slot).id(slot);
-        trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
         if let Some(limit) = self.config.conn.keepalive {
             let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive_probes(limit));
         }
+        self.link(slot, side, Control::Tcp(stream), peer, peer_addr);
+    }
+
+    /// The handshake of `slot` (over TCP or rdma_cm) is done: the connection is announced,
+    /// with what arrived early. Its stream or CM channel stays in the hub's watch.
+    pub(super) fn link(
+        &mut self,
+        slot: usize,
+        side: HubSide,
+        control: Control,
+        peer: Hello,
+        peer_addr: Option<std::net::SocketAddr>,
+    ) {
+        self.handshake_ended(slot);
+        let accepted = self.slot(slot).accepted;
+        let id = self.slot(slot).id(slot);
+        trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
+        // The connection manager has no keepalive: a silent peer host is probed instead.
+        let probe = matches!(control, Control::Cm(_))
+            .then_some(self.config.conn.keepalive)
+            .flatten();
         let conn = &self.config.conn;
         let caps = side.qp.caps();
         let link = Established {
@@ -248,13 +281,17 @@ impl RawHub {
             max_inline: caps.max_inline_data.min(conn.max_inline) as usize,
             sq_depth: caps.max_send_wr.min(conn.send_depth) as usize,
             qp: side.qp,
-            stream,
+            control,
             peer,
             watched: true,
         };
         let s = self.slot_mut(slot);
         s.phase = Phase::Linked(Box::new(link));
         s.core.link();
+        if let Some(limit) = probe {
+            s.core
+                .probe_every(crate::core::probe_interval(limit), Instant::now());
+        }
         s.announced = true;
         let early = std::mem::take(&mut s.early);
         if accepted {
@@ -281,25 +318,35 @@ impl RawHub {
         let s = self.slot(slot);
         let from = match &s.phase {
             Phase::Handshake(p) => p.peer_addr,
+            Phase::CmHandshake(p) => p.peer_addr,
             _ => None,
         };
         trace::handshake_failed(from, Some(s.id(slot)), &error);
         let peer = (!s.accepted).then(|| s.id(slot));
         self.events
             .push_back(RawHubEvent::HandshakeFailed { peer, error });
-        let Phase::Handshake(pending) =
-            std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired)
-        else {
-            return;
+        let side = match std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired) {
+            Phase::Handshake(pending) => {
+                let _ = self.watch().remove(pending.stream.as_fd());
+                let _ = pending.stream.shutdown(std::net::Shutdown::Both);
+                pending.setup
+            }
+            Phase::CmHandshake(pending) => {
+                let _ = self.watch().remove(pending.channel.as_fd());
+                // Dropping the id refuses or disconnects the peer.
+                pending.side
+            }
+            other => {
+                self.slot_mut(slot).phase = other;
+                return;
+            }
         };
         self.handshake_ended(slot);
-        let _ = self.watch().remove(pending.stream.as_fd());
-        let _ = pending.stream.shutdown(std::net::Shutdown::Both);
         let core = &mut self.slot_mut(slot).core;
         core.handle_failure(Failure::PeerVanished);
         // Its queue pair (if any) goes now, not through the core's actions.
         while core.poll_action().is_some() {}
-        match pending.setup {
+        match side {
             // A queue pair may have received already: destroy it, poll, then release.
             Some(side) => {
                 let _ = side.qp.destroy();
@@ -311,10 +358,10 @@ impl RawHub {
 
     /// Looks at a readable bootstrap stream: after the handshake only a goodbye may come.
     fn check_stream(&mut self, slot: usize) {
-        let Some(link) = self.slot(slot).link() else {
+        let Some(link) = self.slot_mut(slot).link_mut() else {
             return;
         };
-        let news = read_after_handshake(&link.stream);
+        let news = link.control.news();
         self.slot_mut(slot).core.handle_stream(news, Instant::now());
         self.do_actions(slot);
         // Its close message may still be in flight: waited for (not here: the hub goes on)

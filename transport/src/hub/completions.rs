@@ -1,7 +1,6 @@
 //! Polled completions go to the core of the connection whose queue pair they name, and the
 //! hub does what the cores then ask for.
 
-use std::io::Write;
 use std::os::fd::AsFd;
 use std::time::Instant;
 
@@ -11,7 +10,6 @@ use super::slots::Phase;
 use super::{RawHub, RawHubEvent};
 use crate::core::{Action, Completion, RecvAction};
 use crate::error::Error;
-use crate::handshake::GOODBYE;
 use crate::read;
 use crate::send;
 use crate::share::Receipt;
@@ -139,7 +137,7 @@ impl RawHub {
             match action {
                 Action::SayGoodbye => {
                     if let Some(link) = self.slot_mut(slot).link_mut() {
-                        let _ = (&link.stream).write_all(&[GOODBYE]);
+                        link.control.say_goodbye();
                     }
                 }
                 Action::UnwatchStream => self.unwatch_stream(slot),
@@ -196,7 +194,7 @@ impl RawHub {
             return;
         };
         crate::trace::ended(qpn, Some(id), failure);
-        let _ = link.stream.shutdown(std::net::Shutdown::Both);
+        link.control.shut_down();
         let _ = link.qp.to_error();
         s.core.flushing_since(Instant::now());
         if let Some(group) = group {
@@ -211,7 +209,7 @@ impl RawHub {
         let s = self.slots[slot].as_mut().expect("a live slot");
         if let Phase::Linked(link) = &mut s.phase {
             if std::mem::take(&mut link.watched) {
-                let _ = self.waiter.channel().watch.remove(link.stream.as_fd());
+                let _ = self.waiter.channel().watch.remove(link.control.as_fd());
             }
         }
     }

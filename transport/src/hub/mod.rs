@@ -39,6 +39,7 @@
 
 mod accept;
 mod buffers;
+mod cm;
 mod completions;
 mod config;
 mod events;
@@ -142,6 +143,7 @@ pub struct RawHub {
     /// [`RawHub::expose_to_peer`]).
     sq_reserve: usize,
     listener: Option<TcpListener>,
+    cm_listener: Option<cm::CmListening>,
     events: VecDeque<RawHubEvent>,
     completions: Vec<(CqKey, WorkCompletion)>,
     /// Slots whose credits changed this round: grants may be due.
@@ -247,6 +249,7 @@ impl RawHub {
             by_qpn: HashMap::new(),
             unsignaled_total: 0,
             listener: None,
+            cm_listener: None,
             events: VecDeque::new(),
             completions: Vec::new(),
             touched: Vec::new(),
@@ -802,7 +805,7 @@ impl RawHub {
         s.handshakes = 0;
         for slot in self.slots.iter().flatten() {
             match slot.phase {
-                Phase::Handshake(_) => s.handshakes += 1,
+                Phase::Handshake(_) | Phase::CmHandshake(_) => s.handshakes += 1,
                 Phase::Linked(_) if slot.announced => s.connections += 1,
                 _ => {}
             }

@@ -17,6 +17,7 @@ impl RawHub {
         let s = self.slots.get(slot)?.as_ref()?;
         match &s.phase {
             Phase::Handshake(p) => Some(p.deadline),
+            Phase::CmHandshake(p) => Some(p.deadline),
             Phase::Linked(_) => s.core.next_timeout(),
             Phase::Retired => None,
         }
@@ -56,10 +57,18 @@ impl RawHub {
                 continue;
             };
             if deadline <= now {
-                if let Phase::Handshake(p) = &self.slot(slot).phase {
-                    let e = p.timed_out();
-                    self.handshake_failed(slot, e);
-                    continue;
+                match &self.slot(slot).phase {
+                    Phase::Handshake(p) => {
+                        let e = p.timed_out();
+                        self.handshake_failed(slot, e);
+                        continue;
+                    }
+                    Phase::CmHandshake(p) => {
+                        let e = p.timed_out(self.config.conn.handshake_timeout);
+                        self.handshake_failed(slot, e);
+                        continue;
+                    }
+                    _ => {}
                 }
                 self.slot_mut(slot).core.handle_timeout(now);
                 self.do_actions(slot);

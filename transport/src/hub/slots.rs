@@ -1,14 +1,13 @@
 //! The hub's connection table: a slot per connection, holding its protocol core and the I/O
 //! resources of its phase (the handshake's, or the link's), addressed by [`PeerId`].
 
-use std::net::TcpStream;
-
 use rdmsg_verbs::QueuePair;
 
 use super::{PeerId, RawHub};
 use crate::addr::QpAddress;
 use crate::bootstrap::Pending;
 use crate::config::Config;
+use crate::control::Control;
 use crate::core::Core;
 use crate::credits::Credits;
 use crate::endpoint::Endpoint;
@@ -46,7 +45,8 @@ impl LocalSide for HubSide {
 #[derive(Debug)]
 pub(super) struct Established {
     pub(super) qp: QueuePair,
-    pub(super) stream: TcpStream,
+    /// The bootstrap stream, or the connection manager's id.
+    pub(super) control: Control,
     pub(super) peer: Hello,
     pub(super) max_message: usize,
     pub(super) max_inline: usize,
@@ -60,6 +60,8 @@ pub(super) struct Established {
 pub(super) enum Phase {
     /// Handshake under way (its local side inside, once created).
     Handshake(Box<Pending<HubSide>>),
+    /// Connection manager handshake under way: the id's events drive it.
+    CmHandshake(Box<super::cm::CmPending>),
     /// Queue pair connected.
     Linked(Box<Established>),
     /// Queue pair destroyed; released once the CQs have been polled after that.
@@ -132,12 +134,13 @@ impl Slot {
         match &mut self.phase {
             Phase::Linked(l) => Some(&mut l.qp),
             Phase::Handshake(p) => p.setup.as_mut().map(|s| &mut s.qp),
+            Phase::CmHandshake(p) => p.side.as_mut().map(|s| &mut s.qp),
             Phase::Retired => None,
         }
     }
 
     pub(super) fn is_handshaking(&self) -> bool {
-        matches!(self.phase, Phase::Handshake(_))
+        matches!(self.phase, Phase::Handshake(_) | Phase::CmHandshake(_))
     }
 }
 

@@ -146,7 +146,7 @@ impl RawHub {
         ready.dedup();
         // Streams before the listener: a handshake whose next bytes are here is not evicted to
         // make room for a newcomer.
-        let mut listen = false;
+        let (mut listen, mut cm_listen) = (false, false);
         for key in ready.drain(..) {
             match Token::of_key(key) {
                 Some(Token::Wake) => {
@@ -158,12 +158,16 @@ impl RawHub {
                 }
                 Some(Token::Async) => self.async_events(),
                 Some(Token::Listen) => listen = true,
+                Some(Token::CmListen) => cm_listen = true,
                 Some(Token::Stream(slot)) => self.stream_ready(slot as usize),
                 Some(Token::Channel) | None => {}
             }
         }
         if listen {
             self.accept_all();
+        }
+        if cm_listen {
+            self.accept_cm_all();
         }
         self.waiter.channel_mut().ready = ready;
         let now = Instant::now();

@@ -1,0 +1,411 @@
+//! The hub's connections through the RDMA connection manager: a CM listener beside (or
+//! instead of) the TCP one, and connects. Each handshake is the exchange of private data of
+//! [`crate::cm`], driven by its id's own event channel, watched like a bootstrap stream under
+//! its slot's key; it counts against `max_pending_handshakes` and ends at `handshake_timeout`
+//! as a TCP one does, so a silent or half-connected peer holds its slot and never the hub.
+//! Once linked, the channel is the connection's [`Control`]: a disconnect is the end of its
+//! stream, and liveness probes stand in for TCP keepalive.
+
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use rdmsg_verbs::{deadline_after, CmEvent, CmEventChannel, CmEventKind, CmId, ConnParams};
+
+use super::slots::{HubSide, Phase};
+use super::{PeerId, RawHub, RawHubEvent};
+use crate::cm::{check_device, cm_failure, conn_params, refuse_psk, socket_addr, tuning, WAIT_CM};
+use crate::control::{CmLink, Control};
+use crate::error::{Error, Result, TimedOut};
+use crate::handshake::cm::{decode_hello, encode_hello, encode_reject};
+use crate::handshake::{Hello, Reject};
+use crate::token::Token;
+use crate::trace;
+
+/// The hub's rdma_cm listener: its id, alone on its channel.
+#[derive(Debug)]
+pub(super) struct CmListening {
+    /// Listening as long as it lives.
+    _id: CmId,
+    channel: CmEventChannel,
+}
+
+/// An rdma_cm handshake of a hub's slot.
+pub(super) struct CmPending {
+    id: CmId,
+    pub(super) channel: CmEventChannel,
+    /// The queue pair on the hub's queues, once made.
+    pub(super) side: Option<HubSide>,
+    stage: Stage,
+    pub(super) deadline: Instant,
+    pub(super) peer_addr: Option<SocketAddr>,
+}
+
+impl fmt::Debug for CmPending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CmPending")
+            .field("stage", &self.stage)
+            .field("peer_addr", &self.peer_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a CM handshake waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Ours: the address resolved to our device.
+    Address,
+    /// Ours: the route.
+    Route,
+    /// Ours: the server's answer to our request (its hello, or a reject).
+    Answer,
+    /// Accepted: the client's side of the connection (`ESTABLISHED`).
+    Established,
+}
+
+impl Stage {
+    fn name(self) -> &'static str {
+        match self {
+            Stage::Address => "resolving the address",
+            Stage::Route => "resolving the route",
+            Stage::Answer => "connecting",
+            Stage::Established => "accepting",
+        }
+    }
+}
+
+impl CmPending {
+    fn peer_name(&self) -> String {
+        self.peer_addr
+            .map_or_else(|| "the peer".to_owned(), |a| a.to_string())
+    }
+
+    /// The error of a handshake past its deadline (`after` is the handshake timeout).
+    pub(super) fn timed_out(&self, after: Duration) -> Error {
+        Error::Timeout(TimedOut {
+            op: "connecting over rdma_cm",
+            waiting_for: WAIT_CM,
+            after,
+        })
+    }
+
+    /// The error of a handshake evicted to make room: `max` were pending.
+    pub(super) fn evicted(&self, max: u32) -> Error {
+        Error::Cm {
+            addr: self.peer_name(),
+            stage: self.stage.name(),
+            detail: format!("evicted: {max} handshakes pending"),
+        }
+    }
+}
+
+impl RawHub {
+    /// Listens for connection requests through the RDMA connection manager at `addr` (an IP
+    /// address of the hub's device, or a wildcard, and a port; port 0 picks one), beside the
+    /// TCP listener of [`RawHub::listen`] if there is one; returns the address bound. Clients
+    /// connect with [`Endpoint::connect_cm`](crate::Endpoint::connect_cm) or another hub's
+    /// [`RawHub::connect_cm`]; each established one is a [`RawHubEvent::Connected`] with
+    /// `accepted: true`, and a refused one is told the reason in the reject. Refused with
+    /// [`Config::psk`](crate::Config::psk), which rdma_cm's one exchange cannot prove.
+    pub fn listen_cm(&mut self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<SocketAddr> {
+        self.check_fatal()?;
+        refuse_psk(&self.config.conn)?;
+        let listen_err = |source| Error::Listen {
+            addr: format!("{addr:?}"),
+            source,
+        };
+        let bind = socket_addr(&addr).map_err(|e| match e {
+            Error::Connect { source, .. } => listen_err(source),
+            e => e,
+        })?;
+        let channel = CmEventChannel::new()?;
+        let mut id = CmId::new(&channel)?;
+        let backlog = self.config.conn.max_pending_handshakes.clamp(1, 1024) as i32;
+        id.bind(bind)
+            .and_then(|()| id.listen(backlog))
+            .map_err(|e| match e {
+                rdmsg_verbs::Error::Cm { source, .. } => listen_err(source),
+                e => e.into(),
+            })?;
+        let local = id.local_addr().unwrap_or(bind);
+        if let Some(old) = self.cm_listener.take() {
+            let _ = self.watch().remove(old.channel.as_fd());
+        }
+        self.watch()
+            .add_keyed(channel.as_fd(), Token::CmListen.key())?;
+        self.cm_listener = Some(CmListening { _id: id, channel });
+        Ok(local)
+    }
+
+    /// Starts a connection through the RDMA connection manager to a
+    /// [`CmListener`](crate::CmListener) or another hub's [`RawHub::listen_cm`] at `addr` (an
+    /// IP address and port): address and route resolution, the request and its answer all
+    /// run inside the hub, within `handshake_timeout`. The outcome is a
+    /// [`RawHubEvent::Connected`] or a [`RawHubEvent::HandshakeFailed`] naming the returned
+    /// peer, as with [`RawHub::connect`], whose bound on our pending handshakes it shares.
+    pub fn connect_cm(&mut self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<PeerId> {
+        self.check_fatal()?;
+        refuse_psk(&self.config.conn)?;
+        let dst = socket_addr(&addr)?;
+        let timeout = self.config.conn.handshake_timeout;
+        let most = (self.config.conn.max_pending_handshakes as usize / 4).max(1);
+        while self.outgoing_handshakes() >= most {
+            self.wait_for_progress(Some(timeout), false)?;
+        }
+        let channel = CmEventChannel::new()?;
+        let mut id = CmId::new(&channel)?;
+        id.resolve_addr(None, dst, timeout)?;
+        let slot = self.new_slot(false)?;
+        let pending = CmPending {
+            id,
+            channel,
+            side: None,
+            stage: Stage::Address,
+            deadline: deadline_after(Instant::now(), timeout),
+            peer_addr: Some(dst),
+        };
+        self.start_cm_handshake(slot, pending)?;
+        let id = self.slot(slot).id(slot);
+        trace::hub_connecting(id, Some(dst));
+        Ok(id)
+    }
+
+    /// Takes every connection request waiting on the CM listener.
+    pub(super) fn accept_cm_all(&mut self) {
+        loop {
+            let Some(listening) = &self.cm_listener else {
+                return;
+            };
+            match listening.channel.next_event() {
+                Ok(Some(ev)) if ev.kind == CmEventKind::ConnectRequest => self.take_cm_request(ev),
+                // Nothing else concerns a listening id but its device going away, which the
+                // hub's queues report themselves.
+                Ok(Some(_)) => {}
+                Ok(None) => return,
+                Err(e) => {
+                    self.stats.handshakes_failed += 1;
+                    self.events.push_back(RawHubEvent::HandshakeFailed {
+                        peer: None,
+                        error: e.into(),
+                    });
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Checks one request's hello, makes its queue pair on the hub's queues and accepts it;
+    /// a request that fails a check (or finds the hub full) is rejected with the reason.
+    fn take_cm_request(&mut self, mut request: CmEvent) {
+        let Some(mut id) = request.request.take() else {
+            return;
+        };
+        let peer_addr = id.peer_addr();
+        let name = peer_addr.map_or_else(|| "?".into(), |a| a.to_string());
+        let checked = decode_hello(&request.private_data, request.peer_qp_num)
+            .and_then(|peer| self.check_cm_peer(&peer).map(|()| peer));
+        let refused = match checked {
+            Err(reason) => Some((reason, Error::BadHandshake(reason))),
+            Ok(_) => check_device(&self.endpoint, &id, &name)
+                .err()
+                .map(|e| (Reject::Resources, e)),
+        };
+        if let Some((reason, error)) = refused {
+            let _ = id.reject(&encode_reject(reason));
+            trace::handshake_failed(peer_addr, None, &error);
+            self.stats.handshakes_failed += 1;
+            self.events
+                .push_back(RawHubEvent::HandshakeFailed { peer: None, error });
+            return;
+        }
+        let peer = checked.expect("checked above");
+        self.evict_oldest_pending();
+        let slot = match self.new_slot(true) {
+            Ok(slot) => slot,
+            Err(e) => {
+                let _ = id.reject(&encode_reject(Reject::Resources));
+                trace::client_refused(&e);
+                self.stats.refused += 1;
+                return;
+            }
+        };
+        let made = CmEventChannel::new()
+            .map_err(Error::from)
+            .and_then(|channel| {
+                // Its own channel before the accept, so that its ESTABLISHED (and everything
+                // after) lands there, not among the listener's requests.
+                id.migrate(&channel)?;
+                Ok(channel)
+            });
+        let channel = match made {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = id.reject(&encode_reject(Reject::Resources));
+                self.abandon(slot);
+                self.stats.handshakes_failed += 1;
+                self.events.push_back(RawHubEvent::HandshakeFailed {
+                    peer: None,
+                    error: e,
+                });
+                return;
+            }
+        };
+        let pending = CmPending {
+            id,
+            channel,
+            side: None,
+            stage: Stage::Established,
+            deadline: deadline_after(Instant::now(), self.config.conn.handshake_timeout),
+            peer_addr,
+        };
+        trace::handshake_started(peer_addr, Some(self.slot(slot).id(slot)));
+        if self.start_cm_handshake(slot, pending).is_err() {
+            self.stats.handshakes_failed += 1;
+            return;
+        }
+        // Our reads towards the peer are bounded by what its request says it serves.
+        let params = ConnParams {
+            initiator_depth: self
+                .endpoint
+                .reads_served()
+                .min(request.params.responder_resources),
+            ..conn_params(&self.endpoint, &self.config.conn)
+        };
+        if let Err(e) = self.accept_cm(slot, peer, &params) {
+            if let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase {
+                let _ = p.id.reject(&encode_reject(Reject::Resources));
+            }
+            self.handshake_failed(slot, e);
+        }
+    }
+
+    /// The queue pair of an accepted request, in RTS with the CM's attributes, and the accept
+    /// with our hello.
+    fn accept_cm(&mut self, slot: usize, peer: Hello, params: &ConnParams) -> Result<()> {
+        let mut side = self.create_side(slot)?;
+        side.peer = Some(peer);
+        let tuning = tuning(&self.endpoint, &self.config.conn, Some(*params));
+        let ours = encode_hello(&self.hello(None));
+        let books = self.books_for(&peer);
+        let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase else {
+            unreachable!("a CM handshake under way");
+        };
+        let res =
+            p.id.ready_qp(&mut side.qp, &tuning)
+                .and_then(|()| p.id.accept(&side.qp, params, &ours));
+        p.side = Some(side);
+        res?;
+        // The peer may send once it has our answer.
+        self.slot_mut(slot).core.learn_peer(books);
+        Ok(())
+    }
+
+    /// Our hello's checks of a peer's, and our limits.
+    fn check_cm_peer(&self, peer: &Hello) -> Result<(), Reject> {
+        self.hello(None).check_peer(peer)?;
+        self.config.conn.limits().check(peer).map(|_| ())
+    }
+
+    fn start_cm_handshake(&mut self, slot: usize, pending: CmPending) -> Result<()> {
+        let key = Token::Stream(slot as u32).key();
+        if let Err(e) = self.watch().add_keyed(pending.channel.as_fd(), key) {
+            self.abandon(slot);
+            return Err(e.into());
+        }
+        self.slot_mut(slot).phase = Phase::CmHandshake(Box::new(pending));
+        self.handshake_started(slot);
+        Ok(())
+    }
+
+    /// Moves the CM handshake of `slot` on with the events its channel holds.
+    pub(super) fn advance_cm_handshake(&mut self, slot: usize) {
+        let Phase::CmHandshake(mut pending) =
+            std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired)
+        else {
+            return;
+        };
+        loop {
+            let ev = match pending.channel.next_event() {
+                Ok(Some(ev)) => ev,
+                Ok(None) => break,
+                Err(e) => {
+                    self.slot_mut(slot).phase = Phase::CmHandshake(pending);
+                    self.handshake_failed(slot, e.into());
+                    return;
+                }
+            };
+            match self.cm_step(slot, &mut pending, &ev) {
+                Ok(false) => {}
+                Ok(true) => {
+                    let CmPending {
+                        id,
+                        channel,
+                        side,
+                        peer_addr,
+                        ..
+                    } = *pending;
+                    let side = side.expect("a connected handshake has its queue pair");
+                    let peer = side.peer.expect("a connected handshake knows its peer");
+                    // Later events (a disconnect) are the connection's news.
+                    self.link(
+                        slot,
+                        side,
+                        Control::Cm(CmLink::new(channel, id)),
+                        peer,
+                        peer_addr,
+                    );
+                    self.stream_ready(slot);
+                    return;
+                }
+                Err(e) => {
+                    self.slot_mut(slot).phase = Phase::CmHandshake(pending);
+                    self.handshake_failed(slot, e);
+                    return;
+                }
+            }
+        }
+        self.slot_mut(slot).phase = Phase::CmHandshake(pending);
+    }
+
+    /// One event of a CM handshake; whether the connection is established.
+    fn cm_step(&mut self, slot: usize, p: &mut CmPending, ev: &CmEvent) -> Result<bool> {
+        if ev.status != 0 {
+            return Err(cm_failure(ev, &p.peer_name(), p.stage.name()));
+        }
+        let left = p.deadline.saturating_duration_since(Instant::now());
+        match (p.stage, ev.kind) {
+            (Stage::Address, CmEventKind::AddrResolved) => {
+                p.id.resolve_route(left)?;
+                p.stage = Stage::Route;
+            }
+            (Stage::Route, CmEventKind::RouteResolved) => {
+                check_device(&self.endpoint, &p.id, &p.peer_name())?;
+                let side = self.create_side(slot)?;
+                let ours = encode_hello(&self.hello(None));
+                let params = conn_params(&self.endpoint, &self.config.conn);
+                let res = p.id.connect(&side.qp, &params, &ours);
+                p.side = Some(side);
+                res?;
+                p.stage = Stage::Answer;
+            }
+            (Stage::Answer, CmEventKind::ConnectResponse) => {
+                // A server hello we cannot take: dropping the id refuses the connection.
+                let peer = decode_hello(&ev.private_data, ev.peer_qp_num)
+                    .and_then(|peer| self.check_cm_peer(&peer).map(|()| peer))
+                    .map_err(Error::BadHandshake)?;
+                let books = self.books_for(&peer);
+                let tuning = tuning(&self.endpoint, &self.config.conn, None);
+                let side = p.side.as_mut().expect("connecting with a queue pair");
+                side.peer = Some(peer);
+                p.id.ready_qp(&mut side.qp, &tuning)?;
+                self.slot_mut(slot).core.learn_peer(books);
+                p.id.establish()?;
+                return Ok(true);
+            }
+            (Stage::Established, CmEventKind::Established) => return Ok(true),
+            _ => return Err(cm_failure(ev, &p.peer_name(), p.stage.name())),
+        }
+        Ok(false)
+    }
+}
