@@ -195,12 +195,15 @@ fn reqresp_48_clients() {
     assert!(wakeups > 0 && wakeups <= 2 * 48 * 40 + 4 * 48, "{r:?}");
 }
 
-/// Starts `hosts` mesh processes on one device (ports from `base`); `extra(id)` adds
+/// Starts `hosts` mesh processes on one device (at `ip`, ports from `base`); `extra(id)` adds
 /// arguments per host.
-fn mesh_hosts(hosts: u16, base: u16, extra: impl Fn(u16) -> Vec<String>) -> Vec<(u16, Child)> {
-    let addrs: Vec<String> = (1..=hosts)
-        .map(|n| format!("127.0.0.1:{}", base + n))
-        .collect();
+fn mesh_hosts(
+    hosts: u16,
+    ip: &str,
+    base: u16,
+    extra: impl Fn(u16) -> Vec<String>,
+) -> Vec<(u16, Child)> {
+    let addrs: Vec<String> = (1..=hosts).map(|n| format!("{ip}:{}", base + n)).collect();
     (1..=hosts)
         .map(|n| {
             let child = Command::new(MESH)
@@ -249,7 +252,7 @@ fn check_mesh(out: &Output, hosts: u64, lost_peers: u64) -> HashMap<String, Stri
 fn mesh_four_hosts_on_one_device() {
     device();
     let t = Instant::now();
-    for (n, child) in mesh_hosts(4, 19200, |_| Vec::new()) {
+    for (n, child) in mesh_hosts(4, "127.0.0.1", 19200, |_| Vec::new()) {
         let out = finish(child, &format!("mesh host {n}"));
         let r = check_mesh(&out, 4, 0);
         println!(
@@ -264,9 +267,30 @@ fn mesh_four_hosts_on_one_device() {
 #[ignore = "device"]
 fn mesh_host_killed_mid_run() {
     device();
-    let mut hosts = mesh_hosts(4, 19300, |n| match n {
-        4 => vec!["--die-after".into(), "1.5".into()],
-        _ => vec!["--may-lose".into(), "4".into()],
+    mesh_host_killed("127.0.0.1", 19300, &[]);
+}
+
+/// The same over rdma_cm: every hub listens and connects through the connection manager on
+/// the device's address, and the killed host's connections end with the CM's disconnects.
+#[test]
+#[ignore = "device"]
+fn mesh_host_killed_mid_run_through_the_connection_manager() {
+    device();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
+    mesh_host_killed(&ip, 19400, &["--cm"]);
+}
+
+/// Four mesh hosts at `ip`, ports from `base`, with `flags`; the fourth is killed 1.5 s into
+/// sending, and every other must report it vanished and be whole otherwise.
+fn mesh_host_killed(ip: &str, base: u16, flags: &[&str]) {
+    let flags: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+    let mut hosts = mesh_hosts(4, ip, base, |n| {
+        let mut args = match n {
+            4 => vec!["--die-after".into(), "1.5".into()],
+            _ => vec!["--may-lose".into(), "4".into()],
+        };
+        args.extend(flags.iter().cloned());
+        args
     });
     let (_, mut victim) = hosts.pop().unwrap();
     // SIGKILL once it says so: its connections end without a close.

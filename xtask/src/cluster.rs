@@ -34,6 +34,8 @@ pub struct Plan {
     pub cut: Option<(u16, f64, u64)>,
     /// Run the release build of `mesh` (else the debug build, which `cargo xtask test` has).
     pub release: bool,
+    /// The hosts connect through rdma_cm (`mesh --cm`) instead of the TCP bootstrap.
+    pub cm: bool,
 }
 
 impl Plan {
@@ -48,6 +50,7 @@ impl Plan {
             kill: Some((3, 5.0)),
             cut: Some((2, 9.0, 1000)),
             release: false,
+            cm: false,
         }
     }
 
@@ -73,6 +76,7 @@ impl Plan {
             kill: None,
             cut: None,
             release: true,
+            cm: false,
         }
     }
 
@@ -161,9 +165,10 @@ impl Outcome {
     pub fn line(&self) -> String {
         let p = &self.plan;
         let mut l = format!(
-            "cluster: hosts={} kernel={} build={} loss_pct={} netem=\"{}\" seconds={} messages={} bytes={} lost={} duplicated={} reordered={} corrupt={} unanswered={} missing_done={} msgs_per_s_per_host={:.0} bytes_per_s_per_host={:.0}",
+            "cluster: hosts={} kernel={} way={} build={} loss_pct={} netem=\"{}\" seconds={} messages={} bytes={} lost={} duplicated={} reordered={} corrupt={} unanswered={} missing_done={} msgs_per_s_per_host={:.0} bytes_per_s_per_host={:.0}",
             p.hosts,
             p.kernel,
+            if p.cm { "rdma_cm" } else { "tcp" },
             if p.release { "release" } else { "debug" },
             p.loss_pct(),
             p.netem,
@@ -319,6 +324,9 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
         if !plan.netem.is_empty() {
             let _ = write!(cmd, " --netem {}", crate::sh_quote(&plan.netem));
         }
+        if plan.cm {
+            cmd.push_str(" --cm");
+        }
         if let Some(v) = victim {
             if v == n {
                 let _ = write!(cmd, " --die-after {}", plan.kill.unwrap().1);
@@ -464,10 +472,11 @@ const SWEEP: &[f64] = &[0.0, 0.1, 1.0, 5.0];
 
 /// `cargo xtask cluster --sweep`: one run per loss rate; the table under `target/cluster/`
 /// (`sweep.md`, `sweep.json`) and a plot of throughput against loss (`sweep.svg`).
-pub fn sweep(kernel: Kernel, hosts: u16, seconds: Option<f64>) -> Result<Vec<Outcome>> {
+pub fn sweep(kernel: Kernel, hosts: u16, seconds: Option<f64>, cm: bool) -> Result<Vec<Outcome>> {
     let mut outcomes = Vec::new();
     for &loss in SWEEP {
         let mut plan = Plan::sweep_point(kernel, hosts, loss);
+        plan.cm = cm;
         if let Some(s) = seconds {
             plan.seconds = s;
         }

@@ -59,13 +59,14 @@ tasks:
   vm2 [--kernel K] two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
                    exchange between them over TCP and one over rdma_cm, then one VM is killed;
                    the other must report it on both
-  cluster [--kernel K] [--hosts H] [--seconds S] [--sweep]
+  cluster [--kernel K] [--hosts H] [--seconds S] [--sweep] [--cm]
                    H VMs (default 4) on a vde_switch, rxe0 on each one's virtio NIC, every host
                    exchanging checked typed messages with every other (the `mesh` example) under
                    tc netem loss, delay, reordering and duplication; one host is killed mid-run
                    and one link cut for a second. Prints `cluster: key=value ...`. --sweep: one
                    run per loss rate (0, 0.1, 1, 5 %), nobody killed; writes
-                   target/cluster/sweep.md, sweep.json and sweep.svg (throughput against loss)
+                   target/cluster/sweep.md, sweep.json and sweep.svg (throughput against loss).
+                   --cm: the hosts connect through rdma_cm instead of the TCP bootstrap
 
 kernels (K): 6.1 (Debian 12's linux-image-amd64, the default), 6.12 (linux-image-6.12-amd64,
   bookworm-security); each is fetched once into target/vm/kernel-<release>
@@ -131,7 +132,8 @@ fn main() -> ExitCode {
             hosts,
             seconds,
             sweep,
-        } => cluster_cmd(kernel, hosts, seconds, sweep),
+            cm,
+        } => cluster_cmd(kernel, hosts, seconds, sweep, cm),
         Task::FuzzMerge => fuzz::fuzz_merge(),
         Task::Package => package_cmd(),
         Task::Quickstart(kernel) => quickstart_cmd(kernel),
@@ -172,6 +174,8 @@ enum Task {
         hosts: Option<u16>,
         seconds: Option<f64>,
         sweep: bool,
+        /// Connect through rdma_cm instead of the TCP bootstrap.
+        cm: bool,
     },
     FuzzMerge,
     Package,
@@ -201,6 +205,7 @@ struct Opts {
     hosts: Option<u16>,
     seconds: Option<f64>,
     sweep: bool,
+    cm: bool,
     /// `--env` arguments, in order.
     env: Vec<String>,
     rest: Vec<String>,
@@ -277,6 +282,7 @@ fn options(
             }
             "--env" => o.env.push(env_arg(&value)?),
             "--sweep" => o.sweep = true,
+            "--cm" => o.cm = true,
             "--quick" => o.quick = true,
             "--device-only" => o.device_only = true,
             _ => unreachable!("{flag} is allowed but not handled"),
@@ -376,7 +382,7 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
             let o = no_rest(options(
                 task,
                 rest,
-                &["--kernel", "--hosts", "--seconds", "--sweep"],
+                &["--kernel", "--hosts", "--seconds", "--sweep", "--cm"],
                 false,
             )?)?;
             Task::Cluster {
@@ -384,6 +390,7 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
                 hosts: o.hosts,
                 seconds: o.seconds,
                 sweep: o.sweep,
+                cm: o.cm,
             }
         }
         "fuzz-merge" => {
@@ -773,14 +780,16 @@ fn cluster_cmd(
     hosts: Option<u16>,
     seconds: Option<f64>,
     sweep: bool,
+    cm: bool,
 ) -> Result<ExitCode> {
     ensure_packages()?;
     build_mesh(true)?;
     if sweep {
-        cluster::sweep(kernel, hosts.unwrap_or(4), seconds)?;
+        cluster::sweep(kernel, hosts.unwrap_or(4), seconds, cm)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut plan = cluster::Plan::full(kernel);
+    plan.cm = cm;
     if let Some(h) = hosts {
         plan.hosts = h;
         // The last host dies, the second one's link is cut.
@@ -1252,7 +1261,8 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         (ok, secs)
     });
 
-    // Several VMs on a switch, with faults: on every kernel the device tests ran on.
+    // Several VMs on a switch, with faults: on every kernel the device tests ran on, through
+    // the TCP bootstrap on the default kernel and through rdma_cm on the other.
     let cluster_runs: Vec<(Kernel, bool, f64)> = if plan.device_only {
         Vec::new()
     } else {
@@ -1260,7 +1270,9 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
             .iter()
             .map(|&kernel| {
                 let vm_started = Instant::now();
-                let plan = cluster::Plan::small(kernel);
+                let mut plan = cluster::Plan::small(kernel);
+                plan.cm = kernel != Kernel::default_kernel();
+                let cm = if plan.cm { " --cm" } else { "" };
                 let mut result = build_mesh(false).and_then(|()| cluster::run(&plan));
                 if matches!(&result, Err(e) if e.to_string().starts_with(cluster::GUEST_PANIC)) {
                     // Once: a second crash fails the run all the same.
@@ -1272,7 +1284,7 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
                 let secs = vm_started.elapsed().as_secs_f64();
                 if let Err(e) = &result {
                     eprintln!(
-                        "xtask: the cluster test failed on Linux {kernel} (a larger one alone: cargo xtask cluster --kernel {kernel}): {e:#}"
+                        "xtask: the cluster test failed on Linux {kernel} (a larger one alone: cargo xtask cluster --kernel {kernel}{cm}): {e:#}"
                     );
                 }
                 eprintln!("==> [cluster] VM run (Linux {kernel}, three VMs) {secs:.1} s");
@@ -1600,11 +1612,12 @@ mod tests {
                 hosts: None,
                 seconds: None,
                 sweep: false,
+                cm: false,
             })
         );
         assert_eq!(
             parse(
-                &args("cluster --kernel 6.12 --hosts 6 --seconds=12.5 --sweep"),
+                &args("cluster --kernel 6.12 --hosts 6 --seconds=12.5 --sweep --cm"),
                 None
             ),
             Ok(Task::Cluster {
@@ -1612,6 +1625,7 @@ mod tests {
                 hosts: Some(6),
                 seconds: Some(12.5),
                 sweep: true,
+                cm: true,
             })
         );
         for bad in [

@@ -6,7 +6,7 @@
 //! ```text
 //! mesh --id I --hosts ADDR1,ADDR2,... [--seconds D] [--netem "ARGS" --netdev DEV]
 //!      [--die-after S] [--cut-after S --cut-ms M] [--may-lose J,...] [--ack-timeout T]
-//!      [--keepalive S]
+//!      [--keepalive S] [--cm]
 //! ```
 //!
 //! Host `I` (1-based) listens on its own entry's port and connects to every host before it in
@@ -25,7 +25,9 @@
 //! timeout exponent (4.096 µs × 2^T; default 16, 268 ms: with 7 retries a budget of about
 //! 2.1 s). `--keepalive S` is the bootstrap streams' keepalive limit (default 10 s: 5 probes,
 //! where the library's default 5 s has 3, which a 5 % lossy link fails all three of too
-//! often).
+//! often). `--cm` connects through the RDMA connection manager instead of the TCP bootstrap
+//! (every host listens on its own entry, which must be its RDMA device's address); the
+//! keepalive limit then bounds the liveness probes.
 //!
 //! Lines: `mesh: connected id=J ...` per peer, `mesh: peer-lost id=J failure="..."` when one
 //! fails, `mesh: cut ...`, and at the end one report:
@@ -142,9 +144,12 @@ struct Options {
     /// The queue pairs' local ACK timeout exponent (4.096 µs × 2^T)
     #[arg(long, value_name = "T", default_value_t = 16)]
     ack_timeout: u8,
-    /// The bootstrap streams' keepalive limit, in seconds
+    /// The bootstrap streams' keepalive limit (over rdma_cm: the probes'), in seconds
     #[arg(long, value_name = "S", default_value_t = 10)]
     keepalive: u64,
+    /// Connect through the RDMA connection manager instead of the TCP bootstrap
+    #[arg(long)]
+    cm: bool,
 }
 
 /// `--hosts`: addresses separated by commas.
@@ -316,7 +321,11 @@ fn run_host(o: Options) -> Result<()> {
         .rsplit(':')
         .next()
         .context("a host address needs a port")?;
-    hub.listen(format!("0.0.0.0:{port}"))?;
+    if o.cm {
+        hub.listen_cm(own.as_str())?;
+    } else {
+        hub.listen(format!("0.0.0.0:{port}"))?;
+    }
     let now = Instant::now();
     let peers = o
         .hosts
@@ -477,7 +486,12 @@ impl Node {
                 continue;
             }
             let addr = p.addr.clone();
-            match self.hub.connect(addr.as_str()) {
+            let made = if self.o.cm {
+                self.hub.connect_cm(addr.as_str())
+            } else {
+                self.hub.connect(addr.as_str())
+            };
+            match made {
                 Ok(conn) => {
                     let p = &mut self.peers[i];
                     p.peer = Some(conn);
@@ -879,6 +893,7 @@ mod tests {
         );
         assert_eq!((o.die_after, o.cut_after, o.cut_ms), (None, None, 1000));
         assert_eq!((o.may_lose, o.ack_timeout, o.keepalive), (vec![], 16, 10));
+        assert!(!o.cm);
         // As `cargo xtask cluster` runs it (its --netem a single quoted argument).
         let o = parse(&[
             "--id",
@@ -897,8 +912,10 @@ mod tests {
             "1000",
             "--may-lose",
             "3",
+            "--cm",
         ]);
         assert_eq!((o.id, o.hosts.len(), o.seconds), (2, 3, 16.0));
+        assert!(o.cm);
         assert_eq!(
             o.netem.as_deref(),
             Some("loss 1% duplicate 1% delay 2ms reorder 10% 50%")

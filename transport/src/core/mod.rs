@@ -72,8 +72,8 @@ pub(crate) const SEND_PROGRESS_EVERY: u32 = 16;
 /// How often a connection without keepalive looks whether its peer, silent, is still there,
 /// for a peer host that may stay silent `limit` ([`Config::keepalive`](crate::Config::keepalive)):
 /// a probe goes at the end of the first silent interval (one to two intervals after the last
-/// sign of life), and one still unanswered an interval later means the peer is gone: within
-/// `limit` of its end.
+/// sign of life), and a second silent interval means the peer is gone: within `limit` of its
+/// end.
 pub(crate) fn probe_interval(limit: Duration) -> Duration {
     (limit / 3).max(Duration::from_millis(100))
 }
@@ -126,8 +126,8 @@ pub(crate) enum Action {
     /// then [`Core::flushing_since`] with the time.
     FailQueuePair,
     /// Nothing came from the peer for a probe interval ([`Core::probe_every`]): post a
-    /// liveness probe if the send queue has a free slot (a send in flight will tell as much),
-    /// then [`Core::probe_posted`] with its wr_id.
+    /// liveness probe if the send queue has a free slot (else the sends in flight, the last of
+    /// which is signaled, will tell as much), then [`Core::probe_posted`] with its wr_id.
     Probe,
 }
 
@@ -270,6 +270,8 @@ pub(crate) struct Core {
     /// The peer showed signs of life (a receive, a send it acknowledged) since the last
     /// probe interval began.
     heard: bool,
+    /// Probe intervals in a row without a sign of life.
+    silent_intervals: u8,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -327,6 +329,7 @@ impl Core {
             probe_every: None,
             probe_wr: None,
             heard: false,
+            silent_intervals: 0,
         }
     }
 
@@ -338,8 +341,9 @@ impl Core {
     }
 
     /// Probes the peer for liveness from `now` on: whenever a whole interval of `every` passes
-    /// without a sign of life from it, [`Action::Probe`]. A probe still unanswered an interval
-    /// later, or failed by the queue pair's retries, fails the connection with
+    /// without a sign of life from it (a receive, or a send it acknowledged), [`Action::Probe`],
+    /// so that a live peer's device gives one; a second such interval in a row, or a probe
+    /// failed by the queue pair's retries, fails the connection with
     /// [`Failure::PeerVanished`]. For connections without a bootstrap stream whose keepalive
     /// would tell (rdma_cm's).
     pub(crate) fn probe_every(&mut self, every: Duration, now: Instant) {
@@ -768,14 +772,20 @@ impl Core {
                 }
                 (Timer::Linger, _) => self.actions.push(Action::FailQueuePair),
                 (Timer::Probe, Phase::Linked) => {
-                    if self.probe_wr.is_some() {
-                        // Posted at the last interval's start and still unanswered, however
-                        // the queue pair retries (rxe takes `retry_cnt` 7 as for ever).
-                        self.handle_failure(Failure::PeerVanished);
-                        continue;
-                    }
-                    if !std::mem::take(&mut self.heard) {
-                        self.actions.push(Action::Probe);
+                    if std::mem::take(&mut self.heard) {
+                        self.silent_intervals = 0;
+                    } else {
+                        self.silent_intervals += 1;
+                        if self.silent_intervals >= 2 {
+                            // The probe of the last interval (or, with the send queue full,
+                            // the sends in flight) went unanswered through this one, however
+                            // the queue pair retries (rxe takes `retry_cnt` 7 as for ever).
+                            self.handle_failure(Failure::PeerVanished);
+                            continue;
+                        }
+                        if self.probe_wr.is_none() {
+                            self.actions.push(Action::Probe);
+                        }
                     }
                     if let Some(every) = self.probe_every {
                         self.timers.set(Timer::Probe, deadline_after(now, every));

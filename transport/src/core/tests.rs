@@ -631,6 +631,15 @@ fn a_probe_still_unanswered_an_interval_later_is_the_peer_vanished() {
     c.handle_timeout(t0 + 2 * s);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
     assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+
+    // With no room for the probe (a full send queue whose sends go unanswered), two silent
+    // intervals say as much.
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.probe_every(s, t0);
+    c.handle_timeout(t0 + s);
+    assert_eq!(actions(&mut c), [Action::Probe]);
+    c.handle_timeout(t0 + 2 * s);
+    assert_eq!(c.failure(), Some(Failure::PeerVanished));
 }
 
 #[test]
