@@ -27,7 +27,8 @@ use bench::runner::{self, Plan};
 use bench::{chart, codec, cost, fanin, report, Bench, Sample};
 
 const USAGE: &str = "usage:
-  rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin,rates,cost]
+  rdmsg-bench run [--quick] [--rounds N]
+                  [--only lat,bw,wake,async,large,fanin,rates,cost,connect]
                   [--filter TEXT] [--lat-iters N] [--large-mib N] [--device D] [--gid-index I]
                   [--fanin-conns 1,16,256,1024] [--fanin-rate R] [--fanin-messages M]
                   [--fanin-rounds N]
@@ -79,6 +80,10 @@ fn real_main() -> Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Some("connect-peer") => {
+            bench::connect::peer_main(&args[1..])?;
+            Ok(ExitCode::SUCCESS)
         }
         Some("cost-peer") => {
             cost::peer_main(&args[1..])?;
@@ -175,13 +180,14 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         "wake" => Ok(vec![Bench::Wake]),
                         "fanin" => Ok(vec![Bench::Fanin]),
                         "cost" => Ok(vec![Bench::Cost]),
+                        "connect" => Ok(vec![Bench::Connect]),
                         "rates" => Ok(vec![Bench::Rates]),
                         "async" => Ok(vec![Bench::Async]),
                         "large" => Ok(vec![Bench::Large]),
                         other => {
                             bail!(
                                 "--only takes lat, lat-event, lat-poll, bw, wake, async, large, \
-                                 fanin, rates, cost; not {other}"
+                                 fanin, rates, cost, connect; not {other}"
                             )
                         }
                     })
@@ -304,6 +310,7 @@ fn write_report(args: &[String]) -> Result<ExitCode> {
     md.push_str(&report::fanin_markdown(&samples));
     md.push_str(&report::rates_markdown(&samples));
     md.push_str(&report::cost_markdown(&samples));
+    md.push_str(&report::connect_markdown(&samples));
     fs::write(out_dir.join("report.md"), &md)?;
     fs::write(out_dir.join("report.json"), report::json(&rows, &samples))?;
     let png = fs::File::create(out_dir.join("chart.png"))?;

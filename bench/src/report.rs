@@ -919,6 +919,65 @@ pub fn cost_markdown(samples: &[Sample]) -> String {
     out
 }
 
+/// The connect section of report.md: rdma_cm against the TCP bootstrap, medians over the
+/// rounds.
+pub fn connect_markdown(samples: &[Sample]) -> String {
+    let of = |way: &str, metric: &str| -> Vec<f64> {
+        samples
+            .iter()
+            .filter(|s| s.bench == Bench::Connect && s.subject == way && s.metric == metric)
+            .map(|s| s.value)
+            .collect()
+    };
+    let ways = ["tcp", "rdma_cm"];
+    if ways.iter().all(|w| of(w, "connect_ms").is_empty()) {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\n### Connecting: rdma_cm against the TCP bootstrap\n\n\
+         Both ways on the same device in the same run. *Connect*: the median time of \
+         `Endpoint::connect_cm` / `Endpoint::connect` to an accepting listener in another \
+         thread (the median of each round's median). *Killed peer noticed*: a peer process \
+         connects, says hello and is killed (SIGKILL); the time until a receive asleep on its \
+         connection fails (the CM's disconnect, sent by the peer's kernel, against the end of \
+         the bootstrap stream). A dead host is not in this table (it cannot be made inside one \
+         VM): `cargo xtask vm2` measures it, liveness probes against TCP keepalive.\n\n\
+         | way | rounds | connect, ms | min–max | killed peer noticed, ms | min–max |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+    );
+    let span = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!("{}–{}", fmt_num(lo), fmt_num(hi))
+    };
+    let mut medians = Vec::new();
+    for way in ways {
+        let (connect, notice) = (of(way, "connect_ms"), of(way, "killed_notice_ms"));
+        if connect.is_empty() {
+            continue;
+        }
+        medians.push((median(&connect), median(&notice)));
+        let _ = writeln!(
+            out,
+            "| {way} | {} | {} | {} | {} | {} |",
+            connect.len(),
+            fmt_num(median(&connect)),
+            span(&connect),
+            fmt_num(median(&notice)),
+            span(&notice),
+        );
+    }
+    if let [(tcp_c, tcp_n), (cm_c, cm_n)] = medians[..] {
+        let _ = writeln!(
+            out,
+            "\nrdma_cm / TCP: connect {}×, killed peer noticed {}×.",
+            fmt_num(cm_c / tcp_c),
+            fmt_num(cm_n / tcp_n)
+        );
+    }
+    out
+}
+
 /// One fan-in point (connections × server): medians over its rounds.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FaninPoint {
@@ -1690,6 +1749,31 @@ mod tests {
         let rows = super::rows(&alone);
         assert_eq!(rows.len(), 2);
         assert!(rows.iter().all(|r| r.ratio.is_none() && r.goal.is_none()));
+    }
+
+    #[test]
+    fn the_connect_section_sets_rdma_cm_against_tcp() {
+        assert_eq!(connect_markdown(&[]), "");
+        let samples: Vec<Sample> = [
+            ("tcp", "connect_ms", 10.0),
+            ("tcp", "connect_ms", 12.0),
+            ("tcp", "killed_notice_ms", 60.0),
+            ("rdma_cm", "connect_ms", 15.0),
+            ("rdma_cm", "killed_notice_ms", 66.0),
+        ]
+        .into_iter()
+        .map(|(way, metric, v)| s(Bench::Connect, way, "", (0, 0), metric, v))
+        .collect();
+        let md = connect_markdown(&samples);
+        assert!(
+            md.contains("| tcp | 2 | 11.0 | 10.0–12.0 | 60.0 | 60.0–60.0 |"),
+            "{md}"
+        );
+        assert!(md.contains("| rdma_cm | 1 | 15.0 |"), "{md}");
+        assert!(
+            md.contains("rdma_cm / TCP: connect 1.36×, killed peer noticed 1.10×."),
+            "{md}"
+        );
     }
 
     #[test]

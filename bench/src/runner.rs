@@ -55,6 +55,8 @@ pub struct Plan {
     pub cost_iters: u64,
     /// Rounds that include the cost section (the first ones).
     pub cost_rounds: u32,
+    /// Connections timed per round and way of the connect section.
+    pub connects: usize,
     /// Which benchmarks to run.
     pub benches: Vec<Bench>,
     /// Only the measurements whose description contains this.
@@ -86,6 +88,7 @@ impl Plan {
             fanin: FaninPlan::full(),
             cost_iters: 1000,
             cost_rounds: 3,
+            connects: 10,
             sweep_rates: vec![100, 1000, 4000, 16000, 0],
             sweep_max_messages: 4000,
             benches: vec![
@@ -98,6 +101,7 @@ impl Plan {
                 Bench::Fanin,
                 Bench::Rates,
                 Bench::Cost,
+                Bench::Connect,
             ],
             filter: None,
         }
@@ -116,6 +120,7 @@ impl Plan {
             large_sizes: vec![16 << 10, 1 << 20],
             large_bytes: 8 << 20,
             cost_iters: 300,
+            connects: 5,
             sweep_rates: vec![1000, 0],
             sweep_max_messages: 1000,
             fanin: FaninPlan {
@@ -232,6 +237,14 @@ impl Plan {
                             tasks.push(Task {
                                 round,
                                 what: What::Cost { subject },
+                            });
+                        }
+                    }
+                    Bench::Connect => {
+                        for way in crate::connect::Way::ALL {
+                            tasks.push(Task {
+                                round,
+                                what: What::Connect { way },
                             });
                         }
                     }
@@ -465,6 +478,11 @@ pub enum What {
         /// The layer.
         subject: crate::cost::Subject,
     },
+    /// Connect time and killed-peer notice of one way of connecting.
+    Connect {
+        /// TCP bootstrap or rdma_cm.
+        way: crate::connect::Way,
+    },
     /// A one-way stream of large messages.
     Large {
         /// Payload bytes.
@@ -514,6 +532,7 @@ impl Task {
                 format!("fanin {conns} connections, {}", server.name())
             }
             What::Cost { subject } => format!("cost {}", subject.name()),
+            What::Connect { way } => format!("connect {}", way.name()),
             What::Rate { mode, rate } => match rate {
                 0 => format!("rate saturation, {}", mode.name()),
                 r => format!("rate {r}/s, {}", mode.name()),
@@ -749,6 +768,29 @@ impl Task {
                     ..sample(Bench::Rates, "rdmsg", mode.name(), 64, 0, metric, value)
                 })
                 .collect()
+            }
+            What::Connect { way } => {
+                let f = crate::connect::measure(way, plan.connects)?;
+                vec![
+                    sample(
+                        Bench::Connect,
+                        way.name(),
+                        "",
+                        0,
+                        0,
+                        "connect_ms",
+                        f.connect_ms,
+                    ),
+                    sample(
+                        Bench::Connect,
+                        way.name(),
+                        "",
+                        0,
+                        0,
+                        "killed_notice_ms",
+                        f.killed_notice_ms,
+                    ),
+                ]
             }
             What::Cost { subject } => {
                 let c = crate::cost::measure(

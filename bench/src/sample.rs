@@ -33,6 +33,9 @@ pub enum Bench {
     /// Instructions, syscalls and heap allocations per round trip of each layer, counted by
     /// callgrind against `ibv_rc_pingpong -e`; values per round trip.
     Cost,
+    /// Connecting through rdma_cm against the TCP bootstrap: connect time, and how soon a
+    /// killed peer is noticed; values: ms.
+    Connect,
 }
 
 /// One measurement of one round.
