@@ -369,6 +369,12 @@ impl Hub {
         Ok(self.transport.connect_cm(addr)?)
     }
 
+    /// [`Hub::connect_cm`] without waiting for our earlier handshakes: never blocks. See
+    /// [`rdmsg_transport::RawHub::start_connect_cm`].
+    pub fn start_connect_cm(&mut self, addr: SocketAddr) -> Result<PeerId> {
+        Ok(self.transport.start_connect_cm(addr)?)
+    }
+
     /// The transport hub underneath.
     pub fn transport(&self) -> &rdmsg_transport::RawHub {
         &self.transport

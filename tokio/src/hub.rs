@@ -132,7 +132,7 @@ impl AsyncHub {
                 Ok((h.transport().pending_connects() < most).then_some(()))
             })
             .await?;
-        Ok(self.with_hub(|h| h.connect_cm(addr))?)
+        Ok(self.with_hub(|h| h.start_connect_cm(addr))?)
     }
 
     /// The next event (cancel-safe).

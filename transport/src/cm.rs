@@ -7,8 +7,9 @@
 //! creates nothing for a client before its hello passed every check, as over TCP. Afterwards
 //! each connection keeps its id alone on an event channel of its own, watched beside its
 //! completion channel ([`crate::control`]): a peer's disconnect is what the end of the
-//! bootstrap stream is on TCP. A pre-shared key cannot be proved within one exchange of
-//! private data, so [`Config::psk`] is refused here before anything is sent.
+//! bootstrap stream is on TCP. With [`Config::psk`] the key is proved as
+//! [`crate::handshake::cm`] describes: the server in its accept, the client in its first
+//! message over the queue pair, which the listener takes before it hands the connection out.
 
 use std::fmt;
 use std::io;
@@ -27,7 +28,10 @@ use crate::connection::Connection;
 use crate::control::{CmLink, Control};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result, TimedOut};
-use crate::handshake::cm::{decode_hello, decode_reject, encode_hello, encode_reject};
+use crate::handshake::cm::{
+    check_accept, check_key_flag, decode_hello, decode_reject, encode_accept, encode_reject,
+    encode_request, ProofCheck, CM_NONCE_LEN,
+};
 use crate::handshake::{Hello, Reject};
 use crate::setup::{our_hello, Setup};
 
@@ -50,16 +54,25 @@ pub(crate) fn socket_addr(addr: &(impl ToSocketAddrs + fmt::Debug)) -> Result<So
         .ok_or_else(|| fail(io::Error::new(io::ErrorKind::NotFound, "no address")))
 }
 
+/// For the hub, which proves no key over rdma_cm.
 pub(crate) fn refuse_psk(config: &Config) -> Result<()> {
     if config.psk.is_some() {
         return Err(Error::Config(
-            "a pre-shared key cannot be proved over rdma_cm (its private data allows one \
-             exchange): connect through the TCP bootstrap (Endpoint::connect / listen) to use \
-             Config::psk"
+            "a hub does not prove a pre-shared key over rdma_cm: listen or connect through \
+             the TCP bootstrap (RawHub::listen / connect) to use Config::psk, or use \
+             Endpoint::connect_cm and CmListener, which prove it"
                 .into(),
         ));
     }
     Ok(())
+}
+
+/// A fresh nonce for CM private data.
+fn cm_nonce() -> Result<[u8; CM_NONCE_LEN]> {
+    let full = crate::setup::nonce()?;
+    let mut n = [0; CM_NONCE_LEN];
+    n.copy_from_slice(&full[..CM_NONCE_LEN]);
+    Ok(n)
 }
 
 /// What rdmsg sets itself on a CM queue pair: the transport's path parameters, as the TCP
@@ -193,7 +206,6 @@ impl Endpoint {
         config: &Config,
     ) -> Result<Connection> {
         config.check()?;
-        refuse_psk(config)?;
         let dst = socket_addr(&addr)?;
         let name = dst.to_string();
         let deadline = deadline_after(Instant::now(), config.handshake_timeout);
@@ -223,7 +235,8 @@ impl Endpoint {
         check_device(self, &id, &name)?;
         let mut setup = Setup::new(self, config)?;
         let ours = our_hello(self, config, None);
-        id.connect(&setup.qp, &conn_params(self, config), &encode_hello(&ours))?;
+        let request = encode_request(&ours, config.psk.as_ref(), &cm_nonce()?);
+        id.connect(&setup.qp, &conn_params(self, config), &request)?;
         let answer = expect(
             &channel,
             &watch,
@@ -232,21 +245,41 @@ impl Endpoint {
             &name,
             "connecting",
         )?;
-        // A server hello we cannot take: dropping the id refuses the connection.
+        // A server hello (or proof) we cannot take: dropping the id refuses the connection.
+        check_key_flag(&answer.private_data, config.psk.is_some()).map_err(Error::BadHandshake)?;
         let peer =
             decode_hello(&answer.private_data, answer.peer_qp_num).map_err(Error::BadHandshake)?;
         let send_buffers = check_peer(self, config, &peer).map_err(Error::BadHandshake)?;
+        let proof = config
+            .psk
+            .as_ref()
+            .map(|k| {
+                check_accept(
+                    k,
+                    &request,
+                    &answer.private_data,
+                    setup.qp.qp_num(),
+                    answer.peer_qp_num,
+                )
+            })
+            .transpose()
+            .map_err(Error::BadHandshake)?;
         setup.set_send_buffers(send_buffers);
         setup.register_send_buffers(self, &peer)?;
         id.ready_qp(&mut setup.qp, &tuning(self, config, None))?;
         id.establish()?;
-        Connection::establish(
+        let mut conn = Connection::establish(
             self,
             setup,
             Control::Cm(CmLink::new(channel, id)),
             config,
             peer,
-        )
+        )?;
+        if let Some(proof) = proof {
+            // Our proof of the key goes first: the listener takes it before anything else.
+            conn.send(&proof, true)?;
+        }
+        Ok(conn)
     }
 
     /// Listens for connection requests through the RDMA connection manager on `addr` (an IP
@@ -277,6 +310,7 @@ impl Endpoint {
             id,
             watch,
             pending: Mutex::new(Vec::new()),
+            proving: Mutex::new(Vec::new()),
         })
     }
 }
@@ -284,8 +318,10 @@ impl Endpoint {
 /// Accepts connections made through the RDMA connection manager for an [`Endpoint`]
 /// ([`Endpoint::listen_cm`]). A request whose hello fails a check is rejected with the reason
 /// in the reject, and accepting goes on with the next one. Accepted requests wait for their
-/// `ESTABLISHED` side by side, each within [`Config::handshake_timeout`], in the same wait as
-/// new requests: a client that never completes its side holds its own slot, not the others.
+/// `ESTABLISHED` (and, with [`Config::psk`], for the client's proof over the queue pair) side
+/// by side, each within [`Config::handshake_timeout`], in the same wait as new requests: a
+/// client that never completes its side holds its own slot, not the others. At most
+/// [`Config::max_pending_handshakes`] wait at once; beyond that the oldest is dropped.
 pub struct CmListener {
     endpoint: Endpoint,
     channel: CmEventChannel,
@@ -293,6 +329,15 @@ pub struct CmListener {
     watch: ReadyWatch,
     /// Accepted, waiting for the client's side (its `ESTABLISHED`).
     pending: Mutex<Vec<Accepted>>,
+    /// Established, waiting for the client's proof of the key (its first message).
+    proving: Mutex<Vec<Proving>>,
+}
+
+/// An established connection whose client has yet to prove the key.
+struct Proving {
+    conn: Connection,
+    check: ProofCheck,
+    deadline: Instant,
 }
 
 /// A request accepted and set up, on its own channel (in the listener's watch, keyed by its
@@ -304,6 +349,8 @@ struct Accepted {
     peer: Hello,
     config: Config,
     deadline: Instant,
+    /// With a key: what the client's first message must prove.
+    proof: Option<ProofCheck>,
 }
 
 /// Watch key of the listener's own channel (pending accepts use their descriptor, never 0
@@ -348,12 +395,12 @@ impl CmListener {
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
         config.check()?;
-        refuse_psk(config)?;
         let deadline = timeout.map(|t| deadline_after(Instant::now(), t));
         loop {
             // New requests: checked, set up and accepted at once (nothing in them waits).
             while let Some(ev) = self.channel.next_event()? {
                 if ev.kind == CmEventKind::ConnectRequest {
+                    self.make_room(config.max_pending_handshakes as usize);
                     if let Ok(accepted) = self.start(ev, config) {
                         self.watch
                             .add_keyed(accepted.channel.as_fd(), accepted.key())?;
@@ -364,11 +411,15 @@ impl CmListener {
             if let Some(conn) = self.finish_one()? {
                 return Ok(Some(conn));
             }
+            if let Some(conn) = self.prove_one() {
+                return Ok(Some(conn));
+            }
             let now = Instant::now();
             let next = self
                 .lock_pending()
                 .iter()
                 .map(|a| a.deadline)
+                .chain(self.lock_proving().iter().map(|p| p.deadline))
                 .chain(deadline)
                 .min();
             if deadline.is_some_and(|d| d <= now) {
@@ -382,6 +433,75 @@ impl CmListener {
 
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<Accepted>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lock_proving(&self) -> std::sync::MutexGuard<'_, Vec<Proving>> {
+        self.proving.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Drops the oldest waiting handshakes (accepted or proving) until fewer than `most` wait.
+    fn make_room(&self, most: usize) {
+        let mut pending = self.lock_pending();
+        let mut proving = self.lock_proving();
+        while pending.len() + proving.len() >= most.max(1) {
+            let oldest_pending = pending
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, a)| a.deadline)
+                .map(|(i, a)| (a.deadline, i));
+            let oldest_proving = proving
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, p)| p.deadline)
+                .map(|(i, p)| (p.deadline, i));
+            match (oldest_pending, oldest_proving) {
+                (Some((a, i)), Some((b, _))) if a <= b => {
+                    let a = pending.swap_remove(i);
+                    let _ = self.watch.remove(a.channel.as_fd());
+                }
+                (_, Some((_, i))) => {
+                    let p = proving.swap_remove(i);
+                    let _ = self.watch.remove(p.conn.as_fd());
+                }
+                (Some((_, i)), None) => {
+                    let a = pending.swap_remove(i);
+                    let _ = self.watch.remove(a.channel.as_fd());
+                }
+                (None, None) => return,
+            }
+        }
+    }
+
+    /// The first established connection whose client proved the key; those that sent
+    /// anything else, failed, or ran out of time are dropped (which disconnects them).
+    fn prove_one(&self) -> Option<Connection> {
+        let now = Instant::now();
+        let mut proving = self.lock_proving();
+        let mut i = 0;
+        while i < proving.len() {
+            let p = &mut proving[i];
+            let outcome = (|| -> Result<Option<bool>> {
+                // Armed for the next message once nothing is left to handle.
+                while p.conn.step()? {}
+                Ok(match p.conn.try_recv()? {
+                    Some(first) => Some(p.check.check(&first).is_ok()),
+                    None if p.deadline <= now => Some(false),
+                    None => None,
+                })
+            })()
+            .unwrap_or(Some(false));
+            match outcome {
+                None => i += 1,
+                Some(proved) => {
+                    let p = proving.swap_remove(i);
+                    let _ = self.watch.remove(p.conn.as_fd());
+                    if proved {
+                        return Some(p.conn);
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// The first pending accept whose client completed the connection, as a connection;
@@ -411,16 +531,27 @@ impl CmListener {
                             setup,
                             peer,
                             config,
-                            ..
+                            deadline,
+                            proof,
                         } = a;
-                        return Connection::establish(
+                        let conn = Connection::establish(
                             &self.endpoint,
                             setup,
                             Control::Cm(CmLink::new(channel, id)),
                             &config,
                             peer,
-                        )
-                        .map(Some);
+                        )?;
+                        let Some(check) = proof else {
+                            return Ok(Some(conn));
+                        };
+                        // Handed out once its client's first message proves the key.
+                        self.watch.add_keyed(conn.as_fd(), proving_key(&conn))?;
+                        self.lock_proving().push(Proving {
+                            conn,
+                            check,
+                            deadline,
+                        });
+                        return Ok(None);
                     }
                 }
             }
@@ -438,7 +569,8 @@ impl CmListener {
         })?;
         let name = id.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
         let endpoint = &self.endpoint;
-        let checked = decode_hello(&request.private_data, request.peer_qp_num)
+        let checked = check_key_flag(&request.private_data, config.psk.is_some())
+            .and_then(|()| decode_hello(&request.private_data, request.peer_qp_num))
             .and_then(|peer| Ok((check_peer(endpoint, config, &peer)?, peer)));
         let (send_buffers, peer) = match checked {
             Ok(ok) => ok,
@@ -477,7 +609,21 @@ impl CmListener {
         let channel = CmEventChannel::new()?;
         id.migrate(&channel)?;
         let ours = our_hello(endpoint, config, None);
-        id.accept(&setup.qp, &params, &encode_hello(&ours))?;
+        let (answer, proof) = match encode_accept(
+            &ours,
+            config.psk.as_ref(),
+            &request.private_data,
+            &cm_nonce()?,
+            request.peer_qp_num,
+            setup.qp.qp_num(),
+        ) {
+            Ok(a) => a,
+            Err(reason) => {
+                let _ = id.reject(&encode_reject(reason));
+                return Err(Error::BadHandshake(reason));
+            }
+        };
+        id.accept(&setup.qp, &params, &answer)?;
         Ok(Accepted {
             id,
             channel,
@@ -485,8 +631,16 @@ impl CmListener {
             peer,
             config: config.clone(),
             deadline: deadline_after(Instant::now(), config.handshake_timeout),
+            proof,
         })
     }
+}
+
+/// Watch key of a connection waiting for its client's proof: its descriptor, as a pending
+/// accept's key is its channel's (never the same while both are open).
+fn proving_key(conn: &Connection) -> u64 {
+    use std::os::fd::AsRawFd;
+    conn.as_fd().as_raw_fd() as u64
 }
 
 impl Accepted {

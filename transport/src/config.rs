@@ -73,11 +73,13 @@ pub struct Config {
     /// each way, 3 probes all fail about once in a thousand rounds, 5 about once in 10^5).
     ///
     /// A connection made through rdma_cm has no stream, and the connection manager no
-    /// keepalive: once half of it passes with nothing from the peer, the connection posts a
-    /// probe, a zero-length RDMA read that the peer's device answers without its process
-    /// ([`ConnStats::probes`](crate::ConnStats::probes)). The queue pair's own retries
-    /// (`timeout`, `retry_cnt`) decide when an unanswered one fails the connection, so a dead
-    /// host is noticed between one and two halves of the limit plus those retries.
+    /// keepalive: once a third of it passes with nothing from the peer, the connection posts
+    /// a probe, a zero-length RDMA read that the peer's device answers without its process
+    /// ([`ConnStats::probes`](crate::ConnStats::probes)); one still unanswered a third later
+    /// means the peer is gone, so a dead host is noticed between two thirds of the limit and
+    /// the whole of it. A probe queued behind other requests (a long RDMA read, sends retried
+    /// over a lossy link) completes after them, and is given twice the limit. A peer whose
+    /// queue pair serves no reads is not probed.
     pub keepalive: Option<Duration>,
     /// Longest a sleeping connection goes without polling its queues for an error nothing
     /// woke it for. The verbs specification has an error completion fire even a solicited-only

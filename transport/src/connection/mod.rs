@@ -135,8 +135,9 @@ impl Connection {
                     .map_err(bootstrap_err("enabling TCP keepalive"))?;
             }
         }
-        // The connection manager has no keepalive: a silent peer host is probed instead.
-        let probe = matches!(control, Control::Cm(_))
+        // The connection manager has no keepalive: a silent peer host is probed instead, by a
+        // read the peer's queue pair must serve.
+        let probe = (matches!(control, Control::Cm(_)) && peer.reads > 0)
             .then_some(config.keepalive)
             .flatten();
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;

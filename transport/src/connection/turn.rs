@@ -110,7 +110,8 @@ impl Connection {
             self.check_bootstrap();
             self.check_async_events();
         }
-        let timers = self.core.next_timeout().is_some();
+        let timers =
+            self.core.has_urgent_timer() || (liveness && self.core.next_timeout().is_some());
         if timers {
             self.core.handle_timeout(Instant::now());
             self.do_actions();
@@ -172,11 +173,12 @@ impl Connection {
                 }
                 Action::Probe => {
                     if self.room().sq == 0 {
-                        // Sends in flight will tell whether the peer is there.
+                        // The signaled send in flight will tell whether the peer is there.
                         continue;
                     }
+                    let behind = self.qp.send_outstanding() > 0;
                     match self.qp.post_probe() {
-                        Ok(wr_id) => self.core.probe_posted(wr_id),
+                        Ok(wr_id) => self.core.probe_posted(wr_id, behind),
                         Err(e) => self.core.handle_failure(Failure::Local {
                             op: "posting a liveness probe (ibv_post_send)",
                             errno: errno_of(&Error::from(e)),

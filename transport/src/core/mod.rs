@@ -66,6 +66,12 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(500);
 /// wait, and so the delay of the connection's end.
 pub(crate) const LAST_WQE_WAIT: Duration = Duration::from_millis(50);
 
+/// Silent probe intervals after which a peer is gone when what was out (the probe, or sends
+/// without room for it) waited behind other requests: a long RDMA read, or sends retried
+/// over a lossy link, complete before it. Twice the keepalive limit; a probe with nothing
+/// ahead of it is given one interval.
+const SILENT_INTERVALS_BEHIND: u8 = 6;
+
 /// A sender polls its queues at least every this many sends.
 pub(crate) const SEND_PROGRESS_EVERY: u32 = 16;
 
@@ -126,8 +132,9 @@ pub(crate) enum Action {
     /// then [`Core::flushing_since`] with the time.
     FailQueuePair,
     /// Nothing came from the peer for a probe interval ([`Core::probe_every`]): post a
-    /// liveness probe if the send queue has a free slot (else the sends in flight, the last of
-    /// which is signaled, will tell as much), then [`Core::probe_posted`] with its wr_id.
+    /// liveness probe if there is room for it, then [`Core::probe_posted`] with its wr_id.
+    /// Without room, the signaled send in flight tells as much, or the next interval asks
+    /// again.
     Probe,
 }
 
@@ -272,6 +279,8 @@ pub(crate) struct Core {
     heard: bool,
     /// Probe intervals in a row without a sign of life.
     silent_intervals: u8,
+    /// The probe out was posted behind other requests of the send queue.
+    probe_behind: bool,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -330,6 +339,7 @@ impl Core {
             probe_wr: None,
             heard: false,
             silent_intervals: 0,
+            probe_behind: false,
         }
     }
 
@@ -342,19 +352,21 @@ impl Core {
 
     /// Probes the peer for liveness from `now` on: whenever a whole interval of `every` passes
     /// without a sign of life from it (a receive, or a send it acknowledged), [`Action::Probe`],
-    /// so that a live peer's device gives one; a second such interval in a row, or a probe
-    /// failed by the queue pair's retries, fails the connection with
-    /// [`Failure::PeerVanished`]. For connections without a bootstrap stream whose keepalive
-    /// would tell (rdma_cm's).
+    /// so that a live peer's device gives one. A second such interval in a row with the probe
+    /// unanswered (the sixth, if it waited behind other requests), or a probe failed by the
+    /// queue pair's retries, fails the connection with [`Failure::PeerVanished`]. For
+    /// connections without a bootstrap stream whose keepalive would tell (rdma_cm's).
     pub(crate) fn probe_every(&mut self, every: Duration, now: Instant) {
         self.probe_every = Some(every);
         self.timers.set(Timer::Probe, deadline_after(now, every));
     }
 
-    /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled).
-    pub(crate) fn probe_posted(&mut self, wr_id: u64) {
+    /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled),
+    /// `behind` other requests still on the send queue.
+    pub(crate) fn probe_posted(&mut self, wr_id: u64, behind: bool) {
         self.stats.probes += 1;
         self.probe_wr = Some(wr_id);
+        self.probe_behind = behind;
         self.last_signaled = Some(wr_id);
         // Signaled: its completion retires the unsignaled sends before it.
         self.unsignaled = 0;
@@ -527,6 +539,14 @@ impl Core {
     /// The earliest deadline: wait at most until then, then [`Core::handle_timeout`].
     pub(crate) fn next_timeout(&self) -> Option<Instant> {
         self.timers.next()
+    }
+
+    /// Whether a deadline other than the liveness probe's is set: a busy driver hands the time
+    /// to the core after every poll while one is, and for the probe's alone only when it
+    /// looks at liveness anyway (the probe's interval is seconds long; reading the clock on
+    /// every poll for it would not be).
+    pub(crate) fn has_urgent_timer(&self) -> bool {
+        self.timers.any_but(Timer::Probe)
     }
 
     /// How long from `now` until [`Core::next_timeout`] (zero once it has passed).
@@ -774,11 +794,19 @@ impl Core {
                 (Timer::Probe, Phase::Linked) => {
                     if std::mem::take(&mut self.heard) {
                         self.silent_intervals = 0;
+                    } else if self.probe_wr.is_none() && self.last_signaled.is_none() {
+                        // Nothing out that a live peer would answer (the driver had no room
+                        // for the probe): ask again, and judge by that one.
+                        self.silent_intervals = 1;
+                        self.actions.push(Action::Probe);
                     } else {
-                        self.silent_intervals += 1;
-                        if self.silent_intervals >= 2 {
-                            // The probe of the last interval (or, with the send queue full,
-                            // the sends in flight) went unanswered through this one, however
+                        self.silent_intervals = self.silent_intervals.saturating_add(1);
+                        // A probe behind other requests completes after them: a long read
+                        // or a lossy link's retries get more time.
+                        let behind = self.probe_wr.is_none() || self.probe_behind;
+                        let limit = if behind { SILENT_INTERVALS_BEHIND } else { 2 };
+                        if self.silent_intervals >= limit {
+                            // What was out went unanswered through whole intervals, however
                             // the queue pair retries (rxe takes `retry_cnt` 7 as for ever).
                             self.handle_failure(Failure::PeerVanished);
                             continue;

@@ -59,6 +59,13 @@ impl TimerTable {
         self.at.iter().flatten().min().copied()
     }
 
+    /// Whether a deadline but `but`'s is set.
+    pub(crate) fn any_but(&self, but: Timer) -> bool {
+        Timer::ALL
+            .into_iter()
+            .any(|t| t != but && self.get(t).is_some())
+    }
+
     /// Takes the timers due at `now`, earliest first.
     pub(crate) fn expired(&mut self, now: Instant) -> impl Iterator<Item = Timer> {
         let mut due: Vec<(Instant, Timer)> = Timer::ALL

@@ -14,11 +14,32 @@
 //! ```
 //!
 //! The CM pads private data to its transport's size with zeros, so a decoder reads only the
-//! bytes it knows and ignores the rest. A pre-shared key cannot be proved in one round trip of
-//! private data; a CM hello with the key flag is refused ([`Reject::KeyMissing`] on either
-//! side), and [`crate::Config::psk`] is refused for CM connections before anything is sent.
+//! bytes it knows and ignores the rest.
+//!
+//! # Pre-shared key
+//!
+//! With [`crate::Config::psk`] the hello's key flag is set, and the exchange of the TCP
+//! handshake is reshaped for one round trip of private data and the first message over the
+//! queue pair:
+//!
+//! ```text
+//! request (54 bytes): hello | nonce_c (24)
+//! accept  (86 bytes): hello | nonce_s (24) | MAC_s (32)
+//! first message over the queue pair, client to server: MAC_c (32)
+//! ```
+//!
+//! The transcript is the request's 54 bytes, the accept's first 54, and both queue pair
+//! numbers (client's, server's; big-endian) as each side learnt them from the CM. `MAC_s` is
+//! the HMAC-SHA256 of the transcript, `MAC_c` that of the transcript and `MAC_s`, each under
+//! its own label. The client checks `MAC_s` before it completes the connection (a wrong one:
+//! it refuses, and the server's accept fails); the server hands out the connection only once
+//! the first message is `MAC_c`. Fresh nonces on both sides make a recorded exchange useless.
+//! Unlike the TCP handshake, the server makes a queue pair (and its receives) for a client
+//! before it has proved anything: at most `max_pending_handshakes` of them, each for at most
+//! `handshake_timeout`. A side with a key meeting one without is refused
+//! ([`Reject::KeyMissing`]), a wrong key ([`Reject::BadKey`]) too.
 
-use super::{u32_at, Hello, Reject, VERSION};
+use super::{u32_at, Hello, Psk, Reject, MAC_LEN, VERSION};
 use crate::addr::QpAddress;
 
 /// The magic of a CM hello or reject.
@@ -30,7 +51,19 @@ pub const CM_REJECT_LEN: usize = 7;
 
 const FLAG_PSK: u8 = 0x01;
 
+/// Length of a nonce in CM private data (the request has room for 24 bytes beside the hello).
+pub const CM_NONCE_LEN: usize = 24;
+/// Length of a keyed request: hello and nonce.
+pub const CM_KEYED_REQUEST_LEN: usize = CM_HELLO_LEN + CM_NONCE_LEN;
+/// Length of a keyed accept: hello, nonce and MAC.
+pub const CM_KEYED_ACCEPT_LEN: usize = CM_KEYED_REQUEST_LEN + MAC_LEN;
+
+const LABEL_CM_SERVER: &[u8] = b"rdmsg rdma_cm handshake: server hello";
+const LABEL_CM_CLIENT: &[u8] = b"rdmsg rdma_cm handshake: client proof";
+
 const _: () = assert!(CM_HELLO_LEN <= rdmsg_verbs::CONNECT_PRIVATE_DATA_MAX);
+const _: () = assert!(CM_KEYED_REQUEST_LEN <= rdmsg_verbs::CONNECT_PRIVATE_DATA_MAX);
+const _: () = assert!(CM_KEYED_ACCEPT_LEN <= rdmsg_verbs::ACCEPT_PRIVATE_DATA_MAX);
 const _: () = assert!(CM_REJECT_LEN <= rdmsg_verbs::REJECT_PRIVATE_DATA_MAX);
 
 /// `hello` as a request's or an accept's private data (its address is the CM's business).
@@ -62,9 +95,6 @@ pub fn decode_hello(data: &[u8], qpn: u32) -> Result<Hello, Reject> {
             ours: VERSION,
         });
     }
-    if data[6] & FLAG_PSK != 0 {
-        return Err(Reject::KeyMissing);
-    }
     let hello = Hello {
         version,
         addr: QpAddress {
@@ -83,6 +113,120 @@ pub fn decode_hello(data: &[u8], qpn: u32) -> Result<Hello, Reject> {
     };
     hello.check()?;
     Ok(hello)
+}
+
+/// Whether the hello in `data` says its side has a pre-shared key, checked against whether we
+/// have one (a key on one side only: [`Reject::KeyMissing`]).
+pub fn check_key_flag(data: &[u8], ours: bool) -> Result<(), Reject> {
+    let theirs = data.get(6).is_some_and(|f| f & FLAG_PSK != 0);
+    if theirs == ours {
+        Ok(())
+    } else {
+        Err(Reject::KeyMissing)
+    }
+}
+
+/// The client's request: its hello, and with a key its fresh nonce.
+pub fn encode_request(hello: &Hello, psk: Option<&Psk>, nonce: &[u8; CM_NONCE_LEN]) -> Vec<u8> {
+    let mut b = encode_hello(hello).to_vec();
+    if psk.is_some() {
+        b[6] |= FLAG_PSK;
+        b.extend_from_slice(nonce);
+    }
+    b
+}
+
+/// The transcript both sides sign: the keyed request and accept (MACs left out), and both
+/// queue pair numbers.
+fn transcript(
+    request: &[u8],
+    accept: &[u8],
+    client_qpn: u32,
+    server_qpn: u32,
+) -> Result<Vec<u8>, Reject> {
+    if request.len() < CM_KEYED_REQUEST_LEN || accept.len() < CM_KEYED_REQUEST_LEN {
+        return Err(Reject::BadValue("nonce"));
+    }
+    let mut t = Vec::with_capacity(2 * CM_KEYED_REQUEST_LEN + 8);
+    t.extend_from_slice(&request[..CM_KEYED_REQUEST_LEN]);
+    t.extend_from_slice(&accept[..CM_KEYED_REQUEST_LEN]);
+    t.extend_from_slice(&client_qpn.to_be_bytes());
+    t.extend_from_slice(&server_qpn.to_be_bytes());
+    Ok(t)
+}
+
+/// What the server checks the client's first message against: the key, and what `MAC_c`
+/// signs.
+#[derive(Clone)]
+pub struct ProofCheck {
+    psk: Psk,
+    signed: Vec<u8>,
+}
+
+impl std::fmt::Debug for ProofCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProofCheck")
+    }
+}
+
+impl ProofCheck {
+    /// The server's check of the client's first message (constant time).
+    pub fn check(&self, got: &[u8]) -> Result<(), Reject> {
+        if got.len() == MAC_LEN && self.psk.verify(LABEL_CM_CLIENT, &[&self.signed], got) {
+            Ok(())
+        } else {
+            Err(Reject::BadKey)
+        }
+    }
+}
+
+/// The server's accept: its hello, and with a key its nonce and `MAC_s` over the exchange;
+/// with the key, also what the client's first message must prove.
+pub fn encode_accept(
+    hello: &Hello,
+    psk: Option<&Psk>,
+    request: &[u8],
+    nonce: &[u8; CM_NONCE_LEN],
+    client_qpn: u32,
+    server_qpn: u32,
+) -> Result<(Vec<u8>, Option<ProofCheck>), Reject> {
+    let mut b = encode_hello(hello).to_vec();
+    let Some(k) = psk else {
+        return Ok((b, None));
+    };
+    b[6] |= FLAG_PSK;
+    b.extend_from_slice(nonce);
+    let mut signed = transcript(request, &b, client_qpn, server_qpn)?;
+    let mac_s = k.mac(LABEL_CM_SERVER, &[&signed]);
+    b.extend_from_slice(&mac_s);
+    signed.extend_from_slice(&mac_s);
+    Ok((
+        b,
+        Some(ProofCheck {
+            psk: k.clone(),
+            signed,
+        }),
+    ))
+}
+
+/// The client's check of a keyed accept: `MAC_s` must be right; returns the proof to send as
+/// the first message over the queue pair (`MAC_c`).
+pub fn check_accept(
+    psk: &Psk,
+    request: &[u8],
+    accept: &[u8],
+    client_qpn: u32,
+    server_qpn: u32,
+) -> Result<[u8; MAC_LEN], Reject> {
+    if accept.len() < CM_KEYED_ACCEPT_LEN {
+        return Err(Reject::BadValue("server MAC"));
+    }
+    let t = transcript(request, accept, client_qpn, server_qpn)?;
+    let mac_s = &accept[CM_KEYED_REQUEST_LEN..CM_KEYED_ACCEPT_LEN];
+    if !psk.verify(LABEL_CM_SERVER, &[&t], mac_s) {
+        return Err(Reject::BadKey);
+    }
+    Ok(psk.mac(LABEL_CM_CLIENT, &[&t, mac_s]))
 }
 
 /// A refusal as a reject's private data.
@@ -144,9 +288,14 @@ mod tests {
         let mut v = good;
         v[5] ^= 0xff;
         assert!(matches!(decode_hello(&v, 1), Err(Reject::Version { .. })));
+        // A key on one side only.
         let mut k = good;
         k[6] = FLAG_PSK;
-        assert_eq!(decode_hello(&k, 1), Err(Reject::KeyMissing));
+        assert_eq!(decode_hello(&k, 1), Ok(hello_with_qpn(1)));
+        assert_eq!(check_key_flag(&k, false), Err(Reject::KeyMissing));
+        assert_eq!(check_key_flag(&good, true), Err(Reject::KeyMissing));
+        assert_eq!(check_key_flag(&k, true), Ok(()));
+        assert_eq!(check_key_flag(&good, false), Ok(()));
         // Range checks are the TCP hello's.
         let mut z = good;
         z[16..20].copy_from_slice(&0u32.to_be_bytes());
@@ -156,6 +305,60 @@ mod tests {
         assert_eq!(decode_hello(&m, 1), Err(Reject::BadValue("MTU")));
         // A queue pair number beyond 24 bits cannot come from the CM, but is refused anyway.
         assert!(decode_hello(&good, 1 << 24).is_err());
+    }
+
+    fn hello_with_qpn(qpn: u32) -> Hello {
+        let mut h = hello();
+        h.addr.qpn = qpn;
+        h
+    }
+
+    #[test]
+    fn a_keyed_exchange_proves_both_sides_and_binds_nonces_and_queue_pairs() {
+        let key = Psk::new(vec![7; 32]);
+        let (nc, ns) = ([1; CM_NONCE_LEN], [2; CM_NONCE_LEN]);
+        let mut request = encode_request(&hello(), Some(&key), &nc);
+        assert_eq!(request.len(), CM_KEYED_REQUEST_LEN);
+        assert!(request.len() <= rdmsg_verbs::CONNECT_PRIVATE_DATA_MAX);
+        request.resize(rdmsg_verbs::CONNECT_PRIVATE_DATA_MAX, 0);
+        assert_eq!(check_key_flag(&request, true), Ok(()));
+        let (mut accept, check) =
+            encode_accept(&hello(), Some(&key), &request, &ns, 0x11, 0x22).unwrap();
+        assert_eq!(accept.len(), CM_KEYED_ACCEPT_LEN);
+        accept.resize(rdmsg_verbs::ACCEPT_PRIVATE_DATA_MAX, 0);
+        let check = check.expect("a keyed accept has a proof to check");
+        let proof = check_accept(&key, &request, &accept, 0x11, 0x22).unwrap();
+        assert_eq!(check.check(&proof), Ok(()));
+        // A wrong key, either way.
+        let other = Psk::new(vec![8; 32]);
+        assert_eq!(
+            check_accept(&other, &request, &accept, 0x11, 0x22),
+            Err(Reject::BadKey)
+        );
+        let (_, forged) = encode_accept(&hello(), Some(&other), &request, &ns, 0x11, 0x22).unwrap();
+        assert_eq!(forged.unwrap().check(&proof), Err(Reject::BadKey));
+        // Another queue pair, nonce, or a truncated or empty proof: refused.
+        assert_eq!(
+            check_accept(&key, &request, &accept, 0x11, 0x23),
+            Err(Reject::BadKey)
+        );
+        let mut replayed = request.clone();
+        replayed[CM_HELLO_LEN] ^= 1;
+        assert_eq!(
+            check_accept(&key, &replayed, &accept, 0x11, 0x22),
+            Err(Reject::BadKey)
+        );
+        assert_eq!(check.check(&proof[..31]), Err(Reject::BadKey));
+        assert_eq!(check.check(b""), Err(Reject::BadKey));
+        // An unkeyed accept where a keyed one is due is too short to check.
+        let (plain, none) = encode_accept(&hello(), None, &request, &ns, 0x11, 0x22).unwrap();
+        assert!(none.is_none());
+        assert_eq!(
+            check_accept(&key, &request, &plain, 0x11, 0x22),
+            Err(Reject::BadValue("server MAC"))
+        );
+        // Without a key the request is the bare hello.
+        assert_eq!(encode_request(&hello(), None, &nc).len(), CM_HELLO_LEN);
     }
 
     #[test]

@@ -270,8 +270,9 @@ impl RawHub {
         let accepted = self.slot(slot).accepted;
         let id = self.slot(slot).id(slot);
         trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
-        // The connection manager has no keepalive: a silent peer host is probed instead.
-        let probe = matches!(control, Control::Cm(_))
+        // The connection manager has no keepalive: a silent peer host is probed instead, by a
+        // read the peer's queue pair must serve.
+        let probe = (matches!(control, Control::Cm(_)) && peer.reads > 0)
             .then_some(self.config.conn.keepalive)
             .flatten();
         let conn = &self.config.conn;
@@ -311,6 +312,10 @@ impl RawHub {
             self.fail_queue_pair(slot);
         }
         self.touch(slot);
+        // Its core's deadlines (the probe's) wake the hub.
+        if self.slots[slot].is_some() {
+            self.schedule(slot);
+        }
     }
 
     pub(super) fn handshake_failed(&mut self, slot: usize, error: Error) {

@@ -18,7 +18,7 @@ use super::{PeerId, RawHub, RawHubEvent};
 use crate::cm::{check_device, cm_failure, conn_params, refuse_psk, socket_addr, tuning, WAIT_CM};
 use crate::control::{CmLink, Control};
 use crate::error::{Error, Result, TimedOut};
-use crate::handshake::cm::{decode_hello, encode_hello, encode_reject};
+use crate::handshake::cm::{check_key_flag, decode_hello, encode_hello, encode_reject};
 use crate::handshake::{Hello, Reject};
 use crate::token::Token;
 use crate::trace;
@@ -107,7 +107,8 @@ impl RawHub {
     /// connect with [`Endpoint::connect_cm`](crate::Endpoint::connect_cm) or another hub's
     /// [`RawHub::connect_cm`]; each established one is a [`RawHubEvent::Connected`] with
     /// `accepted: true`, and a refused one is told the reason in the reject. Refused with
-    /// [`Config::psk`](crate::Config::psk), which rdma_cm's one exchange cannot prove.
+    /// [`Config::psk`](crate::Config::psk): a hub does not prove a key over rdma_cm yet (a
+    /// [`CmListener`](crate::CmListener) does).
     pub fn listen_cm(&mut self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<SocketAddr> {
         self.check_fatal()?;
         refuse_psk(&self.config.conn)?;
@@ -146,13 +147,22 @@ impl RawHub {
     /// peer, as with [`RawHub::connect`], whose bound on our pending handshakes it shares.
     pub fn connect_cm(&mut self, addr: impl ToSocketAddrs + fmt::Debug) -> Result<PeerId> {
         self.check_fatal()?;
-        refuse_psk(&self.config.conn)?;
         let dst = socket_addr(&addr)?;
         let timeout = self.config.conn.handshake_timeout;
         let most = (self.config.conn.max_pending_handshakes as usize / 4).max(1);
         while self.outgoing_handshakes() >= most {
             self.wait_for_progress(Some(timeout), false)?;
         }
+        self.start_connect_cm(dst)
+    }
+
+    /// [`RawHub::connect_cm`] to an address already resolved, without waiting while a quarter
+    /// of `max_pending_handshakes` of ours are in flight (pace by
+    /// [`RawHub::pending_connects`]): never blocks, for async runtimes.
+    pub fn start_connect_cm(&mut self, dst: SocketAddr) -> Result<PeerId> {
+        self.check_fatal()?;
+        refuse_psk(&self.config.conn)?;
+        let timeout = self.config.conn.handshake_timeout;
         let channel = CmEventChannel::new()?;
         let mut id = CmId::new(&channel)?;
         id.resolve_addr(None, dst, timeout)?;
@@ -203,7 +213,9 @@ impl RawHub {
         };
         let peer_addr = id.peer_addr();
         let name = peer_addr.map_or_else(|| "?".into(), |a| a.to_string());
-        let checked = decode_hello(&request.private_data, request.peer_qp_num)
+        // A hub proves no key over rdma_cm: a keyed client is refused as keyless.
+        let checked = check_key_flag(&request.private_data, false)
+            .and_then(|()| decode_hello(&request.private_data, request.peer_qp_num))
             .and_then(|peer| self.check_cm_peer(&peer).map(|()| peer));
         let refused = match checked {
             Err(reason) => Some((reason, Error::BadHandshake(reason))),
@@ -391,7 +403,8 @@ impl RawHub {
             }
             (Stage::Answer, CmEventKind::ConnectResponse) => {
                 // A server hello we cannot take: dropping the id refuses the connection.
-                let peer = decode_hello(&ev.private_data, ev.peer_qp_num)
+                let peer = check_key_flag(&ev.private_data, false)
+                    .and_then(|()| decode_hello(&ev.private_data, ev.peer_qp_num))
                     .and_then(|peer| self.check_cm_peer(&peer).map(|()| peer))
                     .map_err(Error::BadHandshake)?;
                 let books = self.books_for(&peer);

@@ -148,7 +148,8 @@ impl RawHub {
     }
 
     /// Posts the liveness probe the core of `slot` asks for, if its send queue and the
-    /// hub's send CQ have room (sends in flight tell as much otherwise).
+    /// hub's send CQ have room (else its core asks again, or judges by the signaled send in
+    /// flight).
     fn probe(&mut self, slot: usize) {
         let room = self.room(slot);
         if room.sq == 0 || room.cq == 0 {
@@ -160,10 +161,14 @@ impl RawHub {
         let Phase::Linked(link) = &mut s.phase else {
             return;
         };
-        match link.qp.post_probe() {
+        let before = link.qp.send_outstanding();
+        let posted = link.qp.post_probe();
+        // Counted as the queue pair counts it: a failed post the provider did not point at
+        // may have gone, and is retired like any other.
+        self.sends_outstanding += link.qp.send_outstanding() - before;
+        match posted {
             Ok(id) => {
-                s.core.probe_posted(id);
-                self.sends_outstanding += 1;
+                s.core.probe_posted(id, before > 0);
                 let behind = s.core.unsignaled_behind();
                 self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
                 s.unsignaled = behind;

@@ -32,7 +32,8 @@
 //!
 //! # Files
 //!
-//! `slots` (the connection table), `accept` (listener, handshakes, bootstrap streams),
+//! `slots` (the connection table), `accept` (listener, handshakes, bootstrap streams), `cm`
+//! (the same through rdma_cm),
 //! `completions` (polled completions to cores, the cores' actions), `buffers` (receive pool,
 //! admission, grants, posting sends), `wait` (the channel, sleeping, what follows a wake-up),
 //! `retire` (deadlines, failures, draining and releasing connections).
