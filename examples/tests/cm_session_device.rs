@@ -573,3 +573,72 @@ fn a_hub_refuses_a_bad_cm_hello_and_notices_a_silent_cm_peer() {
     assert_eq!(recv_one::<Request>(&mut quiet), r);
     drop(silent);
 }
+
+/// On tokio: an `AsyncListener` through rdma_cm serves an `AsyncSession::connect_cm` client
+/// with a pre-shared key and an `AsyncHub` connecting through the CM.
+#[test]
+#[ignore = "device"]
+fn async_sessions_and_hubs_connect_through_the_connection_manager() {
+    use rdmsg::msg::SessionConfig;
+    use rdmsg::tokio::{AsyncHub, AsyncListener, AsyncSession};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let ep = Endpoint::open_default().expect("device");
+        let listener =
+            AsyncListener::bind_cm(&ep, cm_addr(), keyed(5), SessionConfig::default()).unwrap();
+        let at = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            for _ in 0..2 {
+                let s = listener.accept().await.unwrap();
+                let r: Request = s.recv().await.unwrap().decode().unwrap();
+                s.send(&r).await.unwrap();
+                let end = s.recv().await.expect_err("the client closes");
+                assert!(end.is_peer_closed(), "{end}");
+            }
+        });
+        let client = AsyncSession::connect_cm(&ep, at, keyed(5), SessionConfig::default())
+            .await
+            .unwrap();
+        let r = Request {
+            id: 3,
+            operands: vec![1, 2],
+        };
+        client.send(&r).await.unwrap();
+        let back: Request = client.recv().await.unwrap().decode().unwrap();
+        assert_eq!(back, r);
+        client.close().await.unwrap();
+        // A hub proves no key over rdma_cm: it connects to a keyless listener.
+        let plain =
+            AsyncListener::bind_cm(&ep, cm_addr(), Config::default(), SessionConfig::default())
+                .unwrap();
+        let plain_at = plain.local_addr().unwrap();
+        let served = tokio::spawn(async move {
+            let s = plain.accept().await.unwrap();
+            let r: Request = s.recv().await.unwrap().decode().unwrap();
+            s.send(&r).await.unwrap();
+            let _ = s.recv().await;
+        });
+        let hub = AsyncHub::new(Hub::new(&ep, HubConfig::default()).unwrap()).unwrap();
+        let peer = hub.connect_cm(plain_at).await.unwrap();
+        hub.send(peer, &r).await.unwrap();
+        loop {
+            match hub.recv().await.unwrap() {
+                HubEvent::Message { msg, .. } => {
+                    assert_eq!(msg.decode::<Request>().unwrap(), r);
+                    break;
+                }
+                HubEvent::Connected { .. } => {}
+                ev => panic!("{ev:?}"),
+            }
+        }
+        hub.close(peer).unwrap();
+        let ev = hub.recv().await.unwrap();
+        assert!(matches!(ev, HubEvent::Disconnected { .. }), "{ev:?}");
+        served.await.unwrap();
+        drop(server);
+    });
+}

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdmsg_msg::{Session, SessionConfig};
-use rdmsg_transport::{Config, Endpoint, Listener};
+use rdmsg_transport::{CmListener, Config, Connection, Endpoint, Listener};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
@@ -28,10 +28,59 @@ pub struct AsyncListener {
     inner: Arc<ListenerInner>,
 }
 
+/// The listener underneath: the TCP bootstrap's, or rdma_cm's (kept behind a lock: its ids
+/// are not to be shared between threads).
+#[derive(Debug)]
+enum AnyListener {
+    Tcp(Listener),
+    Cm(Mutex<CmListener>),
+}
+
+impl AnyListener {
+    fn accept_timeout(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<Option<Connection>> {
+        match self {
+            AnyListener::Tcp(l) => l.accept_timeout(config, timeout),
+            AnyListener::Cm(l) => lock(l).accept_timeout(config, timeout),
+        }
+    }
+
+    fn next_timeout(&self) -> Option<Duration> {
+        match self {
+            AnyListener::Tcp(l) => l.next_timeout(),
+            AnyListener::Cm(l) => lock(l).next_timeout(),
+        }
+    }
+
+    fn local_addr(&self) -> rdmsg_transport::Result<SocketAddr> {
+        match self {
+            AnyListener::Tcp(l) => l.local_addr(),
+            AnyListener::Cm(l) => lock(l).local_addr().ok_or_else(|| {
+                rdmsg_transport::Error::Config("the CM listener has no local address".into())
+            }),
+        }
+    }
+
+    /// A duplicate of the descriptor that is readable when there is something to accept.
+    fn fd(&self) -> std::io::Result<OwnedFd> {
+        match self {
+            AnyListener::Tcp(l) => l.as_fd().try_clone_to_owned(),
+            AnyListener::Cm(l) => lock(l).as_fd().try_clone_to_owned(),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[derive(Debug)]
 struct ListenerInner {
     /// `None` only while dropping (see the `Drop` impl).
-    listener: Option<Listener>,
+    listener: Option<AnyListener>,
     config: Config,
     session: SessionConfig,
     /// `None` only while dropping.
@@ -51,7 +100,7 @@ struct ListenerInner {
 }
 
 impl ListenerInner {
-    fn listener(&self) -> &Listener {
+    fn listener(&self) -> &AnyListener {
         self.listener
             .as_ref()
             .expect("only Drop takes the listener")
@@ -92,10 +141,28 @@ impl AsyncListener {
         session: SessionConfig,
     ) -> Result<Self> {
         runtime("AsyncListener::bind")?;
-        let listener = endpoint.listen(addr)?;
+        Self::over(AnyListener::Tcp(endpoint.listen(addr)?), config, session)
+    }
+
+    /// Listens through the RDMA connection manager on `addr` (an IP address of the endpoint's
+    /// device, or a wildcard, and a port) for clients of
+    /// [`AsyncSession::connect_cm`](crate::AsyncSession::connect_cm) or
+    /// [`Endpoint::connect_cm`], each becoming a session with `session`'s bounds; otherwise
+    /// as [`AsyncListener::bind`].
+    pub fn bind_cm(
+        endpoint: &Endpoint,
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        config: Config,
+        session: SessionConfig,
+    ) -> Result<Self> {
+        runtime("AsyncListener::bind_cm")?;
+        let listener = endpoint.listen_cm(addr)?;
+        Self::over(AnyListener::Cm(Mutex::new(listener)), config, session)
+    }
+
+    fn over(listener: AnyListener, config: Config, session: SessionConfig) -> Result<Self> {
         let fd = listener
-            .as_fd()
-            .try_clone_to_owned()
+            .fd()
             .map_err(io("duplicating the listener's descriptor"))?;
         Ok(Self {
             inner: Arc::new(ListenerInner {

@@ -365,7 +365,29 @@ impl fmt::Debug for CmListener {
     }
 }
 
+impl AsFd for CmListener {
+    /// The listener's epoll set (its event channel, every accepted request's, and every
+    /// connection waiting for its client's proof): readable when
+    /// [`CmListener::accept_timeout`] has something to do.
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.watch.as_fd()
+    }
+}
+
 impl CmListener {
+    /// How long until the nearest deadline of a handshake under way (`None`: none is): an
+    /// event loop waiting on the listener's descriptor calls
+    /// [`CmListener::accept_timeout`] by then, so that it fails on time.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        let pending = self.lock_pending().iter().map(|a| a.deadline).min();
+        let proving = self.lock_proving().iter().map(|p| p.deadline).min();
+        pending
+            .into_iter()
+            .chain(proving)
+            .min()
+            .map(|d| d.saturating_duration_since(Instant::now()))
+    }
+
     /// The address listened on (with the port picked, if 0 was asked for).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.id.local_addr()
