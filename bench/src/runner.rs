@@ -969,8 +969,8 @@ mod tests {
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
         // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, large: 2 sizes
         // × 4 subjects, 3 fan-in points × 2 servers and 2 groups, 2 sweep rates × 4
-        // receivers, 6 cost subjects.
-        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 8 + 8 + 6);
+        // receivers, 6 cost subjects, 2 ways of connecting.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 8 + 8 + 6 + 2);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -989,7 +989,7 @@ mod tests {
         let full = Plan::full();
         assert_eq!(
             full.tasks().len(),
-            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4 + 5 * 4)
+            5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4 + 5 * 4 + 2)
                 + 3 * (6 + 4 + 3)
                 + 3 * 6
         );

@@ -6,7 +6,6 @@
 //! a veth pair with an IPv4 address.
 
 use std::io::{BufRead, BufReader};
-use std::net::Ipv4Addr;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::mpsc;
@@ -14,10 +13,6 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 const OURS: &str = env!("CARGO_BIN_EXE_cm_pingpong");
-
-fn device_ip() -> Ipv4Addr {
-    rdmsg_testkit::device_ipv4()
-}
 
 /// A port no other test of this run uses (the CM's port space is its own, apart from TCP's).
 fn port() -> u16 {
@@ -146,7 +141,7 @@ fn client_until_listening(program: &str, args: &[&str]) -> Output {
 #[test]
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn rdma_client_against_our_server() {
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let mut server = Server::start(OURS, &["-p", &port, "-b", &ip]);
     server.wait_for("listening on");
@@ -166,7 +161,7 @@ fn rdma_client_against_our_server() {
 #[test]
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn our_client_against_rdma_server() {
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let server = Server::start("rdma_server", &["-p", &port]);
     let out = client_until_listening(OURS, &["-p", &port, &ip]);
@@ -182,7 +177,7 @@ fn our_client_against_rdma_server() {
 #[test]
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn ours_against_ours_with_a_hello_and_solicited_only_wakeups() {
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let common = ["-p", &port, "-n", "500", "-s", "256", "--solicited"];
     let mut server = Server::start(OURS, &[&common[..], &["-b", &ip]].concat());
@@ -212,7 +207,7 @@ fn ours_against_ours_with_a_hello_and_solicited_only_wakeups() {
 #[test]
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn a_disagreeing_hello_is_rejected_with_the_reason_and_the_server_goes_on() {
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let mut server = Server::start(OURS, &["-p", &port, "-b", &ip, "-n", "5", "-s", "64"]);
     server.wait_for("listening on");
@@ -237,7 +232,7 @@ fn a_disagreeing_hello_is_rejected_with_the_reason_and_the_server_goes_on() {
 #[test]
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn nothing_listening_is_a_clear_error() {
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let out = run(OURS, &["-p", &port, "-t", "5", &ip]);
     assert!(!out.status.success(), "{}", text(&out));
@@ -251,7 +246,7 @@ fn nothing_listening_is_a_clear_error() {
 #[test]
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn a_killed_client_is_noticed_through_the_connection_manager() {
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let common = ["-p", &port, "-n", "100000000", "-s", "64", "-t", "30"];
     let mut server = Server::start(OURS, &[&common[..], &["-b", &ip]].concat());
@@ -305,7 +300,7 @@ fn rpma_peer() -> String {
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn a_librpma_client_against_our_server() {
     let peer = rpma_peer();
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let mut server = Server::start(OURS, &["-p", &port, "-b", &ip, "-n", "100", "-s", "64"]);
     server.wait_for("listening on");
@@ -324,7 +319,7 @@ fn a_librpma_client_against_our_server() {
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn our_client_against_a_librpma_server() {
     let peer = rpma_peer();
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let mut server = Server::start(&peer, &["server", &ip, &port, "64", "100"]);
     server.wait_for("listening on");
@@ -350,7 +345,7 @@ fn our_client_against_a_librpma_server() {
 #[ignore = "needs an RDMA device with the connection manager (cargo xtask test runs it in the VM)"]
 fn a_librpma_sender_never_wakes_a_solicited_only_receiver() {
     let peer = rpma_peer();
-    let ip = device_ip().to_string();
+    let ip = rdmsg_testkit::device_ipv4().to_string();
     let port = port().to_string();
     let mut server = Server::start(
         OURS,

@@ -117,8 +117,8 @@ pub(crate) fn check_device(endpoint: &Endpoint, id: &CmId, addr: &str) -> Result
 }
 
 /// Checks the peer's hello against ours and our limits; the send buffers to register.
-fn check_peer(endpoint: &Endpoint, config: &Config, peer: &Hello) -> Result<u32, Reject> {
-    our_hello(endpoint, config, None).check_peer(peer)?;
+fn check_peer(ours: &Hello, config: &Config, peer: &Hello) -> Result<u32, Reject> {
+    ours.check_peer(peer)?;
     config.limits().check(peer)
 }
 
@@ -249,7 +249,7 @@ impl Endpoint {
         check_key_flag(&answer.private_data, config.psk.is_some()).map_err(Error::BadHandshake)?;
         let peer =
             decode_hello(&answer.private_data, answer.peer_qp_num).map_err(Error::BadHandshake)?;
-        let send_buffers = check_peer(self, config, &peer).map_err(Error::BadHandshake)?;
+        let send_buffers = check_peer(&ours, config, &peer).map_err(Error::BadHandshake)?;
         let proof = config
             .psk
             .as_ref()
@@ -418,6 +418,7 @@ impl CmListener {
     ) -> Result<Option<Connection>> {
         config.check()?;
         let deadline = timeout.map(|t| deadline_after(Instant::now(), t));
+        let mut ready = Vec::new();
         loop {
             // New requests: checked, set up and accepted at once (nothing in them waits).
             while let Some(ev) = self.channel.next_event()? {
@@ -447,7 +448,7 @@ impl CmListener {
             if deadline.is_some_and(|d| d <= now) {
                 return Ok(None);
             }
-            let mut ready = Vec::new();
+            ready.clear();
             self.watch
                 .wait_keys(next.map(|n| n.saturating_duration_since(now)), &mut ready)?;
         }
@@ -591,9 +592,10 @@ impl CmListener {
         })?;
         let name = id.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
         let endpoint = &self.endpoint;
+        let ours = our_hello(endpoint, config, None);
         let checked = check_key_flag(&request.private_data, config.psk.is_some())
             .and_then(|()| decode_hello(&request.private_data, request.peer_qp_num))
-            .and_then(|peer| Ok((check_peer(endpoint, config, &peer)?, peer)));
+            .and_then(|peer| Ok((check_peer(&ours, config, &peer)?, peer)));
         let (send_buffers, peer) = match checked {
             Ok(ok) => ok,
             Err(reason) => {
@@ -630,7 +632,6 @@ impl CmListener {
         // lands there, not among the listener's requests.
         let channel = CmEventChannel::new()?;
         id.migrate(&channel)?;
-        let ours = our_hello(endpoint, config, None);
         let (answer, proof) = match encode_accept(
             &ours,
             config.psk.as_ref(),
