@@ -103,13 +103,7 @@ impl AsyncHub {
     /// the handshake goes on in the hub (its outcome is an event). Waits first while a quarter
     /// of `max_pending_handshakes` of our own handshakes are in flight.
     pub async fn connect(&self, addr: impl tokio::net::ToSocketAddrs) -> Result<PeerId> {
-        let most = self
-            .with_hub(|h| (h.transport().config().conn.max_pending_handshakes as usize / 4).max(1));
-        self.shared
-            .run(false, |h, _| {
-                Ok((h.transport().pending_connects() < most).then_some(()))
-            })
-            .await?;
+        self.room_to_connect().await?;
         let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(io("connecting the bootstrap stream"))?;
@@ -125,14 +119,19 @@ impl AsyncHub {
     /// outcome is an event). Waits first while a quarter of `max_pending_handshakes` of our
     /// own handshakes are in flight.
     pub async fn connect_cm(&self, addr: std::net::SocketAddr) -> Result<PeerId> {
+        self.room_to_connect().await?;
+        Ok(self.with_hub(|h| h.start_connect_cm(addr))?)
+    }
+
+    /// Waits while a quarter of `max_pending_handshakes` of our own handshakes are in flight.
+    async fn room_to_connect(&self) -> Result<()> {
         let most = self
             .with_hub(|h| (h.transport().config().conn.max_pending_handshakes as usize / 4).max(1));
         self.shared
             .run(false, |h, _| {
                 Ok((h.transport().pending_connects() < most).then_some(()))
             })
-            .await?;
-        Ok(self.with_hub(|h| h.start_connect_cm(addr))?)
+            .await
     }
 
     /// The next event (cancel-safe).

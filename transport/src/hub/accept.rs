@@ -152,13 +152,24 @@ impl RawHub {
     }
 
     pub(super) fn start_handshake(&mut self, slot: usize, pending: Pending<HubSide>) -> Result<()> {
+        self.watch_handshake(slot, pending.stream.as_fd())?;
+        self.slot_mut(slot).phase = Phase::Handshake(Box::new(pending));
+        self.handshake_started(slot);
+        Ok(())
+    }
+
+    /// Watches the descriptor a handshake of `slot` moves on (its stream, or its CM id's
+    /// channel) under the slot's key; frees the slot if it cannot.
+    pub(super) fn watch_handshake(
+        &mut self,
+        slot: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<()> {
         let key = Token::Stream(slot as u32).key();
-        if let Err(e) = self.watch().add_keyed(pending.stream.as_fd(), key) {
+        if let Err(e) = self.watch().add_keyed(fd, key) {
             self.abandon(slot);
             return Err(e.into());
         }
-        self.slot_mut(slot).phase = Phase::Handshake(Box::new(pending));
-        self.handshake_started(slot);
         Ok(())
     }
 

@@ -320,11 +320,7 @@ impl RawHub {
     }
 
     fn start_cm_handshake(&mut self, slot: usize, pending: CmPending) -> Result<()> {
-        let key = Token::Stream(slot as u32).key();
-        if let Err(e) = self.watch().add_keyed(pending.channel.as_fd(), key) {
-            self.abandon(slot);
-            return Err(e.into());
-        }
+        self.watch_handshake(slot, pending.channel.as_fd())?;
         self.slot_mut(slot).phase = Phase::CmHandshake(Box::new(pending));
         self.handshake_started(slot);
         Ok(())
