@@ -127,8 +127,9 @@ fn keyed(key: u8) -> Config {
 
 /// A pre-shared key over rdma_cm: the server proves it in its accept, the client in its first
 /// message over the queue pair, which the listener takes before it hands the connection out.
-/// A wrong key, or a key on one side only, is refused with the reason on both sides, and the
-/// listener goes on with the next client.
+/// A wrong key is refused by the client (`BadKey`: the server's proof fails), a key on one side
+/// only by the server with the reason (`KeyMissing`), and the listener goes on with the next
+/// client.
 #[test]
 #[ignore = "device"]
 fn a_pre_shared_key_is_proved_both_ways_over_the_connection_manager() {
@@ -295,19 +296,40 @@ fn connect_times_over_cm_and_over_tcp() {
 #[test]
 #[ignore = "device"]
 fn a_half_connected_client_does_not_stall_the_listener() {
-    use rdmsg::transport::handshake::{cm::encode_hello, Hello, VERSION};
+    half_connected_client_beside_a_good_one(false);
+}
+
+/// With a key: a client that completes the connection but never proves the key (its first
+/// message never comes) is not handed out, and with room for one waiting handshake the good
+/// client's arrival evicts it.
+#[test]
+#[ignore = "device"]
+fn a_client_that_never_proves_the_key_is_never_handed_out() {
+    half_connected_client_beside_a_good_one(true);
+}
+
+/// A client that stops half-way (keyless: no RTU; keyed: connected, but no proof), and a good
+/// one connecting meanwhile, which must be served at once.
+fn half_connected_client_beside_a_good_one(keyed: bool) {
+    use rdmsg::transport::handshake::cm::{encode_request, CM_NONCE_LEN};
+    use rdmsg::transport::handshake::{Hello, VERSION};
     use rdmsg::transport::{PathParams, QpAddress};
     use rdmsg::verbs::{
         CmEventChannel, CmEventKind, CmId, CompletionQueue, ConnParams, Gid, ProtectionDomain,
-        QpCaps, QueuePair,
+        QpCaps, QpTuning, QueuePair,
     };
 
     let ep = Endpoint::open_default().expect("device");
     let listener = ep.listen_cm(cm_addr()).unwrap();
     let addr = listener.local_addr().unwrap();
+    let key = keyed.then(|| rdmsg::transport::Psk::new([9u8; 32]));
+    let server_key = key.clone();
     let server = thread::spawn(move || {
         let config = Config {
             handshake_timeout: Duration::from_secs(20),
+            // Keyed: room for one waiting handshake, so the good client evicts the silent one.
+            max_pending_handshakes: if server_key.is_some() { 1 } else { 32 },
+            psk: server_key,
             ..Config::default()
         };
         let t = Instant::now();
@@ -353,13 +375,35 @@ fn a_half_connected_client_does_not_stall_the_listener() {
         reads: 1,
         max_read: 0,
     };
-    id.connect(&qp, &ConnParams::default(), &encode_hello(&hello))
-        .unwrap();
+    let request = encode_request(&hello, key.as_ref(), &[3; CM_NONCE_LEN]);
+    let params = ConnParams {
+        responder_resources: 1,
+        initiator_depth: 1,
+        ..ConnParams::default()
+    };
+    id.connect(&qp, &params, &request).unwrap();
     next(CmEventKind::ConnectResponse);
-    // ... and no rdma_establish.
+    if keyed {
+        // Connected, and silent: no proof.
+        let tuning = QpTuning {
+            min_rnr_timer: 12,
+            path_mtu: None,
+            timeout: None,
+            retry_cnt: None,
+            rnr_retry: None,
+            accepting: None,
+        };
+        id.ready_qp(&mut qp, &tuning).unwrap();
+        id.establish().unwrap();
+    }
+    // ... and (keyless) no rdma_establish.
 
     let t = Instant::now();
-    let mut good = Session::new(ep.connect_cm(addr, &Config::default()).expect("served"));
+    let good_config = Config {
+        psk: key,
+        ..Config::default()
+    };
+    let mut good = Session::new(ep.connect_cm(addr, &good_config).expect("served"));
     let connect = t.elapsed();
     good.send(&Request {
         id: 3,
@@ -368,8 +412,13 @@ fn a_half_connected_client_does_not_stall_the_listener() {
     .unwrap();
     let (waited, mut s) = server.join().unwrap();
     let r: Request = recv_one(&mut s);
-    assert_eq!(r.id, 3);
-    println!("stats good client beside a half-connected one: connect {connect:?}, accept returned after {waited:?}");
+    assert_eq!(
+        r.id, 3,
+        "the good client's first message, not the silent one's"
+    );
+    println!(
+        "stats good client beside a half-connected one (keyed {keyed}): connect {connect:?}, accept returned after {waited:?}"
+    );
     assert!(connect < Duration::from_secs(5), "{connect:?}");
     drop(id);
 }
@@ -592,13 +641,11 @@ fn async_sessions_and_hubs_connect_through_the_connection_manager() {
             AsyncListener::bind_cm(&ep, cm_addr(), keyed(5), SessionConfig::default()).unwrap();
         let at = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
-            for _ in 0..2 {
-                let s = listener.accept().await.unwrap();
-                let r: Request = s.recv().await.unwrap().decode().unwrap();
-                s.send(&r).await.unwrap();
-                let end = s.recv().await.expect_err("the client closes");
-                assert!(end.is_peer_closed(), "{end}");
-            }
+            let s = listener.accept().await.unwrap();
+            let r: Request = s.recv().await.unwrap().decode().unwrap();
+            s.send(&r).await.unwrap();
+            let end = s.recv().await.expect_err("the client closes");
+            assert!(end.is_peer_closed(), "{end}");
         });
         let client = AsyncSession::connect_cm(&ep, at, keyed(5), SessionConfig::default())
             .await
@@ -611,6 +658,7 @@ fn async_sessions_and_hubs_connect_through_the_connection_manager() {
         let back: Request = client.recv().await.unwrap().decode().unwrap();
         assert_eq!(back, r);
         client.close().await.unwrap();
+        server.await.unwrap();
         // A hub proves no key over rdma_cm: it connects to a keyless listener.
         let plain =
             AsyncListener::bind_cm(&ep, cm_addr(), Config::default(), SessionConfig::default())
@@ -639,6 +687,5 @@ fn async_sessions_and_hubs_connect_through_the_connection_manager() {
         let ev = hub.recv().await.unwrap();
         assert!(matches!(ev, HubEvent::Disconnected { .. }), "{ev:?}");
         served.await.unwrap();
-        drop(server);
     });
 }

@@ -81,6 +81,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct ListenerInner {
     /// `None` only while dropping (see the `Drop` impl).
     listener: Option<AnyListener>,
+    /// The address listened on, read once: a CM listener's lock may be held by a blocking
+    /// task for a while, and this is asked on the runtime's threads.
+    local: SocketAddr,
     config: Config,
     session: SessionConfig,
     /// `None` only while dropping.
@@ -164,9 +167,11 @@ impl AsyncListener {
         let fd = listener
             .fd()
             .map_err(io("duplicating the listener's descriptor"))?;
+        let local = listener.local_addr()?;
         Ok(Self {
             inner: Arc::new(ListenerInner {
                 listener: Some(listener),
+                local,
                 config,
                 session,
                 fd: Some(register(fd).map_err(io("registering the listener with the runtime"))?),
@@ -182,7 +187,7 @@ impl AsyncListener {
 
     /// The address listened on.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.inner.listener().local_addr()?)
+        Ok(self.inner.local)
     }
 
     /// The next client whose handshake completes, as a session (cancel-safe). Clients that

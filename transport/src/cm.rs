@@ -122,6 +122,14 @@ fn check_peer(ours: &Hello, config: &Config, peer: &Hello) -> Result<u32, Reject
     config.limits().check(peer)
 }
 
+/// A keyed request must carry its nonce.
+fn check_request_len(data: &[u8], keyed: bool) -> Result<(), Reject> {
+    if keyed && data.len() < crate::handshake::cm::CM_KEYED_REQUEST_LEN {
+        return Err(Reject::BadValue("nonce"));
+    }
+    Ok(())
+}
+
 /// Waits for the next event of the only id on `channel`, until `deadline`.
 fn next_event(channel: &CmEventChannel, watch: &ReadyWatch, deadline: Instant) -> Result<CmEvent> {
     let started = Instant::now();
@@ -246,9 +254,9 @@ impl Endpoint {
             "connecting",
         )?;
         // A server hello (or proof) we cannot take: dropping the id refuses the connection.
-        check_key_flag(&answer.private_data, config.psk.is_some()).map_err(Error::BadHandshake)?;
         let peer =
             decode_hello(&answer.private_data, answer.peer_qp_num).map_err(Error::BadHandshake)?;
+        check_key_flag(&answer.private_data, config.psk.is_some()).map_err(Error::BadHandshake)?;
         let send_buffers = check_peer(&ours, config, &peer).map_err(Error::BadHandshake)?;
         let proof = config
             .psk
@@ -337,6 +345,8 @@ pub struct CmListener {
 struct Proving {
     conn: Connection,
     check: ProofCheck,
+    /// Send buffers to register once it has.
+    send_buffers: u32,
     deadline: Instant,
 }
 
@@ -349,8 +359,9 @@ struct Accepted {
     peer: Hello,
     config: Config,
     deadline: Instant,
-    /// With a key: what the client's first message must prove.
-    proof: Option<ProofCheck>,
+    /// With a key: what the client's first message must prove, and the send buffers to
+    /// register once it has.
+    proof: Option<(ProofCheck, u32)>,
 }
 
 /// Watch key of the listener's own channel (pending accepts use their descriptor, never 0
@@ -423,7 +434,6 @@ impl CmListener {
             // New requests: checked, set up and accepted at once (nothing in them waits).
             while let Some(ev) = self.channel.next_event()? {
                 if ev.kind == CmEventKind::ConnectRequest {
-                    self.make_room(config.max_pending_handshakes as usize);
                     if let Ok(accepted) = self.start(ev, config) {
                         self.watch
                             .add_keyed(accepted.channel.as_fd(), accepted.key())?;
@@ -516,9 +526,9 @@ impl CmListener {
             match outcome {
                 None => i += 1,
                 Some(proved) => {
-                    let p = proving.swap_remove(i);
+                    let mut p = proving.swap_remove(i);
                     let _ = self.watch.remove(p.conn.as_fd());
-                    if proved {
+                    if proved && p.conn.add_send_buffers(p.send_buffers).is_ok() {
                         return Some(p.conn);
                     }
                 }
@@ -564,7 +574,7 @@ impl CmListener {
                             &config,
                             peer,
                         )?;
-                        let Some(check) = proof else {
+                        let Some((check, send_buffers)) = proof else {
                             return Ok(Some(conn));
                         };
                         // Handed out once its client's first message proves the key.
@@ -572,9 +582,12 @@ impl CmListener {
                         self.lock_proving().push(Proving {
                             conn,
                             check,
+                            send_buffers,
                             deadline,
                         });
-                        return Ok(None);
+                        // The others may be done too: look at them now (an event loop waiting
+                        // on the listener's descriptor is not told twice).
+                        return self.finish_one();
                     }
                 }
             }
@@ -593,8 +606,18 @@ impl CmListener {
         let name = id.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
         let endpoint = &self.endpoint;
         let ours = our_hello(endpoint, config, None);
-        let checked = check_key_flag(&request.private_data, config.psk.is_some())
-            .and_then(|()| decode_hello(&request.private_data, request.peer_qp_num))
+        let keyed = config.psk.is_some();
+        let data = &request.private_data;
+        let checked = decode_hello(data, request.peer_qp_num)
+            .and_then(|peer| {
+                check_key_flag(data, keyed)?;
+                check_request_len(data, keyed)?;
+                // Our reads (and liveness probes) need the peer to serve some.
+                if request.params.responder_resources == 0 {
+                    return Err(Reject::BadValue("read resources"));
+                }
+                Ok(peer)
+            })
             .and_then(|peer| Ok((check_peer(&ours, config, &peer)?, peer)));
         let (send_buffers, peer) = match checked {
             Ok(ok) => ok,
@@ -607,6 +630,8 @@ impl CmListener {
             let _ = id.reject(&encode_reject(Reject::Resources));
             return Err(e);
         }
+        // Only a request that passed its checks takes a place among the waiting ones.
+        self.make_room(config.max_pending_handshakes as usize);
         // Our reads towards the peer are bounded by what its request says it serves.
         let params = ConnParams {
             initiator_depth: endpoint
@@ -617,7 +642,11 @@ impl CmListener {
         let made = (|| -> Result<Setup> {
             let mut setup = Setup::new(endpoint, config)?;
             setup.set_send_buffers(send_buffers);
-            setup.register_send_buffers(endpoint, &peer)?;
+            // With a key, a client that has proved nothing pins no send buffers: they are
+            // registered once its proof is in.
+            if !keyed {
+                setup.register_send_buffers(endpoint, &peer)?;
+            }
             id.ready_qp(&mut setup.qp, &tuning(endpoint, config, Some(params)))?;
             Ok(setup)
         })();
@@ -654,7 +683,7 @@ impl CmListener {
             peer,
             config: config.clone(),
             deadline: deadline_after(Instant::now(), config.handshake_timeout),
-            proof,
+            proof: proof.map(|check| (check, send_buffers)),
         })
     }
 }

@@ -77,9 +77,8 @@ pub struct Config {
     /// a probe, a zero-length RDMA read that the peer's device answers without its process
     /// ([`ConnStats::probes`](crate::ConnStats::probes)); one still unanswered a third later
     /// means the peer is gone, so a dead host is noticed between two thirds of the limit and
-    /// the whole of it. A probe queued behind other requests (a long RDMA read, sends retried
-    /// over a lossy link) completes after them, and is given twice the limit. A peer whose
-    /// queue pair serves no reads is not probed.
+    /// the whole of it. While an RDMA read of ours is under way (a probe behind it completes
+    /// only once all its bytes have come), twice the limit.
     pub keepalive: Option<Duration>,
     /// Longest a sleeping connection goes without polling its queues for an error nothing
     /// woke it for. The verbs specification has an error completion fire even a solicited-only

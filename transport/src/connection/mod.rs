@@ -135,9 +135,10 @@ impl Connection {
                     .map_err(bootstrap_err("enabling TCP keepalive"))?;
             }
         }
-        // The connection manager has no keepalive: a silent peer host is probed instead, by a
-        // read the peer's queue pair must serve.
-        let probe = (matches!(control, Control::Cm(_)) && peer.reads > 0)
+        // The connection manager has no keepalive: a silent peer host is probed instead (by a
+        // read, which every rdmsg peer serves: its hello says so, and the CM's parameters of
+        // a request that offered none were refused).
+        let probe = matches!(control, Control::Cm(_))
             .then_some(config.keepalive)
             .flatten();
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
@@ -198,6 +199,19 @@ impl Connection {
             step_wakeups: 0,
             stall: Stall::default(),
         })
+    }
+
+    /// Registers `n` send buffers of the peer's receive-buffer size and makes them the
+    /// connection's: a keyed CM listener registers them only once its client proved the key.
+    pub(crate) fn add_send_buffers(&mut self, n: u32) -> Result<()> {
+        let size = self.peer.buf_size as usize;
+        let bufs = self
+            .endpoint
+            .pd()
+            .register(n as usize * size, rdmsg_verbs::Access::LOCAL_WRITE)?
+            .chunks(size)?;
+        self.send.free.extend(bufs);
+        Ok(())
     }
 
     /// How the connection was set up.
@@ -642,7 +656,7 @@ impl Connection {
         }
         match self.qp.post_read(into, segments) {
             Ok(id) => {
-                self.core.posted(id, true);
+                self.core.posted_read(id);
                 Ok(ReadPost::Posted(id))
             }
             Err(e)

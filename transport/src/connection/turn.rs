@@ -176,9 +176,8 @@ impl Connection {
                         // The signaled send in flight will tell whether the peer is there.
                         continue;
                     }
-                    let behind = self.qp.send_outstanding() > 0;
                     match self.qp.post_probe() {
-                        Ok(wr_id) => self.core.probe_posted(wr_id, behind),
+                        Ok(wr_id) => self.core.probe_posted(wr_id),
                         Err(e) => self.core.handle_failure(Failure::Local {
                             op: "posting a liveness probe (ibv_post_send)",
                             errno: errno_of(&Error::from(e)),

@@ -66,10 +66,9 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(500);
 /// wait, and so the delay of the connection's end.
 pub(crate) const LAST_WQE_WAIT: Duration = Duration::from_millis(50);
 
-/// Silent probe intervals after which a peer is gone when what was out (the probe, or sends
-/// without room for it) waited behind other requests: a long RDMA read, or sends retried
-/// over a lossy link, complete before it. Twice the keepalive limit; a probe with nothing
-/// ahead of it is given one interval.
+/// Silent probe intervals after which a peer is gone while an RDMA read of ours is under way:
+/// a long one completes (and what follows it) only once all its bytes have come. Twice the
+/// keepalive limit; otherwise a probe is given one interval.
 const SILENT_INTERVALS_BEHIND: u8 = 6;
 
 /// A sender polls its queues at least every this many sends.
@@ -279,8 +278,9 @@ pub(crate) struct Core {
     heard: bool,
     /// Probe intervals in a row without a sign of life.
     silent_intervals: u8,
-    /// The probe out was posted behind other requests of the send queue.
-    probe_behind: bool,
+    /// The last RDMA read posted, until a completion covers it: a probe behind it waits for
+    /// all its bytes.
+    last_read: Option<u64>,
 }
 
 /// Actions waiting for the driver, in order; each at most once.
@@ -339,7 +339,7 @@ impl Core {
             probe_wr: None,
             heard: false,
             silent_intervals: 0,
-            probe_behind: false,
+            last_read: None,
         }
     }
 
@@ -353,7 +353,7 @@ impl Core {
     /// Probes the peer for liveness from `now` on: whenever a whole interval of `every` passes
     /// without a sign of life from it (a receive, or a send it acknowledged), [`Action::Probe`],
     /// so that a live peer's device gives one. A second such interval in a row with the probe
-    /// unanswered (the sixth, if it waited behind other requests), or a probe failed by the
+    /// unanswered (the sixth, while an RDMA read of ours is under way), or a probe failed by the
     /// queue pair's retries, fails the connection with [`Failure::PeerVanished`]. For
     /// connections without a bootstrap stream whose keepalive would tell (rdma_cm's).
     pub(crate) fn probe_every(&mut self, every: Duration, now: Instant) {
@@ -361,12 +361,10 @@ impl Core {
         self.timers.set(Timer::Probe, deadline_after(now, every));
     }
 
-    /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled),
-    /// `behind` other requests still on the send queue.
-    pub(crate) fn probe_posted(&mut self, wr_id: u64, behind: bool) {
+    /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled).
+    pub(crate) fn probe_posted(&mut self, wr_id: u64) {
         self.stats.probes += 1;
         self.probe_wr = Some(wr_id);
-        self.probe_behind = behind;
         self.last_signaled = Some(wr_id);
         // Signaled: its completion retires the unsignaled sends before it.
         self.unsignaled = 0;
@@ -646,6 +644,9 @@ impl Core {
         if self.probe_wr.is_some_and(|id| wr_id >= id) {
             self.probe_wr = None;
         }
+        if self.last_read.is_some_and(|id| wr_id >= id) {
+            self.last_read = None;
+        }
         self.heard |= c.status == WcStatus::Success;
         let close_delivered = c.status == WcStatus::Success
             && matches!(self.phase, Phase::Closing { close_wr: Some(id) } if wr_id >= id);
@@ -801,10 +802,13 @@ impl Core {
                         self.actions.push(Action::Probe);
                     } else {
                         self.silent_intervals = self.silent_intervals.saturating_add(1);
-                        // A probe behind other requests completes after them: a long read
-                        // or a lossy link's retries get more time.
-                        let behind = self.probe_wr.is_none() || self.probe_behind;
-                        let limit = if behind { SILENT_INTERVALS_BEHIND } else { 2 };
+                        // A read under way may move many bytes before what follows it
+                        // completes: it gets more time. Sends are a buffer each.
+                        let limit = if self.last_read.is_some() {
+                            SILENT_INTERVALS_BEHIND
+                        } else {
+                            2
+                        };
                         if self.silent_intervals >= limit {
                             // What was out went unanswered through whole intervals, however
                             // the queue pair retries (rxe takes `retry_cnt` 7 as for ever).
@@ -923,6 +927,12 @@ impl Core {
             || self.unsignaled as usize >= room.unsignaled;
         self.unsignaled = if signaled { 0 } else { self.unsignaled + 1 };
         signaled
+    }
+
+    /// RDMA reads were posted, the last (signaled) as `wr_id`.
+    pub(crate) fn posted_read(&mut self, wr_id: u64) {
+        self.posted(wr_id, true);
+        self.last_read = Some(wr_id);
     }
 
     /// A send (or read) was posted as `wr_id` (the first after [`Core::start_close`] is the

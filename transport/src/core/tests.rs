@@ -583,7 +583,7 @@ fn a_silent_peer_is_probed_once_per_interval_and_never_twice_at_once() {
     // A silent interval: one probe, signaled (the send queue is armed for it).
     c.handle_timeout(t0 + 2 * s);
     assert_eq!(actions(&mut c), [Action::Probe]);
-    c.probe_posted(5, false);
+    c.probe_posted(5);
     assert_eq!(c.send_arm(), ArmMode::Next);
     // Answered within the interval: the peer lives, and the interval after its answer is
     // quiet again.
@@ -599,7 +599,7 @@ fn a_silent_peer_is_probed_once_per_interval_and_never_twice_at_once() {
     assert_eq!(actions(&mut c), []);
     c.handle_timeout(t0 + 4 * s);
     assert_eq!(actions(&mut c), [Action::Probe]);
-    c.probe_posted(6, false);
+    c.probe_posted(6);
     c.handle_send(
         &Completion {
             wr_id: 6,
@@ -627,7 +627,7 @@ fn a_probe_still_unanswered_an_interval_later_is_the_peer_vanished() {
     c.probe_every(s, t0);
     c.handle_timeout(t0 + s);
     assert_eq!(actions(&mut c), [Action::Probe]);
-    c.probe_posted(3, false);
+    c.probe_posted(3);
     c.handle_timeout(t0 + 2 * s);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
     assert_eq!(actions(&mut c), [Action::FailQueuePair]);
@@ -640,8 +640,9 @@ fn a_probe_still_unanswered_an_interval_later_is_the_peer_vanished() {
     c.handle_timeout(t0 + 2 * s);
     assert_eq!(actions(&mut c), [Action::Probe]);
     assert_eq!(c.failure(), None);
-    // A probe behind other requests (a long read, say) gets six intervals.
-    c.probe_posted(4, true);
+    // A probe behind a read under way (a long one, say) gets six intervals.
+    c.posted_read(3);
+    c.probe_posted(4);
     for i in 3..7 {
         c.handle_timeout(t0 + i * s);
         assert_eq!(c.failure(), None, "interval {i}");
@@ -649,15 +650,14 @@ fn a_probe_still_unanswered_an_interval_later_is_the_peer_vanished() {
     c.handle_timeout(t0 + 7 * s);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
     // No room for the probe behind a full send queue whose last (signaled) send goes
-    // unanswered: the same.
+    // unanswered: two intervals, as for a probe.
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.probe_every(s, t0);
     c.posted(11, true);
-    for i in 1..6 {
-        c.handle_timeout(t0 + i * s);
-        assert_eq!(c.failure(), None, "interval {i}");
-    }
-    c.handle_timeout(t0 + 6 * s);
+    c.handle_timeout(t0 + s);
+    assert_eq!(actions(&mut c), [Action::Probe]);
+    assert_eq!(c.failure(), None);
+    c.handle_timeout(t0 + 2 * s);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
 }
 
@@ -670,7 +670,7 @@ fn an_unanswered_probe_is_the_peer_vanished_and_any_other_send_error_says_itself
     };
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.probe_every(Duration::from_secs(1), Instant::now());
-    c.probe_posted(9, false);
+    c.probe_posted(9);
     c.begin_batch([retry(9)]);
     c.handle_send(&retry(9), 9);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
@@ -678,7 +678,7 @@ fn an_unanswered_probe_is_the_peer_vanished_and_any_other_send_error_says_itself
 
     // A send of ours that exhausted its retries, ahead of the probe: that is what failed.
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.probe_posted(9, false);
+    c.probe_posted(9);
     c.begin_batch([retry(8), retry(9)]);
     assert!(matches!(
         c.failure(),

@@ -29,14 +29,16 @@
 //! ```
 //!
 //! The transcript is the request's 54 bytes, the accept's first 54, and both queue pair
-//! numbers (client's, server's; big-endian) as each side learnt them from the CM. `MAC_s` is
+//! numbers (client's, server's; big-endian): each side's own, and the peer's as the CM reported
+//! it (zeros for both where the CM reports none, as iWARP's does). `MAC_s` is
 //! the HMAC-SHA256 of the transcript, `MAC_c` that of the transcript and `MAC_s`, each under
 //! its own label. The client checks `MAC_s` before it completes the connection (a wrong one:
 //! it refuses, and the server's accept fails); the server hands out the connection only once
 //! the first message is `MAC_c`. Fresh nonces on both sides make a recorded exchange useless.
 //! Unlike the TCP handshake, the server makes a queue pair (and its receives) for a client
 //! before it has proved anything: at most `max_pending_handshakes` of them, each for at most
-//! `handshake_timeout`. A side with a key meeting one without is refused
+//! `handshake_timeout`; its send buffers are registered only once the proof is in. The proof
+//! counts as a message received (and sent) in the connection's statistics. A side with a key meeting one without is refused
 //! ([`Reject::KeyMissing`]), a wrong key ([`Reject::BadKey`]) too.
 
 use super::{u32_at, Hello, Psk, Reject, MAC_LEN, VERSION};
@@ -147,6 +149,12 @@ fn transcript(
     if request.len() < CM_KEYED_REQUEST_LEN || accept.len() < CM_KEYED_REQUEST_LEN {
         return Err(Reject::BadValue("nonce"));
     }
+    // iWARP's CM reports no peer queue pair number (0): there both sides sign zeros.
+    let (client_qpn, server_qpn) = if client_qpn == 0 || server_qpn == 0 {
+        (0, 0)
+    } else {
+        (client_qpn, server_qpn)
+    };
     let mut t = Vec::with_capacity(2 * CM_KEYED_REQUEST_LEN + 8);
     t.extend_from_slice(&request[..CM_KEYED_REQUEST_LEN]);
     t.extend_from_slice(&accept[..CM_KEYED_REQUEST_LEN]);
@@ -357,6 +365,11 @@ mod tests {
             check_accept(&key, &request, &plain, 0x11, 0x22),
             Err(Reject::BadValue("server MAC"))
         );
+        // Where the CM reports no peer queue pair number (iWARP), both sides sign zeros.
+        let (zero_accept, zero_check) =
+            encode_accept(&hello(), Some(&key), &request, &ns, 0, 0x22).unwrap();
+        let proof = check_accept(&key, &request, &zero_accept, 0x11, 0).unwrap();
+        assert_eq!(zero_check.unwrap().check(&proof), Ok(()));
         // Without a key the request is the bare hello.
         assert_eq!(encode_request(&hello(), None, &nc).len(), CM_HELLO_LEN);
     }

@@ -281,9 +281,9 @@ impl RawHub {
         let accepted = self.slot(slot).accepted;
         let id = self.slot(slot).id(slot);
         trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
-        // The connection manager has no keepalive: a silent peer host is probed instead, by a
-        // read the peer's queue pair must serve.
-        let probe = (matches!(control, Control::Cm(_)) && peer.reads > 0)
+        // The connection manager has no keepalive: a silent peer host is probed instead (by a
+        // read, which every rdmsg peer serves).
+        let probe = matches!(control, Control::Cm(_))
             .then_some(self.config.conn.keepalive)
             .flatten();
         let conn = &self.config.conn;

@@ -213,10 +213,15 @@ impl RawHub {
         };
         let peer_addr = id.peer_addr();
         let name = peer_addr.map_or_else(|| "?".into(), |a| a.to_string());
-        // A hub proves no key over rdma_cm: a keyed client is refused as keyless.
-        let checked = check_key_flag(&request.private_data, false)
-            .and_then(|()| decode_hello(&request.private_data, request.peer_qp_num))
-            .and_then(|peer| self.check_cm_peer(&peer).map(|()| peer));
+        // A hub proves no key over rdma_cm: a keyed client is refused as keyless. Our reads
+        // (and liveness probes) need the peer to serve some.
+        let checked = decode_hello(&request.private_data, request.peer_qp_num).and_then(|peer| {
+            check_key_flag(&request.private_data, false)?;
+            if request.params.responder_resources == 0 {
+                return Err(Reject::BadValue("read resources"));
+            }
+            self.check_cm_peer(&peer).map(|()| peer)
+        });
         let refused = match checked {
             Err(reason) => Some((reason, Error::BadHandshake(reason))),
             Ok(_) => check_device(&self.endpoint, &id, &name)
@@ -399,9 +404,11 @@ impl RawHub {
             }
             (Stage::Answer, CmEventKind::ConnectResponse) => {
                 // A server hello we cannot take: dropping the id refuses the connection.
-                let peer = check_key_flag(&ev.private_data, false)
-                    .and_then(|()| decode_hello(&ev.private_data, ev.peer_qp_num))
-                    .and_then(|peer| self.check_cm_peer(&peer).map(|()| peer))
+                let peer = decode_hello(&ev.private_data, ev.peer_qp_num)
+                    .and_then(|peer| {
+                        check_key_flag(&ev.private_data, false)?;
+                        self.check_cm_peer(&peer).map(|()| peer)
+                    })
                     .map_err(Error::BadHandshake)?;
                 let books = self.books_for(&peer);
                 let tuning = tuning(&self.endpoint, &self.config.conn, None);

@@ -168,7 +168,7 @@ impl RawHub {
         self.sends_outstanding += link.qp.send_outstanding() - before;
         match posted {
             Ok(id) => {
-                s.core.probe_posted(id, before > 0);
+                s.core.probe_posted(id);
                 let behind = s.core.unsignaled_behind();
                 self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
                 s.unsignaled = behind;

@@ -651,7 +651,7 @@ impl RawHub {
         };
         match link.qp.post_read(into, segments) {
             Ok(id) => {
-                s.core.posted(id, true);
+                s.core.posted_read(id);
                 self.sends_outstanding += need;
                 self.peers_reading += usize::from(s.reads.is_empty());
                 s.reads.push_back((id, need));
