@@ -385,15 +385,7 @@ fn half_connected_client_beside_a_good_one(keyed: bool) {
     next(CmEventKind::ConnectResponse);
     if keyed {
         // Connected, and silent: no proof.
-        let tuning = QpTuning {
-            min_rnr_timer: 12,
-            path_mtu: None,
-            timeout: None,
-            retry_cnt: None,
-            rnr_retry: None,
-            accepting: None,
-        };
-        id.ready_qp(&mut qp, &tuning).unwrap();
+        id.ready_qp(&mut qp, &QpTuning::default()).unwrap();
         id.establish().unwrap();
     }
     // ... and (keyless) no rdma_establish.

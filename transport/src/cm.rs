@@ -122,12 +122,40 @@ fn check_peer(ours: &Hello, config: &Config, peer: &Hello) -> Result<u32, Reject
     config.limits().check(peer)
 }
 
-/// A keyed request must carry its nonce.
-fn check_request_len(data: &[u8], keyed: bool) -> Result<(), Reject> {
+/// The checks of a connection request, for a listener or a hub whose hello is `ours`: the
+/// client's hello (decoded first, so that a foreign client reads as one), a key flag that
+/// agrees with ours and, keyed, the nonce; the read resources our reads and liveness probes
+/// need; then ours against its hello, and our limits. The send buffers to register, and the
+/// client's hello.
+pub(crate) fn check_request(
+    ours: &Hello,
+    config: &Config,
+    request: &CmEvent,
+) -> Result<(u32, Hello), Reject> {
+    let keyed = config.psk.is_some();
+    let data = &request.private_data;
+    let peer = decode_hello(data, request.peer_qp_num)?;
+    check_key_flag(data, keyed)?;
     if keyed && data.len() < crate::handshake::cm::CM_KEYED_REQUEST_LEN {
         return Err(Reject::BadValue("nonce"));
     }
-    Ok(())
+    if request.params.responder_resources == 0 {
+        return Err(Reject::BadValue("read resources"));
+    }
+    Ok((check_peer(ours, config, &peer)?, peer))
+}
+
+/// The checks of a server's answer (its accept) by a client whose hello is `ours`: the
+/// server's hello, a key flag that agrees with ours, ours against its hello, and our limits.
+/// The send buffers to register, and the server's hello.
+pub(crate) fn check_answer(
+    ours: &Hello,
+    config: &Config,
+    answer: &CmEvent,
+) -> Result<(u32, Hello), Reject> {
+    let peer = decode_hello(&answer.private_data, answer.peer_qp_num)?;
+    check_key_flag(&answer.private_data, config.psk.is_some())?;
+    Ok((check_peer(ours, config, &peer)?, peer))
 }
 
 /// Waits for the next event of the only id on `channel`, until `deadline`.
@@ -254,10 +282,8 @@ impl Endpoint {
             "connecting",
         )?;
         // A server hello (or proof) we cannot take: dropping the id refuses the connection.
-        let peer =
-            decode_hello(&answer.private_data, answer.peer_qp_num).map_err(Error::BadHandshake)?;
-        check_key_flag(&answer.private_data, config.psk.is_some()).map_err(Error::BadHandshake)?;
-        let send_buffers = check_peer(&ours, config, &peer).map_err(Error::BadHandshake)?;
+        let (send_buffers, peer) =
+            check_answer(&ours, config, &answer).map_err(Error::BadHandshake)?;
         let proof = config
             .psk
             .as_ref()
@@ -488,7 +514,7 @@ impl CmListener {
                 .min_by_key(|(_, p)| p.deadline)
                 .map(|(i, p)| (p.deadline, i));
             match (oldest_pending, oldest_proving) {
-                (Some((a, i)), Some((b, _))) if a <= b => {
+                (Some((a, i)), b) if b.map_or(true, |(b, _)| a <= b) => {
                     let a = pending.swap_remove(i);
                     let _ = self.watch.remove(a.channel.as_fd());
                 }
@@ -496,11 +522,7 @@ impl CmListener {
                     let p = proving.swap_remove(i);
                     let _ = self.watch.remove(p.conn.as_fd());
                 }
-                (Some((_, i)), None) => {
-                    let a = pending.swap_remove(i);
-                    let _ = self.watch.remove(a.channel.as_fd());
-                }
-                (None, None) => return,
+                _ => return,
             }
         }
     }
@@ -607,19 +629,7 @@ impl CmListener {
         let endpoint = &self.endpoint;
         let ours = our_hello(endpoint, config, None);
         let keyed = config.psk.is_some();
-        let data = &request.private_data;
-        let checked = decode_hello(data, request.peer_qp_num)
-            .and_then(|peer| {
-                check_key_flag(data, keyed)?;
-                check_request_len(data, keyed)?;
-                // Our reads (and liveness probes) need the peer to serve some.
-                if request.params.responder_resources == 0 {
-                    return Err(Reject::BadValue("read resources"));
-                }
-                Ok(peer)
-            })
-            .and_then(|peer| Ok((check_peer(&ours, config, &peer)?, peer)));
-        let (send_buffers, peer) = match checked {
+        let (send_buffers, peer) = match check_request(&ours, config, &request) {
             Ok(ok) => ok,
             Err(reason) => {
                 let _ = id.reject(&encode_reject(reason));

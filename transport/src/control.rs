@@ -12,6 +12,7 @@
 use std::io::Write;
 use std::net::TcpStream;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::time::Duration;
 
 use rdmsg_verbs::{CmEventChannel, CmEventKind, CmId};
 
@@ -73,6 +74,16 @@ pub(crate) enum Control {
 }
 
 impl Control {
+    /// How often a silent peer is probed for a host that may stay silent `keepalive`: never
+    /// over TCP, whose keepalive on the stream tells; over rdma_cm, which has none, every
+    /// [`crate::core::probe_interval`].
+    pub(crate) fn probe_interval(&self, keepalive: Option<Duration>) -> Option<Duration> {
+        match self {
+            Control::Tcp(_) => None,
+            Control::Cm(_) => keepalive.map(crate::core::probe_interval),
+        }
+    }
+
     /// What the peer's side says now (non-blocking).
     pub(crate) fn news(&mut self) -> StreamNews {
         match self {

@@ -135,12 +135,7 @@ impl Connection {
                     .map_err(bootstrap_err("enabling TCP keepalive"))?;
             }
         }
-        // The connection manager has no keepalive: a silent peer host is probed instead (by a
-        // read, which every rdmsg peer serves: its hello says so, and the CM's parameters of
-        // a request that offered none were refused).
-        let probe = matches!(control, Control::Cm(_))
-            .then_some(config.keepalive)
-            .flatten();
+        let probe = control.probe_interval(config.keepalive);
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
         channel.set_nonblocking(true)?;
         let mut waiter = Waiter::new(
@@ -167,8 +162,8 @@ impl Connection {
             peer.initial_credits + extra_credits(config),
         );
         let mut core = Core::new(books, config.signal_every, config.close_timeout);
-        if let Some(limit) = probe {
-            core.probe_every(crate::core::probe_interval(limit), Instant::now());
+        if let Some(every) = probe {
+            core.probe_every(every, Instant::now());
         }
         Ok(Self {
             endpoint: endpoint.clone(),

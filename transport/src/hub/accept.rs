@@ -281,11 +281,7 @@ impl RawHub {
         let accepted = self.slot(slot).accepted;
         let id = self.slot(slot).id(slot);
         trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
-        // The connection manager has no keepalive: a silent peer host is probed instead (by a
-        // read, which every rdmsg peer serves).
-        let probe = matches!(control, Control::Cm(_))
-            .then_some(self.config.conn.keepalive)
-            .flatten();
+        let probe = control.probe_interval(self.config.conn.keepalive);
         let conn = &self.config.conn;
         let caps = side.qp.caps();
         let link = Established {
@@ -300,9 +296,8 @@ impl RawHub {
         let s = self.slot_mut(slot);
         s.phase = Phase::Linked(Box::new(link));
         s.core.link();
-        if let Some(limit) = probe {
-            s.core
-                .probe_every(crate::core::probe_interval(limit), Instant::now());
+        if let Some(every) = probe {
+            s.core.probe_every(every, Instant::now());
         }
         s.announced = true;
         let early = std::mem::take(&mut s.early);

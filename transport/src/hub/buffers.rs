@@ -292,13 +292,18 @@ impl RawHub {
             unreachable!("posting needs a link")
         };
         let posted = send::post(&mut link.qp, &mut self.send, &mut s.core, payload, post);
-        // The hub-wide count of sends left unsignaled follows this queue pair's.
-        let behind = s.core.unsignaled_behind();
-        self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
-        s.unsignaled = behind;
+        self.follow_unsignaled(slot);
         posted.map_err(|e| self.local_failure(slot, "posting a send (ibv_post_send)", e.into()))?;
         self.sends_outstanding += 1;
         Ok(())
+    }
+
+    /// The hub-wide count of sends left unsignaled follows `slot`'s, after a post.
+    pub(super) fn follow_unsignaled(&mut self, slot: usize) {
+        let s = self.slots[slot].as_mut().expect("a live slot");
+        let behind = s.core.unsignaled_behind();
+        self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
+        s.unsignaled = behind;
     }
 
     /// Fails `slot` for the error of a verb it drove, and hands the error back.

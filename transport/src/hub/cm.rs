@@ -15,10 +15,13 @@ use rdmsg_verbs::{deadline_after, CmEvent, CmEventChannel, CmEventKind, CmId, Co
 
 use super::slots::{HubSide, Phase};
 use super::{PeerId, RawHub, RawHubEvent};
-use crate::cm::{check_device, cm_failure, conn_params, refuse_psk, socket_addr, tuning, WAIT_CM};
+use crate::cm::{
+    check_answer, check_device, check_request, cm_failure, conn_params, refuse_psk, socket_addr,
+    tuning, WAIT_CM,
+};
 use crate::control::{CmLink, Control};
 use crate::error::{Error, Result, TimedOut};
-use crate::handshake::cm::{check_key_flag, decode_hello, encode_hello, encode_reject};
+use crate::handshake::cm::{encode_hello, encode_reject};
 use crate::handshake::{Hello, Reject};
 use crate::token::Token;
 use crate::trace;
@@ -213,15 +216,10 @@ impl RawHub {
         };
         let peer_addr = id.peer_addr();
         let name = peer_addr.map_or_else(|| "?".into(), |a| a.to_string());
-        // A hub proves no key over rdma_cm: a keyed client is refused as keyless. Our reads
-        // (and liveness probes) need the peer to serve some.
-        let checked = decode_hello(&request.private_data, request.peer_qp_num).and_then(|peer| {
-            check_key_flag(&request.private_data, false)?;
-            if request.params.responder_resources == 0 {
-                return Err(Reject::BadValue("read resources"));
-            }
-            self.check_cm_peer(&peer).map(|()| peer)
-        });
+        // A hub proves no key over rdma_cm (`listen_cm` refused one): a keyed client is
+        // refused as keyless.
+        let checked =
+            check_request(&self.hello(None), &self.config.conn, &request).map(|(_, peer)| peer);
         let refused = match checked {
             Err(reason) => Some((reason, Error::BadHandshake(reason))),
             Ok(_) => check_device(&self.endpoint, &id, &name)
@@ -318,12 +316,6 @@ impl RawHub {
         Ok(())
     }
 
-    /// Our hello's checks of a peer's, and our limits.
-    fn check_cm_peer(&self, peer: &Hello) -> Result<(), Reject> {
-        self.hello(None).check_peer(peer)?;
-        self.config.conn.limits().check(peer).map(|_| ())
-    }
-
     fn start_cm_handshake(&mut self, slot: usize, pending: CmPending) -> Result<()> {
         self.watch_handshake(slot, pending.channel.as_fd())?;
         self.slot_mut(slot).phase = Phase::CmHandshake(Box::new(pending));
@@ -404,11 +396,7 @@ impl RawHub {
             }
             (Stage::Answer, CmEventKind::ConnectResponse) => {
                 // A server hello we cannot take: dropping the id refuses the connection.
-                let peer = decode_hello(&ev.private_data, ev.peer_qp_num)
-                    .and_then(|peer| {
-                        check_key_flag(&ev.private_data, false)?;
-                        self.check_cm_peer(&peer).map(|()| peer)
-                    })
+                let (_, peer) = check_answer(&self.hello(None), &self.config.conn, ev)
                     .map_err(Error::BadHandshake)?;
                 let books = self.books_for(&peer);
                 let tuning = tuning(&self.endpoint, &self.config.conn, None);

@@ -169,9 +169,7 @@ impl RawHub {
         match posted {
             Ok(id) => {
                 s.core.probe_posted(id);
-                let behind = s.core.unsignaled_behind();
-                self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
-                s.unsignaled = behind;
+                self.follow_unsignaled(slot);
             }
             Err(e) => s.core.handle_failure(crate::error::Failure::Local {
                 op: "posting a liveness probe (ibv_post_send)",

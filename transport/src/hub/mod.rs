@@ -585,9 +585,7 @@ impl RawHub {
                 Ok(id) => {
                     s.core.posted(id, true);
                     self.sends_outstanding += 1;
-                    let behind = s.core.unsignaled_behind();
-                    self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
-                    s.unsignaled = behind;
+                    self.follow_unsignaled(slot);
                 }
                 Err(e) => {
                     return Err(self.local_failure(
