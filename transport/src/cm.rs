@@ -77,13 +77,9 @@ fn cm_nonce() -> Result<[u8; CM_NONCE_LEN]> {
 
 /// What rdmsg sets itself on a CM queue pair: the transport's path parameters, as the TCP
 /// bootstrap sets them.
-pub(crate) fn tuning(
-    endpoint: &Endpoint,
-    config: &Config,
-    accepting: Option<ConnParams>,
-) -> QpTuning {
+pub(crate) fn tuning(endpoint: &Endpoint, config: &Config, reads: Option<ConnParams>) -> QpTuning {
     QpTuning {
-        accepting,
+        reads,
         min_rnr_timer: config.path.min_rnr_timer,
         path_mtu: Some(endpoint.path_mtu(&config.path)),
         timeout: Some(config.path.timeout),
@@ -139,9 +135,7 @@ pub(crate) fn check_request(
     if keyed && data.len() < crate::handshake::cm::CM_KEYED_REQUEST_LEN {
         return Err(Reject::BadValue("nonce"));
     }
-    if request.params.responder_resources == 0 {
-        return Err(Reject::BadValue("read resources"));
-    }
+    check_reads(&request.params)?;
     Ok((check_peer(ours, config, &peer)?, peer))
 }
 
@@ -155,7 +149,34 @@ pub(crate) fn check_answer(
 ) -> Result<(u32, Hello), Reject> {
     let peer = decode_hello(&answer.private_data, answer.peer_qp_num)?;
     check_key_flag(&answer.private_data, config.psk.is_some())?;
+    check_reads(&answer.params)?;
     Ok((check_peer(ours, config, &peer)?, peer))
+}
+
+/// The peer must serve at least one read of ours, on either side: our liveness probes are
+/// reads, and one the peer does not serve would block the send queue behind it and read as
+/// the peer vanished.
+fn check_reads(peer: &ConnParams) -> Result<(), Reject> {
+    if peer.initiator_depth == 0 {
+        return Err(Reject::BadValue("read resources"));
+    }
+    Ok(())
+}
+
+/// The reads each way over a CM connection, on either side, from the peer's parameters (a
+/// request's or an accept's, as the CM reports them: from our side): we issue no more reads
+/// than the peer serves and serve what we announced, each within this device's limits
+/// whatever the peer says.
+pub(crate) fn read_params(endpoint: &Endpoint, config: &Config, peer: &ConnParams) -> ConnParams {
+    reads_within(conn_params(endpoint, config), peer)
+}
+
+/// `ours`, issuing no more reads than `peer` serves.
+fn reads_within(ours: ConnParams, peer: &ConnParams) -> ConnParams {
+    ConnParams {
+        initiator_depth: ours.initiator_depth.min(peer.initiator_depth),
+        ..ours
+    }
 }
 
 /// Waits for the next event of the only id on `channel`, until `deadline`.
@@ -300,7 +321,8 @@ impl Endpoint {
             .map_err(Error::BadHandshake)?;
         setup.set_send_buffers(send_buffers);
         setup.register_send_buffers(self, &peer)?;
-        id.ready_qp(&mut setup.qp, &tuning(self, config, None))?;
+        let params = read_params(self, config, &answer.params);
+        id.ready_qp(&mut setup.qp, &tuning(self, config, Some(params)))?;
         id.establish()?;
         let mut conn = Connection::establish(
             self,
@@ -642,13 +664,7 @@ impl CmListener {
         }
         // Only a request that passed its checks takes a place among the waiting ones.
         self.make_room(config.max_pending_handshakes as usize);
-        // Our reads towards the peer are bounded by what its request says it serves.
-        let params = ConnParams {
-            initiator_depth: endpoint
-                .reads_served()
-                .min(request.params.responder_resources),
-            ..conn_params(endpoint, config)
-        };
+        let params = read_params(endpoint, config, &request.params);
         let made = (|| -> Result<Setup> {
             let mut setup = Setup::new(endpoint, config)?;
             setup.set_send_buffers(send_buffers);
@@ -709,5 +725,45 @@ impl Accepted {
     fn key(&self) -> u64 {
         use std::os::fd::AsRawFd;
         self.channel.as_raw_fd() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(serves: u8, asks: u8) -> ConnParams {
+        // As the CM reports a peer's: from our side.
+        ConnParams {
+            initiator_depth: serves,
+            responder_resources: asks,
+            ..ConnParams::default()
+        }
+    }
+
+    #[test]
+    fn a_peer_that_serves_no_read_is_refused_on_either_side() {
+        // A request's and an answer's parameters are checked by the same rule: a peer that
+        // serves no read would leave our first liveness probe blocking the send queue.
+        assert_eq!(
+            check_reads(&params(0, 16)),
+            Err(Reject::BadValue("read resources"))
+        );
+        // One that asks for none of ours is fine: it issues no reads.
+        assert_eq!(check_reads(&params(1, 0)), Ok(()));
+    }
+
+    #[test]
+    fn reads_follow_the_peer_only_within_our_own_limits() {
+        let ours = params(16, 16);
+        // A server that says it serves 255 reads does not raise ours beyond our device's.
+        let capped = reads_within(ours, &params(255, 255));
+        assert_eq!(
+            (capped.initiator_depth, capped.responder_resources),
+            (16, 16)
+        );
+        // One that serves 2 gets at most 2 of ours in flight; we still serve what we said.
+        let fewer = reads_within(ours, &params(2, 64));
+        assert_eq!((fewer.initiator_depth, fewer.responder_resources), (2, 16));
     }
 }

@@ -314,11 +314,13 @@ pub struct QpTuning {
     pub retry_cnt: Option<u8>,
     /// RNR retries (7: for ever). Default: the CM's (the connect's `rnr_retry_count`).
     pub rnr_retry: Option<u8>,
-    /// The passive side's accept parameters, which bound its reads both ways as
-    /// `rdma_accept` announces them (`max_dest_rd_atomic` from `responder_resources`,
-    /// `max_rd_atomic` from `initiator_depth`); before the accept, the CM computes them from
-    /// the request instead. `None` on the active side, where the CM's come from the accept.
-    pub accepting: Option<ConnParams>,
+    /// The reads each way (`max_dest_rd_atomic` from `responder_resources`, `max_rd_atomic`
+    /// from `initiator_depth`): on the passive side its accept parameters, as `rdma_accept`
+    /// announces them (before the accept the CM would compute them from the request); on
+    /// the active side, the accept's capped by what this side can do. `None`: the CM's,
+    /// which on the active side follow the accept as it is, even beyond this device's
+    /// limits.
+    pub reads: Option<ConnParams>,
 }
 
 impl Default for QpTuning {
@@ -329,7 +331,7 @@ impl Default for QpTuning {
             timeout: None,
             retry_cnt: None,
             rnr_retry: None,
-            accepting: None,
+            reads: None,
         }
     }
 }
@@ -350,7 +352,9 @@ pub struct CmEvent {
     /// the transport's size (a request's is always 56 bytes on IB and RoCE): a format that
     /// needs a length must carry it.
     pub private_data: Vec<u8>,
-    /// The peer's connection parameters (a request's or an accept's).
+    /// The peer's connection parameters (a request's or an accept's), as the CM reports them:
+    /// from this side, so `initiator_depth` is the reads the peer serves (its responder
+    /// resources) and `responder_resources` the reads it may ask of us (its initiator depth).
     pub params: ConnParams,
     /// The peer's queue pair number (a request's or an accept's; 0 otherwise).
     pub peer_qp_num: u32,
@@ -576,7 +580,7 @@ impl CmId {
         let (mut attr, mut mask) = self.qp_attr(QpState::Rtr)?;
         attr.min_rnr_timer = tuning.min_rnr_timer;
         mask |= m::IBV_QP_MIN_RNR_TIMER.0;
-        if let Some(p) = &tuning.accepting {
+        if let Some(p) = &tuning.reads {
             attr.max_dest_rd_atomic = p.responder_resources;
             mask |= m::IBV_QP_MAX_DEST_RD_ATOMIC.0;
         }
@@ -588,7 +592,7 @@ impl CmId {
         }
         qp.modify_from_cm(&mut attr, mask, QpState::Rtr)?;
         let (mut attr, mut mask) = self.qp_attr(QpState::Rts)?;
-        if let Some(p) = &tuning.accepting {
+        if let Some(p) = &tuning.reads {
             attr.max_rd_atomic = p.initiator_depth;
             mask |= m::IBV_QP_MAX_QP_RD_ATOMIC.0;
         }

@@ -528,11 +528,11 @@ fn server(o: &Options) -> Result<()> {
     let params = ConnParams {
         initiator_depth: ConnParams::default()
             .initiator_depth
-            .min(request_params.responder_resources),
+            .min(request_params.initiator_depth),
         ..ConnParams::default()
     };
     let tuning = QpTuning {
-        accepting: Some(params),
+        reads: Some(params),
         ..QpTuning::default()
     };
     id.ready_qp(&mut link.qp, &tuning)?;

@@ -16,8 +16,8 @@ use rdmsg_verbs::{deadline_after, CmEvent, CmEventChannel, CmEventKind, CmId, Co
 use super::slots::{HubSide, Phase};
 use super::{PeerId, RawHub, RawHubEvent};
 use crate::cm::{
-    check_answer, check_device, check_request, cm_failure, conn_params, refuse_psk, socket_addr,
-    tuning, WAIT_CM,
+    check_answer, check_device, check_request, cm_failure, conn_params, read_params, refuse_psk,
+    socket_addr, tuning, WAIT_CM,
 };
 use crate::control::{CmLink, Control};
 use crate::error::{Error, Result, TimedOut};
@@ -279,14 +279,7 @@ impl RawHub {
             self.stats.handshakes_failed += 1;
             return;
         }
-        // Our reads towards the peer are bounded by what its request says it serves.
-        let params = ConnParams {
-            initiator_depth: self
-                .endpoint
-                .reads_served()
-                .min(request.params.responder_resources),
-            ..conn_params(&self.endpoint, &self.config.conn)
-        };
+        let params = read_params(&self.endpoint, &self.config.conn, &request.params);
         if let Err(e) = self.accept_cm(slot, peer, &params) {
             if let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase {
                 let _ = p.id.reject(&encode_reject(Reject::Resources));
@@ -399,7 +392,8 @@ impl RawHub {
                 let (_, peer) = check_answer(&self.hello(None), &self.config.conn, ev)
                     .map_err(Error::BadHandshake)?;
                 let books = self.books_for(&peer);
-                let tuning = tuning(&self.endpoint, &self.config.conn, None);
+                let params = read_params(&self.endpoint, &self.config.conn, &ev.params);
+                let tuning = tuning(&self.endpoint, &self.config.conn, Some(params));
                 let side = p.side.as_mut().expect("connecting with a queue pair");
                 side.peer = Some(peer);
                 p.id.ready_qp(&mut side.qp, &tuning)?;

@@ -111,8 +111,7 @@ impl RawHub {
         let before = qp.send_outstanding();
         let mut reads = Vec::new();
         qp.complete_send_split(wc, &mut self.send.free, &mut reads);
-        let outstanding = qp.send_outstanding();
-        self.sends_outstanding -= before - outstanding;
+        self.send_cq.follow(before, qp.send_outstanding());
         for (id, _) in &reads {
             if let Some(i) = s.reads.iter().position(|(r, _)| r == id) {
                 let (_, wrs) = s.reads.remove(i).expect("found");
@@ -163,9 +162,7 @@ impl RawHub {
         };
         let before = link.qp.send_outstanding();
         let posted = link.qp.post_probe();
-        // Counted as the queue pair counts it: a failed post the provider did not point at
-        // may have gone, and is retired like any other.
-        self.sends_outstanding += link.qp.send_outstanding() - before;
+        self.send_cq.follow(before, link.qp.send_outstanding());
         match posted {
             Ok(id) => {
                 s.core.probe_posted(id);

@@ -125,9 +125,8 @@ pub struct RawHub {
     pool: RecvPool,
     send: SendBuffers,
     send_bytes: u64,
-    /// Sends posted and not yet retired, all queue pairs: bounded by the send CQ's size.
-    sends_outstanding: usize,
-    send_cq_entries: usize,
+    /// The send CQ's entries, and the requests of all queue pairs that may fill them.
+    send_cq: buffers::SendCqUse,
     slots: Vec<Option<Slot>>,
     free_slots: Vec<usize>,
     next_generation: u32,
@@ -239,11 +238,10 @@ impl RawHub {
             key_group: Vec::new(),
             group_size,
             pool,
-            sends_outstanding: 0,
             read_wrs: 0,
             peers_reading: 0,
             sq_reserve: 0,
-            send_cq_entries: send_cq_entries as usize,
+            send_cq: buffers::SendCqUse::new(send_cq_entries as usize),
             slots: Vec::new(),
             free_slots: Vec::new(),
             next_generation: 1,
@@ -581,10 +579,12 @@ impl RawHub {
             let Phase::Linked(link) = &mut s.phase else {
                 unreachable!("a send could go");
             };
-            match link.qp.bind(w) {
+            let before = link.qp.send_outstanding();
+            let bound = link.qp.bind(w);
+            self.send_cq.follow(before, link.qp.send_outstanding());
+            match bound {
                 Ok(id) => {
                     s.core.posted(id, true);
-                    self.sends_outstanding += 1;
                     self.follow_unsignaled(slot);
                 }
                 Err(e) => {
@@ -647,10 +647,12 @@ impl RawHub {
         let Phase::Linked(link) = &mut s.phase else {
             return Ok(ReadPost::Busy(into));
         };
-        match link.qp.post_read(into, segments) {
+        let before = link.qp.send_outstanding();
+        let posted = link.qp.post_read(into, segments);
+        self.send_cq.follow(before, link.qp.send_outstanding());
+        match posted {
             Ok(id) => {
                 s.core.posted_read(id);
-                self.sends_outstanding += need;
                 self.peers_reading += usize::from(s.reads.is_empty());
                 s.reads.push_back((id, need));
                 self.read_wrs += need;
@@ -662,7 +664,6 @@ impl RawHub {
                 Err(e.error.into())
             }
             Err(e) => {
-                self.sends_outstanding += e.posted;
                 Err(self.local_failure(slot, "posting a read (ibv_post_send)", e.error.into()))
             }
         }
@@ -675,7 +676,7 @@ impl RawHub {
     fn read_room(&self, slot: usize, need: usize) -> bool {
         let own: usize = self.slot(slot).reads.iter().map(|(_, n)| n).sum();
         fair_read_room(
-            self.send_cq_entries,
+            self.send_cq.entries(),
             self.read_wrs,
             self.peers_reading,
             own,
@@ -823,7 +824,7 @@ impl RawHub {
             (s.recv_buffers as u64) * u64::from(self.config.conn.buf_size) + self.send_bytes;
         s.spare_buffers = self.groups.iter().map(|g| g.share.spare()).sum();
         s.recv_groups = self.groups.len() as u32;
-        s.sends_outstanding = self.sends_outstanding;
+        s.sends_outstanding = self.send_cq.outstanding();
         s.send_buffers_free = self.send.free.len();
         s
     }

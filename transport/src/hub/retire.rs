@@ -115,7 +115,7 @@ impl RawHub {
             };
             // Destroyed or not (a failed destruction leaks them with the queue pair), its
             // sends no longer count.
-            self.sends_outstanding -= outstanding;
+            self.send_cq.follow(outstanding, 0);
             if !s.reads.is_empty() {
                 self.read_wrs -= s.reads.drain(..).map(|(_, n)| n).sum::<usize>();
                 self.peers_reading -= 1;
