@@ -13,7 +13,7 @@
 
 use std::fmt;
 use std::io;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::os::fd::AsFd;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -30,7 +30,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Result, TimedOut};
 use crate::handshake::cm::{
     check_accept, check_key_flag, decode_hello, decode_reject, encode_accept, encode_reject,
-    encode_request, ProofCheck, CM_NONCE_LEN,
+    encode_request, Ends, ProofCheck, CM_NONCE_LEN,
 };
 use crate::handshake::{Hello, Reject};
 use crate::setup::{our_hello, Setup};
@@ -95,6 +95,12 @@ pub(crate) fn conn_params(endpoint: &Endpoint, config: &Config) -> ConnParams {
         retry_count: config.path.retry_cnt.min(7),
         rnr_retry_count: config.path.rnr_retry.min(7),
     }
+}
+
+/// The IP address of a CM id's end, for the key's transcript (unspecified where the CM
+/// reports none).
+fn ip_of(addr: Option<SocketAddr>) -> IpAddr {
+    addr.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip())
 }
 
 /// The device the CM bound `id` to must be the endpoint's: the queue pair is created there.
@@ -313,8 +319,12 @@ impl Endpoint {
                     k,
                     &request,
                     &answer.private_data,
-                    setup.qp.qp_num(),
-                    answer.peer_qp_num,
+                    &Ends {
+                        client_qpn: setup.qp.qp_num(),
+                        server_qpn: answer.peer_qp_num,
+                        client_ip: ip_of(id.local_addr()),
+                        server_ip: dst.ip(),
+                    },
                 )
             })
             .transpose()
@@ -692,8 +702,12 @@ impl CmListener {
             config.psk.as_ref(),
             &request.private_data,
             &cm_nonce()?,
-            request.peer_qp_num,
-            setup.qp.qp_num(),
+            &Ends {
+                client_qpn: request.peer_qp_num,
+                server_qpn: setup.qp.qp_num(),
+                client_ip: ip_of(id.peer_addr()),
+                server_ip: ip_of(id.local_addr()),
+            },
         ) {
             Ok(a) => a,
             Err(reason) => {

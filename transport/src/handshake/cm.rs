@@ -28,9 +28,12 @@
 //! first message over the queue pair, client to server: MAC_c (32)
 //! ```
 //!
-//! The transcript is the request's 54 bytes, the accept's first 54, and both queue pair
-//! numbers (client's, server's; big-endian): each side's own, and the peer's as the CM reported
-//! it (zeros for both where the CM reports none, as iWARP's does). `MAC_s` is
+//! The transcript is the request's 54 bytes, the accept's first 54, both queue pair numbers
+//! (client's, server's; big-endian) and both IP addresses (client's, server's; 16 bytes each,
+//! IPv4 as IPv4-mapped IPv6): each side's own, and the peer's as the CM reported it (zeros for
+//! both numbers where the CM reports none, as iWARP's does). Queue pair numbers alone are
+//! 24 bits and sequential on some devices; the addresses bind the exchange to the two hosts
+//! the route joins. `MAC_s` is
 //! the HMAC-SHA256 of the transcript, `MAC_c` that of the transcript and `MAC_s`, each under
 //! its own label. The client checks `MAC_s` before it completes the connection (a wrong one:
 //! it refuses, and the server's accept fails); the server hands out the connection only once
@@ -40,6 +43,8 @@
 //! `handshake_timeout`; its send buffers are registered only once the proof is in. The proof
 //! counts as a message received (and sent) in the connection's statistics. A side with a key meeting one without is refused
 //! ([`Reject::KeyMissing`]), a wrong key ([`Reject::BadKey`]) too.
+
+use std::net::IpAddr;
 
 use super::{u32_at, Hello, Psk, Reject, MAC_LEN, VERSION};
 use crate::addr::QpAddress;
@@ -138,28 +143,48 @@ pub fn encode_request(hello: &Hello, psk: Option<&Psk>, nonce: &[u8; CM_NONCE_LE
     b
 }
 
-/// The transcript both sides sign: the keyed request and accept (MACs left out), and both
-/// queue pair numbers.
-fn transcript(
-    request: &[u8],
-    accept: &[u8],
-    client_qpn: u32,
-    server_qpn: u32,
-) -> Result<Vec<u8>, Reject> {
+/// The two ends of a CM connection as the transcript binds them: each side's own queue pair
+/// number and address, and the peer's as the CM reported them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ends {
+    /// The client's queue pair number.
+    pub client_qpn: u32,
+    /// The server's queue pair number.
+    pub server_qpn: u32,
+    /// The client's IP address (unspecified where the CM reports none).
+    pub client_ip: IpAddr,
+    /// The server's IP address (unspecified where the CM reports none).
+    pub server_ip: IpAddr,
+}
+
+/// An address as the transcript signs it: IPv4 as IPv4-mapped IPv6, so that either form of
+/// one address signs alike.
+fn ip_bytes(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+        IpAddr::V6(a) => a.octets(),
+    }
+}
+
+/// The transcript both sides sign: the keyed request and accept (MACs left out), both queue
+/// pair numbers and both addresses.
+fn transcript(request: &[u8], accept: &[u8], ends: &Ends) -> Result<Vec<u8>, Reject> {
     if request.len() < CM_KEYED_REQUEST_LEN || accept.len() < CM_KEYED_REQUEST_LEN {
         return Err(Reject::BadValue("nonce"));
     }
     // iWARP's CM reports no peer queue pair number (0): there both sides sign zeros.
-    let (client_qpn, server_qpn) = if client_qpn == 0 || server_qpn == 0 {
+    let (client_qpn, server_qpn) = if ends.client_qpn == 0 || ends.server_qpn == 0 {
         (0, 0)
     } else {
-        (client_qpn, server_qpn)
+        (ends.client_qpn, ends.server_qpn)
     };
-    let mut t = Vec::with_capacity(2 * CM_KEYED_REQUEST_LEN + 8);
+    let mut t = Vec::with_capacity(2 * CM_KEYED_REQUEST_LEN + 8 + 32);
     t.extend_from_slice(&request[..CM_KEYED_REQUEST_LEN]);
     t.extend_from_slice(&accept[..CM_KEYED_REQUEST_LEN]);
     t.extend_from_slice(&client_qpn.to_be_bytes());
     t.extend_from_slice(&server_qpn.to_be_bytes());
+    t.extend_from_slice(&ip_bytes(ends.client_ip));
+    t.extend_from_slice(&ip_bytes(ends.server_ip));
     Ok(t)
 }
 
@@ -195,8 +220,7 @@ pub fn encode_accept(
     psk: Option<&Psk>,
     request: &[u8],
     nonce: &[u8; CM_NONCE_LEN],
-    client_qpn: u32,
-    server_qpn: u32,
+    ends: &Ends,
 ) -> Result<(Vec<u8>, Option<ProofCheck>), Reject> {
     let mut b = encode_hello(hello).to_vec();
     let Some(k) = psk else {
@@ -204,7 +228,7 @@ pub fn encode_accept(
     };
     b[6] |= FLAG_PSK;
     b.extend_from_slice(nonce);
-    let mut signed = transcript(request, &b, client_qpn, server_qpn)?;
+    let mut signed = transcript(request, &b, ends)?;
     let mac_s = k.mac(LABEL_CM_SERVER, &[&signed]);
     b.extend_from_slice(&mac_s);
     signed.extend_from_slice(&mac_s);
@@ -223,13 +247,12 @@ pub fn check_accept(
     psk: &Psk,
     request: &[u8],
     accept: &[u8],
-    client_qpn: u32,
-    server_qpn: u32,
+    ends: &Ends,
 ) -> Result<[u8; MAC_LEN], Reject> {
     if accept.len() < CM_KEYED_ACCEPT_LEN {
         return Err(Reject::BadValue("server MAC"));
     }
-    let t = transcript(request, accept, client_qpn, server_qpn)?;
+    let t = transcript(request, accept, ends)?;
     let mac_s = &accept[CM_KEYED_REQUEST_LEN..CM_KEYED_ACCEPT_LEN];
     if !psk.verify(LABEL_CM_SERVER, &[&t], mac_s) {
         return Err(Reject::BadKey);
@@ -315,6 +338,15 @@ mod tests {
         assert!(decode_hello(&good, 1 << 24).is_err());
     }
 
+    fn ends(client_qpn: u32, server_qpn: u32) -> Ends {
+        Ends {
+            client_qpn,
+            server_qpn,
+            client_ip: "10.0.0.1".parse().unwrap(),
+            server_ip: "10.0.0.2".parse().unwrap(),
+        }
+    }
+
     fn hello_with_qpn(qpn: u32) -> Hello {
         let mut h = hello();
         h.addr.qpn = qpn;
@@ -322,7 +354,7 @@ mod tests {
     }
 
     #[test]
-    fn a_keyed_exchange_proves_both_sides_and_binds_nonces_and_queue_pairs() {
+    fn a_keyed_exchange_proves_both_sides_and_binds_nonces_queue_pairs_and_addresses() {
         let key = Psk::new(vec![7; 32]);
         let (nc, ns) = ([1; CM_NONCE_LEN], [2; CM_NONCE_LEN]);
         let mut request = encode_request(&hello(), Some(&key), &nc);
@@ -331,44 +363,68 @@ mod tests {
         request.resize(rdmsg_verbs::CONNECT_PRIVATE_DATA_MAX, 0);
         assert_eq!(check_key_flag(&request, true), Ok(()));
         let (mut accept, check) =
-            encode_accept(&hello(), Some(&key), &request, &ns, 0x11, 0x22).unwrap();
+            encode_accept(&hello(), Some(&key), &request, &ns, &ends(0x11, 0x22)).unwrap();
         assert_eq!(accept.len(), CM_KEYED_ACCEPT_LEN);
         accept.resize(rdmsg_verbs::ACCEPT_PRIVATE_DATA_MAX, 0);
         let check = check.expect("a keyed accept has a proof to check");
-        let proof = check_accept(&key, &request, &accept, 0x11, 0x22).unwrap();
+        let proof = check_accept(&key, &request, &accept, &ends(0x11, 0x22)).unwrap();
         assert_eq!(check.check(&proof), Ok(()));
         // A wrong key, either way.
         let other = Psk::new(vec![8; 32]);
         assert_eq!(
-            check_accept(&other, &request, &accept, 0x11, 0x22),
+            check_accept(&other, &request, &accept, &ends(0x11, 0x22)),
             Err(Reject::BadKey)
         );
-        let (_, forged) = encode_accept(&hello(), Some(&other), &request, &ns, 0x11, 0x22).unwrap();
+        let (_, forged) =
+            encode_accept(&hello(), Some(&other), &request, &ns, &ends(0x11, 0x22)).unwrap();
         assert_eq!(forged.unwrap().check(&proof), Err(Reject::BadKey));
         // Another queue pair, nonce, or a truncated or empty proof: refused.
         assert_eq!(
-            check_accept(&key, &request, &accept, 0x11, 0x23),
+            check_accept(&key, &request, &accept, &ends(0x11, 0x23)),
             Err(Reject::BadKey)
         );
         let mut replayed = request.clone();
         replayed[CM_HELLO_LEN] ^= 1;
         assert_eq!(
-            check_accept(&key, &replayed, &accept, 0x11, 0x22),
+            check_accept(&key, &replayed, &accept, &ends(0x11, 0x22)),
             Err(Reject::BadKey)
         );
         assert_eq!(check.check(&proof[..31]), Err(Reject::BadKey));
         assert_eq!(check.check(b""), Err(Reject::BadKey));
         // An unkeyed accept where a keyed one is due is too short to check.
-        let (plain, none) = encode_accept(&hello(), None, &request, &ns, 0x11, 0x22).unwrap();
+        let (plain, none) =
+            encode_accept(&hello(), None, &request, &ns, &ends(0x11, 0x22)).unwrap();
         assert!(none.is_none());
         assert_eq!(
-            check_accept(&key, &request, &plain, 0x11, 0x22),
+            check_accept(&key, &request, &plain, &ends(0x11, 0x22)),
             Err(Reject::BadValue("server MAC"))
         );
+        // Another host at either end, whatever the queue pair numbers: refused.
+        for other in [
+            Ends {
+                client_ip: "10.0.0.9".parse().unwrap(),
+                ..ends(0x11, 0x22)
+            },
+            Ends {
+                server_ip: "10.0.0.9".parse().unwrap(),
+                ..ends(0x11, 0x22)
+            },
+        ] {
+            assert_eq!(
+                check_accept(&key, &request, &accept, &other),
+                Err(Reject::BadKey)
+            );
+        }
+        // One address in either form signs alike.
+        let mapped = Ends {
+            client_ip: "::ffff:10.0.0.1".parse().unwrap(),
+            ..ends(0x11, 0x22)
+        };
+        assert_eq!(check_accept(&key, &request, &accept, &mapped), Ok(proof));
         // Where the CM reports no peer queue pair number (iWARP), both sides sign zeros.
         let (zero_accept, zero_check) =
-            encode_accept(&hello(), Some(&key), &request, &ns, 0, 0x22).unwrap();
-        let proof = check_accept(&key, &request, &zero_accept, 0x11, 0).unwrap();
+            encode_accept(&hello(), Some(&key), &request, &ns, &ends(0, 0x22)).unwrap();
+        let proof = check_accept(&key, &request, &zero_accept, &ends(0x11, 0)).unwrap();
         assert_eq!(zero_check.unwrap().check(&proof), Ok(()));
         // Without a key the request is the bare hello.
         assert_eq!(encode_request(&hello(), None, &nc).len(), CM_HELLO_LEN);
