@@ -370,6 +370,101 @@ fn a_silent_client_does_not_hold_up_the_others() {
     drop(silent);
 }
 
+/// A client that stops after the hub connected its queue pair (issue 40, item 4): the
+/// failed handshake's queue pair, attached to the shared receive queue, goes through the error
+/// state and the drain (the device's last-WQE event, or a short wait for it: rxe never sends
+/// it) before it is destroyed, as a linked one does, so that no receive the device took for it
+/// vanishes while the books count it posted. Before, it was destroyed at once.
+#[test]
+#[ignore = "device"]
+fn a_failed_handshake_drains_its_queue_pair_before_destroying_it() {
+    use std::io::{Read, Write};
+
+    use rdmsg_transport::handshake::{Handshake, Hello, Limits, NONCE_LEN, VERSION};
+    let ep = endpoint();
+    let mut cfg = HubConfig::default();
+    cfg.conn.handshake_timeout = Duration::from_secs(1);
+    let mut server = RawHub::new(&ep, cfg).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let hello = Hello {
+        version: VERSION,
+        addr: rdmsg_transport::QpAddress {
+            lid: 0,
+            qpn: 1,
+            psn: 1,
+            gid: ep.gid(),
+        },
+        mtu: ep.path_mtu(&rdmsg_transport::PathParams::default()).bytes() as u32,
+        buf_size: 4096,
+        recv_depth: 64,
+        grant_slots: 3,
+        initial_credits: 64,
+        reads: 1,
+        max_read: 1 << 20,
+    };
+    let limits = Limits {
+        max_buf_size: u32::MAX,
+        max_recv_depth: u32::MAX,
+        max_send_memory: u64::MAX,
+        send_depth: 64,
+    };
+    let stalled = std::thread::spawn(move || {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        let mut hs = Handshake::client(hello, limits, None, [1; NONCE_LEN]);
+        let mut buf = [0u8; 512];
+        // Speak until the hub has connected its queue pair and sent its address; then stop,
+        // as a client that never says "ready".
+        loop {
+            s.write_all(hs.output()).expect("write");
+            let n = hs.output().len();
+            hs.consume_output(n);
+            if hs.poll_action().is_some() {
+                break s;
+            }
+            let got = s.read(&mut buf[..hs.wanted().clamp(1, 512)]).expect("read");
+            assert!(got > 0, "the hub hung up at {}", hs.stage());
+            hs.feed(&buf[..got]).expect("the hub's answer");
+        }
+    });
+    let started = Instant::now();
+    let mut failed = false;
+    while !failed {
+        match server
+            .next_event(Some(Duration::from_secs(10)))
+            .expect("hub")
+        {
+            Some(RawHubEvent::HandshakeFailed { error, .. }) => {
+                println!("stalled client: {error}");
+                failed = true;
+            }
+            Some(ev) => panic!("unexpected {ev:?}"),
+            None => panic!("no failed handshake in 10 s"),
+        }
+    }
+    let stream = stalled.join().expect("client");
+    // The hub goes on: its queue pair is drained, destroyed and released meanwhile.
+    while server.stats().queue_pairs_drained == 0 && started.elapsed() < Duration::from_secs(10) {
+        assert!(server
+            .next_event(Some(Duration::from_millis(50)))
+            .expect("hub")
+            .is_none());
+    }
+    let stats = server.stats();
+    println!(
+        "stats failed handshake: drained {} (last-WQE events {}), handshakes failed {}, after {:?}",
+        stats.queue_pairs_drained,
+        stats.last_wqe_events,
+        stats.handshakes_failed,
+        started.elapsed()
+    );
+    assert_eq!(stats.handshakes_failed, 1);
+    assert_eq!(
+        stats.queue_pairs_drained, 1,
+        "the failed handshake's queue pair left the shared receive queue through the error state"
+    );
+    drop(stream);
+}
+
 /// The killed client of `a_killed_client_fails_only_its_own_connections`: runs only in the
 /// child process that test starts.
 fn killed_child(addr: SocketAddr) -> ! {

@@ -219,7 +219,7 @@ impl RawHub {
             Phase::Handshake(_) => self.advance_handshake(slot),
             Phase::CmHandshake(_) => self.advance_cm_handshake(slot),
             Phase::Linked(_) => self.check_stream(slot),
-            Phase::Retired => {}
+            Phase::Failing(_) | Phase::Retired => {}
         }
     }
 
@@ -358,11 +358,9 @@ impl RawHub {
         // Its queue pair (if any) goes now, not through the core's actions.
         while core.poll_action().is_some() {}
         match side {
-            // A queue pair may have received already: destroy it, poll, then release.
-            Some(side) => {
-                let _ = side.qp.destroy();
-                self.retired.push(slot);
-            }
+            // Its queue pair may have taken receives of the shared queue already: drained
+            // like a linked one's before it is destroyed, then polled, then released.
+            Some(side) => self.drain_failed_side(slot, side.qp),
             None => self.abandon(slot),
         }
     }

@@ -196,7 +196,23 @@ impl RawHub {
         crate::trace::ended(qpn, Some(id), failure);
         link.control.shut_down();
         let _ = link.qp.to_error();
-        s.core.flushing_since(Instant::now());
+        self.start_draining(slot, group);
+    }
+
+    /// A failed handshake's queue pair goes to the error state and is drained as a linked
+    /// one's (see [`Phase::Failing`]).
+    pub(super) fn drain_failed_side(&mut self, slot: usize, mut qp: rdmsg_verbs::QueuePair) {
+        let _ = qp.to_error();
+        let s = self.slot_mut(slot);
+        let group = s.group.filter(|_| s.admitted);
+        s.phase = Phase::Failing(qp);
+        self.start_draining(slot, group);
+    }
+
+    /// `slot`'s queue pair is in the error state from now on: its requests come back flushed,
+    /// waited for until its core's drain deadline.
+    fn start_draining(&mut self, slot: usize, group: Option<usize>) {
+        self.slot_mut(slot).core.flushing_since(Instant::now());
         if let Some(group) = group {
             // Its buffers stop being refilled; what backs it comes back at release.
             self.groups[group].share.retire(slot);

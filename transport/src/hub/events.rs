@@ -111,4 +111,8 @@ pub struct HubStats {
     /// (`IBV_EVENT_QP_LAST_WQE_REACHED`) before they were destroyed; the others were
     /// destroyed after a short wait for it (rxe never sends it).
     pub last_wqe_events: u64,
+    /// Queue pairs destroyed after their drain (the error state, their requests flushed
+    /// back, their last shared receive let go or waited for): every queue pair a hub made,
+    /// a failed handshake's included, ends so.
+    pub queue_pairs_drained: u64,
 }

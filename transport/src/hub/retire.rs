@@ -18,7 +18,7 @@ impl RawHub {
         match &s.phase {
             Phase::Handshake(p) => Some(p.deadline),
             Phase::CmHandshake(p) => Some(p.deadline),
-            Phase::Linked(_) => s.core.next_timeout(),
+            Phase::Linked(_) | Phase::Failing(_) => s.core.next_timeout(),
             Phase::Retired => None,
         }
     }
@@ -100,18 +100,21 @@ impl RawHub {
         let mut rescheduled = Vec::new();
         draining.retain(|&slot| {
             let s = self.slots[slot].as_mut().expect("a draining slot");
-            let Some(link) = s.link_mut() else {
-                return false;
+            let qp = match &s.phase {
+                Phase::Linked(_) | Phase::Failing(_) => s.qp_mut().expect("a queue pair"),
+                _ => return false,
             };
-            let outstanding = link.qp.send_outstanding();
+            let outstanding = qp.send_outstanding();
             s.core.handle_flushed(outstanding, Instant::now());
             if !s.core.is_drained() {
                 // Its drain deadline may have come nearer (the last-WQE wait).
                 rescheduled.push(slot);
                 return true;
             }
-            let Phase::Linked(link) = std::mem::replace(&mut s.phase, Phase::Retired) else {
-                unreachable!()
+            let qp = match std::mem::replace(&mut s.phase, Phase::Retired) {
+                Phase::Linked(link) => link.qp,
+                Phase::Failing(qp) => qp,
+                _ => unreachable!("matched above"),
             };
             // Destroyed or not (a failed destruction leaks them with the queue pair), its
             // sends no longer count.
@@ -120,7 +123,8 @@ impl RawHub {
                 self.read_wrs -= s.reads.drain(..).map(|(_, n)| n).sum::<usize>();
                 self.peers_reading -= 1;
             }
-            if let Ok(bufs) = link.qp.destroy() {
+            self.stats.queue_pairs_drained += 1;
+            if let Ok(bufs) = qp.destroy() {
                 self.send.free.extend(bufs);
             }
             destroyed = true;

@@ -64,6 +64,11 @@ pub(super) enum Phase {
     CmHandshake(Box<super::cm::CmPending>),
     /// Queue pair connected.
     Linked(Box<Established>),
+    /// A failed handshake's queue pair, in the error state: destroyed once the device said its
+    /// last receive left it (or the drain deadline passed), as a linked one is. Destroyed at
+    /// once, a receive the device had taken from the shared queue for it would vanish with
+    /// it while the books count it posted.
+    Failing(QueuePair),
     /// Queue pair destroyed; released once the CQs have been polled after that.
     Retired,
 }
@@ -135,6 +140,7 @@ impl Slot {
             Phase::Linked(l) => Some(&mut l.qp),
             Phase::Handshake(p) => p.setup.as_mut().map(|s| &mut s.qp),
             Phase::CmHandshake(p) => p.side.as_mut().map(|s| &mut s.qp),
+            Phase::Failing(qp) => Some(qp),
             Phase::Retired => None,
         }
     }
