@@ -10,7 +10,9 @@ use serde::Deserialize;
 pub use crate::bounded::MAX_DEPTH;
 use crate::bounded::{Bounded, Budget};
 use crate::bulk::Piece;
-use crate::frame::{self, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV};
+use crate::frame::{
+    self, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV, TOTAL_LEN,
+};
 use crate::message::{CALL_TAG, REPLY_TAG};
 use crate::rendezvous::{self, Descriptor, ReadBuf};
 use crate::{DecodeFailure, Error, Message, Result};
@@ -78,7 +80,9 @@ pub fn encode_fragments<M: Message>(
     fragment(&body, M::TAG, seq, frame_max, max_message)
 }
 
-/// Cuts an encoded body into frames of at most `frame_max` bytes each.
+/// Cuts an encoded body into frames of at most `frame_max` bytes each: one whole frame if it
+/// fits, else fragments, the first announcing the body's length ([`frame::announced_total`]:
+/// [`frame::TOTAL_LEN`] bytes ahead of its part of the body).
 pub fn fragment(
     body: &[u8],
     tag: u32,
@@ -93,23 +97,32 @@ pub fn fragment(
         });
     }
     let chunk = frame_max.saturating_sub(HEADER_LEN).max(1);
-    let count = body.len().div_ceil(chunk).max(1);
+    if body.len() <= chunk {
+        return Ok(vec![frame::build(FIRST | LAST, tag, seq, 0, body)]);
+    }
+    let total = u32::try_from(body.len()).map_err(|_| Error::TooLarge {
+        len: body.len(),
+        max: u32::MAX as usize,
+    })?;
+    // The announced length and the body, as one run cut into frames (a first frame always
+    // holds the whole length and one byte, even under a nonsensical `frame_max`).
+    let chunk = chunk.max(TOTAL_LEN + 1);
+    let run = TOTAL_LEN + body.len();
+    let count = run.div_ceil(chunk);
     if count > usize::from(u16::MAX) + 1 {
         return Err(Error::TooManyFragments {
             len: body.len(),
-            max: chunk * (usize::from(u16::MAX) + 1),
+            max: chunk * (usize::from(u16::MAX) + 1) - TOTAL_LEN,
         });
     }
     let mut frames = Vec::with_capacity(count);
-    for i in 0..count {
-        let part = &body[(i * chunk).min(body.len())..((i + 1) * chunk).min(body.len())];
-        let mut flags = 0;
-        if i == 0 {
-            flags |= FIRST;
-        }
-        if i + 1 == count {
-            flags |= LAST;
-        }
+    let mut first = Vec::with_capacity(chunk);
+    first.extend_from_slice(&total.to_be_bytes());
+    first.extend_from_slice(&body[..chunk - TOTAL_LEN]);
+    frames.push(frame::build(FIRST, tag, seq, 0, &first));
+    for i in 1..count {
+        let part = &body[i * chunk - TOTAL_LEN..((i + 1) * chunk - TOTAL_LEN).min(body.len())];
+        let flags = if i + 1 == count { LAST } else { 0 };
         frames.push(frame::build(flags, tag, seq, i as u16, part));
     }
     Ok(frames)
@@ -495,6 +508,19 @@ impl Decoder {
         self.reassembler.buffered()
     }
 
+    /// The message being reassembled: its tag, sequence number and the body bytes received.
+    pub fn partial(&self) -> Option<(u32, u32, usize)> {
+        self.reassembler.partial()
+    }
+
+    /// Gives up the message being reassembled (its sender stalled): dropped, and its
+    /// fragments that come later are dropped quietly. What [`Decoder::partial`] said of it.
+    pub(crate) fn abandon_partial(&mut self) -> Option<(u32, u32, usize)> {
+        let (tag, seq, received) = self.reassembler.abandon()?;
+        self.skipping = Some((tag, seq));
+        Some((tag, seq, received))
+    }
+
     /// Whether messages of `tag` are taken: every tag until a type is registered, then the
     /// registered ones.
     pub(crate) fn accepts(&self, tag: u32) -> bool {
@@ -620,7 +646,14 @@ impl Decoder {
                 return Err(e);
             }
         }
-        match self.reassembler.push(&h, body)? {
+        let pushed = self.reassembler.push(&h, body).inspect_err(|_| {
+            if h.flags & FIRST != 0 && !self.reassembler.in_progress() {
+                // Refused by its first fragment (too large, no length): the rest of it is
+                // dropped quietly.
+                self.skipping = Some((h.tag, h.seq));
+            }
+        })?;
+        match pushed {
             None => Ok(None),
             Some((tag, joined)) => {
                 let ty = self.check_tag(tag)?;

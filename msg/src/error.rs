@@ -130,6 +130,26 @@ pub enum Error {
         /// Committed messages not sent.
         messages: usize,
     },
+    /// A hub's peer sent part of a message in fragments, then no fragment of it for
+    /// [`crate::SessionConfig::reassembly_timeout`] (a stopped or stalled sender): the
+    /// message is dropped in its place (the peer's messages before and after it are
+    /// delivered), and what it held of the hub's reassembly budget goes back to other peers.
+    /// Fragments of it that come later are dropped quietly.
+    #[error(
+        "message {seq} (tag {tag:#010x}) in fragments got no fragment for {after:?} after \
+         {received} bytes: dropped (raise SessionConfig::reassembly_timeout if the peer is \
+         that slow)"
+    )]
+    ReassemblyTimedOut {
+        /// Its tag.
+        tag: u32,
+        /// Its sequence number.
+        seq: u32,
+        /// Body bytes received of it.
+        received: usize,
+        /// The timeout that ran out ([`crate::SessionConfig::reassembly_timeout`]).
+        after: std::time::Duration,
+    },
     /// A message larger than [`crate::SessionConfig::max_message`] (on this side: a sender
     /// refuses to send it, a receiver drops it). Both sides must allow it: raise
     /// `max_message` on both. [`Bulk`](crate::Bulk) payloads count towards it too.
@@ -371,6 +391,7 @@ impl Error {
             | Error::WrongType { .. }
             | Error::ReadFailed { .. }
             | Error::ReadRefused { .. }
+            | Error::ReassemblyTimedOut { .. }
             | Error::Unread { .. }
             | Error::Unsent { .. }
             | Error::TooLarge { .. }

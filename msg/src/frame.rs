@@ -5,9 +5,11 @@
 //! | magic | version | flags | tag  | seq  | frag  | taken    | len  | body (len bytes)
 //! ```
 //! Big-endian. `seq` numbers messages per connection; a message larger than one buffer is cut
-//! into fragments `frag = 0, 1, ...`, the first flagged [`FIRST`], the last [`LAST`]. Since RC
-//! delivers whole messages in order, a bad frame never desynchronises the next one: it can
-//! always be dropped alone.
+//! into fragments `frag = 0, 1, ...`, the first flagged [`FIRST`], the last [`LAST`]. The first
+//! fragment's body starts with the whole message's body length, [`TOTAL_LEN`] bytes (see
+//! [`announced_total`]): a receiver knows at once what the message will hold, and the
+//! fragments must add up to exactly that. Since RC delivers whole messages in order, a bad
+//! frame never desynchronises the next one: it can always be dropped alone.
 //!
 //! `taken` is the delivery record riding every frame: how many of the *peer's* messages the
 //! writer's application has taken, modulo 2^16 (see [`stamp_taken`]). A sender keeps fewer
@@ -15,10 +17,14 @@
 
 /// Frame magic, "RM".
 pub const MAGIC: u16 = 0x524d;
-/// Frame format version.
-pub const VERSION: u8 = 1;
+/// Frame format version. 2: a first fragment announces its message's length
+/// ([`announced_total`]).
+pub const VERSION: u8 = 2;
 /// Header length.
 pub const HEADER_LEN: usize = 20;
+/// Bytes at the start of a first fragment's body (a frame with [`FIRST`] and without
+/// [`LAST`]) that announce the message's body length, big-endian, before its first part.
+pub const TOTAL_LEN: usize = 4;
 /// Flag: first fragment of a message.
 pub const FIRST: u8 = 0x01;
 /// Flag: last fragment of a message.
@@ -88,6 +94,26 @@ pub enum FrameError {
          raise max_message on both sides"
     )]
     TooLarge(usize),
+    /// A first fragment too short to announce its message's length ([`TOTAL_LEN`] bytes).
+    #[error("first fragment of message {seq} does not announce the message's length")]
+    NoTotal {
+        /// Its message.
+        seq: u32,
+    },
+    /// A message's fragments do not add up to the length its first fragment announced (more,
+    /// or fewer by its last fragment).
+    #[error(
+        "fragments of message {seq} bring {received} body bytes, its first fragment announced \
+         {announced}"
+    )]
+    Announced {
+        /// Its message.
+        seq: u32,
+        /// The length the first fragment announced.
+        announced: u32,
+        /// The body bytes its fragments brought (up to the one that disagreed).
+        received: usize,
+    },
     /// A rendezvous descriptor or acknowledgement that cannot be taken apart.
     #[error("bad rendezvous frame: {0}")]
     Rendezvous(&'static str),
@@ -135,6 +161,17 @@ pub fn taken_of(frame: &[u8]) -> Option<u16> {
     frame.get(14..16).map(|b| u16::from_be_bytes([b[0], b[1]]))
 }
 
+/// The body length a first fragment announces ([`TOTAL_LEN`] bytes at the start of its
+/// body), if the frame is one (flags [`FIRST`] without [`LAST`]) and long enough; `None` for
+/// any other frame.
+pub fn announced_total(flags: u8, body: &[u8]) -> Option<u32> {
+    if flags & (FIRST | LAST) != FIRST {
+        return None;
+    }
+    let b = body.get(..TOTAL_LEN)?;
+    Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+}
+
 /// Splits a received frame into header and body, checking everything the header claims.
 pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
     if frame.len() < HEADER_LEN {
@@ -179,6 +216,10 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
 }
 
 /// Joins fragments back into messages. Single-frame messages never go through it.
+///
+/// A message's first fragment announces its body length ([`announced_total`]): one beyond the
+/// bound is refused at once ([`FrameError::TooLarge`]), before anything of it is buffered, and
+/// the fragments must bring exactly that many bytes ([`FrameError::Announced`]).
 #[derive(Debug)]
 pub struct Reassembler {
     partial: Option<Partial>,
@@ -190,6 +231,7 @@ struct Partial {
     tag: u32,
     seq: u32,
     next: u16,
+    total: u32,
     body: Vec<u8>,
 }
 
@@ -217,6 +259,17 @@ impl Reassembler {
         self.partial.as_ref().map_or(0, |p| p.body.len())
     }
 
+    /// The message being reassembled: its tag, sequence number and the body bytes received.
+    pub fn partial(&self) -> Option<(u32, u32, usize)> {
+        self.partial.as_ref().map(|p| (p.tag, p.seq, p.body.len()))
+    }
+
+    /// Drops the message being reassembled; what [`Reassembler::partial`] said of it.
+    pub fn abandon(&mut self) -> Option<(u32, u32, usize)> {
+        let p = self.partial.take()?;
+        Some((p.tag, p.seq, p.body.len()))
+    }
+
     /// Takes a fragment (a frame without both [`FIRST`] and [`LAST`]). Returns the tag and
     /// body once the last fragment is in. On error the partial message is dropped.
     pub fn push(&mut self, h: &Header, body: &[u8]) -> Result<Option<(u32, Vec<u8>)>, FrameError> {
@@ -224,15 +277,22 @@ impl Reassembler {
             seq: h.seq,
             frag: h.frag,
         };
+        let mut body = body;
         if h.flags & FIRST != 0 {
             let restarted = self.partial.take().is_some();
             if h.frag != 0 {
                 return Err(out_of_order);
             }
+            let total = announced_total(h.flags, body).ok_or(FrameError::NoTotal { seq: h.seq })?;
+            if total as usize > self.max_size {
+                return Err(FrameError::TooLarge(self.max_size));
+            }
+            body = &body[TOTAL_LEN..];
             self.partial = Some(Partial {
                 tag: h.tag,
                 seq: h.seq,
                 next: 0,
+                total,
                 body: Vec::new(),
             });
             if restarted {
@@ -251,6 +311,13 @@ impl Reassembler {
         self.extend(h, body)?;
         if h.flags & LAST != 0 {
             let p = self.partial.take().expect("checked above");
+            if p.body.len() != p.total as usize {
+                return Err(FrameError::Announced {
+                    seq: p.seq,
+                    announced: p.total,
+                    received: p.body.len(),
+                });
+            }
             return Ok(Some((p.tag, p.body)));
         }
         Ok(None)
@@ -258,9 +325,15 @@ impl Reassembler {
 
     fn extend(&mut self, h: &Header, body: &[u8]) -> Result<(), FrameError> {
         let p = self.partial.as_mut().expect("caller checked");
-        if p.body.len() + body.len() > self.max_size {
+        let received = p.body.len() + body.len();
+        if received > p.total as usize {
+            let e = FrameError::Announced {
+                seq: p.seq,
+                announced: p.total,
+                received,
+            };
             self.partial = None;
-            return Err(FrameError::TooLarge(self.max_size));
+            return Err(e);
         }
         p.body.extend_from_slice(body);
         p.next = h.frag.wrapping_add(1);

@@ -226,6 +226,13 @@ pub struct Hub {
     budget: ReassemblyBudget,
     /// Peers with descriptors waiting for buffer room or a send slot.
     reads_waiting: Vec<PeerId>,
+    /// Peers with a message in reassembly, watched for progress
+    /// ([`SessionConfig::reassembly_timeout`]), and the nearest of their deadlines.
+    reassembling: Vec<PeerId>,
+    reassembly_at: Option<Instant>,
+    /// A peer joined `reassembling` since the last look: its deadline starts at the next one,
+    /// which an event loop should take at once ([`Hub::next_timeout`]).
+    reassembly_unwatched: bool,
     /// Peers whose [`Hub::start_close`] waits for them to finish reading our messages.
     closing: Vec<PeerId>,
     /// Peers whose outboxes hold messages.
@@ -314,8 +321,11 @@ impl Hub {
             answered: false,
             departed_outboxes: OutboxStats::default(),
             pool,
-            budget: ReassemblyBudget::new(config.max_reassembly_bytes),
+            budget: ReassemblyBudget::new(config.max_reassembly_bytes, config.reassembly_timeout),
             reads_waiting: Vec::new(),
+            reassembling: Vec::new(),
+            reassembly_at: None,
+            reassembly_unwatched: false,
             closing: Vec::new(),
             transport,
             registry: Decoder::new(config.max_message),
@@ -1028,7 +1038,7 @@ impl Hub {
             if self.waiting_call && std::mem::take(&mut self.answered) {
                 return Ok(None);
             }
-            self.advance_reads();
+            self.advance_reads(Instant::now());
             self.drain_outboxes();
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
@@ -1049,8 +1059,9 @@ impl Hub {
                     left = Some(left.map_or(r, |l| l.min(r)));
                 }
             }
-            // A close waiting for its peer ends at its deadline, event or not.
-            if let Some(at) = self.earliest_close() {
+            // A close waiting for its peer ends at its deadline, event or not; so does a
+            // message in reassembly whose sender stalled.
+            for at in self.earliest_close().into_iter().chain(self.reassembly_at) {
                 let r = at.saturating_duration_since(Instant::now());
                 left = Some(left.map_or(r, |l| l.min(r)));
             }
@@ -1125,14 +1136,46 @@ impl Hub {
         }
     }
 
-    /// Posts the reads that wait for buffer room or a send slot, for every peer.
-    fn advance_reads(&mut self) {
+    /// Posts the reads that wait for buffer room or a send slot, and takes in the frames
+    /// parked for want of room, for every peer, once messages in reassembly whose senders
+    /// stalled until `now` are dropped (which gives their room to the others).
+    fn advance_reads(&mut self, now: Instant) {
+        self.watch_reassembly(now);
         for peer in std::mem::take(&mut self.reads_waiting) {
             self.collect(peer);
         }
         if !self.closing.is_empty() {
             self.finish_closes();
         }
+    }
+
+    /// Gives each peer's message in reassembly its look at the clock
+    /// ([`Receiver::handle_timeout`]): one that got no fragment for
+    /// [`SessionConfig::reassembly_timeout`] fails in its place
+    /// ([`crate::Error::ReassemblyTimedOut`], a [`HubEvent::BadFrame`]) and its reservation
+    /// returns. Keeps the nearest deadline for the waits ([`Hub::next_timeout`]).
+    fn watch_reassembly(&mut self, now: Instant) {
+        let mut nearest: Option<Instant> = None;
+        let mut i = 0;
+        while i < self.reassembling.len() {
+            let peer = self.reassembling[i];
+            let Some(state) = self.peers.get_mut(peer) else {
+                self.reassembling.swap_remove(i);
+                continue;
+            };
+            state.receiver.handle_timeout(now);
+            if !state.receiver.reassembling() {
+                self.reassembling.swap_remove(i);
+                queue_ready(peer, &mut state.receiver, &mut self.ready);
+                continue;
+            }
+            if let Some(d) = state.receiver.poll_timeout() {
+                nearest = Some(nearest.map_or(d, |n| n.min(d)));
+            }
+            i += 1;
+        }
+        self.reassembly_at = nearest;
+        self.reassembly_unwatched = false;
     }
 
     /// After `peer`'s receiving side took something in: posts its waiting reads, hands
@@ -1151,8 +1194,14 @@ impl Hub {
         }
         let list = state.sender.queued_frames() > 0 && !state.listed;
         state.listed |= list;
-        if state.receiver.has_waiting() && !self.reads_waiting.contains(&peer) {
+        let (waiting, reassembling) = (state.receiver.has_waiting(), state.receiver.reassembling());
+        if waiting && !self.reads_waiting.contains(&peer) {
             self.reads_waiting.push(peer);
+        }
+        if reassembling && !self.reassembling.contains(&peer) {
+            // Watched from the next look at the clock on (see `advance_reads`).
+            self.reassembling.push(peer);
+            self.reassembly_unwatched = true;
         }
         if let Some(state) = self.peers.get_mut(peer) {
             queue_ready(peer, &mut state.receiver, &mut self.ready);
@@ -1350,11 +1399,10 @@ impl Hub {
             self.unflushed.push(peer);
         }
         // What a wait for rendezvous room took in for this peer.
-        if self
-            .peers
-            .get(peer)
-            .is_some_and(|s| s.receiver.has_ready() || s.receiver.has_acks())
-        {
+        if self.peers.get(peer).is_some_and(|s| {
+            let r = &s.receiver;
+            r.has_ready() || r.has_acks() || r.has_waiting() || r.reassembling()
+        }) {
             self.collect(peer);
         }
         out
@@ -1452,7 +1500,7 @@ impl Hub {
     /// [`Hub::next_timeout`] before the next step.
     pub fn step(&mut self) -> Result<usize> {
         let queued = self.ready.len();
-        self.advance_reads();
+        self.advance_reads(Instant::now());
         let outboxes = self.outboxed.len();
         self.drain_outboxes();
         let drained = usize::from(self.outboxed.len() != outboxes);
@@ -1473,14 +1521,21 @@ impl Hub {
     }
 
     /// Longest an event loop may wait before the next [`Hub::step`]: the transport hub's
-    /// timers, and sooner while a flush is pending.
+    /// timers, and sooner while a flush is pending, a close waits for its deadline, or a
+    /// message in reassembly for its progress deadline
+    /// ([`SessionConfig::reassembly_timeout`]).
     pub fn next_timeout(&self) -> Option<Duration> {
+        if self.reassembly_unwatched {
+            // A message in reassembly whose deadline the next step starts.
+            return Some(Duration::ZERO);
+        }
         let close = self.earliest_close();
         let flush = self
             .retry_at
             .filter(|_| !self.unflushed.is_empty())
             .into_iter()
             .chain(close)
+            .chain(self.reassembly_at)
             .min()
             .map(|d| d.saturating_duration_since(Instant::now()));
         match (self.transport.next_timeout(), flush) {

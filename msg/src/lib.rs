@@ -106,7 +106,10 @@ pub use error::{DecodeFailure, Error, Result};
 pub use hub::{Hub, HubEvent, OutboxStats, Posted};
 pub use message::{tag, Message};
 pub use peer::Delivery;
-pub use session::{Closed, Session, SessionConfig, SessionStats, DEFAULT_RENDEZVOUS_THRESHOLD};
+pub use session::{
+    Closed, Session, SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT,
+    DEFAULT_RENDEZVOUS_THRESHOLD,
+};
 pub use split::{RecvHalf, SendHalf};
 
 #[doc(hidden)]

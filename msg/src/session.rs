@@ -66,12 +66,26 @@ pub struct SessionConfig {
     /// was taken.
     pub keep_unconfirmed: Option<usize>,
     /// For a [`crate::Hub`]: bound on what all its peers' messages in fragments may hold
-    /// while they are reassembled. Each such message reserves `max_message` at its first
-    /// fragment (so that messages under way always finish); a peer starting one beyond the
-    /// bound waits, its frames held unread and so its credits, until one finishes. One
-    /// message may always be under way. A session reassembles one message at a time and
-    /// ignores this. Default 256 MiB (16 messages of the default `max_message` at once).
+    /// while they are reassembled. Each such message reserves the length its first fragment
+    /// announces (at most `max_message`) until it is whole, so that messages under way always
+    /// finish; a peer starting one beyond the bound waits, its frames held unread and so its
+    /// credits, until there is room. Peers that wait are served in the order they came, and
+    /// while anyone waits only the first in line may start a message: a peer that keeps
+    /// sending cannot keep another out. One message may always be under way. A message that
+    /// stops making progress gives its part back after `reassembly_timeout`. A session
+    /// reassembles one message at a time and ignores this. Default 256 MiB (16 messages of
+    /// the default `max_message` at once, many more of smaller ones).
     pub max_reassembly_bytes: usize,
+    /// For a [`crate::Hub`]: how long a peer's message in fragments may go without a new
+    /// fragment. Past it, the message is dropped
+    /// ([`crate::Error::ReassemblyTimedOut`] in its place, a [`crate::HubEvent::BadFrame`];
+    /// the peer's messages before and after it are delivered), its fragments that come later
+    /// are dropped quietly, and its part of `max_reassembly_bytes` goes back to the others:
+    /// a stopped or stalled peer cannot hold it for longer. The deadline runs from the hub's
+    /// first look after a fragment came (it wakes for it: [`crate::Hub::next_timeout`]), and
+    /// not while the hub itself holds the peer's frames back. A session ignores this. Default
+    /// [`DEFAULT_REASSEMBLY_TIMEOUT`] (10 s).
+    pub reassembly_timeout: Duration,
     /// For a [`crate::Hub`]: bound on the bytes (encoded) each peer's outbox holds
     /// ([`crate::Hub::post`]): messages, and answers to its requests, waiting for its
     /// credits. A post beyond it is refused ([`crate::Posted::Full`]) and a
@@ -85,6 +99,9 @@ pub struct SessionConfig {
 /// measurement behind it).
 pub const DEFAULT_RENDEZVOUS_THRESHOLD: usize = 16 << 10;
 
+/// Default [`SessionConfig::reassembly_timeout`]: 10 s.
+pub const DEFAULT_REASSEMBLY_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl Default for SessionConfig {
     fn default() -> Self {
         Self {
@@ -96,6 +113,7 @@ impl Default for SessionConfig {
             max_rendezvous_bytes: 64 << 20,
             keep_unconfirmed: None,
             max_reassembly_bytes: 256 << 20,
+            reassembly_timeout: DEFAULT_REASSEMBLY_TIMEOUT,
             max_outbox_bytes: 4 << 20,
         }
     }

@@ -48,6 +48,14 @@ fn frames_of(m: &Sample, seq: u32, frame_max: usize) -> Vec<Vec<u8>> {
     }
 }
 
+/// A first fragment by hand: it announces the message's body length (`total`) ahead of its
+/// part of the body.
+fn first(tag: u32, seq: u32, total: u32, part: &[u8]) -> Vec<u8> {
+    let mut body = total.to_be_bytes().to_vec();
+    body.extend_from_slice(part);
+    frame::build(FIRST, tag, seq, 0, &body)
+}
+
 fn decode_all(dec: &mut Decoder, frames: Vec<Vec<u8>>) -> Vec<Result<Option<Sample>, String>> {
     frames
         .into_iter()
@@ -181,21 +189,20 @@ fn unknown_tags_and_disordered_fragments_are_dropped_with_errors() {
         Err(Error::BadFrame(FrameError::OutOfOrder { seq: 1, frag: 1 }))
     ));
     // A skipped fragment.
-    push(&mut dec, frame::build(FIRST, Sample::TAG, 2, 0, &[1])).unwrap();
+    push(&mut dec, first(Sample::TAG, 2, 3, &[1])).unwrap();
     let r = push(&mut dec, frame::build(LAST, Sample::TAG, 2, 2, &[1]));
     assert!(matches!(
         r,
         Err(Error::BadFrame(FrameError::OutOfOrder { .. }))
     ));
-    // A message beyond the bound.
+    // A message beyond the bound: refused by the length its first fragment announces,
+    // nothing of it buffered, the rest of it dropped quietly.
     let mut small = Decoder::new(4);
-    push(
-        &mut small,
-        frame::build(FIRST, Sample::TAG, 3, 0, &[1, 2, 3]),
-    )
-    .unwrap();
-    let r = push(&mut small, frame::build(LAST, Sample::TAG, 3, 1, &[4, 5]));
+    let r = push(&mut small, first(Sample::TAG, 3, 5, &[1, 2, 3]));
     assert!(matches!(r, Err(Error::BadFrame(FrameError::TooLarge(4)))));
+    assert_eq!(small.buffered(), 0);
+    let r = push(&mut small, frame::build(LAST, Sample::TAG, 3, 1, &[4, 5]));
+    assert!(matches!(r, Ok(None)), "{r:?}");
     // And afterwards a good message still goes through.
     let m = Sample {
         id: 1,
@@ -502,10 +509,10 @@ fn an_unknown_first_fragment_is_refused_without_buffering() {
     dec.register::<Sample>().unwrap();
     let chunk = vec![7u8; 1000];
     // A known first fragment is buffered (the control)...
-    push(&mut dec, frame::build(FIRST, Sample::TAG, 1, 0, &chunk)).unwrap();
+    push(&mut dec, first(Sample::TAG, 1, 100_000, &chunk)).unwrap();
     assert_eq!(dec.buffered(), 1000);
     // ...an unknown one is refused at once, and the partial message before it is dropped.
-    let r = push(&mut dec, frame::build(FIRST, Other::TAG, 2, 0, &chunk));
+    let r = push(&mut dec, first(Other::TAG, 2, 51_000, &chunk));
     assert!(
         matches!(r, Err(Error::UnknownTag { tag, .. }) if tag == Other::TAG),
         "{r:?}"
@@ -598,4 +605,92 @@ fn registering_a_tag_twice_is_an_error() {
         d.on::<Sample>(|_| {}),
         Err(Error::DuplicateTag { .. })
     ));
+}
+
+#[test]
+fn fragments_must_bring_exactly_what_their_first_announced() {
+    let mut dec = Decoder::new(1 << 20);
+    let good = |dec: &mut Decoder, seq: u32| {
+        let m = Sample {
+            id: seq.into(),
+            name: "next".into(),
+            values: vec![1.5; 100],
+            flag: None,
+        };
+        let out = decode_all(dec, codec::encode_fragments(&m, seq, 128, 1 << 20).unwrap());
+        assert!(
+            matches!(out.last(), Some(Ok(Some(s))) if *s == m),
+            "{out:?}"
+        );
+    };
+    // Fewer bytes than announced by the last fragment.
+    push(&mut dec, first(Sample::TAG, 1, 10, &[1, 2, 3])).unwrap();
+    let r = push(&mut dec, frame::build(LAST, Sample::TAG, 1, 1, &[4]));
+    assert!(
+        matches!(
+            r,
+            Err(Error::BadFrame(FrameError::Announced {
+                seq: 1,
+                announced: 10,
+                received: 4
+            }))
+        ),
+        "{r:?}"
+    );
+    good(&mut dec, 2);
+    // More: refused at the fragment that passes it, nothing more buffered.
+    push(&mut dec, first(Sample::TAG, 3, 4, &[1, 2, 3])).unwrap();
+    let r = push(&mut dec, frame::build(0, Sample::TAG, 3, 1, &[4, 5]));
+    assert!(
+        matches!(
+            r,
+            Err(Error::BadFrame(FrameError::Announced {
+                seq: 3,
+                announced: 4,
+                received: 5
+            }))
+        ),
+        "{r:?}"
+    );
+    assert_eq!(dec.buffered(), 0);
+    good(&mut dec, 4);
+    // A first fragment too short to announce anything.
+    let r = push(&mut dec, frame::build(FIRST, Sample::TAG, 5, 0, &[0, 0, 1]));
+    assert!(
+        matches!(r, Err(Error::BadFrame(FrameError::NoTotal { seq: 5 }))),
+        "{r:?}"
+    );
+    let r = push(&mut dec, frame::build(LAST, Sample::TAG, 5, 1, &[1]));
+    assert!(matches!(r, Ok(None)), "the rest dropped quietly: {r:?}");
+    good(&mut dec, 6);
+}
+
+#[test]
+fn a_first_fragment_announces_the_body_length_and_frames_stay_within_bounds() {
+    let body: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+    for frame_max in [21, 24, 25, 26, 64, 1019, 1020, 1023, 1024, 1025] {
+        let frames = codec::fragment(&body, Sample::TAG, 9, frame_max, 1 << 20).unwrap();
+        let mut joined = Vec::new();
+        for (i, f) in frames.iter().enumerate() {
+            let (h, b) = frame::parse(f).unwrap();
+            assert_eq!(usize::from(h.frag), i);
+            if frames.len() == 1 {
+                assert_eq!(h.flags, FIRST | LAST);
+                joined.extend_from_slice(b);
+                continue;
+            }
+            assert!(
+                f.len() <= frame_max.max(frame::HEADER_LEN + frame::TOTAL_LEN + 1),
+                "frame_max {frame_max}"
+            );
+            if i == 0 {
+                assert_eq!(frame::announced_total(h.flags, b), Some(1000));
+                joined.extend_from_slice(&b[frame::TOTAL_LEN..]);
+            } else {
+                assert_eq!(frame::announced_total(h.flags, b), None);
+                joined.extend_from_slice(b);
+            }
+        }
+        assert_eq!(joined, body, "frame_max {frame_max}");
+    }
 }

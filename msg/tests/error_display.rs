@@ -241,3 +241,19 @@ fn a_close_that_timed_out_says_what_it_waited_for() {
          may have gone); Config::close_timeout bounds this wait"
     );
 }
+
+#[test]
+fn a_message_whose_fragments_stopped_says_how_far_it_got() {
+    let e = rdmsg_msg::Error::ReassemblyTimedOut {
+        tag: 0x2a,
+        seq: 7,
+        received: 65_512,
+        after: std::time::Duration::from_secs(10),
+    };
+    assert_eq!(
+        e.to_string(),
+        "message 7 (tag 0x0000002a) in fragments got no fragment for 10s after 65512 bytes: \
+         dropped (raise SessionConfig::reassembly_timeout if the peer is that slow)"
+    );
+    assert!(!e.is_fatal());
+}

@@ -2,8 +2,8 @@
 //! reads waiting, posted and done, acknowledgements each way.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use rdmsg_transport::{Arrival, Buffer, ReadDone, ReadPost, ReadSegment};
 
@@ -59,43 +59,96 @@ pub(crate) struct Receiver {
     pub(super) budget: Option<ReassemblyBudget>,
     /// Our reservation of the budget, for the message being reassembled.
     pub(super) reserved: usize,
+    /// Our place in the budget's line while a message waits for room.
+    pub(super) ticket: Option<u64>,
+    /// The message in reassembly as last seen by [`Receiver::handle_timeout`] (tag, seq,
+    /// bytes received) and when: its progress deadline runs from then.
+    pub(super) watch: Option<((u32, u32, usize), Instant)>,
 }
 
-/// What all peers of a hub may hold in messages being reassembled from fragments: each such
-/// message reserves the most it may grow to (`max_message`) at its first fragment, so that
-/// messages under way always finish and the total never passes the bound. A peer that finds
-/// no room parks its frames (see [`Receiver::parked`]) until a message finishes. One message
-/// may always be under way, whatever the bound.
+/// What all peers of a hub may hold in messages being reassembled from fragments, and how
+/// long one may hold its part without progress.
+///
+/// - **Room.** A message reserves the length its first fragment announces
+///   ([`frame::announced_total`], at most `max_message`) until it is whole or dropped: messages
+///   under way always finish, and the total never passes the bound. One message may always be
+///   under way, whatever the bound (an empty budget takes any message).
+/// - **Turns.** Each peer has at most one message in reassembly. A peer whose message finds no
+///   room parks its frames (see [`Receiver::parked`]) and takes a place in line; while anyone
+///   waits, only the first in line may reserve, as soon as its message fits. So a peer that
+///   finishes a message and starts the next cannot take the room back from those waiting, and
+///   small messages cannot keep a large one out for ever: each waiting peer gets its turn once
+///   the messages ahead of it end.
+/// - **Progress.** A message that gets no fragment for `timeout`
+///   ([`crate::SessionConfig::reassembly_timeout`]) is dropped, its reservation returned
+///   ([`Receiver::handle_timeout`]): a stalled or stopped peer holds its part for that long at
+///   most.
 #[derive(Debug, Clone)]
 pub(crate) struct ReassemblyBudget {
-    used: Arc<AtomicUsize>,
+    shares: Arc<Mutex<Shares>>,
     max: usize,
+    timeout: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Shares {
+    /// Bytes reserved.
+    used: usize,
+    /// Tickets of the peers waiting for room, in the order they came.
+    line: VecDeque<u64>,
+    next_ticket: u64,
 }
 
 impl ReassemblyBudget {
-    pub(crate) fn new(max: usize) -> Self {
+    pub(crate) fn new(max: usize, timeout: Duration) -> Self {
         Self {
-            used: Arc::new(AtomicUsize::new(0)),
+            shares: Arc::default(),
             max,
+            timeout,
         }
     }
 
-    fn try_reserve(&self, n: usize) -> bool {
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                (used == 0 || used + n <= self.max).then_some(used + n)
-            })
-            .is_ok()
+    fn shares(&self) -> std::sync::MutexGuard<'_, Shares> {
+        // Nothing panics while holding it; the counts stay whole either way.
+        self.shares.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reserves `need` bytes for the holder of `ticket`, if it is its turn and they fit (or
+    /// nothing is reserved); otherwise it takes (or keeps) a place in line.
+    fn try_reserve(&self, ticket: &mut Option<u64>, need: usize) -> bool {
+        let mut s = self.shares();
+        let turn = s.line.front().map_or(true, |first| Some(*first) == *ticket);
+        if turn && (s.used == 0 || s.used + need <= self.max) {
+            s.used += need;
+            if ticket.take().is_some() {
+                s.line.pop_front();
+            }
+            return true;
+        }
+        if ticket.is_none() {
+            let t = s.next_ticket;
+            s.next_ticket += 1;
+            s.line.push_back(t);
+            *ticket = Some(t);
+        }
+        false
+    }
+
+    /// Gives up a place in line.
+    fn leave(&self, ticket: &mut Option<u64>) {
+        if let Some(t) = ticket.take() {
+            self.shares().line.retain(|w| *w != t);
+        }
     }
 
     fn release(&self, n: usize) {
-        self.used.fetch_sub(n, Ordering::AcqRel);
+        self.shares().used -= n;
     }
 
     /// Bytes reserved now.
     #[cfg(test)]
     pub(crate) fn used(&self) -> usize {
-        self.used.load(Ordering::Acquire)
+        self.shares().used
     }
 }
 
@@ -144,6 +197,8 @@ impl Receiver {
             parked: VecDeque::new(),
             budget: None,
             reserved: 0,
+            ticket: None,
+            watch: None,
         }
     }
 
@@ -180,6 +235,68 @@ impl Receiver {
         self.pop().transpose()
     }
 
+    /// Time passed (`now` never goes backwards): a message in reassembly that got no fragment
+    /// since the hub's budget's timeout ([`crate::SessionConfig::reassembly_timeout`]) is dropped,
+    /// [`crate::Error::ReassemblyTimedOut`] in its place, its reservation returned. Its
+    /// deadline runs from the first call that saw it as it is now, so the owner calls this
+    /// after taking frames in and at [`Receiver::poll_timeout`]. Nothing for a receiver
+    /// without a budget (a session's).
+    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        let Some(timeout) = self.budget.as_ref().map(|b| b.timeout) else {
+            return;
+        };
+        let Some(seen) = self.decoder.partial() else {
+            self.watch = None;
+            return;
+        };
+        if !self.parked.is_empty() {
+            // Its next fragments may be among the frames we hold back ourselves: its clock
+            // starts again once they are taken in.
+            self.watch = None;
+            return;
+        }
+        match self.watch {
+            Some((before, since)) if before == seen => {
+                if now.saturating_duration_since(since) >= timeout {
+                    self.expire(timeout);
+                }
+            }
+            _ => self.watch = Some((seen, now)),
+        }
+    }
+
+    /// When [`Receiver::handle_timeout`] should next be called: the progress deadline of the
+    /// message in reassembly (it may have moved on since; a call then finds out).
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let timeout = self.budget.as_ref()?.timeout;
+        let (_, since) = self.watch.filter(|_| self.decoder.in_progress())?;
+        since.checked_add(timeout)
+    }
+
+    /// Whether a message is being reassembled (see [`Receiver::handle_timeout`]).
+    pub(crate) fn reassembling(&self) -> bool {
+        self.decoder.in_progress()
+    }
+
+    /// Drops the message in reassembly, its sender stalled: its error takes its place.
+    fn expire(&mut self, after: Duration) {
+        self.watch = None;
+        let Some((tag, seq, received)) = self.decoder.abandon_partial() else {
+            return;
+        };
+        trace_event!(WARN, seq, tag, bytes = received, "reassembly timed out");
+        self.drop_frame(
+            Some(seq),
+            crate::Error::ReassemblyTimedOut {
+                tag,
+                seq,
+                received,
+                after,
+            },
+        );
+        self.release_budget();
+    }
+
     /// Takes what a connection handed out.
     pub(crate) fn accept(&mut self, a: Arrival) {
         match a {
@@ -197,29 +314,57 @@ impl Receiver {
             self.peer_taken = frame::taken_of(frame.bytes());
         }
         let control = header.is_some_and(|h| h.flags & (frame::DONE | frame::ASK) != 0);
-        if !control && (!self.parked.is_empty() || self.must_park(header)) {
+        if !control && (!self.parked.is_empty() || self.must_park(frame.bytes())) {
             self.parked.push_back(frame);
             return;
         }
         self.take_in(frame, header);
     }
 
-    /// Whether a frame (of this header) must wait: the head of the order waits for room, or
-    /// it starts a fragmented message for which the hub's budget has no room.
-    fn must_park(&mut self, header: Option<frame::Header>) -> bool {
+    /// Whether a frame must wait: the head of the order waits for room, or it starts a
+    /// fragmented message for which the hub's budget has no room, or whose turn has not come
+    /// (see [`ReassemblyBudget`]). Otherwise a first fragment reserves what its message
+    /// announces.
+    fn must_park(&mut self, frame: &[u8]) -> bool {
         if self.head_waits() {
+            if let Some(b) = &self.budget {
+                // Not ready to take a turn: others go first.
+                b.leave(&mut self.ticket);
+            }
             return true;
         }
-        let starts_fragmented = header
-            .is_some_and(|h| h.flags & (frame::FIRST | frame::LAST | frame::RNDV) == frame::FIRST);
-        if !starts_fragmented || self.reserved > 0 {
+        if self.budget.is_none() {
             return false;
+        }
+        let (h, need) = match frame::parse(frame) {
+            Ok((h, body)) if h.flags & frame::RNDV == 0 => {
+                (h, frame::announced_total(h.flags, body))
+            }
+            _ => return false,
+        };
+        let Some(need) = need.map(|n| n as usize) else {
+            return false;
+        };
+        if need > self.decoder.max_message() {
+            // Refused when taken in, nothing reserved.
+            return false;
+        }
+        if self.reserved > 0 {
+            // A new message before the last one ended: that one lost its tail (reported as
+            // the decoder would), and the new one waits for room like any other.
+            self.release_budget_now();
+            if self.decoder.abandon_partial().is_some() {
+                let e = frame::FrameError::OutOfOrder {
+                    seq: h.seq,
+                    frag: h.frag,
+                };
+                self.drop_frame(Some(h.seq), e.into());
+            }
         }
         let Some(budget) = &self.budget else {
             return false;
         };
-        let need = self.decoder.max_message();
-        if !budget.try_reserve(need) {
+        if !budget.try_reserve(&mut self.ticket, need) {
             return true;
         }
         self.reserved = need;
@@ -237,12 +382,12 @@ impl Receiver {
 
     /// Takes in parked frames, in order, as far as nothing makes them wait again.
     fn unpark(&mut self) {
-        while let Some(f) = self.parked.front() {
-            let header = frame::parse(f.bytes()).ok().map(|(h, _)| h);
-            if self.must_park(header) {
+        while let Some(f) = self.parked.pop_front() {
+            if self.must_park(f.bytes()) {
+                self.parked.push_front(f);
                 return;
             }
-            let f = self.parked.pop_front().expect("looked at");
+            let header = frame::parse(f.bytes()).ok().map(|(h, _)| h);
             self.take_in(f, header);
         }
     }
@@ -250,11 +395,15 @@ impl Receiver {
     /// Gives back the budget once no message is being reassembled.
     fn release_budget(&mut self) {
         if self.reserved > 0 && !self.decoder.in_progress() {
-            if let Some(b) = &self.budget {
-                b.release(self.reserved);
-            }
-            self.reserved = 0;
+            self.release_budget_now();
         }
+    }
+
+    fn release_budget_now(&mut self) {
+        if let Some(b) = &self.budget {
+            b.release(self.reserved);
+        }
+        self.reserved = 0;
     }
 
     fn take_in(&mut self, frame: FrameBytes, header: Option<frame::Header>) {
@@ -545,6 +694,7 @@ impl Receiver {
         // back first: other peers need it.
         if let Some(b) = self.budget.take() {
             b.release(std::mem::take(&mut self.reserved));
+            b.leave(&mut self.ticket);
         }
         while let Some(f) = self.parked.pop_front() {
             let header = frame::parse(f.bytes()).ok().map(|(h, _)| h);
@@ -603,8 +753,9 @@ impl Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        if let (Some(b), n @ 1..) = (&self.budget, self.reserved) {
-            b.release(n);
+        if let Some(b) = &self.budget {
+            b.release(self.reserved);
+            b.leave(&mut self.ticket);
         }
         // Reads still under way end with the connection, their buffers with it (a queue pair
         // destroyed drops them): they leave the pool's count.
