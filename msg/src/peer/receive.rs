@@ -59,6 +59,10 @@ pub(crate) struct Receiver {
     pub(super) budget: Option<ReassemblyBudget>,
     /// Our reservation of the budget, for the message being reassembled.
     pub(super) reserved: usize,
+    /// The application holds as much of this peer's messages as it may
+    /// ([`SessionConfig::max_held_bytes`](crate::SessionConfig::max_held_bytes)): frames of
+    /// new messages are parked, as behind a head that waits, until it takes some.
+    pub(super) held_back: bool,
 }
 
 /// What all peers of a hub may hold in messages being reassembled from fragments: each such
@@ -144,6 +148,7 @@ impl Receiver {
             parked: VecDeque::new(),
             budget: None,
             reserved: 0,
+            held_back: false,
         }
     }
 
@@ -155,6 +160,15 @@ impl Receiver {
 
     pub(crate) fn register<M: Message>(&mut self) -> Result<()> {
         self.decoder.register::<M>()
+    }
+
+    /// Whether frames of new messages are to be parked, holding their receive buffers and
+    /// so the peer's credits (see [`Receiver::parked`]): while the application holds as much
+    /// of this peer's messages as it may. A message under way in fragments still finishes
+    /// (one message more, bounded by `max_message`); acknowledgements are taken as ever.
+    /// Turned off, the parked frames are taken in by the next [`Receiver::advance`].
+    pub(crate) fn hold_back(&mut self, on: bool) {
+        self.held_back = on;
     }
 
     /// The decoder (its registered types).
@@ -204,10 +218,11 @@ impl Receiver {
         self.take_in(frame, header);
     }
 
-    /// Whether a frame (of this header) must wait: the head of the order waits for room, or
-    /// it starts a fragmented message for which the hub's budget has no room.
+    /// Whether a frame (of this header) must wait: the head of the order waits for room, the
+    /// application holds all it may of this peer's messages (a message under way excepted),
+    /// or it starts a fragmented message for which the hub's budget has no room.
     fn must_park(&mut self, header: Option<frame::Header>) -> bool {
-        if self.head_waits() {
+        if self.head_waits() || (self.held_back && !self.decoder.in_progress()) {
             return true;
         }
         let starts_fragmented = header
