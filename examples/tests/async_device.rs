@@ -509,3 +509,79 @@ fn an_async_close_towards_a_vanished_peer_fails_at_once_as_vanished() {
         assert!(took < Duration::from_millis(500), "{took:?}");
     });
 }
+
+/// An async call whose peer streams instead of answering, on a session that only makes calls
+/// (nothing receives): the call keeps at most `max_held_bytes` of what arrives, the rest stay
+/// in their receive buffers with the peer's credits, so the peer's sends stop; the call times
+/// out; then everything arrives, once, in order (issue 40).
+#[test]
+#[ignore = "device"]
+fn an_async_call_keeps_what_a_streaming_peer_sends_within_its_bound() {
+    const HELD: usize = 256 << 10;
+    let tick = |seq| Tick {
+        seq,
+        pad: vec![7; 4000],
+    };
+    runtime().block_on(async {
+        let config = SessionConfig {
+            max_held_bytes: HELD,
+            ..SessionConfig::default()
+        };
+        let (client, server) = pair(config, SessionConfig::default());
+        let streaming = tokio::spawn(async move {
+            let mut env = server.recv().await.unwrap();
+            let responder = env.responder::<Double>().unwrap();
+            let mut seq = 0;
+            // A send dropped by its timeout sent nothing.
+            let stopped = loop {
+                let m = tick(seq);
+                let sending = server.send(&m);
+                match tokio::time::timeout(Duration::from_secs(2), sending).await {
+                    Ok(sent) => sent.unwrap(),
+                    Err(_) => break true,
+                }
+                seq += 1;
+                if seq == 50_000 {
+                    break false;
+                }
+            };
+            (server, responder, seq, stopped)
+        });
+        let t = Instant::now();
+        let err = client
+            .call(&Double(1), Duration::from_secs(6))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+        assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+        let (server, responder, sent, stopped) = streaming.await.unwrap();
+        let held = client.with_session(|s| s.held_bytes()).unwrap();
+        println!("held {held} bytes; the peer sent {sent} messages before it stopped");
+        assert!(
+            stopped,
+            "the peer was never stopped: it sent {sent} messages"
+        );
+        assert!(held <= HELD + (8 << 10), "held {held} bytes");
+        drop(responder);
+        let rest = tokio::spawn(async move {
+            for seq in sent..sent + 1000 {
+                server.send(&tick(seq)).await.unwrap();
+            }
+            server.close().await.unwrap();
+            sent + 1000
+        });
+        let mut next = 0;
+        loop {
+            match client.recv().await {
+                Ok(env) => {
+                    let got: Tick = env.decode().unwrap();
+                    assert_eq!(got.seq, next, "in order, nothing lost");
+                    next += 1;
+                }
+                Err(e) if e.is_peer_closed() => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(next, rest.await.unwrap(), "every message arrived");
+    });
+}

@@ -15,6 +15,7 @@ use crate::call::{
 };
 use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::unread_error;
+use crate::held::Held;
 use crate::peer::{self, Delivery, HubLink, Link, PeerTable, ReassemblyBudget, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
@@ -241,26 +242,18 @@ pub struct Hub {
     calls: Calls,
     /// Answers to peers' requests given on other threads (or by dropped responders).
     replies: Arc<Replies>,
-    /// Events taken in while a call waited for its answer: handed out first.
-    held: VecDeque<HubEvent>,
+    /// Events taken in while a call waited for its answer: handed out first. Each peer's
+    /// are bounded by [`SessionConfig::max_held_bytes`] (see [`Hub::keep`]).
+    held: Held<PeerId, HubEvent>,
+    /// A call's wait (or [`Hub::poll_calls`]) is receiving: what it takes is kept in `held`,
+    /// which it does not hand out.
+    holding: bool,
     /// A call's wait is receiving: an answer ends the receive.
     waiting_call: bool,
     /// An answer was taken in since the last look.
     answered: bool,
     /// The outbox counts of peers gone.
     departed_outboxes: OutboxStats,
-}
-
-/// An event kept while a call waits, its message out of its receive buffer (whose credit the
-/// peer may need to send the answer).
-fn keep(ev: HubEvent) -> HubEvent {
-    match ev {
-        HubEvent::Message { peer, mut msg } => {
-            msg.release_credit();
-            HubEvent::Message { peer, msg }
-        }
-        ev => ev,
-    }
 }
 
 /// Whether a close must wait for the peer's application to take what was sent: copies are
@@ -316,7 +309,8 @@ impl Hub {
             outboxed: Vec::new(),
             calls: Calls::default(),
             replies,
-            held: VecDeque::new(),
+            held: Held::new(config.max_held_bytes),
+            holding: false,
             waiting_call: false,
             answered: false,
             departed_outboxes: OutboxStats::default(),
@@ -930,53 +924,104 @@ impl Hub {
     }
 
     /// Waits for the first of `calls` to end (see [`crate::Session::wait_any`]), driving the
-    /// hub (events wait for [`Hub::recv`]).
+    /// hub (events wait for [`Hub::recv`]). Each peer's events kept so are bounded by
+    /// [`SessionConfig::max_held_bytes`]: a peer at its bound is taken nothing more from (its
+    /// messages stay in their receive buffers with its credits, so it stops; a call to it
+    /// ends at its deadline if its answer is behind them), while the others go on.
     pub fn wait_any<T>(&mut self, calls: &mut Vec<Call<T>>) -> Option<(usize, Result<T>)>
     where
         T: Message + serde::de::DeserializeOwned,
     {
-        let mut held = std::mem::take(&mut self.held);
-        let out = loop {
+        loop {
             let left = match call::first_ended(calls) {
-                call::Next::Ended(i, outcome) => break Some((i, outcome)),
-                call::Next::NoneLeft => break None,
+                call::Next::Ended(i, outcome) => return Some((i, outcome)),
+                call::Next::NoneLeft => return None,
                 call::Next::Wait(left) => left,
             };
+            self.holding = true;
             self.waiting_call = true;
             self.answered = false;
             let got = self.recv_timeout(left);
             self.waiting_call = false;
+            self.holding = false;
             match got {
-                Ok(Some(ev)) => held.push_back(keep(ev)),
+                Ok(Some(ev)) => self.keep(ev),
                 Ok(None) => {}
                 // The hub's own failure.
                 Err(e) => {
                     drop(calls.remove(0));
-                    break Some((0, Err(e)));
+                    return Some((0, Err(e)));
                 }
             }
-        };
-        held.append(&mut self.held);
-        self.held = held;
-        out
+        }
     }
 
     /// Takes in, without waiting, everything that has happened: answers go to their calls,
-    /// other events wait for [`Hub::recv`] (or [`Hub::try_recv`]). Whether it took in any
+    /// other events wait for [`Hub::recv`] (or [`Hub::try_recv`]), each peer's within
+    /// [`SessionConfig::max_held_bytes`] (see [`Hub::wait_any`]). Whether it took in any
     /// event. For event loops and async runtimes that wait for calls.
     pub fn poll_calls(&mut self) -> Result<bool> {
-        let mut held = std::mem::take(&mut self.held);
-        let before = held.len();
+        let before = self.held.len();
+        self.holding = true;
         let out = loop {
             match self.try_recv() {
-                Ok(Some(ev)) => held.push_back(keep(ev)),
+                Ok(Some(ev)) => self.keep(ev),
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             }
         };
-        held.append(&mut self.held);
-        self.held = held;
+        self.holding = false;
         out.map(|()| self.held.len() != before)
+    }
+
+    /// Keeps an event a call's wait took in for [`Hub::recv`], its message out of its
+    /// receive buffer (whose credit the peer may need to send the answer). Once a peer's
+    /// kept events reach [`SessionConfig::max_held_bytes`], its frames are parked unread
+    /// (their buffers hold its credits: it stops sending) and nothing more of it is queued
+    /// ([`Hub::collect`]), until [`Hub::recv`] takes some of what is kept; other peers go on.
+    fn keep(&mut self, ev: HubEvent) {
+        let (who, body, ev) = match ev {
+            HubEvent::Message { peer, mut msg } => {
+                msg.release_credit();
+                let body = msg.body().len();
+                (Some(peer), body, HubEvent::Message { peer, msg })
+            }
+            HubEvent::BadFrame { peer, error } => {
+                (Some(peer), 0, HubEvent::BadFrame { peer, error })
+            }
+            // Once per connection, or the hub's own doing.
+            ev => (None, 0, ev),
+        };
+        if self.held.push(who, ev, body) {
+            if let Some(state) = who.and_then(|p| self.peers.get_mut(p)) {
+                state.receiver.hold_back(true);
+            }
+        }
+    }
+
+    /// The oldest event a call's wait kept (none while a call's wait receives: what it takes
+    /// goes behind them). A peer below its bound again has its frames taken in.
+    fn take_held(&mut self) -> Option<HubEvent> {
+        if self.holding {
+            return None;
+        }
+        let (ev, who, freed) = self.held.pop()?;
+        if let (true, Some(peer)) = (freed, who) {
+            if let Some(state) = self.peers.get_mut(peer) {
+                state.receiver.hold_back(false);
+                if !self.reads_waiting.contains(&peer) {
+                    self.reads_waiting.push(peer);
+                }
+            }
+        }
+        Some(ev)
+    }
+
+    /// Bytes of `peer`'s messages that calls' waits took in and keep for the next receive
+    /// (their bodies and a few dozen bytes each): at most
+    /// [`SessionConfig::max_held_bytes`] and one message.
+    pub fn held_bytes(&self, peer: PeerId) -> usize {
+        self.held.bytes(peer)
     }
 
     /// The answer of a call whose waiter gave up (see [`crate::Session::expire`]).
@@ -1028,7 +1073,7 @@ impl Hub {
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        if let Some(ev) = self.held.pop_front() {
+        if let Some(ev) = self.take_held() {
             return Ok(Some(ev));
         }
         loop {
@@ -1180,7 +1225,8 @@ impl Hub {
 
     /// After `peer`'s receiving side took something in: posts its waiting reads, hands
     /// acknowledgements over (ours go out as they can), and queues its messages that are
-    /// ready, in order.
+    /// ready, in order (unless calls' waits keep all they may of its messages: they wait in
+    /// its receiver, the peer under [`Receiver::hold_back`]).
     fn collect(&mut self, peer: PeerId) {
         let Some((state, mut link)) = self.split(peer) else {
             return;
@@ -1204,7 +1250,9 @@ impl Hub {
             self.reassembly_unwatched = true;
         }
         if let Some(state) = self.peers.get_mut(peer) {
-            queue_ready(peer, &mut state.receiver, &mut self.ready);
+            if !self.held.is_full(peer) {
+                queue_ready(peer, &mut state.receiver, &mut self.ready);
+            }
         }
         if list {
             self.unflushed.push(peer);
@@ -1215,7 +1263,7 @@ impl Hub {
     /// [`AsFd`]: call it until `Ok(None)` whenever the hub's descriptor is readable, and at
     /// least every [`rdmsg_transport::RawHub::next_timeout`]).
     pub fn try_recv(&mut self) -> Result<Option<HubEvent>> {
-        if let Some(ev) = self.held.pop_front() {
+        if let Some(ev) = self.take_held() {
             return Ok(Some(ev));
         }
         self.drain_outboxes();

@@ -89,6 +89,7 @@ mod dispatch;
 mod drive;
 mod error;
 pub mod frame;
+mod held;
 mod hub;
 mod message;
 mod peer;

@@ -11,6 +11,7 @@ use rdmsg_verbs::deadline_after;
 use crate::call::{self, Call, CallOut, CallStats, Calls, Outgoing, Replies, Request, Responder};
 use crate::codec::{self, Decoder, Envelope};
 use crate::error::unread_error;
+use crate::held::Held;
 use crate::peer::{self, Absorbing, Delivery, Receiver, Sender};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result};
@@ -93,6 +94,17 @@ pub struct SessionConfig {
     /// message always fits an empty outbox. So a slow or stalled peer costs at most this
     /// much memory, and never blocks the hub's thread. Default 4 MiB.
     pub max_outbox_bytes: usize,
+    /// Bound on the bytes of a peer's messages that a call's wait keeps for the next receive
+    /// ([`Session::wait`], [`Session::poll_calls`], and the hub's, for each peer): messages
+    /// that arrive while a call waits for its answer are moved out of their receive buffers
+    /// (the peer may need those credits to send the answer) and kept, in order. Once this
+    /// much is kept (one message always is), the wait takes no more of that peer's messages
+    /// in: they stay unread in their receive buffers, holding its credits, so the peer
+    /// stops; a call then ends with its answer if that was taken in already, with the
+    /// connection's failure, or at its deadline ([`crate::Error::CallTimedOut`]). Receiving
+    /// what is kept lets the rest in again. Counted as bodies plus a few dozen bytes each
+    /// ([`Session::held_bytes`]). Default 4 MiB.
+    pub max_held_bytes: usize,
 }
 
 /// Default [`SessionConfig::rendezvous_threshold`]: 16 KiB (see the README for the
@@ -115,6 +127,7 @@ impl Default for SessionConfig {
             max_reassembly_bytes: 256 << 20,
             reassembly_timeout: DEFAULT_REASSEMBLY_TIMEOUT,
             max_outbox_bytes: 4 << 20,
+            max_held_bytes: 4 << 20,
         }
     }
 }
@@ -218,8 +231,9 @@ pub struct Session {
     unsent_bytes: usize,
     /// The bound on `unsent_bytes`.
     max_unsent: usize,
-    /// Messages that arrived while a call waited for its answer: handed out first.
-    held: VecDeque<Result<Envelope>>,
+    /// Messages that arrived while a call waited for its answer: handed out first. At
+    /// [`SessionConfig::max_held_bytes`], nothing more is taken in (see [`Session::hold`]).
+    held: Held<(), Result<Envelope>>,
     /// A call's wait is receiving: an answer ends the receive.
     waiting_call: bool,
     /// An answer was taken in since the last look.
@@ -264,7 +278,7 @@ impl Session {
             unsent: VecDeque::new(),
             unsent_bytes: 0,
             max_unsent: config.max_outbox_bytes,
-            held: VecDeque::new(),
+            held: Held::new(config.max_held_bytes),
             waiting_call: false,
             answered: false,
             sender: Sender::new(&config, conn.peer().recv_depth)
@@ -383,7 +397,7 @@ impl Session {
     /// Flushes first, as [`Session::recv`] does, if it would wait (with
     /// [`SessionConfig::max_unsolicited_delay`], when that runs out).
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
-        if let Some(r) = self.held.pop_front() {
+        if let Some(r) = self.take_held() {
             return r.map(Some);
         }
         let got = self.recv_inner(timeout);
@@ -443,7 +457,7 @@ impl Session {
             if left == Some(Duration::ZERO) && deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(None);
             }
-            if let Some(r) = self.receiver.pop() {
+            if let Some(r) = self.next_received() {
                 match self.route(r?)? {
                     Some(env) => return Ok(Some(env)),
                     None => continue,
@@ -491,7 +505,8 @@ impl Session {
                 .fail_peer(None, || rdmsg_transport::Error::Connection(f).into());
             self.drop_unsent();
             self.receiver.abandon_reads();
-            if self.receiver.has_ready() {
+            // (Unless a call's wait keeps all it may: then the calls have their outcome.)
+            if self.receiver.has_ready() && !self.held.is_full(()) {
                 return Ok(());
             }
         }
@@ -500,7 +515,7 @@ impl Session {
 
     /// Returns a message that has already arrived, without waiting.
     pub fn try_recv(&mut self) -> Result<Option<Envelope>> {
-        if let Some(r) = self.held.pop_front() {
+        if let Some(r) = self.take_held() {
             return r.map(Some);
         }
         let got = self.try_recv_inner();
@@ -513,7 +528,7 @@ impl Session {
             self.send_replies()?;
         }
         loop {
-            if let Some(r) = self.receiver.pop() {
+            if let Some(r) = self.next_received() {
                 match self.route(r?)? {
                     Some(env) => return Ok(Some(env)),
                     None => continue,
@@ -860,6 +875,11 @@ impl Session {
     /// messages (and the errors that come in their place) wait for [`Session::recv`], in
     /// order, out of their receive buffers so that they hold none of the peer's credits.
     /// Handing them out of the session counts them taken in the delivery record.
+    ///
+    /// What is kept so is bounded ([`SessionConfig::max_held_bytes`]): at the bound the wait
+    /// takes nothing more in, the peer's messages stay in their receive buffers with its
+    /// credits, and a peer that keeps sending stops. An answer behind them is then not seen:
+    /// the call ends at its deadline, unless the connection fails first.
     pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
     where
         T: Message + serde::de::DeserializeOwned,
@@ -904,18 +924,53 @@ impl Session {
         }
     }
 
-    /// Keeps what a call's wait took in for `recv`, holding no receive buffer.
+    /// Keeps what a call's wait took in for `recv`, holding no receive buffer. At
+    /// [`SessionConfig::max_held_bytes`], the receiver parks the peer's frames unread (their
+    /// buffers hold its credits: it stops sending) and receives hand over nothing more to be
+    /// kept ([`Session::next_received`]) until `recv` takes some of what is kept.
     fn hold(&mut self, got: Result<Envelope>) {
-        self.held.push_back(got.map(|mut env| {
+        let got = got.map(|mut env| {
             env.release_credit();
             env
-        }));
+        });
+        let body = got.as_ref().map_or(0, |env| env.body().len());
+        if self.held.push(Some(()), got, body) {
+            self.receiver.hold_back(true);
+        }
+    }
+
+    /// The oldest message a call's wait kept; below the bound again, the peer's frames are
+    /// taken in from the next receive on.
+    fn take_held(&mut self) -> Option<Result<Envelope>> {
+        let (got, _, freed) = self.held.pop()?;
+        if freed {
+            self.receiver.hold_back(false);
+        }
+        Some(got)
+    }
+
+    /// The next message the receiver has in order, unless what calls' waits keep is at its
+    /// bound: then nothing (a receive hands out what is kept first, so only a call's wait
+    /// gets here then, and it takes nothing more in).
+    fn next_received(&mut self) -> Option<Result<Envelope>> {
+        if self.held.is_full(()) {
+            return None;
+        }
+        self.receiver.pop()
+    }
+
+    /// Bytes of the messages calls' waits took in and keep for the next receive (their
+    /// bodies and a few dozen bytes each): at most [`SessionConfig::max_held_bytes`] and one
+    /// message.
+    pub fn held_bytes(&self) -> usize {
+        self.held.bytes(())
     }
 
     /// Takes in, without waiting, everything that has arrived: answers go to their calls,
     /// messages wait for [`Session::recv`] (or [`Session::try_recv`]), as a call's wait keeps
-    /// them. Whether it took in any message. For event loops and async runtimes that wait
-    /// for calls.
+    /// them (within [`SessionConfig::max_held_bytes`]: at the bound it takes nothing in).
+    /// Whether it took in any message. For event loops and async runtimes that wait for
+    /// calls.
     pub fn poll_calls(&mut self) -> Result<bool> {
         let before = self.held.len();
         loop {

@@ -64,6 +64,10 @@ pub(crate) struct Receiver {
     /// The message in reassembly as last seen by [`Receiver::handle_timeout`] (tag, seq,
     /// bytes received) and when: its progress deadline runs from then.
     pub(super) watch: Option<((u32, u32, usize), Instant)>,
+    /// The application holds as much of this peer's messages as it may
+    /// ([`SessionConfig::max_held_bytes`](crate::SessionConfig::max_held_bytes)): frames of
+    /// new messages are parked, as behind a head that waits, until it takes some.
+    pub(super) held_back: bool,
 }
 
 /// What all peers of a hub may hold in messages being reassembled from fragments, and how
@@ -199,6 +203,7 @@ impl Receiver {
             reserved: 0,
             ticket: None,
             watch: None,
+            held_back: false,
         }
     }
 
@@ -210,6 +215,15 @@ impl Receiver {
 
     pub(crate) fn register<M: Message>(&mut self) -> Result<()> {
         self.decoder.register::<M>()
+    }
+
+    /// Whether frames of new messages are to be parked, holding their receive buffers and
+    /// so the peer's credits (see [`Receiver::parked`]): while the application holds as much
+    /// of this peer's messages as it may. A message under way in fragments still finishes
+    /// (one message more, bounded by `max_message`); acknowledgements are taken as ever.
+    /// Turned off, the parked frames are taken in by the next [`Receiver::advance`].
+    pub(crate) fn hold_back(&mut self, on: bool) {
+        self.held_back = on;
     }
 
     /// The decoder (its registered types).
@@ -321,12 +335,13 @@ impl Receiver {
         self.take_in(frame, header);
     }
 
-    /// Whether a frame must wait: the head of the order waits for room, or it starts a
-    /// fragmented message for which the hub's budget has no room, or whose turn has not come
-    /// (see [`ReassemblyBudget`]). Otherwise a first fragment reserves what its message
+    /// Whether a frame must wait: the head of the order waits for room, the application
+    /// holds all it may of this peer's messages (a message under way excepted), or it starts
+    /// a fragmented message for which the hub's budget has no room, or whose turn has not
+    /// come (see [`ReassemblyBudget`]). Otherwise a first fragment reserves what its message
     /// announces.
     fn must_park(&mut self, frame: &[u8]) -> bool {
-        if self.head_waits() {
+        if self.head_waits() || (self.held_back && !self.decoder.in_progress()) {
             if let Some(b) = &self.budget {
                 // Not ready to take a turn: others go first.
                 b.leave(&mut self.ticket);

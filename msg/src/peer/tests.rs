@@ -958,3 +958,76 @@ fn a_peer_that_goes_away_while_it_waits_does_not_hold_up_the_others() {
     assert_eq!(pop_blob(&mut c), Blob(vec![3; 40_000]));
     assert_eq!(budget.used(), 0);
 }
+
+/// While the application holds as much of a peer's messages as it may (a call's wait keeps
+/// them), the receiver takes no new message in: the frames stay parked in their receive
+/// buffers, so the peer's credits stop coming back and its sends stop, however it sends
+/// (fragments, whose buffers would otherwise return at once). A message under way finishes;
+/// acknowledgements still pass; released, everything comes, in order.
+#[test]
+fn a_held_back_receiver_stops_a_streaming_peer_by_its_credits() {
+    let credits = 16;
+    let mut tx = Sender::new(&config(100), 64);
+    let mut wire = Wire {
+        room: credits,
+        ..Wire::new(256)
+    };
+    let mut rx = receiver();
+    // Five fragments each; the first message is under way when the hold begins.
+    let blob = |i: u32| Blob(vec![i as u8; 1000]);
+    assert!(tx.try_send_as(&mut wire, &blob(0), false).unwrap());
+    assert!(tx.send_committed(&mut wire).unwrap());
+    let mut first = std::mem::take(&mut wire.frames).into_iter();
+    rx.arrive(FrameBytes::Owned(first.next().unwrap().0));
+    rx.hold_back(true);
+    for (f, _) in first {
+        rx.arrive(FrameBytes::Owned(f));
+    }
+    assert_eq!(rx.order.len(), 1, "the message under way finished");
+    assert!(rx.parked.is_empty());
+    wire.room += 5;
+    // The peer streams; a frame taken in gives its credit back, a parked one keeps it.
+    let mut sent = 1u32;
+    for _ in 0..100 {
+        while tx.try_send_as(&mut wire, &blob(sent), false).unwrap() {
+            sent += 1;
+        }
+        tx.send_committed(&mut wire).unwrap();
+        let (arrived, parked) = (wire.frames.len(), rx.parked.len());
+        arrive_all(&mut wire, &mut rx);
+        wire.room += arrived - (rx.parked.len() - parked);
+    }
+    assert_eq!(
+        (wire.room, rx.parked.len()),
+        (0, credits),
+        "the peer is out of credits, every one of them in a parked frame"
+    );
+    assert!(sent <= 5, "the peer stopped after {sent} messages");
+    assert_eq!(rx.decoder.buffered(), 0, "nothing reassembled");
+    assert_eq!(rx.order.len(), 1, "nothing new to hand over");
+    assert!(tx.queued_frames() > 0, "its last message waits for credits");
+    // Acknowledgements are not held back.
+    let mut acks = Sender::new(&config(100), 64);
+    acks.queue_acks(&[0], 256);
+    let mut ack_wire = Wire::new(256);
+    acks.send_committed(&mut ack_wire).unwrap();
+    arrive_all(&mut ack_wire, &mut rx);
+    assert_eq!(rx.take_acked(), [0]);
+    // Released: the parked frames come in, the peer's credits with them, and everything
+    // arrives once, in order.
+    rx.hold_back(false);
+    let mut got = Vec::new();
+    loop {
+        rx.advance(&mut wire).unwrap();
+        while let Some(env) = rx.pop() {
+            got.push(env.unwrap().decode::<Blob>().unwrap());
+        }
+        wire.room += credits;
+        tx.send_committed(&mut wire).unwrap();
+        if wire.frames.is_empty() && rx.parked.is_empty() {
+            break;
+        }
+        arrive_all(&mut wire, &mut rx);
+    }
+    assert_eq!(got, (0..sent).map(blob).collect::<Vec<_>>());
+}
