@@ -469,9 +469,16 @@ impl Session {
             if self.waiting_call && self.answered {
                 continue;
             }
+            let advanced = self.receiver.advance(&mut self.conn);
+            if advanced.is_ok() && self.has_received() {
+                // Frames parked until now were taken in (behind a head whose read could start,
+                // or a bound that lifted): handed out before any wait. Their receive buffers
+                // may hold all the peer's credits, so nothing else may ever come to end one.
+                continue;
+            }
             // Answers given meanwhile, or a credit for those waiting, end the wait.
             let (replies, unsent) = (&self.replies, !self.unsent.is_empty());
-            let arrival = self.receiver.advance(&mut self.conn).and_then(|()| {
+            let arrival = advanced.and_then(|()| {
                 Ok(self.conn.recv_any_interruptible(left, |c| {
                     replies.waiting() || (unsent && c.credits() > 0)
                 })?)
@@ -534,10 +541,12 @@ impl Session {
                     None => continue,
                 }
             }
-            let arrival = self
-                .receiver
-                .advance(&mut self.conn)
-                .and_then(|()| Ok(self.conn.try_recv_any()?));
+            let advanced = self.receiver.advance(&mut self.conn);
+            if advanced.is_ok() && self.has_received() {
+                // Parked frames taken in just now.
+                continue;
+            }
+            let arrival = advanced.and_then(|()| Ok(self.conn.try_recv_any()?));
             let arrival = match arrival {
                 Ok(a) => a,
                 Err(e) => {
@@ -947,6 +956,11 @@ impl Session {
             self.receiver.hold_back(false);
         }
         Some(got)
+    }
+
+    /// Whether [`Session::next_received`] has a message to hand out.
+    fn has_received(&self) -> bool {
+        self.receiver.has_ready() && !self.held.is_full(())
     }
 
     /// The next message the receiver has in order, unless what calls' waits keep is at its

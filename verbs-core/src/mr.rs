@@ -327,18 +327,47 @@ impl fmt::Debug for Exposed {
     }
 }
 
-/// A memory window, deallocated once: by the [`Exposed`] that owns it when dropped, or before
-/// that by the queue pair it is bound to when that is destroyed (a window bound to a queue
-/// pair holds it: destroying the queue pair first would wait for the window, for seconds on
-/// rxe). Its key reads nothing once deallocated.
+/// A memory window, deallocated once: when its last holder lets go (the [`Exposed`] that
+/// owns it, or the queue pair whose bind of it is still pending: see
+/// [`QueuePair::bind`](crate::QueuePair::bind)), or before that by the queue pair it is bound
+/// to when that is destroyed (a window bound to a queue pair holds it: destroying the queue
+/// pair first would wait for the window, for seconds on rxe). Its key reads nothing once
+/// deallocated. An exposure dropped while a bind of its window is pending hands its region
+/// over to the window, which deregisters it after the window is gone.
 pub(crate) struct Window {
     mw: std::sync::Mutex<Option<NonNull<ffi::ibv_mw>>>,
+    /// The region the window is bound over, its bytes and their protection domain, once the
+    /// exposure that owned them was dropped.
+    region: std::sync::Mutex<Option<(NonNull<ffi::ibv_mr>, crate::Bytes, Arc<PdInner>)>>,
 }
 
-// SAFETY: the window is only used through the mutex, and deallocated once.
+// SAFETY: the window and the region are only used through their mutexes, and released once;
+// the bytes are immutable and shared-ownership.
 unsafe impl Send for Window {}
 // SAFETY: as above.
 unsafe impl Sync for Window {}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        let region = self
+            .region
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if !self.revoke() {
+            // Its key may still read the bytes: neither the region nor the bytes go.
+            std::mem::forget(region);
+            return;
+        }
+        if let Some((mr, bytes, pd)) = region {
+            // SAFETY: the region is registered until now (its exposure handed it over instead
+            // of deregistering it) and deregistered once, here; its PD is held until after.
+            let ret = unsafe { ffi::ibv_dereg_mr(mr.as_ptr()) };
+            free_if_deregistered(ret, bytes);
+            drop(pd);
+        }
+    }
+}
 
 impl Window {
     fn raw(&self) -> Option<NonNull<ffi::ibv_mw>> {
@@ -438,6 +467,7 @@ impl ProtectionDomain {
         let mw = mw.map_err(|source| Error::AllocMw { source })?;
         exposed.mw = Some(Arc::new(Window {
             mw: std::sync::Mutex::new(Some(mw)),
+            region: std::sync::Mutex::new(None),
         }));
         Ok(exposed)
     }
@@ -492,14 +522,13 @@ impl Exposed {
 
 impl Drop for Exposed {
     fn drop(&mut self) {
-        if let Some(w) = &self.mw {
-            // Bound or not, deallocating invalidates its key (unless its queue pair's
-            // destruction did already).
-            if !w.revoke() {
-                // Its key may still read the bytes: neither the region nor the bytes go.
-                std::mem::forget(std::mem::take(&mut self.bytes));
-                return;
-            }
+        if let Some(w) = self.mw.take() {
+            // The window goes with its last holder, this exposure or the queue pair whose bind
+            // of it is still pending (deallocating it under a pending bind would fail that
+            // queue pair), and the region with it: bound or not, its key is dead once it goes.
+            *w.region.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((self.mr, std::mem::take(&mut self.bytes), self._pd.clone()));
+            return;
         }
         // SAFETY: the region is registered until now and deregistered once, here.
         let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };

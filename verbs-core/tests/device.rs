@@ -93,6 +93,32 @@ fn send_and_receive_with_data_checked() {
     assert_eq!(p.b.recv_outstanding(), 16 - messages.len() - 1);
 }
 
+/// An exposure dropped while the bind of its window is still pending (issue 40, item 10): the
+/// queue pair holds the window and its memory until the bind's completion, which succeeds,
+/// and the queue pair goes on. Before, dropping the exposure deallocated the window under the
+/// pending bind.
+#[test]
+#[ignore = "device"]
+fn an_exposure_dropped_while_its_bind_is_pending_lives_until_the_bind_completes() {
+    let mut p = Pair::new(4);
+    let bytes = rdmsg_verbs::Bytes::from(vec![7u8; 64 << 10]);
+    let mut exposed = p.pd.window_over(bytes).expect("memory windows of type 2");
+    let id = p.sender.qp.bind(&mut exposed).expect("bind");
+    drop(exposed);
+    let wcs = p.reap_sends(1);
+    assert_eq!(
+        (wcs[0].wr_id(), wcs[0].status()),
+        (id, WcStatus::Success),
+        "{wcs:?}"
+    );
+    assert_eq!(p.sender.qp.send_outstanding(), 0);
+    // The queue pair goes on.
+    p.send(b"after the bind", false, None);
+    let wcs = p.reap_sends(1);
+    assert_eq!(wcs[0].status(), WcStatus::Success, "{wcs:?}");
+    assert_eq!(poll_n(&mut p.b_recv_cq, 1)[0].status(), WcStatus::Success);
+}
+
 #[test]
 #[ignore = "device"]
 fn immediate_data_arrives() {

@@ -58,6 +58,10 @@ pub struct QueuePair {
     /// Memory windows bound through this queue pair ([`QueuePair::bind`]): those still
     /// allocated are deallocated before it is destroyed.
     windows: Vec<std::sync::Weak<crate::mr::Window>>,
+    /// The windows of binds still pending, under their wr_ids in posting order: held until a
+    /// completion retires the bind (or the queue pair goes), whatever becomes of their
+    /// exposures meanwhile.
+    binding: std::collections::VecDeque<(u64, Arc<crate::mr::Window>)>,
 }
 
 // SAFETY: posting and modifying take `&mut self`; the raw QP may be used from any one thread at
@@ -168,6 +172,7 @@ impl QueuePair {
             srq: srq.map(|s| s.inner().clone()),
             destroyed: false,
             windows: Vec::new(),
+            binding: std::collections::VecDeque::new(),
         })
     }
 
@@ -421,9 +426,23 @@ impl QueuePair {
         }
         let mut out = Vec::new();
         if self.posted.complete_send(wc.wr_id(), &mut out) {
+            self.release_binds();
             Reclaimed::Send(out)
         } else {
             Reclaimed::Unknown
+        }
+    }
+
+    /// Lets go of the windows whose binds are retired: every request posted before the oldest
+    /// one still held (ids grow with posting order).
+    fn release_binds(&mut self) {
+        let oldest = self.posted.send.front().map(|&(id, _, _)| id);
+        while self
+            .binding
+            .front()
+            .is_some_and(|&(id, _)| oldest.map_or(true, |o| id < o))
+        {
+            self.binding.pop_front();
         }
     }
 
@@ -545,8 +564,9 @@ impl QueuePair {
     /// another queue pair of the same protection domain that uses it gets a remote access
     /// error. Requests posted after the bind execute after it, so a descriptor sent next names
     /// a key already valid. The bind takes a send queue slot until its completion; returns its
-    /// wr_id. Keep `exposed` until that completion (deallocating a window whose bind is still
-    /// pending fails the queue pair).
+    /// wr_id. `exposed` may be dropped at any time: the queue pair holds the window, and with
+    /// it the memory, until a completion retires the bind or the queue pair goes
+    /// (deallocating a window under a pending bind would fail the queue pair).
     ///
     /// [`Exposed::rkey`]: crate::Exposed::rkey
     pub fn bind(&mut self, exposed: &mut crate::Exposed) -> Result<u64> {
@@ -555,6 +575,7 @@ impl QueuePair {
                 "an exposure without a memory window cannot be bound".into(),
             ));
         };
+        let window_arc = Arc::clone(window);
         let window = Arc::downgrade(window);
         if !Arc::ptr_eq(exposed.pd(), &self._pd) {
             return Err(Error::InvalidArgument(
@@ -588,8 +609,9 @@ impl QueuePair {
         if let Err(source) = check_ret(ret) {
             if bad.is_null() {
                 // The provider did not name the request: it may have been posted (fail
-                // closed: it counts as outstanding).
+                // closed: it counts as outstanding, and its window is held).
                 self.posted.send.push_back((id, None, false));
+                self.binding.push_back((id, window_arc));
             }
             return Err(Error::PostSend {
                 qp_num: self.qp_num,
@@ -597,6 +619,7 @@ impl QueuePair {
             });
         }
         self.posted.send.push_back((id, None, false));
+        self.binding.push_back((id, window_arc));
         exposed.rkey = rkey;
         // Forget the windows already gone, now and then (at each power of two from 64: the
         // list stays within about twice the windows alive, at amortized constant cost).
@@ -644,7 +667,11 @@ impl QueuePair {
     /// to the next (no allocation once it has room). Whether `wc` named a request this queue
     /// pair held.
     pub fn complete_send_into(&mut self, wc: &WorkCompletion, out: &mut Vec<Buffer>) -> bool {
-        wc.qp_num() == self.qp_num && self.posted.complete_send(wc.wr_id(), out)
+        let retired = wc.qp_num() == self.qp_num && self.posted.complete_send(wc.wr_id(), out);
+        if retired && !self.binding.is_empty() {
+            self.release_binds();
+        }
+        retired
     }
 
     /// Send requests posted and not yet retired by a completion: the send queue slots in use.
@@ -661,7 +688,12 @@ impl QueuePair {
         sends: &mut Vec<Buffer>,
         reads: &mut Vec<(u64, Buffer)>,
     ) -> bool {
-        wc.qp_num() == self.qp_num && self.posted.complete_split(wc.wr_id(), sends, reads)
+        let retired =
+            wc.qp_num() == self.qp_num && self.posted.complete_split(wc.wr_id(), sends, reads);
+        if retired && !self.binding.is_empty() {
+            self.release_binds();
+        }
+        retired
     }
 
     /// Posts RDMA reads (`IBV_WR_RDMA_READ`) of the peer's memory into `buf`, one work request
@@ -847,6 +879,9 @@ impl QueuePair {
                 w.revoke();
             }
         }
+        // No bind is pending once the queue pair is gone: the windows (and the regions of
+        // exposures dropped meanwhile) go with their last holder.
+        self.binding.clear();
     }
 
     /// After a failed `ibv_destroy_qp`: the device may still own the posted buffers; leak them
