@@ -336,10 +336,13 @@ impl fmt::Debug for Exposed {
 /// over to the window, which deregisters it after the window is gone.
 pub(crate) struct Window {
     mw: std::sync::Mutex<Option<NonNull<ffi::ibv_mw>>>,
-    /// The region the window is bound over, its bytes and their protection domain, once the
-    /// exposure that owned them was dropped.
-    region: std::sync::Mutex<Option<(NonNull<ffi::ibv_mr>, crate::Bytes, Arc<PdInner>)>>,
+    /// The region the window is bound over, once the exposure that owned it was dropped.
+    region: std::sync::Mutex<Option<Adopted>>,
 }
+
+/// A region handed over by its dropped exposure: the registration, its bytes and their
+/// protection domain.
+type Adopted = (NonNull<ffi::ibv_mr>, crate::Bytes, Arc<PdInner>);
 
 // SAFETY: the window and the region are only used through their mutexes, and released once;
 // the bytes are immutable and shared-ownership.
