@@ -11,10 +11,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{client_hello, endpoint, plausible_hello};
-use rdmsg_transport::handshake::{
-    Handshake, Limits, Reject, CLIENT_HELLO_LEN, GOODBYE, MAC_LEN, NONCE_LEN,
-};
+use common::{client_hello, endpoint, plausible_hello, stalled_before_ready};
+use rdmsg_transport::handshake::{Reject, CLIENT_HELLO_LEN, GOODBYE, MAC_LEN};
 use rdmsg_transport::{Config, Connection, Error, Failure, Listener, Psk};
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
@@ -442,31 +440,8 @@ fn clients_that_stop_before_ready_pin_no_send_buffers() {
                 .collect::<Vec<_>>()
         })
     };
-    let limits = Limits {
-        max_buf_size: u32::MAX,
-        max_recv_depth: u32::MAX,
-        max_send_memory: u64::MAX,
-        send_depth: 64,
-    };
     let stalled: Vec<TcpStream> = (0..4u8)
-        .map(|i| {
-            let mut s = TcpStream::connect(addr).unwrap();
-            let mut hs = Handshake::client(hello, limits, None, [i; NONCE_LEN]);
-            let mut buf = [0u8; 512];
-            // Speak until the server has connected its queue pair and sent its address; then
-            // stop, as a client that never says "ready".
-            loop {
-                s.write_all(hs.output()).unwrap();
-                let n = hs.output().len();
-                hs.consume_output(n);
-                if hs.poll_action().is_some() {
-                    break s;
-                }
-                let got = s.read(&mut buf[..hs.wanted().clamp(1, 512)]).unwrap();
-                assert!(got > 0, "the server hung up at {}", hs.stage());
-                hs.feed(&buf[..got]).unwrap();
-            }
-        })
+        .map(|i| stalled_before_ready(addr, hello, i))
         .collect();
     thread::sleep(Duration::from_millis(500));
     let during = vm_rss_kib();

@@ -8,6 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdmsg_testkit::{fd_count, rnr_counters};
+
+mod common;
 use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId, RawHub, RawHubEvent};
 
 fn endpoint() -> Endpoint {
@@ -378,54 +380,13 @@ fn a_silent_client_does_not_hold_up_the_others() {
 #[test]
 #[ignore = "device"]
 fn a_failed_handshake_drains_its_queue_pair_before_destroying_it() {
-    use std::io::{Read, Write};
-
-    use rdmsg_transport::handshake::{Handshake, Hello, Limits, NONCE_LEN, VERSION};
     let ep = endpoint();
     let mut cfg = HubConfig::default();
     cfg.conn.handshake_timeout = Duration::from_secs(1);
     let mut server = RawHub::new(&ep, cfg).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
-    let hello = Hello {
-        version: VERSION,
-        addr: rdmsg_transport::QpAddress {
-            lid: 0,
-            qpn: 1,
-            psn: 1,
-            gid: ep.gid(),
-        },
-        mtu: ep.path_mtu(&rdmsg_transport::PathParams::default()).bytes() as u32,
-        buf_size: 4096,
-        recv_depth: 64,
-        grant_slots: 3,
-        initial_credits: 64,
-        reads: 1,
-        max_read: 1 << 20,
-    };
-    let limits = Limits {
-        max_buf_size: u32::MAX,
-        max_recv_depth: u32::MAX,
-        max_send_memory: u64::MAX,
-        send_depth: 64,
-    };
-    let stalled = std::thread::spawn(move || {
-        let mut s = std::net::TcpStream::connect(addr).expect("connect");
-        let mut hs = Handshake::client(hello, limits, None, [1; NONCE_LEN]);
-        let mut buf = [0u8; 512];
-        // Speak until the hub has connected its queue pair and sent its address; then stop,
-        // as a client that never says "ready".
-        loop {
-            s.write_all(hs.output()).expect("write");
-            let n = hs.output().len();
-            hs.consume_output(n);
-            if hs.poll_action().is_some() {
-                break s;
-            }
-            let got = s.read(&mut buf[..hs.wanted().clamp(1, 512)]).expect("read");
-            assert!(got > 0, "the hub hung up at {}", hs.stage());
-            hs.feed(&buf[..got]).expect("the hub's answer");
-        }
-    });
+    let hello = common::plausible_hello(&ep);
+    let stalled = std::thread::spawn(move || common::stalled_before_ready(addr, hello, 1));
     let started = Instant::now();
     let mut failed = false;
     while !failed {

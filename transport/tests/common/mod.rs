@@ -1,4 +1,8 @@
-//! Helpers shared by the transport's device-test files.
+//! Helpers shared by the transport's device-test files (each uses a part of them).
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 
 use rdmsg_transport::handshake::{Handshake, Hello, Limits, NONCE_LEN, VERSION};
 use rdmsg_transport::{Endpoint, PathParams};
@@ -39,4 +43,30 @@ pub fn client_hello(hello: Hello) -> Vec<u8> {
     Handshake::client(hello, limits, None, [7; NONCE_LEN])
         .output()
         .to_vec()
+}
+
+/// A client that speaks its handshake (`hello`, nonce bytes `nonce`) until the server has
+/// connected its queue pair and sent its address, then stops, as one that never says
+/// "ready": its stream, still open.
+pub fn stalled_before_ready(addr: SocketAddr, hello: Hello, nonce: u8) -> TcpStream {
+    let limits = Limits {
+        max_buf_size: u32::MAX,
+        max_recv_depth: u32::MAX,
+        max_send_memory: u64::MAX,
+        send_depth: 64,
+    };
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut hs = Handshake::client(hello, limits, None, [nonce; NONCE_LEN]);
+    let mut buf = [0u8; 512];
+    loop {
+        s.write_all(hs.output()).unwrap();
+        let n = hs.output().len();
+        hs.consume_output(n);
+        if hs.poll_action().is_some() {
+            return s;
+        }
+        let got = s.read(&mut buf[..hs.wanted().clamp(1, 512)]).unwrap();
+        assert!(got > 0, "the server hung up at {}", hs.stage());
+        hs.feed(&buf[..got]).unwrap();
+    }
 }
