@@ -851,26 +851,46 @@ pub(crate) enum Next<T> {
 /// The first of `calls` whose outcome is in, or else whose deadline has passed (counted
 /// timed out), removed from `calls`; else how long until the nearest deadline. What a
 /// session's and a hub's `wait_any` do between receives.
-pub(crate) fn first_ended<T>(calls: &mut Vec<Call<T>>) -> Next<T>
+///
+/// A deadline is judged on what has arrived, not on when the caller came back to look: once
+/// one has passed, `take_in` first takes in, without waiting, what is already there (answers
+/// go to their calls), and a call whose answer was among it ends with its answer. A caller
+/// whose thread was busy past a deadline (while its answers sat in the connection) would
+/// otherwise report calls timed out whose answers had come, and count them late.
+pub(crate) fn first_ended<T>(calls: &mut Vec<Call<T>>, take_in: impl FnOnce()) -> Next<T>
 where
     T: Message + serde::de::DeserializeOwned,
 {
-    let done = calls
-        .iter()
-        .enumerate()
-        .find_map(|(i, c)| c.take_outcome().map(|o| (i, o)));
-    if let Some((i, outcome)) = done {
-        drop(calls.remove(i));
-        return Next::Ended(i, finish(outcome));
+    if let Some(ended) = answered(calls) {
+        return ended;
     }
     let now = Instant::now();
-    if let Some(i) = calls.iter().position(|c| c.expired(now)) {
-        return Next::Ended(i, Err(calls.remove(i).timed_out()));
+    if calls.iter().any(|c| c.expired(now)) {
+        take_in();
+        if let Some(ended) = answered(calls) {
+            return ended;
+        }
+        if let Some(i) = calls.iter().position(|c| c.expired(now)) {
+            return Next::Ended(i, Err(calls.remove(i).timed_out()));
+        }
     }
     if calls.is_empty() {
         return Next::NoneLeft;
     }
     Next::Wait(calls.iter().filter_map(|c| c.left(now)).min())
+}
+
+/// The first of `calls` whose outcome is in, removed from `calls`.
+fn answered<T>(calls: &mut Vec<Call<T>>) -> Option<Next<T>>
+where
+    T: Message + serde::de::DeserializeOwned,
+{
+    let (i, outcome) = calls
+        .iter()
+        .enumerate()
+        .find_map(|(i, c)| c.take_outcome().map(|o| (i, o)))?;
+    drop(calls.remove(i));
+    Some(Next::Ended(i, finish(outcome)))
 }
 
 /// What a received message is, for the layer that routes calls.
@@ -1101,6 +1121,66 @@ mod tests {
             CallStats::default(),
             "nothing counted"
         );
+    }
+
+    #[test]
+    fn a_call_whose_answer_is_here_when_its_deadline_is_judged_ends_with_it() {
+        // The caller's thread came back past the deadline (busy elsewhere) while the answer
+        // sat in the connection: taking it in comes before judging the deadline.
+        let (client, replies, decoder) =
+            (Calls::default(), Replies::new(None), Decoder::new(1 << 20));
+        let id = lock(&client).start::<Get>(None);
+        let past = Instant::now();
+        let mut calls = vec![Call::<Value>::new(
+            id,
+            client.clone(),
+            "Get",
+            Duration::ZERO,
+            Some(past),
+        )];
+        let data = Bulk::new(vec![3u8; 16]);
+        let out = ReplyOut {
+            id,
+            status: ANSWERED,
+            value: Some(&Value { data: data.clone() }),
+        };
+        let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+        let mut took_in = 0;
+        let ended = first_ended(&mut calls, || {
+            took_in += 1;
+            assert!(deliver(answer, &client, &replies, &decoder).is_none());
+        });
+        let Next::Ended(0, Ok(got)) = ended else {
+            panic!("the answer that was here, not a timeout")
+        };
+        assert_eq!((got.data, took_in), (data, 1));
+        let stats = lock(&client).stats();
+        assert_eq!((stats.answered, stats.timed_out, stats.late), (1, 0, 0));
+        // Nothing there: the deadline is the outcome.
+        let id = lock(&client).start::<Get>(None);
+        let mut calls = vec![Call::<Value>::new(
+            id,
+            client.clone(),
+            "Get",
+            Duration::ZERO,
+            Some(past),
+        )];
+        let ended = first_ended(&mut calls, || {});
+        assert!(matches!(
+            ended,
+            Next::Ended(0, Err(Error::CallTimedOut { .. }))
+        ));
+        // Before any deadline, nothing is taken in here (the wait receives).
+        let id = lock(&client).start::<Get>(None);
+        let mut calls = vec![Call::<Value>::new(
+            id,
+            client.clone(),
+            "Get",
+            Duration::from_secs(60),
+            deadline(Duration::from_secs(60)),
+        )];
+        let ended = first_ended(&mut calls, || panic!("no deadline passed"));
+        assert!(matches!(ended, Next::Wait(Some(_))));
     }
 
     #[test]

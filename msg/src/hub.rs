@@ -913,7 +913,8 @@ impl Hub {
     }
 
     /// Waits for `call`'s answer until its deadline, driving the hub (events wait for
-    /// [`Hub::recv`]).
+    /// [`Hub::recv`]). As in [`crate::Session::wait`], an answer already here when the
+    /// deadline is judged is the answer.
     pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
     where
         T: Message + serde::de::DeserializeOwned,
@@ -933,7 +934,12 @@ impl Hub {
         T: Message + serde::de::DeserializeOwned,
     {
         loop {
-            let left = match call::first_ended(calls) {
+            // Past a deadline, what has happened is taken in first (the hub's own failure
+            // comes from the next receive).
+            let ended = call::first_ended(calls, || {
+                let _ = self.poll_calls();
+            });
+            let left = match ended {
                 call::Next::Ended(i, outcome) => return Some((i, outcome)),
                 call::Next::NoneLeft => return None,
                 call::Next::Wait(left) => left,

@@ -883,7 +883,9 @@ impl Session {
     /// Waits for `call`'s answer until its deadline, taking in what arrives meanwhile:
     /// messages (and the errors that come in their place) wait for [`Session::recv`], in
     /// order, out of their receive buffers so that they hold none of the peer's credits.
-    /// Handing them out of the session counts them taken in the delivery record.
+    /// Handing them out of the session counts them taken in the delivery record. The
+    /// deadline is judged on what has arrived: an answer already in the connection when the
+    /// caller comes to wait, past the deadline (its thread busy elsewhere), is the answer.
     ///
     /// What is kept so is bounded ([`SessionConfig::max_held_bytes`]): at the bound the wait
     /// takes nothing more in, the peer's messages stay in their receive buffers with its
@@ -906,7 +908,12 @@ impl Session {
         T: Message + serde::de::DeserializeOwned,
     {
         loop {
-            let left = match call::first_ended(calls) {
+            // Past a deadline, what has arrived is taken in first (a failure it finds fails
+            // the calls, or comes from the next receive).
+            let ended = call::first_ended(calls, || {
+                let _ = self.poll_calls();
+            });
+            let left = match ended {
                 call::Next::Ended(i, outcome) => return Some((i, outcome)),
                 call::Next::NoneLeft => return None,
                 call::Next::Wait(left) => left,

@@ -374,8 +374,15 @@ impl<D: Drive> SharedDriver<D> {
         });
         match tokio::time::timeout_at(deadline, answer).await {
             Ok(answer) => answer,
-            // Its answer, if it came meanwhile; else the timeout.
-            Err(_) => Ok(self.lock()?.expire(call)?),
+            // Its answer, if it came meanwhile (what arrived is taken in first, as a blocking
+            // wait does past a deadline); else the timeout.
+            Err(_) => {
+                let mut d = self.lock()?;
+                if d.poll_calls().unwrap_or(false) {
+                    self.changed.notify_waiters();
+                }
+                Ok(d.expire(call)?)
+            }
         }
     }
 
