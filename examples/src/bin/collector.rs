@@ -18,8 +18,12 @@
 //! `connections`, `server_threads` (entries of `/proc/self/task`), `fds` (of `/proc/self/fd`)
 //! and `registered_kib` (the hub's receive and send buffers) are measured in the collector
 //! while every sensor is connected (the collector then tells each to start); `messages` is
-//! what it received, `lost` what the sensors say they sent minus that, `wakeups` the hub's
-//! wake-ups. The exit code is non-zero on any loss, disorder or error.
+//! what it received, `lost` what the sensors that finished say they sent minus what arrived
+//! from them, `wakeups` the hub's wake-ups. A sensor connection that fails (its handshake, or
+//! the connection ending without a graceful close before its `Done`) is reported and
+//! counted, and the other sensors go on: `finished` sensors, `failed` connections and, last on
+//! the line, `failures` (each reason with its count, `none` if none). The exit code is
+//! non-zero on any loss, disorder, failed connection or error.
 //!
 //! Other keys: `samples`, `alarms`, `batches` (the sensors' count), `fds_per_conn`,
 //! `registered_kib_per_conn`, `recv_buffers` and `spare_buffers` (the hub's receive pool, and
@@ -49,7 +53,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
@@ -290,6 +294,35 @@ struct Track {
     peer: Option<PeerId>,
     next_seq: u64,
     done: Option<u64>,
+    /// Messages that arrived from it (its `Done` included).
+    received: u64,
+}
+
+/// Connections that failed, counted by why (the failure's text).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Failures(BTreeMap<String, u64>);
+
+impl Failures {
+    fn add(&mut self, why: impl ToString) {
+        *self.0.entry(why.to_string()).or_default() += 1;
+    }
+
+    fn count(&self) -> u64 {
+        self.0.values().sum()
+    }
+
+    /// `"WHY xN; ..."`, or `none`: how many failed and why, for a report line.
+    fn describe(&self) -> String {
+        if self.0.is_empty() {
+            return "none".into();
+        }
+        let parts: Vec<String> = self
+            .0
+            .iter()
+            .map(|(why, n)| format!("{why} x{n}"))
+            .collect();
+        format!("\"{}\"", parts.join("; "))
+    }
 }
 
 /// Measured while every sensor is connected.
@@ -313,6 +346,11 @@ struct Report {
     done: u64,
     /// Σ over sensors of what their `Done` said they sent (+1 for the `Done`).
     done_sent: u64,
+    /// Messages that arrived from the sensors whose `Done` arrived.
+    from_finished: u64,
+    /// Sensor connections that failed before their `Done` arrived (a handshake, or a
+    /// connection that ended without a graceful close), by why.
+    failed: Failures,
     wakeups: u64,
     spurious: u64,
     connect_ms: u128,
@@ -325,6 +363,15 @@ impl Report {
     /// Prints the line (with what the sensors process reported, if it ran here); an error if
     /// anything was lost, out of order or wrong.
     fn finish(self, sensors_line: Option<&str>) -> Result<()> {
+        let (line, verdict) = self.summary(sensors_line)?;
+        println!("{line}");
+        verdict
+    }
+
+    /// The report line, and whether the run passed (an error: the sensors' line is not one).
+    /// Losses are counted over the sensors that finished (their `Done` arrived): what a failed
+    /// connection had sent may or may not have arrived, and is counted as failed, not lost.
+    fn summary(&self, sensors_line: Option<&str>) -> Result<(String, Result<()>)> {
         let sent = match sensors_line {
             Some(line) => {
                 let v = field(line, "sent").context("the sensors' report has no sent=")?;
@@ -338,7 +385,7 @@ impl Report {
             }
             None => self.done_sent,
         };
-        let lost = sent as i64 - self.messages as i64;
+        let lost = sent as i64 - self.from_finished as i64;
         // Batches, and the messages the transport solicited because they spent the last
         // credit, are the sensors' to count (the collector sees samples, not batch ends).
         let theirs = |key: &str| {
@@ -350,17 +397,19 @@ impl Report {
         let s = &self.snapshot;
         let conns = s.connections.max(1) as f64;
         let mut errors = self.errors;
-        if u64::from(self.sensors) != self.done {
+        let failed = self.failed.count();
+        if u64::from(self.sensors) != self.done + failed {
             eprintln!(
-                "collector: {} of {} sensors finished",
+                "collector: {} of {} sensors finished, {failed} failed",
                 self.done, self.sensors
             );
             errors += 1;
         }
-        println!(
+        let line = format!(
             "collector: connections={} server_threads={} fds={} registered_kib={} messages={} lost={lost} wakeups={} \
              samples={} alarms={} batches={batches} fds_per_conn={:.2} registered_kib_per_conn={:.1} recv_buffers={} \
-             spare_buffers={} forced_solicited={forced} msgs_per_wakeup={:.1} spurious_wakeups={} rnr={} errors={errors} connect_ms={} elapsed_ms={}",
+             spare_buffers={} forced_solicited={forced} msgs_per_wakeup={:.1} spurious_wakeups={} rnr={} errors={errors} connect_ms={} elapsed_ms={} \
+             finished={} failed={failed} failures={}",
             s.connections,
             s.threads,
             s.fds,
@@ -378,16 +427,26 @@ impl Report {
             self.rnr.map_or("n/a".into(), |n| n.to_string()),
             self.connect_ms,
             self.elapsed_ms,
+            self.done,
+            self.failed.describe(),
         );
-        ensure!(lost == 0, "{lost} messages lost");
-        ensure!(errors == 0, "{errors} errors");
-        ensure!(
-            s.connections == self.sensors as usize,
-            "only {} of {} sensors were connected at once",
-            s.connections,
-            self.sensors
-        );
-        Ok(())
+        let verdict = (|| {
+            ensure!(lost == 0, "{lost} messages lost");
+            ensure!(
+                failed == 0,
+                "{failed} sensor connections failed: {}",
+                self.failed.describe()
+            );
+            ensure!(errors == 0, "{errors} errors");
+            ensure!(
+                s.connections == self.sensors as usize,
+                "only {} of {} sensors were connected at once",
+                s.connections,
+                self.sensors
+            );
+            Ok(())
+        })();
+        Ok((line, verdict))
     }
 }
 
@@ -422,8 +481,11 @@ fn collect(
             ..Report::default()
         },
         shown: 0,
+        shown_failed: 0,
     };
-    let (mut connected, mut ended) = (0u32, 0u32);
+    // Connections made, and handshakes that failed (no connection): once they add up to
+    // every sensor, the ones that are up start.
+    let (mut connected, mut ended, mut refused) = (0u32, 0u32, 0u32);
     let mut started_at = None;
     let mut last_event = Instant::now();
     while ended < sensors {
@@ -448,7 +510,7 @@ fn collect(
         match ev {
             HubEvent::Connected { .. } => {
                 connected += 1;
-                if connected == sensors {
+                if connected + refused == sensors && started_at.is_none() {
                     c.report.connect_ms = t0.elapsed().as_millis();
                     c.report.snapshot = snapshot(&hub);
                     eprintln!(
@@ -458,7 +520,13 @@ fn collect(
                     let peers: Vec<PeerId> = hub.peers().collect();
                     for p in peers {
                         if let Err(e) = hub.send(p, &Start { sensors }) {
-                            c.error(format_args!("sending Start to {p}: {e}"));
+                            // A connection that failed meanwhile is reported by its
+                            // `Disconnected`, and counted there.
+                            let gone = hub.transport().conn_stats(p).is_none()
+                                || hub.transport().failure(p).is_some();
+                            if !gone {
+                                c.error(format_args!("sending Start to {p}: {e}"));
+                            }
                         }
                     }
                     started_at = Some(Instant::now());
@@ -477,15 +545,23 @@ fn collect(
             HubEvent::Disconnected { peer, failure } => {
                 ended += 1;
                 if failure != Failure::PeerClosed {
-                    c.error(format_args!("{peer} ended: {failure}"));
+                    c.ended(peer, failure, t0.elapsed());
                 }
             }
             HubEvent::HandshakeFailed { error, .. } => {
                 ended += 1;
-                c.error(format_args!("a sensor's handshake failed: {error}"));
+                refused += 1;
+                c.failed(format_args!("a sensor's handshake failed: {error}"));
+                c.report.failed.add(format_args!("handshake: {error}"));
             }
         }
     }
+    c.report.from_finished = c
+        .tracks
+        .iter()
+        .filter(|t| t.done.is_some())
+        .map(|t| t.received)
+        .sum();
     let wait = hub.transport().wait_stats();
     let r = &mut c.report;
     r.wakeups = wait.wakeups;
@@ -518,6 +594,8 @@ struct Collector {
     report: Report,
     /// Errors printed so far (the rest are only counted).
     shown: u64,
+    /// Failed connections printed so far (the rest are only counted).
+    shown_failed: u64,
 }
 
 impl Collector {
@@ -529,8 +607,36 @@ impl Collector {
         }
     }
 
+    /// A failed sensor connection, shown (as errors are, the first 20) but counted apart.
+    fn failed(&mut self, what: std::fmt::Arguments<'_>) {
+        if self.shown_failed < 20 {
+            self.shown_failed += 1;
+            eprintln!("collector: failed: {what}");
+        }
+    }
+
+    /// `peer`'s connection ended with `failure` rather than its sensor's graceful close: a
+    /// failed sensor if its `Done` had not come, else an error (its close went wrong).
+    fn ended(&mut self, peer: PeerId, failure: Failure, at: Duration) {
+        let sensor = self.by_peer.get(&peer).copied();
+        let finished = sensor.is_some_and(|s| self.tracks[s as usize].done.is_some());
+        let who = sensor.map_or(String::new(), |s| format!(" (sensor {s})"));
+        if finished {
+            self.error(format_args!("{peer}{who} ended: {failure}"));
+        } else {
+            self.failed(format_args!(
+                "{peer}{who} ended after {} ms: {failure}",
+                at.as_millis()
+            ));
+            self.report.failed.add(failure);
+        }
+    }
+
     fn message(&mut self, peer: PeerId, msg: &rdmsg::Envelope) {
         self.report.messages += 1;
+        if let Some(&s) = self.by_peer.get(&peer) {
+            self.tracks[s as usize].received += 1;
+        }
         if let Err(e) = self.check(peer, msg) {
             self.error(format_args!("{peer}: {e:#}"));
         }
@@ -604,6 +710,8 @@ impl Collector {
                 ensure!(owner.is_none(), "sensor {sensor} on two connections");
                 self.by_peer.insert(peer, sensor);
                 self.tracks[sensor as usize].peer = Some(peer);
+                // Its first message, counted before the peer was known.
+                self.tracks[sensor as usize].received += 1;
             }
         }
         Ok(&mut self.tracks[sensor as usize])
@@ -632,18 +740,37 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
             state.event(ev)?;
         }
     }
-    while state.connected < count || state.starts < count {
+    // Each sensor starts, or its connection fails (it will not start: the others go on).
+    while state.settled < count as usize {
         let ev = hub
             .recv_timeout(Some(IDLE))?
-            .with_context(|| format!("waiting for connections and starts: {state:?}"))?;
+            .with_context(|| format!("waiting for connections and starts: {state}"))?;
         state.event(ev)?;
     }
     let connect_ms = t0.elapsed().as_millis();
     let (mut samples, mut alarms) = (0u64, 0u64);
     let mut seqs = vec![0u64; count as usize];
     let mut batch = Vec::with_capacity(work.batch);
+    // A send to a connection that failed: the sensor stops (its failure is counted), the
+    // others go on; any other error ends the run.
+    let stopped = |hub: &Hub, peer: PeerId, e: anyhow::Error, state: &mut SensorsState| {
+        let gone =
+            hub.transport().conn_stats(peer).is_none() || hub.transport().failure(peer).is_some();
+        if !gone {
+            return Err(e);
+        }
+        let why = hub
+            .transport()
+            .failure(peer)
+            .map_or_else(|| format!("{e:#}"), |f| f.to_string());
+        state.fail(peer, why);
+        Ok(())
+    };
     for b in 0..work.batches {
         for (i, &peer) in peers.iter().enumerate() {
+            if state.failed.contains_key(&peer) {
+                continue;
+            }
             let sensor = first + i as u32;
             let seq = &mut seqs[i];
             batch.clear();
@@ -652,21 +779,29 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
                 seq: *seq + j,
                 value: value_of(sensor, *seq + j),
             }));
-            hub.send_batch(peer, &batch)
-                .with_context(|| format!("sensor {sensor}: batch {b}"))?;
+            if let Err(e) = hub
+                .send_batch(peer, &batch)
+                .with_context(|| format!("sensor {sensor}: batch {b}"))
+            {
+                stopped(&hub, peer, e, &mut state)?;
+                continue;
+            }
             *seq += work.batch as u64;
             samples += work.batch as u64;
             if alarm_due(sensor, b, work.alarm_every) {
                 let reason = reason_of(sensor, *seq);
-                hub.send(
-                    peer,
-                    &Alarm {
-                        sensor,
-                        seq: *seq,
-                        reason,
-                    },
-                )
-                .with_context(|| format!("sensor {sensor}: alarm"))?;
+                let alarm = Alarm {
+                    sensor,
+                    seq: *seq,
+                    reason,
+                };
+                if let Err(e) = hub
+                    .send(peer, &alarm)
+                    .with_context(|| format!("sensor {sensor}: alarm"))
+                {
+                    stopped(&hub, peer, e, &mut state)?;
+                    continue;
+                }
                 *seq += 1;
                 alarms += 1;
             }
@@ -676,15 +811,29 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
             state.event(ev)?;
         }
     }
+    // What the sensors that finished sent (their `Done` included): what the collector must
+    // have received from them.
+    let mut sent = 0u64;
     for (i, &peer) in peers.iter().enumerate() {
+        if state.failed.contains_key(&peer) {
+            continue;
+        }
         let sensor = first + i as u32;
-        hub.send(
-            peer,
-            &Done {
-                sensor,
-                sent: seqs[i],
-            },
-        )?;
+        let done = Done {
+            sensor,
+            sent: seqs[i],
+        };
+        match hub
+            .send(peer, &done)
+            .with_context(|| format!("sensor {sensor}: done"))
+        {
+            Ok(()) => sent += seqs[i] + 1,
+            Err(e) => stopped(&hub, peer, e, &mut state)?,
+        }
+    }
+    // Failures that came meanwhile.
+    while let Some(ev) = hub.try_recv()? {
+        state.event(ev)?;
     }
     // What the credits cost: sends that waited for one, and messages the transport solicited
     // because they spent a peer's last credit (each a wake-up of the collector).
@@ -701,7 +850,11 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
     state.closing = true;
     let mut slowest = Duration::ZERO;
     let mut close_errors = 0u32;
+    let failed_before_close = state.failed.len() as u32;
     for (i, &peer) in peers.iter().enumerate() {
+        if state.failed.contains_key(&peer) {
+            continue;
+        }
         let t = Instant::now();
         if let Err(e) = hub.close(peer) {
             close_errors += 1;
@@ -717,25 +870,33 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
         slowest = slowest.max(t.elapsed());
     }
     let close_ms = closing.elapsed().as_millis();
-    while state.closed < count {
+    while state.closed + failed_before_close < count {
         let ev = hub
             .recv_timeout(Some(IDLE))?
-            .with_context(|| format!("waiting for the closes: {state:?}"))?;
+            .with_context(|| format!("waiting for the closes: {state}"))?;
         state.event(ev)?;
     }
-    let sent = samples + alarms + u64::from(count);
     let wait = hub.transport().wait_stats();
+    let failures = state.failures();
     println!(
         "sensors: connections={count} sent={sent} samples={samples} alarms={alarms} batches={} \
          solicited={} forced_solicited={forced} credit_waits={credit_waits} wakeups={} threads={} \
          connect_ms={connect_ms} close_ms={close_ms} slowest_close_us={} close_errors={close_errors} \
-         elapsed_ms={}",
+         elapsed_ms={} failed={} failures={}",
         work.batches * u64::from(count),
         hub.stats().sent_solicited,
         wait.wakeups,
         count_dir("/proc/self/task"),
         slowest.as_micros(),
-        t0.elapsed().as_millis()
+        t0.elapsed().as_millis(),
+        failures.count(),
+        failures.describe(),
+    );
+    ensure!(
+        failures.count() == 0,
+        "{} sensor connections failed: {}",
+        failures.count(),
+        failures.describe()
     );
     ensure!(close_errors == 0, "{close_errors} closes failed");
     Ok(())
@@ -744,27 +905,74 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
 #[derive(Debug, Default)]
 struct SensorsState {
     connected: u32,
-    starts: u32,
+    /// Sensors told to start.
+    started: HashSet<PeerId>,
     closed: u32,
     /// Closing every connection: each ends (a close that failed was reported already).
     closing: bool,
+    /// Connections that failed before their close, and why (the first word on them; a later
+    /// `Disconnected` says it better).
+    failed: HashMap<PeerId, String>,
+    /// Failures shown so far (the rest are only counted).
+    shown: u32,
+    /// Sensors that started, or never will (their connection failed first).
+    settled: usize,
+}
+
+impl std::fmt::Display for SensorsState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} connected, {} started, {} failed, {} closed",
+            self.connected,
+            self.started.len(),
+            self.failed.len(),
+            self.closed
+        )
+    }
 }
 
 impl SensorsState {
+    /// `peer`'s connection failed (`why`): that sensor stops, the others go on.
+    fn fail(&mut self, peer: PeerId, why: String) {
+        if self.shown < 20 {
+            self.shown += 1;
+            eprintln!("sensors: {peer} failed: {why}");
+        }
+        if self.failed.insert(peer, why).is_none() && !self.started.contains(&peer) {
+            self.settled += 1;
+        }
+    }
+
+    fn failures(&self) -> Failures {
+        let mut f = Failures::default();
+        for why in self.failed.values() {
+            f.add(why);
+        }
+        f
+    }
+
     fn event(&mut self, ev: HubEvent) -> Result<()> {
         match ev {
             HubEvent::Connected { .. } => self.connected += 1,
             HubEvent::Message { peer, msg } => {
                 msg.decode::<Start>()
                     .with_context(|| format!("{peer}: not a Start"))?;
-                self.starts += 1;
+                if self.started.insert(peer) && !self.failed.contains_key(&peer) {
+                    self.settled += 1;
+                }
             }
-            HubEvent::Disconnected {
-                failure: Failure::Closed,
-                ..
-            } => self.closed += 1,
-            HubEvent::Disconnected { .. } if self.closing => self.closed += 1,
-            HubEvent::Disconnected { peer, failure } => bail!("{peer} failed: {failure}"),
+            HubEvent::Disconnected { peer, failure } => {
+                if let Some(why) = self.failed.get_mut(&peer) {
+                    // A send to it said so first (`no connection`): its failure says why.
+                    *why = failure.to_string();
+                } else if failure == Failure::Closed || self.closing {
+                    // Closed (a close that failed was reported already).
+                    self.closed += 1;
+                } else {
+                    self.fail(peer, failure.to_string());
+                }
+            }
             HubEvent::BadFrame { peer, error } => bail!("{peer}: {error}"),
             HubEvent::Unread { peer, messages } => bail!("{peer} closed with {messages} unread"),
             HubEvent::Writable { .. } => {} // nothing is posted here
@@ -772,6 +980,10 @@ impl SensorsState {
                 "{peer} ended with {} message(s) not taken",
                 delivery.unconfirmed()
             ),
+            HubEvent::HandshakeFailed {
+                peer: Some(peer),
+                error,
+            } => self.fail(peer, format!("handshake: {error}")),
             HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
         }
         Ok(())
@@ -928,6 +1140,76 @@ mod tests {
             ("127.0.0.1:4000", 10000, 0)
         );
         check_work(&work, (2, 3, 5));
+    }
+
+    /// A run where 2 of 4 sensors finished and 2 connections failed midway, what they had
+    /// sent partly arrived, and the sensors process failed without a report line.
+    fn two_of_four_failed() -> Report {
+        let mut failed = Failures::default();
+        failed.add(Failure::PeerVanished);
+        failed.add(Failure::PeerVanished);
+        Report {
+            sensors: 4,
+            snapshot: Snapshot {
+                connections: 4,
+                ..Snapshot::default()
+            },
+            messages: 2 * 35 + 9 + 17,
+            done: 2,
+            done_sent: 2 * 35,
+            from_finished: 2 * 35,
+            failed,
+            ..Report::default()
+        }
+    }
+
+    #[test]
+    fn failed_sensors_are_counted_apart_and_nothing_is_lost_negatively() {
+        let (line, verdict) = two_of_four_failed().summary(None).unwrap();
+        let num = |key: &str| field(&line, key).unwrap_or_else(|| panic!("{key} in {line}"));
+        assert!(line.contains(" lost=0 "), "{line}");
+        assert_eq!(
+            num("messages"),
+            2 * 35 + 26,
+            "everything that arrived is counted"
+        );
+        assert_eq!((num("finished"), num("failed")), (2, 2), "{line}");
+        assert!(
+            line.ends_with(&format!("failures=\"{} x2\"", Failure::PeerVanished)),
+            "{line}"
+        );
+        assert_eq!(
+            num("errors"),
+            0,
+            "a failed sensor is not also an error: {line}"
+        );
+        let e = verdict.unwrap_err().to_string();
+        assert!(e.starts_with("2 sensor connections failed: "), "{e}");
+    }
+
+    #[test]
+    fn losses_are_those_of_the_sensors_that_finished() {
+        let mut r = two_of_four_failed();
+        // The sensors say their two finished sensors sent one more than arrived.
+        let (line, verdict) = r.summary(Some("sensors: sent=71 failed=2")).unwrap();
+        assert!(line.contains(" lost=1 "), "{line}");
+        assert!(verdict.unwrap_err().to_string().contains("1 messages lost"));
+        // Nothing failed and everything arrived: a pass.
+        r.failed = Failures::default();
+        r.done = 4;
+        r.done_sent = 4 * 35;
+        r.from_finished = 4 * 35;
+        r.messages = 4 * 35;
+        let (line, verdict) = r.summary(Some("sensors: sent=140")).unwrap();
+        assert!(
+            line.contains(" lost=0 ") && line.ends_with("failed=0 failures=none"),
+            "{line}"
+        );
+        verdict.unwrap();
+        // A sensor neither finished nor failed: an error.
+        r.done = 3;
+        let (_, verdict) = r.summary(None).unwrap();
+        assert!(verdict.is_err());
     }
 
     #[test]
