@@ -28,6 +28,7 @@ use crate::connection::Connection;
 use crate::control::{CmLink, Control};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result, TimedOut};
+use crate::failed::FailedHandshakes;
 use crate::handshake::cm::{
     check_accept, check_key_flag, decode_hello, decode_reject, encode_accept, encode_reject,
     encode_request, Ends, ProofCheck, CM_NONCE_LEN,
@@ -377,6 +378,7 @@ impl Endpoint {
             watch,
             pending: Mutex::new(Vec::new()),
             proving: Mutex::new(Vec::new()),
+            failed: FailedHandshakes::default(),
         })
     }
 }
@@ -388,6 +390,11 @@ impl Endpoint {
 /// by side, each within [`Config::handshake_timeout`], in the same wait as new requests: a
 /// client that never completes its side holds its own slot, not the others. At most
 /// [`Config::max_pending_handshakes`] wait at once; beyond that the oldest is dropped.
+///
+/// A client's failure is that client's, as on every listener: counted
+/// ([`CmListener::failed_handshakes`]), traced, skipped by [`CmListener::accept`] and
+/// [`CmListener::accept_timeout`], reported by [`CmListener::accept_outcome_timeout`]. Only
+/// the listener's own failure is an error of theirs.
 pub struct CmListener {
     endpoint: Endpoint,
     channel: CmEventChannel,
@@ -397,15 +404,20 @@ pub struct CmListener {
     pending: Mutex<Vec<Accepted>>,
     /// Established, waiting for the client's proof of the key (its first message).
     proving: Mutex<Vec<Proving>>,
+    failed: FailedHandshakes,
 }
 
 /// An established connection whose client has yet to prove the key.
 struct Proving {
     conn: Connection,
+    /// The client's address, for its failure's trace.
+    from: Option<SocketAddr>,
     check: ProofCheck,
     /// Send buffers to register once it has.
     send_buffers: u32,
     deadline: Instant,
+    /// The handshake timeout it was accepted with, for its error.
+    timeout: Duration,
 }
 
 /// A request accepted and set up, on its own channel (in the listener's watch, keyed by its
@@ -467,8 +479,11 @@ impl CmListener {
         &self.endpoint
     }
 
-    /// Waits for the next client whose handshake succeeds; clients that fail theirs are
-    /// refused (with the reason) and skipped.
+    /// Waits for the next client whose handshake succeeds. A client that fails its own (a
+    /// hello refused with the reason, silence or a wrong proof past its deadline, gone
+    /// half-way, evicted to make room, or what could not be set up for it) is skipped:
+    /// counted in [`CmListener::failed_handshakes`], traced as `handshake failed`. An error
+    /// is the listener's own: a bad `config`, its event channel or epoll set failing.
     pub fn accept(&self, config: &Config) -> Result<Connection> {
         loop {
             if let Some(conn) = self.accept_timeout(config, None)? {
@@ -478,32 +493,59 @@ impl CmListener {
     }
 
     /// [`CmListener::accept`] for at most `timeout` (`None`: for ever); `Ok(None)` when no
-    /// client finished its handshake in time. A client that failed its handshake is refused
-    /// and skipped.
+    /// client finished its handshake in time. `Duration::ZERO` moves every handshake on as
+    /// far as it can go and never waits (for an event loop on [`AsFd`]).
     pub fn accept_timeout(
         &self,
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
+        crate::bootstrap::skip_failed(timeout, |left| self.accept_outcome_timeout(config, left))
+    }
+
+    /// How many clients failed their handshake on this listener so far (each also traced as
+    /// `handshake failed` with the `tracing` feature).
+    pub fn failed_handshakes(&self) -> u64 {
+        self.failed.count()
+    }
+
+    /// The next client's outcome, for callers who want every client's (an async listener's
+    /// stream of them): `Ok(Some(Ok))` a connection, `Ok(Some(Err))` a client that failed its
+    /// handshake (the oldest not yet reported: up to 64 are kept between calls, the others
+    /// only counted and traced), `Ok(None)` nothing within `timeout`, `Err` the listener's
+    /// own failure. Otherwise as [`CmListener::accept_timeout`], which is this with the
+    /// failures skipped.
+    pub fn accept_outcome_timeout(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Result<Connection>>> {
         config.check()?;
         let deadline = timeout.map(|t| deadline_after(Instant::now(), t));
         let mut ready = Vec::new();
         loop {
             // New requests: checked, set up and accepted at once (nothing in them waits).
-            while let Some(ev) = self.channel.next_event()? {
+            while let Some(mut ev) = self.channel.next_event()? {
                 if ev.kind == CmEventKind::ConnectRequest {
-                    if let Ok(accepted) = self.start(ev, config) {
-                        self.watch
-                            .add_keyed(accepted.channel.as_fd(), accepted.key())?;
-                        self.lock_pending().push(accepted);
+                    let from = ev.request.as_ref().and_then(CmId::peer_addr);
+                    match self.start(&mut ev, config) {
+                        Ok(accepted) => {
+                            self.watch
+                                .add_keyed(accepted.channel.as_fd(), accepted.key())?;
+                            self.lock_pending().push(accepted);
+                        }
+                        Err(e) => self.failed.record(from, e),
                     }
                 }
             }
             if let Some(conn) = self.finish_one()? {
-                return Ok(Some(conn));
+                return Ok(Some(Ok(conn)));
             }
             if let Some(conn) = self.prove_one() {
-                return Ok(Some(conn));
+                return Ok(Some(Ok(conn)));
+            }
+            if let Some(e) = self.failed.take() {
+                return Ok(Some(Err(e)));
             }
             let now = Instant::now();
             let next = self
@@ -549,10 +591,15 @@ impl CmListener {
                 (Some((a, i)), b) if b.map_or(true, |(b, _)| a <= b) => {
                     let a = pending.swap_remove(i);
                     let _ = self.watch.remove(a.channel.as_fd());
+                    let from = a.id.peer_addr();
+                    self.failed
+                        .record(from, evicted(from, "its ESTABLISHED", most));
                 }
                 (_, Some((_, i))) => {
                     let p = proving.swap_remove(i);
                     let _ = self.watch.remove(p.conn.as_fd());
+                    self.failed
+                        .record(p.from, evicted(p.from, "its proof of the key", most));
                 }
                 _ => return,
             }
@@ -560,98 +607,116 @@ impl CmListener {
     }
 
     /// The first established connection whose client proved the key; those that sent
-    /// anything else, failed, or ran out of time are dropped (which disconnects them).
+    /// anything else, failed, or ran out of time are dropped (which disconnects them) and
+    /// recorded as failed.
     fn prove_one(&self) -> Option<Connection> {
         let now = Instant::now();
         let mut proving = self.lock_proving();
         let mut i = 0;
         while i < proving.len() {
             let p = &mut proving[i];
-            let outcome = (|| -> Result<Option<bool>> {
+            let outcome = (|| -> Result<Option<()>> {
                 // Armed for the next message once nothing is left to handle.
                 while p.conn.step()? {}
-                Ok(match p.conn.try_recv()? {
-                    Some(first) => Some(p.check.check(&first).is_ok()),
-                    None if p.deadline <= now => Some(false),
-                    None => None,
-                })
-            })()
-            .unwrap_or(Some(false));
-            match outcome {
-                None => i += 1,
-                Some(proved) => {
-                    let mut p = proving.swap_remove(i);
-                    let _ = self.watch.remove(p.conn.as_fd());
-                    if proved && p.conn.add_send_buffers(p.send_buffers).is_ok() {
-                        return Some(p.conn);
-                    }
+                match p.conn.try_recv()? {
+                    Some(first) => p.check.check(&first).map(Some).map_err(Error::BadHandshake),
+                    None if p.deadline <= now => Err(handshake_timed_out(
+                        "the client's proof of the key (its first message)",
+                        p.timeout,
+                    )),
+                    None => Ok(None),
                 }
+            })();
+            if let Ok(None) = outcome {
+                i += 1;
+                continue;
+            }
+            let mut p = proving.swap_remove(i);
+            let _ = self.watch.remove(p.conn.as_fd());
+            match outcome.and_then(|_| p.conn.add_send_buffers(p.send_buffers)) {
+                Ok(()) => return Some(p.conn),
+                Err(e) => self.failed.record(p.from, e),
             }
         }
         None
     }
 
     /// The first pending accept whose client completed the connection, as a connection;
-    /// those that failed or ran out of time are dropped (which refuses or disconnects them).
+    /// those that failed or ran out of time are dropped (which refuses or disconnects them)
+    /// and recorded as failed. An error is the listener's own (its epoll set).
     fn finish_one(&self) -> Result<Option<Connection>> {
         let now = Instant::now();
         let mut pending = self.lock_pending();
         let mut i = 0;
         while i < pending.len() {
             let a = &pending[i];
+            let from = a.id.peer_addr();
+            let name = || from.map_or_else(|| "?".into(), |a| a.to_string());
             let outcome = match a.channel.next_event() {
-                Ok(Some(ev)) => Some(ev.kind == CmEventKind::Established && ev.status == 0),
-                Ok(None) if a.deadline <= now => Some(false),
-                Ok(None) => None,
-                Err(_) => Some(false),
-            };
-            match outcome {
-                None => i += 1,
-                Some(done) => {
-                    let a = pending.swap_remove(i);
-                    let _ = self.watch.remove(a.channel.as_fd());
-                    if done {
-                        drop(pending);
-                        let Accepted {
-                            id,
-                            channel,
-                            setup,
-                            peer,
-                            config,
-                            deadline,
-                            proof,
-                        } = a;
-                        let conn = Connection::establish(
-                            &self.endpoint,
-                            setup,
-                            Control::Cm(CmLink::new(channel, id)),
-                            &config,
-                            peer,
-                        )?;
-                        let Some((check, send_buffers)) = proof else {
-                            return Ok(Some(conn));
-                        };
-                        // Handed out once its client's first message proves the key.
-                        self.watch.add_keyed(conn.as_fd(), proving_key(&conn))?;
-                        self.lock_proving().push(Proving {
-                            conn,
-                            check,
-                            send_buffers,
-                            deadline,
-                        });
-                        // The others may be done too: look at them now (an event loop waiting
-                        // on the listener's descriptor is not told twice).
-                        return self.finish_one();
-                    }
+                Ok(Some(ev)) if ev.kind == CmEventKind::Established && ev.status == 0 => Ok(()),
+                Ok(Some(ev)) => Err(cm_failure(&ev, &name(), "accepting")),
+                Ok(None) if a.deadline <= now => Err(handshake_timed_out(
+                    "the client's side of the connection (its RTU or first message)",
+                    a.config.handshake_timeout,
+                )),
+                Ok(None) => {
+                    i += 1;
+                    continue;
                 }
+                Err(e) => Err(e.into()),
+            };
+            let a = pending.swap_remove(i);
+            let _ = self.watch.remove(a.channel.as_fd());
+            if let Err(e) = outcome {
+                self.failed.record(from, e);
+                continue;
             }
+            drop(pending);
+            let Accepted {
+                id,
+                channel,
+                setup,
+                peer,
+                config,
+                deadline,
+                proof,
+            } = a;
+            let conn = match Connection::establish(
+                &self.endpoint,
+                setup,
+                Control::Cm(CmLink::new(channel, id)),
+                &config,
+                peer,
+            ) {
+                Ok(conn) => conn,
+                Err(e) => {
+                    self.failed.record(from, e);
+                    return self.finish_one();
+                }
+            };
+            let Some((check, send_buffers)) = proof else {
+                return Ok(Some(conn));
+            };
+            // Handed out once its client's first message proves the key.
+            self.watch.add_keyed(conn.as_fd(), proving_key(&conn))?;
+            self.lock_proving().push(Proving {
+                conn,
+                from,
+                check,
+                send_buffers,
+                deadline,
+                timeout: config.handshake_timeout,
+            });
+            // The others may be done too: look at them now (an event loop waiting on the
+            // listener's descriptor is not told twice).
+            return self.finish_one();
         }
         Ok(None)
     }
 
     /// Checks one request's hello, sets up its side and accepts it; rejects it with the
     /// reason on a failed check.
-    fn start(&self, mut request: CmEvent, config: &Config) -> Result<Accepted> {
+    fn start(&self, request: &mut CmEvent, config: &Config) -> Result<Accepted> {
         let mut id = request.request.take().ok_or_else(|| Error::Cm {
             addr: "?".into(),
             stage: "accepting",
@@ -661,7 +726,7 @@ impl CmListener {
         let endpoint = &self.endpoint;
         let ours = our_hello(endpoint, config, None);
         let keyed = config.psk.is_some();
-        let (send_buffers, peer) = match check_request(&ours, config, &request) {
+        let (send_buffers, peer) = match check_request(&ours, config, request) {
             Ok(ok) => ok,
             Err(reason) => {
                 let _ = id.reject(&encode_reject(reason));
@@ -725,6 +790,25 @@ impl CmListener {
             deadline: deadline_after(Instant::now(), config.handshake_timeout),
             proof: proof.map(|check| (check, send_buffers)),
         })
+    }
+}
+
+/// A handshake with a client that ran out of time waiting for `what`.
+fn handshake_timed_out(what: &'static str, after: Duration) -> Error {
+    Error::Timeout(TimedOut {
+        op: "accepting over rdma_cm",
+        waiting_for: what,
+        after,
+    })
+}
+
+/// The failure of a handshake evicted from a listener full of them (`most` waiting) while
+/// waiting for `what` of the client at `from`.
+fn evicted(from: Option<SocketAddr>, what: &str, most: usize) -> Error {
+    Error::Cm {
+        addr: from.map_or_else(|| "?".into(), |a| a.to_string()),
+        stage: "accepting",
+        detail: format!("evicted while waiting for {what}: {most} handshakes were waiting"),
     }
 }
 
