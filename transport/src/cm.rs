@@ -432,6 +432,8 @@ struct Accepted {
     /// With a key: what the client's first message must prove, and the send buffers to
     /// register once it has.
     proof: Option<(ProofCheck, u32)>,
+    /// The CM was told of the client's first message (`rdma_notify`).
+    notified: bool,
 }
 
 /// Watch key of the listener's own channel (pending accepts use their descriptor, never 0
@@ -532,6 +534,10 @@ impl CmListener {
                         Ok(accepted) => {
                             self.watch
                                 .add_keyed(accepted.channel.as_fd(), accepted.key())?;
+                            self.watch.add_keyed(
+                                accepted.setup.channel.as_fd(),
+                                accepted.completions_key(),
+                            )?;
                             self.lock_pending().push(accepted);
                         }
                         Err(e) => self.failed.record(from, e),
@@ -564,6 +570,13 @@ impl CmListener {
         }
     }
 
+    /// Takes a pending accept's channels out of the watch: its id's goes on as the
+    /// connection's (or is closed), its completion channel is the connection's to wait on.
+    fn unwatch(&self, a: &Accepted) {
+        let _ = self.watch.remove(a.channel.as_fd());
+        let _ = self.watch.remove(a.setup.channel.as_fd());
+    }
+
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<Accepted>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -590,7 +603,7 @@ impl CmListener {
             match (oldest_pending, oldest_proving) {
                 (Some((a, i)), b) if b.map_or(true, |(b, _)| a <= b) => {
                     let a = pending.swap_remove(i);
-                    let _ = self.watch.remove(a.channel.as_fd());
+                    self.unwatch(&a);
                     let from = a.id.peer_addr();
                     self.failed
                         .record(from, evicted(from, "its ESTABLISHED", most));
@@ -649,7 +662,14 @@ impl CmListener {
         let mut pending = self.lock_pending();
         let mut i = 0;
         while i < pending.len() {
-            let a = &pending[i];
+            let a = &mut pending[i];
+            if !a.notified && a.data_arrived() {
+                // The client's first message: its side is connected whatever became of its
+                // RTU. The CM establishes the connection on this (ESTABLISHED follows on the
+                // id's channel); where it cannot, the RTU still does.
+                a.notified = true;
+                let _ = a.id.notify_established();
+            }
             let from = a.id.peer_addr();
             let name = || from.map_or_else(|| "?".into(), |a| a.to_string());
             let outcome = match a.channel.next_event() {
@@ -666,7 +686,7 @@ impl CmListener {
                 Err(e) => Err(e.into()),
             };
             let a = pending.swap_remove(i);
-            let _ = self.watch.remove(a.channel.as_fd());
+            self.unwatch(&a);
             if let Err(e) = outcome {
                 self.failed.record(from, e);
                 continue;
@@ -680,6 +700,7 @@ impl CmListener {
                 config,
                 deadline,
                 proof,
+                ..
             } = a;
             let conn = match Connection::establish(
                 &self.endpoint,
@@ -749,6 +770,12 @@ impl CmListener {
                 setup.register_send_buffers(endpoint, &peer)?;
             }
             id.ready_qp(&mut setup.qp, &tuning(endpoint, config, Some(params)))?;
+            // The client's first message may come before its RTU (which may be lost): its
+            // receive completion is watched for ([`Accepted::data_arrived`]). Armed before
+            // the accept, when nothing can have arrived yet (the client learns our queue
+            // pair's number from the accept).
+            setup.channel.set_nonblocking(true)?;
+            setup.recv_cq.req_notify(false)?;
             Ok(setup)
         })();
         let setup = match made {
@@ -789,6 +816,7 @@ impl CmListener {
             config: config.clone(),
             deadline: deadline_after(Instant::now(), config.handshake_timeout),
             proof: proof.map(|check| (check, send_buffers)),
+            notified: false,
         })
     }
 }
@@ -823,6 +851,31 @@ impl Accepted {
     fn key(&self) -> u64 {
         use std::os::fd::AsRawFd;
         self.channel.as_raw_fd() as u64
+    }
+
+    /// Watch key of its completion channel: its descriptor too.
+    fn completions_key(&self) -> u64 {
+        use std::os::fd::AsRawFd;
+        self.setup.channel.as_raw_fd() as u64
+    }
+
+    /// Whether a receive completed on its queue pair since the accept (the CQ armed then has
+    /// fired). Each event read is acknowledged here; the CQ is not armed again (the
+    /// connection that takes the channel over arms it its own way, and an event of this arm
+    /// that it reads instead is one spurious wake-up).
+    fn data_arrived(&self) -> bool {
+        let mut arrived = false;
+        while let Ok(Some(ev)) = self.setup.channel.get_event() {
+            let cq = if ev.is_for(&self.setup.recv_cq) {
+                arrived = true;
+                &self.setup.recv_cq
+            } else {
+                &self.setup.send_cq
+            };
+            drop(ev);
+            cq.ack_events(1);
+        }
+        arrived
     }
 }
 

@@ -1,7 +1,8 @@
-//! A [`CmListener`] against clients written with verbs-core's `CmId` directly, which stop or
-//! misbehave where `Endpoint::connect_cm` never would: a client that fails half-way is that
-//! client's failure, not the listener's. Ignored on hosts; `cargo xtask test` runs them in
-//! the VM.
+//! A [`CmListener`] (and a hub's CM listener) against clients written with verbs-core's
+//! `CmId` directly, which stop or misbehave where `Endpoint::connect_cm` never would: a
+//! client that fails half-way is that client's failure, not the listener's; a client's first
+//! message establishes its connection without waiting for its RTU. Ignored on hosts; `cargo
+//! xtask test` runs them in the VM.
 
 use std::net::SocketAddr;
 use std::sync::mpsc;
@@ -13,12 +14,16 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::endpoint;
+use rdmsg_transport::credits::Imm;
 use rdmsg_transport::handshake::cm::{encode_request, CM_NONCE_LEN};
 use rdmsg_transport::handshake::{Hello, VERSION};
-use rdmsg_transport::{CmListener, Config, Connection, Endpoint, PathParams, Psk, QpAddress};
+use rdmsg_transport::{
+    CmListener, Config, Connection, Endpoint, HubConfig, PathParams, Psk, QpAddress, RawHub,
+    RawHubEvent,
+};
 use rdmsg_verbs::{
     CmEvent, CmEventChannel, CmEventKind, CmId, CompletionQueue, ConnParams, Gid, ProtectionDomain,
-    QpCaps, QueuePair,
+    QpCaps, QpTuning, QueuePair, SendRequest, WcStatus, WorkCompletion,
 };
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
@@ -32,8 +37,8 @@ struct RawClient {
     channel: CmEventChannel,
     id: CmId,
     qp: QueuePair,
+    cq: CompletionQueue,
     /// Kept for the queue pair.
-    _cq: CompletionQueue,
     _pd: ProtectionDomain,
 }
 
@@ -62,7 +67,7 @@ impl RawClient {
             channel,
             id,
             qp,
-            _cq: cq,
+            cq,
             _pd: pd,
         };
         c.id.resolve_addr(None, addr, Duration::from_secs(5))
@@ -97,11 +102,44 @@ impl RawClient {
         c.next(CmEventKind::ConnectResponse);
         c
     }
+
+    /// Moves the queue pair to RTS and sends `data` as an rdmsg message (no credit returned),
+    /// without telling the CM (`rdma_establish`, the RTU) yet.
+    fn send_before_rtu(&mut self, data: &[u8]) {
+        self.id
+            .ready_qp(&mut self.qp, &QpTuning::default())
+            .unwrap();
+        let imm = Imm {
+            credits: 0,
+            echo: 0,
+            flags: 0,
+        };
+        self.qp
+            .post_send_one(SendRequest {
+                imm: Some(imm.encode()),
+                ..SendRequest::inline(data)
+            })
+            .unwrap();
+    }
+
+    /// The status of the next completion of the client's queue pair, within 10 s.
+    fn completion(&mut self) -> WcStatus {
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut wc = [WorkCompletion::default()];
+        loop {
+            if self.cq.poll(&mut wc).unwrap() == 1 {
+                return wc[0].status();
+            }
+            assert!(Instant::now() < until, "no completion");
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
 }
 
-/// What a listener's `accept` returned, and how many clients had failed their handshake by
-/// then.
+/// What a listener's `accept` returned, how long after the start, and how many clients had
+/// failed their handshake by then.
 struct Accepted {
+    after: Duration,
     got: rdmsg_transport::Result<Connection>,
     failed: u64,
 }
@@ -109,18 +147,110 @@ struct Accepted {
 /// Accepts on a thread, sending each result as it comes; stops at an error.
 fn accepting(listener: CmListener, config: Config) -> mpsc::Receiver<Accepted> {
     let (tx, rx) = mpsc::channel();
-    thread::spawn(move || loop {
-        let got = listener.accept(&config);
-        let stop = got.is_err();
-        let accepted = Accepted {
-            got,
-            failed: listener.failed_handshakes(),
-        };
-        if tx.send(accepted).is_err() || stop {
-            return;
+    thread::spawn(move || {
+        let t = Instant::now();
+        loop {
+            let got = listener.accept(&config);
+            let stop = got.is_err();
+            let accepted = Accepted {
+                after: t.elapsed(),
+                got,
+                failed: listener.failed_handshakes(),
+            };
+            if tx.send(accepted).is_err() || stop {
+                return;
+            }
         }
     });
     rx
+}
+
+/// Issue 40, item 5: the server's queue pair is in RTS before `rdma_accept`, so a client's
+/// first message can arrive before its RTU. That message is proof enough that the client's
+/// side is connected: the listener tells the CM (`rdma_notify`), which establishes the
+/// connection at once, instead of waiting for an RTU that may be lost (the CM resends its REP
+/// only after about 4 s, and a second loss outlasted `handshake_timeout`). Here the RTU comes
+/// 6 s late: the connection must be handed out long before it, with the message in it.
+#[test]
+#[ignore = "device"]
+fn a_first_message_before_the_rtu_establishes_the_connection() {
+    let ep = endpoint();
+    let listener = ep.listen_cm(cm_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accepting(listener, Config::default());
+    let mut client = RawClient::accepted(&ep, addr, None);
+    let sent = Instant::now();
+    client.send_before_rtu(b"before the RTU");
+    let got = accepted.recv_timeout(Duration::from_secs(6));
+    let handed_out = sent.elapsed();
+    let accepted = got.unwrap_or_else(|_| {
+        panic!("no connection {handed_out:?} after the first message, without the RTU")
+    });
+    // Late, and no longer needed: the server's side is established already.
+    client.id.establish().unwrap();
+    let mut conn = accepted.got.expect("the connection");
+    println!(
+        "stats first message before the RTU: connection handed out after {handed_out:?} \
+         ({:?} after the listener started)",
+        accepted.after
+    );
+    assert!(handed_out < Duration::from_secs(2), "{handed_out:?}");
+    assert_eq!(
+        &*conn.recv_timeout(WAIT).unwrap().unwrap(),
+        b"before the RTU"
+    );
+    assert_eq!(client.completion(), WcStatus::Success);
+}
+
+/// Item 5 for a hub: a receive completion on its shared receive queue for a slot still in
+/// its CM handshake tells the CM as the listener does: `Connected` (and the message) come
+/// long before the late RTU.
+#[test]
+#[ignore = "device"]
+fn a_hubs_client_is_connected_by_its_first_message_before_the_rtu() {
+    let ep = endpoint();
+    let mut hub = RawHub::new(&ep, HubConfig::default()).unwrap();
+    let addr = hub.listen_cm(cm_addr()).unwrap();
+    let (sent_tx, sent_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let client = thread::spawn({
+        let ep = ep.clone();
+        move || {
+            let mut client = RawClient::accepted(&ep, addr, None);
+            client.send_before_rtu(b"before the RTU");
+            sent_tx.send(Instant::now()).unwrap();
+            let _ = go_rx.recv_timeout(Duration::from_secs(6));
+            client.id.establish().unwrap();
+            client
+        }
+    });
+    let until = Instant::now() + Duration::from_secs(8);
+    let mut sent = None;
+    let mut connected = None;
+    let mut message = None;
+    while message.is_none() && Instant::now() < until {
+        sent = sent.or_else(|| sent_rx.try_recv().ok());
+        match hub.next_event(Some(Duration::from_millis(20))).unwrap() {
+            Some(RawHubEvent::Connected { accepted, .. }) => {
+                assert!(accepted);
+                connected = Some(Instant::now());
+            }
+            Some(RawHubEvent::Message { msg, .. }) => message = Some(msg.to_vec()),
+            Some(RawHubEvent::HandshakeFailed { error, .. }) => panic!("{error}"),
+            _ => {}
+        }
+    }
+    let _ = go_tx.send(());
+    let mut client = client.join().unwrap();
+    let sent = sent.expect("the client sent");
+    let connected = connected.expect("Connected before the RTU");
+    println!(
+        "stats hub: first message before the RTU, Connected after {:?}",
+        connected.saturating_duration_since(sent)
+    );
+    assert!(connected.saturating_duration_since(sent) < Duration::from_secs(2));
+    assert_eq!(message.as_deref(), Some(&b"before the RTU"[..]));
+    assert_eq!(client.completion(), WcStatus::Success);
 }
 
 /// Issue 40, item 9: one rule for every listener. A client that is accepted and then goes
