@@ -345,6 +345,10 @@ impl Endpoint {
         if let Some(proof) = proof {
             // Our proof of the key goes first: the listener takes it before anything else.
             conn.send(&proof, true)?;
+            // Until the listener has taken it, its queue pair grants no remote access, and a
+            // liveness probe (a zero-length read) would fail the connection: the first goes
+            // once a listener with our handshake_timeout has taken the proof or dropped us.
+            conn.probes_from(deadline_after(Instant::now(), config.handshake_timeout));
         }
         Ok(conn)
     }
@@ -389,7 +393,11 @@ impl Endpoint {
 /// `ESTABLISHED` (and, with [`Config::psk`], for the client's proof over the queue pair) side
 /// by side, each within [`Config::handshake_timeout`], in the same wait as new requests: a
 /// client that never completes its side holds its own slot, not the others. At most
-/// [`Config::max_pending_handshakes`] wait at once; beyond that the oldest is dropped.
+/// [`Config::max_pending_handshakes`] wait at once, their receive buffers within
+/// [`Config::max_send_memory`] ([`CmListener::handshake_memory`]); beyond either the oldest is
+/// dropped. With [`Config::psk`], a client's queue pair grants no remote access (and has no
+/// send buffers) until its proof is in: an RDMA read by a stranger of what the endpoint
+/// exposes fails.
 ///
 /// A client's failure is that client's, as on every listener: counted
 /// ([`CmListener::failed_handshakes`]), traced, skipped by [`CmListener::accept`] and
@@ -418,6 +426,8 @@ struct Proving {
     deadline: Instant,
     /// The handshake timeout it was accepted with, for its error.
     timeout: Duration,
+    /// Bytes registered for it (its receive buffers).
+    memory: u64,
 }
 
 /// A request accepted and set up, on its own channel (in the listener's watch, keyed by its
@@ -434,6 +444,8 @@ struct Accepted {
     proof: Option<(ProofCheck, u32)>,
     /// The CM was told of the client's first message (`rdma_notify`).
     notified: bool,
+    /// Bytes registered for it (its receive buffers).
+    memory: u64,
 }
 
 /// Watch key of the listener's own channel (pending accepts use their descriptor, never 0
@@ -585,11 +597,24 @@ impl CmListener {
         self.proving.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Drops the oldest waiting handshakes (accepted or proving) until fewer than `most` wait.
-    fn make_room(&self, most: usize) {
+    /// Drops the oldest waiting handshakes (accepted or proving) until one more costing
+    /// `memory` fits: fewer than `most` wait, and the memory they registered and `memory`
+    /// stay within `cap` (or none waits: one handshake always fits).
+    fn make_room(&self, most: usize, memory: u64, cap: u64) {
         let mut pending = self.lock_pending();
         let mut proving = self.lock_proving();
-        while pending.len() + proving.len() >= most.max(1) {
+        loop {
+            let count = pending.len() + proving.len();
+            let held: u64 = pending.iter().map(|a| a.memory).sum::<u64>()
+                + proving.iter().map(|p| p.memory).sum::<u64>();
+            if count < most.max(1) && (count == 0 || held.saturating_add(memory) <= cap) {
+                return;
+            }
+            let why = if count >= most.max(1) {
+                format!("{count} handshakes were waiting")
+            } else {
+                format!("their receive buffers ({held} bytes) left no room within {cap}")
+            };
             let oldest_pending = pending
                 .iter()
                 .enumerate()
@@ -606,17 +631,27 @@ impl CmListener {
                     self.unwatch(&a);
                     let from = a.id.peer_addr();
                     self.failed
-                        .record(from, evicted(from, "its ESTABLISHED", most));
+                        .record(from, evicted(from, "its ESTABLISHED", &why));
                 }
                 (_, Some((_, i))) => {
                     let p = proving.swap_remove(i);
                     let _ = self.watch.remove(p.conn.as_fd());
                     self.failed
-                        .record(p.from, evicted(p.from, "its proof of the key", most));
+                        .record(p.from, evicted(p.from, "its proof of the key", &why));
                 }
                 _ => return,
             }
         }
+    }
+
+    /// Memory registered for the handshakes under way (accepted, or established and waiting
+    /// for the client's proof of the key): their receive buffers, nothing else (send
+    /// buffers wait for the handshake's end). At most [`Config::max_send_memory`] of the
+    /// accepting call's config, or one handshake's if that is more: beyond it the oldest is
+    /// dropped, however few wait.
+    pub fn handshake_memory(&self) -> u64 {
+        let pending: u64 = self.lock_pending().iter().map(|a| a.memory).sum();
+        pending + self.lock_proving().iter().map(|p| p.memory).sum::<u64>()
     }
 
     /// The first established connection whose client proved the key; those that sent
@@ -646,7 +681,12 @@ impl CmListener {
             }
             let mut p = proving.swap_remove(i);
             let _ = self.watch.remove(p.conn.as_fd());
-            match outcome.and_then(|_| p.conn.add_send_buffers(p.send_buffers)) {
+            // Proved: its queue pair may now serve reads of what the endpoint exposes, and
+            // its send buffers are registered.
+            let granted = outcome
+                .and_then(|_| p.conn.allow_remote_read())
+                .and_then(|()| p.conn.add_send_buffers(p.send_buffers));
+            match granted {
                 Ok(()) => return Some(p.conn),
                 Err(e) => self.failed.record(p.from, e),
             }
@@ -700,6 +740,7 @@ impl CmListener {
                 config,
                 deadline,
                 proof,
+                memory,
                 ..
             } = a;
             let conn = match Connection::establish(
@@ -727,6 +768,7 @@ impl CmListener {
                 send_buffers,
                 deadline,
                 timeout: config.handshake_timeout,
+                memory,
             });
             // The others may be done too: look at them now (an event loop waiting on the
             // listener's descriptor is not told twice).
@@ -758,11 +800,24 @@ impl CmListener {
             let _ = id.reject(&encode_reject(Reject::Resources));
             return Err(e);
         }
-        // Only a request that passed its checks takes a place among the waiting ones.
-        self.make_room(config.max_pending_handshakes as usize);
+        // Only a request that passed its checks takes a place among the waiting ones, within
+        // both bounds: their number, and what they register in all.
+        let memory = handshake_memory(config);
+        self.make_room(
+            config.max_pending_handshakes as usize,
+            memory,
+            config.max_send_memory,
+        );
         let params = read_params(endpoint, config, &request.params);
         let made = (|| -> Result<Setup> {
-            let mut setup = Setup::new(endpoint, config)?;
+            // With a key, a client that has proved nothing gets no remote access: a region
+            // exposed in the endpoint's protection domain is readable under its key through
+            // any of its queue pairs that allows remote read. Granted once the proof is in.
+            let mut setup = if keyed {
+                Setup::closed(endpoint, config)?
+            } else {
+                Setup::new(endpoint, config)?
+            };
             setup.set_send_buffers(send_buffers);
             // With a key, a client that has proved nothing pins no send buffers: they are
             // registered once its proof is in.
@@ -817,8 +872,14 @@ impl CmListener {
             deadline: deadline_after(Instant::now(), config.handshake_timeout),
             proof: proof.map(|check| (check, send_buffers)),
             notified: false,
+            memory,
         })
     }
+}
+
+/// What one handshake under way registers with `config`: its receive buffers.
+fn handshake_memory(config: &Config) -> u64 {
+    u64::from(config.recv_depth + u32::from(config.grant_slots)) * u64::from(config.buf_size)
 }
 
 /// A handshake with a client that ran out of time waiting for `what`.
@@ -830,13 +891,13 @@ fn handshake_timed_out(what: &'static str, after: Duration) -> Error {
     })
 }
 
-/// The failure of a handshake evicted from a listener full of them (`most` waiting) while
-/// waiting for `what` of the client at `from`.
-fn evicted(from: Option<SocketAddr>, what: &str, most: usize) -> Error {
+/// The failure of a handshake evicted from a listener full of them (`why`) while waiting
+/// for `what` of the client at `from`.
+fn evicted(from: Option<SocketAddr>, what: &str, why: &str) -> Error {
     Error::Cm {
         addr: from.map_or_else(|| "?".into(), |a| a.to_string()),
         stage: "accepting",
-        detail: format!("evicted while waiting for {what}: {most} handshakes were waiting"),
+        detail: format!("evicted while waiting for {what}: {why}"),
     }
 }
 

@@ -1,8 +1,9 @@
 //! A [`CmListener`] (and a hub's CM listener) against clients written with verbs-core's
 //! `CmId` directly, which stop or misbehave where `Endpoint::connect_cm` never would: a
 //! client that fails half-way is that client's failure, not the listener's; a client's first
-//! message establishes its connection without waiting for its RTU. Ignored on hosts; `cargo
-//! xtask test` runs them in the VM.
+//! message establishes its connection without waiting for its RTU; a keyed listener's client
+//! that has proved nothing can read nothing, and what such clients cost in all is bounded.
+//! Ignored on hosts; `cargo xtask test` runs them in the VM.
 
 use std::net::SocketAddr;
 use std::sync::mpsc;
@@ -18,12 +19,13 @@ use rdmsg_transport::credits::Imm;
 use rdmsg_transport::handshake::cm::{encode_request, CM_NONCE_LEN};
 use rdmsg_transport::handshake::{Hello, VERSION};
 use rdmsg_transport::{
-    CmListener, Config, Connection, Endpoint, HubConfig, PathParams, Psk, QpAddress, RawHub,
+    Bytes, CmListener, Config, Connection, Endpoint, HubConfig, PathParams, Psk, QpAddress, RawHub,
     RawHubEvent,
 };
 use rdmsg_verbs::{
-    CmEvent, CmEventChannel, CmEventKind, CmId, CompletionQueue, ConnParams, Gid, ProtectionDomain,
-    QpCaps, QpTuning, QueuePair, SendRequest, WcStatus, WorkCompletion,
+    Access, CmEvent, CmEventChannel, CmEventKind, CmId, CompletionQueue, ConnParams, Gid,
+    ProtectionDomain, QpCaps, QpTuning, QueuePair, ReadSegment, SendRequest, WcStatus,
+    WorkCompletion,
 };
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
@@ -38,8 +40,7 @@ struct RawClient {
     id: CmId,
     qp: QueuePair,
     cq: CompletionQueue,
-    /// Kept for the queue pair.
-    _pd: ProtectionDomain,
+    pd: ProtectionDomain,
 }
 
 impl RawClient {
@@ -68,7 +69,7 @@ impl RawClient {
             id,
             qp,
             cq,
-            _pd: pd,
+            pd,
         };
         c.id.resolve_addr(None, addr, Duration::from_secs(5))
             .unwrap();
@@ -136,12 +137,13 @@ impl RawClient {
     }
 }
 
-/// What a listener's `accept` returned, how long after the start, and how many clients had
-/// failed their handshake by then.
+/// What a listener's `accept` returned, how long after the start, how many clients had
+/// failed their handshake by then, and the memory its handshakes under way held.
 struct Accepted {
     after: Duration,
     got: rdmsg_transport::Result<Connection>,
     failed: u64,
+    memory: u64,
 }
 
 /// Accepts on a thread, sending each result as it comes; stops at an error.
@@ -156,6 +158,7 @@ fn accepting(listener: CmListener, config: Config) -> mpsc::Receiver<Accepted> {
                 after: t.elapsed(),
                 got,
                 failed: listener.failed_handshakes(),
+                memory: listener.handshake_memory(),
             };
             if tx.send(accepted).is_err() || stop {
                 return;
@@ -276,4 +279,183 @@ fn a_client_gone_before_established_is_skipped_and_counted() {
     assert_eq!(first.failed, 1, "the gone client is counted");
     client.send(b"good", true).unwrap();
     assert_eq!(&*server.recv_timeout(WAIT).unwrap().unwrap(), b"good");
+}
+
+fn keyed(key: &Psk) -> Config {
+    Config {
+        psk: Some(key.clone()),
+        ..Config::default()
+    }
+}
+
+/// Issue 40, item 6: a keyed listener's client is a stranger until its first message proves
+/// the key. Connected but silent, it must not be able to read what the endpoint exposes to
+/// proven peers (its queue pair gets remote read only once the proof is in): an RDMA read
+/// through it fails.
+#[test]
+#[ignore = "device"]
+fn an_unproven_client_cannot_read_what_the_endpoint_exposes() {
+    let ep = endpoint();
+    let key = Psk::new([6; 32]);
+    let listener = ep.listen_cm(cm_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let secret = ep
+        .pd()
+        .expose(Bytes::from(vec![0x5e_u8; 64]))
+        .expect("exposed");
+    let accepted = accepting(listener, keyed(&key));
+    let mut client = RawClient::accepted(&ep, addr, Some(&key));
+    client
+        .id
+        .ready_qp(&mut client.qp, &QpTuning::default())
+        .unwrap();
+    client.id.establish().unwrap();
+    // Established on the server's side too before the read goes.
+    thread::sleep(Duration::from_millis(200));
+    let buf = client.pd.register(64, Access::LOCAL_WRITE).unwrap();
+    client
+        .qp
+        .post_read(
+            buf,
+            &[ReadSegment {
+                local_offset: 0,
+                len: 64,
+                remote_addr: secret.addr(),
+                rkey: secret.rkey(),
+            }],
+        )
+        .unwrap();
+    let status = client.completion();
+    println!("stats an unproven client's RDMA read of an exposed region: {status:?}");
+    assert_ne!(
+        status,
+        WcStatus::Success,
+        "an unproven client read exposed memory"
+    );
+    assert!(
+        accepted.try_recv().is_err(),
+        "an unproven client was handed out"
+    );
+}
+
+/// Issue 40, item 6, the cost: every forged keyed request (56 bytes) costs the listener a
+/// queue pair and its receive buffers until it proves the key or times out. What waiting
+/// handshakes register in all stays within `max_send_memory` (here 3 handshakes' worth,
+/// with room for 32 by number): beyond it the oldest is evicted, and a genuine client
+/// arriving after ten forged ones still gets through.
+#[test]
+#[ignore = "device"]
+fn forged_keyed_requests_cost_a_bounded_amount_and_a_genuine_client_gets_through() {
+    let ep = endpoint();
+    let key = Psk::new([6; 32]);
+    let listener = ep.listen_cm(cm_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = Config {
+        buf_size: 64 << 10,
+        handshake_timeout: Duration::from_secs(20),
+        ..keyed(&key)
+    };
+    let each =
+        u64::from(config.recv_depth + u32::from(config.grant_slots)) * u64::from(config.buf_size);
+    let cap = 3 * each + each / 2;
+    let accepted = accepting(
+        listener,
+        Config {
+            max_send_memory: cap,
+            ..config.clone()
+        },
+    );
+    // Ten strangers that know the request's format but not the key's proof: half connected
+    // and silent, half stopped before their RTU.
+    let forged: Vec<RawClient> = (0..10)
+        .map(|i| {
+            let mut c = RawClient::accepted(&ep, addr, Some(&key));
+            if i % 2 == 0 {
+                c.id.ready_qp(&mut c.qp, &QpTuning::default()).unwrap();
+                c.id.establish().unwrap();
+            }
+            c
+        })
+        .collect();
+    let t = Instant::now();
+    let mut good = ep
+        .connect_cm(
+            addr,
+            &Config {
+                buf_size: 64 << 10,
+                ..keyed(&key)
+            },
+        )
+        .expect("the genuine client");
+    let first = accepted
+        .recv_timeout(Duration::from_secs(10))
+        .expect("an accept");
+    let mut server = first.got.expect("the genuine client, handed out");
+    println!(
+        "stats 10 forged keyed requests, cap {cap} bytes ({each} each): genuine client in \
+         {:?}; {} failed (evicted), {} bytes held by the handshakes left",
+        t.elapsed(),
+        first.failed,
+        first.memory
+    );
+    assert!(first.memory <= cap, "{} > {cap}", first.memory);
+    assert!(first.failed >= 7, "{}", first.failed);
+    good.send(b"genuine", true).unwrap();
+    assert_eq!(&*server.recv_timeout(WAIT).unwrap().unwrap(), b"genuine");
+    drop(forged);
+}
+
+/// The other side of item 6: a keyed client's queue pair at the listener grants no remote
+/// access until the listener took its proof, and a liveness probe is a (zero-length) read. A
+/// client whose proof waits in the listener (taken at its next `accept`, 2.5 s later, while
+/// the client's probe interval is 1 s) must not be failed by its own probe: its first goes
+/// once a listener with its `handshake_timeout` has taken the proof or dropped it.
+#[test]
+#[ignore = "device"]
+fn a_keyed_client_whose_proof_is_taken_late_is_not_failed_by_its_probes() {
+    let ep = endpoint();
+    let key = Psk::new([8; 32]);
+    let listener = ep.listen_cm(cm_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = Config {
+        keepalive: Some(Duration::from_secs(3)),
+        ..keyed(&key)
+    };
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let ep = ep.clone();
+            let config = config.clone();
+            thread::spawn(move || {
+                let mut c = ep.connect_cm(addr, &config)?;
+                // Driven (its probe timer with it) until after the second accept.
+                let quiet = c.recv_timeout(Some(Duration::from_millis(3500)))?;
+                assert!(quiet.is_none());
+                Ok::<_, rdmsg_transport::Error>(c)
+            })
+        })
+        .collect();
+    // Both requests wait for the listener's first accept, which takes both.
+    thread::sleep(Duration::from_millis(300));
+    let mut servers = vec![listener.accept(&config).expect("the first client")];
+    thread::sleep(Duration::from_millis(2500));
+    let second = listener
+        .accept_timeout(&config, Some(Duration::from_secs(5)))
+        .unwrap();
+    servers.push(second.unwrap_or_else(|| {
+        panic!(
+            "the second client, not handed out ({} failed)",
+            listener.failed_handshakes()
+        )
+    }));
+    for c in clients {
+        let mut c = c
+            .join()
+            .unwrap()
+            .expect("connected, and not failed by a probe while the listener held its proof");
+        c.send(b"alive", true)
+            .expect("the client's connection still up");
+    }
+    for s in &mut servers {
+        assert_eq!(&*s.recv_timeout(WAIT).unwrap().unwrap(), b"alive");
+    }
 }
