@@ -40,6 +40,11 @@ fn cm_pair(server: Config, client: Config) -> (Session, Session) {
     (accepted.join().unwrap().expect("accept"), connected)
 }
 
+/// A message larger than a receive buffer (300 KB).
+fn firmware() -> Cmd {
+    Cmd::Firmware((0..300_000u32).map(|i| (i * 7) as u8).collect())
+}
+
 #[test]
 #[ignore = "device"]
 fn sessions_connected_through_the_connection_manager_carry_messages_both_ways() {
@@ -58,7 +63,7 @@ fn sessions_connected_through_the_connection_manager_carry_messages_both_ways() 
         assert_eq!(recv_one::<Request>(&mut b), r);
     }
     // Larger than a receive buffer: fragments or a rendezvous read, both over the CM's QP.
-    let firmware = Cmd::Firmware((0..300_000u32).map(|i| (i * 7) as u8).collect());
+    let firmware = firmware();
     b.send(&firmware).unwrap();
     assert_eq!(recv_one::<Cmd>(&mut a), firmware);
     a.send(&firmware).unwrap();
@@ -142,6 +147,9 @@ fn a_pre_shared_key_is_proved_both_ways_over_the_connection_manager() {
         let r: Request = recv_one(&mut s);
         assert_eq!(r.id, 1, "the proof is not delivered as a message");
         s.send(&r).unwrap();
+        // Larger than a receive buffer: read by the client through our queue pair, which
+        // grants remote read only since the client's proof came in.
+        s.send(&firmware()).unwrap();
         let _ = s.recv_timeout(WAIT);
         // A keyless listener refuses a keyed client.
         drop(listener.accept_timeout(&Config::default(), Some(Duration::from_secs(5))));
@@ -161,6 +169,7 @@ fn a_pre_shared_key_is_proved_both_ways_over_the_connection_manager() {
     };
     good.send(&r).unwrap();
     assert_eq!(recv_one::<Request>(&mut good), r);
+    assert_eq!(recv_one::<Cmd>(&mut good), firmware());
     good.close().unwrap();
     match ep.connect_cm(addr, &keyed(7)) {
         Err(TError::Rejected(Reject::KeyMissing)) => {}

@@ -36,15 +36,19 @@ enum AnyListener {
     Cm(Mutex<CmListener>),
 }
 
+/// A client's outcome as the listener underneath reports it (see
+/// [`Listener::accept_outcome_timeout`]), or the listener's own failure.
+type Made<T> = rdmsg_transport::Result<rdmsg_transport::Result<T>>;
+
 impl AnyListener {
-    fn accept_timeout(
+    fn accept_outcome_timeout(
         &self,
         config: &Config,
         timeout: Option<Duration>,
-    ) -> rdmsg_transport::Result<Option<Connection>> {
+    ) -> rdmsg_transport::Result<Option<rdmsg_transport::Result<Connection>>> {
         match self {
-            AnyListener::Tcp(l) => l.accept_timeout(config, timeout),
-            AnyListener::Cm(l) => lock(l).accept_timeout(config, timeout),
+            AnyListener::Tcp(l) => l.accept_outcome_timeout(config, timeout),
+            AnyListener::Cm(l) => lock(l).accept_outcome_timeout(config, timeout),
         }
     }
 
@@ -88,8 +92,9 @@ struct ListenerInner {
     session: SessionConfig,
     /// `None` only while dropping.
     fd: Option<AsyncFd<OwnedFd>>,
-    /// Sessions (or handshake failures) a blocking task finished, for the next `accept`.
-    done: Mutex<std::collections::VecDeque<rdmsg_transport::Result<Session>>>,
+    /// Clients' outcomes (sessions or failed handshakes) a blocking task found, or the
+    /// listener's own failure, for the next `accept`.
+    done: Mutex<std::collections::VecDeque<Made<Session>>>,
     /// Clients whose handshake failed, skipped by `accept`.
     failed: AtomicU64,
     /// A blocking task is moving handshakes on.
@@ -193,8 +198,10 @@ impl AsyncListener {
     /// The next client whose handshake completes, as a session (cancel-safe). Clients that
     /// fail their handshake are skipped (counted in [`AsyncListener::failed_handshakes`],
     /// and traced with the `tracing` feature; [`AsyncListener::incoming`] yields them), so
-    /// `Err` is the listener's own failure only: `while let Ok(client) = listener.accept().await`
-    /// stops only when the listener can no longer accept.
+    /// `Err` is the listener's own failure only, by the rule every rdmsg listener follows
+    /// ([`Listener::accept_outcome_timeout`]): a bad configuration, its descriptor failing,
+    /// or descriptors exhausted when accepting (after which it goes on taking clients
+    /// 100 ms later). `while let Ok(client) = listener.accept().await` stops at any of them.
     pub async fn accept(&self) -> Result<AsyncSession> {
         loop {
             if let Ok(client) = self.next_client().await? {
@@ -232,15 +239,16 @@ impl AsyncListener {
                 return match made {
                     // Failing to take one client (its descriptor, at the limit) is that
                     // client's failure: the listener goes on.
-                    Ok(session) => Ok(AsyncSession::new(session).inspect_err(|_| {
+                    Ok(Ok(session)) => Ok(AsyncSession::new(session).inspect_err(|_| {
                         inner.failed.fetch_add(1, Ordering::Relaxed);
                     })),
-                    // The listener's configuration is wrong: every client would fail so.
-                    Err(e @ rdmsg_transport::Error::Config(_)) => Err(e.into()),
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         inner.failed.fetch_add(1, Ordering::Relaxed);
                         Ok(Err(crate::Error::Handshake(e)))
                     }
+                    // The listener's own (a bad configuration, its descriptor, out of
+                    // descriptors when accepting).
+                    Err(e) => Err(e.into()),
                 };
             }
             if inner.working.load(Ordering::SeqCst) {
@@ -274,23 +282,25 @@ impl AsyncListener {
                     // However the task ends (a panic included), the next `accept` can start
                     // another.
                     let _done = Finished(&task);
-                    // Everything that can go on now: each call returns at the first handshake
-                    // that completes (or fails), so call again until none does.
+                    // Everything that can go on now: each call returns at the first client's
+                    // outcome, so call again until there is none.
                     while let Some(made) = task
                         .listener()
-                        .accept_timeout(&task.config, Some(Duration::ZERO))
+                        .accept_outcome_timeout(&task.config, Some(Duration::ZERO))
                         .transpose()
                     {
-                        let failed = made.is_err();
+                        let own = made.is_err();
                         // The session registers memory: made here too.
-                        let made = made.map(|c| Session::with_config(c, task.session.clone()));
+                        let made = made.map(|client| {
+                            client.map(|c| Session::with_config(c, task.session.clone()))
+                        });
                         task.done
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .push_back(made);
-                        if failed {
-                            // One error per look (a bad configuration would recur); the next
-                            // `accept` looks again at once.
+                        if own {
+                            // One error of the listener's own per look (a bad configuration
+                            // would recur); the next `accept` looks again at once.
                             task.again.store(true, Ordering::SeqCst);
                             break;
                         }

@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
+use crate::failed::FailedHandshakes;
 use crate::handshake::{Action, Handshake, Hello, Reject};
 use crate::setup::{nonce, our_hello, LocalSide, Setup};
 use crate::stream::{accept_next, bootstrap_err};
@@ -240,6 +241,11 @@ const LISTEN_TOKEN: u8 = 0;
 /// a client until its hello passed every check (and its key proof, with
 /// [`Config::psk`]). At most [`Config::max_pending_handshakes`] run at once; a new client
 /// beyond that evicts the oldest pending one. Each has [`Config::handshake_timeout`] in all.
+///
+/// A client's failure is that client's: it is counted ([`Listener::failed_handshakes`]),
+/// traced, and skipped by [`Listener::accept`] and [`Listener::accept_timeout`];
+/// [`Listener::accept_outcome_timeout`] reports it. Only the listener's own failure is an
+/// error of theirs (see [`Listener::accept`]).
 pub struct Listener {
     endpoint: Endpoint,
     tcp: TcpListener,
@@ -249,6 +255,7 @@ pub struct Listener {
     /// Accepting failed (descriptors or memory exhausted): the listening socket is out of the
     /// watch until then, so that pending handshakes go on and nothing spins on it.
     accept_paused: Mutex<Option<Instant>>,
+    failed: FailedHandshakes,
 }
 
 /// How long a listener stops accepting after `accept(2)` failed for want of resources.
@@ -298,6 +305,7 @@ impl Listener {
             watch,
             pending: Mutex::new(Vec::new()),
             accept_paused: Mutex::new(None),
+            failed: FailedHandshakes::default(),
         })
     }
 
@@ -316,9 +324,12 @@ impl Listener {
     /// Returns the first connection whose handshake completes, waiting as long as it takes.
     /// Handshakes begun here and not finished stay pending for the next call (each keeps the
     /// `config` of the call that accepted its client). A client that sends garbage, stalls
-    /// past its deadline, does not match, is not authenticated or is evicted makes this call
-    /// return its error ([`Error::BadHandshake`], [`Error::Rejected`], [`Error::Bootstrap`]):
-    /// the listener stays usable and the other pending handshakes go on.
+    /// past its deadline, does not match, is not authenticated or is evicted failed its own
+    /// handshake: it is skipped (counted in [`Listener::failed_handshakes`], traced as
+    /// `handshake failed`), and the other pending handshakes go on. An error is the
+    /// listener's own: a bad `config`, its socket or epoll set failing, or `accept(2)` out
+    /// of descriptors or memory (then the listener stops taking new clients for 100 ms while
+    /// the pending handshakes go on, and stays usable).
     pub fn accept(&self, config: &Config) -> Result<Connection> {
         loop {
             if let Some(conn) = self.accept_timeout(config, None)? {
@@ -337,6 +348,26 @@ impl Listener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
+        skip_failed(timeout, |left| self.accept_outcome_timeout(config, left))
+    }
+
+    /// How many clients failed their handshake on this listener so far (each also traced as
+    /// `handshake failed` with the `tracing` feature).
+    pub fn failed_handshakes(&self) -> u64 {
+        self.failed.count()
+    }
+
+    /// The next client's outcome, for callers who want every client's (an async listener's
+    /// stream of them): `Ok(Some(Ok))` a connection, `Ok(Some(Err))` a client that failed its
+    /// handshake (the oldest not yet reported: up to 64 are kept between calls, the others
+    /// only counted and traced), `Ok(None)` nothing within `timeout`, `Err` the listener's
+    /// own failure. Otherwise as [`Listener::accept_timeout`], which is this with the
+    /// failures skipped.
+    pub fn accept_outcome_timeout(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Result<Connection>>> {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         config.check()?;
@@ -354,17 +385,14 @@ impl Listener {
                 ready |= 1 << LISTEN_TOKEN;
             }
             if paused.is_none() && ready & (1 << LISTEN_TOKEN) != 0 {
-                match self.take_new(&mut pending, config) {
-                    Ok(None) => {}
-                    Ok(Some(evicted)) => return Err(evicted),
-                    Err(e) => {
-                        // Out of descriptors or memory, most likely: report it, and stop
-                        // accepting for a moment while the pending handshakes go on.
-                        trace::client_refused(&e);
-                        let _ = self.watch.remove(self.tcp.as_fd());
-                        *paused = Some(Instant::now() + ACCEPT_BACKOFF);
-                        return Err(e);
-                    }
+                if let Err(e) = self.take_new(&mut pending, config) {
+                    // Out of descriptors or memory, most likely: the listener's own failure.
+                    // Report it, and stop accepting for a moment while the pending
+                    // handshakes go on.
+                    trace::client_refused(&e);
+                    let _ = self.watch.remove(self.tcp.as_fd());
+                    *paused = Some(Instant::now() + ACCEPT_BACKOFF);
+                    return Err(e);
                 }
             }
             let now = Instant::now();
@@ -383,9 +411,16 @@ impl Listener {
                 };
                 let p = self.remove(&mut pending, i);
                 let from = p.peer_addr;
-                let made = outcome.and_then(|()| p.finish(&self.endpoint));
-                trace::accepted(from, made.as_ref().map(|c| (c.qp_num(), c.peer().addr.qpn)));
-                return made.map(Some);
+                match outcome.and_then(|()| p.finish(&self.endpoint)) {
+                    Ok(conn) => {
+                        trace::accepted(from, Ok((conn.qp_num(), conn.peer().addr.qpn)));
+                        return Ok(Some(Ok(conn)));
+                    }
+                    Err(e) => self.failed.record(from, e),
+                }
+            }
+            if let Some(e) = self.failed.take() {
+                return Ok(Some(Err(e)));
             }
             let next = nearest_deadline(&pending, *paused)
                 .into_iter()
@@ -401,18 +436,13 @@ impl Listener {
     }
 
     /// Takes every waiting client into a free slot. When all are taken the oldest pending
-    /// handshake is evicted; the first one evicted is returned, to be reported.
-    fn take_new(
-        &self,
-        pending: &mut Vec<Option<Pending>>,
-        config: &Config,
-    ) -> Result<Option<Error>> {
+    /// handshake is evicted (that client's failure). An error is the listener's own.
+    fn take_new(&self, pending: &mut Vec<Option<Pending>>, config: &Config) -> Result<()> {
         let max = config.max_pending_handshakes as usize;
-        let mut evicted = None;
         loop {
             let stream = match accept_next(&self.tcp) {
                 Ok(Some(s)) => s,
-                Ok(None) => return Ok(evicted),
+                Ok(None) => return Ok(()),
                 Err(source) => {
                     return Err(Error::Bootstrap {
                         stage: "accepting",
@@ -433,9 +463,7 @@ impl Listener {
                         .min_by_key(|&i| pending[i].as_ref().map(|p| p.deadline))
                         .expect("a full table has a pending handshake");
                     let p = self.remove(pending, oldest);
-                    let e = p.evicted(max as u32);
-                    trace::handshake_failed(p.peer_addr, None, &e);
-                    evicted.get_or_insert(e);
+                    self.failed.record(p.peer_addr, p.evicted(max as u32));
                     oldest
                 }
             };
@@ -451,10 +479,7 @@ impl Listener {
                     trace::handshake_started(p.peer_addr, None);
                     pending[slot] = Some(p);
                 }
-                Err(e) => {
-                    trace::handshake_failed(None, None, &e);
-                    evicted.get_or_insert(e);
-                }
+                Err(e) => self.failed.record(None, e),
             }
         }
     }
@@ -557,6 +582,24 @@ pub fn loopback_pair(server: &Config, client: &Config) -> Result<(Connection, Co
         .join()
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
     Ok((accepted?, connected?))
+}
+
+/// `accept_timeout` of either listener: its `accept_outcome_timeout` with the clients'
+/// failures skipped, within `timeout` in all.
+pub(crate) fn skip_failed(
+    timeout: Option<Duration>,
+    mut next: impl FnMut(Option<Duration>) -> Result<Option<Result<Connection>>>,
+) -> Result<Option<Connection>> {
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        match next(left.or(timeout))? {
+            Some(Ok(conn)) => return Ok(Some(conn)),
+            // Counted and traced already.
+            Some(Err(_)) => {}
+            None => return Ok(None),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ use crate::connection::Connection;
 use crate::control::{CmLink, Control};
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result, TimedOut};
+use crate::failed::FailedHandshakes;
 use crate::handshake::cm::{
     check_accept, check_key_flag, decode_hello, decode_reject, encode_accept, encode_reject,
     encode_request, Ends, ProofCheck, CM_NONCE_LEN,
@@ -344,6 +345,10 @@ impl Endpoint {
         if let Some(proof) = proof {
             // Our proof of the key goes first: the listener takes it before anything else.
             conn.send(&proof, true)?;
+            // Until the listener has taken it, its queue pair grants no remote access, and a
+            // liveness probe (a zero-length read) would fail the connection: the first goes
+            // once a listener with our handshake_timeout has taken the proof or dropped us.
+            conn.probes_from(deadline_after(Instant::now(), config.handshake_timeout));
         }
         Ok(conn)
     }
@@ -377,6 +382,7 @@ impl Endpoint {
             watch,
             pending: Mutex::new(Vec::new()),
             proving: Mutex::new(Vec::new()),
+            failed: FailedHandshakes::default(),
         })
     }
 }
@@ -387,7 +393,16 @@ impl Endpoint {
 /// `ESTABLISHED` (and, with [`Config::psk`], for the client's proof over the queue pair) side
 /// by side, each within [`Config::handshake_timeout`], in the same wait as new requests: a
 /// client that never completes its side holds its own slot, not the others. At most
-/// [`Config::max_pending_handshakes`] wait at once; beyond that the oldest is dropped.
+/// [`Config::max_pending_handshakes`] wait at once, their receive buffers within
+/// [`Config::max_send_memory`] ([`CmListener::handshake_memory`]); beyond either the oldest is
+/// dropped. With [`Config::psk`], a client's queue pair grants no remote access (and has no
+/// send buffers) until its proof is in: an RDMA read by a stranger of what the endpoint
+/// exposes fails.
+///
+/// A client's failure is that client's, as on every listener: counted
+/// ([`CmListener::failed_handshakes`]), traced, skipped by [`CmListener::accept`] and
+/// [`CmListener::accept_timeout`], reported by [`CmListener::accept_outcome_timeout`]. Only
+/// the listener's own failure is an error of theirs.
 pub struct CmListener {
     endpoint: Endpoint,
     channel: CmEventChannel,
@@ -397,15 +412,22 @@ pub struct CmListener {
     pending: Mutex<Vec<Accepted>>,
     /// Established, waiting for the client's proof of the key (its first message).
     proving: Mutex<Vec<Proving>>,
+    failed: FailedHandshakes,
 }
 
 /// An established connection whose client has yet to prove the key.
 struct Proving {
     conn: Connection,
+    /// The client's address, for its failure's trace.
+    from: Option<SocketAddr>,
     check: ProofCheck,
     /// Send buffers to register once it has.
     send_buffers: u32,
     deadline: Instant,
+    /// The handshake timeout it was accepted with, for its error.
+    timeout: Duration,
+    /// Bytes registered for it (its receive buffers).
+    memory: u64,
 }
 
 /// A request accepted and set up, on its own channel (in the listener's watch, keyed by its
@@ -420,6 +442,10 @@ struct Accepted {
     /// With a key: what the client's first message must prove, and the send buffers to
     /// register once it has.
     proof: Option<(ProofCheck, u32)>,
+    /// The CM was told of the client's first message (`rdma_notify`).
+    notified: bool,
+    /// Bytes registered for it (its receive buffers).
+    memory: u64,
 }
 
 /// Watch key of the listener's own channel (pending accepts use their descriptor, never 0
@@ -467,8 +493,11 @@ impl CmListener {
         &self.endpoint
     }
 
-    /// Waits for the next client whose handshake succeeds; clients that fail theirs are
-    /// refused (with the reason) and skipped.
+    /// Waits for the next client whose handshake succeeds. A client that fails its own (a
+    /// hello refused with the reason, silence or a wrong proof past its deadline, gone
+    /// half-way, evicted to make room, or what could not be set up for it) is skipped:
+    /// counted in [`CmListener::failed_handshakes`], traced as `handshake failed`. An error
+    /// is the listener's own: a bad `config`, its event channel or epoll set failing.
     pub fn accept(&self, config: &Config) -> Result<Connection> {
         loop {
             if let Some(conn) = self.accept_timeout(config, None)? {
@@ -478,32 +507,63 @@ impl CmListener {
     }
 
     /// [`CmListener::accept`] for at most `timeout` (`None`: for ever); `Ok(None)` when no
-    /// client finished its handshake in time. A client that failed its handshake is refused
-    /// and skipped.
+    /// client finished its handshake in time. `Duration::ZERO` moves every handshake on as
+    /// far as it can go and never waits (for an event loop on [`AsFd`]).
     pub fn accept_timeout(
         &self,
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
+        crate::bootstrap::skip_failed(timeout, |left| self.accept_outcome_timeout(config, left))
+    }
+
+    /// How many clients failed their handshake on this listener so far (each also traced as
+    /// `handshake failed` with the `tracing` feature).
+    pub fn failed_handshakes(&self) -> u64 {
+        self.failed.count()
+    }
+
+    /// The next client's outcome, for callers who want every client's (an async listener's
+    /// stream of them): `Ok(Some(Ok))` a connection, `Ok(Some(Err))` a client that failed its
+    /// handshake (the oldest not yet reported: up to 64 are kept between calls, the others
+    /// only counted and traced), `Ok(None)` nothing within `timeout`, `Err` the listener's
+    /// own failure. Otherwise as [`CmListener::accept_timeout`], which is this with the
+    /// failures skipped.
+    pub fn accept_outcome_timeout(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Result<Connection>>> {
         config.check()?;
         let deadline = timeout.map(|t| deadline_after(Instant::now(), t));
         let mut ready = Vec::new();
         loop {
             // New requests: checked, set up and accepted at once (nothing in them waits).
-            while let Some(ev) = self.channel.next_event()? {
+            while let Some(mut ev) = self.channel.next_event()? {
                 if ev.kind == CmEventKind::ConnectRequest {
-                    if let Ok(accepted) = self.start(ev, config) {
-                        self.watch
-                            .add_keyed(accepted.channel.as_fd(), accepted.key())?;
-                        self.lock_pending().push(accepted);
+                    let from = ev.request.as_ref().and_then(CmId::peer_addr);
+                    match self.start(&mut ev, config) {
+                        Ok(accepted) => {
+                            self.watch
+                                .add_keyed(accepted.channel.as_fd(), accepted.key())?;
+                            self.watch.add_keyed(
+                                accepted.setup.channel.as_fd(),
+                                accepted.completions_key(),
+                            )?;
+                            self.lock_pending().push(accepted);
+                        }
+                        Err(e) => self.failed.record(from, e),
                     }
                 }
             }
             if let Some(conn) = self.finish_one()? {
-                return Ok(Some(conn));
+                return Ok(Some(Ok(conn)));
             }
             if let Some(conn) = self.prove_one() {
-                return Ok(Some(conn));
+                return Ok(Some(Ok(conn)));
+            }
+            if let Some(e) = self.failed.take() {
+                return Ok(Some(Err(e)));
             }
             let now = Instant::now();
             let next = self
@@ -522,6 +582,13 @@ impl CmListener {
         }
     }
 
+    /// Takes a pending accept's channels out of the watch: its id's goes on as the
+    /// connection's (or is closed), its completion channel is the connection's to wait on.
+    fn unwatch(&self, a: &Accepted) {
+        let _ = self.watch.remove(a.channel.as_fd());
+        let _ = self.watch.remove(a.setup.channel.as_fd());
+    }
+
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<Accepted>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -530,11 +597,24 @@ impl CmListener {
         self.proving.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Drops the oldest waiting handshakes (accepted or proving) until fewer than `most` wait.
-    fn make_room(&self, most: usize) {
+    /// Drops the oldest waiting handshakes (accepted or proving) until one more costing
+    /// `memory` fits: fewer than `most` wait, and the memory they registered and `memory`
+    /// stay within `cap` (or none waits: one handshake always fits).
+    fn make_room(&self, most: usize, memory: u64, cap: u64) {
         let mut pending = self.lock_pending();
         let mut proving = self.lock_proving();
-        while pending.len() + proving.len() >= most.max(1) {
+        loop {
+            let count = pending.len() + proving.len();
+            let held: u64 = pending.iter().map(|a| a.memory).sum::<u64>()
+                + proving.iter().map(|p| p.memory).sum::<u64>();
+            if count < most.max(1) && (count == 0 || held.saturating_add(memory) <= cap) {
+                return;
+            }
+            let why = if count >= most.max(1) {
+                format!("{count} handshakes were waiting")
+            } else {
+                format!("their receive buffers ({held} bytes) left no room within {cap}")
+            };
             let oldest_pending = pending
                 .iter()
                 .enumerate()
@@ -548,110 +628,158 @@ impl CmListener {
             match (oldest_pending, oldest_proving) {
                 (Some((a, i)), b) if b.map_or(true, |(b, _)| a <= b) => {
                     let a = pending.swap_remove(i);
-                    let _ = self.watch.remove(a.channel.as_fd());
+                    self.unwatch(&a);
+                    let from = a.id.peer_addr();
+                    self.failed
+                        .record(from, evicted(from, "its ESTABLISHED", &why));
                 }
                 (_, Some((_, i))) => {
                     let p = proving.swap_remove(i);
                     let _ = self.watch.remove(p.conn.as_fd());
+                    self.failed
+                        .record(p.from, evicted(p.from, "its proof of the key", &why));
                 }
                 _ => return,
             }
         }
     }
 
+    /// Memory registered for the handshakes under way (accepted, or established and waiting
+    /// for the client's proof of the key): their receive buffers, nothing else (send
+    /// buffers wait for the handshake's end). At most [`Config::max_send_memory`] of the
+    /// accepting call's config, or one handshake's if that is more: beyond it the oldest is
+    /// dropped, however few wait.
+    pub fn handshake_memory(&self) -> u64 {
+        let pending: u64 = self.lock_pending().iter().map(|a| a.memory).sum();
+        pending + self.lock_proving().iter().map(|p| p.memory).sum::<u64>()
+    }
+
     /// The first established connection whose client proved the key; those that sent
-    /// anything else, failed, or ran out of time are dropped (which disconnects them).
+    /// anything else, failed, or ran out of time are dropped (which disconnects them) and
+    /// recorded as failed.
     fn prove_one(&self) -> Option<Connection> {
         let now = Instant::now();
         let mut proving = self.lock_proving();
         let mut i = 0;
         while i < proving.len() {
             let p = &mut proving[i];
-            let outcome = (|| -> Result<Option<bool>> {
+            let outcome = (|| -> Result<Option<()>> {
                 // Armed for the next message once nothing is left to handle.
                 while p.conn.step()? {}
-                Ok(match p.conn.try_recv()? {
-                    Some(first) => Some(p.check.check(&first).is_ok()),
-                    None if p.deadline <= now => Some(false),
-                    None => None,
-                })
-            })()
-            .unwrap_or(Some(false));
-            match outcome {
-                None => i += 1,
-                Some(proved) => {
-                    let mut p = proving.swap_remove(i);
-                    let _ = self.watch.remove(p.conn.as_fd());
-                    if proved && p.conn.add_send_buffers(p.send_buffers).is_ok() {
-                        return Some(p.conn);
-                    }
+                match p.conn.try_recv()? {
+                    Some(first) => p.check.check(&first).map(Some).map_err(Error::BadHandshake),
+                    None if p.deadline <= now => Err(handshake_timed_out(
+                        "the client's proof of the key (its first message)",
+                        p.timeout,
+                    )),
+                    None => Ok(None),
                 }
+            })();
+            if let Ok(None) = outcome {
+                i += 1;
+                continue;
+            }
+            let mut p = proving.swap_remove(i);
+            let _ = self.watch.remove(p.conn.as_fd());
+            // Proved: its queue pair may now serve reads of what the endpoint exposes, and
+            // its send buffers are registered.
+            let granted = outcome
+                .and_then(|_| p.conn.allow_remote_read())
+                .and_then(|()| p.conn.add_send_buffers(p.send_buffers));
+            match granted {
+                Ok(()) => return Some(p.conn),
+                Err(e) => self.failed.record(p.from, e),
             }
         }
         None
     }
 
     /// The first pending accept whose client completed the connection, as a connection;
-    /// those that failed or ran out of time are dropped (which refuses or disconnects them).
+    /// those that failed or ran out of time are dropped (which refuses or disconnects them)
+    /// and recorded as failed. An error is the listener's own (its epoll set).
     fn finish_one(&self) -> Result<Option<Connection>> {
         let now = Instant::now();
         let mut pending = self.lock_pending();
         let mut i = 0;
         while i < pending.len() {
-            let a = &pending[i];
-            let outcome = match a.channel.next_event() {
-                Ok(Some(ev)) => Some(ev.kind == CmEventKind::Established && ev.status == 0),
-                Ok(None) if a.deadline <= now => Some(false),
-                Ok(None) => None,
-                Err(_) => Some(false),
-            };
-            match outcome {
-                None => i += 1,
-                Some(done) => {
-                    let a = pending.swap_remove(i);
-                    let _ = self.watch.remove(a.channel.as_fd());
-                    if done {
-                        drop(pending);
-                        let Accepted {
-                            id,
-                            channel,
-                            setup,
-                            peer,
-                            config,
-                            deadline,
-                            proof,
-                        } = a;
-                        let conn = Connection::establish(
-                            &self.endpoint,
-                            setup,
-                            Control::Cm(CmLink::new(channel, id)),
-                            &config,
-                            peer,
-                        )?;
-                        let Some((check, send_buffers)) = proof else {
-                            return Ok(Some(conn));
-                        };
-                        // Handed out once its client's first message proves the key.
-                        self.watch.add_keyed(conn.as_fd(), proving_key(&conn))?;
-                        self.lock_proving().push(Proving {
-                            conn,
-                            check,
-                            send_buffers,
-                            deadline,
-                        });
-                        // The others may be done too: look at them now (an event loop waiting
-                        // on the listener's descriptor is not told twice).
-                        return self.finish_one();
-                    }
-                }
+            let a = &mut pending[i];
+            if !a.notified && a.data_arrived() {
+                // The client's first message: its side is connected whatever became of its
+                // RTU. The CM establishes the connection on this (ESTABLISHED follows on the
+                // id's channel); where it cannot, the RTU still does.
+                a.notified = true;
+                let _ = a.id.notify_established();
             }
+            let from = a.id.peer_addr();
+            let name = || from.map_or_else(|| "?".into(), |a| a.to_string());
+            let outcome = match a.channel.next_event() {
+                Ok(Some(ev)) if ev.kind == CmEventKind::Established && ev.status == 0 => Ok(()),
+                Ok(Some(ev)) => Err(cm_failure(&ev, &name(), "accepting")),
+                Ok(None) if a.deadline <= now => Err(handshake_timed_out(
+                    "the client's side of the connection (its RTU or first message)",
+                    a.config.handshake_timeout,
+                )),
+                Ok(None) => {
+                    i += 1;
+                    continue;
+                }
+                Err(e) => Err(e.into()),
+            };
+            let a = pending.swap_remove(i);
+            self.unwatch(&a);
+            if let Err(e) = outcome {
+                self.failed.record(from, e);
+                continue;
+            }
+            drop(pending);
+            let Accepted {
+                id,
+                channel,
+                setup,
+                peer,
+                config,
+                deadline,
+                proof,
+                memory,
+                ..
+            } = a;
+            let conn = match Connection::establish(
+                &self.endpoint,
+                setup,
+                Control::Cm(CmLink::new(channel, id)),
+                &config,
+                peer,
+            ) {
+                Ok(conn) => conn,
+                Err(e) => {
+                    self.failed.record(from, e);
+                    return self.finish_one();
+                }
+            };
+            let Some((check, send_buffers)) = proof else {
+                return Ok(Some(conn));
+            };
+            // Handed out once its client's first message proves the key.
+            self.watch.add_keyed(conn.as_fd(), proving_key(&conn))?;
+            self.lock_proving().push(Proving {
+                conn,
+                from,
+                check,
+                send_buffers,
+                deadline,
+                timeout: config.handshake_timeout,
+                memory,
+            });
+            // The others may be done too: look at them now (an event loop waiting on the
+            // listener's descriptor is not told twice).
+            return self.finish_one();
         }
         Ok(None)
     }
 
     /// Checks one request's hello, sets up its side and accepts it; rejects it with the
     /// reason on a failed check.
-    fn start(&self, mut request: CmEvent, config: &Config) -> Result<Accepted> {
+    fn start(&self, request: &mut CmEvent, config: &Config) -> Result<Accepted> {
         let mut id = request.request.take().ok_or_else(|| Error::Cm {
             addr: "?".into(),
             stage: "accepting",
@@ -661,7 +789,7 @@ impl CmListener {
         let endpoint = &self.endpoint;
         let ours = our_hello(endpoint, config, None);
         let keyed = config.psk.is_some();
-        let (send_buffers, peer) = match check_request(&ours, config, &request) {
+        let (send_buffers, peer) = match check_request(&ours, config, request) {
             Ok(ok) => ok,
             Err(reason) => {
                 let _ = id.reject(&encode_reject(reason));
@@ -672,11 +800,24 @@ impl CmListener {
             let _ = id.reject(&encode_reject(Reject::Resources));
             return Err(e);
         }
-        // Only a request that passed its checks takes a place among the waiting ones.
-        self.make_room(config.max_pending_handshakes as usize);
+        // Only a request that passed its checks takes a place among the waiting ones, within
+        // both bounds: their number, and what they register in all.
+        let memory = handshake_memory(config);
+        self.make_room(
+            config.max_pending_handshakes as usize,
+            memory,
+            config.max_send_memory,
+        );
         let params = read_params(endpoint, config, &request.params);
         let made = (|| -> Result<Setup> {
-            let mut setup = Setup::new(endpoint, config)?;
+            // With a key, a client that has proved nothing gets no remote access: a region
+            // exposed in the endpoint's protection domain is readable under its key through
+            // any of its queue pairs that allows remote read. Granted once the proof is in.
+            let mut setup = if keyed {
+                Setup::closed(endpoint, config)?
+            } else {
+                Setup::new(endpoint, config)?
+            };
             setup.set_send_buffers(send_buffers);
             // With a key, a client that has proved nothing pins no send buffers: they are
             // registered once its proof is in.
@@ -684,6 +825,12 @@ impl CmListener {
                 setup.register_send_buffers(endpoint, &peer)?;
             }
             id.ready_qp(&mut setup.qp, &tuning(endpoint, config, Some(params)))?;
+            // The client's first message may come before its RTU (which may be lost): its
+            // receive completion is watched for ([`Accepted::data_arrived`]). Armed before
+            // the accept, when nothing can have arrived yet (the client learns our queue
+            // pair's number from the accept).
+            setup.channel.set_nonblocking(true)?;
+            setup.recv_cq.req_notify(false)?;
             Ok(setup)
         })();
         let setup = match made {
@@ -724,7 +871,33 @@ impl CmListener {
             config: config.clone(),
             deadline: deadline_after(Instant::now(), config.handshake_timeout),
             proof: proof.map(|check| (check, send_buffers)),
+            notified: false,
+            memory,
         })
+    }
+}
+
+/// What one handshake under way registers with `config`: its receive buffers.
+fn handshake_memory(config: &Config) -> u64 {
+    u64::from(config.recv_depth + u32::from(config.grant_slots)) * u64::from(config.buf_size)
+}
+
+/// A handshake with a client that ran out of time waiting for `what`.
+fn handshake_timed_out(what: &'static str, after: Duration) -> Error {
+    Error::Timeout(TimedOut {
+        op: "accepting over rdma_cm",
+        waiting_for: what,
+        after,
+    })
+}
+
+/// The failure of a handshake evicted from a listener full of them (`why`) while waiting
+/// for `what` of the client at `from`.
+fn evicted(from: Option<SocketAddr>, what: &str, why: &str) -> Error {
+    Error::Cm {
+        addr: from.map_or_else(|| "?".into(), |a| a.to_string()),
+        stage: "accepting",
+        detail: format!("evicted while waiting for {what}: {why}"),
     }
 }
 
@@ -739,6 +912,31 @@ impl Accepted {
     fn key(&self) -> u64 {
         use std::os::fd::AsRawFd;
         self.channel.as_raw_fd() as u64
+    }
+
+    /// Watch key of its completion channel: its descriptor too.
+    fn completions_key(&self) -> u64 {
+        use std::os::fd::AsRawFd;
+        self.setup.channel.as_raw_fd() as u64
+    }
+
+    /// Whether a receive completed on its queue pair since the accept (the CQ armed then has
+    /// fired). Each event read is acknowledged here; the CQ is not armed again (the
+    /// connection that takes the channel over arms it its own way, and an event of this arm
+    /// that it reads instead is one spurious wake-up).
+    fn data_arrived(&self) -> bool {
+        let mut arrived = false;
+        while let Ok(Some(ev)) = self.setup.channel.get_event() {
+            let cq = if ev.is_for(&self.setup.recv_cq) {
+                arrived = true;
+                &self.setup.recv_cq
+            } else {
+                &self.setup.send_cq
+            };
+            drop(ev);
+            cq.ack_events(1);
+        }
+        arrived
     }
 }
 

@@ -52,7 +52,10 @@ pub struct Config {
     pub max_peer_recv_depth: u32,
     /// Most memory registered for send buffers (`send_depth` buffers of the peer's buffer
     /// size): beyond it, fewer send buffers are registered (at least one; a peer whose one
-    /// buffer does not fit is rejected). Default 64 MiB.
+    /// buffer does not fit is rejected). A [`CmListener`](crate::CmListener) also keeps the
+    /// receive buffers of all its handshakes under way within it (or one handshake's, if
+    /// more), evicting the oldest beyond: a flood of requests that never complete (or never
+    /// prove the key) pins no more. Default 64 MiB.
     pub max_send_memory: u64,
     /// Most handshakes a [`Listener`](crate::Listener) runs at once (1..=63); a new client
     /// beyond that evicts the oldest pending one. Default 32.

@@ -116,6 +116,7 @@ pub mod credits;
 mod endpoint;
 mod error;
 mod events;
+mod failed;
 mod group;
 pub mod handshake;
 mod hub;

@@ -30,6 +30,16 @@ impl Setup {
     /// Creates the completion channel, both CQs and the queue pair, moves it to INIT and posts
     /// every receive buffer (before RTR: the credits the peer starts with are real).
     pub(crate) fn new(endpoint: &Endpoint, config: &Config) -> Result<Self> {
+        Self::with_access(endpoint, config, true)
+    }
+
+    /// [`Setup::new`] with a queue pair that grants no remote access (not even remote read)
+    /// until [`QueuePair::allow_remote_read`]: for a client that has yet to prove the key.
+    pub(crate) fn closed(endpoint: &Endpoint, config: &Config) -> Result<Self> {
+        Self::with_access(endpoint, config, false)
+    }
+
+    fn with_access(endpoint: &Endpoint, config: &Config, remote_read: bool) -> Result<Self> {
         let ctx = endpoint.context();
         let pd = endpoint.pd();
         let recv_total = config.recv_depth + u32::from(config.grant_slots);
@@ -46,7 +56,11 @@ impl Setup {
             max_inline_data: config.max_inline,
         };
         let mut qp = QueuePair::new_rc(pd, &send_cq, &recv_cq, caps)?;
-        qp.to_init(endpoint.port())?;
+        if remote_read {
+            qp.to_init(endpoint.port())?;
+        } else {
+            qp.to_init_closed(endpoint.port())?;
+        }
         let mut pool = RecvPool::new(pd, recv_total as usize, config.buf_size as usize)?;
         if let Err(e) = qp.post_recv(pool.take_free()) {
             for b in e.unposted {

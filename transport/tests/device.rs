@@ -181,7 +181,7 @@ fn bad_peers_are_rejected_without_disturbing_other_connections() {
     let mut established = listener.accept(&cfg).unwrap();
     let mut good = good.join().unwrap();
 
-    // Garbage: told why, and the accept fails with a typed error.
+    // Garbage: told why, and its outcome is a typed error.
     let junk = thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
         s.write_all(&[b'x'; HELLO_LEN]).unwrap();
@@ -189,7 +189,11 @@ fn bad_peers_are_rejected_without_disturbing_other_connections() {
         let _ = s.read_to_end(&mut rest);
         rest
     });
-    let err = listener.accept(&cfg).unwrap_err();
+    let err = listener
+        .accept_outcome_timeout(&cfg, None)
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
     assert!(
         matches!(err, Error::BadHandshake(Reject::BadMagic)),
         "{err:?}"
@@ -209,7 +213,11 @@ fn bad_peers_are_rejected_without_disturbing_other_connections() {
         let _ = s.read_to_end(&mut rest);
         rest
     });
-    let err = listener.accept(&cfg).unwrap_err();
+    let err = listener
+        .accept_outcome_timeout(&cfg, None)
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
     assert!(
         matches!(err, Error::BadHandshake(Reject::Version { peer: 1, .. })),
         "{err:?}"
@@ -225,7 +233,11 @@ fn bad_peers_are_rejected_without_disturbing_other_connections() {
     // A peer that connects and says nothing: the handshake times out.
     let stalled = TcpStream::connect(addr).unwrap();
     let t = Instant::now();
-    let err = listener.accept(&cfg).unwrap_err();
+    let err = listener
+        .accept_outcome_timeout(&cfg, None)
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
     assert!(matches!(err, Error::Bootstrap { .. }), "{err:?}");
     assert!(t.elapsed() < Duration::from_secs(2));
     drop(stalled);
@@ -240,7 +252,11 @@ fn bad_peers_are_rejected_without_disturbing_other_connections() {
         s.read_exact(&mut reply).unwrap();
         reply[10]
     });
-    let err = listener.accept(&cfg).unwrap_err();
+    let err = listener
+        .accept_outcome_timeout(&cfg, None)
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
     assert!(matches!(err, Error::BadHandshake(Reject::Mtu)), "{err:?}");
     assert_eq!(other_mtu.join().unwrap(), Reject::Mtu.code());
 

@@ -739,6 +739,22 @@ impl CmId {
         check_ret(ret).map_err(cm_err("rdma_establish"))
     }
 
+    /// Tells the CM that the connection is in use (`rdma_notify` with `IBV_EVENT_COMM_EST`):
+    /// the passive side calls it when a receive completes on its queue pair after
+    /// [`CmId::accept`] and before [`CmEventKind::Established`]. Data from the client proves
+    /// the client's side is connected, so the CM establishes the connection (delivers
+    /// `Established`) without the client's RTU, which may be lost or late: the CM would
+    /// resend its REP only after its response timeout (seconds). Harmless once established.
+    pub fn notify_established(&mut self) -> Result<()> {
+        let _guard = self.channel.lock();
+        // SAFETY: the id is alive and ours; rdma_notify only passes the event to the kernel's
+        // CM for this id (the guard keeps readers of its channel out meanwhile, as for the
+        // other calls on a connected id).
+        let ret =
+            unsafe { ffi::rdma_notify(self.raw.as_ptr(), ffi::ibv_event_type::IBV_EVENT_COMM_EST) };
+        check_ret(ret).map_err(cm_err("rdma_notify"))
+    }
+
     /// Disconnects; both sides then see [`CmEventKind::Disconnected`]. The queue pair is not
     /// touched: move it to ERROR to flush what is still posted.
     pub fn disconnect(&mut self) -> Result<()> {

@@ -209,6 +209,20 @@ impl Connection {
         Ok(())
     }
 
+    /// Grants the peer remote read through the queue pair (RTS → RTS): a keyed CM listener
+    /// made it without any remote access, for a client that had yet to prove the key.
+    pub(crate) fn allow_remote_read(&mut self) -> Result<()> {
+        self.qp.allow_remote_read()?;
+        Ok(())
+    }
+
+    /// Liveness probes (over rdma_cm) only from `from` on: a keyed CM client's first, so that
+    /// it never reaches a listener's queue pair before the listener took the client's proof
+    /// and granted remote read (a probe is a read).
+    pub(crate) fn probes_from(&mut self, from: Instant) {
+        self.core.probes_from(from);
+    }
+
     /// How the connection was set up.
     pub fn config(&self) -> &Config {
         &self.config

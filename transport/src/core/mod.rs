@@ -361,6 +361,13 @@ impl Core {
         self.timers.set(Timer::Probe, deadline_after(now, every));
     }
 
+    /// Probes (if on) only from `from` on: the first interval starts then, not earlier.
+    pub(crate) fn probes_from(&mut self, from: Instant) {
+        if let Some(every) = self.probe_every {
+            self.timers.set(Timer::Probe, deadline_after(from, every));
+        }
+    }
+
     /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled).
     pub(crate) fn probe_posted(&mut self, wr_id: u64) {
         self.stats.probes += 1;

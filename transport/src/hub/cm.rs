@@ -43,6 +43,8 @@ pub(super) struct CmPending {
     stage: Stage,
     pub(super) deadline: Instant,
     pub(super) peer_addr: Option<SocketAddr>,
+    /// The CM was told of the client's first message (`rdma_notify`).
+    notified: bool,
 }
 
 impl fmt::Debug for CmPending {
@@ -79,6 +81,18 @@ impl Stage {
 }
 
 impl CmPending {
+    /// A receive completed for this accepted request's queue pair before its `ESTABLISHED`:
+    /// the client's side is connected whatever became of its RTU (lost or late, the CM would
+    /// resend its REP only after seconds). Tells the CM, once, which then establishes the
+    /// connection (`ESTABLISHED` follows on the id's channel); where it cannot, the RTU still
+    /// does. The message itself waits in the slot like any before `Connected`.
+    pub(super) fn peer_sent(&mut self) {
+        if self.stage == Stage::Established && !self.notified {
+            self.notified = true;
+            let _ = self.id.notify_established();
+        }
+    }
+
     fn peer_name(&self) -> String {
         self.peer_addr
             .map_or_else(|| "the peer".to_owned(), |a| a.to_string())
@@ -177,6 +191,7 @@ impl RawHub {
             stage: Stage::Address,
             deadline: deadline_after(Instant::now(), timeout),
             peer_addr: Some(dst),
+            notified: false,
         };
         self.start_cm_handshake(slot, pending)?;
         let id = self.slot(slot).id(slot);
@@ -273,6 +288,7 @@ impl RawHub {
             stage: Stage::Established,
             deadline: deadline_after(Instant::now(), self.config.conn.handshake_timeout),
             peer_addr,
+            notified: false,
         };
         trace::handshake_started(peer_addr, Some(self.slot(slot).id(slot)));
         if self.start_cm_handshake(slot, pending).is_err() {

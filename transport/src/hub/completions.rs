@@ -51,6 +51,10 @@ impl RawHub {
         };
         let c = Completion::of(true, wc);
         let s = self.slots[slot].as_mut().expect("a mapped slot");
+        if let Phase::CmHandshake(p) = &mut s.phase {
+            // An accepted client's first message before its ESTABLISHED: tell the CM.
+            p.peer_sent();
+        }
         // SRQ receives are not flushed by a queue pair's error: nothing to explain.
         let receipt = s.core.handle_recv(&c, || None, Instant::now);
         // A close message sets a deadline (the goodbye is waited for until then).

@@ -255,16 +255,45 @@ impl QueuePair {
         unsafe { std::mem::zeroed() }
     }
 
-    /// RESET → INIT on `port`, with no remote access rights (send/receive needs none).
+    /// RESET → INIT on `port`, with remote read as the only remote access right (send and
+    /// receive need none; the peer's RDMA reads of what this process exposed need it).
     pub fn to_init(&mut self, port: u8) -> Result<()> {
+        // Peers may read what this process exposed (rendezvous): only regions registered with
+        // remote read themselves (`ProtectionDomain::expose`, or `Access::remote_read`) can be
+        // read, each under its own key. Remote write and atomics stay off.
+        self.init_with(port, ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0)
+    }
+
+    /// RESET → INIT on `port` with no remote access right at all: for a queue pair whose peer
+    /// has not proved who it is yet. A region exposed in the protection domain is readable
+    /// under its key through any queue pair of the domain that allows remote read, so a
+    /// stranger's must not; [`QueuePair::allow_remote_read`] grants it once the peer is known.
+    pub fn to_init_closed(&mut self, port: u8) -> Result<()> {
+        self.init_with(port, 0)
+    }
+
+    /// Grants remote read (of regions registered for it, each under its own key) to a queue
+    /// pair in RTS, RTS → RTS: for one made with [`QueuePair::to_init_closed`] whose peer has
+    /// proved who it is.
+    pub fn allow_remote_read(&mut self) -> Result<()> {
+        use ffi::ibv_qp_attr_mask as m;
+        if self.state != QpState::Rts {
+            return Err(Error::InvalidArgument(format!(
+                "remote read is granted in RTS, not {:?}",
+                self.state
+            )));
+        }
+        let mut attr = Self::zeroed_attr();
+        attr.qp_access_flags = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        self.modify(&mut attr, m::IBV_QP_ACCESS_FLAGS.0, QpState::Rts)
+    }
+
+    fn init_with(&mut self, port: u8, access: u32) -> Result<()> {
         use ffi::ibv_qp_attr_mask as m;
         let mut attr = Self::zeroed_attr();
         attr.pkey_index = 0;
         attr.port_num = port;
-        // Peers may read what this process exposed (rendezvous): only regions registered with
-        // remote read themselves (`ProtectionDomain::expose`, or `Access::remote_read`) can be
-        // read, each under its own key. Remote write and atomics stay off.
-        attr.qp_access_flags = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        attr.qp_access_flags = access;
         self.port = port;
         self.modify(
             &mut attr,
