@@ -487,6 +487,23 @@ fn a_call_s_wait_keeps_what_a_streaming_peer_sends_within_its_bound() {
     assert_eq!(s.held_bytes(), 0);
 }
 
+/// The hub's pool, credits and counts, for a failure's report.
+fn dump_hub(hub: &Hub, streamer: PeerId, answerer: PeerId) {
+    let t = hub.transport();
+    eprintln!("hub stats {:?}", t.stats());
+    eprintln!("pool {:?}", t.pool_stats());
+    for (name, p) in [("streamer", streamer), ("answerer", answerer)] {
+        eprintln!(
+            "{name}: credits {:?} quota {:?} held {} conn {:?}",
+            t.credits(p).ok(),
+            t.quota(p),
+            hub.held_bytes(p),
+            t.conn_stats(p)
+        );
+        eprintln!("{name}: msg {:?}", hub.peer_stats(p));
+    }
+}
+
 /// A hub's call to a peer that streams instead of answering keeps at most `max_held_bytes`
 /// of that peer's messages, which then stops; meanwhile the hub's calls to another peer are
 /// answered as ever (the bound is per peer); then everything arrives in order.
@@ -538,7 +555,16 @@ fn a_hub_holds_back_only_the_peer_that_streams_while_its_calls_wait() {
     let (sent, stopped) = loop {
         // (Not 100, which the server answers with a note first.)
         let a = 1000 + i;
-        assert_eq!(hub.call(answerer, &Add { a, b: 1 }, T).unwrap(), Sum(a + 1));
+        let t0 = Instant::now();
+        let got = hub
+            .start_call(answerer, &Add { a, b: 1 }, T)
+            .map_err(|e| (e, "start", t0.elapsed()))
+            .and_then(|c| hub.wait(c).map_err(|e| (e, "wait", t0.elapsed())));
+        if let Err((e, at, took)) = &got {
+            eprintln!("call {i} failed in {at} after {took:?}: {e}");
+            dump_hub(&hub, streamer, answerer);
+        }
+        assert_eq!(got.map_err(|(e, _, _)| e).unwrap(), Sum(a + 1));
         i += 1;
         if let Ok(r) = throttled_rx.try_recv() {
             break r;
@@ -553,6 +579,7 @@ fn a_hub_holds_back_only_the_peer_that_streams_while_its_calls_wait() {
         );
     }
     let held = hub.held_bytes(streamer);
+    println!("pool {:?}", hub.transport().pool_stats());
     println!(
         "held {held} bytes of the streamer's {sent} messages; 200 calls to the other peer in {:?}",
         t.elapsed()

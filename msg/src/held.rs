@@ -5,8 +5,10 @@
 //! it to send the answer), so credits no longer bound what is kept: this does. Once a peer's
 //! messages kept reach the bound, the session or hub stops taking that peer's messages in
 //! ([`crate::peer::Receiver::hold_back`]): they stay unread in their receive buffers, the
-//! peer's credits with them, and the peer stops. The application receiving kept messages
-//! brings the peer under its bound again, and its frames are taken in.
+//! peer's credits with them, and the peer stops. (A hub's receive buffers are a shared pool
+//! that would return the peer's credits from other buffers: it holds the peer back there too,
+//! [`rdmsg_transport::RawHub::hold_back`].) The application receiving kept messages brings the
+//! peer under its bound again, and its frames are taken in.
 //!
 //! [`SessionConfig::max_held_bytes`]: crate::SessionConfig::max_held_bytes
 

@@ -999,8 +999,13 @@ impl Hub {
             ev => (None, 0, ev),
         };
         if self.held.push(who, ev, body) {
-            if let Some(state) = who.and_then(|p| self.peers.get_mut(p)) {
-                state.receiver.hold_back(true);
+            if let Some(peer) = who {
+                if let Some(state) = self.peers.get_mut(peer) {
+                    state.receiver.hold_back(true);
+                }
+                // The buffers its parked frames keep are lent out of the pool every peer
+                // shares: returning its credits would let it draw the pool dry.
+                self.transport.hold_back(peer, true);
             }
         }
     }
@@ -1019,6 +1024,7 @@ impl Hub {
                     self.reads_waiting.push(peer);
                 }
             }
+            self.transport.hold_back(peer, false);
         }
         Some(ev)
     }

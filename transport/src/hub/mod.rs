@@ -849,6 +849,46 @@ impl RawHub {
         self.waiter.stats().wakeups + self.step_wakeups
     }
 
+    /// Holds `peer` back (`on`) or lets it go: while held, the hub returns it no credits (not
+    /// even its minimum; those owed and not yet announced go back to the pool), so it stops
+    /// once it spent what it holds. For a consumer that leaves `peer`'s messages unread in
+    /// their receive buffers until it takes more of them (rdmsg's hub while a call waits,
+    /// `SessionConfig::max_held_bytes`): the buffers it keeps are lent out of the shared
+    /// pool, and each credit returned meanwhile would let `peer` take one more from the
+    /// other peers, up to `max_shared_credits`, after which nobody gets a credit back. Let go,
+    /// it gets buffers and its grant as soon as the pool has them. Its grant slots are kept
+    /// backed either way. Nothing for a peer unknown, gone or not yet admitted.
+    pub fn hold_back(&mut self, peer: PeerId, on: bool) {
+        let Ok(slot) = self.find(peer) else {
+            return;
+        };
+        let s = self.slot(slot);
+        let Some(group) = s.group.filter(|_| s.admitted) else {
+            return;
+        };
+        self.groups[group]
+            .share
+            .hold(slot, on, &mut self.slots, &mut self.touched);
+        if !on {
+            // Buffers free and not yet posted go to it (a failed post is the hub's failure,
+            // which its next call reports).
+            let _ = self.repost();
+        }
+        // Owed credits withdrawn went to others, or spare went to this one: their grants.
+        self.grants();
+    }
+
+    /// Whether `peer` is held back ([`RawHub::hold_back`]).
+    pub fn is_held_back(&self, peer: PeerId) -> bool {
+        let Ok(slot) = self.find(peer) else {
+            return false;
+        };
+        let s = self.slot(slot);
+        s.group
+            .filter(|_| s.admitted)
+            .is_some_and(|g| self.groups[g].share.is_held(slot))
+    }
+
     /// The credits the hub lets `peer` hold at most now (its quota in the shared pool).
     pub fn quota(&self, peer: PeerId) -> Option<u32> {
         let slot = self.find(peer).ok()?;

@@ -39,6 +39,12 @@
 //!   grant threshold derived from it.
 //! - **Grants** are due after a quarter of the quota ([`threshold_for_quota`]): a peer allowed
 //!   few credits must get them back long before a quarter of its announced depth is owed.
+//! - **A held-back connection** ([`Share::hold`]) gets no credits at all, not even its minimum,
+//!   and gives back those owed and not yet announced: its consumer keeps its messages unread
+//!   in their buffers, which are lent out of the pool, so each credit returned would let the
+//!   peer take one more buffer from everyone else (the pool would grow to its bound and others
+//!   starve). Its peer stops once it spent what it holds. Grant slots are still restored (a
+//!   grant frees its own buffer at once). Released, it is queued as any other.
 //!
 //! # Why nobody waits for ever
 //!
@@ -243,6 +249,8 @@ struct Account {
     live: bool,
     /// Gets no more buffers (closing, or its books no longer match).
     retired: bool,
+    /// Held back ([`Share::hold`]): gets no credits, only its grant slots.
+    held: bool,
     /// Posted buffers backing the connection.
     backing: u32,
     quota: u32,
@@ -512,7 +520,10 @@ impl Share {
             holder.credits().must_be_posted(),
             "slot {slot}: backing and books agree"
         );
-        if receipt == Receipt::Data && holder.credits().peer_may_be_blocked() {
+        if receipt == Receipt::Data
+            && !self.slots[slot].held
+            && holder.credits().peer_may_be_blocked()
+        {
             self.grow(slot, holder);
         }
         self.requeue(slot, holder.credits());
@@ -591,6 +602,54 @@ impl Share {
         let mark = touched.len();
         self.serve(conns, touched);
         self.untouch(&touched[mark..]);
+    }
+
+    /// Holds the connection in `slot` back (`on`) or lets it go: while held it gets no
+    /// credits, not even `min_credits`, and credits owed to it (never announced) go back to
+    /// the pool at once; its quota does not grow. For a consumer that keeps the peer's
+    /// messages unread in their buffers (which are lent, not posted), so that the peer stops
+    /// once it spent what it holds instead of drawing the pool dry. Its grant slots are served
+    /// as ever. Let go, it waits for buffers like any other (starving if it ran out). Slots
+    /// given buffers (or whose owed credits changed) are pushed into `touched`.
+    pub fn hold<H: CreditHolder>(
+        &mut self,
+        slot: usize,
+        on: bool,
+        conns: &mut [Option<H>],
+        touched: &mut Vec<usize>,
+    ) {
+        let Some(s) = self.slots.get_mut(slot).filter(|s| s.live && !s.retired) else {
+            return;
+        };
+        if s.held == on {
+            return;
+        }
+        s.held = on;
+        let Some(holder) = conns.get_mut(slot).and_then(Option::as_mut) else {
+            debug_assert!(false, "connection {slot} has no books");
+            return;
+        };
+        let mark = touched.len();
+        if on {
+            let c = holder.credits_mut();
+            let taken = c.withdraw_owed(c.owed());
+            if taken > 0 {
+                let s = &mut self.slots[slot];
+                s.backing -= taken;
+                self.backed -= taken;
+                self.spare += taken;
+                self.touch(slot, touched);
+            }
+        }
+        self.requeue(slot, holder.credits());
+        self.cover_deficit();
+        self.serve(conns, touched);
+        self.untouch(&touched[mark..]);
+    }
+
+    /// Whether the connection in `slot` is held back ([`Share::hold`]).
+    pub fn is_held(&self, slot: usize) -> bool {
+        self.live(slot).is_some_and(|s| s.held)
     }
 
     /// Stops handing buffers to the connection in `slot` (it is closing or failed); what backs
@@ -758,6 +817,9 @@ impl Share {
         }
         if c.slots_missing() > 0 || c.slots_wanted() > 0 {
             return Some((Need::GrantSlot, 0));
+        }
+        if s.held {
+            return None;
         }
         let lent = lent(c);
         if lent >= s.quota {

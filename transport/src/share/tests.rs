@@ -308,3 +308,58 @@ fn buffers_posted_for_a_newcomer_go_to_it_first_and_retired_connections_get_none
     assert_eq!(share.spare(), 1 + 3, "its grant slots come back");
     assert!(touched.is_empty());
 }
+
+#[test]
+fn a_held_back_connection_gets_no_credits_and_gives_back_what_it_was_owed() {
+    let (mut share, mut conns) = pool(2, 10);
+    // 0 spends its minimum and grows to quota 4: owed 4, 6 spare.
+    receive_data(&mut share, &mut conns, 0, false);
+    receive_data(&mut share, &mut conns, 0, true);
+    assert_eq!((owed(&conns, 0), share.spare()), (4, 6));
+    let mut touched = Vec::new();
+    share.hold(0, true, &mut conns, &mut touched);
+    assert!(share.is_held(0));
+    assert_eq!(owed(&conns, 0), 0, "never announced: back to the pool");
+    assert_eq!(share.spare(), 10);
+    assert_eq!(touched, [0]);
+    share.audit(&conns).unwrap();
+    // Let go, it is refilled to its quota; its peer is granted them.
+    share.hold(0, false, &mut conns, &mut Vec::new());
+    let g = conns[0].as_mut().unwrap().take_grant().unwrap();
+    assert_eq!(g.imm.credits, 4);
+    // Held again, its peer spends them: nothing comes back, not even its minimum, its quota
+    // does not grow, and the others are served as ever.
+    share.hold(0, true, &mut conns, &mut Vec::new());
+    for i in 0..4 {
+        receive_echoing(&mut share, &mut conns, 0, i == 3, 1);
+    }
+    share.on_posted(4, &mut conns, &mut Vec::new());
+    assert_eq!(owed(&conns, 0), 0, "held: no credit");
+    assert_eq!(share.quota(0), Some(4));
+    assert_eq!(share.take_demand(), 0, "no growth asked for it");
+    assert!(!share.urgent());
+    receive_data(&mut share, &mut conns, 1, false);
+    receive_data(&mut share, &mut conns, 1, true);
+    assert_eq!(owed(&conns, 1), 4, "the other peer is served");
+    share.audit(&conns).unwrap();
+    // A grant from the held peer still finds its slot restored.
+    let c0 = conns[0].as_mut().unwrap();
+    assert!(c0
+        .on_receive(Imm {
+            credits: 0,
+            echo: 1,
+            flags: Imm::GRANT
+        })
+        .unwrap());
+    share.on_consumed(0, c0, Receipt::Grant, &mut Vec::new());
+    share.on_posted(1, &mut conns, &mut Vec::new());
+    assert_eq!(conns[0].as_ref().unwrap().slots_missing(), 0);
+    assert_eq!(owed(&conns, 0), 0);
+    // Let go: starving, it is served first.
+    let mut touched = Vec::new();
+    share.hold(0, false, &mut conns, &mut touched);
+    assert!(!share.is_held(0));
+    assert_eq!(touched, [0]);
+    assert!(owed(&conns, 0) >= CFG.min_credits);
+    share.audit(&conns).unwrap();
+}
