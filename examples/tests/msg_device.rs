@@ -394,3 +394,53 @@ fn closing_a_session_whose_peer_vanished_fails_at_once_as_vanished() {
         closed - dropped,
     );
 }
+
+/// One close, one clock: `Session::close` towards a peer that is there but neither reads nor
+/// grants (its application never receives, so its credits are never returned) ends within
+/// `close_timeout`, whatever it waits for: here the peer's read of a message lent by
+/// rendezvous, then a credit for the close message. Each stage used to get a
+/// `close_timeout` of its own (twice it here, three times at most).
+#[test]
+#[ignore = "device"]
+fn a_close_ends_within_one_close_timeout_whatever_it_waits_for() {
+    use std::time::Instant;
+    const CLOSE: Duration = Duration::from_secs(1);
+    let config = Config {
+        close_timeout: CLOSE,
+        ..Config::default()
+    };
+    let (rx, tx) = loopback_pair(&Config::default(), &config).expect("device");
+    let (rx, mut tx) = (Session::new(rx), Session::new(tx));
+    // Lent by rendezvous: the close waits for the peer's read, which never comes.
+    tx.send(&Command::Firmware(vec![7; 1 << 20])).unwrap();
+    assert_eq!(tx.stats().rendezvous_sent, 1);
+    // Every credit spent: the close message then waits for a grant, which never comes.
+    let mut sent = 0u64;
+    while tx
+        .send_timeout(
+            &Reading {
+                sensor: 1,
+                seq: sent,
+                value: 0.0,
+            },
+            false,
+            Duration::ZERO,
+        )
+        .unwrap()
+    {
+        sent += 1;
+        assert!(sent < 100_000, "credits never ran out");
+    }
+    let t = Instant::now();
+    let r = tx.close();
+    let took = t.elapsed();
+    println!(
+        "stats close waiting for a read and a credit, close_timeout {CLOSE:?}: {took:?}: {r:?}"
+    );
+    assert!(r.is_err(), "the peer read nothing, granted nothing");
+    assert!(
+        took < CLOSE + Duration::from_millis(600),
+        "{took:?}: beyond one close_timeout"
+    );
+    drop(rx);
+}

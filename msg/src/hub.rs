@@ -495,14 +495,15 @@ impl Hub {
         let unread = self.with_sender(peer, |s, link| {
             s.wait_until_returned(link, deadline, record)
         })?;
-        self.transport.close(peer)?;
+        // The transport's close (a credit, then the acknowledgement) spends what is left.
+        self.transport.close_by(peer, deadline)?;
         unread_error(unread)
     }
 
     /// Starts closing `peer` gracefully without waiting (see
     /// [`rdmsg_transport::RawHub::start_close`]); its [`HubEvent::Disconnected`] follows.
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
-        let timeout = self.transport.config().conn.close_timeout;
+        let deadline = deadline_after(Instant::now(), self.transport.config().conn.close_timeout);
         match self.peers.get_mut(peer) {
             // The peer may still be reading our messages: the close waits for that (at most
             // `close_timeout`), driven by later calls.
@@ -518,13 +519,13 @@ impl Hub {
                         self.unflushed.push(peer);
                     }
                 }
-                state.close_at = Some(deadline_after(Instant::now(), timeout));
+                state.close_at = Some(deadline);
                 if !self.closing.contains(&peer) {
                     self.closing.push(peer);
                 }
                 Ok(())
             }
-            _ => Ok(self.transport.start_close(peer)?),
+            _ => Ok(self.transport.start_close_by(peer, deadline)?),
         }
     }
 
@@ -540,9 +541,12 @@ impl Hub {
     /// their time ran out).
     fn finish_closes(&mut self) {
         let now = Instant::now();
+        // A close without a deadline of its own (none is listed so) gets a whole one.
+        let fresh = deadline_after(now, self.transport.config().conn.close_timeout);
         let mut i = 0;
         while i < self.closing.len() {
             let peer = self.closing[i];
+            // When the close is due now: the deadline it keeps.
             let due = match self.peers.get_mut(peer) {
                 Some(state) => match state.close_at {
                     Some(at)
@@ -557,20 +561,22 @@ impl Hub {
                             self.ready
                                 .push_back((HubEvent::Unread { peer, messages }, None));
                         }
-                        true
+                        Some(at)
                     }
-                    Some(_) => false,
-                    None => true,
+                    Some(_) => None,
+                    None => Some(fresh),
                 },
                 None => {
                     self.closing.swap_remove(i);
                     continue;
                 }
             };
-            if due {
+            if let Some(deadline) = due {
                 self.closing.swap_remove(i);
-                // A peer gone meanwhile: its Disconnected tells.
-                let _ = self.transport.start_close(peer);
+                // The transport's close spends what is left of the time this one began with
+                // (none, if it ran out waiting for the peer: then only a credit there now
+                // lets the close message go). A peer gone meanwhile: its Disconnected tells.
+                let _ = self.transport.start_close_by(peer, deadline);
             } else {
                 i += 1;
             }

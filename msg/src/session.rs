@@ -625,13 +625,17 @@ impl Session {
     }
 
     fn close_inner(mut self, record: bool) -> (Result<()>, Delivery, Vec<Envelope>) {
-        let waited = self.wait_before_close(record);
+        // One clock for the whole close: what it waits for here and the connection's own
+        // close (a credit for the close message, then its acknowledgement) spend the same
+        // `close_timeout`.
+        let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
+        let waited = self.wait_before_close(record, deadline);
         self.sender.learn_note(self.conn.peer_note());
         let delivery = self.sender.delivery(None);
         let unsent = self.sender.committed_waiting();
         let unconfirmed = self.sender.take_unconfirmed();
         let result = waited.and_then(|unread| {
-            self.conn.close()?;
+            self.conn.close_by(deadline)?;
             unread_error(unread)?;
             crate::error::unsent_error(unsent)
         });
@@ -641,11 +645,10 @@ impl Session {
     /// Everything a close does before the connection's own: committed frames out, the
     /// peer's reads (and with `record`, its application) waited for, our last count told.
     /// How many lent messages the peer had not read.
-    fn wait_before_close(&mut self, record: bool) -> Result<usize> {
-        // Everything here fits in `close_timeout`: a flush that cannot go in time is given
-        // up (the close message says the rest: our count of the peer's messages taken rides
-        // it, as it rides our grants).
-        let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
+    fn wait_before_close(&mut self, record: bool, deadline: Instant) -> Result<usize> {
+        // Everything here ends by the close's `deadline`: a flush that cannot go in time is
+        // given up (the close message says the rest: our count of the peer's messages taken
+        // rides it, as it rides our grants).
         let left = |now: Instant| Some(deadline.saturating_duration_since(now));
         // Answers given before the close go before it.
         self.send_replies_before(deadline)?;

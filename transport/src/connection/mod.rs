@@ -735,15 +735,32 @@ impl Connection {
     /// that went without closing (its bootstrap stream ended) never acknowledges the message:
     /// the close fails with [`Failure::PeerVanished`], at once if that is known, else 50 ms
     /// after the stream's end, as a receive would.
-    pub fn close(mut self) -> Result<()> {
+    pub fn close(self) -> Result<()> {
+        let deadline = self.core.close_deadline(Instant::now());
+        self.close_by(deadline)
+    }
+
+    /// [`Connection::close`] that ends by `deadline` rather than `close_timeout` from now:
+    /// for a layer above whose close began earlier and waited for other things first (its
+    /// peer's reads, its own queued messages), so that the whole close lasts one
+    /// `close_timeout`. Waiting for a credit for the close message and then for its
+    /// acknowledgement both spend what is left; a deadline already passed still sends the
+    /// close if a credit is there, and takes its acknowledgement if the next poll finds it.
+    /// Without a credit by then it fails with [`Error::Timeout`] (of `close_timeout`).
+    pub fn close_by(mut self, deadline: Instant) -> Result<()> {
         let _span = trace_span!(INFO, "close", qp = self.qp.qp_num());
         self.check_can_send()?;
         let timeout = self.config.close_timeout;
-        self.wait_to_send(Some(timeout))
-            .map_err(|e| e.timeout_as("closing", crate::error::WAIT_CLOSE_CREDIT))?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.wait_to_send(Some(left)).map_err(|e| match e {
+            Error::Timeout(_) => {
+                Error::timeout("closing", crate::error::WAIT_CLOSE_CREDIT, timeout)
+            }
+            e => e,
+        })?;
         let post = self
             .core
-            .start_close(Instant::now())
+            .start_close(deadline)
             .expect("wait_to_send ensured a credit");
         // The close carries the note too: the peer's last word from us.
         let note = self.send.note(self.core.note());

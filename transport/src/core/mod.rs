@@ -874,20 +874,29 @@ impl Core {
         self.stats.sent_inline += 1;
     }
 
-    /// Starts a graceful close at `now`: the close message to post (solicited, signaled,
-    /// spending a credit), after which nothing more may be sent; closed once it completes, or
-    /// failed with [`Failure::CloseTimedOut`] `close_timeout` after `now`, or with
-    /// [`Failure::PeerVanished`] when the peer's stream ended (before or since) and the
-    /// message did not complete within that end's grace. `None` without a credit, or when
-    /// the connection may not send.
-    pub(crate) fn start_close(&mut self, now: Instant) -> Option<Post> {
+    /// When a close that begins at `now` must have ended: `close_timeout` later. The driver
+    /// (or the layer above it) takes it once, when the close begins, and every stage of the
+    /// close (its own waits, then [`Core::start_close`]) spends what is left of it: a close
+    /// lasts one `close_timeout`, not one per thing it waited for.
+    pub(crate) fn close_deadline(&self, now: Instant) -> Instant {
+        deadline_after(now, self.close_timeout)
+    }
+
+    /// Starts a graceful close: the close message to post (solicited, signaled, spending a
+    /// credit), after which nothing more may be sent; closed once it completes, or failed
+    /// with [`Failure::CloseTimedOut`] at `deadline` (the close's, from
+    /// [`Core::close_deadline`] when it began, whatever it waited for since: it may have
+    /// passed already, and then a completion polled before the next
+    /// [`Core::handle_timeout`] still wins), or with [`Failure::PeerVanished`] when the
+    /// peer's stream ended (before or since) and the message did not complete within that
+    /// end's grace. `None` without a credit, or when the connection may not send.
+    pub(crate) fn start_close(&mut self, deadline: Instant) -> Option<Post> {
         if self.check_send().is_err() || !self.is_linked() {
             return None;
         }
         let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
         self.phase = Phase::Closing { close_wr: None };
-        self.timers
-            .set(Timer::Close, deadline_after(now, self.close_timeout));
+        self.timers.set(Timer::Close, deadline);
         self.unsignaled = 0;
         Some(Post {
             imm,

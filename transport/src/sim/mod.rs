@@ -434,7 +434,8 @@ impl Net {
     /// Starts a graceful close of connection `i`; whether it could.
     pub(crate) fn close(&mut self, i: usize) -> bool {
         let now = self.now;
-        let Some(post) = self.conns[i].core.start_close(now) else {
+        let deadline = self.conns[i].core.close_deadline(now);
+        let Some(post) = self.conns[i].core.start_close(deadline) else {
             return false;
         };
         self.post_send(End::Conn(i), post, None);
@@ -447,7 +448,7 @@ impl Net {
         let now = self.now;
         let Some(post) = self.hub().slots[s]
             .as_mut()
-            .and_then(|slot| slot.core.start_close(now))
+            .and_then(|slot| slot.core.start_close(slot.core.close_deadline(now)))
         else {
             return false;
         };
