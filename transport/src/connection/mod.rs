@@ -760,7 +760,7 @@ impl Connection {
         })?;
         let post = self
             .core
-            .start_close(deadline)
+            .start_close(deadline, Instant::now())
             .expect("wait_to_send ensured a credit");
         // The close carries the note too: the peer's last word from us.
         let note = self.send.note(self.core.note());

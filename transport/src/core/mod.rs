@@ -66,6 +66,11 @@ pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(500);
 /// wait, and so the delay of the connection's end.
 pub(crate) const LAST_WQE_WAIT: Duration = Duration::from_millis(50);
 
+/// The least time a close message gets for its acknowledgement, however much of the close's
+/// deadline the waits before it spent: the grace a peer's bare end of stream gets too, so a
+/// close ends within `close_timeout` and this.
+pub(crate) const CLOSE_ACK_GRACE: Duration = Duration::from_millis(50);
+
 /// Silent probe intervals after which a peer is gone while an RDMA read of ours is under way:
 /// a long one completes (and what follows it) only once all its bytes have come. Twice the
 /// keepalive limit; otherwise a probe is given one interval.
@@ -882,21 +887,23 @@ impl Core {
         deadline_after(now, self.close_timeout)
     }
 
-    /// Starts a graceful close: the close message to post (solicited, signaled, spending a
-    /// credit), after which nothing more may be sent; closed once it completes, or failed
-    /// with [`Failure::CloseTimedOut`] at `deadline` (the close's, from
-    /// [`Core::close_deadline`] when it began, whatever it waited for since: it may have
-    /// passed already, and then a completion polled before the next
-    /// [`Core::handle_timeout`] still wins), or with [`Failure::PeerVanished`] when the
-    /// peer's stream ended (before or since) and the message did not complete within that
-    /// end's grace. `None` without a credit, or when the connection may not send.
-    pub(crate) fn start_close(&mut self, deadline: Instant) -> Option<Post> {
+    /// Starts a graceful close at `now`: the close message to post (solicited, signaled,
+    /// spending a credit), after which nothing more may be sent; closed once it completes, or
+    /// failed with [`Failure::CloseTimedOut`] at `deadline` (the close's, from
+    /// [`Core::close_deadline`] when it began, whatever it waited for since), or
+    /// [`CLOSE_ACK_GRACE`] from `now` if that is later (a close whose earlier waits spent its
+    /// time still gives its message the time an acknowledgement takes), or with
+    /// [`Failure::PeerVanished`] when the peer's stream ended (before or since) and the
+    /// message did not complete within that end's grace. `None` without a credit, or when
+    /// the connection may not send.
+    pub(crate) fn start_close(&mut self, deadline: Instant, now: Instant) -> Option<Post> {
         if self.check_send().is_err() || !self.is_linked() {
             return None;
         }
         let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
         self.phase = Phase::Closing { close_wr: None };
-        self.timers.set(Timer::Close, deadline);
+        self.timers
+            .set(Timer::Close, deadline.max(now + CLOSE_ACK_GRACE));
         self.unsignaled = 0;
         Some(Post {
             imm,

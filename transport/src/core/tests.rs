@@ -91,7 +91,7 @@ fn a_close_timeout_of_any_length_is_a_deadline() {
     assert!(c.timers.next().is_some_and(|at| at > far));
     let mut c = Core::new(Credits::new(8, 3, 8, 3, 8), 16, Duration::MAX);
     c.link();
-    assert!(c.start_close(c.close_deadline(now)).is_some());
+    assert!(c.start_close(c.close_deadline(now), now).is_some());
     assert!(c.timers.next().is_some_and(|at| at > far));
 }
 
@@ -184,7 +184,7 @@ fn a_grant_needs_room_and_spends_no_credit() {
 fn a_close_is_solicited_signaled_and_ends_in_a_goodbye() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    let post = c.start_close(c.close_deadline(t0)).expect("a credit");
+    let post = c.start_close(c.close_deadline(t0), t0).expect("a credit");
     assert!(post.solicited && post.signaled && post.imm.flags & Imm::CLOSE != 0);
     assert_eq!(c.check_send(), Err(Failure::Closed));
     assert!(c.data(false, ROOM).is_none(), "nothing after the close");
@@ -207,7 +207,8 @@ fn a_close_keeps_the_deadline_it_began_with() {
     let deadline = c.close_deadline(t0);
     assert_eq!(deadline, t0 + CLOSE);
     // The layers above spent 1.5 s of it; the message goes now, with 0.5 s left.
-    c.start_close(deadline).expect("a credit");
+    c.start_close(deadline, deadline - Duration::from_millis(500))
+        .expect("a credit");
     c.posted(9, true);
     assert_eq!(
         c.next_timeout(),
@@ -227,21 +228,30 @@ fn a_close_keeps_the_deadline_it_began_with() {
         "the timeout reported is the close's, not what was left of it"
     );
 
-    // Nothing left when the message went: its acknowledgement, polled before the time is
-    // handed over, is the close delivered.
+    // Nothing left when the message went: it still gets the time an acknowledgement takes
+    // (CLOSE_ACK_GRACE), and its acknowledgement then is the close delivered.
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.start_close(t0).expect("a credit");
+    let now = t0 + Duration::from_millis(10);
+    c.start_close(t0, now).expect("a credit");
     c.posted(9, true);
+    assert_eq!(c.next_timeout(), Some(now + CLOSE_ACK_GRACE));
+    c.handle_timeout(now + CLOSE_ACK_GRACE - Duration::from_millis(1));
+    assert_eq!(c.failure(), None);
     c.handle_send(&send_ok(), 9);
-    c.handle_timeout(t0 + Duration::from_millis(1));
     assert_eq!(c.failure(), Some(Failure::Closed));
+    // Without one, it times out at that grace's end.
+    let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
+    c.start_close(t0, now).expect("a credit");
+    c.posted(9, true);
+    c.handle_timeout(now + CLOSE_ACK_GRACE);
+    assert_eq!(c.failure(), Some(Failure::CloseTimedOut));
 }
 
 #[test]
 fn a_close_is_delivered_by_its_own_completion_whatever_was_posted_after_it() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.start_close(c.close_deadline(t0)).unwrap();
+    c.start_close(c.close_deadline(t0), t0).unwrap();
     c.posted(9, true);
     // A grant posted after the close message, unsignaled: still outstanding when the
     // close's completion comes.
@@ -255,7 +265,7 @@ fn a_close_is_delivered_by_its_own_completion_whatever_was_posted_after_it() {
 fn a_flushed_close_message_is_not_a_close_delivered() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.start_close(c.close_deadline(t0)).unwrap();
+    c.start_close(c.close_deadline(t0), t0).unwrap();
     c.posted(9, true);
     let flushed = Completion {
         status: WcStatus::WrFlushErr,
@@ -277,7 +287,7 @@ fn a_close_ends_delivered_timed_out_or_failed() {
     let t0 = Instant::now();
     let linked = || core(Credits::new(4, 3, 4, 3, 4), 16);
     let mut c = linked();
-    c.start_close(c.close_deadline(t0)).unwrap();
+    c.start_close(c.close_deadline(t0), t0).unwrap();
     c.posted(9, true);
     assert!(c.close_result(CLOSE).is_none(), "under way");
     assert_eq!(c.time_to_next(t0), Some(CLOSE));
@@ -285,14 +295,14 @@ fn a_close_ends_delivered_timed_out_or_failed() {
     assert!(matches!(c.close_result(CLOSE), Some(Ok(()))));
 
     let mut c = linked();
-    c.start_close(c.close_deadline(t0)).unwrap();
+    c.start_close(c.close_deadline(t0), t0).unwrap();
     c.handle_timeout(t0 + CLOSE);
     assert!(
         matches!(c.close_result(CLOSE), Some(Err(Error::Timeout(t))) if t.after == CLOSE && t.op == "closing")
     );
 
     let mut c = linked();
-    c.start_close(c.close_deadline(t0)).unwrap();
+    c.start_close(c.close_deadline(t0), t0).unwrap();
     c.handle_failure(Failure::PeerVanished);
     assert!(matches!(
         c.close_result(CLOSE),
@@ -334,7 +344,7 @@ fn a_credit_stall_counts_once_however_many_sends_it_refused() {
 fn a_close_past_its_deadline_is_closed_and_says_it_timed_out() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.start_close(c.close_deadline(t0)).unwrap();
+    c.start_close(c.close_deadline(t0), t0).unwrap();
     c.handle_timeout(t0 + CLOSE / 2);
     assert_eq!(c.failure(), None);
     c.handle_timeout(t0 + CLOSE);
@@ -399,7 +409,7 @@ fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
 fn both_closing_at_once_each_says_goodbye_when_its_close_completes() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-    c.start_close(c.close_deadline(t0)).unwrap();
+    c.start_close(c.close_deadline(t0), t0).unwrap();
     c.posted(7, true);
     // The peer's close arrives first: we linger for its goodbye...
     c.handle_recv(&recv(CLOSE_MSG), || None, || t0);
@@ -431,7 +441,7 @@ fn while_closing_an_ended_stream_gives_our_close_50_ms_then_the_peer_vanished() 
     let grace = Duration::from_millis(50);
     let closing = |at: Instant| {
         let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
-        c.start_close(c.close_deadline(at)).unwrap();
+        c.start_close(c.close_deadline(at), at).unwrap();
         c.posted(9, true);
         c
     };
@@ -468,7 +478,8 @@ fn while_closing_an_ended_stream_gives_our_close_50_ms_then_the_peer_vanished() 
     // keeps the deadline the end set.
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.handle_stream(StreamNews::Ended, t0);
-    let post = c.start_close(c.close_deadline(t0 + Duration::from_millis(10)));
+    let at = t0 + Duration::from_millis(10);
+    let post = c.start_close(c.close_deadline(at), at);
     assert!(post.is_some(), "a leaving peer's credits are still good");
     assert_eq!(c.next_timeout(), Some(t0 + grace));
     c.handle_timeout(t0 + grace);
@@ -655,7 +666,7 @@ fn a_silent_peer_is_probed_once_per_interval_and_never_twice_at_once() {
     c.handle_timeout(t0 + 6 * s);
     assert_eq!(actions(&mut c), []);
     // Closing, nothing is probed and the interval is not renewed.
-    c.start_close(c.close_deadline(t0 + 6 * s)).unwrap();
+    c.start_close(c.close_deadline(t0 + 6 * s), t0 + 6 * s).unwrap();
     c.handle_timeout(t0 + 7 * s);
     assert_eq!(actions(&mut c), []);
 }

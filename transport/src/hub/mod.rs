@@ -768,7 +768,7 @@ impl RawHub {
         let post = self
             .slot_mut(slot)
             .core
-            .start_close(deadline)
+            .start_close(deadline, Instant::now())
             .expect("wait_to_send ensured a credit");
         // The close carries the note too: the peer's last word from us.
         let note = self.send.note(self.slot(slot).core.note());

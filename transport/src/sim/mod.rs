@@ -435,7 +435,7 @@ impl Net {
     pub(crate) fn close(&mut self, i: usize) -> bool {
         let now = self.now;
         let deadline = self.conns[i].core.close_deadline(now);
-        let Some(post) = self.conns[i].core.start_close(deadline) else {
+        let Some(post) = self.conns[i].core.start_close(deadline, now) else {
             return false;
         };
         self.post_send(End::Conn(i), post, None);
@@ -448,7 +448,7 @@ impl Net {
         let now = self.now;
         let Some(post) = self.hub().slots[s]
             .as_mut()
-            .and_then(|slot| slot.core.start_close(slot.core.close_deadline(now)))
+            .and_then(|slot| slot.core.start_close(slot.core.close_deadline(now), now))
         else {
             return false;
         };
