@@ -666,7 +666,8 @@ fn a_silent_peer_is_probed_once_per_interval_and_never_twice_at_once() {
     c.handle_timeout(t0 + 6 * s);
     assert_eq!(actions(&mut c), []);
     // Closing, nothing is probed and the interval is not renewed.
-    c.start_close(c.close_deadline(t0 + 6 * s), t0 + 6 * s).unwrap();
+    c.start_close(c.close_deadline(t0 + 6 * s), t0 + 6 * s)
+        .unwrap();
     c.handle_timeout(t0 + 7 * s);
     assert_eq!(actions(&mut c), []);
 }
