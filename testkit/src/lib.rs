@@ -177,6 +177,19 @@ pub fn device_ipv4() -> std::net::Ipv4Addr {
         .unwrap_or_else(|| panic!("no IPv4 GID on {device}"))
 }
 
+/// How many times the calling thread gave up its CPU of its own accord (blocked: a sleep, a
+/// wait, a lock), from `/proc/thread-self/status`: a call that never sleeps adds none.
+/// Panics if it cannot be read.
+pub fn thread_voluntary_switches() -> u64 {
+    let status = std::fs::read_to_string("/proc/thread-self/status")
+        .unwrap_or_else(|e| panic!("cannot read /proc/thread-self/status: {e}"));
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no voluntary_ctxt_switches in /proc/thread-self/status"))
+}
+
 /// Open file descriptors of this process.
 pub fn fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()

@@ -256,6 +256,10 @@ pub enum Fault {
     Poll,
     /// Posting a send fails (after its credit was taken).
     Post,
+    /// Once the queue pair failed, one of its receives never comes back flushed (as from a
+    /// provider slow to flush, or one that loses a flush): the drain lasts until its
+    /// deadline. Nothing fails because of it.
+    LostFlush,
 }
 
 /// What an injected fault reports: the error of a queue that can no longer be used (EIO, as
@@ -265,7 +269,7 @@ pub(crate) fn injected_fault(fault: Fault, qp_num: u32) -> Error {
     let source = std::io::Error::from_raw_os_error(5);
     Error::Verbs(match fault {
         Fault::Poll => rdmsg_verbs::Error::PollCq(source),
-        Fault::Post => rdmsg_verbs::Error::PostSend { qp_num, source },
+        Fault::Post | Fault::LostFlush => rdmsg_verbs::Error::PostSend { qp_num, source },
     })
 }
 

@@ -93,7 +93,9 @@
 //! Failures are sticky: the first is kept and every later call reports it. Messages that
 //! arrived before a failure are delivered before it is reported, whichever way it was
 //! noticed. A failure shuts the bootstrap stream (so the peer fails at once too) and moves the
-//! queue pair to the error state so that every posted buffer is flushed back to its pool.
+//! queue pair to the error state so that every posted buffer is flushed back to its pool;
+//! the failure is reported once they are back (or after 500 ms), and waiting for them is a
+//! state of the connection, not a sleep: [`Connection::step`] never waits.
 //!
 //! A sleeping connection is woken by a solicited message, by the completion of a signaled send
 //! (so send errors wake it: rxe never marks them solicited), by the end of its

@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use rdmsg_testkit::{fd_count, rnr_counters};
+use rdmsg_testkit::{fd_count, rnr_counters, thread_voluntary_switches};
 mod common;
 
 use common::{client_hello, endpoint, plausible_hello};
@@ -370,6 +370,72 @@ fn closing_towards_a_vanished_peer_fails_at_once_as_vanished() {
     let dropped = dropper.join().unwrap();
     assert!(ended >= dropped, "the close waited for the peer: {r:?}");
     check("gone while the close waits", r, ended - dropped);
+}
+
+/// Nothing sleeps on a runtime thread: `step` on a connection whose peer vanished returns
+/// at once while its queue pair's flushes drain (the drain is a state with a deadline that
+/// the descriptor and `next_timeout` bring an event loop back for, not a wait inside the
+/// call), and the failure is reported when the drain's deadline ends it. One receive never
+/// comes back flushed (`Fault::LostFlush`; rxe on 6.1 flushes the rest at once), so the
+/// drain lasts its whole 500 ms. A step must not give up its CPU of its own accord (a sleep),
+/// which the thread's voluntary context switches count.
+#[test]
+#[ignore = "device"]
+fn step_never_waits_for_the_flushes_of_a_failure() {
+    const STEP: Duration = Duration::from_millis(5);
+    let (mut a, b, _l) = pair();
+    a.inject_fault(rdmsg_transport::Fault::LostFlush);
+    drop(b);
+    let t = Instant::now();
+    let (mut steps, mut slow, mut slowest, mut slept) = (0u32, 0u32, Duration::ZERO, 0);
+    let end = loop {
+        let (switches, at) = (thread_voluntary_switches(), Instant::now());
+        let stepped = a.step();
+        let took = at.elapsed();
+        slept += thread_voluntary_switches() - switches;
+        steps += 1;
+        slow += u32::from(took >= STEP);
+        slowest = slowest.max(took);
+        if let Err(e) = stepped.and_then(|_| a.try_recv()) {
+            break e;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "no end after {steps} steps"
+        );
+        // The event loop's wait: on the descriptor in a real one, at most `next_timeout`.
+        let wait = a.next_timeout().unwrap_or(Duration::MAX);
+        thread::sleep(wait.min(Duration::from_millis(1)));
+    };
+    let ended = t.elapsed();
+    println!(
+        "stats steps while a vanished peer's flushes drain: {steps} steps, {slow} of {STEP:?} \
+         or more, slowest {slowest:?}, {slept} voluntary switches in them, failure reported \
+         after {ended:?}"
+    );
+    assert!(
+        matches!(end, Error::Connection(Failure::PeerVanished)),
+        "{end:?}"
+    );
+    assert_eq!(slept, 0, "the steps slept (the slowest took {slowest:?})");
+    // Under emulation a step that handles a queue's worth of flushes may take a few
+    // milliseconds of CPU: none may take the drain's time.
+    assert!(
+        slowest < Duration::from_millis(50),
+        "a step took {slowest:?}"
+    );
+    assert!(
+        steps > 100,
+        "the event loop came back while the drain ran: {steps} steps"
+    );
+    // The stream's end gives 50 ms, the drain 500 ms more.
+    assert!(
+        ended >= Duration::from_millis(500) && ended < Duration::from_millis(800),
+        "{ended:?}"
+    );
+    let p = a.pool_stats();
+    assert_eq!(p.posted, 0, "every receive flushed back");
+    assert_eq!(p.free, p.total);
 }
 
 /// A receiver whose consumer holds every buffer blocks the sender; when another thread drops

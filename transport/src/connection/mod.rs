@@ -102,6 +102,11 @@ impl AsFd for Connection {
 /// Longest busy-poll before a polling connection looks at its bootstrap stream again.
 const POLL_SLICE: Duration = Duration::from_millis(10);
 
+/// While a failed queue pair's requests are flushed back, the longest a blocking wait sleeps
+/// and an event loop waits ([`Connection::next_timeout`]) before they are polled again: a
+/// flush is an error completion, and some providers fire no solicited-only arm for it.
+const DRAIN_POLL: Duration = Duration::from_millis(1);
+
 /// Shortest interval between liveness checks of a busy connection.
 const LIVENESS_EVERY: Duration = Duration::from_millis(1);
 
@@ -490,6 +495,12 @@ impl Connection {
     /// passed, misses nothing: every completion after the arm raises an event. Returns
     /// whether it handled anything (completions or returned buffers): if so, step again
     /// before waiting (what it queued for receiving is [`Connection::has_ready`]).
+    ///
+    /// It never sleeps, so that it may run on an async runtime's threads: after a failure,
+    /// it takes the flushes of the queue pair that are back and returns; the descriptor and
+    /// [`Connection::next_timeout`] (at most 1 ms meanwhile) bring the caller back for the
+    /// rest, and [`Connection::try_recv`] reports the failure once they are all in (or the
+    /// 500 ms the wait for them is given ran out).
     pub fn step(&mut self) -> Result<bool> {
         // Whether the caller waited since our last step: only then is there a wake-up to
         // explain.
@@ -499,8 +510,11 @@ impl Connection {
         self.repost_and_grant()?;
         let before = self.handled;
         let events = self.waiter.stats().events;
-        if self.core.failure().is_none() {
-            let (recv_mode, send_mode) = if self.core.wants_any_completion() {
+        // While the flushes of a failure drain, the channel is read and the queues armed and
+        // polled as before: a flush wakes the event loop, which steps again.
+        let draining = self.draining();
+        if self.core.failure().is_none() || draining {
+            let (recv_mode, send_mode) = if self.core.wants_any_completion() || draining {
                 (ArmMode::Next, ArmMode::Next)
             } else {
                 (self.config.recv_arm, self.core.send_arm())
@@ -520,8 +534,15 @@ impl Connection {
                 .step_where(&may_fire, &mut |key, wc| got.push((key, wc.clone())));
             self.completions = got;
             self.handle_completions();
-            if let Err(e) = polled {
-                return Err(self.local_failure("stepping the completion queues", e.into()));
+            match polled {
+                Err(_) if draining => {
+                    // Nothing can be polled any more: the flushes will not be seen.
+                    self.core.stop_draining();
+                }
+                Err(e) => {
+                    return Err(self.local_failure("stepping the completion queues", e.into()))
+                }
+                Ok(_) => {}
             }
         }
         // A completion event explains the wake-up (and a step that follows another without a

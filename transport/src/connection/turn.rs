@@ -3,10 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use rdmsg_notify::{CqKey, Policy};
+use rdmsg_notify::{ArmMode, CqKey, Policy};
 use rdmsg_verbs::WorkCompletion;
 
-use super::{Connection, LIVENESS_EVERY, POLL_SLICE};
+use super::{Connection, DRAIN_POLL, LIVENESS_EVERY, POLL_SLICE};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
 use crate::core::{earliest, Action, Completion, RecvAction};
@@ -18,12 +18,23 @@ use crate::send;
 use crate::trace;
 
 impl Connection {
-    /// The failure, once every message that arrived before it has been delivered.
+    /// The failure, once every message that arrived before it has been delivered: those
+    /// queued, and those still to be found among the flushes of the queue pair (so not
+    /// while they drain).
     pub(super) fn check_failed(&self) -> Result<()> {
         match self.core.failure() {
-            Some(f) if self.ready.is_empty() => Err(f.into()),
+            Some(f) if self.ready.is_empty() && !self.draining() => Err(f.into()),
             _ => Ok(()),
         }
+    }
+
+    /// Whether the connection failed and its queue pair's requests are being flushed back:
+    /// until they are (or the drain deadline passes), a step takes those that came and
+    /// returns, and a blocking call sleeps on the channel for the rest (see
+    /// [`Connection::take_flushes`]). A lingering queue pair is not failed yet: nothing
+    /// flushes.
+    pub(super) fn draining(&self) -> bool {
+        self.core.failure().is_some() && !self.core.lingering() && !self.core.is_drained()
     }
 
     /// The failure, at once: nothing is sent after it.
@@ -38,6 +49,9 @@ impl Connection {
     pub(super) fn wait_once(&mut self, timeout: Option<Duration>) -> Result<()> {
         self.before_wait()?;
         if self.core.failure().is_some() {
+            if self.draining() {
+                self.wait_for_flushes(timeout);
+            }
             return Ok(());
         }
         if !self.pool.going_to_sleep() {
@@ -68,11 +82,18 @@ impl Connection {
     }
 
     /// How long until the protocol's next deadline, if it has one (the clock is read only
-    /// then).
+    /// then); while the flushes of a failure drain, at most [`DRAIN_POLL`], so that they are
+    /// polled for even where the provider signals no event for them.
     pub(super) fn time_to_next(&self) -> Option<Duration> {
-        self.core
+        let due = self
+            .core
             .next_timeout()
-            .map(|at| at.saturating_duration_since(Instant::now()))
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        if self.draining() {
+            earliest(due, Some(DRAIN_POLL))
+        } else {
+            due
+        }
     }
 
     /// Polls both queues without sleeping and does the bookkeeping.
@@ -118,8 +139,8 @@ impl Connection {
         }
         // A lingering queue pair (the peer's close came before its goodbye) is not failed
         // yet: nothing flushes.
-        if self.core.failure().is_some() && !self.core.lingering() {
-            self.drain_flushes();
+        if self.draining() {
+            self.take_flushes();
         }
         // A poll that found nothing (no completion since the last re-post and grant, no
         // deadline, no look at the stream) changed nothing they depend on but what
@@ -144,11 +165,12 @@ impl Connection {
         e
     }
 
-    /// Records a failure and waits (bounded) for the flushes it causes.
+    /// Records a failure and takes the flushes it caused that are already back (the rest
+    /// drain as the connection is driven).
     pub(super) fn fail(&mut self, f: Failure) {
         self.core.handle_failure(f);
         self.do_actions();
-        self.drain_flushes();
+        self.take_flushes();
     }
 
     /// Does what the core asks for.
@@ -170,6 +192,11 @@ impl Connection {
                     ch.stop_watching_bootstrap();
                     let _ = self.qp.to_error();
                     self.core.flushing_since(Instant::now());
+                    // Every flush must wake a sleeper or an event loop: 6.12's rxe fires no
+                    // solicited-only arm for flushed receives. (The keys are ours: this
+                    // cannot fail.)
+                    let _ = self.waiter.set_mode(self.recv_key, ArmMode::Next);
+                    let _ = self.waiter.set_mode(self.send_key, ArmMode::Next);
                 }
                 Action::Probe => {
                     if self.room().sq == 0 {
@@ -188,28 +215,47 @@ impl Connection {
         }
     }
 
-    /// Waits (bounded by the core's drain deadline) for the flushes of every posted receive,
-    /// so that every receive buffer comes back to its pool; successful receives found among
-    /// them are delivered. (Sends are not waited for: unsignaled sends that had already
+    /// Takes the flushes of a failed queue pair that are back, without waiting: the drain
+    /// is a state of the core with a deadline ([`crate::core::Core::flushing_since`]), not a
+    /// wait, so that a [`Connection::step`] on an async runtime's thread never sleeps. It is
+    /// over once every posted receive came back (so every receive buffer is in its pool;
+    /// successful receives found among them are delivered, before the failure is reported)
+    /// or the deadline passed. (Sends are not waited for: unsignaled sends that had already
     /// succeeded never complete again; their buffers go with the queue pair.)
-    pub(super) fn drain_flushes(&mut self) {
+    pub(super) fn take_flushes(&mut self) {
         loop {
-            self.core
-                .handle_flushed(self.qp.recv_outstanding(), Instant::now());
+            let outstanding = self.qp.recv_outstanding() + self.lost_flushes();
+            self.core.handle_flushed(outstanding, Instant::now());
             if self.core.is_drained() {
                 return;
             }
             match self.poll_and_handle() {
-                Ok(0) => std::thread::sleep(Duration::from_millis(1)),
+                Ok(0) => break,
                 Ok(_) => {}
                 Err(_) => {
                     self.core.stop_draining();
                     return;
                 }
             }
-            self.core.handle_timeout(Instant::now());
-            self.do_actions();
         }
+        self.core.handle_timeout(Instant::now());
+        self.do_actions();
+    }
+
+    /// For the blocking calls while the flushes drain: sleeps on the completion channel (the
+    /// queues are armed for any completion) until a flush comes, `timeout`, the drain
+    /// deadline or [`DRAIN_POLL`] passes, then takes what came.
+    fn wait_for_flushes(&mut self, timeout: Option<Duration>) {
+        let timeout = earliest(timeout, self.time_to_next());
+        let mut got = std::mem::take(&mut self.completions);
+        let waited = self.wait_for_completions(timeout, &mut got);
+        self.completions = got;
+        self.handle_completions();
+        if waited.is_err() {
+            // Nothing can be polled any more: the flushes will not be seen.
+            self.core.stop_draining();
+        }
+        self.take_flushes();
     }
 
     /// Polls both queues until empty and handles what they held; returns how many.
@@ -230,6 +276,16 @@ impl Connection {
         Ok(self
             .waiter
             .poll_all(&mut |key, wc| got.push((key, wc.clone())))?)
+    }
+
+    /// Receives a test says will never come back flushed ([`Fault::LostFlush`], feature
+    /// `test-hooks`).
+    fn lost_flushes(&self) -> usize {
+        #[cfg(feature = "test-hooks")]
+        if self.fault == Some(Fault::LostFlush) {
+            return 1;
+        }
+        0
     }
 
     /// The error of a test's injected poll fault, if one is set (feature `test-hooks`).
