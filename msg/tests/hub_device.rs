@@ -480,7 +480,8 @@ fn vanishing_client(
 /// acknowledges the close message (it retries for ever), so `close` fails as the peer
 /// vanished as soon as its stream's end is seen, and `start_close`'s `Disconnected` says so
 /// as promptly, not `close_timeout` later; and a close waiting for the peer to read what it
-/// was lent by rendezvous ends as promptly when the peer goes meanwhile.
+/// was lent by rendezvous ends as promptly when the peer goes meanwhile (within the 50 ms a
+/// vanished peer's end gets, and the peer's teardown).
 #[test]
 #[ignore = "device"]
 fn closing_a_vanished_peer_ends_at_once_as_vanished() {
@@ -564,8 +565,10 @@ fn closing_a_vanished_peer_ends_at_once_as_vanished() {
     let took = closed - dropped;
     println!("stats typed hub close, the peer gone while it reads: {took:?} after");
     assert!(vanished(&r), "{r:?}");
-    // Measured about 570 ms on rxe (the time counts the peer's own teardown too): within a
-    // second, far from the close timeout, but not yet the 50 ms of the cases above.
-    assert!(took < Duration::from_secs(1), "{took:?}");
+    // The time counts the peer's own teardown too. It was about 570 ms: the descriptor that
+    // named the lent message went unsignaled and the peer's device acknowledged it before the
+    // peer died, so no completion, flushed or not, ever retired it, and the connection's end
+    // waited out the 500 ms drain deadline. A drain marker posted behind it retires it now.
+    assert!(took < Duration::from_millis(150), "{took:?}");
     assert_eq!(ended(&mut server, peer), Failure::PeerVanished);
 }

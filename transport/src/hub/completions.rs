@@ -217,12 +217,35 @@ impl RawHub {
     /// waited for until its core's drain deadline.
     fn start_draining(&mut self, slot: usize, group: Option<usize>) {
         self.slot_mut(slot).core.flushing_since(Instant::now());
+        self.post_drain_marker(slot);
         if let Some(group) = group {
             // Its buffers stop being refilled; what backs it comes back at release.
             self.groups[group].share.retire(slot);
         }
         self.draining.push(slot);
         self.schedule(slot);
+    }
+
+    /// Posts a drain marker behind `slot`'s outstanding requests (its queue pair just went
+    /// to the error state), so that its flushed completion retires them all. Without it a
+    /// send left unsignaled that the peer had acknowledged (a rendezvous descriptor, say,
+    /// before a peer that then died) produces no completion, flushed or not: nothing would
+    /// retire it, and the connection's end waited out the whole drain deadline (500 ms)
+    /// instead of the moment the flushes came. Only with room in the shared send CQ for its
+    /// completion; refused, the deadline ends the wait as before.
+    fn post_drain_marker(&mut self, slot: usize) {
+        if self.send_cq.room() == 0 {
+            return;
+        }
+        let Some(qp) = self.slots[slot].as_mut().and_then(|s| s.qp_mut()) else {
+            return;
+        };
+        let before = qp.send_outstanding();
+        if before == 0 {
+            return;
+        }
+        let _ = qp.post_drain_marker();
+        self.send_cq.follow(before, qp.send_outstanding());
     }
 
     pub(super) fn unwatch_stream(&mut self, slot: usize) {

@@ -839,6 +839,23 @@ impl QueuePair {
     /// queue pair made here does) and be in RTS. Takes a send queue slot until its completion
     /// (retired by [`QueuePair::complete_send_split`] like any request); returns its wr_id.
     pub fn post_probe(&mut self) -> Result<u64> {
+        self.post_zero_length_read()
+    }
+
+    /// Posts a drain marker on a queue pair moved to the error state: a signaled zero-length
+    /// request that the device flushes back after every request posted before it (the
+    /// kernel's `ib_drain_sq` does the same). Its completion retires them all
+    /// ([`QueuePair::complete_send_split`]), unsignaled sends that had already completed
+    /// included: those leave no completion of their own, so without a later one they would
+    /// count as outstanding for ever. Takes a send queue slot until its completion; returns
+    /// its wr_id. A provider that refuses a post in the error state says so here: then only
+    /// a deadline ends the wait for the rest.
+    pub fn post_drain_marker(&mut self) -> Result<u64> {
+        self.post_zero_length_read()
+    }
+
+    /// A signaled zero-length RDMA read (see [`QueuePair::post_probe`]).
+    fn post_zero_length_read(&mut self) -> Result<u64> {
         let id = draw_wr_ids(1);
         // SAFETY: ibv_send_wr is plain old data; all-zero is valid.
         let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
