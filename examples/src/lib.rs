@@ -185,4 +185,30 @@ pub mod peers {
     pub fn count_dir(path: &str) -> usize {
         std::fs::read_dir(path).map_or(0, Iterator::count)
     }
+
+    /// CPU time this process has used (user and system), in milliseconds, from
+    /// `/proc/self/stat` (kernel ticks of 10 ms: measure long stretches). `None` if unreadable.
+    pub fn process_cpu_ms() -> Option<u64> {
+        cpu_ms_of_stat(&std::fs::read_to_string("/proc/self/stat").ok()?)
+    }
+
+    /// `utime + stime` of a `/proc/PID/stat` line, in milliseconds (100 ticks a second, as
+    /// on every Linux `USER_HZ`). The command name may hold spaces: fields count from its `)`.
+    pub fn cpu_ms_of_stat(stat: &str) -> Option<u64> {
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let mut fields = rest.split_whitespace().skip(11);
+        let user: u64 = fields.next()?.parse().ok()?;
+        let system: u64 = fields.next()?.parse().ok()?;
+        Some((user + system) * 10)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn cpu_time_is_read_after_the_command_name() {
+            let stat = "1234 (a b) c) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 1 0";
+            assert_eq!(super::cpu_ms_of_stat(stat), Some(3250));
+            assert_eq!(super::cpu_ms_of_stat("garbage"), None);
+        }
+    }
 }

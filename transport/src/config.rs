@@ -82,6 +82,16 @@ pub struct Config {
     /// means the peer is gone, so a dead host is noticed between two thirds of the limit and
     /// the whole of it. While an RDMA read of ours is under way (a probe behind it completes
     /// only once all its bytes have come), twice the limit.
+    ///
+    /// A hub (TCP or rdma_cm alike) watches peer *hosts*, not connections: its bootstrap
+    /// streams have no TCP keepalive (ten thousand of them probing made a small machine drop
+    /// the answers and end live connections), and once a third of the limit passes with
+    /// nothing from any connection to a host, it probes that host once, on one connection.
+    /// A probe still unanswered a third later ends that connection as vanished and has each
+    /// other connection to the host probed on its own, judged a third later: a dead host's
+    /// connections end within about four thirds of the limit, and an idle hub sends one probe
+    /// per silent host and third, whatever its number of connections
+    /// ([`HubStats::liveness_probes`](crate::HubStats::liveness_probes)).
     pub keepalive: Option<Duration>,
     /// Longest a sleeping connection goes without polling its queues for an error nothing
     /// woke it for. The verbs specification has an error completion fire even a solicited-only

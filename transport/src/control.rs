@@ -74,9 +74,10 @@ pub(crate) enum Control {
 }
 
 impl Control {
-    /// How often a silent peer is probed for a host that may stay silent `keepalive`: never
-    /// over TCP, whose keepalive on the stream tells; over rdma_cm, which has none, every
-    /// [`crate::core::probe_interval`].
+    /// How often a single connection's silent peer is probed for a host that may stay
+    /// silent `keepalive`: never over TCP, whose keepalive on the stream tells; over rdma_cm,
+    /// which has none, every [`crate::core::probe_interval`]. (A hub probes per peer host
+    /// instead, see `hub::liveness`.)
     pub(crate) fn probe_interval(&self, keepalive: Option<Duration>) -> Option<Duration> {
         match self {
             Control::Tcp(_) => None,

@@ -1018,3 +1018,160 @@ fn a_hub_group_spreads_clients_over_its_members_and_sends_from_any_thread() {
     assert!(hubs_seen.iter().all(|&m| m > 0), "{hubs_seen:?}");
     assert_eq!(rnr_counters(&dev, 1), rnr_before, "no receiver-not-ready");
 }
+
+/// `TcpExt: TCPKeepAlive` of `/proc/net/netstat`: keepalive probes this host's TCP sent.
+fn tcp_keepalives_sent() -> u64 {
+    let text = std::fs::read_to_string("/proc/net/netstat").expect("/proc/net/netstat");
+    let mut lines = text.lines();
+    while let (Some(names), Some(values)) = (lines.next(), lines.next()) {
+        if !names.starts_with("TcpExt:") {
+            continue;
+        }
+        let at = names
+            .split_whitespace()
+            .position(|n| n == "TCPKeepAlive")
+            .expect("a TCPKeepAlive counter");
+        return values.split_whitespace().nth(at).unwrap().parse().unwrap();
+    }
+    panic!("no TcpExt line in /proc/net/netstat");
+}
+
+/// Drives `hub` for `d`; any event but `Received` is a failure. Returns the messages.
+fn drive_quietly(hub: &mut RawHub, d: Duration) -> usize {
+    let until = Instant::now() + d;
+    let mut got = 0;
+    while let Some(left) = until.checked_duration_since(Instant::now()) {
+        match hub.next_event(Some(left)).expect("hub") {
+            Some(RawHubEvent::Message { .. }) => got += 1,
+            Some(other) => panic!("an idle peer must stay connected: {other:?}"),
+            None => {}
+        }
+    }
+    got
+}
+
+/// Issue 41: ten thousand idle connections from one host made twenty thousand bootstrap
+/// streams send TCP keepalive probes every two seconds, which an emulated machine dropped,
+/// and the dropped answers ended live connections as vanished. A hub now watches each peer
+/// host, not each connection: an idle host costs one RDMA probe per interval (a third of
+/// `keepalive`), whatever its number of connections, and its streams send no keepalive.
+/// Nobody idle is declared gone.
+#[test]
+#[ignore = "device"]
+fn an_idle_host_costs_a_hub_one_probe_per_interval_not_one_per_connection() {
+    const N: usize = 64;
+    let keepalive = Duration::from_secs(3);
+    let idle = Duration::from_secs(5);
+    let mut config = HubConfig::default();
+    config.conn.keepalive = Some(keepalive);
+    let ep = endpoint();
+    let mut server = RawHub::new(&ep, config.clone()).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let client = std::thread::spawn(move || {
+        let ep = endpoint();
+        let mut hub = RawHub::new(&ep, config).expect("client hub");
+        let ids: Vec<PeerId> = (0..N)
+            .map(|_| hub.connect(addr).expect("connect"))
+            .collect();
+        let mut up = 0;
+        while up < N {
+            match hub.next_event(Some(Duration::from_secs(30))).expect("hub") {
+                Some(RawHubEvent::Connected { .. }) => up += 1,
+                other => panic!("while connecting: {other:?}"),
+            }
+        }
+        drive_quietly(&mut hub, idle);
+        for (i, &id) in ids.iter().enumerate() {
+            hub.send(id, &payload(i as u32, 0), true)
+                .expect("send after idling");
+        }
+        drive_quietly(&mut hub, Duration::from_secs(1));
+        hub.stats()
+    });
+    let mut up = 0;
+    while up < N {
+        match server
+            .next_event(Some(Duration::from_secs(30)))
+            .expect("hub")
+        {
+            Some(RawHubEvent::Connected { .. }) => up += 1,
+            other => panic!("while accepting: {other:?}"),
+        }
+    }
+    let keepalives_before = tcp_keepalives_sent();
+    let got = drive_quietly(&mut server, idle + Duration::from_secs(2));
+    let keepalives = tcp_keepalives_sent() - keepalives_before;
+    let client = client.join().expect("the client");
+    let server_stats = server.stats();
+    println!(
+        "stats idle host, {N} connections, {idle:?} at keepalive {keepalive:?}: hub probes \
+         server {} client {}, TCP keepalives {keepalives}",
+        server_stats.liveness_probes, client.liveness_probes
+    );
+    assert_eq!(got, N, "every connection still carries a message");
+    assert_eq!(keepalives, 0, "no keepalive on a hub's bootstrap streams");
+    // One probe per silent interval of about a second, for the whole host.
+    for probes in [server_stats.liveness_probes, client.liveness_probes] {
+        assert!((1..=10).contains(&probes), "{probes} probes");
+    }
+    assert_eq!(server_stats.vanished_by_probe + client.vanished_by_probe, 0);
+}
+
+/// A host that dies says nothing: no end of a stream. Its queue pairs here stop answering
+/// (moved to the error state behind their connections' backs, which are then left alone),
+/// and the hub's probe of the silent host goes unanswered: that connection ends as vanished,
+/// every other one to the host is probed on its own, and ends as vanished an interval later.
+#[test]
+#[ignore = "device"]
+fn a_hub_notices_a_silent_host_and_ends_each_of_its_connections() {
+    let keepalive = Duration::from_secs(3);
+    let mut config = HubConfig::default();
+    config.conn.keepalive = Some(keepalive);
+    let mut server = RawHub::new(&endpoint(), config).expect("server hub");
+    let addr = server.listen("127.0.0.1:0").expect("listen");
+    let mut clients = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..3 {
+        let (c, p) = connection_to(&mut server, addr);
+        clients.push(c);
+        peers.push(p);
+    }
+    let stopped = Instant::now();
+    for c in &mut clients {
+        c.break_queue_pair().unwrap();
+    }
+    let mut ended = Vec::new();
+    while ended.len() < peers.len() {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "{} of 3 noticed in 30 s",
+            ended.len()
+        );
+        match server
+            .next_event(Some(Duration::from_millis(100)))
+            .expect("hub")
+        {
+            Some(RawHubEvent::Disconnected { peer, failure, .. }) => {
+                assert_eq!(failure, Failure::PeerVanished, "{peer}");
+                ended.push((peer, stopped.elapsed()));
+            }
+            Some(other) => panic!("{other:?}"),
+            None => {}
+        }
+    }
+    let stats = server.stats();
+    println!(
+        "stats hub noticed a silent host's 3 connections after {:?} (keepalive {keepalive:?}, \
+         {} probes)",
+        ended.iter().map(|e| e.1).collect::<Vec<_>>(),
+        stats.liveness_probes
+    );
+    // Silent for an interval, its probe unanswered for one, the others' for one more.
+    let last = ended.iter().map(|e| e.1).max().unwrap();
+    assert!(
+        last < keepalive * 4 / 3 + Duration::from_secs(2),
+        "{last:?}"
+    );
+    assert!(stats.vanished_by_probe >= 1, "{stats:?}");
+    drop(clients);
+}

@@ -31,7 +31,10 @@
 //! sensors' transport solicited because they spent the collector's last credit: each may cost
 //! a wake-up the batching was meant to save), `msgs_per_wakeup`, `spurious_wakeups`, `rnr`
 //! (receiver-not-ready NAKs the device counted during the run: always 0), `errors`,
-//! `connect_ms` (until every sensor was connected), `elapsed_ms`.
+//! `connect_ms` (until every sensor was connected), `elapsed_ms`, `traffic_ms` (from `Start` to
+//! the last sensor's end), `cpu_us_per_msg` (the collector's CPU time over the traffic, per
+//! message), `wakeups_per_msg`, `probes` (liveness probes the collector's hub sent: one per
+//! silent sensor host and third of `keepalive`, not one per connection).
 //!
 //! ```text
 //! collector [--sensors N] [--batches B] [--batch K] [--alarm-every A] [HUB]
@@ -61,7 +64,7 @@ use anyhow::{bail, ensure, Context as _, Result};
 use clap::builder::RangedU64ValueParser;
 use clap::{Args, Parser, Subcommand};
 use rdmsg::{message, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
-use rdmsg_examples::peers::{count_dir, field, PeerProcess};
+use rdmsg_examples::peers::{count_dir, field, process_cpu_ms, PeerProcess};
 use serde::{Deserialize, Serialize};
 
 /// A reading: telemetry, sent in batches whose last sample alone wakes the collector.
@@ -355,6 +358,12 @@ struct Report {
     spurious: u64,
     connect_ms: u128,
     elapsed_ms: u128,
+    /// From `Start` to the last sensor's end.
+    traffic_ms: u128,
+    /// The collector's CPU time over the traffic (user and system, 10 ms ticks).
+    traffic_cpu_ms: Option<u64>,
+    /// Liveness probes the collector's hub sent (one per silent sensor host and interval).
+    probes: u64,
     rnr: Option<u64>,
     errors: u64,
 }
@@ -409,7 +418,7 @@ impl Report {
             "collector: connections={} server_threads={} fds={} registered_kib={} messages={} lost={lost} wakeups={} \
              samples={} alarms={} batches={batches} fds_per_conn={:.2} registered_kib_per_conn={:.1} recv_buffers={} \
              spare_buffers={} forced_solicited={forced} msgs_per_wakeup={:.1} spurious_wakeups={} rnr={} errors={errors} connect_ms={} elapsed_ms={} \
-             finished={} failed={failed} failures={}",
+             traffic_ms={} cpu_us_per_msg={} wakeups_per_msg={:.3} probes={} finished={} failed={failed} failures={}",
             s.connections,
             s.threads,
             s.fds,
@@ -427,6 +436,13 @@ impl Report {
             self.rnr.map_or("n/a".into(), |n| n.to_string()),
             self.connect_ms,
             self.elapsed_ms,
+            self.traffic_ms,
+            self.traffic_cpu_ms.map_or("n/a".into(), |ms| format!(
+                "{:.1}",
+                ms as f64 * 1000.0 / self.messages.max(1) as f64
+            )),
+            self.wakeups as f64 / self.messages.max(1) as f64,
+            self.probes,
             self.done,
             self.failed.describe(),
         );
@@ -487,6 +503,7 @@ fn collect(
     // every sensor, the ones that are up start.
     let (mut connected, mut ended, mut refused) = (0u32, 0u32, 0u32);
     let mut started_at = None;
+    let mut cpu_at_start = None;
     let mut last_event = Instant::now();
     while ended < sensors {
         let Some(ev) = hub.recv_timeout(Some(Duration::from_secs(1)))? else {
@@ -530,6 +547,7 @@ fn collect(
                         }
                     }
                     started_at = Some(Instant::now());
+                    cpu_at_start = process_cpu_ms();
                 }
             }
             HubEvent::Message { peer, msg } => c.message(peer, &msg),
@@ -567,8 +585,11 @@ fn collect(
     r.wakeups = wait.wakeups;
     r.spurious = wait.spurious_wakeups;
     r.elapsed_ms = t0.elapsed().as_millis();
+    r.probes = hub.transport().stats().liveness_probes;
     if let Some(t) = started_at {
-        eprintln!("collector: traffic took {} ms", t.elapsed().as_millis());
+        r.traffic_ms = t.elapsed().as_millis();
+        r.traffic_cpu_ms = cpu_at_start.and_then(|b| Some(process_cpu_ms()?.saturating_sub(b)));
+        eprintln!("collector: traffic took {} ms", r.traffic_ms);
     }
     r.rnr = rnr_before.and_then(|b| Some(rnr_counters()? - b));
     Ok(c.report)

@@ -74,7 +74,7 @@ pub(crate) const CLOSE_ACK_GRACE: Duration = Duration::from_millis(50);
 /// Silent probe intervals after which a peer is gone while an RDMA read of ours is under way:
 /// a long one completes (and what follows it) only once all its bytes have come. Twice the
 /// keepalive limit; otherwise a probe is given one interval.
-const SILENT_INTERVALS_BEHIND: u8 = 6;
+pub(crate) const SILENT_INTERVALS_BEHIND: u8 = 6;
 
 /// A sender polls its queues at least every this many sends.
 pub(crate) const SEND_PROGRESS_EVERY: u32 = 16;
@@ -371,6 +371,30 @@ impl Core {
         if let Some(every) = self.probe_every {
             self.timers.set(Timer::Probe, deadline_after(from, every));
         }
+    }
+
+    /// Whether the peer showed a sign of life (a receive, a send it acknowledged) since this
+    /// was last asked, for a driver that judges liveness itself: a hub watches each peer
+    /// host once, not each connection (see `hub::liveness`). Asking clears it.
+    pub(crate) fn take_heard(&mut self) -> bool {
+        std::mem::take(&mut self.heard)
+    }
+
+    /// Whether the connection is open for liveness to be watched: linked, neither closing
+    /// nor failed (a close and a failure have their own deadlines).
+    pub(crate) fn is_open(&self) -> bool {
+        self.phase == Phase::Linked
+    }
+
+    /// Whether a liveness probe of ours is still out.
+    pub(crate) fn probe_out(&self) -> bool {
+        self.probe_wr.is_some()
+    }
+
+    /// Whether an RDMA read of ours is under way: a probe behind it completes only once all
+    /// its bytes have come, so it gets [`SILENT_INTERVALS_BEHIND`] intervals, not one.
+    pub(crate) fn reading(&self) -> bool {
+        self.last_read.is_some()
     }
 
     /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled).

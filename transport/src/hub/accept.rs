@@ -15,7 +15,7 @@ use crate::control::Control;
 use crate::error::{Error, Failure, Result};
 use crate::handshake::{Handshake, Hello};
 use crate::setup::{nonce, random_psn};
-use crate::stream::{accept_next, keepalive_probes};
+use crate::stream::accept_next;
 use crate::token::Token;
 use crate::trace;
 
@@ -261,9 +261,8 @@ impl RawHub {
         } = pending;
         let side = setup.expect("a finished handshake has its queue pair");
         let peer = *hs.peer().expect("a finished handshake knows its peer");
-        if let Some(limit) = self.config.conn.keepalive {
-            let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive_probes(limit));
-        }
+        // No TCP keepalive: the hub probes silent peer hosts itself (see `liveness`); the
+        // stream still tells of a peer process's end.
         self.link(slot, side, Control::Tcp(stream), peer, peer_addr);
     }
 
@@ -281,7 +280,6 @@ impl RawHub {
         let accepted = self.slot(slot).accepted;
         let id = self.slot(slot).id(slot);
         trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
-        let probe = control.probe_interval(self.config.conn.keepalive);
         let conn = &self.config.conn;
         let caps = side.qp.caps();
         let link = Established {
@@ -293,12 +291,10 @@ impl RawHub {
             peer,
             watched: true,
         };
+        self.liveness.opened(Instant::now());
         let s = self.slot_mut(slot);
         s.phase = Phase::Linked(Box::new(link));
         s.core.link();
-        if let Some(every) = probe {
-            s.core.probe_every(every, Instant::now());
-        }
         s.announced = true;
         let early = std::mem::take(&mut s.early);
         if accepted {

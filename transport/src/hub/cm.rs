@@ -4,7 +4,7 @@
 //! its slot's key; it counts against `max_pending_handshakes` and ends at `handshake_timeout`
 //! as a TCP one does, so a silent or half-connected peer holds its slot and never the hub.
 //! Once linked, the channel is the connection's [`Control`]: a disconnect is the end of its
-//! stream, and liveness probes stand in for TCP keepalive.
+//! stream, and the hub's liveness watch of its host (`liveness`) stands in for keepalive.
 
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};

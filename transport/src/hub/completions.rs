@@ -153,7 +153,7 @@ impl RawHub {
     /// Posts the liveness probe the core of `slot` asks for, if its send queue and the
     /// hub's send CQ have room (else its core asks again, or judges by the signaled send in
     /// flight).
-    fn probe(&mut self, slot: usize) {
+    pub(super) fn probe(&mut self, slot: usize) {
         let room = self.room(slot);
         if room.sq == 0 || room.cq == 0 {
             return;
@@ -170,6 +170,7 @@ impl RawHub {
         match posted {
             Ok(id) => {
                 s.core.probe_posted(id);
+                self.stats.liveness_probes += 1;
                 self.follow_unsignaled(slot);
             }
             Err(e) => s.core.handle_failure(crate::error::Failure::Local {

@@ -115,4 +115,10 @@ pub struct HubStats {
     /// back, their last shared receive let go or waited for): every queue pair a hub made,
     /// a failed handshake's included, ends so.
     pub queue_pairs_drained: u64,
+    /// Liveness probes posted: one per peer host silent for a probe interval (a third of
+    /// `Config::keepalive`), whatever its number of connections, and one per connection of a
+    /// host whose probe went unanswered.
+    pub liveness_probes: u64,
+    /// Connections ended as vanished because their peer's host answered no probe.
+    pub vanished_by_probe: u64,
 }

@@ -45,6 +45,7 @@ mod completions;
 mod config;
 mod events;
 mod groups;
+mod liveness;
 mod retire;
 mod slots;
 mod wait;
@@ -155,6 +156,8 @@ pub struct RawHub {
     /// Deadlines of slots (a handshake's, or one of their core's), nearest first. An entry is
     /// a hint: the slot's deadline is asked again when it comes up (see `RawHub::schedule`).
     timers: BinaryHeap<Reverse<(Instant, usize)>>,
+    /// Liveness, watched per peer host (see [`liveness`]).
+    liveness: liveness::Liveness,
     /// Handshakes under way, accepted and our own: counted as they start and end, so that
     /// accepting or connecting the ten-thousandth peer visits no other.
     pending_accepted: usize,
@@ -202,6 +205,7 @@ impl RawHub {
     /// A hub on `endpoint`'s device and port.
     pub fn new(endpoint: &Endpoint, config: HubConfig) -> Result<Self> {
         config.check(endpoint)?;
+        let probe_every = config.conn.keepalive.map(crate::core::probe_interval);
         let ctx = endpoint.context();
         let pd = endpoint.pd();
         let channel = CompletionChannel::new(ctx)?;
@@ -255,6 +259,7 @@ impl RawHub {
             draining: Vec::new(),
             retired: Vec::new(),
             timers: BinaryHeap::new(),
+            liveness: liveness::Liveness::new(probe_every),
             pending_accepted: 0,
             pending_outgoing: 0,
             accepted_order: VecDeque::new(),
@@ -474,11 +479,13 @@ impl RawHub {
     pub fn next_timeout(&self) -> Option<Duration> {
         // The nearest entry may be stale (its deadline moved or went): then the hub wakes
         // early once, and `fire_deadlines` drops it.
-        let Some(Reverse((nearest, _))) = self.timers.peek() else {
-            return self.config.conn.health_check;
+        let nearest = match (self.timers.peek(), self.liveness.deadline()) {
+            (Some(Reverse((at, _))), Some(l)) => Some((*at).min(l)),
+            (Some(Reverse((at, _))), None) => Some(*at),
+            (None, l) => l,
         };
-        let nearest = nearest.saturating_duration_since(Instant::now());
-        earliest(Some(nearest), self.config.conn.health_check)
+        let nearest = nearest.map(|at| at.saturating_duration_since(Instant::now()));
+        earliest(nearest, self.config.conn.health_check)
     }
 
     /// Sends `data` to `peer`, solicited (waking a receiver asleep solicited-only) or not.

@@ -172,6 +172,7 @@ impl RawHub {
         self.waiter.channel_mut().ready = ready;
         let now = Instant::now();
         self.fire_deadlines(now);
+        self.watch_liveness(now);
         self.retire_drained()?;
         self.grow_for_demand()?;
         self.repost()?;
