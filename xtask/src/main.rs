@@ -1400,6 +1400,8 @@ const QUICKSTART_EXIT: &str = "RDMSG-QUICKSTART-EXIT: ";
 
 /// Messages each way of the split-halves soak on kernels after the first.
 const SPLIT_SOAK_LATER: u64 = 200_000;
+/// Messages of the bursty-consumer soak on kernels after the first.
+const SOAK_LATER: u64 = 200_000;
 
 /// Runs every test binary with `--ignored` in one VM boot on `kernel`, after the quick start's
 /// binary if one is given. A VM that does not boot, a binary that dies without a failed test,
@@ -1425,9 +1427,11 @@ fn device_tests(
     );
     let mut script = String::from("status=0\n");
     if !full_soaks {
-        // The split halves' million messages each way (over three minutes of a debug build
-        // under emulation) run on the first kernel; later ones run a fifth of them.
-        script.push_str(&format!("export RDMSG_SPLIT_MESSAGES={SPLIT_SOAK_LATER}\n"));
+        // The soaks' million messages (over four minutes each of a debug build under
+        // emulation) run on the first kernel; later ones run a fifth of them.
+        script.push_str(&format!(
+            "export RDMSG_SPLIT_MESSAGES={SPLIT_SOAK_LATER} RDMSG_SOAK_MESSAGES={SOAK_LATER}\n"
+        ));
     }
     if let Some(bin) = quickstart {
         let rel = bin.strip_prefix(repo_root()).unwrap_or(bin);
