@@ -460,7 +460,7 @@ fn fds_needed(conns: usize, server: Server) -> u64 {
 /// Raises the descriptor limit to `want`: the soft limit up to the hard one, and, if the hard
 /// one is lower, both through `prlimit(1)` (which needs the privilege to raise it, as root
 /// has in the test VM). Returns the soft limit in force.
-fn ensure_fd_limit(want: u64) -> Result<u64> {
+pub(crate) fn ensure_fd_limit(want: u64) -> Result<u64> {
     let got = rdmsg::verbs::raise_fd_limit(want).context("raising RLIMIT_NOFILE")?;
     if got >= want {
         return Ok(got);

@@ -11,6 +11,7 @@ pub mod asynch;
 pub mod callgrind;
 pub mod chart;
 pub mod codec;
+pub mod collector;
 pub mod connect;
 pub mod cost;
 pub mod fanin;

@@ -1,9 +1,11 @@
 //! `rdmsg-bench`: runs rdmsg's benchmarks next to their anchors and writes the report.
 //!
 //! ```text
-//! rdmsg-bench run [--quick] [--rounds N] [--only lat,bw,wake,async,large,fanin,rates,cost]
+//! rdmsg-bench run [--quick] [--rounds N]
+//!                   [--only lat,bw,wake,async,large,fanin,rates,cost,connect,collector]
 //!                   [--filter TEXT] [--device D] [--gid-index I] [--fanin-conns 1,16,...]
 //!                   [--fanin-rate R] [--fanin-messages M] [--fanin-rounds N]
+//!                   [--collector-sensors 1000,5000,...]
 //! rdmsg-bench codec [--quick] [--rounds N]
 //! rdmsg-bench report --out DIR SAMPLE_FILE...
 //! rdmsg-bench fanin-server ...   (a fan-in's server process, started by `run`)
@@ -28,10 +30,10 @@ use bench::{chart, codec, cost, fanin, report, Bench, Sample};
 
 const USAGE: &str = "usage:
   rdmsg-bench run [--quick] [--rounds N]
-                  [--only lat,bw,wake,async,large,fanin,rates,cost,connect]
+                  [--only lat,bw,wake,async,large,fanin,rates,cost,connect,collector]
                   [--filter TEXT] [--lat-iters N] [--large-mib N] [--device D] [--gid-index I]
                   [--fanin-conns 1,16,256,1024] [--fanin-rate R] [--fanin-messages M]
-                  [--fanin-rounds N]
+                  [--fanin-rounds N] [--collector-sensors 1000,5000,10000]
       --filter runs only the measurements whose progress line contains TEXT
       --lat-iters N round trips per latency measurement (default 1000)
       --large-mib N MiB each large-message run moves, about (default 64; --quick 8): the
@@ -40,6 +42,9 @@ const USAGE: &str = "usage:
       --fanin-rate messages per second the fan-in client offers, all connections (8192)
       --fanin-messages messages per fan-in measurement (32768; --quick 16384)
       --fanin-rounds rounds that include the fan-in (default 1)
+      --collector-sensors sensor counts the collector example runs at, in the first round,
+                  each with 8 credits a sensor and the largest also with 1 (default
+                  1000,5000,10000; --quick 256, 8 credits only); needs target/release/collector
   rdmsg-bench codec [--quick] [--rounds N]
   rdmsg-bench cost-check [--iters N] [--runs K] [--only LAYER]
       counts instructions and allocations per round trip of each layer with callgrind
@@ -164,6 +169,15 @@ fn run(args: &[String]) -> Result<ExitCode> {
                     })
                     .collect::<Result<_>>()?;
             }
+            "--collector-sensors" => {
+                plan.collector.sensors = value
+                    .split(',')
+                    .map(|n| match n.parse::<usize>() {
+                        Ok(n) if n > 0 => Ok(n),
+                        _ => bail!("--collector-sensors takes positive counts, not {n}"),
+                    })
+                    .collect::<Result<_>>()?;
+            }
             "--fanin-rate" => plan.fanin.rate = value.parse().context("--fanin-rate")?,
             "--fanin-messages" => {
                 plan.fanin.messages = value.parse().context("--fanin-messages")?;
@@ -181,13 +195,14 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         "fanin" => Ok(vec![Bench::Fanin]),
                         "cost" => Ok(vec![Bench::Cost]),
                         "connect" => Ok(vec![Bench::Connect]),
+                        "collector" => Ok(vec![Bench::Collector]),
                         "rates" => Ok(vec![Bench::Rates]),
                         "async" => Ok(vec![Bench::Async]),
                         "large" => Ok(vec![Bench::Large]),
                         other => {
                             bail!(
                                 "--only takes lat, lat-event, lat-poll, bw, wake, async, large, \
-                                 fanin, rates, cost, connect; not {other}"
+                                 fanin, rates, cost, connect, collector; not {other}"
                             )
                         }
                     })
@@ -274,6 +289,7 @@ apart, receiver thread CPU time (`CLOCK_THREAD_CPUTIME_ID`, kernel time included
 then solicited-only sleep; solicited-only: `Policy::Sleep`. Codec (on the host, not in the VM):
 one frame encoded into a buffer, and header check + decode, against `bincode::serde` on the same
 value, timed in alternating chunks. Large messages: see their section. Fan-in: see its section.
+Collector: see its section.
 ";
 
 fn write_report(args: &[String]) -> Result<ExitCode> {
@@ -311,6 +327,7 @@ fn write_report(args: &[String]) -> Result<ExitCode> {
     md.push_str(&report::rates_markdown(&samples));
     md.push_str(&report::cost_markdown(&samples));
     md.push_str(&report::connect_markdown(&samples));
+    md.push_str(&report::collector_markdown(&samples));
     fs::write(out_dir.join("report.md"), &md)?;
     fs::write(out_dir.join("report.json"), report::json(&rows, &samples))?;
     let png = fs::File::create(out_dir.join("chart.png"))?;

@@ -978,6 +978,193 @@ pub fn connect_markdown(samples: &[Sample]) -> String {
     out
 }
 
+/// One run of the collector example (sensors × credits): medians over its rounds (it runs in
+/// one).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CollectorPoint {
+    /// Sensors.
+    pub sensors: u32,
+    /// Credits each sensor kept however idle (`--min-credits`).
+    pub min_credits: u32,
+    /// Rounds that gave figures.
+    pub rounds: usize,
+    /// Median of each metric over the rounds (see `collector::Figures::metrics`).
+    pub figures: BTreeMap<String, f64>,
+    /// Why a round failed, if one did.
+    pub failed: Option<String>,
+}
+
+impl CollectorPoint {
+    /// A figure's median.
+    pub fn get(&self, metric: &str) -> Option<f64> {
+        self.figures.get(metric).copied()
+    }
+}
+
+/// The collector's runs, by sensors and then the example's default credits first.
+pub fn collector_table(samples: &[Sample]) -> Vec<CollectorPoint> {
+    type Series = BTreeMap<String, BTreeMap<u32, f64>>;
+    let mut points: BTreeMap<(u32, std::cmp::Reverse<u32>), (Series, Option<String>)> =
+        BTreeMap::new();
+    for s in samples.iter().filter(|s| s.bench == Bench::Collector) {
+        // A variant it cannot read is kept apart (as 0) rather than dropped.
+        let credits = s
+            .variant
+            .strip_prefix("min_credits=")
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let entry = points
+            .entry((s.conns, std::cmp::Reverse(credits)))
+            .or_default();
+        if s.metric == "failed" {
+            entry.1.get_or_insert_with(|| s.note.clone());
+        } else {
+            entry
+                .0
+                .entry(s.metric.clone())
+                .or_default()
+                .insert(s.round, s.value);
+        }
+    }
+    points
+        .into_iter()
+        .map(
+            |((sensors, std::cmp::Reverse(min_credits)), (series, failed))| CollectorPoint {
+                sensors,
+                min_credits,
+                rounds: series.values().map(BTreeMap::len).max().unwrap_or(0),
+                figures: series
+                    .iter()
+                    .map(|(m, by_round)| {
+                        (
+                            m.clone(),
+                            median(&by_round.values().copied().collect::<Vec<_>>()),
+                        )
+                    })
+                    .collect(),
+                failed,
+            },
+        )
+        .collect()
+}
+
+/// How much longer a sensor may take to connect at the largest count than at the smallest.
+pub const COLLECTOR_CONNECT_SCALING: f64 = 10.0;
+
+/// The collector section of report.md: the README's example itself, at each sensor count.
+pub fn collector_markdown(samples: &[Sample]) -> String {
+    let points = collector_table(samples);
+    if points.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\n### Collector (the README's example)\n\n\
+         `collector --sensors N --batches 2 --min-credits C` from `rdmsg-examples`, run as a \
+         process of its own as users run it: one hub on one thread serves N sensors, which a \
+         second process (one hub, one connection per sensor) connects over the TCP bootstrap \
+         on 127.0.0.1; each sensor sends 2 batches of 8 samples (the last solicited), alarms \
+         and a final `Done`. Figures are the example's own report line, in the first round \
+         only. Connect: until every sensor was connected. KiB/conn: the hub's registered \
+         receive and send buffers per connection; fds/conn: the collector's descriptors per \
+         connection, all connected. CPU: the collector process's user + system time over the \
+         traffic, per message (10 ms ticks); wake-ups: the hub's, per message. Probes: \
+         liveness probes the collector's hub sent (one per silent peer host, not per \
+         connection). Failed: sensor connections that failed; lost: messages the finished \
+         sensors sent that did not arrive. A run that exits non-zero, fails a connection or \
+         loses a message is marked failed with why.\n\n\
+         | sensors | min credits | connect s | connect ms per 1000 sensors | KiB/conn | \
+         fds/conn | CPU µs/msg | wake-ups/msg | probes | failed | lost |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let mut failures = Vec::new();
+    for p in &points {
+        let mark = if p.failed.is_some() {
+            " **failed**"
+        } else {
+            ""
+        };
+        if let Some(why) = &p.failed {
+            failures.push(format!(
+                "- {} sensors, min credits {}: {}",
+                p.sensors,
+                p.min_credits,
+                why.replace('\n', " ")
+            ));
+        }
+        if p.rounds == 0 {
+            let _ = writeln!(
+                out,
+                "| {}{mark} | {} | — | — | — | — | — | — | — | — | — |",
+                p.sensors, p.min_credits
+            );
+            continue;
+        }
+        let f = |metric: &str| p.get(metric).map_or("—".into(), fmt_num);
+        let _ = writeln!(
+            out,
+            "| {}{mark} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            p.sensors,
+            p.min_credits,
+            p.get("connect_ms")
+                .map_or("—".into(), |ms| fmt_num(ms / 1e3)),
+            f("connect_ms_per_1000"),
+            f("kib_per_conn"),
+            f("fds_per_conn"),
+            f("cpu_us_per_msg"),
+            f("wakeups_per_msg"),
+            f("probes"),
+            f("failed_conns"),
+            f("lost"),
+        );
+    }
+    if !failures.is_empty() {
+        out.push_str("\nFailed runs:\n\n");
+        for line in failures {
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    // Connect time per sensor, the largest count against the smallest, at each credit setting
+    // measured at more than one count.
+    let mut credits: Vec<u32> = points.iter().map(|p| p.min_credits).collect();
+    credits.sort_unstable_by(|a, b| b.cmp(a));
+    credits.dedup();
+    let mut notes = Vec::new();
+    for c in credits {
+        let at: Vec<(u32, f64)> = points
+            .iter()
+            .filter(|p| p.min_credits == c)
+            .filter_map(|p| Some((p.sensors, p.get("connect_ms_per_1000")?)))
+            .collect();
+        let (Some(&(small_n, small)), Some(&(large_n, large))) = (at.first(), at.last()) else {
+            continue;
+        };
+        if large_n == small_n || small <= 0.0 {
+            continue;
+        }
+        let r = large / small;
+        notes.push(format!(
+            "{} sensors against {} at {c} credits: {}× (goal ≤ {}× {})",
+            large_n,
+            small_n,
+            fmt_num(r),
+            fmt_num(COLLECTOR_CONNECT_SCALING),
+            if r <= COLLECTOR_CONNECT_SCALING {
+                "✓"
+            } else {
+                "✗"
+            }
+        ));
+    }
+    if !notes.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nConnect time per sensor, the largest count against the smallest: {}.",
+            notes.join("; ")
+        );
+    }
+    out
+}
+
 /// One fan-in point (connections × server): medians over its rounds.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FaninPoint {
@@ -1376,12 +1563,14 @@ pub fn json(rows: &[Row], samples: &[Sample]) -> String {
         rows: &'a [Row],
         fanin: Vec<FaninPoint>,
         large: Vec<LargePoint>,
+        collector: Vec<CollectorPoint>,
         samples: &'a [Sample],
     }
     serde_json::to_string_pretty(&Report {
         rows,
         fanin: fanin_table(samples),
         large: large_table(samples),
+        collector: collector_table(samples),
         samples,
     })
     .expect("a report always serializes")
@@ -1774,6 +1963,95 @@ mod tests {
             md.contains("rdma_cm / TCP: connect 1.36×, killed peer noticed 1.10×."),
             "{md}"
         );
+    }
+
+    #[test]
+    fn the_collector_section_shows_each_run_and_how_connecting_scales() {
+        assert_eq!(collector_markdown(&[]), "");
+        let run = |sensors: u32, credits: u32, figures: &[(&str, f64)]| -> Vec<Sample> {
+            figures
+                .iter()
+                .map(|&(metric, v)| Sample {
+                    conns: sensors,
+                    ..s(
+                        Bench::Collector,
+                        "collector",
+                        &format!("min_credits={credits}"),
+                        (0, 0),
+                        metric,
+                        v,
+                    )
+                })
+                .collect()
+        };
+        let figures = |connect_ms: f64, sensors: f64| {
+            [
+                ("connect_ms", connect_ms),
+                ("connect_ms_per_1000", connect_ms * 1000.0 / sensors),
+                ("kib_per_conn", 16.5),
+                ("fds_per_conn", 1.01),
+                ("cpu_us_per_msg", 41.7),
+                ("wakeups_per_msg", 0.117),
+                ("probes", 3.0),
+                ("failed_conns", 0.0),
+                ("lost", 0.0),
+            ]
+        };
+        let mut samples = run(10_000, 8, &figures(120_000.0, 10_000.0));
+        samples.extend(run(1000, 8, &figures(4000.0, 1000.0)));
+        samples.extend(run(5000, 8, &figures(30_000.0, 5000.0)));
+        // 10,000 at one credit: it printed its line, then lost messages.
+        let mut lossy = figures(100_000.0, 10_000.0);
+        lossy[8] = ("lost", 2.0);
+        samples.extend(run(10_000, 1, &lossy));
+        samples.push(Sample {
+            note: "2 messages lost".into(),
+            ..run(10_000, 1, &[("failed", 1.0)]).remove(0)
+        });
+        // One that never printed a line.
+        samples.push(Sample {
+            note: "the collector exited with exit status: 1: error: out of descriptors".into(),
+            ..run(20_000, 8, &[("failed", 1.0)]).remove(0)
+        });
+        let md = collector_markdown(&samples);
+        let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| ")).collect();
+        assert_eq!(rows.len(), 6, "{md}");
+        assert!(
+            rows[0].starts_with("| sensors | min credits | connect s |"),
+            "{md}"
+        );
+        assert_eq!(
+            &rows[1..],
+            [
+                "| 1000 | 8 | 4.00 | 4000 | 16.5 | 1.01 | 41.7 | 0.117 | 3.00 | 0 | 0 |",
+                "| 5000 | 8 | 30.0 | 6000 | 16.5 | 1.01 | 41.7 | 0.117 | 3.00 | 0 | 0 |",
+                "| 10000 | 8 | 120 | 12000 | 16.5 | 1.01 | 41.7 | 0.117 | 3.00 | 0 | 0 |",
+                "| 10000 **failed** | 1 | 100 | 10000 | 16.5 | 1.01 | 41.7 | 0.117 | 3.00 | 0 \
+                 | 2.00 |",
+                "| 20000 **failed** | 8 | — | — | — | — | — | — | — | — | — |",
+            ],
+            "{md}"
+        );
+        assert!(
+            md.contains("- 10000 sensors, min credits 1: 2 messages lost\n"),
+            "{md}"
+        );
+        assert!(
+            md.contains("- 20000 sensors, min credits 8: the collector exited with"),
+            "{md}"
+        );
+        // 20,000 has no figures: the scaling is 10,000's against 1,000's, at 8 credits only
+        // (1 credit ran at one count).
+        assert!(
+            md.contains(
+                "the largest count against the smallest: 10000 sensors against 1000 at 8 \
+                 credits: 3.00× (goal ≤ 10.0× ✓)."
+            ),
+            "{md}"
+        );
+        let table = collector_table(&samples);
+        assert_eq!(table[3].failed.as_deref(), Some("2 messages lost"));
+        assert_eq!((table[4].sensors, table[4].rounds), (20_000, 0));
     }
 
     #[test]

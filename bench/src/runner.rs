@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 
 use crate::asynch;
 use crate::fanin::{self, Load, Server};
@@ -57,6 +57,8 @@ pub struct Plan {
     pub cost_rounds: u32,
     /// Connections timed per round and way of the connect section.
     pub connects: usize,
+    /// The collector example's runs.
+    pub collector: CollectorPlan,
     /// Which benchmarks to run.
     pub benches: Vec<Bench>,
     /// Only the measurements whose description contains this.
@@ -89,6 +91,7 @@ impl Plan {
             cost_iters: 1000,
             cost_rounds: 3,
             connects: 10,
+            collector: CollectorPlan::full(),
             sweep_rates: vec![100, 1000, 4000, 16000, 0],
             sweep_max_messages: 4000,
             benches: vec![
@@ -102,6 +105,7 @@ impl Plan {
                 Bench::Rates,
                 Bench::Cost,
                 Bench::Connect,
+                Bench::Collector,
             ],
             filter: None,
         }
@@ -121,6 +125,11 @@ impl Plan {
             large_bytes: 8 << 20,
             cost_iters: 300,
             connects: 5,
+            collector: CollectorPlan {
+                sensors: vec![256],
+                low_credits: None,
+                ..CollectorPlan::full()
+            },
             sweep_rates: vec![1000, 0],
             sweep_max_messages: 1000,
             fanin: FaninPlan {
@@ -248,7 +257,19 @@ impl Plan {
                             });
                         }
                     }
-                    Bench::Fanin | Bench::Cost | Bench::Codec => {}
+                    // Slow (minutes at 10,000 sensors under emulation): the first round only.
+                    Bench::Collector if round == 0 => {
+                        for (sensors, min_credits) in self.collector.points() {
+                            tasks.push(Task {
+                                round,
+                                what: What::Collector {
+                                    sensors,
+                                    min_credits,
+                                },
+                            });
+                        }
+                    }
+                    Bench::Fanin | Bench::Cost | Bench::Codec | Bench::Collector => {}
                 }
             }
         }
@@ -343,6 +364,53 @@ impl FaninPlan {
                 .iter()
                 .map(|&hubs| (self.group_conns, Server::Group(hubs))),
         );
+        v
+    }
+}
+
+/// How the collector example runs: at each sensor count with the example's default credits,
+/// and at the largest also with fewer, to show what an idle sensor's credits cost against
+/// how its batches wait.
+#[derive(Debug, Clone)]
+pub struct CollectorPlan {
+    /// Sensor counts.
+    pub sensors: Vec<usize>,
+    /// Credits per sensor of every run (`--min-credits`; the example's default, a batch).
+    pub min_credits: u32,
+    /// Credits per sensor of one more run at the largest count, if any.
+    pub low_credits: Option<u32>,
+    /// Batches each sensor sends (`--batches`): the figures are about connecting and idling
+    /// many sensors, and two batches are enough traffic for CPU and wake-ups per message.
+    pub batches: u32,
+    /// Longest one run may take before it is killed.
+    pub timeout: Duration,
+}
+
+impl CollectorPlan {
+    /// 1,000, 5,000 and 10,000 sensors at 8 credits each (the example's default), and 10,000
+    /// at 1 (the hub's default).
+    pub fn full() -> Self {
+        Self {
+            sensors: vec![1000, 5000, 10_000],
+            min_credits: 8,
+            low_credits: Some(1),
+            batches: 2,
+            timeout: Duration::from_secs(15 * 60),
+        }
+    }
+
+    /// Every (sensors, min credits) run, in the order they run.
+    pub fn points(&self) -> Vec<(usize, u32)> {
+        let mut v: Vec<(usize, u32)> = self
+            .sensors
+            .iter()
+            .map(|&n| (n, self.min_credits))
+            .collect();
+        if let (Some(low), Some(&largest)) = (self.low_credits, self.sensors.iter().max()) {
+            if low != self.min_credits {
+                v.push((largest, low));
+            }
+        }
         v
     }
 }
@@ -483,6 +551,13 @@ pub enum What {
         /// TCP bootstrap or rdma_cm.
         way: crate::connect::Way,
     },
+    /// The collector example at a number of sensors.
+    Collector {
+        /// Sensors.
+        sensors: usize,
+        /// Credits each sensor keeps however idle.
+        min_credits: u32,
+    },
     /// A one-way stream of large messages.
     Large {
         /// Payload bytes.
@@ -533,6 +608,10 @@ impl Task {
             }
             What::Cost { subject } => format!("cost {}", subject.name()),
             What::Connect { way } => format!("connect {}", way.name()),
+            What::Collector {
+                sensors,
+                min_credits,
+            } => format!("collector {sensors} sensors, min credits {min_credits}"),
             What::Rate { mode, rate } => match rate {
                 0 => format!("rate saturation, {}", mode.name()),
                 r => format!("rate {r}/s, {}", mode.name()),
@@ -548,10 +627,29 @@ impl Task {
         }
     }
 
-    /// Samples that record this task's failure in the report (the fan-in's: a server that
-    /// cannot take its connections is a result), or none.
+    /// Samples that record this task's failure in the report (the fan-in's and the
+    /// collector's: a server that cannot take its connections is a result), or none.
     pub fn failure_samples(&self, error: &anyhow::Error) -> Vec<Sample> {
         match self.what {
+            What::Collector {
+                sensors,
+                min_credits,
+            } => {
+                // What the run measured before it failed, then the failure.
+                let mut v = error
+                    .downcast_ref::<crate::collector::Failed>()
+                    .map(|f| f.samples.clone())
+                    .unwrap_or_default();
+                v.push(collector_sample(
+                    self.round,
+                    sensors,
+                    min_credits,
+                    "failed",
+                    1.0,
+                    format!("{error:#}"),
+                ));
+                v
+            }
             What::Fanin { conns, server } => vec![fanin_sample(
                 self.round,
                 conns,
@@ -792,6 +890,32 @@ impl Task {
                     ),
                 ]
             }
+            What::Collector {
+                sensors,
+                min_credits,
+            } => {
+                let c = &plan.collector;
+                let out = crate::collector::run(sensors, min_credits, c.batches, c.timeout)?;
+                let samples: Vec<Sample> = out
+                    .figures
+                    .iter()
+                    .flat_map(|f| f.metrics(sensors))
+                    .map(|(metric, value)| {
+                        collector_sample(
+                            self.round,
+                            sensors,
+                            min_credits,
+                            metric,
+                            value,
+                            String::new(),
+                        )
+                    })
+                    .collect();
+                if let Some(reason) = out.failure {
+                    return Err(crate::collector::Failed { reason, samples }.into());
+                }
+                samples
+            }
             What::Cost { subject } => {
                 let c = crate::cost::measure(
                     subject,
@@ -854,6 +978,31 @@ fn fanin_sample(
     }
 }
 
+/// A sample of the collector example: its sensors as `conns`, its credits as the variant.
+fn collector_sample(
+    round: u32,
+    sensors: usize,
+    min_credits: u32,
+    metric: &str,
+    value: f64,
+    note: String,
+) -> Sample {
+    Sample {
+        bench: Bench::Collector,
+        subject: crate::collector::PROGRAM.into(),
+        variant: format!("min_credits={min_credits}"),
+        size: 0,
+        batch: 0,
+        round,
+        metric: metric.into(),
+        value,
+        conns: u32::try_from(sensors).unwrap_or(u32::MAX),
+        note,
+        top: Vec::new(),
+        rate: 0,
+    }
+}
+
 /// The samples of one fan-in measurement (metric names as the report reads them).
 fn fanin_samples(round: u32, conns: usize, server: Server, m: &fanin::Measured) -> Vec<Sample> {
     let mut figures = vec![
@@ -901,11 +1050,12 @@ fn fanin_samples(round: u32, conns: usize, server: Server, m: &fanin::Measured) 
 
 /// A program built next to this one (the examples, in the same target directory).
 pub(crate) fn sibling_program(name: &str) -> Result<String> {
-    let exe = std::env::current_exe()?;
+    let exe = std::env::current_exe().context("locating rdmsg-bench")?;
     let path = exe.with_file_name(name);
     if !path.exists() {
         anyhow::bail!(
-            "{} not found: build it (cargo build --release -p rdmsg-examples)",
+            "{} not found: build it (cargo build --release -p rdmsg-examples --bin {name}; \
+             cargo xtask bench does)",
             path.display()
         );
     }
@@ -969,8 +1119,8 @@ mod tests {
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
         // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, large: 2 sizes
         // × 4 subjects, 3 fan-in points × 2 servers and 2 groups, 2 sweep rates × 4
-        // receivers, 6 cost subjects, 2 ways of connecting.
-        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 8 + 8 + 6 + 2);
+        // receivers, 6 cost subjects, 2 ways of connecting, one collector run.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 8 + 8 + 6 + 2 + 1);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -992,6 +1142,7 @@ mod tests {
             5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4 + 5 * 4 + 2)
                 + 3 * (6 + 4 + 3)
                 + 3 * 6
+                + 4
         );
         assert!(full.tasks().iter().all(|t| t.round < 5));
     }
@@ -1108,5 +1259,65 @@ mod tests {
             (1024, "threads", "failed")
         );
         assert_eq!(failed[0].note, "out of threads");
+    }
+
+    #[test]
+    fn the_collector_runs_each_count_once_and_the_largest_also_with_one_credit() {
+        let plan = Plan {
+            benches: vec![Bench::Collector],
+            rounds: 3,
+            ..Plan::full()
+        };
+        let tasks = plan.tasks();
+        let points: Vec<(u32, usize, u32)> = tasks
+            .iter()
+            .map(|t| match t.what {
+                What::Collector {
+                    sensors,
+                    min_credits,
+                } => (t.round, sensors, min_credits),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            points,
+            [(0, 1000, 8), (0, 5000, 8), (0, 10_000, 8), (0, 10_000, 1)],
+            "round 0 only"
+        );
+        assert_eq!(
+            tasks[3].describe(),
+            "collector 10000 sensors, min credits 1"
+        );
+        assert_eq!(Plan::quick().collector.points(), [(256, 8)]);
+        let failed = tasks[3].failure_samples(
+            &crate::collector::Failed {
+                reason: "2 messages lost".into(),
+                samples: vec![collector_sample(0, 10_000, 1, "lost", 2.0, String::new())],
+            }
+            .into(),
+        );
+        let got: Vec<(&str, &str, u32, f64, &str)> = failed
+            .iter()
+            .map(|s| {
+                (
+                    s.metric.as_str(),
+                    s.variant.as_str(),
+                    s.conns,
+                    s.value,
+                    s.note.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("lost", "min_credits=1", 10_000, 2.0, ""),
+                ("failed", "min_credits=1", 10_000, 1.0, "2 messages lost")
+            ],
+            "the figures, then the failure"
+        );
+        let plain = tasks[0].failure_samples(&anyhow::anyhow!("collector not found"));
+        assert_eq!(plain.len(), 1);
+        assert_eq!(plain[0].note, "collector not found");
     }
 }

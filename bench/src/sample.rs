@@ -36,6 +36,10 @@ pub enum Bench {
     /// Connecting through rdma_cm against the TCP bootstrap: connect time, and how soon a
     /// killed peer is noticed; values: ms.
     Connect,
+    /// The README's collector example (`rdmsg-examples`' `collector`) at N sensors, run as a
+    /// process of its own: connect time, memory and descriptors per connection, CPU and
+    /// wake-ups per message; the figures users get from the program they run.
+    Collector,
 }
 
 /// One measurement of one round.
@@ -60,7 +64,7 @@ pub struct Sample {
     pub metric: String,
     /// The measured value.
     pub value: f64,
-    /// Connections into the server (fan-in; 0 when not applicable).
+    /// Connections into the server (fan-in; sensors of the collector; 0 when not applicable).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub conns: u32,
     /// Why a measurement failed (with metric `failed`), or empty.

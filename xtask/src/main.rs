@@ -49,8 +49,9 @@ tasks:
   bench [--quick] [--kernel K] [-- ARGS]
                    benchmarks side by side with perftest in one VM boot, codec on the host,
                    and the fan-in (1 to 1024 connections: one hub thread vs a thread per
-                   connection); writes target/bench/report.md, report.json, chart.png (ARGS
-                   go to `rdmsg-bench run`, e.g. --rounds 3, --only lat or --only fanin)
+                   connection), and the collector example at 1,000 to 10,000 sensors; writes
+                   target/bench/report.md, report.json, chart.png (ARGS go to `rdmsg-bench
+                   run`, e.g. --rounds 3, --only lat, --only fanin or --only collector)
   vm [--kernel K] [--env NAME[=VALUE]]... -- CMD...
                    boot the Soft-RoCE VM and run CMD in the repository (exit code is CMD's).
                    The guest has none of the host's environment but RUST_LOG and RUST_BACKTRACE
@@ -719,8 +720,9 @@ fn cost_check(kernel: Kernel) -> Result<bool> {
     Ok(out.code == 0)
 }
 
-/// Builds `rdmsg-bench` and the examples it runs (`rc_pingpong`) in release mode, as step
-/// `step`.
+/// Builds `rdmsg-bench` and the examples it runs (`rc_pingpong`, `collector`) in release
+/// mode, as step `step`: all of `rdmsg-examples`' binaries, so that they land next to
+/// `target/release/rdmsg-bench`, where it looks for them.
 fn build_bench(step: &'static str) -> Result<()> {
     let _s = Step::new(step, "building rdmsg-bench and the examples (release)");
     run(cargo().args([
