@@ -635,9 +635,15 @@ impl Hub {
                         Err(rdmsg_transport::Error::timeout("posting", none, Duration::ZERO).into())
                     }
                 }),
-            )?;
-            if sent {
-                return Ok(Posted::Sent);
+            );
+            match sent {
+                Ok(true) => return Ok(Posted::Sent),
+                Ok(false) => {}
+                // The send itself found the peer gone (or failed it): as when that was
+                // known before, not an error (issue 45: a job queue's coordinator exited on it).
+                Err(_) if self.outbox_empty(peer).is_none() => return Ok(Posted::PeerGone(m)),
+                // This message alone (too large, not encodable).
+                Err(e) => return Err(e),
             }
         }
         let size = call::encoded_len(&m);
@@ -824,7 +830,7 @@ impl Hub {
             match sent {
                 Ok(true) => return Ok(Posted::Sent),
                 Ok(false) | Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {}
-                Err(_) if self.transport.failure(peer).is_some() => {
+                Err(_) if self.outbox_empty(peer).is_none() => {
                     call::lock(&self.calls).answer_dropped();
                     return Ok(Posted::PeerGone(value));
                 }

@@ -572,3 +572,70 @@ fn closing_a_vanished_peer_ends_at_once_as_vanished() {
     assert!(took < Duration::from_millis(150), "{took:?}");
     assert_eq!(ended(&mut server, peer), Failure::PeerVanished);
 }
+
+/// Issue 45: `post` to a peer whose failure the send itself finds (not known before the
+/// post) returned `Err(PeerVanished)` (or "a work request completed with RemOpErr"), where
+/// the docs promise `Posted::PeerGone`. A client that reads a while and then goes without
+/// closing, while the hub streams 3 KB messages at it: every post until its `Disconnected`
+/// and after is `Sent`, `Queued`, `Full` or `PeerGone`, never an error. Three rounds.
+#[test]
+#[ignore = "device"]
+fn posting_to_a_peer_that_vanishes_mid_stream_is_peer_gone_never_an_error() {
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, config()).unwrap();
+    server.register::<Blob>().unwrap();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    for round in 0..3 {
+        let reader = std::thread::spawn(move || {
+            let ep = endpoint();
+            let mut client = Hub::new(&ep, config()).unwrap();
+            client.register::<Blob>().unwrap();
+            client.connect(addr).unwrap();
+            let mut got = 0;
+            // Reads until 200 messages came, then goes without closing.
+            while got < 200 {
+                match client.recv_timeout(WAIT).unwrap() {
+                    Some(HubEvent::Message { .. }) => got += 1,
+                    Some(_) => {}
+                    None => panic!("nothing for 10 s"),
+                }
+            }
+            drop(client);
+        });
+        let peer = match next(&mut server) {
+            HubEvent::Connected { peer, .. } => peer,
+            other => panic!("{other:?}"),
+        };
+        let (mut sent, mut gone, mut full) = (0u64, 0u64, 0u64);
+        let mut disconnected = None;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while disconnected.is_none() || gone < 100 {
+            assert!(std::time::Instant::now() < deadline, "round {round}: no end in 30 s");
+            let blob = Blob {
+                data: vec![round as u8; 3000],
+            };
+            match server.post(peer, blob) {
+                Ok(rdmsg_msg::Posted::Sent | rdmsg_msg::Posted::Queued) => sent += 1,
+                Ok(rdmsg_msg::Posted::Full(_)) => full += 1,
+                Ok(rdmsg_msg::Posted::PeerGone(_)) => gone += 1,
+                Err(e) => panic!(
+                    "round {round}: post after {sent} sent, {gone} gone: an error, not \
+                     PeerGone: {e}"
+                ),
+            }
+            while let Some(ev) = server.try_recv().unwrap() {
+                match ev {
+                    HubEvent::Disconnected { failure, .. } => disconnected = Some(failure),
+                    HubEvent::Writable { .. } | HubEvent::Unconfirmed { .. } => {}
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        reader.join().unwrap();
+        println!(
+            "stats round {round}: {sent} sent or queued, {full} full, {gone} PeerGone, ended \
+             {disconnected:?}"
+        );
+        assert!(sent >= 200, "{sent}");
+    }
+}

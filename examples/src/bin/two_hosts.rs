@@ -157,8 +157,14 @@ fn client(o: &Options, ep: &Endpoint) -> Result<()> {
         };
         match made {
             Ok(c) => break c,
-            Err(Error::Connect { .. } | Error::Bootstrap { .. } | Error::Cm { .. })
-                if Instant::now() < deadline =>
+            // Over rdma_cm, a host that is not up yet may leave the address, route or
+            // request unanswered: the connect times out rather than being refused.
+            Err(
+                Error::Connect { .. }
+                | Error::Bootstrap { .. }
+                | Error::Cm { .. }
+                | Error::Timeout(_),
+            ) if Instant::now() < deadline =>
             {
                 std::thread::sleep(Duration::from_millis(200));
             }
