@@ -240,6 +240,7 @@ fn serve_and_check(n: usize, k: u32, config: HubConfig, groups: u32) {
     let mut server = RawHub::new(&ep, config.clone()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let started = Instant::now();
+    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client_with(addr, n, k, config);
         for (i, id) in ids.iter().enumerate() {
@@ -336,6 +337,7 @@ fn a_silent_client_does_not_hold_up_the_others() {
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let silent = std::net::TcpStream::connect(addr).expect("a silent client");
     let started = Instant::now();
+    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client(addr, 8, 4);
         for id in ids {
@@ -749,6 +751,7 @@ fn an_outside_event_loop_drives_the_hub_through_its_descriptor() {
     let watch = rdmsg_verbs::ReadyWatch::new().unwrap();
     watch.add(server.as_fd(), 0).unwrap();
     watch.add(poked.as_fd(), 1).unwrap();
+    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client(addr, 4, 8);
         for id in ids {
@@ -810,6 +813,7 @@ fn a_pool_that_cannot_grow_does_not_fail_the_hub() {
     let mut server = RawHub::new(&ep, config).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let (n, k) = (8, 400u32);
+    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client(addr, n, k);
         for id in &ids {
@@ -1067,6 +1071,7 @@ fn an_idle_host_costs_a_hub_one_probe_per_interval_not_one_per_connection() {
     let ep = endpoint();
     let mut server = RawHub::new(&ep, config.clone()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
+    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let ep = endpoint();
         let mut hub = RawHub::new(&ep, config).expect("client hub");
@@ -1086,6 +1091,8 @@ fn an_idle_host_costs_a_hub_one_probe_per_interval_not_one_per_connection() {
                 .expect("send after idling");
         }
         drive_quietly(&mut hub, Duration::from_secs(1));
+        // Dropped (its connections ended) only once the server is done looking.
+        let _ = finish.recv();
         hub.stats()
     });
     let mut up = 0;
@@ -1101,6 +1108,7 @@ fn an_idle_host_costs_a_hub_one_probe_per_interval_not_one_per_connection() {
     let keepalives_before = tcp_keepalives_sent();
     let got = drive_quietly(&mut server, idle + Duration::from_secs(2));
     let keepalives = tcp_keepalives_sent() - keepalives_before;
+    let _ = done.send(());
     let client = client.join().expect("the client");
     let server_stats = server.stats();
     println!(
