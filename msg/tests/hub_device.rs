@@ -610,7 +610,10 @@ fn posting_to_a_peer_that_vanishes_mid_stream_is_peer_gone_never_an_error() {
         let mut disconnected = None;
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while disconnected.is_none() || gone < 100 {
-            assert!(std::time::Instant::now() < deadline, "round {round}: no end in 30 s");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "round {round}: no end in 30 s"
+            );
             let blob = Blob {
                 data: vec![round as u8; 3000],
             };

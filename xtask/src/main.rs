@@ -720,6 +720,37 @@ fn cost_check(kernel: Kernel) -> Result<bool> {
     Ok(out.code == 0)
 }
 
+/// Sensors of the collector run `cargo xtask test` makes: the README's example at the scale
+/// issue 41 found it failing (10,000 peers on one hub thread), the largest that fits the run's
+/// time (about a minute in the VM with a release build).
+const COLLECTOR_SENSORS: u32 = 10_000;
+
+/// The README's collector example at [`COLLECTOR_SENSORS`] sensors, in the VM, from the
+/// release build [`cost_check`] made: whether it passed (nothing lost, no connection failed:
+/// the example's own exit code) and its report line.
+fn collector_at_scale(kernel: Kernel) -> Result<(bool, Option<String>)> {
+    let _s = Step::new(
+        "collector",
+        &format!(
+            "the README's collector example with {COLLECTOR_SENSORS} sensors, one hub thread (release build, in the VM)"
+        ),
+    );
+    let mut line = None;
+    let out = vm::Vm::new(&repo_root(), kernel).run_script(
+        &format!(
+            "ulimit -n 65536 && ./target/release/collector --sensors {COLLECTOR_SENSORS} --batches 2"
+        ),
+        vm_timeout(),
+        &mut |l| {
+            println!("{l}");
+            if l.starts_with("collector: connections=") {
+                line = Some(l.to_owned());
+            }
+        },
+    )?;
+    Ok((out.code == 0, line))
+}
+
 /// Builds `rdmsg-bench` and the examples it runs (`rc_pingpong`, `collector`) in release
 /// mode, as step `step`: all of `rdmsg-examples`' binaries, so that they land next to
 /// `target/release/rdmsg-bench`, where it looks for them.
@@ -1263,6 +1294,29 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         (ok, secs)
     });
 
+    // The README's collector at ten thousand sensors (the release build the cost check made).
+    let collector = (!plan.device_only).then(|| {
+        let vm_started = Instant::now();
+        let ok = match collector_at_scale(two_host_kernel) {
+            Ok((ok, line)) => {
+                if !ok {
+                    eprintln!(
+                        "xtask: the collector at {COLLECTOR_SENSORS} sensors failed: {} (alone: cargo xtask vm -- sh -c 'ulimit -n 65536; ./target/release/collector --sensors {COLLECTOR_SENSORS} --batches 2')",
+                        line.as_deref().unwrap_or("no report line")
+                    );
+                }
+                ok
+            }
+            Err(e) => {
+                eprintln!("xtask: the collector at {COLLECTOR_SENSORS} sensors did not run: {e:#}");
+                false
+            }
+        };
+        let secs = vm_started.elapsed().as_secs_f64();
+        eprintln!("==> [collector] VM run (Linux {two_host_kernel}) {secs:.1} s");
+        (ok, secs)
+    });
+
     // Several VMs on a switch, with faults: on every kernel the device tests ran on, through
     // the TCP bootstrap on the default kernel and through rdma_cm on the other.
     let cluster_runs: Vec<(Kernel, bool, f64)> = if plan.device_only {
@@ -1326,6 +1380,13 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
     if let Some((ok, secs)) = cost {
         checks.push((format!("cost ({two_host_kernel} only)"), ok));
         times.push(format!("cost ({two_host_kernel}) {secs:.1} s"));
+    }
+    if let Some((ok, secs)) = collector {
+        checks.push((
+            format!("collector {COLLECTOR_SENSORS} ({two_host_kernel} only)"),
+            ok,
+        ));
+        times.push(format!("collector ({two_host_kernel}) {secs:.1} s"));
     }
     for (kernel, ok, secs) in cluster_runs {
         checks.push((format!("cluster ({kernel})"), ok));

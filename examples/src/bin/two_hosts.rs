@@ -164,8 +164,7 @@ fn client(o: &Options, ep: &Endpoint) -> Result<()> {
                 | Error::Bootstrap { .. }
                 | Error::Cm { .. }
                 | Error::Timeout(_),
-            ) if Instant::now() < deadline =>
-            {
+            ) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(200));
             }
             Err(e) => return Err(e.into()),
