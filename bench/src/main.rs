@@ -33,7 +33,8 @@ const USAGE: &str = "usage:
                   [--only lat,bw,wake,async,large,fanin,rates,cost,connect,collector]
                   [--filter TEXT] [--lat-iters N] [--large-mib N] [--device D] [--gid-index I]
                   [--fanin-conns 1,16,256,1024] [--fanin-rate R] [--fanin-messages M]
-                  [--fanin-rounds N] [--collector-sensors 1000,5000,10000]
+                  [--fanin-rounds N] [--fanin-large-group HUBSxCONNS]
+                  [--collector-sensors 1000,5000,10000]
       --filter runs only the measurements whose progress line contains TEXT
       --lat-iters N round trips per latency measurement (default 1000)
       --large-mib N MiB each large-message run moves, about (default 64; --quick 8): the
@@ -42,6 +43,8 @@ const USAGE: &str = "usage:
       --fanin-rate messages per second the fan-in client offers, all connections (8192)
       --fanin-messages messages per fan-in measurement (32768; --quick 16384)
       --fanin-rounds rounds that include the fan-in (default 1)
+      --fanin-large-group HUBSxCONNS one more fan-in point, first round only: a group of
+                  HUBS hubs at CONNS connections (default 4x20000; --quick none)
       --collector-sensors sensor counts the collector example runs at, in the first round,
                   each with 8 credits a sensor and the largest also with 1 (default
                   1000,5000,10000; --quick 256, 8 credits only); needs target/release/collector
@@ -168,6 +171,24 @@ fn run(args: &[String]) -> Result<ExitCode> {
                         _ => bail!("--fanin-conns takes positive counts, not {n}"),
                     })
                     .collect::<Result<_>>()?;
+            }
+            "--fanin-large-group" => {
+                plan.fanin.large_group = match value.as_str() {
+                    "none" => None,
+                    v => {
+                        let parsed = v
+                            .split_once('x')
+                            .and_then(|(h, c)| Some((h.parse().ok()?, c.parse().ok()?)));
+                        match parsed {
+                            Some((hubs, conns)) if fanin::Server::GROUPS.contains(&hubs) && conns > 0 => {
+                                Some((hubs, conns))
+                            }
+                            _ => bail!(
+                                "--fanin-large-group takes HUBSxCONNS (HUBS one of 1, 2, 4, 8) or none, not {v}"
+                            ),
+                        }
+                    }
+                };
             }
             "--collector-sensors" => {
                 plan.collector.sensors = value

@@ -137,6 +137,7 @@ impl Plan {
                 messages: 16_384,
                 groups: vec![1, 2],
                 group_conns: 64,
+                large_group: None,
                 ..FaninPlan::full()
             },
             ..Self::full()
@@ -230,6 +231,15 @@ impl Plan {
                                 what: What::Fanin { conns, server },
                             });
                         }
+                        if let (0, Some((hubs, conns))) = (round, self.fanin.large_group) {
+                            tasks.push(Task {
+                                round,
+                                what: What::Fanin {
+                                    conns,
+                                    server: Server::Group(hubs),
+                                },
+                            });
+                        }
                     }
                     Bench::Rates => {
                         for &rate in &self.sweep_rates {
@@ -315,6 +325,9 @@ pub struct FaninPlan {
     pub groups: Vec<usize>,
     /// Connections of the group points.
     pub group_conns: usize,
+    /// One more group point, in the first round only: (member hubs, connections). The
+    /// scale a single hub's point does not reach (issue 41: 20,000 peers across a group).
+    pub large_group: Option<(usize, usize)>,
 }
 
 impl FaninPlan {
@@ -333,6 +346,7 @@ impl FaninPlan {
             threads_up_to: 1024,
             groups: vec![1, 2, 4],
             group_conns: 1024,
+            large_group: Some((4, 20_000)),
         }
     }
 
@@ -1141,6 +1155,7 @@ mod tests {
             full.tasks().len(),
             5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4 + 5 * 4 + 2)
                 + 3 * (6 + 4 + 3)
+                + 1
                 + 3 * 6
                 + 4
         );
@@ -1214,8 +1229,9 @@ mod tests {
                 other => panic!("{other:?}"),
             })
             .collect();
-        // Hub at six N, threads at four, three groups: per round.
-        assert_eq!(points.len(), 2 * (6 + 4 + 3), "fan-in rounds only");
+        // Hub at six N, threads at four, three groups: per round; the large group once.
+        assert_eq!(points.len(), 2 * (6 + 4 + 3) + 1, "fan-in rounds only");
+        assert_eq!(points[13], (0, 20_000, Server::Group(4)));
         assert_eq!(
             &points[..4],
             &[
