@@ -642,3 +642,178 @@ fn posting_to_a_peer_that_vanishes_mid_stream_is_peer_gone_never_an_error() {
         assert!(sent >= 200, "{sent}");
     }
 }
+
+/// Sessions of the stalled-senders child process.
+const STALLED: usize = 16;
+/// What each stalled sender starts: fragmented (rendezvous off), near the default
+/// `max_message` (16 MiB), so that 16 of them held the whole default 256 MiB budget when a
+/// message reserved `max_message` rather than what it announced.
+const STALLED_LEN: usize = 14 << 20;
+
+/// The child of [`sixteen_senders_stopped_mid_message_neither_stall_a_seventeenth_nor_hold_the_budget`]:
+/// 16 sessions, each starting one large message in fragments; it is stopped (SIGSTOP) by
+/// the parent mid-way and killed at the end.
+fn stalled_senders_child(addr: SocketAddr) -> ! {
+    let senders: Vec<_> = (0..STALLED)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let ep = endpoint();
+                let conn = ep
+                    .connect(addr, &rdmsg_transport::Config::default())
+                    .expect("connect");
+                let config = rdmsg_msg::SessionConfig {
+                    rendezvous_threshold: None,
+                    ..rdmsg_msg::SessionConfig::default()
+                };
+                let mut s = rdmsg_msg::Session::with_config(conn, config);
+                let _ = s.send(&Blob {
+                    data: vec![7; STALLED_LEN],
+                });
+                std::thread::sleep(Duration::from_secs(3600));
+            })
+        })
+        .collect();
+    for s in senders {
+        let _ = s.join();
+    }
+    std::process::exit(0)
+}
+
+/// Issue 40, item 1 on the device: 16 senders in another process each start a 14 MiB message
+/// in fragments and are stopped (SIGSTOP: their devices still answer, their processes send
+/// nothing more). Before, each message reserved `max_message` (16 MiB) of the hub's 256 MiB
+/// reassembly budget, so the 16 held all of it: a 17th peer's 100 KB message and everything
+/// behind it waited until the stopped senders went (25.7 s in the issue's run). Now each
+/// reserves what it announced, the 17th peer's messages come at once, and the stalled
+/// messages each fail alone after `reassembly_timeout` (`ReassemblyTimedOut`, in a
+/// `BadFrame`), giving their part back.
+#[test]
+#[ignore = "device"]
+fn sixteen_senders_stopped_mid_message_neither_stall_a_seventeenth_nor_hold_the_budget() {
+    if let Ok(addr) = std::env::var("RDMSG_STALLED_CHILD") {
+        stalled_senders_child(addr.parse().expect("an address"));
+    }
+    let timeout = Duration::from_secs(4);
+    let session = rdmsg_msg::SessionConfig {
+        reassembly_timeout: timeout,
+        ..rdmsg_msg::SessionConfig::default()
+    };
+    let ep = endpoint();
+    let mut hub = Hub::with_config(
+        &ep,
+        HubConfig {
+            max_connections: 32,
+            ..HubConfig::default()
+        },
+        session,
+    )
+    .unwrap();
+    hub.register::<Blob>().unwrap();
+    let addr = hub.listen("127.0.0.1:0").unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "sixteen_senders_stopped_mid_message_neither_stall_a_seventeenth_nor_hold_the_budget",
+        ])
+        .env("RDMSG_STALLED_CHILD", addr.to_string())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start the child");
+    let pid = child.id().to_string();
+    // Every sender connected, then a second of their fragments, then stopped.
+    let mut stalled = Vec::new();
+    while stalled.len() < STALLED {
+        match next(&mut hub) {
+            HubEvent::Connected { peer, .. } => stalled.push(peer),
+            other => panic!("while the senders connect: {other:?}"),
+        }
+    }
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(2) {
+        match hub.recv_timeout(Some(Duration::from_millis(100))).unwrap() {
+            None => {}
+            Some(HubEvent::Message { peer, .. }) => panic!("{peer}'s 14 MiB came whole in 2 s"),
+            Some(other) => panic!("{other:?}"),
+        }
+    }
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    // The seventeenth, from this process: a 100 KB message and ten small ones.
+    let seventeenth = std::thread::spawn(move || {
+        let ep = endpoint();
+        let conn = ep
+            .connect(addr, &rdmsg_transport::Config::default())
+            .expect("connect");
+        let config = rdmsg_msg::SessionConfig {
+            rendezvous_threshold: None,
+            ..rdmsg_msg::SessionConfig::default()
+        };
+        let mut s = rdmsg_msg::Session::with_config(conn, config);
+        s.send(&Blob {
+            data: vec![1; 100_000],
+        })
+        .unwrap();
+        for _ in 0..10 {
+            s.send(&Blob { data: vec![2; 10] }).unwrap();
+        }
+        s
+    });
+    let sent_at = std::time::Instant::now();
+    let (mut got, mut timed_out) = (0, 0);
+    let mut seventeenth_took = None;
+    // The seventeenth's messages must come; the stalled ones time out within twice the
+    // timeout (those whose first fragment had gone before the stop: all of them, unless the
+    // child was slow to start some).
+    let deadline = sent_at + timeout * 2;
+    while got < 11 || (timed_out < STALLED && std::time::Instant::now() < deadline) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        assert!(
+            !left.is_zero() || got == 11,
+            "after {:?}: {got} of the seventeenth's 11 messages, {timed_out} stalled messages timed out",
+            sent_at.elapsed()
+        );
+        match hub
+            .recv_timeout(Some(left.max(Duration::from_millis(1))))
+            .unwrap()
+        {
+            None => {}
+            Some(HubEvent::Connected { .. }) => {}
+            Some(HubEvent::Message { peer, msg }) => {
+                assert!(
+                    !stalled.contains(&peer),
+                    "a stopped sender's message came whole"
+                );
+                let blob: Blob = msg.decode().unwrap();
+                assert_eq!(blob.data.len(), if got == 0 { 100_000 } else { 10 });
+                got += 1;
+                if got == 11 {
+                    seventeenth_took = Some(sent_at.elapsed());
+                }
+            }
+            Some(HubEvent::BadFrame {
+                peer,
+                error: Error::ReassemblyTimedOut { .. },
+            }) => {
+                assert!(stalled.contains(&peer));
+                timed_out += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let all_done = sent_at.elapsed();
+    let _ = child.kill();
+    let _ = child.wait();
+    drop(seventeenth.join().unwrap());
+    let took = seventeenth_took.unwrap();
+    println!(
+        "stats 16 senders stopped mid-message: the seventeenth's 11 messages in {took:?}; \
+         {timed_out} of 16 stalled messages timed out by {all_done:?} (reassembly_timeout \
+         {timeout:?})"
+    );
+    assert!(took < timeout, "the seventeenth waited {took:?}");
+    assert!(timed_out >= 1, "no stalled message timed out");
+}
