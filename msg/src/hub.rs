@@ -623,9 +623,13 @@ impl Hub {
             return Ok(Posted::PeerGone(m));
         };
         if empty {
+            let mut went = false;
             let sent = peer::in_time(
                 self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
-                    s.try_send_as(link, &m, solicited)
+                    let before = s.next_seq();
+                    let sent = s.try_send_as(link, &m, solicited);
+                    went = s.next_seq() != before;
+                    sent
                 })
                 .and_then(|sent| {
                     if sent {
@@ -639,6 +643,9 @@ impl Hub {
             match sent {
                 Ok(true) => return Ok(Posted::Sent),
                 Ok(false) => {}
+                // It went (in part, at least) before the peer failed: sent, its fate is the
+                // peer's record's (`Disconnected`, `Unconfirmed`), not handed back twice.
+                Err(_) if went => return Ok(Posted::Sent),
                 // The send itself found the peer gone (or failed it): as when that was
                 // known before, not an error (issue 45: a job queue's coordinator exited on it).
                 Err(_) if self.outbox_empty(peer).is_none() => return Ok(Posted::PeerGone(m)),

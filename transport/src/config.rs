@@ -85,13 +85,14 @@ pub struct Config {
     ///
     /// A hub (TCP or rdma_cm alike) watches peer *hosts*, not connections: its bootstrap
     /// streams have no TCP keepalive (ten thousand of them probing made a small machine drop
-    /// the answers and end live connections), and once a third of the limit passes with
-    /// nothing from any connection to a host, it probes that host once, on one connection.
-    /// A probe still unanswered a third later ends that connection as vanished and has each
-    /// other connection to the host probed on its own, judged a third later: a dead host's
-    /// connections end within about four thirds of the limit, and an idle hub sends one probe
-    /// per silent host and third, whatever its number of connections
-    /// ([`HubStats::liveness_probes`](crate::HubStats::liveness_probes)).
+    /// the answers and end live connections). Every third of the limit, a connection whose
+    /// own probe or signaled send went unanswered for a third ends as vanished; a host none
+    /// of whose connections was heard from, and none of which has anything out, gets one
+    /// probe; a silent host one of whose connections went unanswered gets two more probed,
+    /// and when they too go unanswered all its connections end. So a dead host's connections
+    /// end within about four thirds of the limit, and an idle host costs one probe per third
+    /// (two, while the connection longest unheard is probed in turn), whatever its number of
+    /// connections ([`HubStats::liveness_probes`](crate::HubStats::liveness_probes)).
     pub keepalive: Option<Duration>,
     /// Longest a sleeping connection goes without polling its queues for an error nothing
     /// woke it for. The verbs specification has an error completion fire even a solicited-only

@@ -240,7 +240,6 @@ fn serve_and_check(n: usize, k: u32, config: HubConfig, groups: u32) {
     let mut server = RawHub::new(&ep, config.clone()).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let started = Instant::now();
-    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client_with(addr, n, k, config);
         for (i, id) in ids.iter().enumerate() {
@@ -337,7 +336,6 @@ fn a_silent_client_does_not_hold_up_the_others() {
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let silent = std::net::TcpStream::connect(addr).expect("a silent client");
     let started = Instant::now();
-    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client(addr, 8, 4);
         for id in ids {
@@ -751,7 +749,6 @@ fn an_outside_event_loop_drives_the_hub_through_its_descriptor() {
     let watch = rdmsg_verbs::ReadyWatch::new().unwrap();
     watch.add(server.as_fd(), 0).unwrap();
     watch.add(poked.as_fd(), 1).unwrap();
-    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client(addr, 4, 8);
         for id in ids {
@@ -813,7 +810,6 @@ fn a_pool_that_cannot_grow_does_not_fail_the_hub() {
     let mut server = RawHub::new(&ep, config).expect("server hub");
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let (n, k) = (8, 400u32);
-    let (done, finish) = std::sync::mpsc::channel::<()>();
     let client = std::thread::spawn(move || {
         let (ids, mut hub) = client(addr, n, k);
         for id in &ids {
@@ -1126,9 +1122,11 @@ fn an_idle_host_costs_a_hub_one_probe_per_interval_not_one_per_connection() {
 }
 
 /// A host that dies says nothing: no end of a stream. Its queue pairs here stop answering
-/// (moved to the error state behind their connections' backs, which are then left alone),
-/// and the hub's probe of the silent host goes unanswered: that connection ends as vanished,
-/// every other one to the host is probed on its own, and ends as vanished an interval later.
+/// (moved to the error state behind their connections' backs, which are then left alone).
+/// Two of its five connections are idle; to the other three the hub streams until their
+/// sends fill the send queue (no room for a probe there). The sends go unanswered, and so
+/// does the probe of an idle one: the host is suspect, a sample of its connections is
+/// probed, and every connection to it ends as vanished.
 #[test]
 #[ignore = "device"]
 fn a_hub_notices_a_silent_host_and_ends_each_of_its_connections() {
@@ -1139,7 +1137,7 @@ fn a_hub_notices_a_silent_host_and_ends_each_of_its_connections() {
     let addr = server.listen("127.0.0.1:0").expect("listen");
     let mut clients = Vec::new();
     let mut peers = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..5 {
         let (c, p) = connection_to(&mut server, addr);
         clients.push(c);
         peers.push(p);
@@ -1148,11 +1146,23 @@ fn a_hub_notices_a_silent_host_and_ends_each_of_its_connections() {
     for c in &mut clients {
         c.break_queue_pair().unwrap();
     }
+    let mut sent = 0;
+    for &p in &peers[..3] {
+        for seq in 0..64 {
+            if server
+                .try_send(p, &payload(0, seq), seq % 4 == 3)
+                .unwrap_or(false)
+            {
+                sent += 1;
+            }
+        }
+    }
+    println!("stats sent {sent} messages into the dead host's queue pairs");
     let mut ended = Vec::new();
     while ended.len() < peers.len() {
         assert!(
             stopped.elapsed() < Duration::from_secs(30),
-            "{} of 3 noticed in 30 s",
+            "{} of 5 noticed in 30 s",
             ended.len()
         );
         match server
@@ -1169,7 +1179,7 @@ fn a_hub_notices_a_silent_host_and_ends_each_of_its_connections() {
     }
     let stats = server.stats();
     println!(
-        "stats hub noticed a silent host's 3 connections after {:?} (keepalive {keepalive:?}, \
+        "stats hub noticed a silent host's 5 connections after {:?} (keepalive {keepalive:?}, \
          {} probes)",
         ended.iter().map(|e| e.1).collect::<Vec<_>>(),
         stats.liveness_probes

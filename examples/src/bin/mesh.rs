@@ -23,11 +23,10 @@
 //! harness to kill the VM. Hosts listed in `--may-lose` may vanish (their streams are then not
 //! counted); any other failure is an error. `--ack-timeout T` is the queue pairs' local ACK
 //! timeout exponent (4.096 µs × 2^T; default 16, 268 ms: with 7 retries a budget of about
-//! 2.1 s). `--keepalive S` is the bootstrap streams' keepalive limit (default 10 s: 5 probes,
-//! where the library's default 5 s has 3, which a 5 % lossy link fails all three of too
-//! often). `--cm` connects through the RDMA connection manager instead of the TCP bootstrap
-//! (every host listens on its own entry, which must be its RDMA device's address); the
-//! keepalive limit then bounds the liveness probes.
+//! 2.1 s). `--keepalive S` is `Config::keepalive` (default 10 s), which bounds the hub's
+//! liveness probes of each peer host (a hub's bootstrap streams have no TCP keepalive).
+//! `--cm` connects through the RDMA connection manager instead of the TCP bootstrap (every
+//! host listens on its own entry, which must be its RDMA device's address).
 //!
 //! Lines: `mesh: connected id=J ...` per peer, `mesh: peer-lost id=J failure="..."` when one
 //! fails, `mesh: cut ...`, and at the end one report:
@@ -144,7 +143,7 @@ struct Options {
     /// The queue pairs' local ACK timeout exponent (4.096 µs × 2^T)
     #[arg(long, value_name = "T", default_value_t = 16)]
     ack_timeout: u8,
-    /// The bootstrap streams' keepalive limit (over rdma_cm: the probes'), in seconds
+    /// Config::keepalive, the limit of the hub's liveness probes, in seconds
     #[arg(long, value_name = "S", default_value_t = 10)]
     keepalive: u64,
     /// Connect through the RDMA connection manager instead of the TCP bootstrap

@@ -607,6 +607,12 @@ impl Sender {
         Ok(())
     }
 
+    /// The number the next message will carry: a send that moved it sent (or committed)
+    /// its message, whatever error followed.
+    pub(crate) fn next_seq(&self) -> u32 {
+        self.seq
+    }
+
     /// Sends `m` if it can go without waiting: `Ok(false)` (nothing of it sent) if the peer
     /// has no credit, no send slot is free, or frames committed earlier are still waiting. A
     /// message needing fragments is committed once its first frame is sent: the rest are
@@ -624,7 +630,9 @@ impl Sender {
         if !self.try_send_now(link, m, solicited, Patience::Not)? {
             return Ok(false);
         }
-        self.send_committed(link)?;
+        // It went (its first frame at least): an error of what follows it recurs on the next
+        // call, and the caller must not take the message for unsent.
+        let _ = self.send_committed(link);
         Ok(true)
     }
 

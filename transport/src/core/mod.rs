@@ -283,6 +283,8 @@ pub(crate) struct Core {
     heard: bool,
     /// Probe intervals in a row without a sign of life.
     silent_intervals: u8,
+    /// Probe intervals since the peer was last heard from (a hub's liveness watch).
+    quiet_intervals: u32,
     /// The last RDMA read posted, until a completion covers it: a probe behind it waits for
     /// all its bytes.
     last_read: Option<u64>,
@@ -343,6 +345,7 @@ impl Core {
             probe_every: None,
             probe_wr: None,
             heard: false,
+            quiet_intervals: 0,
             silent_intervals: 0,
             last_read: None,
         }
@@ -386,9 +389,39 @@ impl Core {
         self.phase == Phase::Linked
     }
 
-    /// Whether a liveness probe of ours is still out.
-    pub(crate) fn probe_out(&self) -> bool {
-        self.probe_wr.is_some()
+    /// Whether a request of ours a live peer's device answers is out: a probe, or a signaled
+    /// send (whose completion also retires the unsignaled ones before it).
+    pub(crate) fn awaits_answer(&self) -> bool {
+        self.probe_wr.is_some() || self.last_signaled.is_some()
+    }
+
+    /// For a driver that judges liveness itself, once per probe interval with what
+    /// [`Core::take_heard`] said: intervals in a row that a request of ours stayed unanswered
+    /// (0 once the peer is heard from, or nothing is out), and intervals since the peer was
+    /// last heard from. A probe counts from the interval it was posted in.
+    pub(crate) fn silence_tick(&mut self, heard: bool) -> (u8, u32) {
+        if heard {
+            self.silent_intervals = 0;
+            self.quiet_intervals = 0;
+        } else {
+            self.quiet_intervals = self.quiet_intervals.saturating_add(1);
+            self.silent_intervals = if self.awaits_answer() {
+                self.silent_intervals.saturating_add(1)
+            } else {
+                0
+            };
+        }
+        (self.silent_intervals, self.quiet_intervals)
+    }
+
+    /// Intervals a request of ours may stay unanswered before the peer is gone: one probe
+    /// interval after the one it went in, six while an RDMA read of ours is under way.
+    pub(crate) fn silence_limit(&self) -> u8 {
+        if self.last_read.is_some() {
+            SILENT_INTERVALS_BEHIND
+        } else {
+            2
+        }
     }
 
     /// Whether an RDMA read of ours is under way: a probe behind it completes only once all
@@ -401,6 +434,8 @@ impl Core {
     pub(crate) fn probe_posted(&mut self, wr_id: u64) {
         self.stats.probes += 1;
         self.probe_wr = Some(wr_id);
+        // Its interval counts: unanswered at the end of the next, the peer is gone.
+        self.silent_intervals = self.silent_intervals.max(1);
         self.last_signaled = Some(wr_id);
         // Signaled: its completion retires the unsignaled sends before it.
         self.unsignaled = 0;

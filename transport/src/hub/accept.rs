@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use rdmsg_verbs::{QpCaps, QueuePair};
 
+use super::liveness::HostKey;
 use super::slots::{Established, HubSide, Phase};
 use super::{RawHub, RawHubEvent};
 use crate::bootstrap::Pending;
@@ -282,7 +283,17 @@ impl RawHub {
         trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
         let conn = &self.config.conn;
         let caps = side.qp.caps();
+        let generation = self.slot(slot).generation;
+        let host = if peer.addr.gid != rdmsg_verbs::Gid::default() || peer.addr.lid != 0 {
+            HostKey::Device(peer.addr.gid, peer.addr.lid)
+        } else if let Some(at) = peer_addr {
+            // rdma_cm's hello leaves the address to the CM: the peer's IP names its host.
+            HostKey::Ip(at.ip())
+        } else {
+            HostKey::Alone(slot, generation)
+        };
         let link = Established {
+            host,
             max_message: peer.buf_size.min(conn.buf_size) as usize,
             max_inline: caps.max_inline_data.min(conn.max_inline) as usize,
             sq_depth: caps.max_send_wr.min(conn.send_depth) as usize,

@@ -145,24 +145,27 @@ impl RawHub {
                 }
                 Action::UnwatchStream => self.unwatch_stream(slot),
                 Action::FailQueuePair => self.fail_queue_pair(slot),
-                Action::Probe => self.probe(slot),
+                Action::Probe => {
+                    self.probe(slot);
+                }
             }
         }
     }
 
-    /// Posts the liveness probe the core of `slot` asks for, if its send queue and the
-    /// hub's send CQ have room (else its core asks again, or judges by the signaled send in
-    /// flight).
-    pub(super) fn probe(&mut self, slot: usize) {
+    /// Posts a liveness probe on `slot`, if its send queue and the hub's send CQ have room;
+    /// whether it did (without room, the hub's liveness watch asks again, or judges by the
+    /// signaled send in flight). A post that fails fails the connection (its core's actions
+    /// are the caller's to run).
+    pub(super) fn probe(&mut self, slot: usize) -> bool {
         let room = self.room(slot);
         if room.sq == 0 || room.cq == 0 {
-            return;
+            return false;
         }
         let Some(s) = self.slots[slot].as_mut() else {
-            return;
+            return false;
         };
         let Phase::Linked(link) = &mut s.phase else {
-            return;
+            return false;
         };
         let before = link.qp.send_outstanding();
         let posted = link.qp.post_probe();
@@ -172,11 +175,15 @@ impl RawHub {
                 s.core.probe_posted(id);
                 self.stats.liveness_probes += 1;
                 self.follow_unsignaled(slot);
+                true
             }
-            Err(e) => s.core.handle_failure(crate::error::Failure::Local {
-                op: "posting a liveness probe (ibv_post_send)",
-                errno: crate::error::errno_of(&Error::from(e)),
-            }),
+            Err(e) => {
+                s.core.handle_failure(crate::error::Failure::Local {
+                    op: "posting a liveness probe (ibv_post_send)",
+                    errno: crate::error::errno_of(&Error::from(e)),
+                });
+                false
+            }
         }
     }
 

@@ -2,81 +2,116 @@
 //!
 //! A hub's connections to one host share that host's device, and what a liveness probe asks
 //! (does the peer's device still answer?) has one answer for all of them. So the hub watches
-//! hosts, not connections: once every probe interval ([`crate::core::probe_interval`] of
-//! `Config::keepalive`) it looks at each host's open connections; if any heard from its peer
-//! (a receive, a send it acknowledged, a probe answered) the host is alive. Only a host that
-//! was silent for a whole interval gets a probe, one, on one of its connections. A probe
-//! still unanswered an interval later (more while an RDMA read of ours is under way) ends
-//! that connection as vanished, and makes the host suspect: each of its other connections is
-//! then probed on its own and judged at the next interval. A host that answers any of them is
-//! alive again.
+//! hosts, not connections. Once every probe interval ([`crate::core::probe_interval`] of
+//! `Config::keepalive`) `RawHub::watch_liveness` polls its queues and looks at every open
+//! connection:
+//! - **Each connection** is judged by what of its own is out: a probe, or a signaled send, that
+//!   a live peer's device answers. One still unanswered an interval after the one it went in
+//!   (six while an RDMA read of ours is under way) ends that connection as vanished
+//!   (`Core::silence_tick`), whether its host is heard from or not.
+//! - **Each host** none of whose connections was heard from in the interval (a receive, a send
+//!   acknowledged, a probe answered) and none of which has anything out gets one probe, on one
+//!   connection. A host heard from gets none, however many connections it has, but for one
+//!   probe per interval to the connection that went longest without being heard from (after
+//!   [`ROTATE_AFTER`] intervals): so a connection that died on a live host (its peer rebooted
+//!   and came back, say) is found too, in time.
+//! - **A silent host** one of whose connections went unanswered is suspect: [`SAMPLE`] more of
+//!   its connections are probed; when they too go unanswered, every connection to it ends as
+//!   vanished at once. A host that answers any of them is alive. So a dead host's connections
+//!   end within about four thirds of the keepalive, with at most `1 + SAMPLE` probes in its
+//!   send CQ entries, not one per connection.
 //!
 //! Why not TCP keepalive on every bootstrap stream, as a single connection has: its probes
 //! cost a packet each way per connection and interval, whether the host is heard from or not.
 //! Ten thousand idle connections from one host made twenty thousand sockets probe every two
 //! seconds, which a small (or emulated) machine drops, and a dropped keepalive answer ended
-//! live connections as vanished (issue 41). Here an idle hub sends one probe per silent host
-//! and interval, and none to a host it hears from.
+//! live connections as vanished (issue 41).
 //!
-//! The state machine ([`HostWatch`]) is pure: the hub tallies each host's connections
-//! ([`Tally`]) and does what the verdict says (`RawHub::watch_liveness`).
+//! The host's state machine ([`HostWatch`]) is pure: the hub tallies each host's connections
+//! ([`Tally`]) and does what the verdict says.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use rdmsg_verbs::Gid;
+use rdmsg_verbs::{deadline_after, Gid};
 
 use super::slots::Phase;
 use super::RawHub;
-use crate::core::SILENT_INTERVALS_BEHIND;
-use crate::error::Failure;
-use rdmsg_verbs::deadline_after;
+use crate::error::{Failure, Result};
 
-/// Where a peer's device answers: its port's GID (on RoCE, its address) and LID.
-pub(super) type HostKey = (Gid, u16);
+/// Where a peer's device answers: its port's GID and LID when its hello names them (the TCP
+/// bootstrap), else its IP address (rdma_cm, where the address is the CM's business), else
+/// nothing shared: the connection alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum HostKey {
+    Device(Gid, u16),
+    Ip(IpAddr),
+    Alone(usize, u32),
+}
 
 /// A connection as the liveness watch names it: slot and generation, so that a slot reused
 /// by a later connection is not mistaken for the one probed.
 pub(super) type Member = (usize, u32);
 
+/// More connections of a suspect host probed before all of it is judged gone.
+pub(super) const SAMPLE: usize = 2;
+
+/// Intervals a connection of a host heard from may go unheard before it is probed on its
+/// own (one such probe per host and interval).
+pub(super) const ROTATE_AFTER: u32 = 3;
+
+/// Connections kept as probe candidates per host and interval.
+const CANDIDATES: usize = 4;
+
 /// What one host's open connections showed over the last interval.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct Tally {
     /// Any of them heard from its peer.
     pub(super) heard: bool,
-    /// The connection carrying the host's probe is still open with the probe out.
-    pub(super) probe_out: bool,
-    /// A connection that may carry a probe, and whether an RDMA read of ours is under way
-    /// on it (one without is preferred: a probe behind a read waits for all its bytes).
-    pub(super) candidate: Option<(Member, bool)>,
+    /// Connections with a request of ours out (a probe or a signaled send), still within
+    /// their allowance: they will be judged by it.
+    pub(super) pending: usize,
+    /// Connections whose request went unanswered for its whole allowance (the hub ends them
+    /// as vanished).
+    pub(super) vanished: usize,
+    /// Connections with nothing out that may carry a probe, those with no read under way
+    /// first (a probe behind a read waits for all its bytes): a few.
+    pub(super) candidates: Vec<Member>,
+    /// The connection with nothing out that went longest unheard, and for how many intervals.
+    pub(super) quietest: Option<(Member, u32)>,
+}
+
+impl Tally {
+    fn candidate(&mut self, member: Member, reading: bool) {
+        if self.candidates.len() < CANDIDATES {
+            if reading {
+                self.candidates.push(member);
+            } else {
+                self.candidates.insert(0, member);
+            }
+        }
+    }
 }
 
 /// What the hub must do for one host after an interval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Verdict {
-    /// Nothing: the host was heard from, its probe still has time, or no connection could
-    /// carry one (asked again next interval).
+    /// Nothing more: heard from, or judged by what is already out.
     Nothing,
-    /// Post a probe on this connection.
-    Probe(Member),
-    /// The probe on `prober` went unanswered for its whole allowance: that connection's peer
-    /// vanished, and every other connection to the host is probed on its own now.
-    Suspect { prober: Member },
-    /// The host stayed silent for the interval after [`Verdict::Suspect`]: each of its
-    /// connections whose own probe is still out vanished; one without (no room for it then)
-    /// is probed now, and the host stays suspect if any was ([`HostWatch::stay_suspect`]).
-    JudgeEach,
+    /// Probe this many of the candidates (the first that have room).
+    Probe(usize),
+    /// Heard from: probe the connection that went longest unheard.
+    Rotate(Member),
+    /// Every connection to the host ends as vanished.
+    AllGone,
 }
 
 /// The liveness state of one peer host.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct HostWatch {
-    /// The connection carrying our probe, and the intervals it may stay unanswered.
-    probe: Option<(Member, u8)>,
-    /// Intervals since the probe was posted, itself included.
-    silent: u8,
-    /// Each connection was probed on its own; they are judged at the next interval.
-    suspect: bool,
+    /// Its connections that went unanswered since it was last heard from.
+    vanished: usize,
 }
 
 impl HostWatch {
@@ -84,48 +119,28 @@ impl HostWatch {
     pub(super) fn tick(&mut self, tally: &Tally) -> Verdict {
         if tally.heard {
             *self = HostWatch::default();
-            return Verdict::Nothing;
+            return match tally.quietest {
+                Some((member, quiet)) if quiet >= ROTATE_AFTER => Verdict::Rotate(member),
+                _ => Verdict::Nothing,
+            };
         }
-        if std::mem::take(&mut self.suspect) {
-            *self = HostWatch::default();
-            return Verdict::JudgeEach;
+        self.vanished += tally.vanished;
+        if self.vanished == 0 {
+            // Silent: what is out will say; with nothing out, one probe asks.
+            return if tally.pending > 0 {
+                Verdict::Nothing
+            } else {
+                Verdict::Probe(1)
+            };
         }
-        if let Some((prober, limit)) = self.probe {
-            if tally.probe_out {
-                self.silent = self.silent.saturating_add(1);
-                if self.silent >= limit {
-                    *self = HostWatch {
-                        suspect: true,
-                        ..HostWatch::default()
-                    };
-                    return Verdict::Suspect { prober };
-                }
-                return Verdict::Nothing;
-            }
-            // The probe's connection ended (a probe failed by the queue pair's retries ends
-            // it as vanished), or the post found no room: another carries the next one.
-            self.probe = None;
+        if self.vanished > SAMPLE {
+            return Verdict::AllGone;
         }
-        match tally.candidate {
-            Some((member, reading)) => {
-                let limit = if reading { SILENT_INTERVALS_BEHIND } else { 2 };
-                self.probe = Some((member, limit));
-                self.silent = 1;
-                Verdict::Probe(member)
-            }
-            None => Verdict::Nothing,
+        // Suspect: sample more of its connections (those already out count).
+        match (1 + SAMPLE - self.vanished).saturating_sub(tally.pending) {
+            0 => Verdict::Nothing,
+            n => Verdict::Probe(n),
         }
-    }
-
-    /// The connection this host's probe went out on, if one is out.
-    pub(super) fn prober(&self) -> Option<Member> {
-        self.probe.map(|(m, _)| m)
-    }
-
-    /// After [`Verdict::JudgeEach`], some connections could only now be probed: they are
-    /// judged at the next interval.
-    pub(super) fn stay_suspect(&mut self) {
-        self.suspect = true;
     }
 }
 
@@ -134,7 +149,7 @@ impl HostWatch {
 pub(super) struct Liveness {
     /// The probe interval (`None`: `Config::keepalive` is off).
     every: Option<Duration>,
-    /// When the current interval ends, once a connection is open.
+    /// When the current interval ends, while any connection is open.
     next: Option<Instant>,
     hosts: HashMap<HostKey, HostWatch>,
 }
@@ -161,18 +176,21 @@ impl Liveness {
 }
 
 impl RawHub {
-    /// At the end of each probe interval: tallies each peer host's open connections and
-    /// does what its [`HostWatch`] says. Visits every connection once per interval (seconds),
-    /// whatever traffic there was; nothing on the path of a message.
-    pub(super) fn watch_liveness(&mut self, now: Instant) {
+    /// At the end of each probe interval: polls the queues (an answer already here is not
+    /// mistaken for silence), then tallies each peer host's open connections and does what
+    /// its [`HostWatch`] says. Visits every connection once per interval (seconds), whatever
+    /// the traffic; nothing on the path of a message.
+    pub(super) fn watch_liveness(&mut self, now: Instant) -> Result<()> {
         let (Some(every), Some(next)) = (self.liveness.every, self.liveness.next) else {
-            return;
+            return Ok(());
         };
         if now < next {
-            return;
+            return Ok(());
         }
-        let hosts = &mut self.liveness.hosts;
-        let mut tallies: HashMap<HostKey, Tally> = HashMap::with_capacity(hosts.len());
+        self.poll_now()?;
+        let mut tallies: HashMap<HostKey, Tally> =
+            HashMap::with_capacity(self.liveness.hosts.len());
+        let mut vanished = Vec::new();
         for (slot, s) in self.slots.iter_mut().enumerate() {
             let Some(s) = s else { continue };
             let Phase::Linked(link) = &s.phase else {
@@ -181,79 +199,71 @@ impl RawHub {
             if !s.core.is_open() {
                 continue;
             }
-            let key = (link.peer.addr.gid, link.peer.addr.lid);
             let member = (slot, s.generation);
-            let tally = tallies.entry(key).or_default();
-            tally.heard |= s.core.take_heard();
-            let probe_out = s.core.probe_out();
-            if probe_out && hosts.get(&key).and_then(HostWatch::prober) == Some(member) {
-                tally.probe_out = true;
-            }
-            let reading = s.core.reading();
-            if !probe_out && tally.candidate.map_or(true, |(_, r)| r && !reading) {
-                tally.candidate = Some((member, reading));
+            let tally = tallies.entry(link.host).or_default();
+            let heard = s.core.take_heard();
+            let (silence, quiet) = s.core.silence_tick(heard);
+            tally.heard |= heard;
+            if silence >= s.core.silence_limit() {
+                tally.vanished += 1;
+                vanished.push(slot);
+            } else if s.core.awaits_answer() {
+                tally.pending += 1;
+            } else {
+                tally.candidate(member, s.core.reading());
+                if tally.quietest.map_or(true, |(_, q)| quiet > q) {
+                    tally.quietest = Some((member, quiet));
+                }
             }
         }
-        // Hosts with no open connection left are forgotten.
+        let hosts = &mut self.liveness.hosts;
         hosts.retain(|key, _| tallies.contains_key(key));
-        let mut probe = Vec::new();
-        let mut each: Vec<(HostKey, Option<Member>)> = Vec::new();
-        for (key, tally) in &tallies {
+        let mut probes: Vec<(Vec<Member>, usize)> = Vec::new();
+        let mut all_gone = std::collections::HashSet::new();
+        for (key, tally) in tallies.iter_mut() {
             match hosts.entry(*key).or_default().tick(tally) {
                 Verdict::Nothing => {}
-                Verdict::Probe((slot, _)) => probe.push(slot),
-                Verdict::Suspect { prober } => each.push((*key, Some(prober))),
-                Verdict::JudgeEach => each.push((*key, None)),
+                Verdict::Probe(n) => probes.push((std::mem::take(&mut tally.candidates), n)),
+                Verdict::Rotate(member) => probes.push((vec![member], 1)),
+                Verdict::AllGone => {
+                    all_gone.insert(*key);
+                }
             }
         }
-        for slot in probe {
-            self.probe(slot);
-        }
-        if !each.is_empty() {
-            self.judge_each(&each);
-        }
-        self.liveness.next = Some(deadline_after(now, every));
-    }
-
-    /// For the hosts in `each`: after [`Verdict::Suspect`] (with its prober), the prober's
-    /// peer vanished and every other connection is probed now; after [`Verdict::JudgeEach`]
-    /// (none), a connection whose own probe is still out vanished, one that has none is
-    /// probed now and its host stays suspect.
-    fn judge_each(&mut self, each: &[(HostKey, Option<Member>)]) {
-        let mut vanished = Vec::new();
-        let mut probe: Vec<(usize, HostKey)> = Vec::new();
-        for (slot, s) in self.slots.iter().enumerate() {
-            let Some(s) = s else { continue };
-            let Phase::Linked(link) = &s.phase else {
-                continue;
-            };
-            if !s.core.is_open() {
-                continue;
-            }
-            let key = (link.peer.addr.gid, link.peer.addr.lid);
-            let Some((_, prober)) = each.iter().find(|(k, _)| *k == key) else {
-                continue;
-            };
-            match prober {
-                Some(p) if *p == (slot, s.generation) => vanished.push(slot),
-                Some(_) => probe.push((slot, key)),
-                None if s.core.probe_out() => vanished.push(slot),
-                None => probe.push((slot, key)),
+        if !all_gone.is_empty() {
+            for (slot, s) in self.slots.iter().enumerate() {
+                if let Some(Phase::Linked(link)) = s.as_ref().map(|s| &s.phase) {
+                    if all_gone.contains(&link.host) && !vanished.contains(&slot) {
+                        vanished.push(slot);
+                    }
+                }
             }
         }
         for slot in vanished {
-            self.stats.vanished_by_probe += 1;
-            self.fail(slot, Failure::PeerVanished);
-        }
-        for (slot, key) in probe {
-            self.probe(slot);
-            let posted = self.slots[slot]
-                .as_ref()
-                .is_some_and(|s| s.core.probe_out());
-            if let (true, Some(w)) = (posted, self.liveness.hosts.get_mut(&key)) {
-                w.stay_suspect();
+            if self.slots[slot].as_ref().is_some_and(|s| s.core.is_open()) {
+                self.stats.vanished_by_probe += 1;
+                self.fail(slot, Failure::PeerVanished);
             }
         }
+        for (candidates, mut n) in probes {
+            for (slot, generation) in candidates {
+                if n == 0 {
+                    break;
+                }
+                let same = self.slots[slot]
+                    .as_ref()
+                    .is_some_and(|s| s.generation == generation && s.core.is_open());
+                if same && self.probe(slot) {
+                    n -= 1;
+                }
+                if self.slots[slot].is_some() {
+                    self.do_actions(slot);
+                }
+            }
+        }
+        // Ticks go on while a connection is open (`opened` starts them again).
+        self.liveness.next = (!tallies.is_empty()).then(|| deadline_after(now, every));
+        Ok(())
     }
 }
 
@@ -264,91 +274,68 @@ mod tests {
     const A: Member = (1, 0);
     const B: Member = (2, 0);
 
-    fn silent(candidate: Option<(Member, bool)>, probe_out: bool) -> Tally {
+    fn tally(heard: bool, pending: usize, vanished: usize) -> Tally {
         Tally {
-            heard: false,
-            probe_out,
-            candidate,
+            heard,
+            pending,
+            vanished,
+            candidates: vec![A, B],
+            quietest: None,
         }
     }
 
     #[test]
-    fn a_host_heard_from_is_never_probed() {
+    fn a_host_heard_from_is_not_probed_but_its_longest_unheard_connection_in_turn() {
         let mut w = HostWatch::default();
-        for _ in 0..10 {
-            let t = Tally {
-                heard: true,
-                probe_out: false,
-                candidate: Some((A, false)),
-            };
-            assert_eq!(w.tick(&t), Verdict::Nothing);
-        }
-        assert_eq!(w.prober(), None);
-    }
-
-    #[test]
-    fn a_silent_host_gets_one_probe_and_an_answer_ends_the_watch() {
-        let mut w = HostWatch::default();
-        assert_eq!(w.tick(&silent(Some((A, false)), false)), Verdict::Probe(A));
-        assert_eq!(w.prober(), Some(A));
-        // Answered: the probe's completion is a sign of life.
-        let t = Tally {
-            heard: true,
-            ..Tally::default()
-        };
+        assert_eq!(w.tick(&tally(true, 0, 0)), Verdict::Nothing);
+        let mut t = tally(true, 0, 0);
+        t.quietest = Some((B, ROTATE_AFTER - 1));
         assert_eq!(w.tick(&t), Verdict::Nothing);
-        assert_eq!(w.prober(), None);
+        t.quietest = Some((B, ROTATE_AFTER));
+        assert_eq!(w.tick(&t), Verdict::Rotate(B));
     }
 
     #[test]
-    fn a_probe_unanswered_for_an_interval_makes_the_host_suspect_then_each_is_judged() {
+    fn a_silent_host_gets_one_probe_unless_something_of_ours_is_out() {
         let mut w = HostWatch::default();
-        assert_eq!(w.tick(&silent(Some((A, false)), false)), Verdict::Probe(A));
-        assert_eq!(
-            w.tick(&silent(Some((B, false)), true)),
-            Verdict::Suspect { prober: A }
-        );
-        assert_eq!(w.tick(&silent(Some((B, false)), false)), Verdict::JudgeEach);
-        // Judged: the watch starts over (the survivors are probed again when silent).
-        assert_eq!(w.tick(&silent(Some((B, false)), false)), Verdict::Probe(B));
+        assert_eq!(w.tick(&tally(false, 0, 0)), Verdict::Probe(1));
+        // The probe is out: it will say.
+        assert_eq!(w.tick(&tally(false, 1, 0)), Verdict::Nothing);
+        // Answered.
+        assert_eq!(w.tick(&tally(true, 0, 0)), Verdict::Nothing);
+        // A send of ours out to a silent host says as much as a probe.
+        assert_eq!(w.tick(&tally(false, 3, 0)), Verdict::Nothing);
     }
 
     #[test]
-    fn a_suspect_host_that_answers_any_connection_is_alive() {
+    fn a_silent_host_whose_connection_went_unanswered_is_sampled_then_judged_whole() {
         let mut w = HostWatch::default();
-        w.tick(&silent(Some((A, false)), false));
-        w.tick(&silent(Some((B, false)), true));
-        let t = Tally {
-            heard: true,
-            ..Tally::default()
-        };
-        assert_eq!(w.tick(&t), Verdict::Nothing);
-        assert_eq!(w.tick(&silent(Some((B, false)), false)), Verdict::Probe(B));
+        assert_eq!(w.tick(&tally(false, 0, 0)), Verdict::Probe(1));
+        // The probe's connection went unanswered: sample more.
+        assert_eq!(w.tick(&tally(false, 0, 1)), Verdict::Probe(SAMPLE));
+        // Those went unanswered too: every connection is gone.
+        assert_eq!(w.tick(&tally(false, 0, SAMPLE)), Verdict::AllGone);
     }
 
     #[test]
-    fn a_probe_behind_a_read_gets_more_intervals() {
+    fn samples_already_out_count_and_an_answer_clears_the_suspicion() {
         let mut w = HostWatch::default();
-        assert_eq!(w.tick(&silent(Some((A, true)), false)), Verdict::Probe(A));
-        for _ in 2..SILENT_INTERVALS_BEHIND {
-            assert_eq!(w.tick(&silent(None, true)), Verdict::Nothing);
+        assert_eq!(w.tick(&tally(false, 1, 1)), Verdict::Probe(SAMPLE - 1));
+        assert_eq!(w.tick(&tally(false, SAMPLE, 0)), Verdict::Nothing);
+        // One answered: alive; the count starts over.
+        assert_eq!(w.tick(&tally(true, 0, 1)), Verdict::Nothing);
+        assert_eq!(w.tick(&tally(false, 0, 0)), Verdict::Probe(1));
+    }
+
+    #[test]
+    fn candidates_without_a_read_under_way_come_first() {
+        let mut t = Tally::default();
+        t.candidate(A, true);
+        t.candidate(B, false);
+        assert_eq!(t.candidates, vec![B, A]);
+        for i in 0..10 {
+            t.candidate((10 + i, 0), false);
         }
-        assert_eq!(w.tick(&silent(None, true)), Verdict::Suspect { prober: A });
-    }
-
-    #[test]
-    fn a_probe_whose_connection_ended_is_sent_again_on_another() {
-        let mut w = HostWatch::default();
-        assert_eq!(w.tick(&silent(Some((A, false)), false)), Verdict::Probe(A));
-        // A's probe failed by its retries (A ended as vanished) or never got room.
-        assert_eq!(w.tick(&silent(Some((B, false)), false)), Verdict::Probe(B));
-        assert_eq!(w.prober(), Some(B));
-    }
-
-    #[test]
-    fn a_host_without_a_connection_able_to_probe_waits() {
-        let mut w = HostWatch::default();
-        assert_eq!(w.tick(&silent(None, false)), Verdict::Nothing);
-        assert_eq!(w.tick(&silent(Some((A, false)), false)), Verdict::Probe(A));
+        assert_eq!(t.candidates.len(), CANDIDATES);
     }
 }

@@ -53,6 +53,8 @@ pub(super) struct Established {
     pub(super) sq_depth: usize,
     /// The stream is in the epoll set.
     pub(super) watched: bool,
+    /// The peer's host, as the liveness watch groups connections.
+    pub(super) host: super::liveness::HostKey,
 }
 
 /// The I/O resources a slot holds.

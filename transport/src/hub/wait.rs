@@ -130,6 +130,20 @@ impl RawHub {
         }
     }
 
+    /// Polls every queue without waiting (or arming) and handles what came.
+    pub(super) fn poll_now(&mut self) -> Result<()> {
+        let mut got = std::mem::take(&mut self.completions);
+        let polled = self
+            .waiter
+            .poll_all(&mut |key, wc| got.push((key, wc.clone())));
+        self.completions = got;
+        self.handle_completions();
+        match polled {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.hub_failure(e.into())),
+        }
+    }
+
     /// Everything but completions: the descriptors that were readable, deadlines, drained
     /// connections, returned buffers, grants.
     pub(super) fn after_wake(&mut self, look_everywhere: bool) -> Result<()> {
@@ -172,7 +186,7 @@ impl RawHub {
         self.waiter.channel_mut().ready = ready;
         let now = Instant::now();
         self.fire_deadlines(now);
-        self.watch_liveness(now);
+        self.watch_liveness(now)?;
         self.retire_drained()?;
         self.grow_for_demand()?;
         self.repost()?;
