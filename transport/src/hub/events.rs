@@ -115,10 +115,12 @@ pub struct HubStats {
     /// back, their last shared receive let go or waited for): every queue pair a hub made,
     /// a failed handshake's included, ends so.
     pub queue_pairs_drained: u64,
-    /// Liveness probes posted: one per peer host silent for a probe interval (a third of
-    /// `Config::keepalive`), whatever its number of connections, and one per connection of a
-    /// host whose probe went unanswered.
+    /// Liveness probes posted: per probe interval (a third of `Config::keepalive`), one per
+    /// peer host silent with nothing out, whatever its number of connections; one per host
+    /// heard from, to its connection longest unheard; two more to a silent host one of whose
+    /// connections went unanswered.
     pub liveness_probes: u64,
-    /// Connections ended as vanished because their peer's host answered no probe.
+    /// Connections the liveness watch ended as vanished: their own probe or signaled send
+    /// went unanswered, or their host answered none of its sampled connections.
     pub vanished_by_probe: u64,
 }
