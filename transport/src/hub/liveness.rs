@@ -65,7 +65,7 @@ pub(super) const ROTATE_AFTER: u32 = 3;
 const CANDIDATES: usize = 4;
 
 /// What one host's open connections showed over the last interval.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Tally {
     /// Any of them heard from its peer.
     pub(super) heard: bool,
@@ -76,21 +76,30 @@ pub(super) struct Tally {
     /// as vanished).
     pub(super) vanished: usize,
     /// Connections with nothing out that may carry a probe, those with no read under way
-    /// first (a probe behind a read waits for all its bytes): a few.
-    pub(super) candidates: Vec<Member>,
+    /// first (a probe behind a read waits for all its bytes): a few (the first `count`).
+    pub(super) candidates: [Member; CANDIDATES],
+    pub(super) count: usize,
     /// The connection with nothing out that went longest unheard, and for how many intervals.
     pub(super) quietest: Option<(Member, u32)>,
 }
 
 impl Tally {
     fn candidate(&mut self, member: Member, reading: bool) {
-        if self.candidates.len() < CANDIDATES {
-            if reading {
-                self.candidates.push(member);
-            } else {
-                self.candidates.insert(0, member);
-            }
+        if self.count == CANDIDATES {
+            return;
         }
+        if reading {
+            self.candidates[self.count] = member;
+        } else {
+            self.candidates.copy_within(..self.count, 1);
+            self.candidates[0] = member;
+        }
+        self.count += 1;
+    }
+
+    /// The probe candidates, best first.
+    pub(super) fn candidates(&self) -> &[Member] {
+        &self.candidates[..self.count]
     }
 }
 
@@ -152,13 +161,27 @@ pub(super) struct Liveness {
     /// When the current interval ends, while any connection is open.
     next: Option<Instant>,
     hosts: HashMap<HostKey, HostWatch>,
+    /// Scratch of each interval's look, kept (with its room) from one to the next: a watch
+    /// that allocates as it looks would show as allocations per message (`cost-check`).
+    tallies: HashMap<HostKey, Tally>,
+    vanished: Vec<usize>,
+    probes: Vec<(Tally, usize)>,
+    all_gone: Vec<HostKey>,
 }
+
+/// Hosts (and connections to judge) the watch has room for before it first looks.
+const ROOM: usize = 8;
 
 impl Liveness {
     pub(super) fn new(every: Option<Duration>) -> Self {
         Self {
             every,
-            ..Self::default()
+            next: None,
+            hosts: HashMap::with_capacity(ROOM),
+            tallies: HashMap::with_capacity(ROOM),
+            vanished: Vec::with_capacity(ROOM),
+            probes: Vec::with_capacity(ROOM),
+            all_gone: Vec::with_capacity(ROOM),
         }
     }
 
@@ -188,9 +211,11 @@ impl RawHub {
             return Ok(());
         }
         self.poll_now()?;
-        let mut tallies: HashMap<HostKey, Tally> =
-            HashMap::with_capacity(self.liveness.hosts.len());
-        let mut vanished = Vec::new();
+        let mut tallies = std::mem::take(&mut self.liveness.tallies);
+        let mut vanished = std::mem::take(&mut self.liveness.vanished);
+        let mut probes = std::mem::take(&mut self.liveness.probes);
+        let mut all_gone = std::mem::take(&mut self.liveness.all_gone);
+        tallies.clear();
         for (slot, s) in self.slots.iter_mut().enumerate() {
             let Some(s) = s else { continue };
             let Phase::Linked(link) = &s.phase else {
@@ -218,16 +243,16 @@ impl RawHub {
         }
         let hosts = &mut self.liveness.hosts;
         hosts.retain(|key, _| tallies.contains_key(key));
-        let mut probes: Vec<(Vec<Member>, usize)> = Vec::new();
-        let mut all_gone = std::collections::HashSet::new();
-        for (key, tally) in tallies.iter_mut() {
+        for (key, tally) in &tallies {
             match hosts.entry(*key).or_default().tick(tally) {
                 Verdict::Nothing => {}
-                Verdict::Probe(n) => probes.push((std::mem::take(&mut tally.candidates), n)),
-                Verdict::Rotate(member) => probes.push((vec![member], 1)),
-                Verdict::AllGone => {
-                    all_gone.insert(*key);
+                Verdict::Probe(n) => probes.push((*tally, n)),
+                Verdict::Rotate(member) => {
+                    let mut one = Tally::default();
+                    one.candidate(member, false);
+                    probes.push((one, 1));
                 }
+                Verdict::AllGone => all_gone.push(*key),
             }
         }
         if !all_gone.is_empty() {
@@ -239,14 +264,14 @@ impl RawHub {
                 }
             }
         }
-        for slot in vanished {
+        for &slot in &vanished {
             if self.slots[slot].as_ref().is_some_and(|s| s.core.is_open()) {
                 self.stats.vanished_by_probe += 1;
                 self.fail(slot, Failure::PeerVanished);
             }
         }
-        for (candidates, mut n) in probes {
-            for (slot, generation) in candidates {
+        for (tally, mut n) in probes.drain(..) {
+            for &(slot, generation) in tally.candidates() {
                 if n == 0 {
                     break;
                 }
@@ -263,6 +288,12 @@ impl RawHub {
         }
         // Ticks go on while a connection is open (`opened` starts them again).
         self.liveness.next = (!tallies.is_empty()).then(|| deadline_after(now, every));
+        vanished.clear();
+        all_gone.clear();
+        self.liveness.tallies = tallies;
+        self.liveness.vanished = vanished;
+        self.liveness.probes = probes;
+        self.liveness.all_gone = all_gone;
         Ok(())
     }
 }
@@ -275,13 +306,15 @@ mod tests {
     const B: Member = (2, 0);
 
     fn tally(heard: bool, pending: usize, vanished: usize) -> Tally {
-        Tally {
+        let mut t = Tally {
             heard,
             pending,
             vanished,
-            candidates: vec![A, B],
-            quietest: None,
-        }
+            ..Tally::default()
+        };
+        t.candidate(A, false);
+        t.candidate(B, true);
+        t
     }
 
     #[test]
@@ -332,10 +365,10 @@ mod tests {
         let mut t = Tally::default();
         t.candidate(A, true);
         t.candidate(B, false);
-        assert_eq!(t.candidates, vec![B, A]);
+        assert_eq!(t.candidates(), &[B, A]);
         for i in 0..10 {
             t.candidate((10 + i, 0), false);
         }
-        assert_eq!(t.candidates.len(), CANDIDATES);
+        assert_eq!(t.candidates().len(), CANDIDATES);
     }
 }
