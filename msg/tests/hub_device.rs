@@ -650,6 +650,19 @@ const STALLED: usize = 16;
 /// message reserved `max_message` rather than what it announced.
 const STALLED_LEN: usize = 14 << 20;
 
+/// A session connected to `addr` that sends every large message in fragments (rendezvous
+/// off), so that the hub reassembles it.
+fn fragmenting_session(addr: SocketAddr) -> rdmsg_msg::Session {
+    let conn = endpoint()
+        .connect(addr, &rdmsg_transport::Config::default())
+        .expect("connect");
+    let config = rdmsg_msg::SessionConfig {
+        rendezvous_threshold: None,
+        ..rdmsg_msg::SessionConfig::default()
+    };
+    rdmsg_msg::Session::with_config(conn, config)
+}
+
 /// The child of [`sixteen_senders_stopped_mid_message_neither_stall_a_seventeenth_nor_hold_the_budget`]:
 /// 16 sessions, each starting one large message in fragments; it is stopped (SIGSTOP) by
 /// the parent mid-way and killed at the end.
@@ -657,15 +670,7 @@ fn stalled_senders_child(addr: SocketAddr) -> ! {
     let senders: Vec<_> = (0..STALLED)
         .map(|_| {
             std::thread::spawn(move || {
-                let ep = endpoint();
-                let conn = ep
-                    .connect(addr, &rdmsg_transport::Config::default())
-                    .expect("connect");
-                let config = rdmsg_msg::SessionConfig {
-                    rendezvous_threshold: None,
-                    ..rdmsg_msg::SessionConfig::default()
-                };
-                let mut s = rdmsg_msg::Session::with_config(conn, config);
+                let mut s = fragmenting_session(addr);
                 let _ = s.send(&Blob {
                     data: vec![7; STALLED_LEN],
                 });
@@ -760,15 +765,7 @@ fn sixteen_senders_stopped_mid_message_neither_stall_a_seventeenth_nor_hold_the_
     assert!(stopped.success());
     // The seventeenth, from this process: a 100 KB message and ten small ones.
     let seventeenth = std::thread::spawn(move || {
-        let ep = endpoint();
-        let conn = ep
-            .connect(addr, &rdmsg_transport::Config::default())
-            .expect("connect");
-        let config = rdmsg_msg::SessionConfig {
-            rendezvous_threshold: None,
-            ..rdmsg_msg::SessionConfig::default()
-        };
-        let mut s = rdmsg_msg::Session::with_config(conn, config);
+        let mut s = fragmenting_session(addr);
         s.send(&Blob {
             data: vec![1; 100_000],
         })

@@ -137,15 +137,7 @@ impl RawHub {
         }
         if destroyed {
             // Whatever of theirs was still queued is handled now, before they are released.
-            let mut got = std::mem::take(&mut self.completions);
-            let polled = self
-                .waiter
-                .poll_all(&mut |key, wc| got.push((key, wc.clone())));
-            self.completions = got;
-            self.handle_completions();
-            if let Err(e) = polled {
-                return Err(self.hub_failure(e.into()));
-            }
+            self.poll_now()?;
             for slot in std::mem::take(&mut self.retired) {
                 self.release(slot);
             }
