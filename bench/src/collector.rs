@@ -45,7 +45,24 @@ pub struct Figures {
     pub failures: String,
     /// Messages the finished sensors sent that did not arrive (negative: more arrived).
     pub lost: i64,
+    /// Where a connection's connect time went, µs per connection, as `(metric, value)`: the
+    /// collector's CPU time, a handshake's wall time, and the hub's own work in it (absent
+    /// from lines of older builds).
+    pub connect_parts: Vec<(&'static str, f64)>,
 }
+
+/// The keys of the collector's line that say where connect time went, as the report names
+/// them: the collector's CPU time per connection until all were connected, a handshake's start
+/// to its connection, and the hub's work in it (receive buffers set aside, the queue pair
+/// created, moved to RTR and RTS, the hellos).
+pub const CONNECT_PARTS: [(&str, &str); 6] = [
+    ("connect_cpu_us_per_conn", "connect_cpu_us"),
+    ("hs_wall_us", "handshake_wall_us"),
+    ("admission_us", "admission_us"),
+    ("qp_create_us", "qp_create_us"),
+    ("rtr_rts_us", "rtr_rts_us"),
+    ("hello_us", "hello_us"),
+];
 
 impl Figures {
     /// Parses the collector's report line.
@@ -82,7 +99,14 @@ impl Figures {
             _ => Some(num("cpu_us_per_msg")?),
         };
         let lost = get("lost")?;
+        let mut connect_parts = Vec::new();
+        for (key, metric) in CONNECT_PARTS {
+            if kv.get(key).is_some_and(|v| *v != "n/a") {
+                connect_parts.push((metric, num(key)?));
+            }
+        }
         Ok(Self {
+            connect_parts,
             connections: int("connections")?,
             connect_ms: num("connect_ms")?,
             registered_kib_per_conn: num("registered_kib_per_conn")?,
@@ -116,6 +140,7 @@ impl Figures {
         if let Some(cpu) = self.cpu_us_per_msg {
             v.push(("cpu_us_per_msg", cpu));
         }
+        v.extend(self.connect_parts.iter().copied());
         v
     }
 
@@ -313,6 +338,23 @@ mod tests {
         assert_eq!(m.len(), 9);
         let m: HashMap<&str, f64> = f.metrics(10_000).into_iter().collect();
         assert_eq!(m["connect_ms_per_1000"], 420.0);
+    }
+
+    #[test]
+    fn where_connect_time_went_is_read_when_the_line_has_it() {
+        let line = GOOD.replace(
+            "probes=3 ",
+            "probes=3 connect_cpu_us_per_conn=2650 hs_wall_us=9141 admission_us=247.3 \
+             qp_create_us=604.2 rtr_rts_us=321.8 hello_us=455.6 ",
+        );
+        let f = Figures::parse(&line).unwrap();
+        let m: HashMap<&str, f64> = f.metrics(1000).into_iter().collect();
+        assert_eq!(m.len(), 15);
+        assert_eq!(m["connect_cpu_us"], 2650.0);
+        assert_eq!(m["handshake_wall_us"], 9141.0);
+        assert_eq!(m["qp_create_us"], 604.2);
+        assert_eq!(m["hello_us"], 455.6);
+        assert!(Figures::parse(&line.replace("rtr_rts_us=321.8", "rtr_rts_us=x")).is_err());
     }
 
     #[test]

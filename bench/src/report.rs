@@ -1117,6 +1117,38 @@ pub fn collector_markdown(samples: &[Sample]) -> String {
             f("lost"),
         );
     }
+    // Where connect time went, for the runs whose line says.
+    let parts: Vec<&CollectorPoint> = points
+        .iter()
+        .filter(|p| p.get("connect_cpu_us").is_some())
+        .collect();
+    if !parts.is_empty() {
+        out.push_str(
+            "\nWhere a connection's connect time went, µs per connection: the collector's CPU \
+             time until all were connected; a handshake's wall time from its stream's accept to \
+             its connection (waits for the sensors' side included); and the collector hub's own \
+             work in it: receive buffers set aside (registered in batches as the pool grows), \
+             the queue pair created and in INIT, moved to RTR and RTS, and the hellos read, \
+             checked and written.\n\n\
+             | sensors | min credits | CPU | handshake wall | admission | QP create | RTR+RTS | hellos |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for p in parts {
+            let f = |metric: &str| p.get(metric).map_or("—".into(), fmt_num);
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                p.sensors,
+                p.min_credits,
+                f("connect_cpu_us"),
+                f("handshake_wall_us"),
+                f("admission_us"),
+                f("qp_create_us"),
+                f("rtr_rts_us"),
+                f("hello_us"),
+            );
+        }
+    }
     if !failures.is_empty() {
         out.push_str("\nFailed runs:\n\n");
         for line in failures {
@@ -2052,6 +2084,44 @@ mod tests {
         let table = collector_table(&samples);
         assert_eq!(table[3].failed.as_deref(), Some("2 messages lost"));
         assert_eq!((table[4].sensors, table[4].rounds), (20_000, 0));
+    }
+
+    #[test]
+    fn the_collector_section_says_where_connect_time_went() {
+        let sample = |metric: &str, v: f64| Sample {
+            conns: 1000,
+            ..s(
+                Bench::Collector,
+                "collector",
+                "min_credits=8",
+                (0, 0),
+                metric,
+                v,
+            )
+        };
+        let mut samples: Vec<Sample> = [("connect_ms", 3300.0), ("connect_ms_per_1000", 3300.0)]
+            .into_iter()
+            .map(|(m, v)| sample(m, v))
+            .collect();
+        assert!(!collector_markdown(&samples).contains("connect time went"));
+        samples.extend(
+            [
+                ("connect_cpu_us", 2650.0),
+                ("handshake_wall_us", 9141.0),
+                ("admission_us", 247.3),
+                ("qp_create_us", 604.2),
+                ("rtr_rts_us", 321.8),
+                ("hello_us", 455.6),
+            ]
+            .into_iter()
+            .map(|(m, v)| sample(m, v)),
+        );
+        let md = collector_markdown(&samples);
+        assert!(md.contains("connect time went"), "{md}");
+        assert!(
+            md.contains("| 1000 | 8 | 2650 | 9141 | 247 | 604 | 322 | 456 |"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -37,6 +37,8 @@ pub(crate) struct Pending<S = Setup> {
     /// The client's from the start; the server's once the client passed.
     pub(crate) setup: Option<S>,
     config: Config,
+    /// When it began: `deadline` is `handshake_timeout` after.
+    pub(crate) started: Instant,
     pub(crate) deadline: Instant,
 }
 
@@ -53,13 +55,15 @@ impl<S: LocalSide> Pending<S> {
         stream
             .set_nodelay(true)
             .map_err(bootstrap_err("setting TCP_NODELAY"))?;
+        let started = Instant::now();
         Ok(Self {
             peer_addr: stream.peer_addr().ok(),
             stream,
             hs,
             setup,
             config: config.clone(),
-            deadline: deadline_after(Instant::now(), config.handshake_timeout),
+            started,
+            deadline: deadline_after(started, config.handshake_timeout),
         })
     }
 

@@ -147,7 +147,7 @@ pub use endpoint::{Endpoint, GidChoice, PathParams};
 pub use error::{Brief, Error, Failure, Result, TimedOut};
 pub use group::{GroupConfig, GroupHandle, GroupPeer, HubGroup, Member, MemberStats, Placement};
 pub use handshake::Psk;
-pub use hub::{HubConfig, HubStats, PeerId, RawHub, RawHubEvent};
+pub use hub::{ConnectTimes, HubConfig, HubStats, PeerId, RawHub, RawHubEvent};
 pub use pool::{PoolStats, Received, RecvPool, Waker};
 /// The epoll set a thread sharing a connection sleeps on (see `rdmsg_msg`'s split halves).
 pub use rdmsg_verbs::ReadyWatch;

@@ -232,6 +232,27 @@ fn one_thread_serves_thousands_of_connections() {
 /// by one hub, both hubs set up by `config`; checks every message, a graceful close of each,
 /// every buffer, descriptor and credit given back, no RNR, and `groups` receive groups on the
 /// server (0: any number).
+/// A hub's account of its connect time: every connection counted, every part of the work
+/// seen, and no part longer than the waits it happened in.
+fn assert_connect_times(t: &rdmsg_transport::ConnectTimes, n: usize) {
+    println!("connect times of {n} connections: {t:?}");
+    assert_eq!(t.established, n as u64, "every connection's time counted");
+    let work = t.admission + t.queue_pairs + t.transitions + t.hellos;
+    for (part, d) in [
+        ("admission", t.admission),
+        ("queue pairs", t.queue_pairs),
+        ("transitions", t.transitions),
+        ("hellos", t.hellos),
+    ] {
+        assert!(!d.is_zero(), "{part} took no time: {t:?}");
+    }
+    assert!(
+        work <= t.wall,
+        "the hub's work in the handshakes ({work:?}) within their time ({:?})",
+        t.wall
+    );
+}
+
 fn serve_and_check(n: usize, k: u32, config: HubConfig, groups: u32) {
     let ep = endpoint();
     let dev = device_name(&ep);
@@ -271,6 +292,7 @@ fn serve_and_check(n: usize, k: u32, config: HubConfig, groups: u32) {
         }
         let s = hub.stats();
         assert_eq!((s.connections, s.disconnected), (0, n as u64));
+        assert_connect_times(&s.connect_times, n);
         (hub.wait_stats(), hub.stats().forced_solicited)
     });
     let seen = serve(&mut server, n, Duration::from_secs(600));
@@ -308,6 +330,7 @@ fn serve_and_check(n: usize, k: u32, config: HubConfig, groups: u32) {
     );
     assert_eq!(stats.received, n as u64 * u64::from(k));
     assert_eq!((stats.connections, stats.handshakes), (0, 0));
+    assert_connect_times(&stats.connect_times, n);
     assert_eq!(pool.lent, 0, "every message buffer came back");
     assert_eq!(pool.free + pool.posted, pool.total);
     assert_eq!(

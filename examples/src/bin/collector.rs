@@ -34,7 +34,13 @@
 //! `connect_ms` (until every sensor was connected), `elapsed_ms`, `traffic_ms` (from `Start` to
 //! the last sensor's end), `cpu_us_per_msg` (the collector's CPU time over the traffic, per
 //! message), `wakeups_per_msg`, `probes` (liveness probes the collector's hub sent: one per
-//! silent sensor host and third of `keepalive`, not one per connection).
+//! silent sensor host and third of `keepalive`, not one per connection), and where connect
+//! time went, per connection: `connect_cpu_us_per_conn` (the collector's CPU time until every
+//! sensor was connected), `hs_wall_us` (a handshake's start to its connection, waits
+//! included), and the hub's own work in it: `admission_us` (receive buffers set aside, and
+//! registered in batches as the pool grows), `qp_create_us` (queue pair created and in INIT),
+//! `rtr_rts_us` (moved to RTR and RTS), `hello_us` (hellos read, checked and written). The
+//! sensors' line has the same for their hub.
 //!
 //! ```text
 //! collector [--sensors N] [--batches B] [--batch K] [--alarm-every A] [HUB]
@@ -57,15 +63,18 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
 use clap::builder::RangedU64ValueParser;
 use clap::{Args, Parser, Subcommand};
+use rdmsg::transport::ConnectTimes;
 use rdmsg::{message, Endpoint, Failure, Hub, HubConfig, HubEvent, PeerId};
 use rdmsg_examples::peers::{count_dir, field, process_cpu_ms, PeerProcess};
 use serde::{Deserialize, Serialize};
+use socket2::{Domain, Protocol, Socket, Type};
 
 /// A reading: telemetry, sent in batches whose last sample alone wakes the collector.
 #[derive(Debug, Serialize, Deserialize)]
@@ -364,6 +373,10 @@ struct Report {
     traffic_cpu_ms: Option<u64>,
     /// Liveness probes the collector's hub sent (one per silent sensor host and interval).
     probes: u64,
+    /// The collector's CPU time until every sensor was connected.
+    connect_cpu_ms: Option<u64>,
+    /// Where the collector's hub spent its connect time, when every sensor was connected.
+    connect_times: ConnectTimes,
     rnr: Option<u64>,
     errors: u64,
 }
@@ -418,7 +431,8 @@ impl Report {
             "collector: connections={} server_threads={} fds={} registered_kib={} messages={} lost={lost} wakeups={} \
              samples={} alarms={} batches={batches} fds_per_conn={:.2} registered_kib_per_conn={:.1} recv_buffers={} \
              spare_buffers={} forced_solicited={forced} msgs_per_wakeup={:.1} spurious_wakeups={} rnr={} errors={errors} connect_ms={} elapsed_ms={} \
-             traffic_ms={} cpu_us_per_msg={} wakeups_per_msg={:.3} probes={} finished={} failed={failed} failures={}",
+             traffic_ms={} cpu_us_per_msg={} wakeups_per_msg={:.3} probes={} connect_cpu_us_per_conn={} {} finished={} failed={failed} \
+             failures={}",
             s.connections,
             s.threads,
             s.fds,
@@ -443,6 +457,11 @@ impl Report {
             )),
             self.wakeups as f64 / self.messages.max(1) as f64,
             self.probes,
+            self.connect_cpu_ms.map_or("n/a".into(), |ms| format!(
+                "{:.0}",
+                ms as f64 * 1000.0 / conns
+            )),
+            connect_breakdown(&self.connect_times),
             self.done,
             self.failed.describe(),
         );
@@ -529,6 +548,8 @@ fn collect(
                 connected += 1;
                 if connected + refused == sensors && started_at.is_none() {
                     c.report.connect_ms = t0.elapsed().as_millis();
+                    c.report.connect_cpu_ms = process_cpu_ms();
+                    c.report.connect_times = hub.transport().stats().connect_times;
                     c.report.snapshot = snapshot(&hub);
                     eprintln!(
                         "collector: {sensors} sensors connected after {} ms",
@@ -593,6 +614,23 @@ fn collect(
     }
     r.rnr = rnr_before.and_then(|b| Some(rnr_counters()? - b));
     Ok(c.report)
+}
+
+/// Where a hub's connect time went, per connection, in µs, as `key=value` pairs: `hs_wall_us`
+/// (a handshake's start to its connection: waiting included), then the hub's own work in it:
+/// `admission_us` (receive buffers set aside; registered in batches as the pool grows),
+/// `qp_create_us` (queue pair created and in INIT), `rtr_rts_us` (moved to RTR and RTS),
+/// `hello_us` (the rest: reading, checking and writing hellos).
+fn connect_breakdown(t: &ConnectTimes) -> String {
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / t.established.max(1) as f64;
+    format!(
+        "hs_wall_us={:.0} admission_us={:.1} qp_create_us={:.1} rtr_rts_us={:.1} hello_us={:.1}",
+        per(t.wall),
+        per(t.admission),
+        per(t.queue_pairs),
+        per(t.transitions),
+        per(t.hellos),
+    )
 }
 
 fn snapshot(hub: &Hub) -> Snapshot {
@@ -741,6 +779,34 @@ impl Collector {
 
 // ----- the sensors -----
 
+/// Sensors per source address when the collector is on this host.
+const SENSORS_PER_SOURCE: u32 = 8_000;
+
+/// The bootstrap stream of the `i`th sensor of this process towards the collector at `to`.
+/// When `to` is on this host (a loopback address), sensors come from several loopback
+/// addresses, as they would from several hosts, each address carrying at most
+/// [`SENSORS_PER_SOURCE`]: Linux picks a connection's local port among its source address's
+/// ephemeral ports (28,232 by default), first among the half of one parity; once those are in
+/// use, each further connect searches through them, in system time. From one address, 20,000
+/// sensors connected in 7x the time of 10,000.
+fn sensor_stream(to: SocketAddr, i: u32, timeout: Duration) -> Result<TcpStream> {
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))
+        .context("making a sensor's socket")?;
+    if let SocketAddr::V4(v4) = to {
+        if v4.ip().is_loopback() {
+            let host = u32::from(Ipv4Addr::LOCALHOST) + i / SENSORS_PER_SOURCE;
+            let from = SocketAddr::from((Ipv4Addr::from(host), 0));
+            socket
+                .bind(&from.into())
+                .with_context(|| format!("binding sensor {i}'s socket to {from}"))?;
+        }
+    }
+    socket
+        .connect_timeout(&to.into(), timeout)
+        .with_context(|| format!("connecting sensor {i} to {to}"))?;
+    Ok(socket.into())
+}
+
 /// Sensors `first..first + count`, one connection each, all driven by this thread's hub.
 fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result<()> {
     ensure_fds(u64::from(count) + 64)?;
@@ -750,12 +816,26 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
         max_connections: count,
         ..HubConfig::default()
     };
+    let to = connect
+        .to_socket_addrs()
+        .with_context(|| format!("resolving {connect}"))?
+        .next()
+        .with_context(|| format!("{connect} names no address"))?;
+    let timeout = config.conn.handshake_timeout;
+    // As `Hub::connect` paces its own handshakes.
+    let most_pending = (config.conn.max_pending_handshakes as usize / 4).max(1);
     let mut hub = Hub::new(&ep, config).context("creating the sensors' hub")?;
     hub.register::<Start>()?;
     let mut peers = Vec::with_capacity(count as usize);
     let mut state = SensorsState::default();
-    for _ in 0..count {
-        peers.push(hub.connect(connect)?);
+    for i in 0..count {
+        while hub.transport().pending_connects() >= most_pending {
+            if let Some(ev) = hub.recv_timeout(Some(Duration::from_millis(100)))? {
+                state.event(ev)?;
+            }
+        }
+        let stream = sensor_stream(to, i, timeout)?;
+        peers.push(hub.connect_stream(stream)?);
         // Moves the handshakes under way on while the others start.
         while let Some(ev) = hub.try_recv()? {
             state.event(ev)?;
@@ -769,6 +849,8 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
         state.event(ev)?;
     }
     let connect_ms = t0.elapsed().as_millis();
+    let connect_cpu_ms = process_cpu_ms();
+    let connect_times = hub.transport().stats().connect_times;
     let (mut samples, mut alarms) = (0u64, 0u64);
     let mut seqs = vec![0u64; count as usize];
     let mut batch = Vec::with_capacity(work.batch);
@@ -902,12 +984,17 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
     println!(
         "sensors: connections={count} sent={sent} samples={samples} alarms={alarms} batches={} \
          solicited={} forced_solicited={forced} credit_waits={credit_waits} wakeups={} threads={} \
-         connect_ms={connect_ms} close_ms={close_ms} slowest_close_us={} close_errors={close_errors} \
-         elapsed_ms={} failed={} failures={}",
+         connect_ms={connect_ms} connect_cpu_us_per_conn={} {} close_ms={close_ms} slowest_close_us={} \
+         close_errors={close_errors} elapsed_ms={} failed={} failures={}",
         work.batches * u64::from(count),
         hub.stats().sent_solicited,
         wait.wakeups,
         count_dir("/proc/self/task"),
+        connect_cpu_ms.map_or("n/a".into(), |ms| format!(
+            "{:.0}",
+            ms as f64 * 1000.0 / f64::from(count.max(1))
+        )),
+        connect_breakdown(&connect_times),
         slowest.as_micros(),
         t0.elapsed().as_millis(),
         failures.count(),

@@ -3,7 +3,7 @@
 
 use std::net::TcpStream;
 use std::os::fd::AsFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{QpCaps, QueuePair};
 
@@ -115,7 +115,11 @@ impl RawHub {
     /// Creates the queue pair of slot `slot` on the hub's queues, with its share of the
     /// receive buffers set aside (the pool grows if it must).
     pub(super) fn create_side(&mut self, slot: usize) -> Result<HubSide> {
-        let group = self.admit(slot)?;
+        let start = Instant::now();
+        let admitted = self.admit(slot);
+        let admitted_at = Instant::now();
+        self.stats.connect_times.admission += admitted_at - start;
+        let group = admitted?;
         let caps = QpCaps {
             max_send_wr: self.config.conn.send_depth,
             max_recv_wr: 0,
@@ -133,6 +137,7 @@ impl RawHub {
             qp.to_init(self.endpoint.port())?;
             Ok::<_, Error>(qp)
         })();
+        self.stats.connect_times.queue_pairs += admitted_at.elapsed();
         let qp = match made {
             Ok(qp) => qp,
             Err(e) => {
@@ -149,6 +154,7 @@ impl RawHub {
             psn: random_psn(qp.qp_num()),
             qp,
             peer: None,
+            transitions: std::time::Duration::ZERO,
         })
     }
 
@@ -231,10 +237,22 @@ impl RawHub {
             return;
         };
         let endpoint = self.endpoint.clone();
+        let start = Instant::now();
+        let before = self.stats.connect_times;
         let res = {
             let mut create = |_: &Config| self.create_side(slot);
             pending.advance(&endpoint, &mut create)
         };
+        // What the call did beside creating and connecting the queue pair is the hellos'.
+        let times = &mut self.stats.connect_times;
+        let transitions = pending
+            .setup
+            .as_mut()
+            .map_or(Duration::ZERO, |side| std::mem::take(&mut side.transitions));
+        times.transitions += transitions;
+        let created =
+            (times.admission - before.admission) + (times.queue_pairs - before.queue_pairs);
+        times.hellos += start.elapsed().saturating_sub(created + transitions);
         // Once the peer's hello is known and the queue pair connected, the books are real
         // (the peer may send as soon as its side is in RTS).
         if let Some(peer) = pending.setup.as_ref().and_then(|side| side.peer) {
@@ -258,10 +276,12 @@ impl RawHub {
             setup,
             hs,
             peer_addr,
+            started,
             ..
         } = pending;
         let side = setup.expect("a finished handshake has its queue pair");
         let peer = *hs.peer().expect("a finished handshake knows its peer");
+        self.connected_after(started);
         // No TCP keepalive: the hub probes silent peer hosts itself (see `liveness`); the
         // stream still tells of a peer process's end.
         self.link(slot, side, Control::Tcp(stream), peer, peer_addr);
@@ -329,6 +349,13 @@ impl RawHub {
         if self.slots[slot].is_some() {
             self.schedule(slot);
         }
+    }
+
+    /// A handshake begun at `started` ended in a connection.
+    pub(super) fn connected_after(&mut self, started: Instant) {
+        let times = &mut self.stats.connect_times;
+        times.established += 1;
+        times.wall += started.elapsed();
     }
 
     pub(super) fn handshake_failed(&mut self, slot: usize, error: Error) {

@@ -41,6 +41,8 @@ pub(super) struct CmPending {
     /// The queue pair on the hub's queues, once made.
     pub(super) side: Option<HubSide>,
     stage: Stage,
+    /// When it began: `deadline` is `handshake_timeout` after.
+    started: Instant,
     pub(super) deadline: Instant,
     pub(super) peer_addr: Option<SocketAddr>,
     /// The CM was told of the client's first message (`rdma_notify`).
@@ -189,6 +191,7 @@ impl RawHub {
             channel,
             side: None,
             stage: Stage::Address,
+            started: Instant::now(),
             deadline: deadline_after(Instant::now(), timeout),
             peer_addr: Some(dst),
             notified: false,
@@ -286,6 +289,7 @@ impl RawHub {
             channel,
             side: None,
             stage: Stage::Established,
+            started: Instant::now(),
             deadline: deadline_after(Instant::now(), self.config.conn.handshake_timeout),
             peer_addr,
             notified: false,
@@ -357,10 +361,12 @@ impl RawHub {
                         channel,
                         side,
                         peer_addr,
+                        started,
                         ..
                     } = *pending;
                     let side = side.expect("a connected handshake has its queue pair");
                     let peer = side.peer.expect("a connected handshake knows its peer");
+                    self.connected_after(started);
                     // Later events (a disconnect) are the connection's news.
                     self.link(
                         slot,

@@ -6,6 +6,7 @@ pub use crate::peer_id::PeerId;
 use crate::error::{Error, Failure};
 use crate::pool::Received;
 use crate::read::ReadDone;
+use std::time::Duration;
 
 /// What happened in a [`RawHub`](super::RawHub).
 #[derive(Debug)]
@@ -123,4 +124,28 @@ pub struct HubStats {
     /// Connections the liveness watch ended as vanished: their own probe or signaled send
     /// went unanswered, or their host answered none of its sampled connections.
     pub vanished_by_probe: u64,
+    /// Where the time of making connections went, summed over every handshake.
+    pub connect_times: ConnectTimes,
+}
+
+/// Where a hub's time of making connections went, summed over its handshakes (accepted and
+/// its own, finished or failed): divide by `established` for one connection's share. The
+/// parts are the hub's own work; `wall` is each connection's wait from its handshake's start,
+/// the peer's part, the network's and the hub's other work included.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnectTimes {
+    /// Handshakes that ended in a connection.
+    pub established: u64,
+    /// From each established connection's start (its stream accepted or connected, its CM
+    /// request or address resolution begun) to its connection, summed.
+    pub wall: Duration,
+    /// Admission: a connection's share of receive buffers set aside, posted and, when the
+    /// pool grows (in batches), registered; receive groups made when one fills.
+    pub admission: Duration,
+    /// Queue pairs created and moved to INIT.
+    pub queue_pairs: Duration,
+    /// Queue pairs moved to RTR and RTS (handshakes over TCP; rdma_cm moves its own).
+    pub transitions: Duration,
+    /// The rest of a TCP handshake's work in the hub: reading, checking and writing hellos.
+    pub hellos: Duration,
 }

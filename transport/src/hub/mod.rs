@@ -66,7 +66,7 @@ use rdmsg_verbs::{
 };
 
 pub use config::HubConfig;
-pub use events::{HubStats, PeerId, RawHubEvent};
+pub use events::{ConnectTimes, HubStats, PeerId, RawHubEvent};
 
 use crate::core::{earliest, ConnStats};
 use crate::endpoint::Endpoint;
@@ -352,18 +352,21 @@ impl RawHub {
             .map_err(bootstrap_err("making the stream non-blocking"))?;
         let slot = self.new_slot(false)?;
         let conn = self.config.conn.clone();
+        let started = Instant::now();
         let made = self.create_side(slot).and_then(|side| {
             let ours = self.hello(Some(self.endpoint.address_of(&side.qp, side.psn)));
             let hs = Handshake::client(ours, conn.limits(), conn.psk.clone(), nonce()?);
             crate::bootstrap::Pending::new(stream, hs, Some(side), &conn)
         });
-        let pending = match made {
+        let mut pending = match made {
             Ok(p) => p,
             Err(e) => {
                 self.abandon(slot);
                 return Err(e);
             }
         };
+        // Its time counts from its queue pair's making.
+        pending.started = started;
         let to = pending.peer_addr;
         self.start_handshake(slot, pending)?;
         let id = self.slot(slot).id(slot);

@@ -24,6 +24,8 @@ pub(super) struct HubSide {
     pub(super) qp: QueuePair,
     pub(super) psn: u32,
     pub(super) peer: Option<Hello>,
+    /// Time spent moving the queue pair to RTR and RTS, not yet in the hub's stats.
+    pub(super) transitions: std::time::Duration,
 }
 
 impl LocalSide for HubSide {
@@ -34,7 +36,10 @@ impl LocalSide for HubSide {
         peer: &Hello,
         _send_buffers: u32,
     ) -> Result<QpAddress> {
-        endpoint.connect_qp_to(&mut self.qp, self.psn, peer, &config.path)?;
+        let start = std::time::Instant::now();
+        let connected = endpoint.connect_qp_to(&mut self.qp, self.psn, peer, &config.path);
+        self.transitions += start.elapsed();
+        connected?;
         self.peer = Some(*peer);
         Ok(endpoint.address_of(&self.qp, self.psn))
     }
