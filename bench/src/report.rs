@@ -1120,7 +1120,7 @@ pub fn collector_markdown(samples: &[Sample]) -> String {
     // Where connect time went, for the runs whose line says.
     let parts: Vec<&CollectorPoint> = points
         .iter()
-        .filter(|p| p.get("connect_cpu_us").is_some())
+        .filter(|p| p.get("handshake_wall_us").is_some())
         .collect();
     if !parts.is_empty() {
         out.push_str(

@@ -228,10 +228,6 @@ fn one_thread_serves_thousands_of_connections() {
     serve_and_check(n, 4, config, 0);
 }
 
-/// `n` client connections from a client hub in another thread, `k` messages on each, served
-/// by one hub, both hubs set up by `config`; checks every message, a graceful close of each,
-/// every buffer, descriptor and credit given back, no RNR, and `groups` receive groups on the
-/// server (0: any number).
 /// A hub's account of its connect time: every connection counted, every part of the work
 /// seen, and no part longer than the waits it happened in.
 fn assert_connect_times(t: &rdmsg_transport::ConnectTimes, n: usize) {
@@ -253,6 +249,10 @@ fn assert_connect_times(t: &rdmsg_transport::ConnectTimes, n: usize) {
     );
 }
 
+/// `n` client connections from a client hub in another thread, `k` messages on each, served
+/// by one hub, both hubs set up by `config`; checks every message, a graceful close of each,
+/// every buffer, descriptor and credit given back, no RNR, and `groups` receive groups on the
+/// server (0: any number).
 fn serve_and_check(n: usize, k: u32, config: HubConfig, groups: u32) {
     let ep = endpoint();
     let dev = device_name(&ep);

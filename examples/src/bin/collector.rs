@@ -376,7 +376,7 @@ struct Report {
     /// The collector's CPU time until every sensor was connected.
     connect_cpu_ms: Option<u64>,
     /// Where the collector's hub spent its connect time, when every sensor was connected.
-    connect_times: ConnectTimes,
+    connect_times: Option<ConnectTimes>,
     rnr: Option<u64>,
     errors: u64,
 }
@@ -461,7 +461,7 @@ impl Report {
                 "{:.0}",
                 ms as f64 * 1000.0 / conns
             )),
-            connect_breakdown(&self.connect_times),
+            connect_breakdown(self.connect_times.as_ref()),
             self.done,
             self.failed.describe(),
         );
@@ -549,7 +549,7 @@ fn collect(
                 if connected + refused == sensors && started_at.is_none() {
                     c.report.connect_ms = t0.elapsed().as_millis();
                     c.report.connect_cpu_ms = process_cpu_ms();
-                    c.report.connect_times = hub.transport().stats().connect_times;
+                    c.report.connect_times = Some(hub.transport().stats().connect_times);
                     c.report.snapshot = snapshot(&hub);
                     eprintln!(
                         "collector: {sensors} sensors connected after {} ms",
@@ -621,7 +621,12 @@ fn collect(
 /// `admission_us` (receive buffers set aside; registered in batches as the pool grows),
 /// `qp_create_us` (queue pair created and in INIT), `rtr_rts_us` (moved to RTR and RTS),
 /// `hello_us` (the rest: reading, checking and writing hellos).
-fn connect_breakdown(t: &ConnectTimes) -> String {
+/// `n/a` each if not every sensor connected.
+fn connect_breakdown(t: Option<&ConnectTimes>) -> String {
+    let Some(t) = t else {
+        return "hs_wall_us=n/a admission_us=n/a qp_create_us=n/a rtr_rts_us=n/a hello_us=n/a"
+            .into();
+    };
     let per = |d: Duration| d.as_secs_f64() * 1e6 / t.established.max(1) as f64;
     format!(
         "hs_wall_us={:.0} admission_us={:.1} qp_create_us={:.1} rtr_rts_us={:.1} hello_us={:.1}",
@@ -782,13 +787,13 @@ impl Collector {
 /// Sensors per source address when the collector is on this host.
 const SENSORS_PER_SOURCE: u32 = 8_000;
 
-/// The bootstrap stream of the `i`th sensor of this process towards the collector at `to`.
-/// When `to` is on this host (a loopback address), sensors come from several loopback
-/// addresses, as they would from several hosts, each address carrying at most
-/// [`SENSORS_PER_SOURCE`]: Linux picks a connection's local port among its source address's
-/// ephemeral ports (28,232 by default), first among the half of one parity; once those are in
-/// use, each further connect searches through them, in system time. From one address, 20,000
-/// sensors connected in 7x the time of 10,000.
+/// The bootstrap stream of sensor `i` towards the collector at `to`. When `to` is an IPv4
+/// loopback address, sensors come from several loopback addresses (sensor `i` from
+/// 127.0.0.1 + `i / SENSORS_PER_SOURCE`), as they would from several hosts, so that an
+/// address carries at most [`SENSORS_PER_SOURCE`]. Linux picks a connection's local port
+/// among its source address's ephemeral ports (28,232 by default), first among the half of
+/// one parity; once those are in use, each further connect searches through them, in system
+/// time. From one address, 20,000 sensors connected in 7x the time of 10,000.
 fn sensor_stream(to: SocketAddr, i: u32, timeout: Duration) -> Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))
         .context("making a sensor's socket")?;
@@ -834,7 +839,7 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
                 state.event(ev)?;
             }
         }
-        let stream = sensor_stream(to, i, timeout)?;
+        let stream = sensor_stream(to, first.saturating_add(i), timeout)?;
         peers.push(hub.connect_stream(stream)?);
         // Moves the handshakes under way on while the others start.
         while let Some(ev) = hub.try_recv()? {
@@ -994,7 +999,7 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
             "{:.0}",
             ms as f64 * 1000.0 / f64::from(count.max(1))
         )),
-        connect_breakdown(&connect_times),
+        connect_breakdown(Some(&connect_times)),
         slowest.as_micros(),
         t0.elapsed().as_millis(),
         failures.count(),

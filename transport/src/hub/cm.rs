@@ -319,10 +319,12 @@ impl RawHub {
         let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase else {
             unreachable!("a CM handshake under way");
         };
-        let res =
-            p.id.ready_qp(&mut side.qp, &tuning)
-                .and_then(|()| p.id.accept(&side.qp, params, &ours));
+        let start = Instant::now();
+        let ready = p.id.ready_qp(&mut side.qp, &tuning);
+        let took = start.elapsed();
+        let res = ready.and_then(|()| p.id.accept(&side.qp, params, &ours));
         p.side = Some(side);
+        self.stats.connect_times.transitions += took;
         res?;
         // The peer may send once it has our answer.
         self.slot_mut(slot).core.learn_peer(books);
@@ -418,7 +420,10 @@ impl RawHub {
                 let tuning = tuning(&self.endpoint, &self.config.conn, Some(params));
                 let side = p.side.as_mut().expect("connecting with a queue pair");
                 side.peer = Some(peer);
-                p.id.ready_qp(&mut side.qp, &tuning)?;
+                let start = Instant::now();
+                let ready = p.id.ready_qp(&mut side.qp, &tuning);
+                self.stats.connect_times.transitions += start.elapsed();
+                ready?;
                 self.slot_mut(slot).core.learn_peer(books);
                 p.id.establish()?;
                 return Ok(true);

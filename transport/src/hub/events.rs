@@ -129,23 +129,26 @@ pub struct HubStats {
 }
 
 /// Where a hub's time of making connections went, summed over its handshakes (accepted and
-/// its own, finished or failed): divide by `established` for one connection's share. The
-/// parts are the hub's own work; `wall` is each connection's wait from its handshake's start,
-/// the peer's part, the network's and the hub's other work included.
+/// its own, finished or failed): divided by `established`, one connection's share (a little
+/// more when handshakes failed, whose work counts too). The parts are the hub's own work;
+/// `wall` is each connection's wait from its handshake's start, the peer's part, the
+/// network's and the hub's other work included.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ConnectTimes {
     /// Handshakes that ended in a connection.
     pub established: u64,
-    /// From each established connection's start (its stream accepted or connected, its CM
-    /// request or address resolution begun) to its connection, summed.
+    /// From each established connection's start (its stream taken by the hub, or its queue
+    /// pair made for a connect; its CM request or address resolution begun) to its
+    /// connection, summed.
     pub wall: Duration,
     /// Admission: a connection's share of receive buffers set aside, posted and, when the
     /// pool grows (in batches), registered; receive groups made when one fills.
     pub admission: Duration,
     /// Queue pairs created and moved to INIT.
     pub queue_pairs: Duration,
-    /// Queue pairs moved to RTR and RTS (handshakes over TCP; rdma_cm moves its own).
+    /// Queue pairs moved to RTR and RTS.
     pub transitions: Duration,
-    /// The rest of a TCP handshake's work in the hub: reading, checking and writing hellos.
+    /// The rest of a TCP handshake's steps in the hub: reading, checking and writing hellos,
+    /// and filing the new queue pair.
     pub hellos: Duration,
 }
