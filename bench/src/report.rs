@@ -1134,19 +1134,12 @@ pub fn collector_markdown(samples: &[Sample]) -> String {
              |---:|---:|---:|---:|---:|---:|---:|---:|\n",
         );
         for p in parts {
-            let f = |metric: &str| p.get(metric).map_or("—".into(), fmt_num);
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
-                p.sensors,
-                p.min_credits,
-                f("connect_cpu_us"),
-                f("handshake_wall_us"),
-                f("admission_us"),
-                f("qp_create_us"),
-                f("rtr_rts_us"),
-                f("hello_us"),
-            );
+            let _ = write!(out, "| {} | {} |", p.sensors, p.min_credits);
+            // The columns are the collector line's parts, in their order.
+            for (_, metric) in crate::collector::CONNECT_PARTS {
+                let _ = write!(out, " {} |", p.get(metric).map_or("—".into(), fmt_num));
+            }
+            out.push('\n');
         }
     }
     if !failures.is_empty() {

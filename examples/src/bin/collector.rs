@@ -457,10 +457,7 @@ impl Report {
             )),
             self.wakeups as f64 / self.messages.max(1) as f64,
             self.probes,
-            self.connect_cpu_ms.map_or("n/a".into(), |ms| format!(
-                "{:.0}",
-                ms as f64 * 1000.0 / conns
-            )),
+            us_per_conn(self.connect_cpu_ms, conns),
             connect_breakdown(self.connect_times.as_ref()),
             self.done,
             self.failed.describe(),
@@ -636,6 +633,13 @@ fn connect_breakdown(t: Option<&ConnectTimes>) -> String {
         per(t.transitions),
         per(t.hellos),
     )
+}
+
+/// A CPU time in ms (`None`: unknown) spread over `conns` connections, in µs, or `n/a`.
+fn us_per_conn(ms: Option<u64>, conns: f64) -> String {
+    ms.map_or("n/a".into(), |ms| {
+        format!("{:.0}", ms as f64 * 1000.0 / conns)
+    })
 }
 
 fn snapshot(hub: &Hub) -> Snapshot {
@@ -995,10 +999,7 @@ fn run_sensors(connect: &str, count: u32, first: u32, work: &Workload) -> Result
         hub.stats().sent_solicited,
         wait.wakeups,
         count_dir("/proc/self/task"),
-        connect_cpu_ms.map_or("n/a".into(), |ms| format!(
-            "{:.0}",
-            ms as f64 * 1000.0 / f64::from(count.max(1))
-        )),
+        us_per_conn(connect_cpu_ms, f64::from(count.max(1))),
         connect_breakdown(Some(&connect_times)),
         slowest.as_micros(),
         t0.elapsed().as_millis(),

@@ -154,7 +154,7 @@ impl RawHub {
             psn: random_psn(qp.qp_num()),
             qp,
             peer: None,
-            transitions: std::time::Duration::ZERO,
+            transitions: Duration::ZERO,
         })
     }
 
@@ -281,14 +281,14 @@ impl RawHub {
         } = pending;
         let side = setup.expect("a finished handshake has its queue pair");
         let peer = *hs.peer().expect("a finished handshake knows its peer");
-        self.connected_after(started);
         // No TCP keepalive: the hub probes silent peer hosts itself (see `liveness`); the
         // stream still tells of a peer process's end.
-        self.link(slot, side, Control::Tcp(stream), peer, peer_addr);
+        self.link(slot, side, Control::Tcp(stream), peer, peer_addr, started);
     }
 
-    /// The handshake of `slot` (over TCP or rdma_cm) is done: the connection is announced,
-    /// with what arrived early. Its stream or CM channel stays in the hub's watch.
+    /// The handshake of `slot` (over TCP or rdma_cm), begun at `started`, is done: the
+    /// connection is announced, with what arrived early. Its stream or CM channel stays in the
+    /// hub's watch.
     pub(super) fn link(
         &mut self,
         slot: usize,
@@ -296,8 +296,12 @@ impl RawHub {
         control: Control,
         peer: Hello,
         peer_addr: Option<std::net::SocketAddr>,
+        started: Instant,
     ) {
         self.handshake_ended(slot);
+        let times = &mut self.stats.connect_times;
+        times.established += 1;
+        times.wall += started.elapsed();
         let accepted = self.slot(slot).accepted;
         let id = self.slot(slot).id(slot);
         trace::hub_linked(id, peer_addr, accepted, side.qp.qp_num(), peer.addr.qpn);
@@ -349,13 +353,6 @@ impl RawHub {
         if self.slots[slot].is_some() {
             self.schedule(slot);
         }
-    }
-
-    /// A handshake begun at `started` ended in a connection.
-    pub(super) fn connected_after(&mut self, started: Instant) {
-        let times = &mut self.stats.connect_times;
-        times.established += 1;
-        times.wall += started.elapsed();
     }
 
     pub(super) fn handshake_failed(&mut self, slot: usize, error: Error) {

@@ -186,13 +186,14 @@ impl RawHub {
         let mut id = CmId::new(&channel)?;
         id.resolve_addr(None, dst, timeout)?;
         let slot = self.new_slot(false)?;
+        let started = Instant::now();
         let pending = CmPending {
             id,
             channel,
             side: None,
             stage: Stage::Address,
-            started: Instant::now(),
-            deadline: deadline_after(Instant::now(), timeout),
+            started,
+            deadline: deadline_after(started, timeout),
             peer_addr: Some(dst),
             notified: false,
         };
@@ -284,13 +285,14 @@ impl RawHub {
                 return;
             }
         };
+        let started = Instant::now();
         let pending = CmPending {
             id,
             channel,
             side: None,
             stage: Stage::Established,
-            started: Instant::now(),
-            deadline: deadline_after(Instant::now(), self.config.conn.handshake_timeout),
+            started,
+            deadline: deadline_after(started, self.config.conn.handshake_timeout),
             peer_addr,
             notified: false,
         };
@@ -368,7 +370,6 @@ impl RawHub {
                     } = *pending;
                     let side = side.expect("a connected handshake has its queue pair");
                     let peer = side.peer.expect("a connected handshake knows its peer");
-                    self.connected_after(started);
                     // Later events (a disconnect) are the connection's news.
                     self.link(
                         slot,
@@ -376,6 +377,7 @@ impl RawHub {
                         Control::Cm(CmLink::new(channel, id)),
                         peer,
                         peer_addr,
+                        started,
                     );
                     self.stream_ready(slot);
                     return;
