@@ -115,6 +115,7 @@ mod connection;
 mod control;
 mod core;
 pub mod credits;
+mod drive;
 mod endpoint;
 mod error;
 mod events;

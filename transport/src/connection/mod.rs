@@ -17,6 +17,7 @@ use crate::config::{injected_fault, Fault};
 use crate::control::Control;
 use crate::core::{earliest, ConnStats, Core, Post, Room};
 use crate::credits::Credits;
+use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Failure, Result};
 use crate::events::Mailbox;
@@ -26,9 +27,10 @@ use crate::read::{Arrival, ReadDone, ReadPost};
 use crate::send::{self, Payload, SendBuffers};
 use crate::setup::Setup;
 use crate::stream::{bootstrap_err, keepalive_probes};
-use crate::trace::{self, trace_span, Stall};
+use crate::trace::{trace_span, Stall};
 
 mod channel;
+mod queues;
 mod turn;
 
 use channel::ConnChannel;
@@ -329,14 +331,8 @@ impl Connection {
         let Some(payload) = self.send.fill(self.max_message(), usize::MAX, fill)? else {
             return Ok(false);
         };
-        if matches!(payload, Payload::Inline(_)) {
-            self.core.sent_inline();
-        }
-        let post = self
-            .core
-            .data(solicited, self.room())
-            .expect("wait_to_send ensured a credit");
-        self.post(payload, post)?;
+        let inline = matches!(payload, Payload::Inline(_));
+        drive::send_data(self, solicited, inline, payload)?;
         Ok(true)
     }
 
@@ -393,9 +389,12 @@ impl Connection {
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         // While blocked, any grant (not only a solicited one) and any send completion must
-        // wake us: arm both queues for the next completion.
-        self.waiter.set_mode(self.recv_key, ArmMode::Next)?;
-        self.waiter.set_mode(self.send_key, ArmMode::Next)?;
+        // wake us.
+        self.arm(drive::arm_modes(
+            true,
+            self.config.recv_arm,
+            self.core.send_arm(),
+        ))?;
         let res = loop {
             if let Err(e) = self.check_can_send() {
                 break Err(e);
@@ -419,9 +418,21 @@ impl Connection {
         if res.is_ok() && self.core.send_waits(false) {
             self.stall.ended(self.qp.qp_num(), None);
         }
-        self.waiter.set_mode(self.recv_key, self.config.recv_arm)?;
-        self.waiter.set_mode(self.send_key, self.core.send_arm())?;
+        // A blocking caller that gave up retries through this wait, which arms anew: its
+        // sleeps in between need no wake-up for every completion.
+        self.arm(drive::arm_modes(
+            false,
+            self.config.recv_arm,
+            self.core.send_arm(),
+        ))?;
         res
+    }
+
+    /// Arms the receive and send CQs as `modes` say.
+    fn arm(&mut self, (recv, send): (ArmMode, ArmMode)) -> Result<()> {
+        self.waiter.set_mode(self.recv_key, recv)?;
+        self.waiter.set_mode(self.send_key, send)?;
+        Ok(())
     }
 
     /// Receives the next message, waiting as long as it takes.
@@ -514,11 +525,11 @@ impl Connection {
         // polled as before: a flush wakes the event loop, which steps again.
         let draining = self.draining();
         if self.core.failure().is_none() || draining {
-            let (recv_mode, send_mode) = if self.core.wants_any_completion() || draining {
-                (ArmMode::Next, ArmMode::Next)
-            } else {
-                (self.config.recv_arm, self.core.send_arm())
-            };
+            let (recv_mode, send_mode) = drive::arm_modes(
+                drive::wakes_for_any(&self.core, false, draining),
+                self.config.recv_arm,
+                self.core.send_arm(),
+            );
             for (key, mode) in [(self.recv_key, recv_mode), (self.send_key, send_mode)] {
                 if self.waiter.mode(key)? != mode {
                     self.waiter.set_mode(key, mode)?;
@@ -779,14 +790,8 @@ impl Connection {
             }
             e => e,
         })?;
-        let post = self
-            .core
-            .start_close(deadline, Instant::now())
-            .expect("wait_to_send ensured a credit");
-        // The close carries the note too: the peer's last word from us.
-        let note = self.send.note(self.core.note());
-        self.post(note, post)?;
-        trace::close_started(self.qp.qp_num(), None);
+        let started = drive::start_close(&mut self, deadline, Instant::now())?;
+        assert!(started, "wait_to_send ensured a credit");
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         loop {
             if let Some(ended) = self.core.close_result(timeout) {

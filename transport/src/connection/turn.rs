@@ -3,19 +3,18 @@
 
 use std::time::{Duration, Instant};
 
-use rdmsg_notify::{ArmMode, CqKey, Policy};
+use rdmsg_notify::{CqKey, Policy};
 use rdmsg_verbs::WorkCompletion;
 
 use super::{Connection, DRAIN_POLL, LIVENESS_EVERY, POLL_SLICE};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
-use crate::core::{earliest, Action, Completion, RecvAction};
+use crate::core::{earliest, Completion};
+use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::events::{self, Mailbox};
 use crate::read;
-use crate::send;
-use crate::trace;
 
 impl Connection {
     /// The failure, once every message that arrived before it has been delivered: those
@@ -134,8 +133,7 @@ impl Connection {
         let timers =
             self.core.has_urgent_timer() || (liveness && self.core.next_timeout().is_some());
         if timers {
-            self.core.handle_timeout(Instant::now());
-            self.do_actions();
+            drive::fire_timers(self, Instant::now());
         }
         // A lingering queue pair (the peer's close came before its goodbye) is not failed
         // yet: nothing flushes.
@@ -168,51 +166,8 @@ impl Connection {
     /// Records a failure and takes the flushes it caused that are already back (the rest
     /// drain as the connection is driven).
     pub(super) fn fail(&mut self, f: Failure) {
-        self.core.handle_failure(f);
-        self.do_actions();
+        drive::fail(self, f);
         self.take_flushes();
-    }
-
-    /// Does what the core asks for.
-    pub(super) fn do_actions(&mut self) {
-        while let Some(action) = self.core.poll_action() {
-            let ch = self.waiter.channel_mut();
-            match action {
-                Action::SayGoodbye => {
-                    // The peer reading its end waits for our close message rather than
-                    // calling us vanished.
-                    ch.bootstrap.say_goodbye();
-                }
-                Action::UnwatchStream => ch.stop_watching_bootstrap(),
-                Action::FailQueuePair => {
-                    trace::ended(self.qp.qp_num(), None, self.core.failure());
-                    // The end of our bootstrap stream fails the peer's side at once, rather
-                    // than leaving it waiting on a queue pair that no longer answers.
-                    ch.bootstrap.shut_down();
-                    ch.stop_watching_bootstrap();
-                    let _ = self.qp.to_error();
-                    self.core.flushing_since(Instant::now());
-                    // Every flush must wake a sleeper or an event loop: 6.12's rxe fires no
-                    // solicited-only arm for flushed receives. (The keys are ours: this
-                    // cannot fail.)
-                    let _ = self.waiter.set_mode(self.recv_key, ArmMode::Next);
-                    let _ = self.waiter.set_mode(self.send_key, ArmMode::Next);
-                }
-                Action::Probe => {
-                    if self.room().sq == 0 {
-                        // The signaled send in flight will tell whether the peer is there.
-                        continue;
-                    }
-                    match self.qp.post_probe() {
-                        Ok(wr_id) => self.core.probe_posted(wr_id),
-                        Err(e) => self.core.handle_failure(Failure::Local {
-                            op: "posting a liveness probe (ibv_post_send)",
-                            errno: errno_of(&Error::from(e)),
-                        }),
-                    }
-                }
-            }
-        }
     }
 
     /// Takes the flushes of a failed queue pair that are back, without waiting: the drain
@@ -224,9 +179,7 @@ impl Connection {
     /// succeeded never complete again; their buffers go with the queue pair.)
     pub(super) fn take_flushes(&mut self) {
         loop {
-            let outstanding = self.qp.recv_outstanding() + self.lost_flushes();
-            self.core.handle_flushed(outstanding, Instant::now());
-            if self.core.is_drained() {
+            if drive::drained(self, Instant::now()) {
                 return;
             }
             match self.poll_and_handle() {
@@ -238,8 +191,7 @@ impl Connection {
                 }
             }
         }
-        self.core.handle_timeout(Instant::now());
-        self.do_actions();
+        drive::fire_timers(self, Instant::now());
     }
 
     /// For the blocking calls while the flushes drain: sleeps on the completion channel (the
@@ -280,7 +232,7 @@ impl Connection {
 
     /// Receives a test says will never come back flushed ([`Fault::LostFlush`], feature
     /// `test-hooks`).
-    fn lost_flushes(&self) -> usize {
+    pub(super) fn lost_flushes(&self) -> usize {
         #[cfg(feature = "test-hooks")]
         if self.fault == Some(Fault::LostFlush) {
             return 1;
@@ -325,38 +277,12 @@ impl Connection {
             }
         }
         self.completions = got;
-        self.do_actions();
+        drive::run_actions(self);
     }
 
     pub(super) fn on_recv(&mut self, c: &Completion, wc: &WorkCompletion) {
-        let Some(buf) = self.qp.take_recv(wc) else {
-            return;
-        };
-        let (endpoint, mailbox) = (&self.endpoint, &self.mailbox);
-        // A flush nothing explains yet: an asynchronous event (a CQ overrun, a fatal QP error)
-        // may be waiting to.
-        let receipt = self.core.handle_recv(
-            c,
-            || async_failure_of(endpoint, mailbox).ok().flatten(),
-            Instant::now,
-        );
-        match receipt.action {
-            RecvAction::Deliver => {
-                let len = wc.byte_len() as usize;
-                self.ready.push_back(self.pool.lend(buf, len));
-            }
-            // A grant, or the peer's close (the one recycled message that spent a credit),
-            // may carry the peer's note.
-            RecvAction::Grant | RecvAction::Recycle => {
-                let carries = receipt.action == RecvAction::Grant || receipt.spent_credit;
-                if let Some(note) = carries
-                    .then(|| send::note_of(buf.as_slice(), wc.byte_len()))
-                    .flatten()
-                {
-                    self.core.note_received(note);
-                }
-                self.pool.put_back(buf);
-            }
+        if let Some(buf) = self.qp.take_recv(wc) {
+            drive::on_recv(self, c, buf, wc.byte_len());
         }
     }
 
@@ -406,10 +332,7 @@ impl Connection {
             }
             self.core.reposted(n as u32);
         }
-        if let Some(grant) = self.core.grant(self.room()) {
-            let note = self.send.note(self.core.note());
-            self.post(note, grant)?;
-        }
+        drive::grant(self)?;
         self.sync_send_arm()
     }
 
@@ -446,8 +369,7 @@ impl Connection {
             return;
         }
         let news = ch.bootstrap.news();
-        self.core.handle_stream(news, now);
-        self.do_actions();
+        drive::on_stream(self, news, now);
     }
 
     /// Fails the connection if an asynchronous event says it is broken: a fatal, request or

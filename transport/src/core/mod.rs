@@ -122,6 +122,21 @@ impl StreamNews {
     }
 }
 
+/// How a close that has ended ended, from the failure that ended it: `Ok` when the close
+/// message was delivered, [`Error::Timeout`] (of `timeout`, the close timeout) when it was not
+/// in time, the failure when something else ended the connection first.
+pub(crate) fn close_outcome(failure: Failure, timeout: Duration) -> Result<(), Error> {
+    match failure {
+        Failure::CloseTimedOut => Err(Error::timeout(
+            "closing",
+            crate::error::WAIT_CLOSE_ACK,
+            timeout,
+        )),
+        Failure::Closed => Ok(()),
+        f => Err(f.into()),
+    }
+}
+
 /// What the driver must do on its side, in the order given (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Action {
@@ -628,15 +643,7 @@ impl Core {
     /// [`Error::Timeout`] (of `timeout`, the close timeout) when it was not in time, the
     /// failure when something else ended the connection first. `None` while it is under way.
     pub(crate) fn close_result(&self, timeout: Duration) -> Option<Result<(), Error>> {
-        Some(match self.failure? {
-            Failure::CloseTimedOut => Err(Error::timeout(
-                "closing",
-                crate::error::WAIT_CLOSE_ACK,
-                timeout,
-            )),
-            Failure::Closed => Ok(()),
-            f => Err(f.into()),
-        })
+        Some(close_outcome(self.failure?, timeout))
     }
 
     /// The next thing the driver must do.

@@ -13,6 +13,7 @@ use super::{RawHub, RawHubEvent};
 use crate::bootstrap::Pending;
 use crate::config::Config;
 use crate::control::Control;
+use crate::drive;
 use crate::error::{Error, Failure, Result};
 use crate::handshake::{Handshake, Hello};
 use crate::setup::{nonce, random_psn};
@@ -346,7 +347,7 @@ impl RawHub {
         if self.slot(slot).core.failure().is_some() {
             // Failed while finishing (its first message broke the protocol, say): its
             // queue pair is failed now that it has one.
-            self.fail_queue_pair(slot);
+            drive::fail_queue_pair(&mut self.queues(slot));
         }
         self.touch(slot);
         // Its core's deadlines (the probe's) wake the hub.
@@ -402,8 +403,7 @@ impl RawHub {
             return;
         };
         let news = link.control.news();
-        self.slot_mut(slot).core.handle_stream(news, Instant::now());
-        self.do_actions(slot);
+        drive::on_stream(&mut self.queues(slot), news, Instant::now());
         // Its close message may still be in flight: waited for (not here: the hub goes on)
         // until the core's deadline.
         self.schedule(slot);

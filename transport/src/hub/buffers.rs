@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use super::slots::Phase;
 use super::{PeerId, RawHub};
 use crate::core::{unsignaled_room, Post, Room};
+use crate::drive;
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::send::{self, Payload};
 use crate::share::AdmitError;
@@ -264,10 +265,8 @@ impl RawHub {
                 keep.push(slot);
                 continue;
             }
-            if let Some(grant) = self.slot_mut(slot).core.grant(room) {
-                let note = self.send.note(self.slot(slot).core.note());
-                let _ = self.post(slot, note, grant);
-            }
+            // A failed post failed the connection.
+            let _ = drive::grant(&mut self.queues(slot));
         }
         for slot in keep {
             self.touch(slot);

@@ -1,18 +1,16 @@
 //! Polled completions go to the core of the connection whose queue pair they name, and the
 //! hub does what the cores then ask for.
 
-use std::os::fd::AsFd;
 use std::time::Instant;
 
 use rdmsg_verbs::{WcStatus, WorkCompletion};
 
+use super::queues::SlotQueues;
 use super::slots::Phase;
 use super::{RawHub, RawHubEvent};
-use crate::core::{Action, Completion, RecvAction};
-use crate::error::Error;
+use crate::core::Completion;
+use crate::drive;
 use crate::read;
-use crate::send;
-use crate::share::Receipt;
 
 impl RawHub {
     pub(super) fn handle_completions(&mut self) {
@@ -49,59 +47,24 @@ impl RawHub {
             self.pool.put_back(buf);
             return;
         };
-        let c = Completion::of(true, wc);
-        let s = self.slots[slot].as_mut().expect("a mapped slot");
-        if let Phase::CmHandshake(p) = &mut s.phase {
+        if let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase {
             // An accepted client's first message before its ESTABLISHED: tell the CM.
             p.peer_sent();
         }
-        // SRQ receives are not flushed by a queue pair's error: nothing to explain.
-        let receipt = s.core.handle_recv(&c, || None, Instant::now);
-        // A close message sets a deadline (the goodbye is waited for until then).
-        let failed = s.core.failure().is_some();
-        let share_receipt = match receipt.action {
-            RecvAction::Grant => Receipt::Grant,
-            // A close message spends a data credit too.
-            _ if receipt.spent_credit => Receipt::Data,
-            _ => Receipt::Unaccounted,
+        let c = Completion::of(true, wc);
+        let mut q = SlotQueues {
+            hub: self,
+            slot,
+            recv_group: Some(group),
         };
-        let share = &mut self.groups[group].share;
-        if s.admitted && s.group == Some(group) {
-            share.on_consumed(slot, s, share_receipt, &mut self.touched);
-            // The peer may have returned all it could: its grant slots may sleep.
-            share.park_slots(slot, &mut self.slots, &mut self.touched);
-        } else {
-            share.on_stray();
-        }
-        match receipt.action {
-            RecvAction::Deliver => {
-                self.stats.received += 1;
-                let msg = self.pool.lend(buf, wc.byte_len() as usize);
-                let s = self.slots[slot].as_mut().expect("a mapped slot");
-                if s.announced {
-                    let peer = s.id(slot);
-                    self.events.push_back(RawHubEvent::Message { peer, msg });
-                } else {
-                    s.early.push(msg);
-                }
-            }
-            // A grant, or the peer's close (the one recycled message that spent a credit),
-            // may carry the peer's note.
-            RecvAction::Grant | RecvAction::Recycle => {
-                let carries = receipt.action == RecvAction::Grant || receipt.spent_credit;
-                if let Some(note) = carries
-                    .then(|| send::note_of(buf.as_slice(), wc.byte_len()))
-                    .flatten()
-                {
-                    let s = self.slots[slot].as_mut().expect("a mapped slot");
-                    s.core.note_received(note);
-                }
-                self.pool.put_back(buf);
-            }
-        }
-        self.touch(slot);
-        self.do_actions(slot);
-        if failed && self.slots[slot].is_some() {
+        drive::on_recv(&mut q, &c, buf, wc.byte_len());
+        q.hub.touch(slot);
+        drive::run_actions(&mut q);
+        // A close message sets a deadline (the goodbye is waited for until then).
+        if self.slots[slot]
+            .as_ref()
+            .is_some_and(|s| s.core.failure().is_some())
+        {
             self.schedule(slot);
         }
     }
@@ -135,96 +98,30 @@ impl RawHub {
 
     /// Does what the core of `slot` asks for.
     pub(super) fn do_actions(&mut self, slot: usize) {
-        // A handshake that fails without a queue pair frees its slot at once.
-        while let Some(action) = self.slots[slot].as_mut().and_then(|s| s.core.poll_action()) {
-            match action {
-                Action::SayGoodbye => {
-                    if let Some(link) = self.slot_mut(slot).link_mut() {
-                        link.control.say_goodbye();
-                    }
-                }
-                Action::UnwatchStream => self.unwatch_stream(slot),
-                Action::FailQueuePair => self.fail_queue_pair(slot),
-                Action::Probe => {
-                    self.probe(slot);
-                }
-            }
-        }
+        drive::run_actions(&mut self.queues(slot));
     }
 
     /// Posts a liveness probe on `slot`, if its send queue and the hub's send CQ have room;
-    /// whether it did (without room, the hub's liveness watch asks again, or judges by the
-    /// signaled send in flight). A post that fails fails the connection (its core's actions
-    /// are the caller's to run).
+    /// whether it did (see [`drive::probe`]; without room, the hub's liveness watch asks
+    /// again, or judges by the signaled send in flight).
     pub(super) fn probe(&mut self, slot: usize) -> bool {
-        let room = self.room(slot);
-        if room.sq == 0 || room.cq == 0 {
-            return false;
-        }
-        let Some(s) = self.slots[slot].as_mut() else {
-            return false;
-        };
-        let Phase::Linked(link) = &mut s.phase else {
-            return false;
-        };
-        let before = link.qp.send_outstanding();
-        let posted = link.qp.post_probe();
-        self.send_cq.follow(before, link.qp.send_outstanding());
-        match posted {
-            Ok(id) => {
-                s.core.probe_posted(id);
-                self.stats.liveness_probes += 1;
-                self.follow_unsignaled(slot);
-                true
-            }
-            Err(e) => {
-                s.core.handle_failure(crate::error::Failure::Local {
-                    op: "posting a liveness probe (ibv_post_send)",
-                    errno: crate::error::errno_of(&Error::from(e)),
-                });
-                false
-            }
-        }
-    }
-
-    /// After a connection's first failure: tells the peer (the end of the bootstrap stream),
-    /// moves the queue pair to error so that its sends are flushed back, and queues it to be
-    /// retired; a handshake under way fails as a handshake.
-    pub(super) fn fail_queue_pair(&mut self, slot: usize) {
-        self.unwatch_stream(slot);
-        let s = self.slot_mut(slot);
-        if s.is_handshaking() {
-            let e = s.core.failure().map(Error::from);
-            if let Some(e) = e {
-                self.handshake_failed(slot, e);
-            }
-            return;
-        }
-        let group = s.group.filter(|_| s.admitted);
-        let (qpn, id, failure) = (s.qpn.unwrap_or(0), s.id(slot), s.core.failure());
-        let Some(link) = s.link_mut() else {
-            return;
-        };
-        crate::trace::ended(qpn, Some(id), failure);
-        link.control.shut_down();
-        let _ = link.qp.to_error();
-        self.start_draining(slot, group);
+        drive::probe(&mut self.queues(slot))
     }
 
     /// A failed handshake's queue pair goes to the error state and is drained as a linked
     /// one's (see [`Phase::Failing`]).
     pub(super) fn drain_failed_side(&mut self, slot: usize, mut qp: rdmsg_verbs::QueuePair) {
         let _ = qp.to_error();
-        let s = self.slot_mut(slot);
-        let group = s.group.filter(|_| s.admitted);
-        s.phase = Phase::Failing(qp);
-        self.start_draining(slot, group);
+        self.slot_mut(slot).phase = Phase::Failing(qp);
+        self.slot_mut(slot).core.flushing_since(Instant::now());
+        self.start_draining(slot);
     }
 
     /// `slot`'s queue pair is in the error state from now on: its requests come back flushed,
     /// waited for until its core's drain deadline.
-    fn start_draining(&mut self, slot: usize, group: Option<usize>) {
-        self.slot_mut(slot).core.flushing_since(Instant::now());
+    pub(super) fn start_draining(&mut self, slot: usize) {
+        let s = self.slot(slot);
+        let group = s.group.filter(|_| s.admitted);
         self.post_drain_marker(slot);
         if let Some(group) = group {
             // Its buffers stop being refilled; what backs it comes back at release.
@@ -254,14 +151,5 @@ impl RawHub {
         }
         let _ = qp.post_drain_marker();
         self.send_cq.follow(before, qp.send_outstanding());
-    }
-
-    pub(super) fn unwatch_stream(&mut self, slot: usize) {
-        let s = self.slots[slot].as_mut().expect("a live slot");
-        if let Phase::Linked(link) = &mut s.phase {
-            if std::mem::take(&mut link.watched) {
-                let _ = self.waiter.channel().watch.remove(link.control.as_fd());
-            }
-        }
     }
 }

@@ -46,6 +46,7 @@ mod config;
 mod events;
 mod groups;
 mod liveness;
+mod queues;
 mod retire;
 mod slots;
 mod wait;
@@ -69,6 +70,7 @@ pub use config::HubConfig;
 pub use events::{ConnectTimes, HubStats, PeerId, RawHubEvent};
 
 use crate::core::{earliest, ConnStats};
+use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Failure, Result};
 use crate::events::Mailbox;
@@ -716,13 +718,8 @@ impl RawHub {
                     } if *p == peer => Some(*failure),
                     _ => None,
                 }) {
-                    Some(Failure::CloseTimedOut) => Err(Error::timeout(
-                        "closing",
-                        crate::error::WAIT_CLOSE_ACK,
-                        timeout,
-                    )),
-                    Some(f) if f != Failure::Closed => Err(f.into()),
-                    _ => Ok(()),
+                    Some(f) => crate::core::close_outcome(f, timeout),
+                    None => Ok(()),
                 };
             };
             let core = &self.slot(slot).core;
@@ -775,15 +772,8 @@ impl RawHub {
             }
             Err(e) => return Err(e),
         }
-        let post = self
-            .slot_mut(slot)
-            .core
-            .start_close(deadline, Instant::now())
-            .expect("wait_to_send ensured a credit");
-        // The close carries the note too: the peer's last word from us.
-        let note = self.send.note(self.slot(slot).core.note());
-        self.post(slot, note, post)?;
-        crate::trace::close_started(self.slot(slot).qpn.unwrap_or(0), Some(peer));
+        let started = drive::start_close(&mut self.queues(slot), deadline, Instant::now())?;
+        assert!(started, "wait_to_send ensured a credit");
         self.schedule(slot);
         Ok(())
     }

@@ -8,6 +8,7 @@ use rdmsg_verbs::{AsyncElement, AsyncEventKind};
 
 use super::slots::Phase;
 use super::{RawHub, RawHubEvent};
+use crate::drive;
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::events;
 
@@ -70,8 +71,7 @@ impl RawHub {
                     }
                     _ => {}
                 }
-                self.slot_mut(slot).core.handle_timeout(now);
-                self.do_actions(slot);
+                drive::fire_timers(&mut self.queues(slot), now);
             }
             // Another deadline of its core may still be ahead (or this one moved later).
             if self.slots[slot].is_some() {
@@ -82,8 +82,7 @@ impl RawHub {
 
     /// Fails one connection (the first failure is kept).
     pub(super) fn fail(&mut self, slot: usize, f: Failure) {
-        self.slot_mut(slot).core.handle_failure(f);
-        self.do_actions(slot);
+        drive::fail(&mut self.queues(slot), f);
     }
 
     /// Destroys the queue pairs of failed connections once their sends came back (or the
@@ -96,21 +95,19 @@ impl RawHub {
         if self.draining.is_empty() && !destroyed {
             return Ok(());
         }
+        let now = Instant::now();
         let mut draining = std::mem::take(&mut self.draining);
-        let mut rescheduled = Vec::new();
-        draining.retain(|&slot| {
-            let s = self.slots[slot].as_mut().expect("a draining slot");
-            let qp = match &s.phase {
-                Phase::Linked(_) | Phase::Failing(_) => s.qp_mut().expect("a queue pair"),
-                _ => return false,
-            };
-            let outstanding = qp.send_outstanding();
-            s.core.handle_flushed(outstanding, Instant::now());
-            if !s.core.is_drained() {
-                // Its drain deadline may have come nearer (the last-WQE wait).
-                rescheduled.push(slot);
-                return true;
+        let mut waiting = Vec::new();
+        for slot in draining.drain(..) {
+            let phase = &self.slot(slot).phase;
+            if !matches!(phase, Phase::Linked(_) | Phase::Failing(_)) {
+                continue;
             }
+            if !drive::drained(&mut self.queues(slot), now) {
+                waiting.push(slot);
+                continue;
+            }
+            let s = self.slots[slot].as_mut().expect("a draining slot");
             let qp = match std::mem::replace(&mut s.phase, Phase::Retired) {
                 Phase::Linked(link) => link.qp,
                 Phase::Failing(qp) => qp,
@@ -118,7 +115,7 @@ impl RawHub {
             };
             // Destroyed or not (a failed destruction leaks them with the queue pair), its
             // sends no longer count.
-            self.send_cq.follow(outstanding, 0);
+            self.send_cq.follow(qp.send_outstanding(), 0);
             if !s.reads.is_empty() {
                 self.read_wrs -= s.reads.drain(..).map(|(_, n)| n).sum::<usize>();
                 self.peers_reading -= 1;
@@ -129,11 +126,15 @@ impl RawHub {
             }
             destroyed = true;
             self.retired.push(slot);
-            false
-        });
-        self.draining = draining;
-        for slot in rescheduled {
+        }
+        // Their drain deadlines may have come nearer (the last-WQE wait).
+        for &slot in &waiting {
             self.schedule(slot);
+        }
+        self.draining.append(&mut waiting);
+        if self.draining.is_empty() {
+            // Its allocation kept for the next.
+            self.draining = draining;
         }
         if destroyed {
             // Whatever of theirs was still queued is handled now, before they are released.

@@ -6,8 +6,9 @@ use rdmsg_notify::ArmMode;
 use rdmsg_verbs::WcStatus;
 
 use super::*;
-use crate::core::{Core, RecvAction, Room, StreamNews};
+use crate::core::{Core, Room, StreamNews};
 use crate::credits::Credits;
+use crate::drive;
 
 /// A connection driven like [`crate::Connection`].
 #[derive(Debug)]
@@ -106,8 +107,7 @@ impl Net {
         busy |= self.poll_conn(i);
         // The liveness check reads the events nothing else asked for.
         if let Some(f) = self.conns[i].pending_event.take() {
-            self.conns[i].core.handle_failure(f);
-            self.do_actions(End::Conn(i));
+            drive::fail(&mut self.queues(End::Conn(i)), f);
             busy = true;
         }
         // The application hands back what it holds beyond its bound.
@@ -118,19 +118,10 @@ impl Net {
             busy = true;
         }
         if let Some(news) = self.conns[i].stream_news.take() {
-            self.conns[i].core.handle_stream(news, now);
-            self.do_actions(End::Conn(i));
+            drive::on_stream(&mut self.queues(End::Conn(i)), news, now);
             busy = true;
         }
-        if self.conns[i]
-            .core
-            .next_timeout()
-            .is_some_and(|at| at <= now)
-        {
-            self.conns[i].core.handle_timeout(now);
-            self.do_actions(End::Conn(i));
-            busy = true;
-        }
+        busy |= drive::fire_timers(&mut self.queues(End::Conn(i)), now);
         busy |= self.drain_conn(i);
         busy |= self.repost_and_grant(i);
         busy |= self.app_send(End::Conn(i));
@@ -141,11 +132,12 @@ impl Net {
         let blocked = c.app.backlog > 0 && c.core.failure().is_none() && !c.core.may_send(c.room());
         // A sender out of credits arms both queues for any completion, as the drivers do:
         // grants sent before the peer saw us exhausted are not solicited.
-        let (recv, send) = if blocked {
-            (ArmMode::Next, ArmMode::Next)
-        } else {
-            (ArmMode::SolicitedOnly, c.core.send_arm())
-        };
+        let draining = c.core.failure().is_some() && !c.core.lingering() && !c.core.is_drained();
+        let (recv, send) = drive::arm_modes(
+            drive::wakes_for_any(&c.core, blocked, draining),
+            ArmMode::SolicitedOnly,
+            c.core.send_arm(),
+        );
         c.recv_cq.arm = Some(recv);
         c.send_cq.arm = Some(send);
         c.recv_cq.fired = false;
@@ -164,40 +156,30 @@ impl Net {
             return false;
         }
         c.core.begin_batch(batch.iter().map(|e| e.c));
-        let now = self.now;
         for e in batch {
-            let c = &mut self.conns[i];
+            let mut q = self.queues(End::Conn(i));
             if e.c.recv {
-                // A flush nothing explains yet asks the events, as `Connection` does.
-                let event = &mut c.pending_event;
-                let receipt = c.core.handle_recv(&e.c, || event.take(), || now);
-                match receipt.action {
-                    RecvAction::Deliver => {
-                        c.app.received.push(e.seq.expect("data carries a sequence"));
-                        c.app.held += 1;
-                    }
-                    RecvAction::Grant | RecvAction::Recycle => c.free += 1,
-                }
+                drive::on_recv(&mut q, &e.c, e.seq, 0);
             } else {
                 // The requests (and send buffers) this completion covers come back.
+                let c = &mut q.net.conns[i];
                 c.sq.retire(e.wr_id);
                 c.sends_failed += usize::from(e.c.status != WcStatus::Success);
                 c.core.handle_send(&e.c, e.wr_id);
             }
-            self.do_actions(End::Conn(i));
+            drive::run_actions(&mut q);
         }
         true
     }
 
     /// After a failure, the connection waits for its receives' flushes (bounded by the core).
     pub(super) fn drain_conn(&mut self, i: usize) -> bool {
-        let c = &mut self.conns[i];
+        let c = &self.conns[i];
         if c.core.failure().is_none() || c.core.is_drained() {
             return false;
         }
-        // Receives the queue pair still holds: posted, or completed and not yet polled.
-        let held = c.recv_posted as usize + c.recv_cq.entries.len();
-        c.core.handle_flushed(held, self.now);
+        let now = self.now;
+        drive::drained(&mut self.queues(End::Conn(i)), now);
         true
     }
 
@@ -210,11 +192,7 @@ impl Net {
             c.free = 0;
             busy = true;
         }
-        let room = c.room();
-        if let Some(g) = c.core.grant(room) {
-            self.post_send(End::Conn(i), g, None);
-            busy = true;
-        }
+        busy |= drive::grant(&mut self.queues(End::Conn(i))).expect("simulated posts do not fail");
         busy
     }
 
@@ -249,10 +227,10 @@ impl Net {
             let seq = app.sent;
             let solicited =
                 app.solicit_every > 0 && (seq + 1) % app.solicit_every == 0 || app.backlog == 1;
-            let post = core.data(solicited, room).expect("may_send said so");
             app.sent += 1;
             app.backlog -= 1;
-            self.post_send(end, post, Some(seq));
+            drive::send_data(&mut self.queues(end), solicited, false, Some(seq))
+                .expect("simulated posts do not fail");
             busy = true;
         }
     }

@@ -130,19 +130,7 @@ impl Net {
     /// Posts `post` with an optional data `seq` from `from`: onto the wire (a queue pair in
     /// the error state flushes it at once).
     pub(super) fn post_send(&mut self, from: End, post: Post, seq: Option<u64>) {
-        let wr_id = match from {
-            End::Conn(i) => {
-                let c = &mut self.conns[i];
-                c.next_wr += 1;
-                c.next_wr
-            }
-            End::Hub(_) => {
-                let h = self.hub();
-                h.next_wr += 1;
-                h.next_wr
-            }
-            End::Gone(_) => unreachable!("a gone queue pair posts nothing"),
-        };
+        let wr_id = self.next_wr_id(from);
         let (sq, _, _) = self.sender(from).expect("a live queue pair");
         sq.posted.push_back((wr_id, post.signaled));
         let error = sq.error;

@@ -8,10 +8,11 @@ use rdmsg_notify::ArmMode;
 use rdmsg_verbs::WcStatus;
 
 use super::*;
-use crate::core::{Core, RecvAction, Room};
+use crate::core::{Core, Room};
 use crate::credits::Credits;
+use crate::drive;
 use crate::error::Failure;
-use crate::share::{CreditHolder, Receipt, Share};
+use crate::share::{CreditHolder, Share};
 
 /// The hub's record of one connection.
 #[derive(Debug)]
@@ -97,11 +98,9 @@ impl Net {
             })
             .collect();
         for s in due {
-            if let Some(slot) = self.hub().slots[s].as_mut() {
-                slot.core.handle_timeout(now);
+            if self.hub().slots[s].is_some() {
+                busy |= drive::fire_timers(&mut self.queues(End::Hub(s)), now);
             }
-            self.do_actions(End::Hub(s));
-            busy = true;
         }
         busy |= self.retire_drained();
         // Every free buffer goes back to the SRQ, the share hands it out.
@@ -124,16 +123,12 @@ impl Net {
                 continue;
             };
             slot.touched = false;
-            let room = slot.room();
             let books = slot.core.credits();
             if books.grant_needs_slots() && books.grant_due().is_some() && !self.hub_wake_slots(s) {
                 continue;
             }
-            let slot = self.hub().slots[s].as_mut().expect("live");
-            if let Some(g) = slot.core.grant(room) {
-                self.post_send(End::Hub(s), g, None);
-                busy = true;
-            }
+            busy |=
+                drive::grant(&mut self.queues(End::Hub(s))).expect("simulated posts do not fail");
         }
         for s in 0..self.hub().slots.len() {
             busy |= self.app_send(End::Hub(s));
@@ -143,17 +138,16 @@ impl Net {
             h.slots.iter().flatten().any(|s| {
                 s.app.backlog > 0 && s.core.failure().is_none() && !s.core.may_send(s.room())
             });
+        // As `RawHub::arm`: the send CQ for any completion while any send is outstanding.
         let outstanding = h.slots.iter().flatten().any(|s| !s.sq.posted.is_empty());
-        h.recv_cq.arm = Some(if blocked {
+        let send_arm = if outstanding {
             ArmMode::Next
         } else {
             ArmMode::SolicitedOnly
-        });
-        h.send_cq.arm = Some(if outstanding || blocked {
-            ArmMode::Next
-        } else {
-            ArmMode::SolicitedOnly
-        });
+        };
+        let (recv, send) = drive::arm_modes(blocked, ArmMode::SolicitedOnly, send_arm);
+        h.recv_cq.arm = Some(recv);
+        h.send_cq.arm = Some(send);
         h.recv_cq.fired = false;
         h.send_cq.fired = false;
         h.asleep = h.recv_cq.entries.is_empty() && h.send_cq.entries.is_empty();
@@ -195,7 +189,6 @@ impl Net {
                 self.do_actions(End::Hub(e.qp));
             }
         }
-        let now = self.now;
         for e in batch {
             let h = self.hub();
             let Some(slot) = h.slots[e.qp].as_mut() else {
@@ -205,40 +198,20 @@ impl Net {
                 }
                 continue;
             };
-            if e.c.recv {
-                let receipt = slot.core.handle_recv(&e.c, || None, || now);
-                let r = match receipt.action {
-                    RecvAction::Grant => Receipt::Grant,
-                    _ if receipt.spent_credit => Receipt::Data,
-                    _ => Receipt::Unaccounted,
-                };
-                if slot.admitted {
-                    h.share.on_consumed(e.qp, slot, r, &mut h.touched);
-                    h.share.park_slots(e.qp, &mut h.slots, &mut h.touched);
-                } else {
-                    h.share.on_stray();
-                }
-                let slot = h.slots[e.qp].as_mut().expect("live");
-                match receipt.action {
-                    RecvAction::Deliver => {
-                        slot.app
-                            .received
-                            .push(e.seq.expect("data carries a sequence"));
-                        slot.app.held += 1;
-                        h.held += 1;
-                        h.held_order.push_back(e.qp);
-                    }
-                    _ => h.free += 1,
-                }
-            } else {
+            if !e.c.recv {
                 slot.sq.retire(e.wr_id);
                 slot.core.handle_send(&e.c, e.wr_id);
             }
+            let mut q = self.queues(End::Hub(e.qp));
+            if e.c.recv {
+                drive::on_recv(&mut q, &e.c, e.seq, 0);
+            }
+            let h = q.net.hub();
             let slot = h.slots[e.qp].as_mut().expect("live");
             if !std::mem::replace(&mut slot.touched, true) {
                 h.touched.push(e.qp);
             }
-            self.do_actions(End::Hub(e.qp));
+            drive::run_actions(&mut q);
         }
         true
     }
@@ -256,10 +229,11 @@ impl Net {
             if slot.core.failure().is_none() {
                 continue;
             }
-            slot.core.handle_flushed(slot.sq.posted.len(), now);
-            if !slot.core.is_drained() {
+            if !drive::drained(&mut self.queues(End::Hub(s)), now) {
                 continue;
             }
+            let h = self.hub();
+            let slot = h.slots[s].as_mut().expect("live");
             let failure = slot.core.failure().expect("failed");
             // Its messages still held by the application come back with it.
             h.held -= slot.app.held;

@@ -33,14 +33,16 @@ use std::time::{Duration, Instant};
 use rdmsg_notify::ArmMode;
 use rdmsg_verbs::WcStatus;
 
-use crate::core::{Action, Core, StreamNews};
+use crate::core::{Core, StreamNews};
 use crate::credits::Credits;
+use crate::drive::{self, Queues};
 use crate::error::Failure;
 use crate::share::{Share, ShareConfig};
 
 mod conn;
 mod device;
 mod hub;
+mod queues;
 #[cfg(test)]
 mod tests;
 
@@ -122,6 +124,8 @@ pub(crate) struct Net {
     close_timeout: Duration,
     /// A message that no queue pair takes is retried for ever (see [`Net::retry_for_ever`]).
     endless_retries: bool,
+    /// Liveness probes posted, all ends.
+    pub probes: u64,
 }
 
 impl Net {
@@ -134,6 +138,7 @@ impl Net {
             rnr: 0,
             close_timeout,
             endless_retries: false,
+            probes: 0,
         }
     }
 
@@ -272,53 +277,8 @@ impl Net {
 
     /// Does what the core of `end` asks for.
     fn do_actions(&mut self, end: End) {
-        loop {
-            let action = match end {
-                End::Conn(i) => self.conns[i].core.poll_action(),
-                End::Hub(s) => self.hub().slots[s]
-                    .as_mut()
-                    .and_then(|s| s.core.poll_action()),
-                End::Gone(_) => None,
-            };
-            let Some(action) = action else { return };
-            let peer = self.peer_of(end);
-            match action {
-                Action::SayGoodbye => self.tell_stream(peer, StreamNews::Goodbye),
-                // The simulated connections have streams; none probes.
-                Action::UnwatchStream | Action::Probe => {}
-                Action::FailQueuePair => {
-                    // Reported as the drivers do (an end's index stands for its queue pair).
-                    let (qp, failure) = match end {
-                        End::Conn(i) => (i, self.conns[i].core.failure()),
-                        End::Hub(s) => (
-                            s,
-                            self.hub().slots[s].as_ref().and_then(|s| s.core.failure()),
-                        ),
-                        End::Gone(n) => (n, None),
-                    };
-                    crate::trace::ended(qp as u32, None, failure);
-                    self.tell_stream(peer, StreamNews::Ended);
-                    self.break_queue_pair(end);
-                    let now = self.now;
-                    match end {
-                        End::Conn(i) => {
-                            self.conns[i].stream_shut = true;
-                            self.conns[i].core.flushing_since(now);
-                        }
-                        End::Hub(s) => {
-                            let h = self.hub();
-                            if let Some(slot) = h.slots[s].as_mut() {
-                                slot.core.flushing_since(now);
-                                if slot.admitted {
-                                    // Its buffers stop being refilled; released at the end.
-                                    h.share.retire(s);
-                                }
-                            }
-                        }
-                        End::Gone(_) => {}
-                    }
-                }
-            }
+        if !matches!(end, End::Gone(_)) {
+            drive::run_actions(&mut self.queues(end));
         }
     }
 
@@ -336,11 +296,10 @@ impl Net {
             Some(End::Hub(s)) => {
                 let now = self.now;
                 let h = self.hub();
-                if let Some(slot) = h.slots[s].as_mut() {
-                    slot.core.handle_stream(news, now);
-                }
                 h.asleep = false;
-                self.do_actions(End::Hub(s));
+                if h.slots[s].is_some() {
+                    drive::on_stream(&mut self.queues(End::Hub(s)), news, now);
+                }
             }
         }
     }
@@ -419,41 +378,42 @@ impl Net {
 
     /// An asynchronous event (a CQ overrun, say) fails `end`.
     pub(crate) fn async_failure(&mut self, end: End, f: Failure) {
-        match end {
-            End::Conn(i) => self.conns[i].core.handle_failure(f),
-            End::Hub(s) => {
-                if let Some(slot) = self.hub().slots[s].as_mut() {
-                    slot.core.handle_failure(f);
-                }
-            }
-            End::Gone(_) => {}
+        let live = match end {
+            End::Conn(_) => true,
+            End::Hub(s) => self.hub().slots[s].is_some(),
+            End::Gone(_) => false,
+        };
+        if live {
+            drive::fail(&mut self.queues(end), f);
         }
-        self.do_actions(end);
     }
 
     /// Starts a graceful close of connection `i`; whether it could.
     pub(crate) fn close(&mut self, i: usize) -> bool {
-        let now = self.now;
-        let deadline = self.conns[i].core.close_deadline(now);
-        let Some(post) = self.conns[i].core.start_close(deadline, now) else {
-            return false;
-        };
-        self.post_send(End::Conn(i), post, None);
-        crate::trace::close_started(i as u32, None);
-        true
+        self.close_end(End::Conn(i))
     }
 
     /// Starts a graceful close of hub slot `s`; whether it could.
     pub(crate) fn close_hub_slot(&mut self, s: usize) -> bool {
+        self.hub().slots[s].is_some() && self.close_end(End::Hub(s))
+    }
+
+    fn close_end(&mut self, end: End) -> bool {
         let now = self.now;
-        let Some(post) = self.hub().slots[s]
-            .as_mut()
-            .and_then(|slot| slot.core.start_close(slot.core.close_deadline(now), now))
-        else {
-            return false;
+        let mut q = self.queues(end);
+        let deadline = q.core().close_deadline(now);
+        drive::start_close(&mut q, deadline, now).expect("simulated posts do not fail")
+    }
+
+    /// The next request id of `end`'s queue pair.
+    pub(super) fn next_wr_id(&mut self, end: End) -> u64 {
+        let next = match end {
+            End::Conn(i) => &mut self.conns[i].next_wr,
+            End::Hub(_) => &mut self.hub().next_wr,
+            End::Gone(_) => unreachable!("a gone queue pair posts nothing"),
         };
-        self.post_send(End::Hub(s), post, None);
-        true
+        *next += 1;
+        *next
     }
 
     // ----- driving -----
@@ -513,6 +473,12 @@ impl Net {
     /// only when an arm fires (or their stream has news): a hang the health check would hide
     /// is a failure here.
     pub(crate) fn drive(&mut self, bound: usize) {
+        self.drive_until(None, bound);
+    }
+
+    /// [`Net::drive`] that also stops once the next deadline is after `until` (time then stands
+    /// at the last deadline before it): for ends whose timers never stop, as probing ones.
+    pub(crate) fn drive_until(&mut self, until: Option<Instant>, bound: usize) {
         for _ in 0..bound {
             let mut busy = self.deliver_all();
             busy |= self.turns(false);
@@ -530,6 +496,7 @@ impl Net {
                 continue;
             }
             match self.next_deadline() {
+                Some(at) if until.is_some_and(|u| at > u) => return,
                 Some(at) => {
                     self.now = self.now.max(at);
                     // Deadlines are the cores' own timers: their drivers wake for them.

@@ -444,6 +444,36 @@ fn a_read_in_flight_when_the_peer_dies_fails_with_the_retry_error() {
     assert!(net.send_failures(a) >= 1);
 }
 
+#[test]
+fn probes_keep_a_quiet_pair_alive_and_find_a_host_gone_silent() {
+    const EVERY: Duration = Duration::from_secs(1);
+    let (mut net, a, b) = pair(Shape::default(), Shape::default());
+    // rxe with `retry_cnt` 7: nothing a silent host was sent ever fails on its own.
+    net.retry_for_ever();
+    let now = net.now;
+    for i in [a, b] {
+        net.conns[i].core.probe_every(EVERY, now);
+    }
+    net.conns[a].app.backlog = 10;
+    net.conns[b].app.hold = 2;
+    // Ten quiet intervals: each side probes its peer, every probe is answered.
+    net.drive_until(Some(now + 10 * EVERY), 100_000);
+    all_through(&net, a, b);
+    assert!(net.probes >= 10, "quiet sides probe: {}", net.probes);
+    assert_eq!(net.conns[a].core.failure(), None);
+    assert_eq!(net.conns[b].core.failure(), None);
+    // b's host goes silent: its stream says nothing, a's probe is never answered (nor failed).
+    net.crash(b);
+    let crashed = net.now;
+    net.drive_until(Some(crashed + 10 * EVERY), 100_000);
+    assert_eq!(net.conns[a].core.failure(), Some(Failure::PeerVanished));
+    assert!(
+        net.now <= crashed + 4 * EVERY,
+        "found within a few intervals: {:?}",
+        net.now - crashed
+    );
+}
+
 impl PartialEq for crate::Error {
     fn eq(&self, other: &Self) -> bool {
         self.to_string() == other.to_string()

@@ -1,0 +1,193 @@
+//! What lies under one hub connection's core, for the one driver ([`crate::drive`]): its queue
+//! pair on the hub's shared receive queue and CQs, the hub's send buffers and receive pool, and
+//! its bootstrap stream (or rdma_cm id).
+
+use std::os::fd::AsFd;
+use std::time::Instant;
+
+use rdmsg_verbs::Buffer;
+
+use super::slots::Phase;
+use super::{RawHub, RawHubEvent};
+use crate::core::{Action, Core, Post, Receipt, RecvAction, Room};
+use crate::drive::Queues;
+use crate::error::{Error, Result};
+use crate::peer_id::PeerId;
+use crate::send::{self, Payload};
+use crate::share;
+
+/// One connection of the hub, as the driver sees it.
+pub(super) struct SlotQueues<'a> {
+    pub(super) hub: &'a mut RawHub,
+    pub(super) slot: usize,
+    /// The receive group whose CQ the completion being handled came from.
+    pub(super) recv_group: Option<usize>,
+}
+
+impl RawHub {
+    /// Connection `slot` (live) for the driver.
+    pub(super) fn queues(&mut self, slot: usize) -> SlotQueues<'_> {
+        SlotQueues {
+            hub: self,
+            slot,
+            recv_group: None,
+        }
+    }
+}
+
+impl SlotQueues<'_> {
+    fn slot(&self) -> &super::slots::Slot {
+        self.hub.slot(self.slot)
+    }
+}
+
+impl Queues for SlotQueues<'_> {
+    type Buf = Buffer;
+    type Payload = Payload;
+
+    fn core(&mut self) -> &mut Core {
+        &mut self.hub.slot_mut(self.slot).core
+    }
+
+    fn next_action(&mut self) -> Option<Action> {
+        // A handshake that fails without a queue pair frees its slot at once.
+        self.hub.slots[self.slot]
+            .as_mut()
+            .and_then(|s| s.core.poll_action())
+    }
+
+    fn clock(&self) -> impl FnOnce() -> Instant + 'static {
+        Instant::now
+    }
+
+    fn names(&self) -> (u32, Option<PeerId>) {
+        let s = self.slot();
+        (s.qpn.unwrap_or(0), Some(s.id(self.slot)))
+    }
+
+    fn room(&self) -> Room {
+        self.hub.room(self.slot)
+    }
+
+    fn post(&mut self, payload: Payload, post: Post) -> Result<()> {
+        self.hub.post(self.slot, payload, post)
+    }
+
+    fn note(&mut self) -> Payload {
+        let note = self.hub.slot(self.slot).core.note();
+        self.hub.send.note(note)
+    }
+
+    fn note_in(&self, buf: &Buffer, byte_len: u32) -> Option<u32> {
+        send::note_of(buf.as_slice(), byte_len)
+    }
+
+    fn received(&mut self, receipt: Receipt) {
+        let Some(group) = self.recv_group else {
+            return;
+        };
+        let hub = &mut *self.hub;
+        let s = hub.slots[self.slot].as_mut().expect("a mapped slot");
+        let share_receipt = match receipt.action {
+            RecvAction::Grant => share::Receipt::Grant,
+            // A close message spends a data credit too.
+            _ if receipt.spent_credit => share::Receipt::Data,
+            _ => share::Receipt::Unaccounted,
+        };
+        let share = &mut hub.groups[group].share;
+        if s.admitted && s.group == Some(group) {
+            share.on_consumed(self.slot, s, share_receipt, &mut hub.touched);
+            // The peer may have returned all it could: its grant slots may sleep.
+            share.park_slots(self.slot, &mut hub.slots, &mut hub.touched);
+        } else {
+            share.on_stray();
+        }
+    }
+
+    fn deliver(&mut self, buf: Buffer, byte_len: u32) {
+        let hub = &mut *self.hub;
+        hub.stats.received += 1;
+        let msg = hub.pool.lend(buf, byte_len as usize);
+        let s = hub.slots[self.slot].as_mut().expect("a mapped slot");
+        if s.announced {
+            let peer = s.id(self.slot);
+            hub.events.push_back(RawHubEvent::Message { peer, msg });
+        } else {
+            s.early.push(msg);
+        }
+    }
+
+    fn recycle(&mut self, buf: Buffer) {
+        self.hub.pool.put_back(buf);
+    }
+
+    // A shared receive queue's receives are not flushed by a queue pair's error: nothing to
+    // explain (the default).
+
+    fn post_probe(&mut self) -> Result<u64> {
+        let hub = &mut *self.hub;
+        let Some(Phase::Linked(link)) = hub.slots[self.slot].as_mut().map(|s| &mut s.phase) else {
+            unreachable!("a slot with room for a probe is linked")
+        };
+        let before = link.qp.send_outstanding();
+        let posted = link.qp.post_probe();
+        hub.send_cq.follow(before, link.qp.send_outstanding());
+        let id = posted.map_err(Error::from)?;
+        hub.stats.liveness_probes += 1;
+        hub.follow_unsignaled(self.slot);
+        Ok(id)
+    }
+
+    fn say_goodbye(&mut self) {
+        if let Some(link) = self.hub.slot_mut(self.slot).link_mut() {
+            link.control.say_goodbye();
+        }
+    }
+
+    fn unwatch_stream(&mut self) {
+        let hub = &mut *self.hub;
+        let s = hub.slots[self.slot].as_mut().expect("a live slot");
+        if let Phase::Linked(link) = &mut s.phase {
+            if std::mem::take(&mut link.watched) {
+                let _ = hub.waiter.channel().watch.remove(link.control.as_fd());
+            }
+        }
+    }
+
+    fn fail_unlinked(&mut self) -> bool {
+        let s = self.hub.slot(self.slot);
+        if s.is_handshaking() {
+            if let Some(e) = s.core.failure().map(Error::from) {
+                self.hub.handshake_failed(self.slot, e);
+            }
+            return true;
+        }
+        // Failing or retired already: its queue pair is in the error state or gone.
+        s.link().is_none()
+    }
+
+    fn shut_down_stream(&mut self) {
+        if let Some(link) = self.hub.slot_mut(self.slot).link_mut() {
+            link.control.shut_down();
+        }
+    }
+
+    fn to_error(&mut self) {
+        if let Some(qp) = self.hub.slot_mut(self.slot).qp_mut() {
+            let _ = qp.to_error();
+        }
+    }
+
+    fn flushing(&mut self) {
+        self.hub.start_draining(self.slot);
+    }
+
+    fn flushes_outstanding(&self) -> usize {
+        // The queue pair's sends: its receives came from the shared queue, which keeps them.
+        match &self.slot().phase {
+            Phase::Linked(link) => link.qp.send_outstanding(),
+            Phase::Failing(qp) => qp.send_outstanding(),
+            _ => 0,
+        }
+    }
+}
