@@ -60,7 +60,7 @@ pub fn latency(size: usize, iters: usize) -> Result<f64> {
             }
         }
         c.close().await?;
-        Ok(crate::report::median(&one_way))
+        Ok(crate::sample::median(&one_way))
     })?;
     join(echo)?;
     Ok(median)

@@ -193,7 +193,7 @@ const TAIL: usize = 5;
 /// Runs `collector --sensors N --batches B --min-credits C` and reads its line; kills it (and
 /// its sensors process) after `timeout`. Its stderr goes on to ours as progress.
 pub fn run(sensors: usize, min_credits: u32, batches: u32, timeout: Duration) -> Result<Outcome> {
-    let program = crate::runner::sibling_program(PROGRAM)?;
+    let program = crate::sibling_program(PROGRAM)?;
     // Both processes need a descriptor per sensor. Each raises its soft limit itself, but
     // only up to the hard limit, which only a privileged process (this one, as root in the
     // VM) can raise: they inherit it.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rdmsg::transport::{Config, Connection, Endpoint};
 
-use crate::report::median;
+use crate::sample::median;
 
 /// How a connection is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -180,7 +180,7 @@ fn profile(
     let (program, args) = match subject {
         Subject::IbvRcPingpong | Subject::RcPingpong => {
             let program = if subject == Subject::RcPingpong {
-                crate::runner::sibling_program("rc_pingpong")?
+                crate::sibling_program("rc_pingpong")?
             } else {
                 "ibv_rc_pingpong".into()
             };

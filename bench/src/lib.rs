@@ -31,3 +31,17 @@ pub(crate) fn join<T>(handle: std::thread::JoinHandle<anyhow::Result<T>>) -> any
         .join()
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
+
+/// A program built next to this one (the examples, in the same target directory).
+pub(crate) fn sibling_program(name: &str) -> anyhow::Result<String> {
+    let exe = std::env::current_exe().map_err(|e| anyhow::anyhow!("locating rdmsg-bench: {e}"))?;
+    let path = exe.with_file_name(name);
+    if !path.exists() {
+        anyhow::bail!(
+            "{} not found: build it (cargo build --release -p rdmsg-examples --bin {name}; \
+             cargo xtask bench does)",
+            path.display()
+        );
+    }
+    Ok(path.to_string_lossy().into_owned())
+}

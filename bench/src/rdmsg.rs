@@ -70,7 +70,7 @@ fn median_one_way(
             one_way.push(rtt.as_secs_f64() * 1e6 / 2.0);
         }
     }
-    Ok(crate::report::median(&one_way))
+    Ok(crate::sample::median(&one_way))
 }
 
 /// Ping-pong of `iters` round trips of typed messages between two sessions; returns the median
@@ -321,7 +321,7 @@ pub fn at_rate(mode: RecvMode, rate: Option<f64>, count: usize) -> Result<AtRate
         );
         expect_close(&mut r)?;
         Ok((
-            crate::report::median(&lat),
+            crate::sample::median(&lat),
             cpu.as_secs_f64() * 1e6 / count as f64,
         ))
     });

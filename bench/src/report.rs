@@ -6,18 +6,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::sample::{Bench, Sample};
-
-/// The median of `v` (NaN when empty).
-pub fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
+use crate::sample::{median, Bench, Sample};
 
 /// A goal on a row's checked value (its ratio, or its own value when it has no anchor).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

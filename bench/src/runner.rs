@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 
 use crate::asynch;
 use crate::fanin::{self, Load, Server};
@@ -712,7 +712,7 @@ impl Task {
                     }
                     Who::RcPingpong | Who::IbvRcPingpong => {
                         let program = if who == Who::RcPingpong {
-                            sibling_program("rc_pingpong")?
+                            crate::sibling_program("rc_pingpong")?
                         } else {
                             "ibv_rc_pingpong".into()
                         };
@@ -1060,20 +1060,6 @@ fn fanin_samples(round: u32, conns: usize, server: Server, m: &fanin::Measured) 
         .into_iter()
         .map(|(metric, value)| fanin_sample(round, conns, server, metric, value, String::new()))
         .collect()
-}
-
-/// A program built next to this one (the examples, in the same target directory).
-pub(crate) fn sibling_program(name: &str) -> Result<String> {
-    let exe = std::env::current_exe().context("locating rdmsg-bench")?;
-    let path = exe.with_file_name(name);
-    if !path.exists() {
-        anyhow::bail!(
-            "{} not found: build it (cargo build --release -p rdmsg-examples --bin {name}; \
-             cargo xtask bench does)",
-            path.display()
-        );
-    }
-    Ok(path.to_string_lossy().into_owned())
 }
 
 /// Runs every task, printing samples as lines on `out` and progress on stderr. A failed task

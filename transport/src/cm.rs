@@ -58,12 +58,12 @@ pub(crate) fn socket_addr(addr: &(impl ToSocketAddrs + fmt::Debug)) -> Result<So
 /// For the hub, which proves no key over rdma_cm.
 pub(crate) fn refuse_psk(config: &Config) -> Result<()> {
     if config.psk.is_some() {
-        return Err(Error::Config(
-            "a hub does not prove a pre-shared key over rdma_cm: listen or connect through \
-             the TCP bootstrap (RawHub::listen / connect) to use Config::psk, or use \
-             Endpoint::connect_cm and CmListener, which prove it"
-                .into(),
-        ));
+        return Err(Error::Unsupported {
+            what: "a hub's pre-shared key over rdma_cm",
+            instead: "listen or connect through the TCP bootstrap (RawHub::listen / connect) \
+                      to use Config::psk, or use Endpoint::connect_cm and CmListener, which \
+                      prove it",
+        });
     }
     Ok(())
 }

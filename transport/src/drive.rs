@@ -17,7 +17,7 @@ use std::time::Instant;
 use rdmsg_notify::ArmMode;
 use rdmsg_verbs::WcStatus;
 
-use crate::core::{Action, Completion, Core, Post, Receipt, RecvAction, Room, StreamNews};
+use crate::core::{Command, Completion, Core, Post, Receipt, RecvAction, Room, StreamNews};
 use crate::error::{errno_of, Failure, Result};
 use crate::peer_id::PeerId;
 use crate::trace;
@@ -76,8 +76,8 @@ pub(crate) trait Queues {
     fn unwatch_stream(&mut self);
 
     /// The next action of the core (a hub's connection whose handshake failed may be gone).
-    fn next_action(&mut self) -> Option<Action> {
-        self.core().poll_action()
+    fn next_command(&mut self) -> Option<Command> {
+        self.core().poll_command()
     }
 
     /// A connection without a linked queue pair fails on its own terms (one whose handshake is
@@ -105,13 +105,13 @@ pub(crate) trait Queues {
 }
 
 /// Does what the core asks for, in order.
-pub(crate) fn run_actions<Q: Queues>(q: &mut Q) {
-    while let Some(action) = q.next_action() {
+pub(crate) fn run_commands<Q: Queues>(q: &mut Q) {
+    while let Some(action) = q.next_command() {
         match action {
-            Action::SayGoodbye => q.say_goodbye(),
-            Action::UnwatchStream => q.unwatch_stream(),
-            Action::FailQueuePair => fail_queue_pair(q),
-            Action::Probe => {
+            Command::SayGoodbye => q.say_goodbye(),
+            Command::UnwatchStream => q.unwatch_stream(),
+            Command::FailQueuePair => fail_queue_pair(q),
+            Command::Probe => {
                 probe(q);
             }
         }
@@ -164,7 +164,7 @@ pub(crate) fn probe<Q: Queues>(q: &mut Q) -> bool {
 /// (the first is kept) and acted on.
 pub(crate) fn fail<Q: Queues>(q: &mut Q, f: Failure) {
     q.core().handle_failure(f);
-    run_actions(q);
+    run_commands(q);
 }
 
 /// A polled receive completion whose buffer came back: the core judges it, and the buffer is
@@ -244,14 +244,14 @@ pub(crate) fn fire_timers<Q: Queues>(q: &mut Q, now: Instant) -> bool {
         return false;
     }
     q.core().handle_timeout(now);
-    run_actions(q);
+    run_commands(q);
     true
 }
 
 /// What the bootstrap stream brought at `now`.
 pub(crate) fn on_stream<Q: Queues>(q: &mut Q, news: StreamNews, now: Instant) {
     q.core().handle_stream(news, now);
-    run_actions(q);
+    run_commands(q);
 }
 
 /// After a failure, while the flushes drain: the core learns how many requests are still to

@@ -9,7 +9,7 @@ use rdmsg_verbs::{
 };
 
 use crate::addr::QpAddress;
-use crate::events::{self, Mailbox, Router};
+use crate::device_events::{self, Mailbox, Router};
 use crate::{Error, Result};
 
 /// Which local GID to send from.
@@ -64,7 +64,7 @@ struct Inner {
     port_attr: PortAttr,
     gid_index: Option<u8>,
     gid: Gid,
-    /// Where asynchronous events read from the context go (see the `events` module); shared
+    /// Where asynchronous events read from the context go (see the `device_events` module); shared
     /// by every endpoint on the context.
     router: Arc<Mutex<Router>>,
     /// RDMA reads in flight per queue pair, as initiator and as responder.
@@ -116,7 +116,7 @@ impl Endpoint {
             .max_qp_rd_atom
             .min(dev.max_qp_init_rd_atom)
             .clamp(1, MAX_READS_IN_FLIGHT) as u8;
-        let router = events::router_for(&ctx);
+        let router = device_events::router_for(&ctx);
         Ok(Self {
             inner: Arc::new(Inner {
                 ctx,

@@ -92,6 +92,28 @@ pub enum Error {
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A combination of settings or calls rdmsg does not support, and what to do instead.
+    #[error("{what} is not supported: {instead}")]
+    Unsupported {
+        /// What was asked.
+        what: &'static str,
+        /// What to do instead.
+        instead: &'static str,
+    },
+    /// The hub's shared receive pool refused the hub's credit settings.
+    #[error("invalid credit settings of the hub's shared pool: {0}")]
+    ShareConfig(#[from] crate::share::ConfigError),
+    /// The hub's shared receive pool refused to admit a connection it should have taken (the
+    /// hub's books and the pool's disagree: a bug of rdmsg's).
+    #[error("the hub's shared receive pool refused a connection: {0}")]
+    Admit(crate::share::AdmitError),
+    /// A member hub's thread of a [`HubGroup`](crate::HubGroup) ended in a panic; its own
+    /// message went to stderr.
+    #[error("member hub {member} of the group panicked")]
+    MemberPanicked {
+        /// The member's index.
+        member: usize,
+    },
     /// An RDMA read in more pieces than the queue pair's send queue has slots: it could never
     /// be posted.
     #[error("a read of {segments} segments needs more than the {send_slots} send queue slots; split it, or raise send_depth")]

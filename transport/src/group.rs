@@ -390,10 +390,8 @@ impl HubGroup {
         }
         self.members
             .drain(..)
-            .map(|t| {
-                t.join()
-                    .unwrap_or_else(|_| Err(Error::Config("a member's handler panicked".into())))
-            })
+            .enumerate()
+            .map(|(member, t)| t.join().unwrap_or(Err(Error::MemberPanicked { member })))
             .collect()
     }
 }

@@ -40,7 +40,7 @@ impl ConnChannel {
         watch.add(channel.as_fd(), Token::Channel.bit())?;
         watch.add(wake.as_fd(), Token::Wake.bit())?;
         // Every connection of the device watches its async-event descriptor; one new event
-        // wakes one sleeper, which routes it to its owner (see the `events` module).
+        // wakes one sleeper, which routes it to its owner (see the `device_events` module).
         watch.add_exclusive(endpoint.context().async_fd(), Token::Async.bit())?;
         watch.add(bootstrap.as_fd(), Token::Stream(0).bit())?;
         Ok(Self {

@@ -10,10 +10,10 @@ use super::{Connection, DRAIN_POLL, LIVENESS_EVERY, POLL_SLICE};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
 use crate::core::{earliest, Completion};
+use crate::device_events::{self, Mailbox};
 use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{errno_of, Error, Failure, Result};
-use crate::events::{self, Mailbox};
 use crate::read;
 
 impl Connection {
@@ -277,7 +277,7 @@ impl Connection {
             }
         }
         self.completions = got;
-        drive::run_actions(self);
+        drive::run_commands(self);
     }
 
     pub(super) fn on_recv(&mut self, c: &Completion, wc: &WorkCompletion) {
@@ -395,5 +395,5 @@ pub(super) fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result
     Ok(mailbox
         .take()
         .into_iter()
-        .find_map(|ev| events::is_fatal(ev.kind).then_some(Failure::AsyncEvent(ev.kind))))
+        .find_map(|ev| device_events::is_fatal(ev.kind).then_some(Failure::AsyncEvent(ev.kind))))
 }

@@ -18,11 +18,11 @@
 //!   requests are still posted after a failure (`handle_flushed`);
 //! - **commands** from the application: `data` (a message to post), `start_close`, `grant`,
 //!   `read_fits`, and the bookkeeping of what the driver then posted (`posted`, `reposted`);
-//! - **`poll_action`**, the one output besides the commands' answers: what the driver must do
+//! - **`poll_command`**, the one output besides the commands' answers: what the driver must do
 //!   on its side of the wire.
 //!
-//! After *every* input or command, call `poll_action` until it returns `None` and do each
-//! [`Action`] in order; each comes at most once per connection, but for [`Action::Probe`]. Before waiting, wait at most
+//! After *every* input or command, call `poll_command` until it returns `None` and do each
+//! [`Command`] in order; each comes at most once per connection, but for [`Command::Probe`]. Before waiting, wait at most
 //! until `next_timeout`, and call `handle_timeout` with the time once it has passed. `now`
 //! never goes backwards. A driver posts a data message only when `may_send` says so, and then
 //! as `data` says (its immediate data, whether solicited, whether signaled); it re-posts
@@ -139,9 +139,9 @@ pub(crate) fn close_outcome(failure: Failure, timeout: Duration) -> Result<(), E
 
 /// What the driver must do on its side, in the order given (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Action {
+pub(crate) enum Command {
     /// Our close message was delivered: write the goodbye on the bootstrap stream (a
-    /// [`Action::FailQueuePair`] with [`Failure::Closed`] follows).
+    /// [`Command::FailQueuePair`] with [`Failure::Closed`] follows).
     SayGoodbye,
     /// Stop watching the bootstrap stream: it said goodbye, ended, or sent junk, and stays
     /// readable for ever.
@@ -234,7 +234,7 @@ pub(crate) struct Receipt {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
+enum State {
     Handshaking,
     Linked,
     Closing {
@@ -258,7 +258,7 @@ pub(crate) struct Core {
     /// The real books replaced the placeholder a hub starts a handshake with.
     books_known: bool,
     inbound: Inbound,
-    phase: Phase,
+    phase: State,
     failure: Option<Failure>,
     timers: TimerTable,
     actions: ActionQueue,
@@ -308,12 +308,12 @@ pub(crate) struct Core {
 /// Actions waiting for the driver, in order; each at most once.
 #[derive(Debug, Default)]
 struct ActionQueue {
-    queue: [Option<Action>; 4],
+    queue: [Option<Command>; 4],
     len: u8,
 }
 
 impl ActionQueue {
-    fn push(&mut self, a: Action) {
+    fn push(&mut self, a: Command) {
         if self.queue[..usize::from(self.len)].contains(&Some(a)) {
             return;
         }
@@ -321,7 +321,7 @@ impl ActionQueue {
         self.len += 1;
     }
 
-    fn pop(&mut self) -> Option<Action> {
+    fn pop(&mut self) -> Option<Command> {
         if self.len == 0 {
             return None;
         }
@@ -339,7 +339,7 @@ impl Core {
             credits,
             books_known: true,
             inbound: Inbound::default(),
-            phase: Phase::Linked,
+            phase: State::Linked,
             failure: None,
             timers: TimerTable::default(),
             actions: ActionQueue::default(),
@@ -374,7 +374,7 @@ impl Core {
     }
 
     /// Probes the peer for liveness from `now` on: whenever a whole interval of `every` passes
-    /// without a sign of life from it (a receive, or a send it acknowledged), [`Action::Probe`],
+    /// without a sign of life from it (a receive, or a send it acknowledged), [`Command::Probe`],
     /// so that a live peer's device gives one. A second such interval in a row with the probe
     /// unanswered (the sixth, while an RDMA read of ours is under way), or a probe failed by the
     /// queue pair's retries, fails the connection with [`Failure::PeerVanished`]. For
@@ -401,7 +401,7 @@ impl Core {
     /// Whether the connection is open for liveness to be watched: linked, neither closing
     /// nor failed (a close and a failure have their own deadlines).
     pub(crate) fn is_open(&self) -> bool {
-        self.phase == Phase::Linked
+        self.phase == State::Linked
     }
 
     /// Whether a request of ours a live peer's device answers is out: a probe, or a signaled
@@ -445,7 +445,7 @@ impl Core {
         self.last_read.is_some()
     }
 
-    /// The liveness probe [`Action::Probe`] asked for was posted as `wr_id` (signaled).
+    /// The liveness probe [`Command::Probe`] asked for was posted as `wr_id` (signaled).
     pub(crate) fn probe_posted(&mut self, wr_id: u64) {
         self.stats.probes += 1;
         self.probe_wr = Some(wr_id);
@@ -492,7 +492,7 @@ impl Core {
     ) -> Self {
         let mut c = Self::new(placeholder, signal_every, close_timeout);
         c.books_known = false;
-        c.phase = Phase::Handshaking;
+        c.phase = State::Handshaking;
         c
     }
 
@@ -517,7 +517,7 @@ impl Core {
 
     /// Whether the handshake is done (the connection may carry messages).
     pub(crate) fn is_linked(&self) -> bool {
-        self.phase != Phase::Handshaking
+        self.phase != State::Handshaking
     }
 
     /// Whether the close deadline passed before our close message completed (what
@@ -526,7 +526,7 @@ impl Core {
     pub(crate) fn close_timed_out(&self) -> bool {
         matches!(
             self.phase,
-            Phase::Failed {
+            State::Failed {
                 close_timed_out: true,
                 ..
             }
@@ -536,7 +536,7 @@ impl Core {
     /// Whether the connection failed and its queue pair's requests are flushed back (or the
     /// drain deadline passed): a hub may destroy it.
     pub(crate) fn is_drained(&self) -> bool {
-        matches!(self.phase, Phase::Failed { drained: true, .. })
+        matches!(self.phase, State::Failed { drained: true, .. })
     }
 
     /// Whether the peer's close message has arrived.
@@ -549,7 +549,7 @@ impl Core {
     pub(crate) fn check_send(&self) -> Result<(), Failure> {
         match (self.failure, self.phase) {
             (Some(f), _) => Err(f),
-            (None, Phase::Closing { .. }) => Err(Failure::Closed),
+            (None, State::Closing { .. }) => Err(Failure::Closed),
             _ => Ok(()),
         }
     }
@@ -557,7 +557,7 @@ impl Core {
     /// Whether a data message can be posted now: linked, not failed nor closing, a credit,
     /// and room on the driver's side.
     pub(crate) fn may_send(&self, room: Room) -> bool {
-        matches!(self.phase, Phase::Linked | Phase::Leaving)
+        matches!(self.phase, State::Linked | State::Leaving)
             && self.failure.is_none()
             && self.credits.available() > 0
             && self.credits.slots_ready()
@@ -647,7 +647,7 @@ impl Core {
     }
 
     /// The next thing the driver must do.
-    pub(crate) fn poll_action(&mut self) -> Option<Action> {
+    pub(crate) fn poll_command(&mut self) -> Option<Command> {
         self.actions.pop()
     }
 
@@ -664,9 +664,9 @@ impl Core {
     }
 
     /// The handshake is done.
-    pub(crate) fn link(&mut self) {
-        if self.phase == Phase::Handshaking {
-            self.phase = Phase::Linked;
+    pub(crate) fn handshake_done(&mut self) {
+        if self.phase == State::Handshaking {
+            self.phase = State::Linked;
         }
     }
 
@@ -727,20 +727,20 @@ impl Core {
         }
         self.heard |= c.status == WcStatus::Success;
         let close_delivered = c.status == WcStatus::Success
-            && matches!(self.phase, Phase::Closing { close_wr: Some(id) } if wr_id >= id);
+            && matches!(self.phase, State::Closing { close_wr: Some(id) } if wr_id >= id);
         if let Some(f) = Inbound::on_send(c) {
             self.handle_failure(f);
         } else if close_delivered {
             // The close message is delivered: goodbye, and closed.
             self.timers.stop(Timer::Close);
-            self.actions.push(Action::SayGoodbye);
+            self.actions.push(Command::SayGoodbye);
             self.handle_failure(Failure::Closed);
         } else if c.status == WcStatus::Success
             && self.lingering()
             && self.our_close_wr.take().is_some_and(|id| wr_id >= id)
         {
             // Both closed at once: the peer lingers for our goodbye as we do for its.
-            self.actions.push(Action::SayGoodbye);
+            self.actions.push(Command::SayGoodbye);
         }
     }
 
@@ -749,16 +749,16 @@ impl Core {
         match news {
             StreamNews::Nothing => {}
             StreamNews::Garbage(byte) => {
-                self.actions.push(Action::UnwatchStream);
+                self.actions.push(Command::UnwatchStream);
                 self.handle_failure(Failure::BootstrapGarbage { byte });
             }
             StreamNews::Goodbye | StreamNews::Ended => {
-                self.actions.push(Action::UnwatchStream);
+                self.actions.push(Command::UnwatchStream);
                 self.goodbye_seen = true;
                 if self.timers.get(Timer::Linger).is_some() {
                     // The peer's close completed: our acknowledgement reached it.
                     self.timers.stop(Timer::Linger);
-                    self.actions.push(Action::FailQueuePair);
+                    self.actions.push(Command::FailQueuePair);
                 }
                 // The peer's close message gets the grace to arrive. Closing ourselves, ours
                 // gets it to complete: a peer that took it and then dropped its side
@@ -766,11 +766,11 @@ impl Core {
                 // same ends the close as vanished, not timed out); one that died never will
                 // (rxe retries for ever), and the close ends as the peer vanished rather than
                 // at `close_timeout`.
-                let closing = matches!(self.phase, Phase::Closing { .. });
-                let linked = matches!(self.phase, Phase::Linked | Phase::Handshaking);
+                let closing = matches!(self.phase, State::Closing { .. });
+                let linked = matches!(self.phase, State::Linked | State::Handshaking);
                 if (linked || closing) && !self.peer_closed() {
                     if linked {
-                        self.phase = Phase::Leaving;
+                        self.phase = State::Leaving;
                     }
                     self.timers.set(
                         Timer::Vanish,
@@ -788,18 +788,18 @@ impl Core {
             // A real failure while lingering ends the wait for the goodbye.
             if self.lingering() {
                 self.timers.stop(Timer::Linger);
-                self.actions.push(Action::FailQueuePair);
+                self.actions.push(Command::FailQueuePair);
             }
             return;
         }
         self.failure = Some(f);
-        self.phase = Phase::Failed {
+        self.phase = State::Failed {
             close_timed_out: false,
             drained: false,
         };
         self.timers.stop(Timer::Close);
         self.timers.stop(Timer::Vanish);
-        self.actions.push(Action::FailQueuePair);
+        self.actions.push(Command::FailQueuePair);
     }
 
     /// The peer's close message came before its goodbye: the queue pair stays up (not failed
@@ -816,7 +816,7 @@ impl Core {
             return;
         }
         self.failure = Some(Failure::PeerClosed);
-        self.phase = Phase::Failed {
+        self.phase = State::Failed {
             close_timed_out: false,
             drained: false,
         };
@@ -829,7 +829,7 @@ impl Core {
     /// The driver moved the queue pair to the error state at `now`: its requests are flushed
     /// back from now on, waited for at most [`FLUSH_WAIT`].
     pub(crate) fn flushing_since(&mut self, now: Instant) {
-        if matches!(self.phase, Phase::Failed { drained: false, .. })
+        if matches!(self.phase, State::Failed { drained: false, .. })
             && self.timers.get(Timer::Drain).is_none()
         {
             self.timers.set(Timer::Drain, now + FLUSH_WAIT);
@@ -857,27 +857,27 @@ impl Core {
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
         for t in self.timers.expired(now) {
             match (t, self.phase) {
-                (Timer::Close, Phase::Closing { .. }) => {
+                (Timer::Close, State::Closing { .. }) => {
                     self.handle_failure(Failure::CloseTimedOut);
-                    self.phase = Phase::Failed {
+                    self.phase = State::Failed {
                         close_timed_out: true,
                         drained: false,
                     };
                 }
                 // Our close under way or not: a peer gone is gone (a close started while the
                 // peer was leaving keeps its deadline).
-                (Timer::Vanish, Phase::Leaving | Phase::Closing { .. }) => {
+                (Timer::Vanish, State::Leaving | State::Closing { .. }) => {
                     self.handle_failure(Failure::PeerVanished)
                 }
-                (Timer::Linger, _) => self.actions.push(Action::FailQueuePair),
-                (Timer::Probe, Phase::Linked) => {
+                (Timer::Linger, _) => self.actions.push(Command::FailQueuePair),
+                (Timer::Probe, State::Linked) => {
                     if std::mem::take(&mut self.heard) {
                         self.silent_intervals = 0;
                     } else if self.probe_wr.is_none() && self.last_signaled.is_none() {
                         // Nothing out that a live peer would answer (the driver had no room
                         // for the probe): ask again, and judge by that one.
                         self.silent_intervals = 1;
-                        self.actions.push(Action::Probe);
+                        self.actions.push(Command::Probe);
                     } else {
                         self.silent_intervals = self.silent_intervals.saturating_add(1);
                         // A read under way may move many bytes before what follows it
@@ -894,7 +894,7 @@ impl Core {
                             continue;
                         }
                         if self.probe_wr.is_none() {
-                            self.actions.push(Action::Probe);
+                            self.actions.push(Command::Probe);
                         }
                     }
                     if let Some(every) = self.probe_every {
@@ -913,7 +913,7 @@ impl Core {
     }
 
     fn drained(&mut self) {
-        if let Phase::Failed { drained, .. } = &mut self.phase {
+        if let State::Failed { drained, .. } = &mut self.phase {
             *drained = true;
             self.timers.stop(Timer::Drain);
         }
@@ -967,7 +967,7 @@ impl Core {
             return None;
         }
         let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
-        self.phase = Phase::Closing { close_wr: None };
+        self.phase = State::Closing { close_wr: None };
         self.timers
             .set(Timer::Close, deadline.max(now + CLOSE_ACK_GRACE));
         self.unsignaled = 0;
@@ -1030,7 +1030,7 @@ impl Core {
         if signaled {
             self.last_signaled = Some(wr_id);
         }
-        if let Phase::Closing { close_wr: w @ None } = &mut self.phase {
+        if let State::Closing { close_wr: w @ None } = &mut self.phase {
             *w = Some(wr_id);
             self.our_close_wr = Some(wr_id);
         }

@@ -48,8 +48,8 @@ const ROOM: Room = Room {
     unsignaled: usize::MAX,
 };
 
-fn actions(c: &mut Core) -> Vec<Action> {
-    std::iter::from_fn(|| c.poll_action()).collect()
+fn actions(c: &mut Core) -> Vec<Command> {
+    std::iter::from_fn(|| c.poll_command()).collect()
 }
 
 #[test]
@@ -58,7 +58,7 @@ fn the_first_failure_is_kept_and_asks_once_for_the_queue_pair_to_fail() {
     c.handle_failure(Failure::PeerVanished);
     c.handle_failure(Failure::QpError);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
-    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert_eq!(actions(&mut c), [Command::FailQueuePair]);
     assert!(!c.may_send(ROOM));
     assert!(c.data(true, ROOM).is_none());
     assert_eq!(c.check_send(), Err(Failure::PeerVanished));
@@ -85,12 +85,12 @@ fn a_close_timeout_of_any_length_is_a_deadline() {
     // `Duration::MAX` used to overflow the deadline and panic.
     let now = Instant::now();
     let mut c = Core::new(Credits::new(8, 3, 8, 3, 8), 16, Duration::MAX);
-    c.link();
+    c.handshake_done();
     c.handle_stream(StreamNews::Goodbye, now);
     let far = now + Duration::from_secs(365 * 24 * 60 * 60);
     assert!(c.timers.next().is_some_and(|at| at > far));
     let mut c = Core::new(Credits::new(8, 3, 8, 3, 8), 16, Duration::MAX);
-    c.link();
+    c.handshake_done();
     assert!(c.start_close(c.close_deadline(now), now).is_some());
     assert!(c.timers.next().is_some_and(|at| at > far));
 }
@@ -191,7 +191,10 @@ fn a_close_is_solicited_signaled_and_ends_in_a_goodbye() {
     assert_eq!(c.next_timeout(), Some(t0 + CLOSE));
     c.posted(9, true);
     c.handle_send(&send_ok(), 9);
-    assert_eq!(actions(&mut c), [Action::SayGoodbye, Action::FailQueuePair]);
+    assert_eq!(
+        actions(&mut c),
+        [Command::SayGoodbye, Command::FailQueuePair]
+    );
     assert_eq!(c.failure(), Some(Failure::Closed));
     assert!(!c.close_timed_out());
 }
@@ -351,7 +354,7 @@ fn a_close_past_its_deadline_is_closed_and_says_it_timed_out() {
     // Not `Closed`: a hub's `Disconnected` says the close was not taken in time.
     assert_eq!(c.failure(), Some(Failure::CloseTimedOut));
     assert!(c.close_timed_out());
-    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert_eq!(actions(&mut c), [Command::FailQueuePair]);
 }
 
 #[test]
@@ -359,7 +362,7 @@ fn a_goodbye_gives_the_close_message_until_the_close_timeout() {
     let t0 = Instant::now();
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.handle_stream(StreamNews::Goodbye, t0);
-    assert_eq!(actions(&mut c), [Action::UnwatchStream]);
+    assert_eq!(actions(&mut c), [Command::UnwatchStream]);
     assert_eq!(c.next_timeout(), Some(t0 + CLOSE));
     // The close message arrives in time.
     assert_eq!(
@@ -393,7 +396,7 @@ fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
     c.handle_stream(StreamNews::Goodbye, t0);
     assert_eq!(
         actions(&mut c),
-        [Action::UnwatchStream, Action::FailQueuePair]
+        [Command::UnwatchStream, Command::FailQueuePair]
     );
     assert_eq!(c.next_timeout(), None);
 
@@ -401,7 +404,7 @@ fn a_close_message_before_the_goodbye_keeps_the_queue_pair_until_the_goodbye() {
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.handle_recv(&recv(CLOSE_MSG), || None, || t0);
     c.handle_timeout(t0 + CLOSE);
-    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert_eq!(actions(&mut c), [Command::FailQueuePair]);
     assert_eq!(c.failure(), Some(Failure::PeerClosed));
 }
 
@@ -417,11 +420,11 @@ fn both_closing_at_once_each_says_goodbye_when_its_close_completes() {
     assert!(c.lingering());
     // ...and our own close completing still says ours, which it lingers for.
     c.handle_send(&send_ok(), 7);
-    assert_eq!(actions(&mut c), [Action::SayGoodbye]);
+    assert_eq!(actions(&mut c), [Command::SayGoodbye]);
     // A real failure meanwhile ends the linger at once.
     c.handle_failure(Failure::QpError);
     assert!(!c.lingering());
-    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert_eq!(actions(&mut c), [Command::FailQueuePair]);
 }
 
 #[test]
@@ -449,7 +452,7 @@ fn while_closing_an_ended_stream_gives_our_close_50_ms_then_the_peer_vanished() 
     // the grace, and the close is a close.
     let mut c = closing(t0);
     c.handle_stream(StreamNews::Ended, t0);
-    assert_eq!(actions(&mut c), [Action::UnwatchStream]);
+    assert_eq!(actions(&mut c), [Command::UnwatchStream]);
     assert_eq!(c.failure(), None);
     assert_eq!(c.next_timeout(), Some(t0 + grace));
     c.handle_send(&send_ok(), 9);
@@ -471,7 +474,7 @@ fn while_closing_an_ended_stream_gives_our_close_50_ms_then_the_peer_vanished() 
     assert!(!c.close_timed_out());
     assert_eq!(
         actions(&mut c),
-        [Action::UnwatchStream, Action::FailQueuePair]
+        [Command::UnwatchStream, Command::FailQueuePair]
     );
 
     // A peer that died before the close began (its stream's end already seen): the close
@@ -500,7 +503,7 @@ fn junk_on_the_stream_fails_at_once() {
     c.handle_stream(StreamNews::Garbage(7), Instant::now());
     assert_eq!(
         actions(&mut c),
-        [Action::UnwatchStream, Action::FailQueuePair]
+        [Command::UnwatchStream, Command::FailQueuePair]
     );
     assert_eq!(c.failure(), Some(Failure::BootstrapGarbage { byte: 7 }));
 }
@@ -534,7 +537,7 @@ fn a_handshaking_core_sends_nothing_until_linked_and_takes_the_real_books_once()
     c.learn_peer(Credits::shared(64, 3, 1, 3, 1, 4));
     assert_eq!(c.credits().available(), 8, "the first books stay");
     assert!(c.data(false, ROOM).is_none(), "not linked yet");
-    c.link();
+    c.handshake_done();
     assert!(c.data(false, ROOM).is_none(), "its grant slots sleep");
     c.credits_mut().want_slots();
     c.credits_mut().on_reposted(3);
@@ -634,7 +637,7 @@ fn a_silent_peer_is_probed_once_per_interval_and_never_twice_at_once() {
     assert_eq!(c.next_timeout(), Some(t0 + 2 * s));
     // A silent interval: one probe, signaled (the send queue is armed for it).
     c.handle_timeout(t0 + 2 * s);
-    assert_eq!(actions(&mut c), [Action::Probe]);
+    assert_eq!(actions(&mut c), [Command::Probe]);
     c.probe_posted(5);
     assert_eq!(c.send_arm(), ArmMode::Next);
     // Answered within the interval: the peer lives, and the interval after its answer is
@@ -650,7 +653,7 @@ fn a_silent_peer_is_probed_once_per_interval_and_never_twice_at_once() {
     c.handle_timeout(t0 + 3 * s);
     assert_eq!(actions(&mut c), []);
     c.handle_timeout(t0 + 4 * s);
-    assert_eq!(actions(&mut c), [Action::Probe]);
+    assert_eq!(actions(&mut c), [Command::Probe]);
     c.probe_posted(6);
     c.handle_send(
         &Completion {
@@ -679,19 +682,19 @@ fn a_probe_still_unanswered_an_interval_later_is_the_peer_vanished() {
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.probe_every(s, t0);
     c.handle_timeout(t0 + s);
-    assert_eq!(actions(&mut c), [Action::Probe]);
+    assert_eq!(actions(&mut c), [Command::Probe]);
     c.probe_posted(3);
     c.handle_timeout(t0 + 2 * s);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
-    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert_eq!(actions(&mut c), [Command::FailQueuePair]);
 
     // No room for the probe and nothing signaled out: nothing to judge by, it is asked again.
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);
     c.probe_every(s, t0);
     c.handle_timeout(t0 + s);
-    assert_eq!(actions(&mut c), [Action::Probe]);
+    assert_eq!(actions(&mut c), [Command::Probe]);
     c.handle_timeout(t0 + 2 * s);
-    assert_eq!(actions(&mut c), [Action::Probe]);
+    assert_eq!(actions(&mut c), [Command::Probe]);
     assert_eq!(c.failure(), None);
     // A probe behind a read under way (a long one, say) gets six intervals.
     c.posted_read(3);
@@ -708,7 +711,7 @@ fn a_probe_still_unanswered_an_interval_later_is_the_peer_vanished() {
     c.probe_every(s, t0);
     c.posted(11, true);
     c.handle_timeout(t0 + s);
-    assert_eq!(actions(&mut c), [Action::Probe]);
+    assert_eq!(actions(&mut c), [Command::Probe]);
     assert_eq!(c.failure(), None);
     c.handle_timeout(t0 + 2 * s);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
@@ -727,7 +730,7 @@ fn an_unanswered_probe_is_the_peer_vanished_and_any_other_send_error_says_itself
     c.begin_batch([retry(9)]);
     c.handle_send(&retry(9), 9);
     assert_eq!(c.failure(), Some(Failure::PeerVanished));
-    assert_eq!(actions(&mut c), [Action::FailQueuePair]);
+    assert_eq!(actions(&mut c), [Command::FailQueuePair]);
 
     // A send of ours that exhausted its retries, ahead of the probe: that is what failed.
     let mut c = core(Credits::new(4, 3, 4, 3, 4), 16);

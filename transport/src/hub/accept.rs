@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{QpCaps, QueuePair};
 
-use super::liveness::HostKey;
-use super::slots::{Established, HubSide, Phase};
+use super::side::HubSide;
+use super::slots::{Established, HostKey, Resources};
 use super::{RawHub, RawHubEvent};
 use crate::bootstrap::Pending;
 use crate::config::Config;
@@ -101,9 +101,9 @@ impl RawHub {
                 .get(i)
                 .and_then(Option::as_ref)
                 .filter(|s| s.generation == generation)
-                .and_then(|s| match &s.phase {
-                    Phase::Handshake(p) => Some(p.evicted(max_pending)),
-                    Phase::CmHandshake(p) => Some(p.evicted(max_pending)),
+                .and_then(|s| match &s.resources {
+                    Resources::Handshake(p) => Some(p.evicted(max_pending)),
+                    Resources::CmHandshake(p) => Some(p.evicted(max_pending)),
                     _ => None,
                 });
             if let Some(e) = evicted {
@@ -161,7 +161,7 @@ impl RawHub {
 
     pub(super) fn start_handshake(&mut self, slot: usize, pending: Pending<HubSide>) -> Result<()> {
         self.watch_handshake(slot, pending.stream.as_fd())?;
-        self.slot_mut(slot).phase = Phase::Handshake(Box::new(pending));
+        self.slot_mut(slot).resources = Resources::Handshake(Box::new(pending));
         self.handshake_started(slot);
         Ok(())
     }
@@ -223,17 +223,17 @@ impl RawHub {
         let Some(s) = self.slots.get(slot).and_then(Option::as_ref) else {
             return;
         };
-        match s.phase {
-            Phase::Handshake(_) => self.advance_handshake(slot),
-            Phase::CmHandshake(_) => self.advance_cm_handshake(slot),
-            Phase::Linked(_) => self.check_stream(slot),
-            Phase::Failing(_) | Phase::Retired => {}
+        match s.resources {
+            Resources::Handshake(_) => self.advance_handshake(slot),
+            Resources::CmHandshake(_) => self.advance_cm_handshake(slot),
+            Resources::Linked(_) => self.check_stream(slot),
+            Resources::Failing(_) | Resources::Retired => {}
         }
     }
 
     pub(super) fn advance_handshake(&mut self, slot: usize) {
-        let Phase::Handshake(mut pending) =
-            std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired)
+        let Resources::Handshake(mut pending) =
+            std::mem::replace(&mut self.slot_mut(slot).resources, Resources::Retired)
         else {
             return;
         };
@@ -261,10 +261,10 @@ impl RawHub {
             self.slot_mut(slot).core.learn_peer(books);
         }
         match res {
-            Ok(false) => self.slot_mut(slot).phase = Phase::Handshake(pending),
+            Ok(false) => self.slot_mut(slot).resources = Resources::Handshake(pending),
             Ok(true) => self.establish(slot, *pending),
             Err(e) => {
-                self.slot_mut(slot).phase = Phase::Handshake(pending);
+                self.slot_mut(slot).resources = Resources::Handshake(pending);
                 self.handshake_failed(slot, e);
             }
         }
@@ -284,13 +284,13 @@ impl RawHub {
         let peer = *hs.peer().expect("a finished handshake knows its peer");
         // No TCP keepalive: the hub probes silent peer hosts itself (see `liveness`); the
         // stream still tells of a peer process's end.
-        self.link(slot, side, Control::Tcp(stream), peer, peer_addr, started);
+        self.finish_handshake(slot, side, Control::Tcp(stream), peer, peer_addr, started);
     }
 
     /// The handshake of `slot` (over TCP or rdma_cm), begun at `started`, is done: the
     /// connection is announced, with what arrived early. Its stream or CM channel stays in the
     /// hub's watch.
-    pub(super) fn link(
+    pub(super) fn finish_handshake(
         &mut self,
         slot: usize,
         side: HubSide,
@@ -329,8 +329,8 @@ impl RawHub {
         };
         self.liveness.opened(Instant::now());
         let s = self.slot_mut(slot);
-        s.phase = Phase::Linked(Box::new(link));
-        s.core.link();
+        s.resources = Resources::Linked(Box::new(link));
+        s.core.handshake_done();
         s.announced = true;
         let early = std::mem::take(&mut s.early);
         if accepted {
@@ -359,28 +359,28 @@ impl RawHub {
     pub(super) fn handshake_failed(&mut self, slot: usize, error: Error) {
         self.stats.handshakes_failed += 1;
         let s = self.slot(slot);
-        let from = match &s.phase {
-            Phase::Handshake(p) => p.peer_addr,
-            Phase::CmHandshake(p) => p.peer_addr,
+        let from = match &s.resources {
+            Resources::Handshake(p) => p.peer_addr,
+            Resources::CmHandshake(p) => p.peer_addr,
             _ => None,
         };
         trace::handshake_failed(from, Some(s.id(slot)), &error);
         let peer = (!s.accepted).then(|| s.id(slot));
         self.events
             .push_back(RawHubEvent::HandshakeFailed { peer, error });
-        let side = match std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired) {
-            Phase::Handshake(pending) => {
+        let side = match std::mem::replace(&mut self.slot_mut(slot).resources, Resources::Retired) {
+            Resources::Handshake(pending) => {
                 let _ = self.watch().remove(pending.stream.as_fd());
                 let _ = pending.stream.shutdown(std::net::Shutdown::Both);
                 pending.setup
             }
-            Phase::CmHandshake(pending) => {
+            Resources::CmHandshake(pending) => {
                 let _ = self.watch().remove(pending.channel.as_fd());
                 // Dropping the id refuses or disconnects the peer.
                 pending.side
             }
             other => {
-                self.slot_mut(slot).phase = other;
+                self.slot_mut(slot).resources = other;
                 return;
             }
         };
@@ -388,7 +388,7 @@ impl RawHub {
         let core = &mut self.slot_mut(slot).core;
         core.handle_failure(Failure::PeerVanished);
         // Its queue pair (if any) goes now, not through the core's actions.
-        while core.poll_action().is_some() {}
+        while core.poll_command().is_some() {}
         match side {
             // Its queue pair may have taken receives of the shared queue already: drained
             // like a linked one's before it is destroyed, then polled, then released.
@@ -399,7 +399,7 @@ impl RawHub {
 
     /// Looks at a readable bootstrap stream: after the handshake only a goodbye may come.
     fn check_stream(&mut self, slot: usize) {
-        let Some(link) = self.slot_mut(slot).link_mut() else {
+        let Some(link) = self.slot_mut(slot).established_mut() else {
             return;
         };
         let news = link.control.news();

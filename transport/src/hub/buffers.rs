@@ -3,16 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use super::slots::Phase;
+use super::slots::Resources;
 use super::{PeerId, RawHub};
-use crate::core::{unsignaled_room, Post, Room};
+use crate::core::{unsignaled_room, Post, Room, SEND_PROGRESS_EVERY};
 use crate::drive;
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::send::{self, Payload};
 use crate::share::AdmitError;
-
-/// A sending hub steps at least every this many sends.
-const SEND_STEP_EVERY: u32 = 16;
 
 /// The hub's send CQ, shared by every queue pair: its entries, and the requests (sends,
 /// binds, reads, probes) posted on any queue pair and not yet retired, each of which may
@@ -96,7 +93,7 @@ impl RawHub {
             {
                 Ok(()) => {}
                 Err(AdmitError::NoRoom { spare, .. }) => return Err(full(spare)),
-                Err(e) => return Err(Error::Config(e.to_string())),
+                Err(e) => return Err(Error::Admit(e)),
             }
         }
         self.groups[group].conns += 1;
@@ -250,7 +247,7 @@ impl RawHub {
                 continue;
             };
             s.touched = false;
-            if s.core.failure().is_some() || s.link().is_none() {
+            if s.core.failure().is_some() || s.established().is_none() {
                 continue;
             }
             let room = self.room(slot);
@@ -304,7 +301,7 @@ impl RawHub {
 
     /// What is free for a send on `slot` now (nothing before it is linked).
     pub(super) fn room(&self, slot: usize) -> Room {
-        let link = self.slot(slot).link();
+        let link = self.slot(slot).established();
         let sq = link.map_or(0, |l| {
             l.sq_depth
                 .saturating_sub(l.qp.send_outstanding() + self.sq_reserve)
@@ -336,7 +333,7 @@ impl RawHub {
 
     pub(super) fn post(&mut self, slot: usize, payload: Payload, post: Post) -> Result<()> {
         let s = self.slots[slot].as_mut().expect("a live slot");
-        let Phase::Linked(link) = &mut s.phase else {
+        let Resources::Linked(link) = &mut s.resources else {
             unreachable!("posting needs a link")
         };
         let before = link.qp.send_outstanding();
@@ -373,13 +370,15 @@ impl RawHub {
         peer: PeerId,
         timeout: Option<Duration>,
     ) -> Result<()> {
-        // The hub looks at everything every 16 sends, and at once when this one cannot go: a
-        // step costs the whole hub a look at its descriptors, so not whenever one peer runs
-        // low. Buffers that came back are re-posted and their grants sent (a peer may be
-        // waiting for those credits), which needs no step.
+        // The hub looks at everything every `SEND_PROGRESS_EVERY` sends (the cadence a
+        // connection polls at, counted over all its peers), and at once when this one cannot
+        // go: a step costs the whole hub a look at its descriptors, so not whenever one peer
+        // runs low, as a connection's `Core::poll_before_send` does. Buffers that came back
+        // are re-posted and their grants sent (a peer may be waiting for those credits), which
+        // needs no step.
         self.sends_since_step += 1;
         self.wake_slots(slot);
-        if self.sends_since_step >= SEND_STEP_EVERY || !self.can_send(slot) {
+        if self.sends_since_step >= SEND_PROGRESS_EVERY || !self.can_send(slot) {
             self.sends_since_step = 0;
             self.step()?;
             self.live_slot(peer)?;

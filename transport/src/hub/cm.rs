@@ -9,115 +9,23 @@
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsFd;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rdmsg_verbs::{deadline_after, CmEvent, CmEventChannel, CmEventKind, CmId, ConnParams};
 
-use super::slots::{HubSide, Phase};
+use super::cm_pending::{CmListening, CmPending, Stage};
+use super::slots::Resources;
 use super::{PeerId, RawHub, RawHubEvent};
 use crate::cm::{
     check_answer, check_device, check_request, cm_failure, conn_params, read_params, refuse_psk,
-    socket_addr, tuning, WAIT_CM,
+    socket_addr, tuning,
 };
 use crate::control::{CmLink, Control};
-use crate::error::{Error, Result, TimedOut};
+use crate::error::{Error, Result};
 use crate::handshake::cm::{encode_hello, encode_reject};
 use crate::handshake::{Hello, Reject};
 use crate::token::Token;
 use crate::trace;
-
-/// The hub's rdma_cm listener: its id, alone on its channel.
-#[derive(Debug)]
-pub(super) struct CmListening {
-    /// Listening as long as it lives.
-    _id: CmId,
-    channel: CmEventChannel,
-}
-
-/// An rdma_cm handshake of a hub's slot.
-pub(super) struct CmPending {
-    id: CmId,
-    pub(super) channel: CmEventChannel,
-    /// The queue pair on the hub's queues, once made.
-    pub(super) side: Option<HubSide>,
-    stage: Stage,
-    /// When it began: `deadline` is `handshake_timeout` after.
-    started: Instant,
-    pub(super) deadline: Instant,
-    pub(super) peer_addr: Option<SocketAddr>,
-    /// The CM was told of the client's first message (`rdma_notify`).
-    notified: bool,
-}
-
-impl fmt::Debug for CmPending {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CmPending")
-            .field("stage", &self.stage)
-            .field("peer_addr", &self.peer_addr)
-            .finish_non_exhaustive()
-    }
-}
-
-/// What a CM handshake waits for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    /// Ours: the address resolved to our device.
-    Address,
-    /// Ours: the route.
-    Route,
-    /// Ours: the server's answer to our request (its hello, or a reject).
-    Answer,
-    /// Accepted: the client's side of the connection (`ESTABLISHED`).
-    Established,
-}
-
-impl Stage {
-    fn name(self) -> &'static str {
-        match self {
-            Stage::Address => "resolving the address",
-            Stage::Route => "resolving the route",
-            Stage::Answer => "connecting",
-            Stage::Established => "accepting",
-        }
-    }
-}
-
-impl CmPending {
-    /// A receive completed for this accepted request's queue pair before its `ESTABLISHED`:
-    /// the client's side is connected whatever became of its RTU (lost or late, the CM would
-    /// resend its REP only after seconds). Tells the CM, once, which then establishes the
-    /// connection (`ESTABLISHED` follows on the id's channel); where it cannot, the RTU still
-    /// does. The message itself waits in the slot like any before `Connected`.
-    pub(super) fn peer_sent(&mut self) {
-        if self.stage == Stage::Established && !self.notified {
-            self.notified = true;
-            let _ = self.id.notify_established();
-        }
-    }
-
-    fn peer_name(&self) -> String {
-        self.peer_addr
-            .map_or_else(|| "the peer".to_owned(), |a| a.to_string())
-    }
-
-    /// The error of a handshake past its deadline (`after` is the handshake timeout).
-    pub(super) fn timed_out(&self, after: Duration) -> Error {
-        Error::Timeout(TimedOut {
-            op: "connecting over rdma_cm",
-            waiting_for: WAIT_CM,
-            after,
-        })
-    }
-
-    /// The error of a handshake evicted to make room: `max` were pending.
-    pub(super) fn evicted(&self, max: u32) -> Error {
-        Error::Cm {
-            addr: self.peer_name(),
-            stage: self.stage.name(),
-            detail: format!("evicted: {max} handshakes pending"),
-        }
-    }
-}
 
 impl RawHub {
     /// Listens for connection requests through the RDMA connection manager at `addr` (an IP
@@ -303,7 +211,7 @@ impl RawHub {
         }
         let params = read_params(&self.endpoint, &self.config.conn, &request.params);
         if let Err(e) = self.accept_cm(slot, peer, &params) {
-            if let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase {
+            if let Resources::CmHandshake(p) = &mut self.slot_mut(slot).resources {
                 let _ = p.id.reject(&encode_reject(Reject::Resources));
             }
             self.handshake_failed(slot, e);
@@ -318,7 +226,7 @@ impl RawHub {
         let tuning = tuning(&self.endpoint, &self.config.conn, Some(*params));
         let ours = encode_hello(&self.hello(None));
         let books = self.books_for(&peer);
-        let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase else {
+        let Resources::CmHandshake(p) = &mut self.slot_mut(slot).resources else {
             unreachable!("a CM handshake under way");
         };
         let start = Instant::now();
@@ -335,15 +243,15 @@ impl RawHub {
 
     fn start_cm_handshake(&mut self, slot: usize, pending: CmPending) -> Result<()> {
         self.watch_handshake(slot, pending.channel.as_fd())?;
-        self.slot_mut(slot).phase = Phase::CmHandshake(Box::new(pending));
+        self.slot_mut(slot).resources = Resources::CmHandshake(Box::new(pending));
         self.handshake_started(slot);
         Ok(())
     }
 
     /// Moves the CM handshake of `slot` on with the events its channel holds.
     pub(super) fn advance_cm_handshake(&mut self, slot: usize) {
-        let Phase::CmHandshake(mut pending) =
-            std::mem::replace(&mut self.slot_mut(slot).phase, Phase::Retired)
+        let Resources::CmHandshake(mut pending) =
+            std::mem::replace(&mut self.slot_mut(slot).resources, Resources::Retired)
         else {
             return;
         };
@@ -352,7 +260,7 @@ impl RawHub {
                 Ok(Some(ev)) => ev,
                 Ok(None) => break,
                 Err(e) => {
-                    self.slot_mut(slot).phase = Phase::CmHandshake(pending);
+                    self.slot_mut(slot).resources = Resources::CmHandshake(pending);
                     self.handshake_failed(slot, e.into());
                     return;
                 }
@@ -371,7 +279,7 @@ impl RawHub {
                     let side = side.expect("a connected handshake has its queue pair");
                     let peer = side.peer.expect("a connected handshake knows its peer");
                     // Later events (a disconnect) are the connection's news.
-                    self.link(
+                    self.finish_handshake(
                         slot,
                         side,
                         Control::Cm(CmLink::new(channel, id)),
@@ -383,13 +291,13 @@ impl RawHub {
                     return;
                 }
                 Err(e) => {
-                    self.slot_mut(slot).phase = Phase::CmHandshake(pending);
+                    self.slot_mut(slot).resources = Resources::CmHandshake(pending);
                     self.handshake_failed(slot, e);
                     return;
                 }
             }
         }
-        self.slot_mut(slot).phase = Phase::CmHandshake(pending);
+        self.slot_mut(slot).resources = Resources::CmHandshake(pending);
     }
 
     /// One event of a CM handshake; whether the connection is established.

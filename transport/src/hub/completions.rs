@@ -6,7 +6,7 @@ use std::time::Instant;
 use rdmsg_verbs::{WcStatus, WorkCompletion};
 
 use super::queues::SlotQueues;
-use super::slots::Phase;
+use super::slots::Resources;
 use super::{RawHub, RawHubEvent};
 use crate::core::Completion;
 use crate::drive;
@@ -24,7 +24,7 @@ impl RawHub {
             if let Some(&slot) = self.by_qpn.get(&wc.qp_num()) {
                 let c = Completion::of(*key != send_key, wc);
                 self.slot_mut(slot).core.begin_batch([c]);
-                self.do_actions(slot);
+                self.do_commands(slot);
             }
         }
         for (key, wc) in got.drain(..) {
@@ -47,7 +47,7 @@ impl RawHub {
             self.pool.put_back(buf);
             return;
         };
-        if let Phase::CmHandshake(p) = &mut self.slot_mut(slot).phase {
+        if let Resources::CmHandshake(p) = &mut self.slot_mut(slot).resources {
             // An accepted client's first message before its ESTABLISHED: tell the CM.
             p.peer_sent();
         }
@@ -59,7 +59,7 @@ impl RawHub {
         };
         drive::on_recv(&mut q, &c, buf, wc.byte_len());
         q.hub.touch(slot);
-        drive::run_actions(&mut q);
+        drive::run_commands(&mut q);
         // A close message sets a deadline (the goodbye is waited for until then).
         if self.slots[slot]
             .as_ref()
@@ -93,12 +93,12 @@ impl RawHub {
         }
         s.core.handle_send(&Completion::of(false, wc), wc.wr_id());
         self.touch(slot);
-        self.do_actions(slot);
+        self.do_commands(slot);
     }
 
     /// Does what the core of `slot` asks for.
-    pub(super) fn do_actions(&mut self, slot: usize) {
-        drive::run_actions(&mut self.queues(slot));
+    pub(super) fn do_commands(&mut self, slot: usize) {
+        drive::run_commands(&mut self.queues(slot));
     }
 
     /// Posts a liveness probe on `slot`, if its send queue and the hub's send CQ have room;
@@ -109,10 +109,10 @@ impl RawHub {
     }
 
     /// A failed handshake's queue pair goes to the error state and is drained as a linked
-    /// one's (see [`Phase::Failing`]).
+    /// one's (see [`Resources::Failing`]).
     pub(super) fn drain_failed_side(&mut self, slot: usize, mut qp: rdmsg_verbs::QueuePair) {
         let _ = qp.to_error();
-        self.slot_mut(slot).phase = Phase::Failing(qp);
+        self.slot_mut(slot).resources = Resources::Failing(qp);
         self.slot_mut(slot).core.flushing_since(Instant::now());
         self.start_draining(slot);
     }

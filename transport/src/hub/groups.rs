@@ -47,7 +47,7 @@ impl RawHub {
             max_credits: self.config.max_credits,
             grant_slots: self.config.conn.grant_slots,
         })
-        .map_err(|e| Error::Config(e.to_string()))?;
+        .map_err(Error::ShareConfig)?;
         let addr = cq.as_raw() as usize;
         let key = self.waiter.add(cq, self.config.conn.recv_arm);
         self.endpoint

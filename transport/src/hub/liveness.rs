@@ -31,24 +31,13 @@
 //! ([`Tally`]) and does what the verdict says.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use rdmsg_verbs::{deadline_after, Gid};
+use rdmsg_verbs::deadline_after;
 
-use super::slots::Phase;
+use super::slots::{HostKey, Resources};
 use super::RawHub;
 use crate::error::{Failure, Result};
-
-/// Where a peer's device answers: its port's GID and LID when its hello names them (the TCP
-/// bootstrap), else its IP address (rdma_cm, where the address is the CM's business), else
-/// nothing shared: the connection alone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) enum HostKey {
-    Device(Gid, u16),
-    Ip(IpAddr),
-    Alone(usize, u32),
-}
 
 /// A connection as the liveness watch names it: slot and generation, so that a slot reused
 /// by a later connection is not mistaken for the one probed.
@@ -218,7 +207,7 @@ impl RawHub {
         tallies.clear();
         for (slot, s) in self.slots.iter_mut().enumerate() {
             let Some(s) = s else { continue };
-            let Phase::Linked(link) = &s.phase else {
+            let Resources::Linked(link) = &s.resources else {
                 continue;
             };
             if !s.core.is_open() {
@@ -257,7 +246,7 @@ impl RawHub {
         }
         if !all_gone.is_empty() {
             for (slot, s) in self.slots.iter().enumerate() {
-                if let Some(Phase::Linked(link)) = s.as_ref().map(|s| &s.phase) {
+                if let Some(Resources::Linked(link)) = s.as_ref().map(|s| &s.resources) {
                     if all_gone.contains(&link.host) && !vanished.contains(&slot) {
                         vanished.push(slot);
                     }
@@ -282,7 +271,7 @@ impl RawHub {
                     n -= 1;
                 }
                 if self.slots[slot].is_some() {
-                    self.do_actions(slot);
+                    self.do_commands(slot);
                 }
             }
         }

@@ -41,6 +41,7 @@
 mod accept;
 mod buffers;
 mod cm;
+mod cm_pending;
 mod completions;
 mod config;
 mod events;
@@ -48,6 +49,7 @@ mod groups;
 mod liveness;
 mod queues;
 mod retire;
+mod side;
 mod slots;
 mod wait;
 
@@ -70,10 +72,10 @@ pub use config::HubConfig;
 pub use events::{ConnectTimes, HubStats, PeerId, RawHubEvent};
 
 use crate::core::{earliest, ConnStats};
+use crate::device_events::Mailbox;
 use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Failure, Result};
-use crate::events::Mailbox;
 use crate::handshake::{Handshake, Hello};
 use crate::pool::{PoolStats, RecvPool, Waker};
 use crate::read::ReadPost;
@@ -81,7 +83,7 @@ use crate::send::{self, Payload, SendBuffers};
 use crate::setup::nonce;
 use crate::stream::bootstrap_err;
 use crate::token::Token;
-use slots::{Phase, Slot};
+use slots::{Resources, Slot};
 use wait::HubChannel;
 
 /// Work requests of reads a peer may always have under way, whatever its share: one read of
@@ -146,7 +148,7 @@ pub struct RawHub {
     /// [`RawHub::expose_to_peer`]).
     sq_reserve: usize,
     listener: Option<TcpListener>,
-    cm_listener: Option<cm::CmListening>,
+    cm_listener: Option<cm_pending::CmListening>,
     events: VecDeque<RawHubEvent>,
     completions: Vec<(CqKey, WorkCompletion)>,
     /// Slots whose credits changed this round: grants may be due.
@@ -226,7 +228,7 @@ impl RawHub {
         let wake = pool.wake_handle().map_err(Error::WakePipe)?;
         watch.add_keyed(wake.as_fd(), Token::Wake.key())?;
         // Shared with any connection of the device asleep on it: one of the sleepers is woken
-        // and routes every event to its owner (see the `events` module).
+        // and routes every event to its owner (see the `device_events` module).
         watch.add_keyed_exclusive(ctx.async_fd(), Token::Async.key())?;
         let mut waiter = Waiter::new(HubChannel::new(channel, watch, wake), config.conn.policy);
         let send_key = waiter.add(send_cq, ArmMode::SolicitedOnly);
@@ -532,7 +534,10 @@ impl RawHub {
     ) -> Result<bool> {
         let slot = self.live_slot(peer)?;
         self.wait_to_send(slot, peer, timeout)?;
-        let link = self.slot(slot).link().expect("wait_to_send ensured a link");
+        let link = self
+            .slot(slot)
+            .established()
+            .expect("wait_to_send ensured a link");
         let (max, max_inline) = (link.max_message, link.max_inline);
         let Some(payload) = self.send.fill(max, max_inline, fill)? else {
             return Ok(false);
@@ -579,7 +584,7 @@ impl RawHub {
         }
         let slot = self.live_slot(peer)?;
         let n = windows.len();
-        if let Some(depth) = self.slot(slot).link().map(|l| l.sq_depth) {
+        if let Some(depth) = self.slot(slot).established().map(|l| l.sq_depth) {
             self.slot(slot).core.read_fits(n + 1, depth)?;
         }
         self.sq_reserve = n;
@@ -588,7 +593,7 @@ impl RawHub {
         waited?;
         for w in &mut windows {
             let s = self.slots[slot].as_mut().expect("a live slot");
-            let Phase::Linked(link) = &mut s.phase else {
+            let Resources::Linked(link) = &mut s.resources else {
                 unreachable!("a send could go");
             };
             let before = link.qp.send_outstanding();
@@ -614,7 +619,7 @@ impl RawHub {
     /// The most pieces [`RawHub::expose_to_peer`] binds at once for `peer`.
     pub fn max_exposures(&self, peer: PeerId) -> Result<usize> {
         let slot = self.live_slot(peer)?;
-        Ok(self.slot(slot).link().map_or(0, |l| {
+        Ok(self.slot(slot).established().map_or(0, |l| {
             crate::core::max_in_one_go(l.sq_depth)
                 .saturating_sub(1)
                 .max(1)
@@ -638,12 +643,12 @@ impl RawHub {
     ) -> Result<ReadPost> {
         let slot = self.live_slot(peer)?;
         let need = segments.len();
-        if let Some(depth) = self.slot(slot).link().map(|l| l.sq_depth) {
+        if let Some(depth) = self.slot(slot).established().map(|l| l.sq_depth) {
             self.slot(slot).core.read_fits(need, depth)?;
         }
         let room = |hub: &Self| {
             let r = hub.room(slot);
-            hub.slot(slot).link().is_some()
+            hub.slot(slot).established().is_some()
                 && r.sq >= need
                 && r.cq >= need
                 && hub.read_room(slot, need)
@@ -656,7 +661,7 @@ impl RawHub {
             }
         }
         let s = self.slots[slot].as_mut().expect("a live slot");
-        let Phase::Linked(link) = &mut s.phase else {
+        let Resources::Linked(link) = &mut s.resources else {
             return Ok(ReadPost::Busy(into));
         };
         let before = link.qp.send_outstanding();
@@ -781,7 +786,7 @@ impl RawHub {
     /// The largest message `peer` accepts.
     pub fn max_message(&self, peer: PeerId) -> Result<usize> {
         let slot = self.find(peer)?;
-        match self.slot(slot).link() {
+        match self.slot(slot).established() {
             Some(l) => Ok(l.max_message),
             None => Err(Error::UnknownPeer(peer)),
         }
@@ -821,7 +826,7 @@ impl RawHub {
     pub fn peer_hello(&self, peer: PeerId) -> Option<Hello> {
         self.find(peer)
             .ok()
-            .and_then(|s| self.slot(s).link().map(|l| l.peer))
+            .and_then(|s| self.slot(s).established().map(|l| l.peer))
     }
 
     /// Established connections that have not failed.
@@ -838,9 +843,9 @@ impl RawHub {
         s.connections = 0;
         s.handshakes = 0;
         for slot in self.slots.iter().flatten() {
-            match slot.phase {
-                Phase::Handshake(_) | Phase::CmHandshake(_) => s.handshakes += 1,
-                Phase::Linked(_) if slot.announced => s.connections += 1,
+            match slot.resources {
+                Resources::Handshake(_) | Resources::CmHandshake(_) => s.handshakes += 1,
+                Resources::Linked(_) if slot.announced => s.connections += 1,
                 _ => {}
             }
             let c = slot.core.stats();

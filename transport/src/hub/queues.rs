@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use rdmsg_verbs::Buffer;
 
-use super::slots::Phase;
+use super::slots::Resources;
 use super::{RawHub, RawHubEvent};
-use crate::core::{Action, Core, Post, Receipt, RecvAction, Room};
+use crate::core::{Command, Core, Post, Receipt, RecvAction, Room};
 use crate::drive::Queues;
 use crate::error::{Error, Result};
 use crate::peer_id::PeerId;
@@ -49,11 +49,11 @@ impl Queues for SlotQueues<'_> {
         &mut self.hub.slot_mut(self.slot).core
     }
 
-    fn next_action(&mut self) -> Option<Action> {
+    fn next_command(&mut self) -> Option<Command> {
         // A handshake that fails without a queue pair frees its slot at once.
         self.hub.slots[self.slot]
             .as_mut()
-            .and_then(|s| s.core.poll_action())
+            .and_then(|s| s.core.poll_command())
     }
 
     fn clock(&self) -> impl FnOnce() -> Instant + 'static {
@@ -89,10 +89,10 @@ impl Queues for SlotQueues<'_> {
         let hub = &mut *self.hub;
         let s = hub.slots[self.slot].as_mut().expect("a mapped slot");
         let share_receipt = match receipt.action {
-            RecvAction::Grant => share::Receipt::Grant,
+            RecvAction::Grant => share::Consumed::Grant,
             // A close message spends a data credit too.
-            _ if receipt.spent_credit => share::Receipt::Data,
-            _ => share::Receipt::Unaccounted,
+            _ if receipt.spent_credit => share::Consumed::Data,
+            _ => share::Consumed::Unaccounted,
         };
         let share = &mut hub.groups[group].share;
         if s.admitted && s.group == Some(group) {
@@ -126,7 +126,8 @@ impl Queues for SlotQueues<'_> {
 
     fn post_probe(&mut self) -> Result<u64> {
         let hub = &mut *self.hub;
-        let Some(Phase::Linked(link)) = hub.slots[self.slot].as_mut().map(|s| &mut s.phase) else {
+        let Some(Resources::Linked(link)) = hub.slots[self.slot].as_mut().map(|s| &mut s.resources)
+        else {
             unreachable!("a slot with room for a probe is linked")
         };
         let before = link.qp.send_outstanding();
@@ -139,7 +140,7 @@ impl Queues for SlotQueues<'_> {
     }
 
     fn say_goodbye(&mut self) {
-        if let Some(link) = self.hub.slot_mut(self.slot).link_mut() {
+        if let Some(link) = self.hub.slot_mut(self.slot).established_mut() {
             link.control.say_goodbye();
         }
     }
@@ -147,7 +148,7 @@ impl Queues for SlotQueues<'_> {
     fn unwatch_stream(&mut self) {
         let hub = &mut *self.hub;
         let s = hub.slots[self.slot].as_mut().expect("a live slot");
-        if let Phase::Linked(link) = &mut s.phase {
+        if let Resources::Linked(link) = &mut s.resources {
             if std::mem::take(&mut link.watched) {
                 let _ = hub.waiter.channel().watch.remove(link.control.as_fd());
             }
@@ -163,11 +164,11 @@ impl Queues for SlotQueues<'_> {
             return true;
         }
         // Failing or retired already: its queue pair is in the error state or gone.
-        s.link().is_none()
+        s.established().is_none()
     }
 
     fn shut_down_stream(&mut self) {
-        if let Some(link) = self.hub.slot_mut(self.slot).link_mut() {
+        if let Some(link) = self.hub.slot_mut(self.slot).established_mut() {
             link.control.shut_down();
         }
     }
@@ -184,9 +185,9 @@ impl Queues for SlotQueues<'_> {
 
     fn flushes_outstanding(&self) -> usize {
         // The queue pair's sends: its receives came from the shared queue, which keeps them.
-        match &self.slot().phase {
-            Phase::Linked(link) => link.qp.send_outstanding(),
-            Phase::Failing(qp) => qp.send_outstanding(),
+        match &self.slot().resources {
+            Resources::Linked(link) => link.qp.send_outstanding(),
+            Resources::Failing(qp) => qp.send_outstanding(),
             _ => 0,
         }
     }

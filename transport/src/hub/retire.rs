@@ -6,21 +6,21 @@ use std::time::Instant;
 
 use rdmsg_verbs::{AsyncElement, AsyncEventKind};
 
-use super::slots::Phase;
+use super::slots::Resources;
 use super::{RawHub, RawHubEvent};
+use crate::device_events;
 use crate::drive;
 use crate::error::{errno_of, Error, Failure, Result};
-use crate::events;
 
 impl RawHub {
     /// The deadline of `slot`: its handshake's, or its core's.
     pub(super) fn deadline_of(&self, slot: usize) -> Option<Instant> {
         let s = self.slots.get(slot)?.as_ref()?;
-        match &s.phase {
-            Phase::Handshake(p) => Some(p.deadline),
-            Phase::CmHandshake(p) => Some(p.deadline),
-            Phase::Linked(_) | Phase::Failing(_) => s.core.next_timeout(),
-            Phase::Retired => None,
+        match &s.resources {
+            Resources::Handshake(p) => Some(p.deadline),
+            Resources::CmHandshake(p) => Some(p.deadline),
+            Resources::Linked(_) | Resources::Failing(_) => s.core.next_timeout(),
+            Resources::Retired => None,
         }
     }
 
@@ -58,13 +58,13 @@ impl RawHub {
                 continue;
             };
             if deadline <= now {
-                match &self.slot(slot).phase {
-                    Phase::Handshake(p) => {
+                match &self.slot(slot).resources {
+                    Resources::Handshake(p) => {
                         let e = p.timed_out();
                         self.handshake_failed(slot, e);
                         continue;
                     }
-                    Phase::CmHandshake(p) => {
+                    Resources::CmHandshake(p) => {
                         let e = p.timed_out(self.config.conn.handshake_timeout);
                         self.handshake_failed(slot, e);
                         continue;
@@ -99,8 +99,8 @@ impl RawHub {
         let mut draining = std::mem::take(&mut self.draining);
         let mut waiting = Vec::new();
         for slot in draining.drain(..) {
-            let phase = &self.slot(slot).phase;
-            if !matches!(phase, Phase::Linked(_) | Phase::Failing(_)) {
+            let phase = &self.slot(slot).resources;
+            if !matches!(phase, Resources::Linked(_) | Resources::Failing(_)) {
                 continue;
             }
             if !drive::drained(&mut self.queues(slot), now) {
@@ -108,9 +108,9 @@ impl RawHub {
                 continue;
             }
             let s = self.slots[slot].as_mut().expect("a draining slot");
-            let qp = match std::mem::replace(&mut s.phase, Phase::Retired) {
-                Phase::Linked(link) => link.qp,
-                Phase::Failing(qp) => qp,
+            let qp = match std::mem::replace(&mut s.resources, Resources::Retired) {
+                Resources::Linked(link) => link.qp,
+                Resources::Failing(qp) => qp,
                 _ => unreachable!("matched above"),
             };
             // Destroyed or not (a failed destruction leaks them with the queue pair), its
@@ -193,7 +193,7 @@ impl RawHub {
                 }
                 continue;
             }
-            if !events::is_fatal(ev.kind) {
+            if !device_events::is_fatal(ev.kind) {
                 continue;
             }
             let f = Failure::AsyncEvent(ev.kind);

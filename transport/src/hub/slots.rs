@@ -1,49 +1,23 @@
 //! The hub's connection table: a slot per connection, holding its protocol core and the I/O
 //! resources of its phase (the handshake's, or the link's), addressed by [`PeerId`].
 
-use rdmsg_verbs::QueuePair;
+use std::net::IpAddr;
 
+use rdmsg_verbs::{Gid, QueuePair};
+
+use super::cm_pending::CmPending;
+use super::side::HubSide;
 use super::{PeerId, RawHub};
 use crate::addr::QpAddress;
 use crate::bootstrap::Pending;
-use crate::config::Config;
 use crate::control::Control;
 use crate::core::Core;
 use crate::credits::Credits;
-use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::handshake::Hello;
 use crate::pool::Received;
-use crate::setup::{our_hello, LocalSide};
+use crate::setup::our_hello;
 use crate::share::CreditHolder;
-
-/// A hub connection's local side while its handshake runs: the queue pair (on the hub's
-/// queues) and, once the peer's hello is known, the peer.
-#[derive(Debug)]
-pub(super) struct HubSide {
-    pub(super) qp: QueuePair,
-    pub(super) psn: u32,
-    pub(super) peer: Option<Hello>,
-    /// Time spent moving the queue pair to RTR and RTS, not yet in the hub's stats.
-    pub(super) transitions: std::time::Duration,
-}
-
-impl LocalSide for HubSide {
-    fn connect(
-        &mut self,
-        endpoint: &Endpoint,
-        config: &Config,
-        peer: &Hello,
-        _send_buffers: u32,
-    ) -> Result<QpAddress> {
-        let start = std::time::Instant::now();
-        let connected = endpoint.connect_qp_to(&mut self.qp, self.psn, peer, &config.path);
-        self.transitions += start.elapsed();
-        connected?;
-        self.peer = Some(*peer);
-        Ok(endpoint.address_of(&self.qp, self.psn))
-    }
-}
 
 /// The I/O side of an established connection (or one whose queue pair is connected and whose
 /// handshake is finishing): its deadlines and state are its core's.
@@ -59,16 +33,16 @@ pub(super) struct Established {
     /// The stream is in the epoll set.
     pub(super) watched: bool,
     /// The peer's host, as the liveness watch groups connections.
-    pub(super) host: super::liveness::HostKey,
+    pub(super) host: HostKey,
 }
 
 /// The I/O resources a slot holds.
 #[derive(Debug)]
-pub(super) enum Phase {
+pub(super) enum Resources {
     /// Handshake under way (its local side inside, once created).
     Handshake(Box<Pending<HubSide>>),
     /// Connection manager handshake under way: the id's events drive it.
-    CmHandshake(Box<super::cm::CmPending>),
+    CmHandshake(Box<CmPending>),
     /// Queue pair connected.
     Linked(Box<Established>),
     /// A failed handshake's queue pair, in the error state: destroyed once the device said its
@@ -92,7 +66,7 @@ pub(super) struct Slot {
     /// Its receive group, once it has one (kept until released: its completions name it).
     pub(super) group: Option<usize>,
     pub(super) core: Core,
-    pub(super) phase: Phase,
+    pub(super) resources: Resources,
     /// Messages that arrived before the handshake finished, delivered after `Connected`.
     pub(super) early: Vec<Received>,
     /// In `RawHub::touched` this round.
@@ -128,32 +102,35 @@ impl Slot {
         }
     }
 
-    pub(super) fn link(&self) -> Option<&Established> {
-        match &self.phase {
-            Phase::Linked(l) => Some(l),
+    pub(super) fn established(&self) -> Option<&Established> {
+        match &self.resources {
+            Resources::Linked(l) => Some(l),
             _ => None,
         }
     }
 
-    pub(super) fn link_mut(&mut self) -> Option<&mut Established> {
-        match &mut self.phase {
-            Phase::Linked(l) => Some(l),
+    pub(super) fn established_mut(&mut self) -> Option<&mut Established> {
+        match &mut self.resources {
+            Resources::Linked(l) => Some(l),
             _ => None,
         }
     }
 
     pub(super) fn qp_mut(&mut self) -> Option<&mut QueuePair> {
-        match &mut self.phase {
-            Phase::Linked(l) => Some(&mut l.qp),
-            Phase::Handshake(p) => p.setup.as_mut().map(|s| &mut s.qp),
-            Phase::CmHandshake(p) => p.side.as_mut().map(|s| &mut s.qp),
-            Phase::Failing(qp) => Some(qp),
-            Phase::Retired => None,
+        match &mut self.resources {
+            Resources::Linked(l) => Some(&mut l.qp),
+            Resources::Handshake(p) => p.setup.as_mut().map(|s| &mut s.qp),
+            Resources::CmHandshake(p) => p.side.as_mut().map(|s| &mut s.qp),
+            Resources::Failing(qp) => Some(qp),
+            Resources::Retired => None,
         }
     }
 
     pub(super) fn is_handshaking(&self) -> bool {
-        matches!(self.phase, Phase::Handshake(_) | Phase::CmHandshake(_))
+        matches!(
+            self.resources,
+            Resources::Handshake(_) | Resources::CmHandshake(_)
+        )
     }
 }
 
@@ -210,7 +187,7 @@ impl RawHub {
                 conn.close_timeout,
             )
             .on_shared_receive_queue(),
-            phase: Phase::Retired,
+            resources: Resources::Retired,
             early: Vec::new(),
             touched: false,
             qpn: None,
@@ -285,4 +262,14 @@ impl RawHub {
             self.touched.push(slot);
         }
     }
+}
+
+/// Where a peer's device answers: its port's GID and LID when its hello names them (the TCP
+/// bootstrap), else its IP address (rdma_cm, where the address is the CM's business), else
+/// nothing shared: the connection alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum HostKey {
+    Device(Gid, u16),
+    Ip(IpAddr),
+    Alone(usize, u32),
 }

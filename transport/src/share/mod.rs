@@ -153,7 +153,7 @@ pub enum AdmitError {
 
 /// What a receive completion polled from the shared queue was to its connection's books.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Receipt {
+pub enum Consumed {
     /// A data message that [`Credits::on_receive`] took.
     Data,
     /// A grant that [`Credits::on_receive`] took (its buffer is free at once).
@@ -488,7 +488,7 @@ impl Share {
         &mut self,
         slot: usize,
         holder: &mut H,
-        receipt: Receipt,
+        receipt: Consumed,
         touched: &mut Vec<usize>,
     ) {
         debug_assert!(self.posted > 0, "a receive completed with nothing posted");
@@ -499,9 +499,9 @@ impl Share {
             return;
         };
         match receipt {
-            Receipt::Data => s.busy = true,
-            Receipt::Grant => {}
-            Receipt::Unaccounted => s.retired = true,
+            Consumed::Data => s.busy = true,
+            Consumed::Grant => {}
+            Consumed::Unaccounted => s.retired = true,
         }
         let retired = s.retired;
         if s.backing > 0 {
@@ -520,7 +520,7 @@ impl Share {
             holder.credits().must_be_posted(),
             "slot {slot}: backing and books agree"
         );
-        if receipt == Receipt::Data
+        if receipt == Consumed::Data
             && !self.slots[slot].held
             && holder.credits().peer_may_be_blocked()
         {

@@ -66,7 +66,7 @@ fn receive_echoing(
         flags,
     };
     assert!(!c.on_receive(imm).unwrap());
-    share.on_consumed(slot, c, Receipt::Data, &mut Vec::new());
+    share.on_consumed(slot, c, Consumed::Data, &mut Vec::new());
 }
 
 fn owed(conns: &[Option<Credits>], slot: usize) -> u32 {
@@ -124,7 +124,7 @@ fn grant_slots_first_then_the_starving_then_quotas() {
     receive_data(&mut share, &mut conns, 1, true);
     let c2 = conns[2].as_mut().unwrap();
     assert!(c2.on_receive(GRANT).unwrap());
-    share.on_consumed(2, c2, Receipt::Grant, &mut Vec::new());
+    share.on_consumed(2, c2, Consumed::Grant, &mut Vec::new());
     assert!(share.urgent());
     share.audit(&conns).unwrap();
     let mut touched = Vec::new();
@@ -240,7 +240,7 @@ fn unaccounted_receives_are_charged_and_released_connections_feed_the_waiting() 
     }
     let c0 = conns[0].as_mut().unwrap();
     for _ in 0..4 {
-        share.on_consumed(0, c0, Receipt::Unaccounted, &mut Vec::new());
+        share.on_consumed(0, c0, Consumed::Unaccounted, &mut Vec::new());
     }
     // 3 grant slots covered 3 of them; the fourth ate a buffer backing 1's credits.
     assert_eq!(share.backing(0), Some(0));
@@ -351,7 +351,7 @@ fn a_held_back_connection_gets_no_credits_and_gives_back_what_it_was_owed() {
             flags: Imm::GRANT
         })
         .unwrap());
-    share.on_consumed(0, c0, Receipt::Grant, &mut Vec::new());
+    share.on_consumed(0, c0, Consumed::Grant, &mut Vec::new());
     share.on_posted(1, &mut conns, &mut Vec::new());
     assert_eq!(conns[0].as_ref().unwrap().slots_missing(), 0);
     assert_eq!(owed(&conns, 0), 0);

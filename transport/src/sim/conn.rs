@@ -167,7 +167,7 @@ impl Net {
                 c.sends_failed += usize::from(e.c.status != WcStatus::Success);
                 c.core.handle_send(&e.c, e.wr_id);
             }
-            drive::run_actions(&mut q);
+            drive::run_commands(&mut q);
         }
         true
     }

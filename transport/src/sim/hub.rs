@@ -186,7 +186,7 @@ impl Net {
                 if let Some(slot) = self.hub().slots[e.qp].as_mut() {
                     slot.core.begin_batch([e.c]);
                 }
-                self.do_actions(End::Hub(e.qp));
+                self.do_commands(End::Hub(e.qp));
             }
         }
         for e in batch {
@@ -211,7 +211,7 @@ impl Net {
             if !std::mem::replace(&mut slot.touched, true) {
                 h.touched.push(e.qp);
             }
-            drive::run_actions(&mut q);
+            drive::run_commands(&mut q);
         }
         true
     }

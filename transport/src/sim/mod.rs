@@ -276,9 +276,9 @@ impl Net {
     }
 
     /// Does what the core of `end` asks for.
-    fn do_actions(&mut self, end: End) {
+    fn do_commands(&mut self, end: End) {
         if !matches!(end, End::Gone(_)) {
-            drive::run_actions(&mut self.queues(end));
+            drive::run_commands(&mut self.queues(end));
         }
     }
 

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::device::Packet;
 use super::{End, Net};
-use crate::core::{Action, Core, Post, Receipt, RecvAction, Room, StreamNews};
+use crate::core::{Command, Core, Post, Receipt, RecvAction, Room, StreamNews};
 use crate::drive::Queues;
 use crate::error::{Failure, Result};
 use crate::peer_id::PeerId;
@@ -38,12 +38,12 @@ impl Queues for SimQueues<'_> {
         }
     }
 
-    fn next_action(&mut self) -> Option<Action> {
+    fn next_command(&mut self) -> Option<Command> {
         match self.end {
-            End::Conn(i) => self.net.conns[i].core.poll_action(),
+            End::Conn(i) => self.net.conns[i].core.poll_command(),
             End::Hub(s) => self.net.hub().slots[s]
                 .as_mut()
-                .and_then(|slot| slot.core.poll_action()),
+                .and_then(|slot| slot.core.poll_command()),
             End::Gone(_) => None,
         }
     }
@@ -101,9 +101,9 @@ impl Queues for SimQueues<'_> {
         let h = self.net.hub();
         let slot = h.slots[s].as_mut().expect("a live slot");
         let r = match receipt.action {
-            RecvAction::Grant => share::Receipt::Grant,
-            _ if receipt.spent_credit => share::Receipt::Data,
-            _ => share::Receipt::Unaccounted,
+            RecvAction::Grant => share::Consumed::Grant,
+            _ if receipt.spent_credit => share::Consumed::Data,
+            _ => share::Consumed::Unaccounted,
         };
         if slot.admitted {
             h.share.on_consumed(s, slot, r, &mut h.touched);
