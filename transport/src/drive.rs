@@ -15,7 +15,7 @@
 use std::time::Instant;
 
 use rdmsg_notify::ArmMode;
-use rdmsg_verbs::WcStatus;
+use rdmsg_verbs::{Exposed, WcStatus};
 
 use crate::core::{Command, Completion, Core, Post, Receipt, RecvAction, Room, StreamNews};
 use crate::error::{errno_of, Failure, Result};
@@ -68,6 +68,10 @@ pub(crate) trait Queues {
 
     /// Posts a liveness probe (a signaled zero-length read); its request id.
     fn post_probe(&mut self) -> Result<u64>;
+
+    /// Binds memory window `window` on the queue pair (a signaled request) and tells the core
+    /// ([`Core::posted`]). An error is the verb's; the driver has failed the connection for it.
+    fn bind(&mut self, window: &mut Exposed) -> Result<()>;
 
     /// Writes the goodbye on the bootstrap stream.
     fn say_goodbye(&mut self);
@@ -210,6 +214,12 @@ pub(crate) fn send_data<Q: Queues>(
         .data(solicited, room)
         .expect("the caller made sure of a credit and room");
     q.post(payload, post)
+}
+
+/// Binds `windows` on the queue pair, each a signaled request; the caller
+/// made sure of a send queue slot for each (and one more for the message that names them).
+pub(crate) fn bind_windows<Q: Queues>(q: &mut Q, windows: &mut [Exposed]) -> Result<()> {
+    windows.iter_mut().try_for_each(|w| q.bind(w))
 }
 
 /// Sends a grant, with the note, if the core says one is due and there is room; whether it

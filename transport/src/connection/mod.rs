@@ -651,16 +651,7 @@ impl Connection {
         let waited = self.wait_to_send(timeout);
         self.sq_reserve = 0;
         waited?;
-        for w in &mut windows {
-            match self.qp.bind(w) {
-                Ok(id) => self.core.posted(id, true),
-                Err(e) => {
-                    return Err(
-                        self.local_failure("binding a memory window (ibv_post_send)", e.into())
-                    )
-                }
-            }
-        }
+        drive::bind_windows(self, &mut windows)?;
         Ok(windows)
     }
 

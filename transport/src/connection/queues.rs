@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use rdmsg_notify::ArmMode;
-use rdmsg_verbs::Buffer;
+use rdmsg_verbs::{Buffer, Exposed};
 
 use super::turn::async_failure_of;
 use super::Connection;
@@ -63,6 +63,16 @@ impl Queues for Connection {
 
     fn post_probe(&mut self) -> Result<u64> {
         self.qp.post_probe().map_err(Error::from)
+    }
+
+    fn bind(&mut self, window: &mut Exposed) -> Result<()> {
+        match self.qp.bind(window) {
+            Ok(wr_id) => {
+                self.core.posted(wr_id, true);
+                Ok(())
+            }
+            Err(e) => Err(self.local_failure("binding a memory window (ibv_post_send)", e.into())),
+        }
     }
 
     fn say_goodbye(&mut self) {

@@ -258,7 +258,7 @@ pub(crate) struct Core {
     /// The real books replaced the placeholder a hub starts a handshake with.
     books_known: bool,
     inbound: Inbound,
-    phase: State,
+    state: State,
     failure: Option<Failure>,
     timers: TimerTable,
     actions: ActionQueue,
@@ -339,7 +339,7 @@ impl Core {
             credits,
             books_known: true,
             inbound: Inbound::default(),
-            phase: State::Linked,
+            state: State::Linked,
             failure: None,
             timers: TimerTable::default(),
             actions: ActionQueue::default(),
@@ -401,7 +401,7 @@ impl Core {
     /// Whether the connection is open for liveness to be watched: linked, neither closing
     /// nor failed (a close and a failure have their own deadlines).
     pub(crate) fn is_open(&self) -> bool {
-        self.phase == State::Linked
+        self.state == State::Linked
     }
 
     /// Whether a request of ours a live peer's device answers is out: a probe, or a signaled
@@ -492,7 +492,7 @@ impl Core {
     ) -> Self {
         let mut c = Self::new(placeholder, signal_every, close_timeout);
         c.books_known = false;
-        c.phase = State::Handshaking;
+        c.state = State::Handshaking;
         c
     }
 
@@ -517,7 +517,7 @@ impl Core {
 
     /// Whether the handshake is done (the connection may carry messages).
     pub(crate) fn is_linked(&self) -> bool {
-        self.phase != State::Handshaking
+        self.state != State::Handshaking
     }
 
     /// Whether the close deadline passed before our close message completed (what
@@ -525,7 +525,7 @@ impl Core {
     #[cfg(test)]
     pub(crate) fn close_timed_out(&self) -> bool {
         matches!(
-            self.phase,
+            self.state,
             State::Failed {
                 close_timed_out: true,
                 ..
@@ -536,7 +536,7 @@ impl Core {
     /// Whether the connection failed and its queue pair's requests are flushed back (or the
     /// drain deadline passed): a hub may destroy it.
     pub(crate) fn is_drained(&self) -> bool {
-        matches!(self.phase, State::Failed { drained: true, .. })
+        matches!(self.state, State::Failed { drained: true, .. })
     }
 
     /// Whether the peer's close message has arrived.
@@ -547,7 +547,7 @@ impl Core {
     /// Whether the application may send: the failure if not, and [`Failure::Closed`] once
     /// our close is under way.
     pub(crate) fn check_send(&self) -> Result<(), Failure> {
-        match (self.failure, self.phase) {
+        match (self.failure, self.state) {
             (Some(f), _) => Err(f),
             (None, State::Closing { .. }) => Err(Failure::Closed),
             _ => Ok(()),
@@ -557,7 +557,7 @@ impl Core {
     /// Whether a data message can be posted now: linked, not failed nor closing, a credit,
     /// and room on the driver's side.
     pub(crate) fn may_send(&self, room: Room) -> bool {
-        matches!(self.phase, State::Linked | State::Leaving)
+        matches!(self.state, State::Linked | State::Leaving)
             && self.failure.is_none()
             && self.credits.available() > 0
             && self.credits.slots_ready()
@@ -665,8 +665,8 @@ impl Core {
 
     /// The handshake is done.
     pub(crate) fn handshake_done(&mut self) {
-        if self.phase == State::Handshaking {
-            self.phase = State::Linked;
+        if self.state == State::Handshaking {
+            self.state = State::Linked;
         }
     }
 
@@ -727,7 +727,7 @@ impl Core {
         }
         self.heard |= c.status == WcStatus::Success;
         let close_delivered = c.status == WcStatus::Success
-            && matches!(self.phase, State::Closing { close_wr: Some(id) } if wr_id >= id);
+            && matches!(self.state, State::Closing { close_wr: Some(id) } if wr_id >= id);
         if let Some(f) = Inbound::on_send(c) {
             self.handle_failure(f);
         } else if close_delivered {
@@ -766,11 +766,11 @@ impl Core {
                 // same ends the close as vanished, not timed out); one that died never will
                 // (rxe retries for ever), and the close ends as the peer vanished rather than
                 // at `close_timeout`.
-                let closing = matches!(self.phase, State::Closing { .. });
-                let linked = matches!(self.phase, State::Linked | State::Handshaking);
+                let closing = matches!(self.state, State::Closing { .. });
+                let linked = matches!(self.state, State::Linked | State::Handshaking);
                 if (linked || closing) && !self.peer_closed() {
                     if linked {
-                        self.phase = State::Leaving;
+                        self.state = State::Leaving;
                     }
                     self.timers.set(
                         Timer::Vanish,
@@ -793,7 +793,7 @@ impl Core {
             return;
         }
         self.failure = Some(f);
-        self.phase = State::Failed {
+        self.state = State::Failed {
             close_timed_out: false,
             drained: false,
         };
@@ -816,7 +816,7 @@ impl Core {
             return;
         }
         self.failure = Some(Failure::PeerClosed);
-        self.phase = State::Failed {
+        self.state = State::Failed {
             close_timed_out: false,
             drained: false,
         };
@@ -829,7 +829,7 @@ impl Core {
     /// The driver moved the queue pair to the error state at `now`: its requests are flushed
     /// back from now on, waited for at most [`FLUSH_WAIT`].
     pub(crate) fn flushing_since(&mut self, now: Instant) {
-        if matches!(self.phase, State::Failed { drained: false, .. })
+        if matches!(self.state, State::Failed { drained: false, .. })
             && self.timers.get(Timer::Drain).is_none()
         {
             self.timers.set(Timer::Drain, now + FLUSH_WAIT);
@@ -856,10 +856,10 @@ impl Core {
     /// The time is `now`: fires what is due.
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
         for t in self.timers.expired(now) {
-            match (t, self.phase) {
+            match (t, self.state) {
                 (Timer::Close, State::Closing { .. }) => {
                     self.handle_failure(Failure::CloseTimedOut);
-                    self.phase = State::Failed {
+                    self.state = State::Failed {
                         close_timed_out: true,
                         drained: false,
                     };
@@ -913,7 +913,7 @@ impl Core {
     }
 
     fn drained(&mut self) {
-        if let State::Failed { drained, .. } = &mut self.phase {
+        if let State::Failed { drained, .. } = &mut self.state {
             *drained = true;
             self.timers.stop(Timer::Drain);
         }
@@ -967,7 +967,7 @@ impl Core {
             return None;
         }
         let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
-        self.phase = State::Closing { close_wr: None };
+        self.state = State::Closing { close_wr: None };
         self.timers
             .set(Timer::Close, deadline.max(now + CLOSE_ACK_GRACE));
         self.unsignaled = 0;
@@ -1030,7 +1030,7 @@ impl Core {
         if signaled {
             self.last_signaled = Some(wr_id);
         }
-        if let State::Closing { close_wr: w @ None } = &mut self.phase {
+        if let State::Closing { close_wr: w @ None } = &mut self.state {
             *w = Some(wr_id);
             self.our_close_wr = Some(wr_id);
         }

@@ -591,28 +591,7 @@ impl RawHub {
         let waited = self.wait_to_send(slot, peer, timeout);
         self.sq_reserve = 0;
         waited?;
-        for w in &mut windows {
-            let s = self.slots[slot].as_mut().expect("a live slot");
-            let Resources::Linked(link) = &mut s.resources else {
-                unreachable!("a send could go");
-            };
-            let before = link.qp.send_outstanding();
-            let bound = link.qp.bind(w);
-            self.send_cq.follow(before, link.qp.send_outstanding());
-            match bound {
-                Ok(id) => {
-                    s.core.posted(id, true);
-                    self.follow_unsignaled(slot);
-                }
-                Err(e) => {
-                    return Err(self.local_failure(
-                        slot,
-                        "binding a memory window (ibv_post_send)",
-                        e.into(),
-                    ))
-                }
-            }
-        }
+        drive::bind_windows(&mut self.queues(slot), &mut windows)?;
         Ok(windows)
     }
 

@@ -5,7 +5,7 @@
 use std::os::fd::AsFd;
 use std::time::Instant;
 
-use rdmsg_verbs::Buffer;
+use rdmsg_verbs::{Buffer, Exposed};
 
 use super::slots::Resources;
 use super::{RawHub, RawHubEvent};
@@ -137,6 +137,29 @@ impl Queues for SlotQueues<'_> {
         hub.stats.liveness_probes += 1;
         hub.follow_unsignaled(self.slot);
         Ok(id)
+    }
+
+    fn bind(&mut self, window: &mut Exposed) -> Result<()> {
+        let hub = &mut *self.hub;
+        let s = hub.slots[self.slot].as_mut().expect("a live slot");
+        let Resources::Linked(link) = &mut s.resources else {
+            unreachable!("a send could go");
+        };
+        let before = link.qp.send_outstanding();
+        let bound = link.qp.bind(window);
+        hub.send_cq.follow(before, link.qp.send_outstanding());
+        match bound {
+            Ok(wr_id) => {
+                s.core.posted(wr_id, true);
+                hub.follow_unsignaled(self.slot);
+                Ok(())
+            }
+            Err(e) => Err(hub.local_failure(
+                self.slot,
+                "binding a memory window (ibv_post_send)",
+                e.into(),
+            )),
+        }
     }
 
     fn say_goodbye(&mut self) {

@@ -335,29 +335,10 @@ impl Net {
             return Ok(false);
         }
         for k in 0..segments {
-            let c = &mut self.conns[i];
-            c.next_wr += 1;
-            let wr_id = c.next_wr;
             // Only the last piece is signaled: its completion covers the others.
-            let signaled = k + 1 == segments;
-            c.sq.posted.push_back((wr_id, signaled));
-            if signaled {
-                c.core.posted(wr_id, true);
-            }
-            let error = c.sq.error;
-            if error {
-                self.flush_sends(End::Conn(i));
-                continue;
-            }
-            if let Some(w) = self.wire_from(End::Conn(i)) {
-                w.push_back(Packet {
-                    imm: 0,
-                    solicited: false,
-                    seq: None,
-                    wr_id,
-                    read: true,
-                    rnr: 0,
-                });
+            let wr_id = self.post_read_request(End::Conn(i), k + 1 == segments);
+            if k + 1 == segments {
+                self.conns[i].core.posted(wr_id, true);
             }
         }
         Ok(true)
@@ -403,6 +384,29 @@ impl Net {
         let mut q = self.queues(end);
         let deadline = q.core().close_deadline(now);
         drive::start_close(&mut q, deadline, now).expect("simulated posts do not fail")
+    }
+
+    /// Posts an RDMA read request on `end`'s queue pair (a probe is a zero-length one): it
+    /// takes a send queue slot and none of the peer's receives, and completes once the peer's
+    /// device answered (at once flushed, if the queue pair is in the error state). Its
+    /// request id.
+    pub(super) fn post_read_request(&mut self, end: End, signaled: bool) -> u64 {
+        let wr_id = self.next_wr_id(end);
+        let (sq, _, _) = self.sender(end).expect("a live queue pair");
+        sq.posted.push_back((wr_id, signaled));
+        if sq.error {
+            self.flush_sends(end);
+        } else if let Some(w) = self.wire_from(end) {
+            w.push_back(Packet {
+                imm: 0,
+                solicited: false,
+                seq: None,
+                wr_id,
+                read: true,
+                rnr: 0,
+            });
+        }
+        wr_id
     }
 
     /// The next request id of `end`'s queue pair.

@@ -3,7 +3,6 @@
 
 use std::time::Instant;
 
-use super::device::Packet;
 use super::{End, Net};
 use crate::core::{Command, Core, Post, Receipt, RecvAction, Room, StreamNews};
 use crate::drive::Queues;
@@ -144,24 +143,13 @@ impl Queues for SimQueues<'_> {
     fn post_probe(&mut self) -> Result<u64> {
         // A zero-length read: it takes a send queue slot and no receive of the peer's, and
         // completes (signaled) once the peer's device answered.
-        let end = self.end;
-        let wr_id = self.net.next_wr_id(end);
-        let (sq, _, _) = self.net.sender(end).expect("a live queue pair");
-        sq.posted.push_back((wr_id, true));
-        if sq.error {
-            self.net.flush_sends(end);
-        } else if let Some(w) = self.net.wire_from(end) {
-            w.push_back(Packet {
-                imm: 0,
-                solicited: false,
-                seq: None,
-                wr_id,
-                read: true,
-                rnr: 0,
-            });
-        }
+        let wr_id = self.net.post_read_request(self.end, true);
         self.net.probes += 1;
         Ok(wr_id)
+    }
+
+    fn bind(&mut self, _window: &mut rdmsg_verbs::Exposed) -> Result<()> {
+        unreachable!("an exposure needs a registered region: the simulator makes none")
     }
 
     fn say_goodbye(&mut self) {
