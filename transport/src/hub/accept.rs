@@ -97,6 +97,7 @@ impl RawHub {
         }
         while let Some((i, generation)) = self.accepted_order.pop_front() {
             let evicted = self
+                .table
                 .slots
                 .get(i)
                 .and_then(Option::as_ref)
@@ -147,7 +148,7 @@ impl RawHub {
                 return Err(e);
             }
         };
-        self.by_qpn.insert(qp.qp_num(), slot);
+        self.table.map_qp(qp.qp_num(), slot);
         self.slot_mut(slot).qpn = Some(qp.qp_num());
         self.endpoint
             .register_async(Some(qp.qp_num()), Vec::new(), &self.mailbox);
@@ -201,7 +202,7 @@ impl RawHub {
             self.pending_accepted -= 1;
             // Entries of ended handshakes are dropped as they reach the front, and all at
             // once when they outnumber the live ones.
-            let slots = &self.slots;
+            let slots = &self.table.slots;
             let live = |&(i, generation): &(usize, u32)| {
                 slots
                     .get(i)
@@ -220,7 +221,7 @@ impl RawHub {
     }
 
     pub(super) fn stream_ready(&mut self, slot: usize) {
-        let Some(s) = self.slots.get(slot).and_then(Option::as_ref) else {
+        let Some(s) = self.table.slots.get(slot).and_then(Option::as_ref) else {
             return;
         };
         match s.resources {
@@ -351,7 +352,7 @@ impl RawHub {
         }
         self.touch(slot);
         // Its core's deadlines (the probe's) wake the hub.
-        if self.slots[slot].is_some() {
+        if self.table.slots[slot].is_some() {
             self.schedule(slot);
         }
     }

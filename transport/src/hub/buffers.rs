@@ -89,7 +89,7 @@ impl RawHub {
             let g = &mut self.groups[group];
             match g
                 .share
-                .admit_posted(slot, posted, &mut self.slots, &mut self.touched)
+                .admit_posted(slot, posted, &mut self.table.slots, &mut self.touched)
             {
                 Ok(()) => {}
                 Err(AdmitError::NoRoom { spare, .. }) => return Err(full(spare)),
@@ -119,7 +119,7 @@ impl RawHub {
             }
             let posted = e.posted as u32;
             g.share
-                .on_posted(posted, &mut self.slots, &mut self.touched);
+                .on_posted(posted, &mut self.table.slots, &mut self.touched);
             return Err(self.hub_failure(e.error.into()));
         }
         self.stats.srq_posts += 1;
@@ -129,12 +129,13 @@ impl RawHub {
     /// Gives a connection's share of the buffers back (its queue pair can consume nothing
     /// more, and everything it did consume has been polled).
     pub(super) fn unadmit(&mut self, slot: usize) {
-        let s = self.slots[slot].as_mut().expect("a live slot");
+        let s = self.table.slots[slot].as_mut().expect("a live slot");
         if std::mem::take(&mut s.admitted) {
             self.admitted -= 1;
             let g = &mut self.groups[s.group.expect("an admitted connection has a group")];
             g.conns -= 1;
-            g.share.release(slot, &mut self.slots, &mut self.touched);
+            g.share
+                .release(slot, &mut self.table.slots, &mut self.touched);
         }
     }
 
@@ -228,7 +229,7 @@ impl RawHub {
         if posted > 0 {
             self.groups[group]
                 .share
-                .on_posted(posted, &mut self.slots, &mut self.touched);
+                .on_posted(posted, &mut self.table.slots, &mut self.touched);
         }
         Ok(())
     }
@@ -243,7 +244,7 @@ impl RawHub {
         let mut touched = std::mem::take(&mut self.touched);
         let mut keep = Vec::new();
         for slot in touched.drain(..) {
-            let Some(s) = self.slots[slot].as_mut() else {
+            let Some(s) = self.table.slots[slot].as_mut() else {
                 continue;
             };
             s.touched = false;
@@ -287,7 +288,7 @@ impl RawHub {
         };
         if self.groups[group]
             .share
-            .wake_slots(slot, &mut self.slots, &mut self.touched)
+            .wake_slots(slot, &mut self.table.slots, &mut self.touched)
         {
             return true;
         }
@@ -318,7 +319,7 @@ impl RawHub {
                 self.send_cq
                     .entries()
                     .min(self.config.send_buffers as usize),
-                self.slots.len() - self.free_slots.len(),
+                self.table.used(),
                 self.slot(slot).core.unsignaled_behind(),
                 self.unsignaled_total,
             )
@@ -332,7 +333,7 @@ impl RawHub {
     }
 
     pub(super) fn post(&mut self, slot: usize, payload: Payload, post: Post) -> Result<()> {
-        let s = self.slots[slot].as_mut().expect("a live slot");
+        let s = self.table.slots[slot].as_mut().expect("a live slot");
         let Resources::Linked(link) = &mut s.resources else {
             unreachable!("posting needs a link")
         };
@@ -346,7 +347,7 @@ impl RawHub {
 
     /// The hub-wide count of sends left unsignaled follows `slot`'s, after a post.
     pub(super) fn follow_unsignaled(&mut self, slot: usize) {
-        let s = self.slots[slot].as_mut().expect("a live slot");
+        let s = self.table.slots[slot].as_mut().expect("a live slot");
         let behind = s.core.unsignaled_behind();
         self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
         s.unsignaled = behind;

@@ -21,7 +21,7 @@ impl RawHub {
             if matches!(wc.status(), WcStatus::Success | WcStatus::WrFlushErr) {
                 continue;
             }
-            if let Some(&slot) = self.by_qpn.get(&wc.qp_num()) {
+            if let Some(slot) = self.table.slot_of_qp(wc.qp_num()) {
                 let c = Completion::of(*key != send_key, wc);
                 self.slot_mut(slot).core.begin_batch([c]);
                 self.do_commands(slot);
@@ -41,7 +41,7 @@ impl RawHub {
         let Some(buf) = g.srq.take_recv(wc) else {
             return;
         };
-        let Some(&slot) = self.by_qpn.get(&wc.qp_num()) else {
+        let Some(slot) = self.table.slot_of_qp(wc.qp_num()) else {
             // A queue pair already released: nothing of it is accounted any more.
             g.share.on_stray();
             self.pool.put_back(buf);
@@ -61,7 +61,7 @@ impl RawHub {
         q.hub.touch(slot);
         drive::run_commands(&mut q);
         // A close message sets a deadline (the goodbye is waited for until then).
-        if self.slots[slot]
+        if self.table.slots[slot]
             .as_ref()
             .is_some_and(|s| s.core.failure().is_some())
         {
@@ -70,10 +70,10 @@ impl RawHub {
     }
 
     fn on_send(&mut self, wc: &WorkCompletion) {
-        let Some(&slot) = self.by_qpn.get(&wc.qp_num()) else {
+        let Some(slot) = self.table.slot_of_qp(wc.qp_num()) else {
             return;
         };
-        let s = self.slots[slot].as_mut().expect("a mapped slot");
+        let s = self.table.slots[slot].as_mut().expect("a mapped slot");
         let Some(qp) = s.qp_mut() else { return };
         let before = qp.send_outstanding();
         let mut reads = Vec::new();
@@ -142,7 +142,7 @@ impl RawHub {
         if self.send_cq.room() == 0 {
             return;
         }
-        let Some(qp) = self.slots[slot].as_mut().and_then(|s| s.qp_mut()) else {
+        let Some(qp) = self.table.slots[slot].as_mut().and_then(|s| s.qp_mut()) else {
             return;
         };
         let before = qp.send_outstanding();

@@ -205,7 +205,7 @@ impl RawHub {
         let mut probes = std::mem::take(&mut self.liveness.probes);
         let mut all_gone = std::mem::take(&mut self.liveness.all_gone);
         tallies.clear();
-        for (slot, s) in self.slots.iter_mut().enumerate() {
+        for (slot, s) in self.table.slots.iter_mut().enumerate() {
             let Some(s) = s else { continue };
             let Resources::Linked(link) = &s.resources else {
                 continue;
@@ -245,7 +245,7 @@ impl RawHub {
             }
         }
         if !all_gone.is_empty() {
-            for (slot, s) in self.slots.iter().enumerate() {
+            for (slot, s) in self.table.slots.iter().enumerate() {
                 if let Some(Resources::Linked(link)) = s.as_ref().map(|s| &s.resources) {
                     if all_gone.contains(&link.host) && !vanished.contains(&slot) {
                         vanished.push(slot);
@@ -254,7 +254,10 @@ impl RawHub {
             }
         }
         for &slot in &vanished {
-            if self.slots[slot].as_ref().is_some_and(|s| s.core.is_open()) {
+            if self.table.slots[slot]
+                .as_ref()
+                .is_some_and(|s| s.core.is_open())
+            {
                 self.stats.vanished_by_probe += 1;
                 self.fail(slot, Failure::PeerVanished);
             }
@@ -264,13 +267,13 @@ impl RawHub {
                 if n == 0 {
                     break;
                 }
-                let same = self.slots[slot]
+                let same = self.table.slots[slot]
                     .as_ref()
                     .is_some_and(|s| s.generation == generation && s.core.is_open());
                 if same && self.probe(slot) {
                     n -= 1;
                 }
-                if self.slots[slot].is_some() {
+                if self.table.slots[slot].is_some() {
                     self.do_commands(slot);
                 }
             }

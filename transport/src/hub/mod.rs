@@ -51,10 +51,11 @@ mod queues;
 mod retire;
 mod side;
 mod slots;
+mod table;
 mod wait;
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::fmt;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -132,10 +133,8 @@ pub struct RawHub {
     send_bytes: u64,
     /// The send CQ's entries, and the requests of all queue pairs that may fill them.
     send_cq: buffers::SendCqUse,
-    slots: Vec<Option<Slot>>,
-    free_slots: Vec<usize>,
-    next_generation: u32,
-    by_qpn: HashMap<u32, usize>,
+    /// The connections, by slot (see [`table`]).
+    table: table::SlotTable<Slot>,
     /// Sends left unsignaled behind their queue pair's last signaled one, all queue pairs
     /// (see `core::unsignaled_room`).
     unsignaled_total: usize,
@@ -209,6 +208,7 @@ impl RawHub {
     /// A hub on `endpoint`'s device and port.
     pub fn new(endpoint: &Endpoint, config: HubConfig) -> Result<Self> {
         config.check(endpoint)?;
+        let max_connections = config.max_connections as usize;
         let probe_every = config.conn.keepalive.map(crate::core::probe_interval);
         let ctx = endpoint.context();
         let pd = endpoint.pd();
@@ -250,10 +250,7 @@ impl RawHub {
             peers_reading: 0,
             sq_reserve: 0,
             send_cq: buffers::SendCqUse::new(send_cq_entries as usize),
-            slots: Vec::new(),
-            free_slots: Vec::new(),
-            next_generation: 1,
-            by_qpn: HashMap::new(),
+            table: table::SlotTable::new(max_connections),
             unsignaled_total: 0,
             listener: None,
             cm_listener: None,
@@ -639,7 +636,7 @@ impl RawHub {
                 return Ok(ReadPost::Busy(into));
             }
         }
-        let s = self.slots[slot].as_mut().expect("a live slot");
+        let s = self.table.slots[slot].as_mut().expect("a live slot");
         let Resources::Linked(link) = &mut s.resources else {
             return Ok(ReadPost::Busy(into));
         };
@@ -810,7 +807,7 @@ impl RawHub {
 
     /// Established connections that have not failed.
     pub fn peers(&self) -> impl Iterator<Item = PeerId> + '_ {
-        self.slots.iter().enumerate().filter_map(|(i, s)| {
+        self.table.slots.iter().enumerate().filter_map(|(i, s)| {
             let s = s.as_ref()?;
             (s.announced && s.core.failure().is_none()).then(|| s.id(i))
         })
@@ -821,7 +818,7 @@ impl RawHub {
         let mut s = self.stats;
         s.connections = 0;
         s.handshakes = 0;
-        for slot in self.slots.iter().flatten() {
+        for slot in self.table.slots.iter().flatten() {
             match slot.resources {
                 Resources::Handshake(_) | Resources::CmHandshake(_) => s.handshakes += 1,
                 Resources::Linked(_) if slot.announced => s.connections += 1,
@@ -886,7 +883,7 @@ impl RawHub {
         };
         self.groups[group]
             .share
-            .hold(slot, on, &mut self.slots, &mut self.touched);
+            .hold(slot, on, &mut self.table.slots, &mut self.touched);
         if !on {
             // Buffers free and not yet posted go to it (a failed post is the hub's failure,
             // which its next call reports).

@@ -51,7 +51,7 @@ impl Queues for SlotQueues<'_> {
 
     fn next_command(&mut self) -> Option<Command> {
         // A handshake that fails without a queue pair frees its slot at once.
-        self.hub.slots[self.slot]
+        self.hub.table.slots[self.slot]
             .as_mut()
             .and_then(|s| s.core.poll_command())
     }
@@ -87,7 +87,7 @@ impl Queues for SlotQueues<'_> {
             return;
         };
         let hub = &mut *self.hub;
-        let s = hub.slots[self.slot].as_mut().expect("a mapped slot");
+        let s = hub.table.slots[self.slot].as_mut().expect("a mapped slot");
         let share_receipt = match receipt.action {
             RecvAction::Grant => share::Consumed::Grant,
             // A close message spends a data credit too.
@@ -98,7 +98,7 @@ impl Queues for SlotQueues<'_> {
         if s.admitted && s.group == Some(group) {
             share.on_consumed(self.slot, s, share_receipt, &mut hub.touched);
             // The peer may have returned all it could: its grant slots may sleep.
-            share.park_slots(self.slot, &mut hub.slots, &mut hub.touched);
+            share.park_slots(self.slot, &mut hub.table.slots, &mut hub.touched);
         } else {
             share.on_stray();
         }
@@ -108,7 +108,7 @@ impl Queues for SlotQueues<'_> {
         let hub = &mut *self.hub;
         hub.stats.received += 1;
         let msg = hub.pool.lend(buf, byte_len as usize);
-        let s = hub.slots[self.slot].as_mut().expect("a mapped slot");
+        let s = hub.table.slots[self.slot].as_mut().expect("a mapped slot");
         if s.announced {
             let peer = s.id(self.slot);
             hub.events.push_back(RawHubEvent::Message { peer, msg });
@@ -126,7 +126,9 @@ impl Queues for SlotQueues<'_> {
 
     fn post_probe(&mut self) -> Result<u64> {
         let hub = &mut *self.hub;
-        let Some(Resources::Linked(link)) = hub.slots[self.slot].as_mut().map(|s| &mut s.resources)
+        let Some(Resources::Linked(link)) = hub.table.slots[self.slot]
+            .as_mut()
+            .map(|s| &mut s.resources)
         else {
             unreachable!("a slot with room for a probe is linked")
         };
@@ -141,7 +143,7 @@ impl Queues for SlotQueues<'_> {
 
     fn bind(&mut self, window: &mut Exposed) -> Result<()> {
         let hub = &mut *self.hub;
-        let s = hub.slots[self.slot].as_mut().expect("a live slot");
+        let s = hub.table.slots[self.slot].as_mut().expect("a live slot");
         let Resources::Linked(link) = &mut s.resources else {
             unreachable!("a send could go");
         };
@@ -170,7 +172,7 @@ impl Queues for SlotQueues<'_> {
 
     fn unwatch_stream(&mut self) {
         let hub = &mut *self.hub;
-        let s = hub.slots[self.slot].as_mut().expect("a live slot");
+        let s = hub.table.slots[self.slot].as_mut().expect("a live slot");
         if let Resources::Linked(link) = &mut s.resources {
             if std::mem::take(&mut link.watched) {
                 let _ = hub.waiter.channel().watch.remove(link.control.as_fd());

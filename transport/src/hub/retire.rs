@@ -15,7 +15,7 @@ use crate::error::{errno_of, Error, Failure, Result};
 impl RawHub {
     /// The deadline of `slot`: its handshake's, or its core's.
     pub(super) fn deadline_of(&self, slot: usize) -> Option<Instant> {
-        let s = self.slots.get(slot)?.as_ref()?;
+        let s = self.table.slots.get(slot)?.as_ref()?;
         match &s.resources {
             Resources::Handshake(p) => Some(p.deadline),
             Resources::CmHandshake(p) => Some(p.deadline),
@@ -47,7 +47,7 @@ impl RawHub {
             }
             self.timers.pop();
             // An entry whose slot was released, or replaced by a nearer one, is stale.
-            let Some(s) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
+            let Some(s) = self.table.slots.get_mut(slot).and_then(Option::as_mut) else {
                 continue;
             };
             if s.timer_at != Some(at) {
@@ -74,7 +74,7 @@ impl RawHub {
                 drive::fire_timers(&mut self.queues(slot), now);
             }
             // Another deadline of its core may still be ahead (or this one moved later).
-            if self.slots[slot].is_some() {
+            if self.table.slots[slot].is_some() {
                 self.schedule(slot);
             }
         }
@@ -107,7 +107,7 @@ impl RawHub {
                 waiting.push(slot);
                 continue;
             }
-            let s = self.slots[slot].as_mut().expect("a draining slot");
+            let s = self.table.slots[slot].as_mut().expect("a draining slot");
             let qp = match std::mem::replace(&mut s.resources, Resources::Retired) {
                 Resources::Linked(link) => link.qp,
                 Resources::Failing(qp) => qp,
@@ -149,11 +149,11 @@ impl RawHub {
     /// A retired connection: its share of the buffers goes back, it is reported gone, its slot
     /// is free.
     fn release(&mut self, slot: usize) {
-        if self.slots[slot].is_none() {
+        if self.table.slots[slot].is_none() {
             return;
         }
         self.forget_queue_pair(slot);
-        let Some(s) = self.slots[slot].as_mut() else {
+        let Some(s) = self.table.slots[slot].as_mut() else {
             return;
         };
         let announced = s.announced;
@@ -174,8 +174,7 @@ impl RawHub {
                 last_note,
             });
         }
-        self.slots[slot] = None;
-        self.free_slots.push(slot);
+        self.table.remove(slot);
     }
 
     /// Routes the device's asynchronous events; those of our queue pairs fail them, those of
@@ -187,7 +186,7 @@ impl RawHub {
         }
         for ev in self.mailbox.take() {
             if let (AsyncEventKind::QpLastWqeReached, AsyncElement::Qp(n)) = (ev.kind, ev.element) {
-                if let Some(&slot) = self.by_qpn.get(&n) {
+                if let Some(slot) = self.table.slot_of_qp(n) {
                     self.slot_mut(slot).core.last_wqe_reached();
                     self.stats.last_wqe_events += 1;
                 }
@@ -199,7 +198,7 @@ impl RawHub {
             let f = Failure::AsyncEvent(ev.kind);
             match ev.element {
                 AsyncElement::Qp(n) => {
-                    if let Some(&slot) = self.by_qpn.get(&n) {
+                    if let Some(slot) = self.table.slot_of_qp(n) {
                         self.fail(slot, f);
                     }
                 }
@@ -222,8 +221,8 @@ impl RawHub {
         if self.fatal.is_none() {
             crate::trace::hub_failed(f);
             self.fatal = Some(f);
-            for slot in 0..self.slots.len() {
-                if self.slots[slot].is_some() {
+            for slot in 0..self.table.slots.len() {
+                if self.table.slots[slot].is_some() {
                     self.fail(slot, f);
                 }
             }

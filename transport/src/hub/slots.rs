@@ -7,6 +7,7 @@ use rdmsg_verbs::{Gid, QueuePair};
 
 use super::cm_pending::CmPending;
 use super::side::HubSide;
+use super::table::Generational;
 use super::{PeerId, RawHub};
 use crate::addr::QpAddress;
 use crate::bootstrap::Pending;
@@ -85,6 +86,12 @@ pub(super) struct Slot {
     pub(super) stall: crate::trace::Stall,
 }
 
+impl Generational for Slot {
+    fn generation(&self) -> u32 {
+        self.generation
+    }
+}
+
 impl CreditHolder for Slot {
     fn credits(&self) -> &Credits {
         self.core.credits()
@@ -136,19 +143,15 @@ impl Slot {
 
 impl RawHub {
     pub(super) fn slot(&self, i: usize) -> &Slot {
-        self.slots[i].as_ref().expect("a live slot")
+        self.table.slots[i].as_ref().expect("a live slot")
     }
 
     pub(super) fn slot_mut(&mut self, i: usize) -> &mut Slot {
-        self.slots[i].as_mut().expect("a live slot")
+        self.table.slots[i].as_mut().expect("a live slot")
     }
 
     pub(super) fn find(&self, peer: PeerId) -> Result<usize> {
-        let i = peer.slot as usize;
-        match self.slots.get(i).and_then(Option::as_ref) {
-            Some(s) if s.generation == peer.generation => Ok(i),
-            _ => Err(Error::UnknownPeer(peer)),
-        }
+        self.table.find(peer).ok_or(Error::UnknownPeer(peer))
     }
 
     /// The slot of a connection that may be sent to (established or finishing its
@@ -166,27 +169,20 @@ impl RawHub {
     }
 
     pub(super) fn new_slot(&mut self, accepted: bool) -> Result<usize> {
-        let used = self.slots.len() - self.free_slots.len();
-        if used >= self.config.max_connections as usize {
-            return Err(Error::HubFull {
-                max: self.config.max_connections,
-            });
-        }
-        let generation = self.next_generation;
-        self.next_generation = self.next_generation.wrapping_add(1).max(1);
         let conn = &self.config.conn;
-        let slot = Slot {
+        let core = Core::handshaking(
+            self.placeholder_credits(),
+            conn.signal_every,
+            conn.close_timeout,
+        )
+        .on_shared_receive_queue();
+        let slot = |generation| Slot {
             generation,
             accepted,
             announced: false,
             admitted: false,
             group: None,
-            core: Core::handshaking(
-                self.placeholder_credits(),
-                conn.signal_every,
-                conn.close_timeout,
-            )
-            .on_shared_receive_queue(),
+            core,
             resources: Resources::Retired,
             early: Vec::new(),
             touched: false,
@@ -196,15 +192,9 @@ impl RawHub {
             timer_at: None,
             stall: crate::trace::Stall::default(),
         };
-        let i = match self.free_slots.pop() {
-            Some(i) => i,
-            None => {
-                self.slots.push(None);
-                self.slots.len() - 1
-            }
-        };
-        self.slots[i] = Some(slot);
-        Ok(i)
+        self.table.insert(slot).ok_or(Error::HubFull {
+            max: self.config.max_connections,
+        })
     }
 
     /// Books of a connection whose peer is not known yet: the peer holds the minimum.
@@ -239,25 +229,24 @@ impl RawHub {
     pub(super) fn abandon(&mut self, slot: usize) {
         self.unadmit(slot);
         self.forget_queue_pair(slot);
-        self.slots[slot] = None;
-        self.free_slots.push(slot);
+        self.table.remove(slot);
     }
 
     /// The queue pair of `slot` is gone or going: its number may name another one next, of
     /// this hub or not, and its unsignaled sends no longer count.
     pub(super) fn forget_queue_pair(&mut self, slot: usize) {
-        let Some(s) = self.slots[slot].as_mut() else {
+        let Some(s) = self.table.slots[slot].as_mut() else {
             return;
         };
         self.unsignaled_total -= std::mem::take(&mut s.unsignaled);
         if let Some(qpn) = s.qpn.take() {
-            self.by_qpn.remove(&qpn);
+            self.table.unmap_qp(qpn);
             self.endpoint.unregister_async(qpn, &self.mailbox);
         }
     }
 
     pub(super) fn touch(&mut self, slot: usize) {
-        let s = self.slots[slot].as_mut().expect("a live slot");
+        let s = self.table.slots[slot].as_mut().expect("a live slot");
         if !std::mem::replace(&mut s.touched, true) {
             self.touched.push(slot);
         }

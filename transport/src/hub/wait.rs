@@ -100,7 +100,7 @@ impl RawHub {
     /// a send slot (`blocked`), or a connection's core wants any completion after a refused
     /// bounded send; else as configured (the send queue as [`RawHub::send_arm`] says).
     pub(super) fn arm(&mut self, blocked: bool) -> Result<()> {
-        let slots = &self.slots;
+        let slots = &self.table.slots;
         self.blocked.retain(|&s| {
             slots[s]
                 .as_ref()
@@ -194,7 +194,7 @@ impl RawHub {
         if now.duration_since(self.last_tick) >= Duration::from_secs(1) {
             self.last_tick = now;
             for g in &mut self.groups {
-                g.share.tick(&mut self.slots, &mut self.touched);
+                g.share.tick(&mut self.table.slots, &mut self.touched);
             }
         }
         Ok(())
