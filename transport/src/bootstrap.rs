@@ -23,6 +23,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::failed::FailedHandshakes;
 use crate::handshake::{Action, Handshake, Hello, Reject};
+use crate::handshake_set::{to_evict, Bound, Waiting};
 use crate::setup::{nonce, our_hello, LocalSide, Setup};
 use crate::stream::{accept_next, bootstrap_err};
 use crate::trace::{self, trace_span};
@@ -462,10 +463,19 @@ impl Listener {
                     pending.len() - 1
                 }
                 None => {
-                    let oldest = (0..pending.len())
-                        .filter(|&i| pending[i].is_some())
-                        .min_by_key(|&i| pending[i].as_ref().map(|p| p.deadline))
-                        .expect("a full table has a pending handshake");
+                    let waiting = pending.iter().enumerate().filter_map(|(i, p)| {
+                        p.as_ref().map(|p| Waiting {
+                            key: i,
+                            deadline: p.deadline,
+                            memory: 0,
+                        })
+                    });
+                    let bound = Bound {
+                        most: max,
+                        cap: u64::MAX,
+                    };
+                    let (oldest, _) =
+                        to_evict(waiting, bound, 0).expect("a full table has a pending handshake");
                     let p = self.remove(pending, oldest);
                     self.failed.record(p.peer_addr, p.evicted(max as u32));
                     oldest

@@ -34,6 +34,7 @@ use crate::handshake::cm::{
     encode_request, Ends, ProofCheck, CM_NONCE_LEN,
 };
 use crate::handshake::{Hello, Reject};
+use crate::handshake_set::{to_evict, Bound, Waiting};
 use crate::setup::{our_hello, Setup};
 
 /// What the handshake over rdma_cm waits for when it runs out of time.
@@ -603,43 +604,34 @@ impl CmListener {
     fn make_room(&self, most: usize, memory: u64, cap: u64) {
         let mut pending = self.lock_pending();
         let mut proving = self.lock_proving();
+        let bound = Bound { most, cap };
         loop {
-            let count = pending.len() + proving.len();
-            let held: u64 = pending.iter().map(|a| a.memory).sum::<u64>()
-                + proving.iter().map(|p| p.memory).sum::<u64>();
-            if count < most.max(1) && (count == 0 || held.saturating_add(memory) <= cap) {
+            // Accepted ones first: of two as old, the one further from done goes.
+            let accepted = pending.iter().enumerate().map(|(i, a)| Waiting {
+                key: (true, i),
+                deadline: a.deadline,
+                memory: a.memory,
+            });
+            let waiting = accepted.chain(proving.iter().enumerate().map(|(i, p)| Waiting {
+                key: (false, i),
+                deadline: p.deadline,
+                memory: p.memory,
+            }));
+            let Some(((accepted, i), why)) = to_evict(waiting, bound, memory) else {
                 return;
-            }
-            let why = if count >= most.max(1) {
-                format!("{count} handshakes were waiting")
-            } else {
-                format!("their receive buffers ({held} bytes) left no room within {cap}")
             };
-            let oldest_pending = pending
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, a)| a.deadline)
-                .map(|(i, a)| (a.deadline, i));
-            let oldest_proving = proving
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, p)| p.deadline)
-                .map(|(i, p)| (p.deadline, i));
-            match (oldest_pending, oldest_proving) {
-                (Some((a, i)), b) if b.map_or(true, |(b, _)| a <= b) => {
-                    let a = pending.swap_remove(i);
-                    self.unwatch(&a);
-                    let from = a.id.peer_addr();
-                    self.failed
-                        .record(from, evicted(from, "its ESTABLISHED", &why));
-                }
-                (_, Some((_, i))) => {
-                    let p = proving.swap_remove(i);
-                    let _ = self.watch.remove(p.conn.as_fd());
-                    self.failed
-                        .record(p.from, evicted(p.from, "its proof of the key", &why));
-                }
-                _ => return,
+            let why = why.to_string();
+            if accepted {
+                let a = pending.swap_remove(i);
+                self.unwatch(&a);
+                let from = a.id.peer_addr();
+                self.failed
+                    .record(from, evicted(from, "its ESTABLISHED", &why));
+            } else {
+                let p = proving.swap_remove(i);
+                let _ = self.watch.remove(p.conn.as_fd());
+                self.failed
+                    .record(p.from, evicted(p.from, "its proof of the key", &why));
             }
         }
     }

@@ -122,6 +122,7 @@ mod error;
 mod failed;
 mod group;
 pub mod handshake;
+mod handshake_set;
 mod hub;
 mod peer_id;
 mod pool;

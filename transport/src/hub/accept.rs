@@ -16,6 +16,7 @@ use crate::control::Control;
 use crate::drive;
 use crate::error::{Error, Failure, Result};
 use crate::handshake::{Handshake, Hello};
+use crate::handshake_set::{to_evict, Bound, Waiting};
 use crate::setup::{nonce, random_psn};
 use crate::stream::accept_next;
 use crate::token::Token;
@@ -95,23 +96,34 @@ impl RawHub {
         if self.pending_accepted < max_pending as usize {
             return;
         }
-        while let Some((i, generation)) = self.accepted_order.pop_front() {
-            let evicted = self
-                .table
-                .slots
-                .get(i)
-                .and_then(Option::as_ref)
-                .filter(|s| s.generation == generation)
-                .and_then(|s| match &s.resources {
-                    Resources::Handshake(p) => Some(p.evicted(max_pending)),
-                    Resources::CmHandshake(p) => Some(p.evicted(max_pending)),
-                    _ => None,
-                });
-            if let Some(e) = evicted {
-                self.handshake_failed(i, e);
-                return;
-            }
-        }
+        // Entries of handshakes that ended are skipped (and dropped as they reach the front).
+        let slots = &self.table.slots;
+        let waiting = self.accepted_order.iter().filter_map(|&(i, generation)| {
+            let s = slots.get(i)?.as_ref()?;
+            let deadline = match &s.resources {
+                Resources::Handshake(p) if s.generation == generation => p.deadline,
+                Resources::CmHandshake(p) if s.generation == generation => p.deadline,
+                _ => return None,
+            };
+            Some(Waiting {
+                key: i,
+                deadline,
+                memory: 0,
+            })
+        });
+        let bound = Bound {
+            most: max_pending as usize,
+            cap: u64::MAX,
+        };
+        let Some((i, _)) = to_evict(waiting, bound, 0) else {
+            return;
+        };
+        let e = match &self.slot(i).resources {
+            Resources::Handshake(p) => p.evicted(max_pending),
+            Resources::CmHandshake(p) => p.evicted(max_pending),
+            _ => unreachable!("a waiting handshake"),
+        };
+        self.handshake_failed(i, e);
     }
 
     /// Creates the queue pair of slot `slot` on the hub's queues, with its share of the
