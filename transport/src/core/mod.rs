@@ -40,6 +40,9 @@
 //! deadline passes).
 
 mod inbound;
+mod liveness;
+mod outbound;
+mod room;
 mod stats;
 mod timers;
 
@@ -49,6 +52,9 @@ use rdmsg_notify::ArmMode;
 use rdmsg_verbs::{deadline_after, WcStatus};
 
 pub(crate) use inbound::{Completion, RecvAction};
+#[cfg(test)]
+use room::unsignaled_share;
+pub(crate) use room::{max_in_one_go, unsignaled_in_queue, unsignaled_room, Room};
 pub use stats::ConnStats;
 
 use crate::credits::{Credits, Imm};
@@ -155,61 +161,6 @@ pub(crate) enum Command {
     /// Without room, the signaled send in flight tells as much, or the next interval asks
     /// again.
     Probe,
-}
-
-/// What the driver has free for a send right now (`usize::MAX` for what it does not count).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Room {
-    /// Free slots of the queue pair's send queue.
-    pub sq: usize,
-    /// Free send buffers.
-    pub buffers: usize,
-    /// Free entries of the send completion queue, where queue pairs share it.
-    pub cq: usize,
-    /// Most sends this queue pair may leave unsignaled behind its last signaled one, where it
-    /// shares a send completion queue: its part of that queue. They occupy it until a later
-    /// signaled send of the same queue pair completes (or all flush back if it fails), so a
-    /// queue pair that falls silent would otherwise hold them for ever.
-    pub unsignaled: usize,
-}
-
-/// Each queue pair's part of the unsignaled sends that `queue_pairs` sharing a send CQ of
-/// `cq_entries` may leave behind their last signaled ones: half of it, shared out.
-pub(crate) fn unsignaled_share(cq_entries: usize, queue_pairs: usize) -> usize {
-    cq_entries / 2 / queue_pairs.max(1)
-}
-
-/// [`Room::unsignaled`] for a queue pair that has `own` unsignaled sends behind its last
-/// signaled one, when all `queue_pairs` sharing a send CQ of `cq_entries` have `total`: its
-/// part ([`unsignaled_share`]), and never beyond half the CQ altogether, whenever the queue
-/// pairs came (a part counted when few shared the CQ stays with a queue pair that fell
-/// silent). Otherwise queue pairs whose traffic stopped fill the CQ with sends that only
-/// their next signaled one would retire: a hub's 1,024 peers each holding a few unsignaled
-/// grants did, and every send then waited for the one allowed to be signaled.
-/// Most sends a queue pair of `sq_depth` send slots may leave unsignaled behind its last
-/// signaled one: fewer than half. Unsignaled sends hold their slots until a later signaled one
-/// retires them, so a queue full of them would never free a slot (and a send that waits for
-/// one, or for the several a memory-window bind or a read takes, would wait for ever); with
-/// at most half so held, at least half the queue frees once the last signaled send completes,
-/// room for anything [`max_in_one_go`] allows.
-pub(crate) fn unsignaled_in_queue(sq_depth: usize) -> usize {
-    (sq_depth / 2).saturating_sub(1)
-}
-
-/// Most work requests one operation (a bind of several memory windows and the send after it,
-/// a read of several segments) may need at once on a send queue of `sq_depth` slots: what
-/// half of it always has free (see [`unsignaled_in_queue`]).
-pub(crate) fn max_in_one_go(sq_depth: usize) -> usize {
-    (sq_depth / 2).max(1)
-}
-
-pub(crate) fn unsignaled_room(
-    cq_entries: usize,
-    queue_pairs: usize,
-    own: usize,
-    total: usize,
-) -> usize {
-    unsignaled_share(cq_entries, queue_pairs).min(own + (cq_entries / 2).saturating_sub(total))
 }
 
 /// A message to post: its immediate data and flags.
@@ -371,94 +322,6 @@ impl Core {
     pub(crate) fn on_shared_receive_queue(mut self) -> Self {
         self.on_srq = true;
         self
-    }
-
-    /// Probes the peer for liveness from `now` on: whenever a whole interval of `every` passes
-    /// without a sign of life from it (a receive, or a send it acknowledged), [`Command::Probe`],
-    /// so that a live peer's device gives one. A second such interval in a row with the probe
-    /// unanswered (the sixth, while an RDMA read of ours is under way), or a probe failed by the
-    /// queue pair's retries, fails the connection with [`Failure::PeerVanished`]. For
-    /// connections without a bootstrap stream whose keepalive would tell (rdma_cm's).
-    pub(crate) fn probe_every(&mut self, every: Duration, now: Instant) {
-        self.probe_every = Some(every);
-        self.timers.set(Timer::Probe, deadline_after(now, every));
-    }
-
-    /// Probes (if on) only from `from` on: the first interval starts then, not earlier.
-    pub(crate) fn probes_from(&mut self, from: Instant) {
-        if let Some(every) = self.probe_every {
-            self.timers.set(Timer::Probe, deadline_after(from, every));
-        }
-    }
-
-    /// Whether the peer showed a sign of life (a receive, a send it acknowledged) since this
-    /// was last asked, for a driver that judges liveness itself: a hub watches each peer
-    /// host once, not each connection (see `hub::liveness`). Asking clears it.
-    pub(crate) fn take_heard(&mut self) -> bool {
-        std::mem::take(&mut self.heard)
-    }
-
-    /// Whether the connection is open for liveness to be watched: linked, neither closing
-    /// nor failed (a close and a failure have their own deadlines).
-    pub(crate) fn is_open(&self) -> bool {
-        self.state == State::Linked
-    }
-
-    /// Whether a request of ours a live peer's device answers is out: a probe, or a signaled
-    /// send (whose completion also retires the unsignaled ones before it).
-    pub(crate) fn awaits_answer(&self) -> bool {
-        self.probe_wr.is_some() || self.last_signaled.is_some()
-    }
-
-    /// For a driver that judges liveness itself, once per probe interval with what
-    /// [`Core::take_heard`] said: intervals in a row that a request of ours stayed unanswered
-    /// (0 once the peer is heard from, or nothing is out), and intervals since the peer was
-    /// last heard from. A probe counts from the interval it was posted in.
-    pub(crate) fn silence_tick(&mut self, heard: bool) -> (u8, u32) {
-        if heard {
-            self.silent_intervals = 0;
-            self.quiet_intervals = 0;
-        } else {
-            self.quiet_intervals = self.quiet_intervals.saturating_add(1);
-            self.silent_intervals = if self.awaits_answer() {
-                self.silent_intervals.saturating_add(1)
-            } else {
-                0
-            };
-        }
-        (self.silent_intervals, self.quiet_intervals)
-    }
-
-    /// Intervals a request of ours may stay unanswered before the peer is gone: one probe
-    /// interval after the one it went in, six while an RDMA read of ours is under way.
-    pub(crate) fn silence_limit(&self) -> u8 {
-        if self.last_read.is_some() {
-            SILENT_INTERVALS_BEHIND
-        } else {
-            2
-        }
-    }
-
-    /// Whether an RDMA read of ours is under way: a probe behind it completes only once all
-    /// its bytes have come, so it gets [`SILENT_INTERVALS_BEHIND`] intervals, not one.
-    pub(crate) fn reading(&self) -> bool {
-        self.last_read.is_some()
-    }
-
-    /// The liveness probe [`Command::Probe`] asked for was posted as `wr_id` (signaled).
-    pub(crate) fn probe_posted(&mut self, wr_id: u64) {
-        self.stats.probes += 1;
-        self.probe_wr = Some(wr_id);
-        // Its interval counts: unanswered at the end of the next, the peer is gone.
-        self.silent_intervals = self.silent_intervals.max(1);
-        self.last_signaled = Some(wr_id);
-        // Signaled: its completion retires the unsignaled sends before it.
-        self.unsignaled = 0;
-    }
-
-    /// `IBV_EVENT_QP_LAST_WQE_REACHED` came for the queue pair.
-    pub(crate) fn last_wqe_reached(&mut self) {
-        self.last_wqe = true;
     }
 
     /// The word every grant of ours carries from now on, for the layer above (rdmsg's typed
@@ -917,163 +780,6 @@ impl Core {
             *drained = true;
             self.timers.stop(Timer::Drain);
         }
-    }
-
-    // ----- commands -----
-
-    /// A data message to post now, spending a credit: its immediate data, solicited if the
-    /// caller asked or the protocol needs it (our last credit, or credits for a peer that may
-    /// be blocked), signaled as [`Core::signal_for`] decides given the `room` left once it is
-    /// posted. `None` without a credit or while the connection may not send.
-    pub(crate) fn data(&mut self, solicited: bool, room: Room) -> Option<Post> {
-        if self.check_send().is_err() || !self.is_linked() {
-            return None;
-        }
-        let (imm, must) = self.credits.take_for_data(0)?;
-        self.stats.sent += 1;
-        self.stats.forced_solicited += u64::from(must && !solicited);
-        self.stats.sent_solicited += u64::from(solicited || must);
-        Some(Post {
-            imm,
-            solicited: solicited || must,
-            signaled: self.signal_for(room),
-        })
-    }
-
-    /// A data message went inline (counted).
-    pub(crate) fn sent_inline(&mut self) {
-        self.stats.sent_inline += 1;
-    }
-
-    /// When a close that begins at `now` must have ended: `close_timeout` later. The driver
-    /// (or the layer above it) takes it once, when the close begins, and every stage of the
-    /// close (its own waits, then [`Core::start_close`]) spends what is left of it: a close
-    /// lasts one `close_timeout`, not one per thing it waited for.
-    pub(crate) fn close_deadline(&self, now: Instant) -> Instant {
-        deadline_after(now, self.close_timeout)
-    }
-
-    /// Starts a graceful close at `now`: the close message to post (solicited, signaled,
-    /// spending a credit), after which nothing more may be sent; closed once it completes, or
-    /// failed with [`Failure::CloseTimedOut`] at `deadline` (the close's, from
-    /// [`Core::close_deadline`] when it began, whatever it waited for since), or
-    /// [`CLOSE_ACK_GRACE`] from `now` if that is later (a close whose earlier waits spent its
-    /// time still gives its message the time an acknowledgement takes), or with
-    /// [`Failure::PeerVanished`] when the peer's stream ended (before or since) and the
-    /// message did not complete within that end's grace. `None` without a credit, or when
-    /// the connection may not send.
-    pub(crate) fn start_close(&mut self, deadline: Instant, now: Instant) -> Option<Post> {
-        if self.check_send().is_err() || !self.is_linked() {
-            return None;
-        }
-        let (imm, _) = self.credits.take_for_data(Imm::CLOSE)?;
-        self.state = State::Closing { close_wr: None };
-        self.timers
-            .set(Timer::Close, deadline.max(now + CLOSE_ACK_GRACE));
-        self.unsignaled = 0;
-        Some(Post {
-            imm,
-            solicited: true,
-            signaled: true,
-        })
-    }
-
-    /// A credit grant, if one is due and there is room to post it (its credits count as
-    /// returned: post it).
-    pub(crate) fn grant(&mut self, room: Room) -> Option<Post> {
-        if self.failure.is_some()
-            || room.sq == 0
-            || room.cq == 0
-            || self.credits.grant_needs_slots()
-        {
-            return None;
-        }
-        let g = self.credits.take_grant()?;
-        self.stats.grants_sent += 1;
-        Some(Post {
-            imm: g.imm,
-            solicited: g.solicited,
-            signaled: self.signal_for(room),
-        })
-    }
-
-    /// Sends posted unsignaled since the last signaled one (they leave the send CQ only
-    /// with a later signaled send's completion, or flushed).
-    pub(crate) fn unsignaled_behind(&self) -> usize {
-        self.unsignaled as usize
-    }
-
-    /// Whether the next send is signaled: every `signal_every`-th, once `room.unsignaled`
-    /// sends went unsignaled, and always when the send queue, the send buffers or the send CQ
-    /// are about to run out (`room` is what is left once it is posted), so that a blocked
-    /// sender has a completion coming.
-    fn signal_for(&mut self, room: Room) -> bool {
-        // The send that takes the last free buffer is signaled: else nothing might ever come
-        // back to retire it, and no buffer would free (a send that waits sleeps for good).
-        let must = room.sq <= 1 || room.buffers <= 1 || room.cq <= 1;
-        let signaled = must
-            || self.unsignaled + 1 >= self.signal_every
-            || self.unsignaled as usize >= room.unsignaled;
-        self.unsignaled = if signaled { 0 } else { self.unsignaled + 1 };
-        signaled
-    }
-
-    /// RDMA reads were posted, the last (signaled) as `wr_id`.
-    pub(crate) fn posted_read(&mut self, wr_id: u64) {
-        self.posted(wr_id, true);
-        self.last_read = Some(wr_id);
-    }
-
-    /// A send (or read) was posted as `wr_id` (the first after [`Core::start_close`] is the
-    /// close message).
-    pub(crate) fn posted(&mut self, wr_id: u64, signaled: bool) {
-        if signaled {
-            self.last_signaled = Some(wr_id);
-        }
-        if let State::Closing { close_wr: w @ None } = &mut self.state {
-            *w = Some(wr_id);
-            self.our_close_wr = Some(wr_id);
-        }
-    }
-
-    /// Whether an RDMA read of `segments` pieces can ever be posted on a send queue of
-    /// `sq_depth` slots.
-    pub(crate) fn read_fits(&self, segments: usize, sq_depth: usize) -> Result<(), Error> {
-        if segments > sq_depth {
-            return Err(Error::ReadTooLarge {
-                segments,
-                send_slots: sq_depth,
-            });
-        }
-        Ok(())
-    }
-
-    /// A send found no credit or send slot (`blocked`), or one goes now: see
-    /// [`Core::wants_any_completion`]. Whether a credit stall ended (a send goes after one
-    /// found no credit), for the driver to report.
-    pub(crate) fn send_waits(&mut self, blocked: bool) -> bool {
-        self.send_blocked = blocked;
-        !blocked && std::mem::take(&mut self.stalled)
-    }
-
-    /// A send waited for a credit, or else for a send slot (counted). Whether a credit stall
-    /// began (the first send to find no credit since one went), for the driver to report.
-    pub(crate) fn send_waited(&mut self) -> bool {
-        if self.credits.available() == 0 {
-            self.stats.credit_waits += 1;
-            let began = !std::mem::replace(&mut self.stalled, true);
-            self.stats.credit_stalls += u64::from(began);
-            began
-        } else {
-            self.stats.send_slot_waits += 1;
-            false
-        }
-    }
-
-    /// `n` receive buffers were re-posted for this connection.
-    pub(crate) fn reposted(&mut self, n: u32) {
-        self.stats.refills += 1;
-        self.credits.on_reposted(n);
     }
 }
 

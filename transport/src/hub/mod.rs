@@ -40,6 +40,7 @@
 
 mod accept;
 mod buffers;
+mod close;
 mod cm;
 mod cm_pending;
 mod completions;
@@ -48,6 +49,7 @@ mod events;
 mod groups;
 mod liveness;
 mod queues;
+mod reads;
 mod retire;
 mod side;
 mod slots;
@@ -64,43 +66,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmsg_notify::{ArmMode, CqKey, Waiter};
-use rdmsg_verbs::{
-    deadline_after, Access, Buffer, CompletionChannel, CompletionQueue, Exposed, ReadSegment,
-    ReadyWatch, WorkCompletion,
-};
+use rdmsg_verbs::{Access, CompletionChannel, CompletionQueue, ReadyWatch, WorkCompletion};
 
 pub use config::HubConfig;
 pub use events::{ConnectTimes, HubStats, PeerId, RawHubEvent};
 
 use crate::core::{earliest, ConnStats};
 use crate::device_events::Mailbox;
-use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Failure, Result};
 use crate::handshake::{Handshake, Hello};
 use crate::pool::{PoolStats, RecvPool, Waker};
-use crate::read::ReadPost;
 use crate::send::{self, Payload, SendBuffers};
 use crate::setup::nonce;
 use crate::stream::bootstrap_err;
 use crate::token::Token;
 use slots::{Resources, Slot};
 use wait::HubChannel;
-
-/// Work requests of reads a peer may always have under way, whatever its share: one read of
-/// the most pieces a rendezvous descriptor names.
-const MIN_READ_SHARE: usize = 16;
-
-/// Whether a peer with `own` read work requests under way may post `need` more, when all
-/// peers have `all` under way on a send CQ of `cq_entries`, `readers` of them with some:
-/// reads fill at most half the CQ, and each reader at most an equal part of that half (at
-/// least [`MIN_READ_SHARE`]).
-fn fair_read_room(cq_entries: usize, all: usize, readers: usize, own: usize, need: usize) -> bool {
-    let half = cq_entries / 2;
-    let readers = readers + usize::from(own == 0);
-    let share = (half / readers.max(1)).max(MIN_READ_SHARE);
-    all + need <= half.max(need) && own + need <= share
-}
 
 /// Many RC connections driven by one thread: one completion channel, one receive and one
 /// send CQ, one shared receive queue and one pool of send buffers for all of them. One
@@ -559,206 +541,6 @@ impl RawHub {
         Ok(Waker::new(self.pool.waker().map_err(Error::WakePipe)?))
     }
 
-    /// Exposes `bytes` to RDMA reads by peers under a key of their own (see
-    /// [`Endpoint::expose`]); a rendezvous sender tells only the peer it sends to.
-    pub fn expose(&self, bytes: rdmsg_verbs::Bytes) -> Result<Exposed> {
-        self.endpoint.expose(bytes)
-    }
-
-    /// Exposes `pieces` to RDMA reads by `peer` alone, bound to its queue pair (see
-    /// [`crate::Connection::expose_to_peer`]): the keys read nothing through any other
-    /// connection of the hub. Waits as a send to `peer` does, at most `timeout`, driving the
-    /// hub.
-    pub fn expose_to_peer(
-        &mut self,
-        peer: PeerId,
-        pieces: Vec<rdmsg_verbs::Bytes>,
-        timeout: Option<Duration>,
-    ) -> Result<Vec<Exposed>> {
-        let mut windows = self.endpoint.windows_over(pieces)?;
-        if !self.endpoint.binds_windows() {
-            return Ok(windows);
-        }
-        let slot = self.live_slot(peer)?;
-        let n = windows.len();
-        if let Some(depth) = self.slot(slot).established().map(|l| l.sq_depth) {
-            self.slot(slot).core.read_fits(n + 1, depth)?;
-        }
-        self.sq_reserve = n;
-        let waited = self.wait_to_send(slot, peer, timeout);
-        self.sq_reserve = 0;
-        waited?;
-        drive::bind_windows(&mut self.queues(slot), &mut windows)?;
-        Ok(windows)
-    }
-
-    /// The most pieces [`RawHub::expose_to_peer`] binds at once for `peer`.
-    pub fn max_exposures(&self, peer: PeerId) -> Result<usize> {
-        let slot = self.live_slot(peer)?;
-        Ok(self.slot(slot).established().map_or(0, |l| {
-            crate::core::max_in_one_go(l.sq_depth)
-                .saturating_sub(1)
-                .max(1)
-        }))
-    }
-
-    /// Registers `len` bytes that reads may land in (see [`Endpoint::register`]).
-    pub fn register(&self, len: usize) -> Result<Buffer> {
-        self.endpoint.register(len)
-    }
-
-    /// Posts RDMA reads of `peer`'s memory into `into` (see
-    /// [`crate::Connection::post_read`]); [`ReadPost::Busy`] if its send queue (or the
-    /// hub's send completion queue) has no room for them now. The end of the read is a
-    /// [`RawHubEvent::Read`]. A bad key or address fails that peer alone.
-    pub fn post_read(
-        &mut self,
-        peer: PeerId,
-        into: Buffer,
-        segments: &[ReadSegment],
-    ) -> Result<ReadPost> {
-        let slot = self.live_slot(peer)?;
-        let need = segments.len();
-        if let Some(depth) = self.slot(slot).established().map(|l| l.sq_depth) {
-            self.slot(slot).core.read_fits(need, depth)?;
-        }
-        let room = |hub: &Self| {
-            let r = hub.room(slot);
-            hub.slot(slot).established().is_some()
-                && r.sq >= need
-                && r.cq >= need
-                && hub.read_room(slot, need)
-        };
-        if !room(self) {
-            self.step()?;
-            self.live_slot(peer)?;
-            if !room(self) {
-                return Ok(ReadPost::Busy(into));
-            }
-        }
-        let s = self.table.slots[slot].as_mut().expect("a live slot");
-        let Resources::Linked(link) = &mut s.resources else {
-            return Ok(ReadPost::Busy(into));
-        };
-        let before = link.qp.send_outstanding();
-        let posted = link.qp.post_read(into, segments);
-        self.send_cq.follow(before, link.qp.send_outstanding());
-        match posted {
-            Ok(id) => {
-                s.core.posted_read(id);
-                self.peers_reading += usize::from(s.reads.is_empty());
-                s.reads.push_back((id, need));
-                self.read_wrs += need;
-                Ok(ReadPost::Posted(id))
-            }
-            Err(e)
-                if e.posted == 0 && matches!(e.error, rdmsg_verbs::Error::InvalidArgument(_)) =>
-            {
-                Err(e.error.into())
-            }
-            Err(e) => {
-                Err(self.local_failure(slot, "posting a read (ibv_post_send)", e.error.into()))
-            }
-        }
-    }
-
-    /// Whether `slot` may post a read of `need` work requests: reads of all peers fill at
-    /// most half the send CQ (a few peers whose reads do not complete, their queue pairs
-    /// stalled, never hold back everyone's sends and grants), and each reading peer at most
-    /// its share of that half (at least one read of the most pieces a descriptor names).
-    fn read_room(&self, slot: usize, need: usize) -> bool {
-        let own: usize = self.slot(slot).reads.iter().map(|(_, n)| n).sum();
-        fair_read_room(
-            self.send_cq.entries(),
-            self.read_wrs,
-            self.peers_reading,
-            own,
-            need,
-        )
-    }
-
-    /// Closes `peer` gracefully and waits until it is closed: see [`RawHub::start_close`]. Waits
-    /// (driving the hub) until the close message is delivered, at most `close_timeout`
-    /// ([`Error::Timeout`]).
-    pub fn close(&mut self, peer: PeerId) -> Result<()> {
-        let deadline = deadline_after(Instant::now(), self.config.conn.close_timeout);
-        self.close_by(peer, deadline)
-    }
-
-    /// [`RawHub::close`] that ends by `deadline` rather than `close_timeout` from now (see
-    /// [`RawHub::start_close_by`]).
-    pub fn close_by(&mut self, peer: PeerId, deadline: Instant) -> Result<()> {
-        self.start_close_by(peer, deadline)?;
-        let timeout = self.config.conn.close_timeout;
-        loop {
-            // Released already: its `Disconnected` event, queued, says how it ended.
-            let Ok(slot) = self.find(peer) else {
-                return match self.events.iter().find_map(|ev| match ev {
-                    RawHubEvent::Disconnected {
-                        peer: p, failure, ..
-                    } if *p == peer => Some(*failure),
-                    _ => None,
-                }) {
-                    Some(f) => crate::core::close_outcome(f, timeout),
-                    None => Ok(()),
-                };
-            };
-            let core = &self.slot(slot).core;
-            if let Some(ended) = core.close_result(timeout) {
-                return ended;
-            }
-            let left = core.time_to_next(Instant::now());
-            self.wait_for_progress(left, true)?;
-        }
-    }
-
-    /// Starts closing `peer` gracefully: a close message after everything sent so far (once
-    /// a credit is there: waits for one, driving the hub, at most `close_timeout`); nothing
-    /// more may be sent to it. Once the message is delivered the hub says goodbye on the
-    /// bootstrap stream and reports [`RawHubEvent::Disconnected`] with [`Failure::Closed`]; the
-    /// peer receives everything, then [`Failure::PeerClosed`]. If it is not delivered within
-    /// `close_timeout`, or no credit came for it by then, the connection is failed with
-    /// [`Failure::CloseTimedOut`]; if the peer's stream ended without a goodbye (it went
-    /// without closing), with [`Failure::PeerVanished`] 50 ms after that end. Keep driving
-    /// the hub until then: dropping it first fails the peer as vanished.
-    pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
-        let deadline = deadline_after(Instant::now(), self.config.conn.close_timeout);
-        self.start_close_by(peer, deadline)
-    }
-
-    /// [`RawHub::start_close`] whose close ends by `deadline` rather than `close_timeout`
-    /// from now: for a layer above whose close began earlier and waited for other things
-    /// first (the peer's reads of what it was lent, queued messages), so that the whole close
-    /// lasts one `close_timeout`. The wait for a credit and the close message's deadline
-    /// both spend what is left. A close that found no credit by then has ended all the same:
-    /// the connection is failed with [`Failure::CloseTimedOut`] ([`Error::Timeout`] here, its
-    /// `Disconnected` follows), rather than left open with nobody closing it.
-    pub fn start_close_by(&mut self, peer: PeerId, deadline: Instant) -> Result<()> {
-        let slot = self.live_slot(peer)?;
-        let timeout = self.config.conn.close_timeout;
-        let left = deadline.saturating_duration_since(Instant::now());
-        match self.wait_to_send(slot, peer, Some(left)) {
-            Ok(()) => {}
-            Err(Error::Timeout(_)) => {
-                // Still ours: a wait that timed out left it as it was.
-                if let Ok(slot) = self.live_slot(peer) {
-                    self.fail(slot, Failure::CloseTimedOut);
-                    self.schedule(slot);
-                }
-                return Err(Error::timeout(
-                    "closing",
-                    crate::error::WAIT_CLOSE_CREDIT,
-                    timeout,
-                ));
-            }
-            Err(e) => return Err(e),
-        }
-        let started = drive::start_close(&mut self.queues(slot), deadline, Instant::now())?;
-        assert!(started, "wait_to_send ensured a credit");
-        self.schedule(slot);
-        Ok(())
-    }
-
     /// The largest message `peer` accepts.
     pub fn max_message(&self, peer: PeerId) -> Result<usize> {
         let slot = self.find(peer)?;
@@ -920,45 +702,5 @@ impl RawHub {
             Some(f) => Err(f.into()),
             None => Ok(()),
         }
-    }
-}
-
-#[cfg(test)]
-mod read_share_tests {
-    use super::*;
-
-    #[test]
-    fn reads_fill_half_the_send_cq_at_most_each_reader_its_part() {
-        // Alone, a peer may read up to half the CQ.
-        assert!(fair_read_room(1024, 0, 0, 0, 16));
-        assert!(fair_read_room(1024, 496, 1, 496, 16));
-        assert!(
-            !fair_read_room(1024, 512, 1, 512, 1),
-            "half the CQ is for sends"
-        );
-        // 64 peers whose reads never complete hold half the CQ between them, and no more:
-        // every peer's sends and grants keep the other half.
-        let mut own = [0usize; 64];
-        for _ in 0..100 {
-            for i in 0..own.len() {
-                let all: usize = own.iter().sum();
-                let readers = own.iter().filter(|&&o| o > 0).count();
-                if fair_read_room(1024, all, readers, own[i], 1) {
-                    own[i] += 1;
-                }
-            }
-        }
-        let all: usize = own.iter().sum();
-        assert!(all <= 512, "{all}");
-        assert!(
-            own.iter().all(|&o| o <= 16),
-            "each within its part: {own:?}"
-        );
-        // A newcomer still gets its minimum while others read within their shares.
-        assert!(fair_read_room(1024, 256, 32, 0, 16));
-        assert!(
-            !fair_read_room(1024, 256, 32, 16, 16),
-            "beyond an equal part"
-        );
     }
 }

@@ -1,0 +1,180 @@
+//! The handshake machine's steps: what each message it waits for does when it is complete.
+
+use super::*;
+
+impl Handshake {
+    /// Takes the message the state waits for, once it is all in.
+    pub(super) fn step(&mut self) -> Result<(), Fail> {
+        match self.state {
+            State::ClientHello => self.on_client_hello(),
+            State::ServerHello => self.on_server_hello(),
+            State::Proof => self.on_proof(),
+            State::Address => self.on_address(),
+            State::Ready => self.on_ready(),
+            State::Connecting | State::Done | State::Failed => Ok(()),
+        }
+    }
+
+    fn on_client_hello(&mut self) -> Result<(), Fail> {
+        let (version, kind, flags) = parse_header(&self.inbuf[..HEADER_LEN]).map_err(Fail::Ours)?;
+        if version != VERSION {
+            return Err(Fail::Ours(Reject::Version {
+                peer: version,
+                ours: VERSION,
+            }));
+        }
+        if kind != CLIENT_HELLO {
+            return Err(Fail::Ours(Reject::BadValue("message kind")));
+        }
+        if self.have < CLIENT_HELLO_LEN {
+            return Ok(());
+        }
+        let peer =
+            Hello::decode_body(version, &self.inbuf[HEADER_LEN..HELLO_LEN]).map_err(Fail::Ours)?;
+        if (flags & FLAG_PSK != 0) != self.psk.is_some() {
+            return Err(Fail::Ours(Reject::KeyMissing));
+        }
+        self.ours.check_peer(&peer).map_err(Fail::Ours)?;
+        self.send_buffers = self.limits.check(&peer).map_err(Fail::Ours)?;
+        self.transcript
+            .extend_from_slice(&self.inbuf[..CLIENT_HELLO_LEN]);
+        let mut answer = [0u8; SERVER_HELLO_LEN];
+        let mut ours = self.ours;
+        ours.addr = QpAddress {
+            lid: 0,
+            qpn: 0,
+            psn: 0,
+            gid: Gid([0; 16]),
+        };
+        answer[..HELLO_LEN].copy_from_slice(&ours.encode(ACCEPT, self.flags()));
+        answer[HELLO_LEN..CLIENT_HELLO_LEN].copy_from_slice(&self.nonce);
+        if let Some(k) = &self.psk {
+            let mac = k.mac(
+                LABEL_SERVER,
+                &[&self.transcript, &answer[..CLIENT_HELLO_LEN]],
+            );
+            answer[CLIENT_HELLO_LEN..].copy_from_slice(&mac);
+        }
+        self.transcript.extend_from_slice(&answer);
+        self.out.extend_from_slice(&answer);
+        self.peer = Some(peer);
+        self.state = State::Proof;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_server_hello(&mut self) -> Result<(), Fail> {
+        let (version, kind, flags) = parse_header(&self.inbuf[..HEADER_LEN]).map_err(Fail::Ours)?;
+        if version != VERSION {
+            return Err(Fail::Ours(Reject::Version {
+                peer: version,
+                ours: VERSION,
+            }));
+        }
+        if kind != ACCEPT {
+            return Err(Fail::Theirs(
+                Reject::from_code(kind).unwrap_or(Reject::Unknown(kind)),
+            ));
+        }
+        if self.have < SERVER_HELLO_LEN {
+            return Ok(());
+        }
+        let peer =
+            Hello::decode_body(version, &self.inbuf[HEADER_LEN..HELLO_LEN]).map_err(Fail::Ours)?;
+        if (flags & FLAG_PSK != 0) != self.psk.is_some() {
+            return Err(Fail::Ours(Reject::KeyMissing));
+        }
+        self.ours.check_peer(&peer).map_err(Fail::Ours)?;
+        self.send_buffers = self.limits.check(&peer).map_err(Fail::Ours)?;
+        if let Some(k) = &self.psk {
+            let (signed, tag) = self.inbuf.split_at(CLIENT_HELLO_LEN);
+            if !k.verify(LABEL_SERVER, &[&self.transcript, signed], tag) {
+                return Err(Fail::Ours(Reject::BadKey));
+            }
+        }
+        self.transcript.extend_from_slice(&self.inbuf);
+        let mac = match &self.psk {
+            Some(k) => k.mac(LABEL_CLIENT, &[&self.transcript]),
+            None => [0; MAC_LEN],
+        };
+        self.transcript.extend_from_slice(&mac);
+        self.out.push(ACCEPT);
+        self.out.extend_from_slice(&mac);
+        self.peer = Some(peer);
+        self.state = State::Address;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_proof(&mut self) -> Result<(), Fail> {
+        let verdict = self.inbuf[0];
+        if verdict != ACCEPT {
+            return Err(Fail::Theirs(
+                Reject::from_code(verdict).unwrap_or(Reject::Unknown(verdict)),
+            ));
+        }
+        if self.have < PROOF_LEN {
+            return Ok(());
+        }
+        let tag = &self.inbuf[1..PROOF_LEN];
+        if let Some(k) = &self.psk {
+            if !k.verify(LABEL_CLIENT, &[&self.transcript], tag) {
+                return Err(Fail::Ours(Reject::BadKey));
+            }
+        }
+        self.transcript.extend_from_slice(&self.inbuf[1..PROOF_LEN]);
+        let peer = self.peer.expect("checked with the client hello");
+        self.action = Some(Action::Connect {
+            peer,
+            send_buffers: self.send_buffers,
+        });
+        self.state = State::Connecting;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_address(&mut self) -> Result<(), Fail> {
+        let verdict = self.inbuf[0];
+        if verdict != READY {
+            return Err(Fail::Theirs(
+                Reject::from_code(verdict).unwrap_or(Reject::Unknown(verdict)),
+            ));
+        }
+        if self.have < ADDRESS_LEN {
+            return Ok(());
+        }
+        let addr = &self.inbuf[1..1 + ADDR_LEN];
+        if let Some(k) = &self.psk {
+            if !k.verify(
+                LABEL_FINISH,
+                &[&self.transcript, addr],
+                &self.inbuf[1 + ADDR_LEN..ADDRESS_LEN],
+            ) {
+                return Err(Fail::Ours(Reject::BadKey));
+            }
+        }
+        let mut peer = self.peer.expect("checked with the server hello");
+        peer.addr = decode_addr(addr);
+        peer.check().map_err(Fail::Ours)?;
+        self.peer = Some(peer);
+        self.action = Some(Action::Connect {
+            peer,
+            send_buffers: self.send_buffers,
+        });
+        self.state = State::Connecting;
+        self.have = 0;
+        Ok(())
+    }
+
+    fn on_ready(&mut self) -> Result<(), Fail> {
+        match self.inbuf[0] {
+            READY => {
+                self.state = State::Done;
+                Ok(())
+            }
+            c => Err(Fail::Theirs(
+                Reject::from_code(c).unwrap_or(Reject::Unknown(c)),
+            )),
+        }
+    }
+}
