@@ -429,8 +429,14 @@ fn client_connection(endpoint: &Endpoint, config: &Config, addr: &str, iters: u6
 }
 
 fn client_tokio(endpoint: &Endpoint, addr: &str, iters: u64) -> Result<()> {
+    // Connecting and closing run on the runtime's blocking pool. Its worker, idle during the
+    // round trips, would exit after tokio's default 10 s: a longer run under callgrind (900
+    // round trips take about that on a slow machine) then starts a new thread for the close,
+    // and its allocations count against the round trips. Kept for the whole run, only the
+    // round trips differ between the two runs.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .thread_keep_alive(Duration::from_secs(3600))
         .build()?;
     rt.block_on(async {
         let session = {

@@ -398,7 +398,7 @@ fn relayed_pair() -> (Connection, Connection, Relay, Listener) {
 }
 
 /// 4 KiB of junk on the bootstrap stream after the handshake: the sleeping receiver fails
-/// once, typed, in a wake-up or two (it used to read and ignore 16 bytes per wake-up).
+/// once, typed, in a few wake-ups (it used to read and ignore 16 bytes per wake-up).
 #[test]
 #[ignore = "device"]
 fn junk_on_the_bootstrap_stream_fails_the_connection_once() {
@@ -426,7 +426,10 @@ fn junk_on_the_bootstrap_stream_fails_the_connection_once() {
         ),
         "{err:?}"
     );
-    assert!(wakeups <= 2, "{wakeups} wake-ups");
+    // One wake-up for the junk; the flushes of the failed queue pair that the wait takes
+    // before reporting it may come in more than one batch (6.12's rxe: 3 wake-ups in all, once).
+    // Ignoring 16 bytes per wake-up, as it once did, took 256.
+    assert!(wakeups <= 4, "{wakeups} wake-ups");
     let again = s.recv_timeout(WAIT).unwrap_err();
     assert!(
         matches!(again, Error::Connection(Failure::BootstrapGarbage { .. })),
