@@ -66,8 +66,10 @@ pub(crate) trait Queues {
     /// A receive the core judged: the books of a shared pool follow it.
     fn received(&mut self, _receipt: Receipt) {}
 
-    /// Posts a liveness probe (a signaled zero-length read); its request id.
-    fn post_probe(&mut self) -> Result<u64>;
+    /// Posts a liveness probe (a signaled zero-length read) and tells the core
+    /// ([`Core::probe_posted`]) before anything that follows the core's count of sends left
+    /// unsignaled (a probe is signaled: the count drops to 0).
+    fn post_probe(&mut self) -> Result<()>;
 
     /// Binds memory window `window` on the queue pair (a signaled request) and tells the core
     /// ([`Core::posted`]). An error is the verb's; the driver has failed the connection for it.
@@ -150,10 +152,7 @@ pub(crate) fn probe<Q: Queues>(q: &mut Q) -> bool {
         return false;
     }
     match q.post_probe() {
-        Ok(wr_id) => {
-            q.core().probe_posted(wr_id);
-            true
-        }
+        Ok(()) => true,
         Err(e) => {
             q.core().handle_failure(Failure::Local {
                 op: "posting a liveness probe (ibv_post_send)",

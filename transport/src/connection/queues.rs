@@ -61,8 +61,10 @@ impl Queues for Connection {
             .flatten()
     }
 
-    fn post_probe(&mut self) -> Result<u64> {
-        self.qp.post_probe().map_err(Error::from)
+    fn post_probe(&mut self) -> Result<()> {
+        let wr_id = self.qp.post_probe().map_err(Error::from)?;
+        self.core.probe_posted(wr_id);
+        Ok(())
     }
 
     fn bind(&mut self, window: &mut Exposed) -> Result<()> {

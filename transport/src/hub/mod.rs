@@ -73,6 +73,7 @@ pub use events::{ConnectTimes, HubStats, PeerId, RawHubEvent};
 
 use crate::core::{earliest, ConnStats};
 use crate::device_events::Mailbox;
+use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Failure, Result};
 use crate::handshake::{Handshake, Hello};
@@ -521,17 +522,9 @@ impl RawHub {
         let Some(payload) = self.send.fill(max, max_inline, fill)? else {
             return Ok(false);
         };
-        if matches!(payload, Payload::Inline(_)) {
-            self.slot_mut(slot).core.sent_inline();
-        }
-        let room = self.room(slot);
-        let post = self
-            .slot_mut(slot)
-            .core
-            .data(solicited, room)
-            .expect("wait_to_send ensured a credit");
+        let inline = matches!(payload, Payload::Inline(_));
         self.stats.sent += 1;
-        self.post(slot, payload, post)?;
+        drive::send_data(&mut self.queues(slot), solicited, inline, payload)?;
         Ok(true)
     }
 

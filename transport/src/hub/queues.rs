@@ -124,21 +124,22 @@ impl Queues for SlotQueues<'_> {
     // A shared receive queue's receives are not flushed by a queue pair's error: nothing to
     // explain (the default).
 
-    fn post_probe(&mut self) -> Result<u64> {
+    fn post_probe(&mut self) -> Result<()> {
         let hub = &mut *self.hub;
-        let Some(Resources::Linked(link)) = hub.table.slots[self.slot]
-            .as_mut()
-            .map(|s| &mut s.resources)
-        else {
+        let s = hub.table.slots[self.slot].as_mut().expect("a live slot");
+        let Resources::Linked(link) = &mut s.resources else {
             unreachable!("a slot with room for a probe is linked")
         };
         let before = link.qp.send_outstanding();
         let posted = link.qp.post_probe();
         hub.send_cq.follow(before, link.qp.send_outstanding());
-        let id = posted.map_err(Error::from)?;
+        let wr_id = posted.map_err(Error::from)?;
+        // The core first: the hub's count of unsignaled sends follows the core's, which the
+        // signaled probe brings to 0.
+        s.core.probe_posted(wr_id);
         hub.stats.liveness_probes += 1;
         hub.follow_unsignaled(self.slot);
-        Ok(id)
+        Ok(())
     }
 
     fn bind(&mut self, window: &mut Exposed) -> Result<()> {

@@ -140,12 +140,13 @@ impl Queues for SimQueues<'_> {
         }
     }
 
-    fn post_probe(&mut self) -> Result<u64> {
+    fn post_probe(&mut self) -> Result<()> {
         // A zero-length read: it takes a send queue slot and no receive of the peer's, and
         // completes (signaled) once the peer's device answered.
         let wr_id = self.net.post_read_request(self.end, true);
         self.net.probes += 1;
-        Ok(wr_id)
+        self.core().probe_posted(wr_id);
+        Ok(())
     }
 
     fn bind(&mut self, _window: &mut rdmsg_verbs::Exposed) -> Result<()> {
