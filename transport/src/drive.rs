@@ -221,10 +221,9 @@ pub(crate) fn bind_windows<Q: Queues>(q: &mut Q, windows: &mut [Exposed]) -> Res
     windows.iter_mut().try_for_each(|w| q.bind(w))
 }
 
-/// Sends a grant, with the note, if the core says one is due and there is room; whether it
-/// did.
-pub(crate) fn grant<Q: Queues>(q: &mut Q) -> Result<bool> {
-    let room = q.room();
+/// Sends a grant, with the note, if the core says one is due and `room` (what is free now,
+/// which a caller that looked already passes on) has space for it; whether it did.
+pub(crate) fn grant<Q: Queues>(q: &mut Q, room: Room) -> Result<bool> {
     let Some(post) = q.core().grant(room) else {
         return Ok(false);
     };

@@ -332,7 +332,8 @@ impl Connection {
             }
             self.core.reposted(n as u32);
         }
-        drive::grant(self)?;
+        let room = self.room();
+        drive::grant(self, room)?;
         self.sync_send_arm()
     }
 

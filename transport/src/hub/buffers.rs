@@ -264,7 +264,7 @@ impl RawHub {
                 continue;
             }
             // A failed post failed the connection.
-            let _ = drive::grant(&mut self.queues(slot));
+            let _ = drive::grant(&mut self.queues(slot), room);
         }
         for slot in keep {
             self.touch(slot);

@@ -192,7 +192,9 @@ impl Net {
             c.free = 0;
             busy = true;
         }
-        busy |= drive::grant(&mut self.queues(End::Conn(i))).expect("simulated posts do not fail");
+        let room = self.conns[i].room();
+        busy |= drive::grant(&mut self.queues(End::Conn(i)), room)
+            .expect("simulated posts do not fail");
         busy
     }
 

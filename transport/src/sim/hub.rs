@@ -123,12 +123,13 @@ impl Net {
                 continue;
             };
             slot.touched = false;
+            let room = slot.room();
             let books = slot.core.credits();
             if books.grant_needs_slots() && books.grant_due().is_some() && !self.hub_wake_slots(s) {
                 continue;
             }
-            busy |=
-                drive::grant(&mut self.queues(End::Hub(s))).expect("simulated posts do not fail");
+            busy |= drive::grant(&mut self.queues(End::Hub(s)), room)
+                .expect("simulated posts do not fail");
         }
         for s in 0..self.hub().slots.len() {
             busy |= self.app_send(End::Hub(s));
