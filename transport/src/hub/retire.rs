@@ -96,15 +96,20 @@ impl RawHub {
             return Ok(());
         }
         let now = Instant::now();
+        // Compacted in place: the slots still waiting stay, the list keeps its allocation.
         let mut draining = std::mem::take(&mut self.draining);
-        let mut waiting = Vec::new();
-        for slot in draining.drain(..) {
+        let mut kept = 0;
+        for i in 0..draining.len() {
+            let slot = draining[i];
             let phase = &self.slot(slot).resources;
             if !matches!(phase, Resources::Linked(_) | Resources::Failing(_)) {
                 continue;
             }
             if !drive::drained(&mut self.queues(slot), now) {
-                waiting.push(slot);
+                // Its drain deadline may have come nearer (the last-WQE wait).
+                self.schedule(slot);
+                draining[kept] = slot;
+                kept += 1;
                 continue;
             }
             let s = self.table.slots[slot].as_mut().expect("a draining slot");
@@ -127,15 +132,10 @@ impl RawHub {
             destroyed = true;
             self.retired.push(slot);
         }
-        // Their drain deadlines may have come nearer (the last-WQE wait).
-        for &slot in &waiting {
-            self.schedule(slot);
-        }
-        self.draining.append(&mut waiting);
-        if self.draining.is_empty() {
-            // Its allocation kept for the next.
-            self.draining = draining;
-        }
+        draining.truncate(kept);
+        // Nothing here starts a drain, but one that did would join the list, not be lost.
+        draining.append(&mut self.draining);
+        self.draining = draining;
         if destroyed {
             // Whatever of theirs was still queued is handled now, before they are released.
             self.poll_now()?;
