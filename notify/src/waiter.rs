@@ -184,7 +184,9 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
     /// "solicited" on a queue armed both ways); lowering it takes effect after the current arm
     /// fires, which costs at most one extra wake-up.
     pub fn set_mode(&mut self, key: CqKey, mode: ArmMode) -> Result<()> {
-        let slot = self.slots.get_mut(key.0).ok_or(Error::UnknownCq(key.0))?;
+        let Some(slot) = self.slots.get_mut(key.0) else {
+            return Err(Error::UnknownCq(key.0));
+        };
         if slot.mode == ArmMode::SolicitedOnly && mode == ArmMode::Next {
             slot.armed = false;
         }
@@ -194,20 +196,28 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
 
     /// The arming mode of the queue behind `key`.
     pub fn mode(&self, key: CqKey) -> Result<ArmMode> {
-        self.slots
-            .get(key.0)
-            .map(|s| s.mode)
-            .ok_or(Error::UnknownCq(key.0))
+        // Matches, not `ok_or`: an error built eagerly is dropped on every call, and these
+        // run per message.
+        match self.slots.get(key.0) {
+            Some(s) => Ok(s.mode),
+            None => Err(Error::UnknownCq(key.0)),
+        }
     }
 
     /// Mutable access to the queue behind `key`, for example to poll it directly.
     pub fn cq_mut(&mut self, key: CqKey) -> Result<&mut Q> {
-        self.cqs.get_mut(key.0).ok_or(Error::UnknownCq(key.0))
+        match self.cqs.get_mut(key.0) {
+            Some(cq) => Ok(cq),
+            None => Err(Error::UnknownCq(key.0)),
+        }
     }
 
     /// The queue behind `key`.
     pub fn cq(&self, key: CqKey) -> Result<&Q> {
-        self.cqs.get(key.0).ok_or(Error::UnknownCq(key.0))
+        match self.cqs.get(key.0) {
+            Some(cq) => Ok(cq),
+            None => Err(Error::UnknownCq(key.0)),
+        }
     }
 
     /// Acknowledge events in batches of `n` (at least 1). `ibv_ack_cq_events` takes a mutex.

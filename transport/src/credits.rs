@@ -434,6 +434,7 @@ impl Credits {
     /// credit. The second value says whether the message must be solicited: it spends our last
     /// credit (the receiver must wake to grant more), or it returns credits to a peer that may
     /// be blocked.
+    #[inline]
     pub fn take_for_data(&mut self, flags: u8) -> Option<(Imm, bool)> {
         if self.credits == 0 || !self.slots_ready() {
             return None;

@@ -111,6 +111,7 @@ pub(crate) trait Queues {
 }
 
 /// Does what the core asks for, in order.
+#[inline]
 pub(crate) fn run_commands<Q: Queues>(q: &mut Q) {
     while let Some(action) = q.next_command() {
         match action {
@@ -173,6 +174,7 @@ pub(crate) fn fail<Q: Queues>(q: &mut Q, f: Failure) {
 /// A polled receive completion whose buffer came back: the core judges it, and the buffer is
 /// delivered or recycled (a grant's, or the peer's close's, note read first). The caller runs
 /// the actions.
+#[inline]
 pub(crate) fn on_recv<Q: Queues>(q: &mut Q, c: &Completion, buf: Q::Buf, byte_len: u32) {
     // Only a flush nothing explains yet asks (an asynchronous event may be waiting to).
     let explained = if c.status == WcStatus::WrFlushErr && q.core().failure().is_none() {
@@ -198,6 +200,7 @@ pub(crate) fn on_recv<Q: Queues>(q: &mut Q, c: &Completion, buf: Q::Buf, byte_le
 }
 
 /// A data message goes out with a credit the caller made sure of ([`Core::may_send`]).
+#[inline]
 pub(crate) fn send_data<Q: Queues>(
     q: &mut Q,
     solicited: bool,
@@ -223,6 +226,7 @@ pub(crate) fn bind_windows<Q: Queues>(q: &mut Q, windows: &mut [Exposed]) -> Res
 
 /// Sends a grant, with the note, if the core says one is due and `room` (what is free now,
 /// which a caller that looked already passes on) has space for it; whether it did.
+#[inline]
 pub(crate) fn grant<Q: Queues>(q: &mut Q, room: Room) -> Result<bool> {
     let Some(post) = q.core().grant(room) else {
         return Ok(false);
@@ -264,6 +268,7 @@ pub(crate) fn on_stream<Q: Queues>(q: &mut Q, news: StreamNews, now: Instant) {
 
 /// After a failure, while the flushes drain: the core learns how many requests are still to
 /// come back; whether the drain is over (every one back, or its deadline passed).
+#[inline]
 pub(crate) fn drained<Q: Queues>(q: &mut Q, now: Instant) -> bool {
     let outstanding = q.flushes_outstanding();
     q.core().handle_flushed(outstanding, now);
@@ -275,6 +280,7 @@ pub(crate) fn drained<Q: Queues>(q: &mut Q, now: Instant) -> bool {
 /// solicited or not, and any send completion must wake it), while the core wants any
 /// completion after a refused bounded send, and while the flushes of a failure drain (every
 /// flush must wake it: 6.12's rxe fires no solicited-only arm for flushed receives).
+#[inline]
 pub(crate) fn wakes_for_any(core: &Core, blocked: bool, draining: bool) -> bool {
     blocked || draining || core.wants_any_completion()
 }
@@ -283,6 +289,7 @@ pub(crate) fn wakes_for_any(core: &Core, blocked: bool, draining: bool) -> bool 
 /// the driver must wake for any ([`wakes_for_any`]); else the receive CQ as configured and the
 /// send CQ as the core says ([`Core::send_arm`]: for the next completion while a signaled send
 /// is outstanding).
+#[inline]
 pub(crate) fn arm_modes(any: bool, recv_arm: ArmMode, send_arm: ArmMode) -> (ArmMode, ArmMode) {
     if any {
         (ArmMode::Next, ArmMode::Next)

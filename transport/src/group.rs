@@ -241,10 +241,11 @@ impl GroupHandle {
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(Error::UnknownPeer(to.peer));
         }
-        self.shared
-            .members
-            .get(to.hub)
-            .ok_or(Error::UnknownPeer(to.peer))
+        // A match, not `ok_or`: an error built eagerly is dropped on every send.
+        match self.shared.members.get(to.hub) {
+            Some(m) => Ok(m),
+            None => Err(Error::UnknownPeer(to.peer)),
+        }
     }
 }
 

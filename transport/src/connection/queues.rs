@@ -18,38 +18,47 @@ impl Queues for Connection {
     type Buf = Buffer;
     type Payload = Payload;
 
+    #[inline]
     fn core(&mut self) -> &mut Core {
         &mut self.core
     }
 
+    #[inline]
     fn clock(&self) -> impl FnOnce() -> Instant + 'static {
         Instant::now
     }
 
+    #[inline]
     fn names(&self) -> (u32, Option<PeerId>) {
         (self.qp.qp_num(), None)
     }
 
+    #[inline]
     fn room(&self) -> Room {
         Connection::room(self)
     }
 
+    #[inline]
     fn post(&mut self, payload: Payload, post: Post) -> Result<()> {
         Connection::post(self, payload, post)
     }
 
+    #[inline]
     fn note(&mut self) -> Payload {
         self.send.note(self.core.note())
     }
 
+    #[inline]
     fn note_in(&self, buf: &Buffer, byte_len: u32) -> Option<u32> {
         send::note_of(buf.as_slice(), byte_len)
     }
 
+    #[inline]
     fn deliver(&mut self, buf: Buffer, byte_len: u32) {
         self.ready.push_back(self.pool.lend(buf, byte_len as usize));
     }
 
+    #[inline]
     fn recycle(&mut self, buf: Buffer) {
         self.pool.put_back(buf);
     }
@@ -102,6 +111,7 @@ impl Queues for Connection {
         let _ = self.waiter.set_mode(self.send_key, ArmMode::Next);
     }
 
+    #[inline]
     fn flushes_outstanding(&self) -> usize {
         // Sends are not waited for: unsignaled sends that had already succeeded never complete
         // again; their buffers go with the queue pair.

@@ -27,18 +27,21 @@ impl Core {
     /// Whether the peer showed a sign of life (a receive, a send it acknowledged) since this
     /// was last asked, for a driver that judges liveness itself: a hub watches each peer
     /// host once, not each connection (see `hub::liveness`). Asking clears it.
+    #[inline]
     pub(crate) fn take_heard(&mut self) -> bool {
         std::mem::take(&mut self.heard)
     }
 
     /// Whether the connection is open for liveness to be watched: linked, neither closing
     /// nor failed (a close and a failure have their own deadlines).
+    #[inline]
     pub(crate) fn is_open(&self) -> bool {
         self.state == State::Linked
     }
 
     /// Whether a request of ours a live peer's device answers is out: a probe, or a signaled
     /// send (whose completion also retires the unsignaled ones before it).
+    #[inline]
     pub(crate) fn awaits_answer(&self) -> bool {
         self.probe_wr.is_some() || self.last_signaled.is_some()
     }
@@ -74,11 +77,13 @@ impl Core {
 
     /// Whether an RDMA read of ours is under way: a probe behind it completes only once all
     /// its bytes have come, so it gets [`SILENT_INTERVALS_BEHIND`] intervals, not one.
+    #[inline]
     pub(crate) fn reading(&self) -> bool {
         self.last_read.is_some()
     }
 
     /// The liveness probe [`Command::Probe`] asked for was posted as `wr_id` (signaled).
+    #[inline]
     pub(crate) fn probe_posted(&mut self, wr_id: u64) {
         self.stats.probes += 1;
         self.probe_wr = Some(wr_id);

@@ -10,6 +10,7 @@ impl Core {
     /// caller asked or the protocol needs it (our last credit, or credits for a peer that may
     /// be blocked), signaled as [`Core::signal_for`] decides given the `room` left once it is
     /// posted. `None` without a credit or while the connection may not send.
+    #[inline]
     pub(crate) fn data(&mut self, solicited: bool, room: Room) -> Option<Post> {
         if self.check_send().is_err() || !self.is_linked() {
             return None;
@@ -26,6 +27,7 @@ impl Core {
     }
 
     /// A data message went inline (counted).
+    #[inline]
     pub(crate) fn sent_inline(&mut self) {
         self.stats.sent_inline += 1;
     }
@@ -65,6 +67,7 @@ impl Core {
 
     /// A credit grant, if one is due and there is room to post it (its credits count as
     /// returned: post it).
+    #[inline]
     pub(crate) fn grant(&mut self, room: Room) -> Option<Post> {
         if self.failure.is_some()
             || room.sq == 0
@@ -84,6 +87,7 @@ impl Core {
 
     /// Sends posted unsignaled since the last signaled one (they leave the send CQ only
     /// with a later signaled send's completion, or flushed).
+    #[inline]
     pub(crate) fn unsignaled_behind(&self) -> usize {
         self.unsignaled as usize
     }
@@ -92,6 +96,7 @@ impl Core {
     /// sends went unsignaled, and always when the send queue, the send buffers or the send CQ
     /// are about to run out (`room` is what is left once it is posted), so that a blocked
     /// sender has a completion coming.
+    #[inline]
     fn signal_for(&mut self, room: Room) -> bool {
         // The send that takes the last free buffer is signaled: else nothing might ever come
         // back to retire it, and no buffer would free (a send that waits sleeps for good).
@@ -111,6 +116,7 @@ impl Core {
 
     /// A send (or read) was posted as `wr_id` (the first after [`Core::start_close`] is the
     /// close message).
+    #[inline]
     pub(crate) fn posted(&mut self, wr_id: u64, signaled: bool) {
         if signaled {
             self.last_signaled = Some(wr_id);
@@ -136,6 +142,7 @@ impl Core {
     /// A send found no credit or send slot (`blocked`), or one goes now: see
     /// [`Core::wants_any_completion`]. Whether a credit stall ended (a send goes after one
     /// found no credit), for the driver to report.
+    #[inline]
     pub(crate) fn send_waits(&mut self, blocked: bool) -> bool {
         self.send_blocked = blocked;
         !blocked && std::mem::take(&mut self.stalled)
@@ -143,6 +150,7 @@ impl Core {
 
     /// A send waited for a credit, or else for a send slot (counted). Whether a credit stall
     /// began (the first send to find no credit since one went), for the driver to report.
+    #[inline]
     pub(crate) fn send_waited(&mut self) -> bool {
         if self.credits.available() == 0 {
             self.stats.credit_waits += 1;
@@ -156,6 +164,7 @@ impl Core {
     }
 
     /// `n` receive buffers were re-posted for this connection.
+    #[inline]
     pub(crate) fn reposted(&mut self, n: u32) {
         self.stats.refills += 1;
         self.credits.on_reposted(n);

@@ -557,7 +557,7 @@ impl RawHub {
 
     /// The word `peer`'s latest grant carried, if one came (see [`crate::Connection::set_note`]).
     pub fn peer_note(&self, peer: PeerId) -> Option<u32> {
-        let slot = self.find(peer).ok()?;
+        let slot = self.table.find(peer)?;
         self.slot(slot).core.peer_note()
     }
 

@@ -36,6 +36,7 @@ impl RawHub {
 }
 
 impl SlotQueues<'_> {
+    #[inline]
     fn slot(&self) -> &super::slots::Slot {
         self.hub.slot(self.slot)
     }
@@ -45,10 +46,12 @@ impl Queues for SlotQueues<'_> {
     type Buf = Buffer;
     type Payload = Payload;
 
+    #[inline]
     fn core(&mut self) -> &mut Core {
         &mut self.hub.slot_mut(self.slot).core
     }
 
+    #[inline]
     fn next_command(&mut self) -> Option<Command> {
         // A handshake that fails without a queue pair frees its slot at once.
         self.hub.table.slots[self.slot]
@@ -56,32 +59,39 @@ impl Queues for SlotQueues<'_> {
             .and_then(|s| s.core.poll_command())
     }
 
+    #[inline]
     fn clock(&self) -> impl FnOnce() -> Instant + 'static {
         Instant::now
     }
 
+    #[inline]
     fn names(&self) -> (u32, Option<PeerId>) {
         let s = self.slot();
         (s.qpn.unwrap_or(0), Some(s.id(self.slot)))
     }
 
+    #[inline]
     fn room(&self) -> Room {
         self.hub.room(self.slot)
     }
 
+    #[inline]
     fn post(&mut self, payload: Payload, post: Post) -> Result<()> {
         self.hub.post(self.slot, payload, post)
     }
 
+    #[inline]
     fn note(&mut self) -> Payload {
         let note = self.hub.slot(self.slot).core.note();
         self.hub.send.note(note)
     }
 
+    #[inline]
     fn note_in(&self, buf: &Buffer, byte_len: u32) -> Option<u32> {
         send::note_of(buf.as_slice(), byte_len)
     }
 
+    #[inline]
     fn received(&mut self, receipt: Receipt) {
         let Some(group) = self.recv_group else {
             return;
@@ -104,6 +114,7 @@ impl Queues for SlotQueues<'_> {
         }
     }
 
+    #[inline]
     fn deliver(&mut self, buf: Buffer, byte_len: u32) {
         let hub = &mut *self.hub;
         hub.stats.received += 1;
@@ -117,6 +128,7 @@ impl Queues for SlotQueues<'_> {
         }
     }
 
+    #[inline]
     fn recycle(&mut self, buf: Buffer) {
         self.hub.pool.put_back(buf);
     }
@@ -209,6 +221,7 @@ impl Queues for SlotQueues<'_> {
         self.hub.start_draining(self.slot);
     }
 
+    #[inline]
     fn flushes_outstanding(&self) -> usize {
         // The queue pair's sends: its receives came from the shared queue, which keeps them.
         match &self.slot().resources {

@@ -142,16 +142,24 @@ impl Slot {
 }
 
 impl RawHub {
+    #[inline]
     pub(super) fn slot(&self, i: usize) -> &Slot {
         self.table.slots[i].as_ref().expect("a live slot")
     }
 
+    #[inline]
     pub(super) fn slot_mut(&mut self, i: usize) -> &mut Slot {
         self.table.slots[i].as_mut().expect("a live slot")
     }
 
+    #[inline]
     pub(super) fn find(&self, peer: PeerId) -> Result<usize> {
-        self.table.find(peer).ok_or(Error::UnknownPeer(peer))
+        // A match, not `ok_or`: an error built eagerly is dropped on every send (60
+        // instructions per round trip in the cost check).
+        match self.table.find(peer) {
+            Some(i) => Ok(i),
+            None => Err(Error::UnknownPeer(peer)),
+        }
     }
 
     /// The slot of a connection that may be sent to (established or finishing its

@@ -62,6 +62,7 @@ impl<S: Generational> SlotTable<S> {
     }
 
     /// The slot `peer` names, while it holds that connection (not a later one of the slot).
+    #[inline]
     pub(super) fn find(&self, peer: PeerId) -> Option<usize> {
         let i = peer.slot as usize;
         let s = self.slots.get(i)?.as_ref()?;
