@@ -336,11 +336,7 @@ impl Listener {
     /// of descriptors or memory (then the listener stops taking new clients for 100 ms while
     /// the pending handshakes go on, and stays usable).
     pub fn accept(&self, config: &Config) -> Result<Connection> {
-        loop {
-            if let Some(conn) = self.accept_timeout(config, None)? {
-                return Ok(conn);
-            }
-        }
+        crate::bootstrap::accept_blocking(self, config)
     }
 
     /// [`Listener::accept`], waiting at most `timeout` (`None`: as long as it takes);
@@ -353,7 +349,7 @@ impl Listener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
-        skip_failed(timeout, |left| self.accept_outcome_timeout(config, left))
+        skip_failed(self, config, timeout)
     }
 
     /// How many clients failed their handshake on this listener so far (each also traced as
@@ -598,16 +594,48 @@ pub fn loopback_pair(server: &Config, client: &Config) -> Result<(Connection, Co
     Ok((accepted?, connected?))
 }
 
-/// `accept_timeout` of either listener: its `accept_outcome_timeout` with the clients'
-/// failures skipped, within `timeout` in all.
+/// A listener ([`Listener`], [`CmListener`](crate::CmListener)): what its `accept` and
+/// `accept_timeout` are made of.
+pub(crate) trait Accepts {
+    /// The next handshake's outcome within `timeout`: a client's failure is `Some(Err)`.
+    fn next_outcome(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Result<Connection>>>;
+}
+
+impl Accepts for Listener {
+    fn next_outcome(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Result<Connection>>> {
+        self.accept_outcome_timeout(config, timeout)
+    }
+}
+
+/// `accept` of either listener: the first client whose handshake succeeds, however long it
+/// takes.
+pub(crate) fn accept_blocking(l: &impl Accepts, config: &Config) -> Result<Connection> {
+    loop {
+        if let Some(conn) = skip_failed(l, config, None)? {
+            return Ok(conn);
+        }
+    }
+}
+
+/// `accept_timeout` of either listener: its next outcomes with the clients' failures
+/// skipped, within `timeout` in all.
 pub(crate) fn skip_failed(
+    l: &impl Accepts,
+    config: &Config,
     timeout: Option<Duration>,
-    mut next: impl FnMut(Option<Duration>) -> Result<Option<Result<Connection>>>,
 ) -> Result<Option<Connection>> {
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        match next(left.or(timeout))? {
+        match l.next_outcome(config, left.or(timeout))? {
             Some(Ok(conn)) => return Ok(Some(conn)),
             // Counted and traced already.
             Some(Err(_)) => {}

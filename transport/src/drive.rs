@@ -12,12 +12,13 @@
 //! CQs, or the hub's shared ones, mapped to a slot), where a delivered message goes, and how
 //! it sleeps.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdmsg_notify::ArmMode;
 use rdmsg_verbs::{Exposed, WcStatus};
 
 use crate::core::{Command, Completion, Core, Post, Receipt, RecvAction, Room, StreamNews};
+use crate::endpoint::Endpoint;
 use crate::error::{errno_of, Failure, Result};
 use crate::peer_id::PeerId;
 use crate::trace;
@@ -218,10 +219,39 @@ pub(crate) fn send_data<Q: Queues>(
     q.post(payload, post)
 }
 
-/// Binds `windows` on the queue pair, each a signaled request; the caller
-/// made sure of a send queue slot for each (and one more for the message that names them).
-pub(crate) fn bind_windows<Q: Queues>(q: &mut Q, windows: &mut [Exposed]) -> Result<()> {
-    windows.iter_mut().try_for_each(|w| q.bind(w))
+/// A driver whose queue pair binds memory windows for its peer to read through (a
+/// `Connection` and a hub's connection; the simulator exposes no memory).
+pub(crate) trait Exposes: Queues {
+    /// The endpoint the queue pair is on.
+    fn endpoint(&self) -> &Endpoint;
+
+    /// The send queue's depth, once there is a queue pair.
+    fn sq_depth(&self) -> Option<usize>;
+
+    /// Waits, as a send does (at most `timeout`), for a credit and for send slots for
+    /// `reserve` requests and one more message.
+    fn wait_for_send_slots(&mut self, reserve: usize, timeout: Option<Duration>) -> Result<()>;
+}
+
+/// Registers `pieces` and, on a device that binds memory windows, binds a window over each
+/// on the queue pair (each a signaled request), once there are send slots for them and for
+/// the message that names them (which goes next without waiting).
+pub(crate) fn expose<Q: Exposes>(
+    q: &mut Q,
+    pieces: Vec<rdmsg_verbs::Bytes>,
+    timeout: Option<Duration>,
+) -> Result<Vec<Exposed>> {
+    let mut windows = q.endpoint().windows_over(pieces)?;
+    if !q.endpoint().binds_windows() {
+        return Ok(windows);
+    }
+    let n = windows.len();
+    if let Some(depth) = q.sq_depth() {
+        q.core().read_fits(n + 1, depth)?;
+    }
+    q.wait_for_send_slots(n, timeout)?;
+    windows.iter_mut().try_for_each(|w| q.bind(w))?;
+    Ok(windows)
 }
 
 /// Sends a grant, with the note, if the core says one is due and `room` (what is free now,

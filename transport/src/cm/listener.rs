@@ -138,11 +138,7 @@ impl CmListener {
     /// counted in [`CmListener::failed_handshakes`], traced as `handshake failed`. An error
     /// is the listener's own: a bad `config`, its event channel or epoll set failing.
     pub fn accept(&self, config: &Config) -> Result<Connection> {
-        loop {
-            if let Some(conn) = self.accept_timeout(config, None)? {
-                return Ok(conn);
-            }
-        }
+        crate::bootstrap::accept_blocking(self, config)
     }
 
     /// [`CmListener::accept`] for at most `timeout` (`None`: for ever); `Ok(None)` when no
@@ -153,7 +149,7 @@ impl CmListener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
-        crate::bootstrap::skip_failed(timeout, |left| self.accept_outcome_timeout(config, left))
+        crate::bootstrap::skip_failed(self, config, timeout)
     }
 
     /// How many clients failed their handshake on this listener so far (each also traced as
@@ -567,5 +563,15 @@ impl Accepted {
             cq.ack_events(1);
         }
         arrived
+    }
+}
+
+impl crate::bootstrap::Accepts for CmListener {
+    fn next_outcome(
+        &self,
+        config: &Config,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Result<Connection>>> {
+        self.accept_outcome_timeout(config, timeout)
     }
 }

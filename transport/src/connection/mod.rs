@@ -641,18 +641,7 @@ impl Connection {
         pieces: Vec<rdmsg_verbs::Bytes>,
         timeout: Option<Duration>,
     ) -> Result<Vec<Exposed>> {
-        let mut windows = self.endpoint.windows_over(pieces)?;
-        if !self.endpoint.binds_windows() {
-            return Ok(windows);
-        }
-        let n = windows.len();
-        self.core.read_fits(n + 1, self.sq_depth)?;
-        self.sq_reserve = n;
-        let waited = self.wait_to_send(timeout);
-        self.sq_reserve = 0;
-        waited?;
-        drive::bind_windows(self, &mut windows)?;
-        Ok(windows)
+        drive::expose(self, pieces, timeout)
     }
 
     /// The most pieces [`Connection::expose_to_peer`] binds at once (its send queue, less

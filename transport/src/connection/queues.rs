@@ -1,7 +1,7 @@
 //! What lies under a connection's core, for the one driver ([`crate::drive`]): its own queue
 //! pair, CQs, receive pool, send buffers and bootstrap stream.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdmsg_notify::ArmMode;
 use rdmsg_verbs::{Buffer, Exposed};
@@ -9,7 +9,7 @@ use rdmsg_verbs::{Buffer, Exposed};
 use super::turn::async_failure_of;
 use super::Connection;
 use crate::core::{Core, Post, Room};
-use crate::drive::Queues;
+use crate::drive::{Exposes, Queues};
 use crate::error::{Error, Failure, Result};
 use crate::peer_id::PeerId;
 use crate::send::{self, Payload};
@@ -116,5 +116,22 @@ impl Queues for Connection {
         // Sends are not waited for: unsignaled sends that had already succeeded never complete
         // again; their buffers go with the queue pair.
         self.qp.recv_outstanding() + self.lost_flushes()
+    }
+}
+
+impl Exposes for Connection {
+    fn endpoint(&self) -> &crate::endpoint::Endpoint {
+        &self.endpoint
+    }
+
+    fn sq_depth(&self) -> Option<usize> {
+        Some(self.sq_depth)
+    }
+
+    fn wait_for_send_slots(&mut self, reserve: usize, timeout: Option<Duration>) -> Result<()> {
+        self.sq_reserve = reserve;
+        let waited = self.wait_to_send(timeout);
+        self.sq_reserve = 0;
+        waited
     }
 }

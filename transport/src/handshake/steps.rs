@@ -16,26 +16,14 @@ impl Handshake {
     }
 
     fn on_client_hello(&mut self) -> Result<(), Fail> {
-        let (version, kind, flags) = parse_header(&self.inbuf[..HEADER_LEN]).map_err(Fail::Ours)?;
-        if version != VERSION {
-            return Err(Fail::Ours(Reject::Version {
-                peer: version,
-                ours: VERSION,
-            }));
-        }
+        let (version, kind, flags) = self.header()?;
         if kind != CLIENT_HELLO {
             return Err(Fail::Ours(Reject::BadValue("message kind")));
         }
         if self.have < CLIENT_HELLO_LEN {
             return Ok(());
         }
-        let peer =
-            Hello::decode_body(version, &self.inbuf[HEADER_LEN..HELLO_LEN]).map_err(Fail::Ours)?;
-        if (flags & FLAG_PSK != 0) != self.psk.is_some() {
-            return Err(Fail::Ours(Reject::KeyMissing));
-        }
-        self.ours.check_peer(&peer).map_err(Fail::Ours)?;
-        self.send_buffers = self.limits.check(&peer).map_err(Fail::Ours)?;
+        let peer = self.peer_hello(version, flags)?;
         self.transcript
             .extend_from_slice(&self.inbuf[..CLIENT_HELLO_LEN]);
         let mut answer = [0u8; SERVER_HELLO_LEN];
@@ -64,34 +52,16 @@ impl Handshake {
     }
 
     fn on_server_hello(&mut self) -> Result<(), Fail> {
-        let (version, kind, flags) = parse_header(&self.inbuf[..HEADER_LEN]).map_err(Fail::Ours)?;
-        if version != VERSION {
-            return Err(Fail::Ours(Reject::Version {
-                peer: version,
-                ours: VERSION,
-            }));
-        }
+        let (version, kind, flags) = self.header()?;
         if kind != ACCEPT {
-            return Err(Fail::Theirs(
-                Reject::from_code(kind).unwrap_or(Reject::Unknown(kind)),
-            ));
+            return Err(theirs(kind));
         }
         if self.have < SERVER_HELLO_LEN {
             return Ok(());
         }
-        let peer =
-            Hello::decode_body(version, &self.inbuf[HEADER_LEN..HELLO_LEN]).map_err(Fail::Ours)?;
-        if (flags & FLAG_PSK != 0) != self.psk.is_some() {
-            return Err(Fail::Ours(Reject::KeyMissing));
-        }
-        self.ours.check_peer(&peer).map_err(Fail::Ours)?;
-        self.send_buffers = self.limits.check(&peer).map_err(Fail::Ours)?;
-        if let Some(k) = &self.psk {
-            let (signed, tag) = self.inbuf.split_at(CLIENT_HELLO_LEN);
-            if !k.verify(LABEL_SERVER, &[&self.transcript, signed], tag) {
-                return Err(Fail::Ours(Reject::BadKey));
-            }
-        }
+        let peer = self.peer_hello(version, flags)?;
+        let (signed, tag) = self.inbuf.split_at(CLIENT_HELLO_LEN);
+        self.check_mac(LABEL_SERVER, &[&self.transcript, signed], tag)?;
         self.transcript.extend_from_slice(&self.inbuf);
         let mac = match &self.psk {
             Some(k) => k.mac(LABEL_CLIENT, &[&self.transcript]),
@@ -107,74 +77,95 @@ impl Handshake {
     }
 
     fn on_proof(&mut self) -> Result<(), Fail> {
-        let verdict = self.inbuf[0];
-        if verdict != ACCEPT {
-            return Err(Fail::Theirs(
-                Reject::from_code(verdict).unwrap_or(Reject::Unknown(verdict)),
-            ));
-        }
-        if self.have < PROOF_LEN {
+        if !self.verdict(ACCEPT, PROOF_LEN)? {
             return Ok(());
         }
-        let tag = &self.inbuf[1..PROOF_LEN];
-        if let Some(k) = &self.psk {
-            if !k.verify(LABEL_CLIENT, &[&self.transcript], tag) {
-                return Err(Fail::Ours(Reject::BadKey));
-            }
-        }
+        self.check_mac(LABEL_CLIENT, &[&self.transcript], &self.inbuf[1..PROOF_LEN])?;
         self.transcript.extend_from_slice(&self.inbuf[1..PROOF_LEN]);
         let peer = self.peer.expect("checked with the client hello");
-        self.action = Some(Action::Connect {
-            peer,
-            send_buffers: self.send_buffers,
-        });
-        self.state = State::Connecting;
-        self.have = 0;
+        self.connect(peer);
         Ok(())
     }
 
     fn on_address(&mut self) -> Result<(), Fail> {
-        let verdict = self.inbuf[0];
-        if verdict != READY {
-            return Err(Fail::Theirs(
-                Reject::from_code(verdict).unwrap_or(Reject::Unknown(verdict)),
-            ));
-        }
-        if self.have < ADDRESS_LEN {
+        if !self.verdict(READY, ADDRESS_LEN)? {
             return Ok(());
         }
         let addr = &self.inbuf[1..1 + ADDR_LEN];
-        if let Some(k) = &self.psk {
-            if !k.verify(
-                LABEL_FINISH,
-                &[&self.transcript, addr],
-                &self.inbuf[1 + ADDR_LEN..ADDRESS_LEN],
-            ) {
-                return Err(Fail::Ours(Reject::BadKey));
-            }
-        }
+        self.check_mac(
+            LABEL_FINISH,
+            &[&self.transcript, addr],
+            &self.inbuf[1 + ADDR_LEN..ADDRESS_LEN],
+        )?;
         let mut peer = self.peer.expect("checked with the server hello");
         peer.addr = decode_addr(addr);
         peer.check().map_err(Fail::Ours)?;
         self.peer = Some(peer);
+        self.connect(peer);
+        Ok(())
+    }
+
+    fn on_ready(&mut self) -> Result<(), Fail> {
+        if self.verdict(READY, 1)? {
+            self.state = State::Done;
+        }
+        Ok(())
+    }
+
+    /// The peer's hello: its key flag must match ours, its settings ours and our limits
+    /// (which fix how many send buffers we register for it).
+    fn peer_hello(&mut self, version: u16, flags: u8) -> Result<Hello, Fail> {
+        let peer =
+            Hello::decode_body(version, &self.inbuf[HEADER_LEN..HELLO_LEN]).map_err(Fail::Ours)?;
+        if (flags & FLAG_PSK != 0) != self.psk.is_some() {
+            return Err(Fail::Ours(Reject::KeyMissing));
+        }
+        self.ours.check_peer(&peer).map_err(Fail::Ours)?;
+        self.send_buffers = self.limits.check(&peer).map_err(Fail::Ours)?;
+        Ok(peer)
+    }
+
+    /// The handshake is through: the queue pair to `peer` is to be connected.
+    fn connect(&mut self, peer: Hello) {
         self.action = Some(Action::Connect {
             peer,
             send_buffers: self.send_buffers,
         });
         self.state = State::Connecting;
         self.have = 0;
-        Ok(())
     }
 
-    fn on_ready(&mut self) -> Result<(), Fail> {
+    /// The header of a hello: its version must be ours.
+    fn header(&self) -> Result<(u16, u8, u8), Fail> {
+        let (version, kind, flags) = parse_header(&self.inbuf[..HEADER_LEN]).map_err(Fail::Ours)?;
+        if version != VERSION {
+            return Err(Fail::Ours(Reject::Version {
+                peer: version,
+                ours: VERSION,
+            }));
+        }
+        Ok((version, kind, flags))
+    }
+
+    /// A message that opens with the peer's verdict: `expected`, or the peer's rejection;
+    /// whether all `len` bytes of it are in.
+    fn verdict(&self, expected: u8, len: usize) -> Result<bool, Fail> {
         match self.inbuf[0] {
-            READY => {
-                self.state = State::Done;
-                Ok(())
-            }
-            c => Err(Fail::Theirs(
-                Reject::from_code(c).unwrap_or(Reject::Unknown(c)),
-            )),
+            v if v == expected => Ok(self.have >= len),
+            v => Err(theirs(v)),
         }
     }
+
+    /// With a pre-shared key, `tag` must be its MAC over `parts` under `label`.
+    fn check_mac(&self, label: &[u8], parts: &[&[u8]], tag: &[u8]) -> Result<(), Fail> {
+        match &self.psk {
+            Some(k) if !k.verify(label, parts, tag) => Err(Fail::Ours(Reject::BadKey)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The peer's rejection, coded `code`.
+fn theirs(code: u8) -> Fail {
+    Fail::Theirs(Reject::from_code(code).unwrap_or(Reject::Unknown(code)))
 }

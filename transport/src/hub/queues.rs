@@ -3,14 +3,14 @@
 //! its bootstrap stream (or rdma_cm id).
 
 use std::os::fd::AsFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{Buffer, Exposed};
 
 use super::slots::Resources;
 use super::{RawHub, RawHubEvent};
 use crate::core::{Command, Core, Post, Receipt, RecvAction, Room};
-use crate::drive::Queues;
+use crate::drive::{Exposes, Queues};
 use crate::error::{Error, Result};
 use crate::peer_id::PeerId;
 use crate::send::{self, Payload};
@@ -229,5 +229,23 @@ impl Queues for SlotQueues<'_> {
             Resources::Failing(qp) => qp.send_outstanding(),
             _ => 0,
         }
+    }
+}
+
+impl Exposes for SlotQueues<'_> {
+    fn endpoint(&self) -> &crate::endpoint::Endpoint {
+        &self.hub.endpoint
+    }
+
+    fn sq_depth(&self) -> Option<usize> {
+        self.slot().established().map(|l| l.sq_depth)
+    }
+
+    fn wait_for_send_slots(&mut self, reserve: usize, timeout: Option<Duration>) -> Result<()> {
+        let peer = self.slot().id(self.slot);
+        self.hub.sq_reserve = reserve;
+        let waited = self.hub.wait_to_send(self.slot, peer, timeout);
+        self.hub.sq_reserve = 0;
+        waited
     }
 }

@@ -43,21 +43,8 @@ impl RawHub {
         pieces: Vec<rdmsg_verbs::Bytes>,
         timeout: Option<Duration>,
     ) -> Result<Vec<Exposed>> {
-        let mut windows = self.endpoint.windows_over(pieces)?;
-        if !self.endpoint.binds_windows() {
-            return Ok(windows);
-        }
         let slot = self.live_slot(peer)?;
-        let n = windows.len();
-        if let Some(depth) = self.slot(slot).established().map(|l| l.sq_depth) {
-            self.slot(slot).core.read_fits(n + 1, depth)?;
-        }
-        self.sq_reserve = n;
-        let waited = self.wait_to_send(slot, peer, timeout);
-        self.sq_reserve = 0;
-        waited?;
-        drive::bind_windows(&mut self.queues(slot), &mut windows)?;
-        Ok(windows)
+        drive::expose(&mut self.queues(slot), pieces, timeout)
     }
 
     /// The most pieces [`RawHub::expose_to_peer`] binds at once for `peer`.
