@@ -369,8 +369,10 @@ impl Listener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Result<Connection>>> {
+        // The clock is read once per wake-up.
+        let mut now = Instant::now();
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| now.checked_add(t));
         config.check()?;
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
         let mut paused = self
@@ -380,7 +382,7 @@ impl Listener {
         // Look at everything first: bytes may have arrived since the last call.
         let mut ready = u64::MAX;
         loop {
-            if paused.is_some_and(|until| Instant::now() >= until) {
+            if paused.is_some_and(|until| now >= until) {
                 self.watch.add(self.tcp.as_fd(), LISTEN_TOKEN)?;
                 *paused = None;
                 ready |= 1 << LISTEN_TOKEN;
@@ -392,11 +394,10 @@ impl Listener {
                     // handshakes go on.
                     trace::client_refused(&e);
                     let _ = self.watch.remove(self.tcp.as_fd());
-                    *paused = Some(Instant::now() + ACCEPT_BACKOFF);
+                    *paused = Some(now + ACCEPT_BACKOFF);
                     return Err(e);
                 }
             }
-            let now = Instant::now();
             for i in 0..pending.len() {
                 let Some(p) = &mut pending[i] else { continue };
                 let advanced = if ready & (1 << (i + 1)) != 0 {
@@ -427,12 +428,13 @@ impl Listener {
                 .into_iter()
                 .chain(deadline)
                 .min();
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            if deadline.is_some_and(|d| now >= d) {
                 return Ok(None);
             }
             ready = self
                 .watch
-                .wait(next.map(|d| d.saturating_duration_since(Instant::now())))?;
+                .wait(next.map(|d| d.saturating_duration_since(now)))?;
+            now = Instant::now();
         }
     }
 

@@ -109,6 +109,7 @@
 
 pub mod addr;
 mod bootstrap;
+mod clock;
 mod cm;
 mod config;
 mod connection;

@@ -170,14 +170,16 @@ impl CmListener {
         timeout: Option<Duration>,
     ) -> Result<Option<Result<Connection>>> {
         config.check()?;
-        let deadline = timeout.map(|t| deadline_after(Instant::now(), t));
+        // The clock is read once per wake-up.
+        let mut now = Instant::now();
+        let deadline = timeout.map(|t| deadline_after(now, t));
         let mut ready = Vec::new();
         loop {
             // New requests: checked, set up and accepted at once (nothing in them waits).
             while let Some(mut ev) = self.channel.next_event()? {
                 if ev.kind == CmEventKind::ConnectRequest {
                     let from = ev.request.as_ref().and_then(CmId::peer_addr);
-                    match self.start(&mut ev, config) {
+                    match self.start(&mut ev, config, now) {
                         Ok(accepted) => {
                             self.watch
                                 .add_keyed(accepted.channel.as_fd(), accepted.key())?;
@@ -191,16 +193,15 @@ impl CmListener {
                     }
                 }
             }
-            if let Some(conn) = self.finish_one()? {
+            if let Some(conn) = self.finish_one(now)? {
                 return Ok(Some(Ok(conn)));
             }
-            if let Some(conn) = self.prove_one() {
+            if let Some(conn) = self.prove_one(now) {
                 return Ok(Some(Ok(conn)));
             }
             if let Some(e) = self.failed.take() {
                 return Ok(Some(Err(e)));
             }
-            let now = Instant::now();
             let next = self
                 .lock_pending()
                 .iter()
@@ -214,6 +215,7 @@ impl CmListener {
             ready.clear();
             self.watch
                 .wait_keys(next.map(|n| n.saturating_duration_since(now)), &mut ready)?;
+            now = Instant::now();
         }
     }
 
@@ -283,8 +285,7 @@ impl CmListener {
     /// The first established connection whose client proved the key; those that sent
     /// anything else, failed, or ran out of time are dropped (which disconnects them) and
     /// recorded as failed.
-    fn prove_one(&self) -> Option<Connection> {
-        let now = Instant::now();
+    fn prove_one(&self, now: Instant) -> Option<Connection> {
         let mut proving = self.lock_proving();
         let mut i = 0;
         while i < proving.len() {
@@ -323,8 +324,7 @@ impl CmListener {
     /// The first pending accept whose client completed the connection, as a connection;
     /// those that failed or ran out of time are dropped (which refuses or disconnects them)
     /// and recorded as failed. An error is the listener's own (its epoll set).
-    fn finish_one(&self) -> Result<Option<Connection>> {
-        let now = Instant::now();
+    fn finish_one(&self, now: Instant) -> Result<Option<Connection>> {
         let mut pending = self.lock_pending();
         let mut i = 0;
         while i < pending.len() {
@@ -379,7 +379,7 @@ impl CmListener {
                 Ok(conn) => conn,
                 Err(e) => {
                     self.failed.record(from, e);
-                    return self.finish_one();
+                    return self.finish_one(now);
                 }
             };
             let Some((check, send_buffers)) = proof else {
@@ -398,14 +398,14 @@ impl CmListener {
             });
             // The others may be done too: look at them now (an event loop waiting on the
             // listener's descriptor is not told twice).
-            return self.finish_one();
+            return self.finish_one(now);
         }
         Ok(None)
     }
 
     /// Checks one request's hello, sets up its side and accepts it; rejects it with the
     /// reason on a failed check.
-    fn start(&self, request: &mut CmEvent, config: &Config) -> Result<Accepted> {
+    fn start(&self, request: &mut CmEvent, config: &Config, now: Instant) -> Result<Accepted> {
         let mut id = request.request.take().ok_or_else(|| Error::Cm {
             addr: "?".into(),
             stage: "accepting",
@@ -495,7 +495,7 @@ impl CmListener {
             setup,
             peer,
             config: config.clone(),
-            deadline: deadline_after(Instant::now(), config.handshake_timeout),
+            deadline: deadline_after(now, config.handshake_timeout),
             proof: proof.map(|check| (check, send_buffers)),
             notified: false,
             memory,

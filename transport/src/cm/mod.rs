@@ -37,6 +37,9 @@ use crate::handshake_set::{to_evict, Bound, Waiting};
 use crate::setup::{our_hello, Setup};
 
 mod listener;
+pub(crate) mod machine;
+
+use machine::{CmHandshake, CmNext};
 
 pub use listener::CmListener;
 
@@ -246,23 +249,6 @@ pub(crate) fn cm_failure(ev: &CmEvent, addr: &str, stage: &'static str) -> Error
     }
 }
 
-/// Waits for `want`, failing with what came instead.
-fn expect(
-    channel: &CmEventChannel,
-    watch: &ReadyWatch,
-    deadline: Instant,
-    want: CmEventKind,
-    addr: &str,
-    stage: &'static str,
-) -> Result<CmEvent> {
-    let ev = next_event(channel, watch, deadline)?;
-    if ev.kind == want && ev.status == 0 {
-        Ok(ev)
-    } else {
-        Err(cm_failure(&ev, addr, stage))
-    }
-}
-
 /// Connecting and listening through the connection manager.
 impl Endpoint {
     /// Connects to a [`CmListener`] at `addr` (an IP address and port) through the RDMA
@@ -276,43 +262,32 @@ impl Endpoint {
         config.check()?;
         let dst = socket_addr(&addr)?;
         let name = dst.to_string();
-        let deadline = deadline_after(Instant::now(), config.handshake_timeout);
+        let started = Instant::now();
+        let mut hs = CmHandshake::client(started, config.handshake_timeout);
         let channel = CmEventChannel::new()?;
         let watch = ReadyWatch::new()?;
         watch.add(channel.as_fd(), 0)?;
         let mut id = CmId::new(&channel)?;
-        let left = || deadline.saturating_duration_since(Instant::now());
-        id.resolve_addr(None, dst, left())?;
-        expect(
-            &channel,
-            &watch,
-            deadline,
-            CmEventKind::AddrResolved,
-            &name,
-            "resolving the address",
-        )?;
-        id.resolve_route(left())?;
-        expect(
-            &channel,
-            &watch,
-            deadline,
-            CmEventKind::RouteResolved,
-            &name,
-            "resolving the route",
-        )?;
-        check_device(self, &id, &name)?;
-        let mut setup = Setup::new(self, config)?;
+        id.resolve_addr(None, dst, hs.left(started))?;
         let ours = our_hello(self, config, None);
         let request = encode_request(&ours, config.psk.as_ref(), &cm_nonce()?);
-        id.connect(&setup.qp, &conn_params(self, config), &request)?;
-        let answer = expect(
-            &channel,
-            &watch,
-            deadline,
-            CmEventKind::ConnectResponse,
-            &name,
-            "connecting",
-        )?;
+        let mut made = None;
+        // The machine says what each event calls for; the verbs are done here.
+        let (answer, mut setup) = loop {
+            let ev = next_event(&channel, &watch, hs.deadline())?;
+            match hs.on_event(ev.kind, ev.status) {
+                CmNext::ResolveRoute => id.resolve_route(hs.left(Instant::now()))?,
+                CmNext::Connect => {
+                    check_device(self, &id, &name)?;
+                    let setup = Setup::new(self, config)?;
+                    id.connect(&setup.qp, &conn_params(self, config), &request)?;
+                    made = Some(setup);
+                }
+                CmNext::Answered => break (ev, made.expect("connected with a queue pair")),
+                CmNext::Established => unreachable!("a client's handshake is answered"),
+                CmNext::Failed(at) => return Err(cm_failure(&ev, &name, at.name())),
+            }
+        };
         // A server hello (or proof) we cannot take: dropping the id refuses the connection.
         let (send_buffers, peer) =
             check_answer(&ours, config, &answer).map_err(Error::BadHandshake)?;

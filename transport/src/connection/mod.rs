@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use rdmsg_notify::{ArmMode, CqKey, Waiter};
 use rdmsg_verbs::{Buffer, CompletionQueue, Exposed, QueuePair, ReadSegment, WorkCompletion};
 
+use crate::clock::TurnClock;
 use crate::config::{extra_credits, Config};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
@@ -71,6 +72,8 @@ pub struct Connection {
     #[cfg(feature = "test-hooks")]
     fault: Option<Fault>,
     bootstrap_checked: Instant,
+    /// The time of this turn (see [`TurnClock`]).
+    clock: TurnClock,
     /// Polls and waits that delivered completions, for rate-limiting the liveness checks
     /// without reading the clock every time.
     busy_steps: u32,
@@ -169,8 +172,9 @@ impl Connection {
             peer.initial_credits + extra_credits(config),
         );
         let mut core = Core::new(books, config.signal_every, config.close_timeout);
+        let now = Instant::now();
         if let Some(every) = probe {
-            core.probe_every(every, Instant::now());
+            core.probe_every(every, now);
         }
         Ok(Self {
             endpoint: endpoint.clone(),
@@ -192,7 +196,8 @@ impl Connection {
             mailbox,
             #[cfg(feature = "test-hooks")]
             fault: None,
-            bootstrap_checked: Instant::now(),
+            bootstrap_checked: now,
+            clock: TurnClock::default(),
             busy_steps: 0,
             handled: 0,
             granted_at: 0,
@@ -387,7 +392,7 @@ impl Connection {
             self.stall.began(self.qp.qp_num(), None);
         }
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
         // While blocked, any grant (not only a solicited one) and any send completion must
         // wake us.
         self.arm(drive::arm_modes(
@@ -402,7 +407,7 @@ impl Connection {
             if self.can_send() {
                 break Ok(());
             }
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let left = deadline.map(|d| d.saturating_duration_since(self.clock.now()));
             if left == Some(Duration::ZERO) {
                 self.core.send_waits(true);
                 break Err(Error::timeout(
@@ -460,12 +465,12 @@ impl Connection {
         mut take: impl FnMut(&mut Self) -> Result<Option<T>>,
     ) -> Result<Option<T>> {
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
         loop {
             if let Some(got) = take(self)? {
                 return Ok(Some(got));
             }
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let left = deadline.map(|d| d.saturating_duration_since(self.clock.now()));
             if left == Some(Duration::ZERO) {
                 return Ok(None);
             }
@@ -513,6 +518,7 @@ impl Connection {
     /// rest, and [`Connection::try_recv`] reports the failure once they are all in (or the
     /// 500 ms the wait for them is given ran out).
     pub fn step(&mut self) -> Result<bool> {
+        self.clock.new_turn();
         // Whether the caller waited since our last step: only then is there a wake-up to
         // explain.
         let after_wait = std::mem::take(&mut self.step_quiet);
@@ -599,6 +605,8 @@ impl Connection {
     /// [`Connection::step`]: the health check, which finds errors a provider did not signal,
     /// or a deadline of the protocol (a close, a peer's close message after its goodbye).
     pub fn next_timeout(&self) -> Option<Duration> {
+        // Asked between turns: however long ago the last one was, the answer is from now.
+        self.clock.new_turn();
         earliest(self.config.health_check, self.time_to_next())
     }
 
@@ -748,7 +756,7 @@ impl Connection {
     /// the close fails with [`Failure::PeerVanished`], at once if that is known, else 50 ms
     /// after the stream's end, as a receive would.
     pub fn close(self) -> Result<()> {
-        let deadline = self.core.close_deadline(Instant::now());
+        let deadline = self.core.close_deadline(self.begin_turn());
         self.close_by(deadline)
     }
 
@@ -763,14 +771,15 @@ impl Connection {
         let _span = trace_span!(INFO, "close", qp = self.qp.qp_num());
         self.check_can_send()?;
         let timeout = self.config.close_timeout;
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(self.begin_turn());
         self.wait_to_send(Some(left)).map_err(|e| match e {
             Error::Timeout(_) => {
                 Error::timeout("closing", crate::error::WAIT_CLOSE_CREDIT, timeout)
             }
             e => e,
         })?;
-        let started = drive::start_close(&mut self, deadline, Instant::now())?;
+        let now = self.clock.now();
+        let started = drive::start_close(&mut self, deadline, now)?;
         assert!(started, "wait_to_send ensured a credit");
         self.waiter.set_mode(self.send_key, ArmMode::Next)?;
         loop {

@@ -25,7 +25,7 @@ impl Queues for Connection {
 
     #[inline]
     fn clock(&self) -> impl FnOnce() -> Instant + 'static {
-        Instant::now
+        self.clock.lazy()
     }
 
     #[inline]

@@ -17,6 +17,12 @@ use crate::error::{errno_of, Error, Failure, Result};
 use crate::read;
 
 impl Connection {
+    /// A call from the application begins a turn: its time, read now.
+    pub(super) fn begin_turn(&self) -> Instant {
+        self.clock.new_turn();
+        self.clock.now()
+    }
+
     /// The failure, once every message that arrived before it has been delivered: those
     /// queued, and those still to be found among the flushes of the queue pair (so not
     /// while they drain).
@@ -87,7 +93,7 @@ impl Connection {
         let due = self
             .core
             .next_timeout()
-            .map(|at| at.saturating_duration_since(Instant::now()));
+            .map(|at| at.saturating_duration_since(self.clock.now()));
         if self.draining() {
             earliest(due, Some(DRAIN_POLL))
         } else {
@@ -107,7 +113,8 @@ impl Connection {
     /// clock itself only every 16th step.
     pub(super) fn liveness_due(&mut self) -> bool {
         self.busy_steps = self.busy_steps.wrapping_add(1);
-        self.busy_steps % 16 == 0 && self.bootstrap_checked.elapsed() >= LIVENESS_EVERY
+        self.busy_steps % 16 == 0
+            && self.clock.now().duration_since(self.bootstrap_checked) >= LIVENESS_EVERY
     }
 
     /// The waiter's wait, or the injected fault of a test.
@@ -117,9 +124,12 @@ impl Connection {
         got: &mut Vec<(CqKey, WorkCompletion)>,
     ) -> Result<usize> {
         self.injected_poll_fault()?;
-        Ok(self
+        let waited = self
             .waiter
-            .wait(timeout, &mut |key, wc| got.push((key, wc.clone())))?)
+            .wait(timeout, &mut |key, wc| got.push((key, wc.clone())));
+        // Awake: a new turn.
+        self.clock.new_turn();
+        Ok(waited?)
     }
 
     /// After completions were handled: optionally looks for a vanished peer and asynchronous
@@ -133,7 +143,8 @@ impl Connection {
         let timers =
             self.core.has_urgent_timer() || (liveness && self.core.next_timeout().is_some());
         if timers {
-            drive::fire_timers(self, Instant::now());
+            let now = self.clock.now();
+            drive::fire_timers(self, now);
         }
         // A lingering queue pair (the peer's close came before its goodbye) is not failed
         // yet: nothing flushes.
@@ -179,7 +190,8 @@ impl Connection {
     /// succeeded never complete again; their buffers go with the queue pair.)
     pub(super) fn take_flushes(&mut self) {
         loop {
-            if drive::drained(self, Instant::now()) {
+            let now = self.clock.now();
+            if drive::drained(self, now) {
                 return;
             }
             match self.poll_and_handle() {
@@ -191,7 +203,8 @@ impl Connection {
                 }
             }
         }
-        drive::fire_timers(self, Instant::now());
+        let now = self.clock.now();
+        drive::fire_timers(self, now);
     }
 
     /// For the blocking calls while the flushes drain: sleeps on the completion channel (the
@@ -225,6 +238,7 @@ impl Connection {
         got: &mut Vec<(CqKey, WorkCompletion)>,
     ) -> Result<usize> {
         self.injected_poll_fault()?;
+        self.clock.new_turn();
         Ok(self
             .waiter
             .poll_all(&mut |key, wc| got.push((key, wc.clone())))?)
@@ -363,7 +377,7 @@ impl Connection {
     /// Looks at the bootstrap stream, where after the handshake only a [`GOODBYE`](crate::handshake::GOODBYE) may come,
     /// and tells the core (see [`crate::core::StreamNews`]).
     pub(super) fn check_bootstrap(&mut self) {
-        let now = Instant::now();
+        let now = self.clock.now();
         self.bootstrap_checked = now;
         let ch = self.waiter.channel_mut();
         if !ch.watch_bootstrap {

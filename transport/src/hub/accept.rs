@@ -102,7 +102,7 @@ impl RawHub {
             let s = slots.get(i)?.as_ref()?;
             let deadline = match &s.resources {
                 Resources::Handshake(p) if s.generation == generation => p.deadline,
-                Resources::CmHandshake(p) if s.generation == generation => p.deadline,
+                Resources::CmHandshake(p) if s.generation == generation => p.hs.deadline(),
                 _ => return None,
             };
             Some(Waiting {
@@ -340,7 +340,7 @@ impl RawHub {
             peer,
             watched: true,
         };
-        self.liveness.opened(Instant::now());
+        self.liveness.opened(self.clock.now());
         let s = self.slot_mut(slot);
         s.resources = Resources::Linked(Box::new(link));
         s.core.handshake_done();
@@ -416,7 +416,8 @@ impl RawHub {
             return;
         };
         let news = link.control.news();
-        drive::on_stream(&mut self.queues(slot), news, Instant::now());
+        let now = self.clock.now();
+        drive::on_stream(&mut self.queues(slot), news, now);
         // Its close message may still be in flight: waited for (not here: the hub goes on)
         // until the core's deadline.
         self.schedule(slot);

@@ -1,7 +1,7 @@
 //! The shared receive pool (admission, growth on demand, re-posting), credit grants, and
 //! posting sends on a connection's queue pair within the hub's send buffers and send CQ.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::slots::Resources;
 use super::{PeerId, RawHub};
@@ -393,7 +393,7 @@ impl RawHub {
             return Ok(());
         }
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
         let s = self.slot_mut(slot);
         if s.core.send_waited() {
             let qpn = s.qpn.unwrap_or(0);
@@ -407,7 +407,7 @@ impl RawHub {
                 self.sends_again(slot, peer);
                 return Ok(());
             }
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let left = deadline.map(|d| d.saturating_duration_since(self.clock.now()));
             if left == Some(Duration::ZERO) {
                 // Until a send to it goes, the hub wakes for any completion (see `Hub::arm`).
                 self.slot_mut(slot).core.send_waits(true);

@@ -14,7 +14,7 @@ impl RawHub {
     /// (driving the hub) until the close message is delivered, at most `close_timeout`
     /// ([`Error::Timeout`]).
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
-        let deadline = deadline_after(Instant::now(), self.config.conn.close_timeout);
+        let deadline = deadline_after(self.begin_turn(), self.config.conn.close_timeout);
         self.close_by(peer, deadline)
     }
 
@@ -40,7 +40,7 @@ impl RawHub {
             if let Some(ended) = core.close_result(timeout) {
                 return ended;
             }
-            let left = core.time_to_next(Instant::now());
+            let left = core.time_to_next(self.clock.now());
             self.wait_for_progress(left, true)?;
         }
     }
@@ -55,7 +55,7 @@ impl RawHub {
     /// without closing), with [`Failure::PeerVanished`] 50 ms after that end. Keep driving
     /// the hub until then: dropping it first fails the peer as vanished.
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
-        let deadline = deadline_after(Instant::now(), self.config.conn.close_timeout);
+        let deadline = deadline_after(self.begin_turn(), self.config.conn.close_timeout);
         self.start_close_by(peer, deadline)
     }
 
@@ -69,7 +69,7 @@ impl RawHub {
     pub fn start_close_by(&mut self, peer: PeerId, deadline: Instant) -> Result<()> {
         let slot = self.live_slot(peer)?;
         let timeout = self.config.conn.close_timeout;
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(self.begin_turn());
         match self.wait_to_send(slot, peer, Some(left)) {
             Ok(()) => {}
             Err(Error::Timeout(_)) => {
@@ -86,7 +86,8 @@ impl RawHub {
             }
             Err(e) => return Err(e),
         }
-        let started = drive::start_close(&mut self.queues(slot), deadline, Instant::now())?;
+        let now = self.clock.now();
+        let started = drive::start_close(&mut self.queues(slot), deadline, now)?;
         assert!(started, "wait_to_send ensured a credit");
         self.schedule(slot);
         Ok(())

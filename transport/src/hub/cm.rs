@@ -11,11 +11,12 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::AsFd;
 use std::time::Instant;
 
-use rdmsg_verbs::{deadline_after, CmEvent, CmEventChannel, CmEventKind, CmId, ConnParams};
+use rdmsg_verbs::{CmEvent, CmEventChannel, CmEventKind, CmId, ConnParams};
 
-use super::cm_pending::{CmListening, CmPending, Stage};
+use super::cm_pending::{CmListening, CmPending};
 use super::slots::Resources;
 use super::{PeerId, RawHub, RawHubEvent};
+use crate::cm::machine::{CmHandshake, CmNext};
 use crate::cm::{
     check_answer, check_device, check_request, cm_failure, conn_params, read_params, refuse_psk,
     socket_addr, tuning,
@@ -94,14 +95,11 @@ impl RawHub {
         let mut id = CmId::new(&channel)?;
         id.resolve_addr(None, dst, timeout)?;
         let slot = self.new_slot(false)?;
-        let started = Instant::now();
         let pending = CmPending {
             id,
             channel,
             side: None,
-            stage: Stage::Address,
-            started,
-            deadline: deadline_after(started, timeout),
+            hs: CmHandshake::client(self.begin_turn(), timeout),
             peer_addr: Some(dst),
             notified: false,
         };
@@ -193,14 +191,11 @@ impl RawHub {
                 return;
             }
         };
-        let started = Instant::now();
         let pending = CmPending {
             id,
             channel,
             side: None,
-            stage: Stage::Established,
-            started,
-            deadline: deadline_after(started, self.config.conn.handshake_timeout),
+            hs: CmHandshake::accepted(self.clock.now(), self.config.conn.handshake_timeout),
             peer_addr,
             notified: false,
         };
@@ -273,7 +268,7 @@ impl RawHub {
                         channel,
                         side,
                         peer_addr,
-                        started,
+                        hs,
                         ..
                     } = *pending;
                     let side = side.expect("a connected handshake has its queue pair");
@@ -285,7 +280,7 @@ impl RawHub {
                         Control::Cm(CmLink::new(channel, id)),
                         peer,
                         peer_addr,
-                        started,
+                        hs.started(),
                     );
                     self.stream_ready(slot);
                     return;
@@ -302,16 +297,11 @@ impl RawHub {
 
     /// One event of a CM handshake; whether the connection is established.
     fn cm_step(&mut self, slot: usize, p: &mut CmPending, ev: &CmEvent) -> Result<bool> {
-        if ev.status != 0 {
-            return Err(cm_failure(ev, &p.peer_name(), p.stage.name()));
-        }
-        let left = p.deadline.saturating_duration_since(Instant::now());
-        match (p.stage, ev.kind) {
-            (Stage::Address, CmEventKind::AddrResolved) => {
-                p.id.resolve_route(left)?;
-                p.stage = Stage::Route;
+        match p.hs.on_event(ev.kind, ev.status) {
+            CmNext::ResolveRoute => {
+                p.id.resolve_route(p.hs.left(self.clock.now()))?;
             }
-            (Stage::Route, CmEventKind::RouteResolved) => {
+            CmNext::Connect => {
                 check_device(&self.endpoint, &p.id, &p.peer_name())?;
                 let side = self.create_side(slot)?;
                 let ours = encode_hello(&self.hello(None));
@@ -319,9 +309,8 @@ impl RawHub {
                 let res = p.id.connect(&side.qp, &params, &ours);
                 p.side = Some(side);
                 res?;
-                p.stage = Stage::Answer;
             }
-            (Stage::Answer, CmEventKind::ConnectResponse) => {
+            CmNext::Answered => {
                 // A server hello we cannot take: dropping the id refuses the connection.
                 let (_, peer) = check_answer(&self.hello(None), &self.config.conn, ev)
                     .map_err(Error::BadHandshake)?;
@@ -338,8 +327,8 @@ impl RawHub {
                 p.id.establish()?;
                 return Ok(true);
             }
-            (Stage::Established, CmEventKind::Established) => return Ok(true),
-            _ => return Err(cm_failure(ev, &p.peer_name(), p.stage.name())),
+            CmNext::Established => return Ok(true),
+            CmNext::Failed(at) => return Err(cm_failure(ev, &p.peer_name(), at.name())),
         }
         Ok(false)
     }

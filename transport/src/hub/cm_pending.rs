@@ -3,11 +3,12 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdmsg_verbs::{CmEventChannel, CmId};
 
 use super::side::HubSide;
+use crate::cm::machine::{CmHandshake, Stage};
 use crate::cm::WAIT_CM;
 use crate::error::{Error, TimedOut};
 
@@ -25,10 +26,8 @@ pub(super) struct CmPending {
     pub(super) channel: CmEventChannel,
     /// The queue pair on the hub's queues, once made.
     pub(super) side: Option<HubSide>,
-    pub(super) stage: Stage,
-    /// When it began: `deadline` is `handshake_timeout` after.
-    pub(super) started: Instant,
-    pub(super) deadline: Instant,
+    /// Its stage and deadline.
+    pub(super) hs: CmHandshake,
     pub(super) peer_addr: Option<SocketAddr>,
     /// The CM was told of the client's first message (`rdma_notify`).
     pub(super) notified: bool,
@@ -37,33 +36,9 @@ pub(super) struct CmPending {
 impl fmt::Debug for CmPending {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CmPending")
-            .field("stage", &self.stage)
+            .field("stage", &self.hs.stage())
             .field("peer_addr", &self.peer_addr)
             .finish_non_exhaustive()
-    }
-}
-
-/// What a CM handshake waits for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Stage {
-    /// Ours: the address resolved to our device.
-    Address,
-    /// Ours: the route.
-    Route,
-    /// Ours: the server's answer to our request (its hello, or a reject).
-    Answer,
-    /// Accepted: the client's side of the connection (`ESTABLISHED`).
-    Established,
-}
-
-impl Stage {
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Stage::Address => "resolving the address",
-            Stage::Route => "resolving the route",
-            Stage::Answer => "connecting",
-            Stage::Established => "accepting",
-        }
     }
 }
 
@@ -74,7 +49,7 @@ impl CmPending {
     /// connection (`ESTABLISHED` follows on the id's channel); where it cannot, the RTU still
     /// does. The message itself waits in the slot like any before `Connected`.
     pub(super) fn peer_sent(&mut self) {
-        if self.stage == Stage::Established && !self.notified {
+        if self.hs.stage() == Stage::Established && !self.notified {
             self.notified = true;
             let _ = self.id.notify_established();
         }
@@ -98,7 +73,7 @@ impl CmPending {
     pub(super) fn evicted(&self, max: u32) -> Error {
         Error::Cm {
             addr: self.peer_name(),
-            stage: self.stage.name(),
+            stage: self.hs.stage().name(),
             detail: format!("evicted: {max} handshakes pending"),
         }
     }

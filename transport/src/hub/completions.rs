@@ -1,8 +1,6 @@
 //! Polled completions go to the core of the connection whose queue pair they name, and the
 //! hub does what the cores then ask for.
 
-use std::time::Instant;
-
 use rdmsg_verbs::{WcStatus, WorkCompletion};
 
 use super::queues::SlotQueues;
@@ -113,7 +111,8 @@ impl RawHub {
     pub(super) fn drain_failed_side(&mut self, slot: usize, mut qp: rdmsg_verbs::QueuePair) {
         let _ = qp.to_error();
         self.slot_mut(slot).resources = Resources::Failing(qp);
-        self.slot_mut(slot).core.flushing_since(Instant::now());
+        let now = self.clock.now();
+        self.slot_mut(slot).core.flushing_since(now);
         self.start_draining(slot);
     }
 

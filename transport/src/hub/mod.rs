@@ -71,6 +71,7 @@ use rdmsg_verbs::{Access, CompletionChannel, CompletionQueue, ReadyWatch, WorkCo
 pub use config::HubConfig;
 pub use events::{ConnectTimes, HubStats, PeerId, RawHubEvent};
 
+use crate::clock::TurnClock;
 use crate::core::{earliest, ConnStats};
 use crate::device_events::Mailbox;
 use crate::drive;
@@ -155,6 +156,8 @@ pub struct RawHub {
     admitted: usize,
     mailbox: Arc<Mailbox>,
     last_tick: Instant,
+    /// The time of this turn (see [`TurnClock`]).
+    clock: TurnClock,
     /// A failure of the whole hub (its queues or channel): every later call reports it.
     fatal: Option<Failure>,
     stats: HubStats,
@@ -250,6 +253,7 @@ impl RawHub {
             admitted: 0,
             mailbox,
             last_tick: Instant::now(),
+            clock: TurnClock::default(),
             fatal: None,
             stats: HubStats::default(),
             stepped_asleep: false,
@@ -400,13 +404,13 @@ impl RawHub {
     /// every connection has been failed with it.
     pub fn next_event(&mut self, timeout: Option<Duration>) -> Result<Option<RawHubEvent>> {
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
         loop {
             if let Some(ev) = self.events.pop_front() {
                 return Ok(Some(ev));
             }
             self.check_fatal()?;
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let left = deadline.map(|d| d.saturating_duration_since(self.clock.now()));
             if left == Some(Duration::ZERO) {
                 return Ok(None);
             }
@@ -429,6 +433,7 @@ impl RawHub {
     /// buffers and sends due grants. Events it produces are queued for [`RawHub::try_event`];
     /// returns how many are queued.
     pub fn step(&mut self) -> Result<usize> {
+        self.clock.new_turn();
         self.check_fatal()?;
         self.nobody_waits();
         self.arm(false)?;
@@ -471,7 +476,9 @@ impl RawHub {
             (Some(Reverse((at, _))), None) => Some(*at),
             (None, l) => l,
         };
-        let nearest = nearest.map(|at| at.saturating_duration_since(Instant::now()));
+        // Asked between turns: however long ago the last one was, the answer is from now.
+        self.clock.new_turn();
+        let nearest = nearest.map(|at| at.saturating_duration_since(self.clock.now()));
         earliest(nearest, self.config.conn.health_check)
     }
 

@@ -61,7 +61,7 @@ impl Queues for SlotQueues<'_> {
 
     #[inline]
     fn clock(&self) -> impl FnOnce() -> Instant + 'static {
-        Instant::now
+        self.hub.clock.lazy()
     }
 
     #[inline]

@@ -18,7 +18,7 @@ impl RawHub {
         let s = self.table.slots.get(slot)?.as_ref()?;
         match &s.resources {
             Resources::Handshake(p) => Some(p.deadline),
-            Resources::CmHandshake(p) => Some(p.deadline),
+            Resources::CmHandshake(p) => Some(p.hs.deadline()),
             Resources::Linked(_) | Resources::Failing(_) => s.core.next_timeout(),
             Resources::Retired => None,
         }
@@ -95,7 +95,7 @@ impl RawHub {
         if self.draining.is_empty() && !destroyed {
             return Ok(());
         }
-        let now = Instant::now();
+        let now = self.clock.now();
         // Compacted in place: the slots still waiting stay, the list keeps its allocation.
         let mut draining = std::mem::take(&mut self.draining);
         let mut kept = 0;

@@ -69,6 +69,12 @@ impl EventChannel<CompletionQueue> for HubChannel {
 }
 
 impl RawHub {
+    /// A call from the application begins a turn: its time, read now.
+    pub(super) fn begin_turn(&self) -> Instant {
+        self.clock.new_turn();
+        self.clock.now()
+    }
+
     /// Sleeps until something happens (at most `timeout`, and the nearest deadline), then
     /// handles it. A `blocked` sender must hear of any grant and any send completion.
     pub(super) fn wait_for_progress(
@@ -86,6 +92,8 @@ impl RawHub {
         let res = self
             .waiter
             .wait(limit, &mut |key, wc| got.push((key, wc.clone())));
+        // Awake: a new turn.
+        self.clock.new_turn();
         self.pool.awake(!matches!(res, Ok(n) if n > 0));
         self.completions = got;
         self.handle_completions();
@@ -132,6 +140,7 @@ impl RawHub {
 
     /// Polls every queue without waiting (or arming) and handles what came.
     pub(super) fn poll_now(&mut self) -> Result<()> {
+        self.clock.new_turn();
         let mut got = std::mem::take(&mut self.completions);
         let polled = self
             .waiter
@@ -184,7 +193,7 @@ impl RawHub {
             self.accept_cm_all();
         }
         self.waiter.channel_mut().ready = ready;
-        let now = Instant::now();
+        let now = self.clock.now();
         self.fire_deadlines(now);
         self.watch_liveness(now)?;
         self.retire_drained()?;

@@ -1,0 +1,67 @@
+//! The time of one turn of a driver.
+//!
+//! A turn begins when the driver polls or wakes from a wait: from then until the next one,
+//! every step that needs the time (a deadline, the drain after a failure, the liveness
+//! check, how long to sleep) takes it from here, and only the first reads the system clock.
+//! A turn that needs no time reads none. This is quinn's `now` argument, made lazy: the core
+//! and the driver's sequences ([`crate::drive`]) take `now` as an argument; the drivers hand
+//! them this turn's.
+
+use std::cell::Cell;
+use std::time::Instant;
+
+/// The time of the current turn, read at most once.
+#[derive(Debug, Default)]
+pub(crate) struct TurnClock(Cell<Option<Instant>>);
+
+impl TurnClock {
+    /// A new turn begins (the driver polled or woke): the next [`TurnClock::now`] reads the
+    /// clock.
+    #[inline]
+    pub(crate) fn new_turn(&self) {
+        self.0.set(None);
+    }
+
+    /// This turn's time: the clock, read by the first step of the turn that asks.
+    #[inline]
+    pub(crate) fn now(&self) -> Instant {
+        match self.0.get() {
+            Some(now) => now,
+            None => {
+                let now = Instant::now();
+                self.0.set(Some(now));
+                now
+            }
+        }
+    }
+
+    /// This turn's time for a step that needs it only now and then and cannot borrow the
+    /// driver (the core's judgement of a receive): the turn's if it was read, else the clock
+    /// when the step asks.
+    #[inline]
+    pub(crate) fn lazy(&self) -> impl FnOnce() -> Instant + 'static {
+        let read = self.0.get();
+        move || read.unwrap_or_else(Instant::now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_turn_reads_the_clock_once_and_a_new_turn_reads_it_again() {
+        let clock = TurnClock::default();
+        let first = clock.now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert_eq!(clock.now(), first, "the same turn");
+        assert_eq!(clock.lazy()(), first, "the lazy read takes the turn's");
+        clock.new_turn();
+        let later = clock.lazy()();
+        assert!(
+            later > first,
+            "not read this turn: the lazy read reads the clock"
+        );
+        assert!(clock.now() >= later);
+    }
+}
