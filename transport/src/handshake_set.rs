@@ -6,9 +6,12 @@
 //! (a table of streams, lists of accepted and proving connections, slots) and asks this which
 //! one goes.
 //!
+//! A hub also keeps its handshakes' counts and order here ([`Underway`]).
+//!
 //! [`Listener`]: crate::Listener
 //! [`CmListener`]: crate::CmListener
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::time::Instant;
 
@@ -90,6 +93,71 @@ pub(crate) fn to_evict<K>(
     oldest.map(|o| (o.key, why))
 }
 
+/// The handshakes a hub has under way, counted as they start and end (so that accepting or
+/// connecting the ten-thousandth peer visits no other), and its accepted ones in the order
+/// they started (so by deadline: every handshake has the same timeout), for [`to_evict`].
+/// An ended handshake's entry stays in the order until it reaches the front, or until the
+/// ended ones outnumber the live: then they are dropped all at once.
+#[derive(Debug)]
+pub(crate) struct Underway<K> {
+    accepted: usize,
+    outgoing: usize,
+    order: VecDeque<K>,
+}
+
+impl<K> Default for Underway<K> {
+    fn default() -> Self {
+        Self {
+            accepted: 0,
+            outgoing: 0,
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<K: Copy> Underway<K> {
+    /// Handshake `key` started: `accepted` (a client's) or our own.
+    pub(crate) fn started(&mut self, key: K, accepted: bool) {
+        if accepted {
+            self.accepted += 1;
+            self.order.push_back(key);
+        } else {
+            self.outgoing += 1;
+        }
+    }
+
+    /// A handshake ended (established or failed); `live` says of an entry whether its
+    /// handshake is still under way.
+    pub(crate) fn ended(&mut self, accepted: bool, live: impl Fn(&K) -> bool) {
+        if !accepted {
+            self.outgoing -= 1;
+            return;
+        }
+        self.accepted -= 1;
+        while self.order.front().is_some_and(|k| !live(k)) {
+            self.order.pop_front();
+        }
+        if self.order.len() > 2 * self.accepted + 64 {
+            self.order.retain(|k| live(k));
+        }
+    }
+
+    /// Accepted handshakes under way.
+    pub(crate) fn accepted(&self) -> usize {
+        self.accepted
+    }
+
+    /// Our own handshakes under way.
+    pub(crate) fn outgoing(&self) -> usize {
+        self.outgoing
+    }
+
+    /// The accepted ones, oldest first, with entries of some that ended among them.
+    pub(crate) fn oldest_accepted(&self) -> impl Iterator<Item = &K> {
+        self.order.iter()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -164,5 +232,40 @@ mod tests {
             ),
             Some((7, Crowded::Count(2)))
         );
+    }
+
+    #[test]
+    fn handshakes_under_way_are_counted_and_ended_entries_do_not_pile_up() {
+        let mut u = Underway::default();
+        let mut live = std::collections::HashSet::new();
+        for k in 0..10u32 {
+            u.started(k, true);
+            live.insert(k);
+        }
+        u.started(100, false);
+        assert_eq!((u.accepted(), u.outgoing()), (10, 1));
+        // The oldest ends: its entry goes at once; one in the middle stays until it reaches
+        // the front.
+        live.remove(&0);
+        u.ended(true, |k| live.contains(k));
+        live.remove(&5);
+        u.ended(true, |k| live.contains(k));
+        assert_eq!(u.accepted(), 8);
+        assert_eq!(u.oldest_accepted().next(), Some(&1));
+        assert!(u.oldest_accepted().any(|k| *k == 5), "dropped lazily");
+        u.ended(false, |_| unreachable!("ours are not in the order"));
+        assert_eq!(u.outgoing(), 0);
+        // Thousands start and end out of order: the entries stay within twice the live ones
+        // and 64.
+        for k in 1000..5000u32 {
+            u.started(k, true);
+            live.insert(k);
+            if k % 2 == 1 {
+                live.remove(&(k - 1));
+                u.ended(true, |k| live.contains(k));
+            }
+        }
+        assert!(u.oldest_accepted().count() <= 2 * u.accepted() + 64);
+        assert_eq!(u.accepted(), live.len());
     }
 }

@@ -93,24 +93,27 @@ impl RawHub {
     /// fails.
     pub(super) fn evict_oldest_pending(&mut self) {
         let max_pending = self.config.conn.max_pending_handshakes;
-        if self.pending_accepted < max_pending as usize {
+        if self.handshakes.accepted() < max_pending as usize {
             return;
         }
         // Entries of handshakes that ended are skipped (and dropped as they reach the front).
         let slots = &self.table.slots;
-        let waiting = self.accepted_order.iter().filter_map(|&(i, generation)| {
-            let s = slots.get(i)?.as_ref()?;
-            let deadline = match &s.resources {
-                Resources::Handshake(p) if s.generation == generation => p.deadline,
-                Resources::CmHandshake(p) if s.generation == generation => p.hs.deadline(),
-                _ => return None,
-            };
-            Some(Waiting {
-                key: i,
-                deadline,
-                memory: 0,
-            })
-        });
+        let waiting = self
+            .handshakes
+            .oldest_accepted()
+            .filter_map(|&(i, generation)| {
+                let s = slots.get(i)?.as_ref()?;
+                let deadline = match &s.resources {
+                    Resources::Handshake(p) if s.generation == generation => p.deadline,
+                    Resources::CmHandshake(p) if s.generation == generation => p.hs.deadline(),
+                    _ => return None,
+                };
+                Some(Waiting {
+                    key: i,
+                    deadline,
+                    memory: 0,
+                })
+            });
         let bound = Bound {
             most: max_pending as usize,
             cap: u64::MAX,
@@ -199,37 +202,20 @@ impl RawHub {
     pub(super) fn handshake_started(&mut self, slot: usize) {
         let s = self.slot(slot);
         let (accepted, generation) = (s.accepted, s.generation);
-        if accepted {
-            self.pending_accepted += 1;
-            self.accepted_order.push_back((slot, generation));
-        } else {
-            self.pending_outgoing += 1;
-        }
+        self.handshakes.started((slot, generation), accepted);
         self.schedule(slot);
     }
 
     /// The handshake of `slot` ended (established or failed): it no longer counts.
     pub(super) fn handshake_ended(&mut self, slot: usize) {
-        if self.slot(slot).accepted {
-            self.pending_accepted -= 1;
-            // Entries of ended handshakes are dropped as they reach the front, and all at
-            // once when they outnumber the live ones.
-            let slots = &self.table.slots;
-            let live = |&(i, generation): &(usize, u32)| {
-                slots
-                    .get(i)
-                    .and_then(Option::as_ref)
-                    .is_some_and(|s| s.generation == generation && s.is_handshaking())
-            };
-            while self.accepted_order.front().is_some_and(|e| !live(e)) {
-                self.accepted_order.pop_front();
-            }
-            if self.accepted_order.len() > 2 * self.pending_accepted + 64 {
-                self.accepted_order.retain(live);
-            }
-        } else {
-            self.pending_outgoing -= 1;
-        }
+        let slots = &self.table.slots;
+        let live = |&(i, generation): &(usize, u32)| {
+            slots
+                .get(i)
+                .and_then(Option::as_ref)
+                .is_some_and(|s| s.generation == generation && s.is_handshaking())
+        };
+        self.handshakes.ended(self.slot(slot).accepted, live);
     }
 
     pub(super) fn stream_ready(&mut self, slot: usize) {

@@ -5,58 +5,11 @@ use std::time::Duration;
 
 use super::slots::Resources;
 use super::{PeerId, RawHub};
-use crate::core::{unsignaled_room, Post, Room, SEND_PROGRESS_EVERY};
+use crate::core::{Post, Room, SEND_PROGRESS_EVERY};
 use crate::drive;
 use crate::error::{errno_of, Error, Failure, Result};
 use crate::send::{self, Payload};
 use crate::share::AdmitError;
-
-/// The hub's send CQ, shared by every queue pair: its entries, and the requests (sends,
-/// binds, reads, probes) posted on any queue pair and not yet retired, each of which may
-/// still fill one entry. The count follows the queue pairs' own counts
-/// ([`rdmsg_verbs::QueuePair::send_outstanding`]), read before and after every post,
-/// completion and retirement, whatever a post returned: a failed post the provider did not
-/// point at may have gone, is counted by its queue pair, and so here, until its completion
-/// or its queue pair's retirement takes it off again. One rule for every kind of request,
-/// so the count never drifts from what may really fill the CQ.
-#[derive(Debug)]
-pub(super) struct SendCqUse {
-    entries: usize,
-    outstanding: usize,
-}
-
-impl SendCqUse {
-    pub(super) fn new(entries: usize) -> Self {
-        Self {
-            entries,
-            outstanding: 0,
-        }
-    }
-
-    pub(super) fn entries(&self) -> usize {
-        self.entries
-    }
-
-    /// Requests posted on every queue pair and not yet retired.
-    pub(super) fn outstanding(&self) -> usize {
-        self.outstanding
-    }
-
-    /// Entries no outstanding request may still fill.
-    pub(super) fn room(&self) -> usize {
-        self.entries.saturating_sub(self.outstanding)
-    }
-
-    /// One queue pair's count of outstanding send requests went from `before` to `after`.
-    pub(super) fn follow(&mut self, before: usize, after: usize) {
-        let outstanding = (self.outstanding + after).checked_sub(before);
-        debug_assert!(
-            outstanding.is_some(),
-            "a queue pair retired more than it posted"
-        );
-        self.outstanding = outstanding.unwrap_or(0);
-    }
-}
 
 impl RawHub {
     /// Sets aside a new connection's minimum share in a receive group with room for it
@@ -301,35 +254,22 @@ impl RawHub {
     }
 
     /// What is free for a send on `slot` now (nothing before it is linked).
+    #[inline]
     pub(super) fn room(&self, slot: usize) -> Room {
-        let link = self.slot(slot).established();
-        let sq = link.map_or(0, |l| {
-            l.sq_depth
-                .saturating_sub(l.qp.send_outstanding() + self.sq_reserve)
-        });
-        let depth = link.map_or(0, |l| l.sq_depth);
-        Room {
-            sq,
-            buffers: self.send.free.len(),
-            cq: self.send_cq_room().saturating_sub(self.sq_reserve),
-            // Unsignaled sends hold their buffers until a later signaled one on their queue
-            // pair retires them, and a peer that falls silent posts none: at most half the
-            // send buffers (as of the CQ) may be so held, whatever the peers do.
-            unsignaled: unsignaled_room(
-                self.send_cq
-                    .entries()
-                    .min(self.config.send_buffers as usize),
-                self.table.used(),
-                self.slot(slot).core.unsignaled_behind(),
-                self.unsignaled_total,
-            )
-            .min(crate::core::unsignaled_in_queue(depth)),
-        }
+        let s = self.slot(slot);
+        let link = s.established();
+        self.budget.room(
+            link.map(|l| l.sq_depth),
+            link.map_or(0, |l| l.qp.send_outstanding()),
+            s.core.unsignaled_behind(),
+            self.send.free.len(),
+            self.table.used(),
+        )
     }
 
     /// Entries of the send CQ no outstanding send may still fill.
     fn send_cq_room(&self) -> usize {
-        self.send_cq.room()
+        self.budget.cq_free()
     }
 
     pub(super) fn post(&mut self, slot: usize, payload: Payload, post: Post) -> Result<()> {
@@ -339,7 +279,7 @@ impl RawHub {
         };
         let before = link.qp.send_outstanding();
         let posted = send::post(&mut link.qp, &mut self.send, &mut s.core, payload, post);
-        self.send_cq.follow(before, link.qp.send_outstanding());
+        self.budget.follow(before, link.qp.send_outstanding());
         self.follow_unsignaled(slot);
         posted.map_err(|e| self.local_failure(slot, "posting a send (ibv_post_send)", e.into()))?;
         Ok(())
@@ -349,7 +289,7 @@ impl RawHub {
     pub(super) fn follow_unsignaled(&mut self, slot: usize) {
         let s = self.table.slots[slot].as_mut().expect("a live slot");
         let behind = s.core.unsignaled_behind();
-        self.unsignaled_total = self.unsignaled_total - s.unsignaled + behind;
+        self.budget.follow_unsignaled(s.unsignaled, behind);
         s.unsignaled = behind;
     }
 
@@ -431,42 +371,5 @@ impl RawHub {
             let qpn = s.qpn.unwrap_or(0);
             s.stall.ended(qpn, Some(peer));
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::SendCqUse;
-
-    /// A queue pair's own count of outstanding requests, as verbs-core keeps it: a post that
-    /// failed without the provider naming the request counts (it may have gone).
-    struct Books(usize);
-
-    #[test]
-    fn a_post_that_may_have_gone_is_counted_until_its_completion() {
-        let mut cq = SendCqUse::new(1024);
-        let mut qp = Books(0);
-        // Two sends posted, then one that failed but may have gone, then a bind.
-        for _ in 0..4 {
-            let before = qp.0;
-            qp.0 += 1;
-            cq.follow(before, qp.0);
-        }
-        assert_eq!((cq.outstanding(), cq.room()), (4, 1020));
-        // A signaled completion of the last retires all four on the queue pair.
-        let before = qp.0;
-        qp.0 = 0;
-        cq.follow(before, qp.0);
-        assert_eq!(
-            (cq.outstanding(), cq.room()),
-            (0, 1024),
-            "the count neither wraps nor leaks an entry"
-        );
-        // A retired queue pair takes off what it still held.
-        let mut other = Books(0);
-        cq.follow(other.0, 3);
-        other.0 = 3;
-        cq.follow(other.0, 0);
-        assert_eq!(cq.room(), 1024);
     }
 }

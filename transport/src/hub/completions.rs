@@ -76,12 +76,11 @@ impl RawHub {
         let before = qp.send_outstanding();
         let mut reads = Vec::new();
         qp.complete_send_split(wc, &mut self.send.free, &mut reads);
-        self.send_cq.follow(before, qp.send_outstanding());
+        self.budget.follow(before, qp.send_outstanding());
         for (id, _) in &reads {
             if let Some(i) = s.reads.iter().position(|(r, _)| r == id) {
                 let (_, wrs) = s.reads.remove(i).expect("found");
-                self.read_wrs -= wrs;
-                self.peers_reading -= usize::from(s.reads.is_empty());
+                self.budget.reads_over(wrs, s.reads.is_empty());
             }
         }
         if !reads.is_empty() {
@@ -138,7 +137,7 @@ impl RawHub {
     /// instead of the moment the flushes came. Only with room in the shared send CQ for its
     /// completion; refused, the deadline ends the wait as before.
     fn post_drain_marker(&mut self, slot: usize) {
-        if self.send_cq.room() == 0 {
+        if self.budget.cq_free() == 0 {
             return;
         }
         let Some(qp) = self.table.slots[slot].as_mut().and_then(|s| s.qp_mut()) else {
@@ -149,6 +148,6 @@ impl RawHub {
             return;
         }
         let _ = qp.post_drain_marker();
-        self.send_cq.follow(before, qp.send_outstanding());
+        self.budget.follow(before, qp.send_outstanding());
     }
 }

@@ -39,6 +39,7 @@
 //! `retire` (deadlines, failures, draining and releasing connections).
 
 mod accept;
+mod budget;
 mod buffers;
 mod close;
 mod cm;
@@ -78,6 +79,7 @@ use crate::drive;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Failure, Result};
 use crate::handshake::{Handshake, Hello};
+use crate::handshake_set::Underway;
 use crate::pool::{PoolStats, RecvPool, Waker};
 use crate::send::{self, Payload, SendBuffers};
 use crate::setup::nonce;
@@ -115,21 +117,10 @@ pub struct RawHub {
     pool: RecvPool,
     send: SendBuffers,
     send_bytes: u64,
-    /// The send CQ's entries, and the requests of all queue pairs that may fill them.
-    send_cq: buffers::SendCqUse,
+    /// What the connections may post on the send CQ and buffers they share (see [`budget`]).
+    budget: budget::SendBudget,
     /// The connections, by slot (see [`table`]).
     table: table::SlotTable<Slot>,
-    /// Sends left unsignaled behind their queue pair's last signaled one, all queue pairs
-    /// (see `core::unsignaled_room`).
-    unsignaled_total: usize,
-    /// Work requests of RDMA reads under way, all queue pairs, and how many queue pairs have
-    /// some: reads may fill at most half the send CQ, shared fairly (see
-    /// [`RawHub::read_room`]).
-    read_wrs: usize,
-    peers_reading: usize,
-    /// Send queue and send CQ slots set aside while an exposure waits to be bound (see
-    /// [`RawHub::expose_to_peer`]).
-    sq_reserve: usize,
     listener: Option<TcpListener>,
     cm_listener: Option<cm_pending::CmListening>,
     events: VecDeque<RawHubEvent>,
@@ -145,13 +136,8 @@ pub struct RawHub {
     timers: BinaryHeap<Reverse<(Instant, usize)>>,
     /// Liveness, watched per peer host (see [`liveness`]).
     liveness: liveness::Liveness,
-    /// Handshakes under way, accepted and our own: counted as they start and end, so that
-    /// accepting or connecting the ten-thousandth peer visits no other.
-    pending_accepted: usize,
-    pending_outgoing: usize,
-    /// Accepted handshakes in the order they started (so by deadline), the oldest evicted
-    /// first; entries of handshakes already ended are skipped.
-    accepted_order: VecDeque<(usize, u32)>,
+    /// Handshakes under way, accepted (by slot and generation, oldest first) and our own.
+    handshakes: Underway<(usize, u32)>,
     /// Connections holding buffers of the shared pool.
     admitted: usize,
     mailbox: Arc<Mailbox>,
@@ -202,6 +188,7 @@ impl RawHub {
         channel.set_nonblocking(true)?;
         let dev = ctx.query_device()?;
         let group_size = config.group_size(dev.max_cqe, dev.max_srq_wr)?;
+        let send_buffers = config.send_buffers as usize;
         let send_cq_entries = (4 * config.send_buffers).max(1024).min(dev.max_cqe.max(1));
         let send_cq = CompletionQueue::new(ctx, send_cq_entries, Some(&channel))?;
         let buf_size = config.conn.buf_size as usize;
@@ -232,12 +219,8 @@ impl RawHub {
             key_group: Vec::new(),
             group_size,
             pool,
-            read_wrs: 0,
-            peers_reading: 0,
-            sq_reserve: 0,
-            send_cq: buffers::SendCqUse::new(send_cq_entries as usize),
+            budget: budget::SendBudget::new(send_cq_entries as usize, send_buffers),
             table: table::SlotTable::new(max_connections),
-            unsignaled_total: 0,
             listener: None,
             cm_listener: None,
             events: VecDeque::new(),
@@ -247,9 +230,7 @@ impl RawHub {
             retired: Vec::new(),
             timers: BinaryHeap::new(),
             liveness: liveness::Liveness::new(probe_every),
-            pending_accepted: 0,
-            pending_outgoing: 0,
-            accepted_order: VecDeque::new(),
+            handshakes: Underway::default(),
             admitted: 0,
             mailbox,
             last_tick: Instant::now(),
@@ -613,7 +594,7 @@ impl RawHub {
         }
         debug_assert_eq!(
             s.handshakes,
-            self.pending_accepted + self.pending_outgoing,
+            self.handshakes.accepted() + self.handshakes.outgoing(),
             "handshakes counted as they start and end"
         );
         s.recv_buffers = self.pool.stats(0).total;
@@ -621,7 +602,7 @@ impl RawHub {
             (s.recv_buffers as u64) * u64::from(self.config.conn.buf_size) + self.send_bytes;
         s.spare_buffers = self.groups.iter().map(|g| g.share.spare()).sum();
         s.recv_groups = self.groups.len() as u32;
-        s.sends_outstanding = self.send_cq.outstanding();
+        s.sends_outstanding = self.budget.outstanding();
         s.send_buffers_free = self.send.free.len();
         s
     }

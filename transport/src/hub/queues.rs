@@ -144,7 +144,7 @@ impl Queues for SlotQueues<'_> {
         };
         let before = link.qp.send_outstanding();
         let posted = link.qp.post_probe();
-        hub.send_cq.follow(before, link.qp.send_outstanding());
+        hub.budget.follow(before, link.qp.send_outstanding());
         let wr_id = posted.map_err(Error::from)?;
         // The core first: the hub's count of unsignaled sends follows the core's, which the
         // signaled probe brings to 0.
@@ -162,7 +162,7 @@ impl Queues for SlotQueues<'_> {
         };
         let before = link.qp.send_outstanding();
         let bound = link.qp.bind(window);
-        hub.send_cq.follow(before, link.qp.send_outstanding());
+        hub.budget.follow(before, link.qp.send_outstanding());
         match bound {
             Ok(wr_id) => {
                 s.core.posted(wr_id, true);
@@ -243,9 +243,9 @@ impl Exposes for SlotQueues<'_> {
 
     fn wait_for_send_slots(&mut self, reserve: usize, timeout: Option<Duration>) -> Result<()> {
         let peer = self.slot().id(self.slot);
-        self.hub.sq_reserve = reserve;
+        self.hub.budget.set_reserve(reserve);
         let waited = self.hub.wait_to_send(self.slot, peer, timeout);
-        self.hub.sq_reserve = 0;
+        self.hub.budget.set_reserve(0);
         waited
     }
 }

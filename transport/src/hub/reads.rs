@@ -11,21 +11,6 @@ use crate::drive;
 use crate::error::Result;
 use crate::read::ReadPost;
 
-/// Work requests of reads a peer may always have under way, whatever its share: one read of
-/// the most pieces a rendezvous descriptor names.
-const MIN_READ_SHARE: usize = 16;
-
-/// Whether a peer with `own` read work requests under way may post `need` more, when all
-/// peers have `all` under way on a send CQ of `cq_entries`, `readers` of them with some:
-/// reads fill at most half the CQ, and each reader at most an equal part of that half (at
-/// least [`MIN_READ_SHARE`]).
-fn fair_read_room(cq_entries: usize, all: usize, readers: usize, own: usize, need: usize) -> bool {
-    let half = cq_entries / 2;
-    let readers = readers + usize::from(own == 0);
-    let share = (half / readers.max(1)).max(MIN_READ_SHARE);
-    all + need <= half.max(need) && own + need <= share
-}
-
 impl RawHub {
     /// Exposes `bytes` to RDMA reads by peers under a key of their own (see
     /// [`Endpoint::expose`](crate::Endpoint::expose)); a rendezvous sender tells only the peer it sends to.
@@ -97,13 +82,12 @@ impl RawHub {
         };
         let before = link.qp.send_outstanding();
         let posted = link.qp.post_read(into, segments);
-        self.send_cq.follow(before, link.qp.send_outstanding());
+        self.budget.follow(before, link.qp.send_outstanding());
         match posted {
             Ok(id) => {
                 s.core.posted_read(id);
-                self.peers_reading += usize::from(s.reads.is_empty());
+                self.budget.read_posted(s.reads.is_empty(), need);
                 s.reads.push_back((id, need));
-                self.read_wrs += need;
                 Ok(ReadPost::Posted(id))
             }
             Err(e)
@@ -123,52 +107,6 @@ impl RawHub {
     /// its share of that half (at least one read of the most pieces a descriptor names).
     fn read_room(&self, slot: usize, need: usize) -> bool {
         let own: usize = self.slot(slot).reads.iter().map(|(_, n)| n).sum();
-        fair_read_room(
-            self.send_cq.entries(),
-            self.read_wrs,
-            self.peers_reading,
-            own,
-            need,
-        )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_fill_half_the_send_cq_at_most_each_reader_its_part() {
-        // Alone, a peer may read up to half the CQ.
-        assert!(fair_read_room(1024, 0, 0, 0, 16));
-        assert!(fair_read_room(1024, 496, 1, 496, 16));
-        assert!(
-            !fair_read_room(1024, 512, 1, 512, 1),
-            "half the CQ is for sends"
-        );
-        // 64 peers whose reads never complete hold half the CQ between them, and no more:
-        // every peer's sends and grants keep the other half.
-        let mut own = [0usize; 64];
-        for _ in 0..100 {
-            for i in 0..own.len() {
-                let all: usize = own.iter().sum();
-                let readers = own.iter().filter(|&&o| o > 0).count();
-                if fair_read_room(1024, all, readers, own[i], 1) {
-                    own[i] += 1;
-                }
-            }
-        }
-        let all: usize = own.iter().sum();
-        assert!(all <= 512, "{all}");
-        assert!(
-            own.iter().all(|&o| o <= 16),
-            "each within its part: {own:?}"
-        );
-        // A newcomer still gets its minimum while others read within their shares.
-        assert!(fair_read_room(1024, 256, 32, 0, 16));
-        assert!(
-            !fair_read_room(1024, 256, 32, 16, 16),
-            "beyond an equal part"
-        );
+        self.budget.read_fits(own, need)
     }
 }

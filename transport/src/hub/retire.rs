@@ -120,10 +120,10 @@ impl RawHub {
             };
             // Destroyed or not (a failed destruction leaks them with the queue pair), its
             // sends no longer count.
-            self.send_cq.follow(qp.send_outstanding(), 0);
+            self.budget.follow(qp.send_outstanding(), 0);
             if !s.reads.is_empty() {
-                self.read_wrs -= s.reads.drain(..).map(|(_, n)| n).sum::<usize>();
-                self.peers_reading -= 1;
+                let wrs = s.reads.drain(..).map(|(_, n)| n).sum();
+                self.budget.reads_over(wrs, true);
             }
             self.stats.queue_pairs_drained += 1;
             if let Ok(bufs) = qp.destroy() {

@@ -173,7 +173,7 @@ impl RawHub {
 
     /// Handshakes started by [`RawHub::connect`] and not finished.
     pub(super) fn outgoing_handshakes(&self) -> usize {
-        self.pending_outgoing
+        self.handshakes.outgoing()
     }
 
     pub(super) fn new_slot(&mut self, accepted: bool) -> Result<usize> {
@@ -246,7 +246,8 @@ impl RawHub {
         let Some(s) = self.table.slots[slot].as_mut() else {
             return;
         };
-        self.unsignaled_total -= std::mem::take(&mut s.unsignaled);
+        self.budget
+            .follow_unsignaled(std::mem::take(&mut s.unsignaled), 0);
         if let Some(qpn) = s.qpn.take() {
             self.table.unmap_qp(qpn);
             self.endpoint.unregister_async(qpn, &self.mailbox);

@@ -131,7 +131,7 @@ impl RawHub {
     /// The send CQ is armed for any completion while a send is outstanding on any queue pair
     /// (as a core arms for its signaled sends, see `Core::send_arm`): counted, not searched.
     fn send_arm(&self) -> ArmMode {
-        if self.send_cq.outstanding() > 0 {
+        if self.budget.outstanding() > 0 {
             ArmMode::Next
         } else {
             ArmMode::SolicitedOnly
