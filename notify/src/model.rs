@@ -40,7 +40,7 @@ pub struct ModelCompletion {
 
 /// What arrives: the queue and the kind of completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Arrival {
+pub struct ModelArrival {
     /// Index of the queue (order of [`Model::add_cq`]).
     pub cq: usize,
     /// A receive completion (else a send completion).
@@ -51,7 +51,7 @@ pub struct Arrival {
     pub success: bool,
 }
 
-impl Arrival {
+impl ModelArrival {
     /// A successful receive.
     pub fn recv(cq: usize, solicited: bool) -> Self {
         Self {
@@ -113,13 +113,13 @@ struct State {
     events: VecDeque<usize>,
     next_seq: u64,
     now: u64,
-    schedule: BTreeMap<u64, Vec<Arrival>>,
+    schedule: BTreeMap<u64, Vec<ModelArrival>>,
     violations: Vec<String>,
     arms: u64,
 }
 
 impl State {
-    fn arrive(&mut self, a: Arrival) -> u64 {
+    fn arrive(&mut self, a: ModelArrival) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
         let cq = &mut self.cqs[a.cq];
@@ -186,12 +186,12 @@ impl Model {
     }
 
     /// A completion lands now; returns its arrival number.
-    pub fn arrive(&self, a: Arrival) -> u64 {
+    pub fn arrive(&self, a: ModelArrival) -> u64 {
         self.state.borrow_mut().arrive(a)
     }
 
     /// A completion will land just before operation number `at` (see [`Model::now`]).
-    pub fn schedule(&self, at: u64, a: Arrival) {
+    pub fn schedule(&self, at: u64, a: ModelArrival) {
         self.state
             .borrow_mut()
             .schedule

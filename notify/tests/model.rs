@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use rdmsg_notify::model::{Arrival, Model, ModelChannel, ModelCompletion, ModelCq};
+use rdmsg_notify::model::{Model, ModelArrival, ModelChannel, ModelCompletion, ModelCq};
 use rdmsg_notify::{
     ArmMode, CompletionSource, EventChannel, EventTarget, Policy, Readiness, Waiter,
 };
@@ -21,8 +21,8 @@ fn arming_is_one_shot() {
     let m = Model::new();
     let cq = m.add_cq(16);
     cq.arm(ArmMode::Next).unwrap();
-    m.arrive(Arrival::recv(0, false));
-    m.arrive(Arrival::recv(0, false));
+    m.arrive(ModelArrival::recv(0, false));
+    m.arrive(ModelArrival::recv(0, false));
     assert_eq!(events(&m, &[cq]), [EventTarget::Cq(0)]);
 }
 
@@ -30,7 +30,7 @@ fn arming_is_one_shot() {
 fn completions_queued_before_arming_do_not_notify() {
     let m = Model::new();
     let cq = m.add_cq(16);
-    m.arrive(Arrival::recv(0, true));
+    m.arrive(ModelArrival::recv(0, true));
     cq.arm(ArmMode::Next).unwrap();
     assert!(events(&m, &[cq]).is_empty());
 }
@@ -42,8 +42,8 @@ fn several_arms_before_an_event_yield_one_event() {
     for _ in 0..3 {
         cq.arm(ArmMode::SolicitedOnly).unwrap();
     }
-    m.arrive(Arrival::recv(0, true));
-    m.arrive(Arrival::recv(0, true));
+    m.arrive(ModelArrival::recv(0, true));
+    m.arrive(ModelArrival::recv(0, true));
     assert_eq!(events(&m, &[cq]).len(), 1);
 }
 
@@ -58,26 +58,26 @@ fn next_wins_over_solicited_only_in_either_order() {
         for mode in order {
             cq.arm(mode).unwrap();
         }
-        m.arrive(Arrival::recv(0, false));
+        m.arrive(ModelArrival::recv(0, false));
         assert_eq!(events(&m, &[cq]).len(), 1, "{order:?}");
     }
 }
 
 #[test]
 fn solicited_only_fires_for_solicited_receives_and_any_error() {
-    let solicited_send = Arrival {
+    let solicited_send = ModelArrival {
         cq: 0,
         recv: false,
         solicited: true,
         success: true,
     };
     let cases = [
-        (Arrival::recv(0, false), false),
-        (Arrival::send(0), false),
+        (ModelArrival::recv(0, false), false),
+        (ModelArrival::send(0), false),
         (solicited_send, false),
-        (Arrival::recv(0, true), true),
-        (Arrival::error(0, true), true),
-        (Arrival::error(0, false), true),
+        (ModelArrival::recv(0, true), true),
+        (ModelArrival::error(0, true), true),
+        (ModelArrival::error(0, false), true),
     ];
     for (arrival, fires) in cases {
         let m = Model::new();
@@ -94,7 +94,7 @@ fn destroying_with_unacked_events_is_reported() {
         let m = Model::new();
         let cq = m.add_cq(16);
         cq.arm(ArmMode::Next).unwrap();
-        m.arrive(Arrival::recv(0, false));
+        m.arrive(ModelArrival::recv(0, false));
         let cqs = [cq];
         assert_eq!(events(&m, &cqs).len(), 1);
         let [cq] = cqs;
@@ -112,7 +112,7 @@ fn an_undersized_queue_overruns() {
     let m = Model::new();
     let _cq = m.add_cq(2);
     for _ in 0..3 {
-        m.arrive(Arrival::recv(0, false));
+        m.arrive(ModelArrival::recv(0, false));
     }
     assert!(m.overrun(0));
 }
@@ -148,7 +148,7 @@ fn solicited_only_receiver_sleeps_through_unsolicited_messages() {
     let m = Model::new();
     let mut w = waiter(&m, &[ArmMode::SolicitedOnly], Policy::Sleep);
     for _ in 0..10 {
-        m.schedule(m.now() + DURING_FIRST_SLEEP, Arrival::recv(0, false));
+        m.schedule(m.now() + DURING_FIRST_SLEEP, ModelArrival::recv(0, false));
     }
     let mut got = Vec::new();
     assert_eq!(
@@ -168,7 +168,7 @@ fn solicited_message_wakes_and_everything_before_it_is_drained_in_order() {
     let m = Model::new();
     let mut w = waiter(&m, &[ArmMode::SolicitedOnly], Policy::Sleep);
     for i in 0..11 {
-        m.schedule(m.now() + DURING_FIRST_SLEEP, Arrival::recv(0, i == 10));
+        m.schedule(m.now() + DURING_FIRST_SLEEP, ModelArrival::recv(0, i == 10));
     }
     let mut got = Vec::new();
     assert_eq!(
@@ -201,7 +201,7 @@ fn a_wait_of_any_length_is_a_wait() {
     ] {
         let m = Model::new();
         let mut w = waiter(&m, &[ArmMode::SolicitedOnly], policy);
-        m.arrive(Arrival::recv(0, true));
+        m.arrive(ModelArrival::recv(0, true));
         let mut got = Vec::new();
         let n = w
             .wait(Some(Duration::MAX), &mut |_, c| got.push(*c))
@@ -216,13 +216,13 @@ fn next_mode_send_queue_wakes_on_a_send_error_the_receive_queue_ignores() {
     let mut w = waiter(&m, &[ArmMode::SolicitedOnly, ArmMode::Next], Policy::Sleep);
     let mut got = Vec::new();
     assert_eq!(wait_now(&mut w, &mut got), 0);
-    m.arrive(Arrival::send(1));
+    m.arrive(ModelArrival::send(1));
     assert_eq!(
         wait_now(&mut w, &mut got),
         1,
         "next-mode queue wakes on the first"
     );
-    m.arrive(Arrival::error(1, false));
+    m.arrive(ModelArrival::error(1, false));
     assert_eq!(wait_now(&mut w, &mut got), 1);
     assert!(!got[1].success);
 }
@@ -239,7 +239,10 @@ fn raising_a_queue_to_next_mode_rearms_it() {
     );
     w.set_mode(rdmsg_notify::CqKey(0), ArmMode::Next).unwrap();
     assert_eq!(w.mode(rdmsg_notify::CqKey(0)).unwrap(), ArmMode::Next);
-    m.schedule(m.now() + DURING_FIRST_SLEEP_NEXT, Arrival::recv(0, false));
+    m.schedule(
+        m.now() + DURING_FIRST_SLEEP_NEXT,
+        ModelArrival::recv(0, false),
+    );
     assert_eq!(
         wait_now(&mut w, &mut got),
         1,
@@ -256,8 +259,8 @@ fn no_instant_in_the_loop_strands_a_completion() {
         let m = Model::new();
         let mut w = waiter(&m, &[ArmMode::SolicitedOnly, ArmMode::Next], Policy::Sleep);
         let mut got = Vec::new();
-        m.schedule(m.now() + offset, Arrival::recv(0, true));
-        m.schedule(m.now() + offset, Arrival::send(1));
+        m.schedule(m.now() + offset, ModelArrival::recv(0, true));
+        m.schedule(m.now() + offset, ModelArrival::send(1));
         for _ in 0..4 {
             wait_now(&mut w, &mut got);
         }
@@ -278,7 +281,7 @@ fn the_model_catches_poll_then_arm() {
     let mut ch = m.channel();
     let mut scratch = [ModelCompletion::default(); 4];
     assert_eq!(cq.poll(&mut scratch).unwrap(), 0);
-    m.arrive(Arrival::recv(0, true));
+    m.arrive(ModelArrival::recv(0, true));
     cq.arm(ArmMode::SolicitedOnly).unwrap();
     assert_eq!(ch.wait_readable(None).unwrap(), Readiness::TimedOut);
     assert_eq!(m.violations().len(), 1, "{:?}", m.violations());
@@ -292,7 +295,7 @@ fn acks_are_batched_and_flushed() {
     let mut got = Vec::new();
     for _ in 0..10 {
         wait_now(&mut w, &mut got);
-        m.arrive(Arrival::recv(0, false));
+        m.arrive(ModelArrival::recv(0, false));
         wait_now(&mut w, &mut got);
     }
     // The last completion was collected by the wait's first poll, before its event was read:
@@ -315,7 +318,7 @@ fn a_stale_event_is_absorbed_before_sleeping() {
     let mut got = Vec::new();
     wait_now(&mut w, &mut got); // armed
                                 // Lands after the arm (an event is pending) and is drained by a poll before the next wait.
-    m.arrive(Arrival::recv(0, false));
+    m.arrive(ModelArrival::recv(0, false));
     w.poll_all(&mut |_, c| got.push(*c)).unwrap();
     assert_eq!(wait_now(&mut w, &mut got), 0);
     let s = w.stats();
@@ -331,7 +334,7 @@ fn poll_policy_never_arms_and_hybrid_arms_after_spinning() {
     let m = Model::new();
     let mut w = waiter(&m, &[ArmMode::SolicitedOnly], Policy::Poll);
     let mut got = Vec::new();
-    m.arrive(Arrival::recv(0, false));
+    m.arrive(ModelArrival::recv(0, false));
     assert_eq!(
         wait_now(&mut w, &mut got),
         1,
@@ -364,7 +367,7 @@ fn the_adaptive_policy_spins_only_while_recent_waits_are_short() {
     );
     // Completions already queued when waited for: waits of no length.
     for seq in 0..rdmsg_notify::RECENT_GAPS as u64 {
-        m.arrive(Arrival::recv(0, true));
+        m.arrive(ModelArrival::recv(0, true));
         assert_eq!(w.wait(None, &mut |_, c| got.push(*c)).unwrap(), 1, "#{seq}");
     }
     let spin = w.adaptive_spin();
@@ -416,7 +419,7 @@ fn the_adaptive_policy_spins_only_while_recent_waits_are_short() {
 #[derive(Debug, Clone)]
 enum Op {
     /// A completion lands `delay` operations from now (possibly in the middle of a wait).
-    Arrive { delay: u64, arrival: Arrival },
+    Arrive { delay: u64, arrival: ModelArrival },
     /// The waiter waits (without blocking: the model reports when it would).
     Wait,
 }
@@ -431,7 +434,7 @@ fn op(n_cqs: usize) -> impl Strategy<Value = Op> {
     )
         .prop_map(|(delay, cq, recv, solicited, success)| Op::Arrive {
             delay,
-            arrival: Arrival {
+            arrival: ModelArrival {
                 cq,
                 recv,
                 solicited,
@@ -482,8 +485,8 @@ proptest! {
         while m.pending_schedule() > 0 {
             wait_now(&mut w, &mut got);
         }
-        m.arrive(Arrival::recv(0, true));
-        m.arrive(Arrival::error(1, false));
+        m.arrive(ModelArrival::recv(0, true));
+        m.arrive(ModelArrival::error(1, false));
         arrivals += 2;
         for _ in 0..4 {
             wait_now(&mut w, &mut got);

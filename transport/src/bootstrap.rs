@@ -26,6 +26,7 @@ use crate::handshake::{Action, Handshake, Hello, Reject};
 use crate::handshake_set::{to_evict, Bound, Waiting};
 use crate::setup::{nonce, our_hello, LocalSide, Setup};
 use crate::stream::{accept_next, bootstrap_err};
+use crate::token;
 use crate::trace::{self, trace_span};
 
 /// One handshake over a non-blocking stream, and the resources it set up so far.
@@ -235,9 +236,6 @@ pub(crate) fn connect(
     }
 }
 
-/// Watch token of the listening socket; pending handshake `i` has token `i + 1`.
-const LISTEN_TOKEN: u8 = 0;
-
 /// Accepts bootstrap connections for an [`Endpoint`], running their handshakes concurrently.
 ///
 /// [`accept`](Listener::accept) drives every pending handshake from one poll loop (no thread
@@ -255,7 +253,7 @@ pub struct Listener {
     endpoint: Endpoint,
     tcp: TcpListener,
     watch: ReadyWatch,
-    /// Slot `i` is watched as token `i + 1`.
+    /// Slot `i` is watched as [`token::listener::pending`]`(i)`.
     pending: Mutex<Vec<Option<Pending>>>,
     /// Accepting failed (descriptors or memory exhausted): the listening socket is out of the
     /// watch until then, so that pending handshakes go on and nothing spins on it.
@@ -303,7 +301,7 @@ impl Listener {
         tcp.set_nonblocking(true)
             .map_err(bootstrap_err("making the listener non-blocking"))?;
         let watch = ReadyWatch::new()?;
-        watch.add(tcp.as_fd(), LISTEN_TOKEN)?;
+        watch.add(tcp.as_fd(), token::listener::LISTEN)?;
         Ok(Self {
             endpoint,
             tcp,
@@ -383,11 +381,11 @@ impl Listener {
         let mut ready = u64::MAX;
         loop {
             if paused.is_some_and(|until| now >= until) {
-                self.watch.add(self.tcp.as_fd(), LISTEN_TOKEN)?;
+                self.watch.add(self.tcp.as_fd(), token::listener::LISTEN)?;
                 *paused = None;
-                ready |= 1 << LISTEN_TOKEN;
+                ready |= 1 << token::listener::LISTEN;
             }
-            if paused.is_none() && ready & (1 << LISTEN_TOKEN) != 0 {
+            if paused.is_none() && ready & (1 << token::listener::LISTEN) != 0 {
                 if let Err(e) = self.take_new(&mut pending, config) {
                     // Out of descriptors or memory, most likely: the listener's own failure.
                     // Report it, and stop accepting for a moment while the pending
@@ -400,7 +398,7 @@ impl Listener {
             }
             for i in 0..pending.len() {
                 let Some(p) = &mut pending[i] else { continue };
-                let advanced = if ready & (1 << (i + 1)) != 0 {
+                let advanced = if ready & (1 << token::listener::pending(i)) != 0 {
                     p.advance(&self.endpoint, &mut |c| Setup::new(&self.endpoint, c))
                 } else {
                     Ok(false)
@@ -487,7 +485,8 @@ impl Listener {
             );
             match Pending::new(stream, hs, None, config) {
                 Ok(p) => {
-                    self.watch.add(p.stream.as_fd(), slot as u8 + 1)?;
+                    self.watch
+                        .add(p.stream.as_fd(), token::listener::pending(slot))?;
                     trace::handshake_started(p.peer_addr, None);
                     pending[slot] = Some(p);
                 }

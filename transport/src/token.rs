@@ -69,6 +69,33 @@ impl Token {
     }
 }
 
+/// The bits of a TCP [`Listener`](crate::Listener)'s epoll set: the listening socket, and
+/// each pending handshake's stream by its place in the listener's table.
+pub(crate) mod listener {
+    /// The listening socket.
+    pub(crate) const LISTEN: u8 = 0;
+
+    /// The stream of the pending handshake in place `i` (at most 62 places: a bit each).
+    pub(crate) const fn pending(i: usize) -> u8 {
+        i as u8 + 1
+    }
+}
+
+/// The keys of a [`CmListener`](crate::CmListener)'s epoll set: its own event channel, and
+/// each pending accept's event and completion channels by their descriptors (never this key,
+/// nor 0: a CM channel is opened after stdin).
+pub(crate) mod cm_listener {
+    use std::os::fd::{AsFd, AsRawFd};
+
+    /// The listener's own event channel.
+    pub(crate) const LISTENER: u64 = u64::MAX;
+
+    /// The key of a pending accept's descriptor `fd`.
+    pub(crate) fn descriptor(fd: &impl AsFd) -> u64 {
+        fd.as_fd().as_raw_fd() as u64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use rdmsg_verbs::{CmEventChannel, CmId, ReadyWatch};
 
 use super::*;
+use crate::token;
 
 /// Accepts connections made through the RDMA connection manager for an [`Endpoint`]
 /// ([`Endpoint::listen_cm`]). A request whose hello fails a check is rejected with the reason
@@ -72,10 +73,6 @@ struct Accepted {
     memory: u64,
 }
 
-/// Watch key of the listener's own channel (pending accepts use their descriptor, never 0
-/// for a CM channel, which is opened after stdin).
-const LISTENER_KEY: u64 = u64::MAX;
-
 impl fmt::Debug for CmListener {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CmListener")
@@ -97,7 +94,7 @@ impl CmListener {
     /// A listener on `id`, alone on `channel`, listening already.
     pub(super) fn new(endpoint: Endpoint, channel: CmEventChannel, id: CmId) -> Result<Self> {
         let watch = ReadyWatch::new()?;
-        watch.add_keyed(channel.as_fd(), LISTENER_KEY)?;
+        watch.add_keyed(channel.as_fd(), token::cm_listener::LISTENER)?;
         Ok(Self {
             endpoint,
             channel,
@@ -536,14 +533,12 @@ fn proving_key(conn: &Connection) -> u64 {
 
 impl Accepted {
     fn key(&self) -> u64 {
-        use std::os::fd::AsRawFd;
-        self.channel.as_raw_fd() as u64
+        token::cm_listener::descriptor(&self.channel)
     }
 
     /// Watch key of its completion channel: its descriptor too.
     fn completions_key(&self) -> u64 {
-        use std::os::fd::AsRawFd;
-        self.setup.channel.as_raw_fd() as u64
+        token::cm_listener::descriptor(&self.setup.channel)
     }
 
     /// Whether a receive completed on its queue pair since the accept (the CQ armed then has
