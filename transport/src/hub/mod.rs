@@ -54,7 +54,7 @@ mod reads;
 mod retire;
 mod side;
 mod slots;
-mod table;
+pub(crate) mod table;
 mod wait;
 
 use std::cmp::Reverse;

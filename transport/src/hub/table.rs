@@ -8,15 +8,15 @@ use std::collections::HashMap;
 use super::PeerId;
 
 /// What the table needs of an entry: the generation it was given.
-pub(super) trait Generational {
+pub(crate) trait Generational {
     fn generation(&self) -> u32;
 }
 
 /// Slots of connections, each `None` while free.
 #[derive(Debug)]
-pub(super) struct SlotTable<S> {
+pub(crate) struct SlotTable<S> {
     /// The entries, by slot: the hub's share of the buffers keeps its books over them.
-    pub(super) slots: Vec<Option<S>>,
+    pub(crate) slots: Vec<Option<S>>,
     free: Vec<usize>,
     /// The next generation given (never 0, so that a default `PeerId` names nobody).
     next_generation: u32,
@@ -26,7 +26,7 @@ pub(super) struct SlotTable<S> {
 
 impl<S: Generational> SlotTable<S> {
     /// A table of at most `max` connections at once.
-    pub(super) fn new(max: usize) -> Self {
+    pub(crate) fn new(max: usize) -> Self {
         Self {
             slots: Vec::new(),
             free: Vec::new(),
@@ -37,13 +37,13 @@ impl<S: Generational> SlotTable<S> {
     }
 
     /// Connections in the table.
-    pub(super) fn used(&self) -> usize {
+    pub(crate) fn used(&self) -> usize {
         self.slots.len() - self.free.len()
     }
 
     /// Puts the entry `make` builds for the generation it is given into a free slot (a freed
     /// one first); `None` when the table holds its most already.
-    pub(super) fn insert(&mut self, make: impl FnOnce(u32) -> S) -> Option<usize> {
+    pub(crate) fn insert(&mut self, make: impl FnOnce(u32) -> S) -> Option<usize> {
         if self.used() >= self.max {
             return None;
         }
@@ -63,7 +63,7 @@ impl<S: Generational> SlotTable<S> {
 
     /// The slot `peer` names, while it holds that connection (not a later one of the slot).
     #[inline]
-    pub(super) fn find(&self, peer: PeerId) -> Option<usize> {
+    pub(crate) fn find(&self, peer: PeerId) -> Option<usize> {
         let i = peer.slot as usize;
         let s = self.slots.get(i)?.as_ref()?;
         (s.generation() == peer.generation).then_some(i)
@@ -71,25 +71,25 @@ impl<S: Generational> SlotTable<S> {
 
     /// Frees slot `i`; its entry, if it held one. Its queue pair's number is the caller's to
     /// [`SlotTable::unmap_qp`] (once the queue pair is gone).
-    pub(super) fn remove(&mut self, i: usize) -> Option<S> {
+    pub(crate) fn remove(&mut self, i: usize) -> Option<S> {
         let entry = self.slots.get_mut(i)?.take()?;
         self.free.push(i);
         Some(entry)
     }
 
     /// Completions of queue pair `qpn` are slot `i`'s.
-    pub(super) fn map_qp(&mut self, qpn: u32, i: usize) {
+    pub(crate) fn map_qp(&mut self, qpn: u32, i: usize) {
         self.by_qpn.insert(qpn, i);
     }
 
     /// Queue pair `qpn` is gone or going: its number may name another next, of this hub or
     /// not.
-    pub(super) fn unmap_qp(&mut self, qpn: u32) {
+    pub(crate) fn unmap_qp(&mut self, qpn: u32) {
         self.by_qpn.remove(&qpn);
     }
 
     /// The slot whose queue pair is `qpn`.
-    pub(super) fn slot_of_qp(&self, qpn: u32) -> Option<usize> {
+    pub(crate) fn slot_of_qp(&self, qpn: u32) -> Option<usize> {
         self.by_qpn.get(&qpn).copied()
     }
 }

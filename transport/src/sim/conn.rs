@@ -209,7 +209,8 @@ impl Net {
                     (&mut c.app, &mut c.core, room)
                 }
                 End::Hub(s) => {
-                    let Some(slot) = self.hub.as_ref().expect("a hub").slots[s].as_ref() else {
+                    let Some(slot) = self.hub.as_ref().expect("a hub").table.slots[s].as_ref()
+                    else {
                         return busy;
                     };
                     // As `RawHub::wait_to_send`: its grant slots are backed before it sends.
@@ -217,7 +218,7 @@ impl Net {
                         self.hub_wake_slots(s);
                     }
                     let h = self.hub.as_mut().expect("a hub");
-                    let slot = h.slots[s].as_mut().expect("live");
+                    let slot = h.table.slots[s].as_mut().expect("live");
                     let room = slot.room();
                     (&mut slot.app, &mut slot.core, room)
                 }

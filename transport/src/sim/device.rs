@@ -136,7 +136,7 @@ impl Net {
         let error = sq.error;
         match from {
             End::Conn(i) => self.conns[i].core.posted(wr_id, post.signaled),
-            End::Hub(s) => self.hub().slots[s]
+            End::Hub(s) => self.hub().table.slots[s]
                 .as_mut()
                 .expect("a live slot")
                 .core
@@ -169,7 +169,7 @@ impl Net {
             End::Hub(s) => {
                 let h = self.hub.as_mut().expect("a hub");
                 // A released slot's queue pair is gone: nothing completes on it.
-                let slot = h.slots[s].as_mut()?;
+                let slot = h.table.slots[s].as_mut()?;
                 Some((&mut slot.sq, &mut h.send_cq, s))
             }
             End::Gone(_) => None,
@@ -253,7 +253,7 @@ impl Net {
         };
         let receiver_error = match to {
             End::Conn(i) => self.conns[i].sq.error || self.conns[i].dead,
-            End::Hub(s) => self.hub.as_ref().expect("a hub").slots[s]
+            End::Hub(s) => self.hub.as_ref().expect("a hub").table.slots[s]
                 .as_ref()
                 .is_none_or(|slot| slot.sq.error),
             End::Gone(_) => true,

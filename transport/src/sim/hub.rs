@@ -12,6 +12,7 @@ use crate::core::{Core, Room};
 use crate::credits::Credits;
 use crate::drive;
 use crate::error::Failure;
+use crate::hub::table::{Generational, SlotTable};
 use crate::share::{CreditHolder, Share};
 
 /// The hub's record of one connection.
@@ -23,6 +24,14 @@ pub(crate) struct HubSlot {
     pub(super) sq: SendQueue,
     pub(super) sq_depth: usize,
     pub(super) touched: bool,
+    /// Its holder's generation, as the hub's table gives it.
+    pub(super) generation: u32,
+}
+
+impl Generational for HubSlot {
+    fn generation(&self) -> u32 {
+        self.generation
+    }
 }
 
 impl HubSlot {
@@ -45,7 +54,8 @@ impl CreditHolder for HubSlot {
 #[derive(Debug)]
 pub(crate) struct SimHub {
     pub share: Share,
-    pub slots: Vec<Option<HubSlot>>,
+    /// The connections, in the hub's own table: a slot freed is reused as the hub reuses it.
+    pub table: SlotTable<HubSlot>,
     pub(super) srq_posted: u32,
     pub(super) free: u32,
     pub(super) total: u32,
@@ -76,7 +86,7 @@ impl Net {
         let h = self.hub();
         // Its application hands back what it holds beyond each slot's bound.
         let mut back = 0;
-        for (s, slot) in h.slots.iter_mut().enumerate() {
+        for (s, slot) in h.table.slots.iter_mut().enumerate() {
             let Some(slot) = slot else { continue };
             while slot.app.held > slot.app.hold {
                 slot.app.held -= 1;
@@ -89,16 +99,16 @@ impl Net {
         h.free += back;
         busy |= back > 0;
         // Deadlines of the cores.
-        let due: Vec<usize> = (0..self.hub().slots.len())
+        let due: Vec<usize> = (0..self.hub().table.slots.len())
             .filter(|&s| {
-                self.hub.as_ref().expect("a hub").slots[s]
+                self.hub.as_ref().expect("a hub").table.slots[s]
                     .as_ref()
                     .and_then(|x| x.core.next_timeout())
                     .is_some_and(|at| at <= now)
             })
             .collect();
         for s in due {
-            if self.hub().slots[s].is_some() {
+            if self.hub().table.slots[s].is_some() {
                 busy |= drive::fire_timers(&mut self.queues(End::Hub(s)), now);
             }
         }
@@ -108,18 +118,18 @@ impl Net {
         if h.free > 0 {
             h.srq_posted += h.free;
             let n = std::mem::take(&mut h.free);
-            h.share.on_posted(n, &mut h.slots, &mut h.touched);
+            h.share.on_posted(n, &mut h.table.slots, &mut h.touched);
             busy = true;
         }
         if now.duration_since(h.last_tick) >= Duration::from_secs(1) {
             h.last_tick = now;
-            h.share.tick(&mut h.slots, &mut h.touched);
+            h.share.tick(&mut h.table.slots, &mut h.touched);
         }
         // Grants where the books changed.
         let touched: Vec<usize> = std::mem::take(&mut self.hub().touched);
         for s in touched {
             let h = self.hub();
-            let Some(slot) = h.slots[s].as_mut() else {
+            let Some(slot) = h.table.slots[s].as_mut() else {
                 continue;
             };
             slot.touched = false;
@@ -131,16 +141,21 @@ impl Net {
             busy |= drive::grant(&mut self.queues(End::Hub(s)), room)
                 .expect("simulated posts do not fail");
         }
-        for s in 0..self.hub().slots.len() {
+        for s in 0..self.hub().table.slots.len() {
             busy |= self.app_send(End::Hub(s));
         }
         let h = self.hub();
         let blocked =
-            h.slots.iter().flatten().any(|s| {
+            h.table.slots.iter().flatten().any(|s| {
                 s.app.backlog > 0 && s.core.failure().is_none() && !s.core.may_send(s.room())
             });
         // As `RawHub::arm`: the send CQ for any completion while any send is outstanding.
-        let outstanding = h.slots.iter().flatten().any(|s| !s.sq.posted.is_empty());
+        let outstanding = h
+            .table
+            .slots
+            .iter()
+            .flatten()
+            .any(|s| !s.sq.posted.is_empty());
         let send_arm = if outstanding {
             ArmMode::Next
         } else {
@@ -160,17 +175,18 @@ impl Net {
     /// spare, else the pool grows at once and the new buffers back them first.
     pub(super) fn hub_wake_slots(&mut self, s: usize) -> bool {
         let h = self.hub();
-        if !h.slots[s].as_ref().is_some_and(|x| x.admitted) {
+        if !h.table.slots[s].as_ref().is_some_and(|x| x.admitted) {
             return false;
         }
-        if h.share.wake_slots(s, &mut h.slots, &mut h.touched) {
+        if h.share.wake_slots(s, &mut h.table.slots, &mut h.touched) {
             return true;
         }
         let wanted = h.share.take_slot_demand();
         h.total += wanted;
         h.srq_posted += wanted;
-        h.share.on_posted(wanted, &mut h.slots, &mut h.touched);
-        h.slots[s]
+        h.share
+            .on_posted(wanted, &mut h.table.slots, &mut h.touched);
+        h.table.slots[s]
             .as_ref()
             .is_some_and(|x| x.core.credits().slots_ready())
     }
@@ -184,7 +200,7 @@ impl Net {
         }
         for e in &batch {
             if !matches!(e.c.status, WcStatus::Success | WcStatus::WrFlushErr) {
-                if let Some(slot) = self.hub().slots[e.qp].as_mut() {
+                if let Some(slot) = self.hub().table.slots[e.qp].as_mut() {
                     slot.core.begin_batch([e.c]);
                 }
                 self.do_commands(End::Hub(e.qp));
@@ -192,7 +208,7 @@ impl Net {
         }
         for e in batch {
             let h = self.hub();
-            let Some(slot) = h.slots[e.qp].as_mut() else {
+            let Some(slot) = h.table.slots[e.qp].as_mut() else {
                 if e.c.recv {
                     h.share.on_stray();
                     h.free += 1;
@@ -208,7 +224,7 @@ impl Net {
                 drive::on_recv(&mut q, &e.c, e.seq, 0);
             }
             let h = q.net.hub();
-            let slot = h.slots[e.qp].as_mut().expect("live");
+            let slot = h.table.slots[e.qp].as_mut().expect("live");
             if !std::mem::replace(&mut slot.touched, true) {
                 h.touched.push(e.qp);
             }
@@ -220,11 +236,11 @@ impl Net {
     /// Failed slots whose sends came back are destroyed, then released with their event.
     pub(super) fn retire_drained(&mut self) -> bool {
         let mut busy = false;
-        let n = self.hub().slots.len();
+        let n = self.hub().table.slots.len();
         let now = self.now;
         for s in 0..n {
             let h = self.hub();
-            let Some(slot) = h.slots[s].as_mut() else {
+            let Some(slot) = h.table.slots[s].as_mut() else {
                 continue;
             };
             if slot.core.failure().is_none() {
@@ -234,7 +250,7 @@ impl Net {
                 continue;
             }
             let h = self.hub();
-            let slot = h.slots[s].as_mut().expect("live");
+            let slot = h.table.slots[s].as_mut().expect("live");
             let failure = slot.core.failure().expect("failed");
             // Its messages still held by the application come back with it.
             h.held -= slot.app.held;
@@ -242,9 +258,9 @@ impl Net {
             slot.app.held = 0;
             h.held_order.retain(|&x| x != s);
             if slot.admitted {
-                h.share.release(s, &mut h.slots, &mut h.touched);
+                h.share.release(s, &mut h.table.slots, &mut h.touched);
             }
-            h.slots[s] = None;
+            h.table.remove(s);
             h.ended.push((s, failure));
             // Its queue pair is gone (a later connection may take the slot): its wire's end
             // becomes a tombstone, so that what the peer still sends fails at the peer.
@@ -273,7 +289,7 @@ impl Net {
             h.total,
             "the hub's buffers"
         );
-        if let Err(e) = h.share.audit(&h.slots) {
+        if let Err(e) = h.share.audit(&h.table.slots) {
             panic!("{e}");
         }
     }
@@ -285,7 +301,7 @@ impl Net {
             let Some(s) = h.held_order.pop_front() else {
                 break;
             };
-            h.slots[s].as_mut().expect("a live slot").app.held -= 1;
+            h.table.slots[s].as_mut().expect("a live slot").app.held -= 1;
             h.held -= 1;
             h.free += 1;
         }

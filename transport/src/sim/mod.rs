@@ -37,6 +37,7 @@ use crate::core::{Core, StreamNews};
 use crate::credits::Credits;
 use crate::drive::{self, Queues};
 use crate::error::Failure;
+use crate::hub::table::SlotTable;
 use crate::share::{Share, ShareConfig};
 
 mod conn;
@@ -169,12 +170,12 @@ impl Net {
     /// A hub whose share lends `shared` spare buffers beyond its connections' minimums.
     pub(crate) fn with_hub(&mut self, cfg: ShareConfig, shared: u32) {
         let mut share = Share::new(cfg).expect("a valid share");
-        let mut slots: Vec<Option<HubSlot>> = Vec::new();
+        let mut table = SlotTable::new(usize::MAX);
         let mut touched = Vec::new();
-        share.on_posted(shared, &mut slots, &mut touched);
+        share.on_posted(shared, &mut table.slots, &mut touched);
         self.hub = Some(SimHub {
             share,
-            slots,
+            table,
             srq_posted: shared,
             free: 0,
             total: shared,
@@ -197,25 +198,6 @@ impl Net {
         let ct = self.close_timeout;
         let hub = self.hub.as_mut().expect("a hub");
         let cfg = hub.share.config();
-        let slot = match hub.slots.iter().position(Option::is_none) {
-            Some(s) => s,
-            None => {
-                hub.slots.push(None);
-                hub.slots.len() - 1
-            }
-        };
-        // As the hub admits: `shared` buffers stay spare beyond everyone's minimum.
-        let cost = cfg.admission_cost();
-        let short = (cost + hub.shared).saturating_sub(hub.share.spare());
-        if short == 0 {
-            hub.share.admit(slot).expect("spare covers it");
-        } else {
-            hub.total += short;
-            hub.srq_posted += short;
-            hub.share
-                .admit_posted(slot, short, &mut hub.slots, &mut hub.touched)
-                .expect("grown by what was short");
-        }
         let books = Credits::shared(
             cfg.max_credits,
             cfg.grant_slots,
@@ -224,17 +206,38 @@ impl Net {
             peer.depth,
             cfg.min_credits,
         );
-        hub.slots[slot] = Some(HubSlot {
-            core: Core::new(books, peer.signal_every, ct),
-            app: App {
-                hold: u32::MAX,
-                ..App::default()
-            },
-            admitted: true,
-            sq: SendQueue::default(),
-            sq_depth: 8,
-            touched: false,
-        });
+        // As the hub does: the slot from its table first (a freed one reused), then its
+        // admission, in which `shared` buffers stay spare beyond everyone's minimum.
+        let slot = hub
+            .table
+            .insert(|generation| HubSlot {
+                core: Core::new(books, peer.signal_every, ct),
+                app: App {
+                    hold: u32::MAX,
+                    ..App::default()
+                },
+                admitted: false,
+                sq: SendQueue::default(),
+                sq_depth: 8,
+                touched: false,
+                generation,
+            })
+            .expect("the simulated hub takes any number");
+        let cost = cfg.admission_cost();
+        let short = (cost + hub.shared).saturating_sub(hub.share.spare());
+        if short == 0 {
+            hub.share.admit(slot).expect("spare covers it");
+        } else {
+            hub.total += short;
+            hub.srq_posted += short;
+            hub.share
+                .admit_posted(slot, short, &mut hub.table.slots, &mut hub.touched)
+                .expect("grown by what was short");
+        }
+        hub.table.slots[slot]
+            .as_mut()
+            .expect("inserted above")
+            .admitted = true;
         let c = self.conns.len();
         self.conns.push(SimConn::new(
             peer,
@@ -297,7 +300,7 @@ impl Net {
                 let now = self.now;
                 let h = self.hub();
                 h.asleep = false;
-                if h.slots[s].is_some() {
+                if h.table.slots[s].is_some() {
                     drive::on_stream(&mut self.queues(End::Hub(s)), news, now);
                 }
             }
@@ -361,7 +364,7 @@ impl Net {
     pub(crate) fn async_failure(&mut self, end: End, f: Failure) {
         let live = match end {
             End::Conn(_) => true,
-            End::Hub(s) => self.hub().slots[s].is_some(),
+            End::Hub(s) => self.hub().table.slots[s].is_some(),
             End::Gone(_) => false,
         };
         if live {
@@ -376,7 +379,7 @@ impl Net {
 
     /// Starts a graceful close of hub slot `s`; whether it could.
     pub(crate) fn close_hub_slot(&mut self, s: usize) -> bool {
-        self.hub().slots[s].is_some() && self.close_end(End::Hub(s))
+        self.hub().table.slots[s].is_some() && self.close_end(End::Hub(s))
     }
 
     fn close_end(&mut self, end: End) -> bool {
@@ -466,7 +469,7 @@ impl Net {
         let hub = self
             .hub
             .iter()
-            .flat_map(|h| h.slots.iter().flatten())
+            .flat_map(|h| h.table.slots.iter().flatten())
             .filter_map(|s| s.core.next_timeout());
         conns.chain(hub).min()
     }

@@ -32,7 +32,12 @@ impl Queues for SimQueues<'_> {
     fn core(&mut self) -> &mut Core {
         match self.end {
             End::Conn(i) => &mut self.net.conns[i].core,
-            End::Hub(s) => &mut self.net.hub().slots[s].as_mut().expect("a live slot").core,
+            End::Hub(s) => {
+                &mut self.net.hub().table.slots[s]
+                    .as_mut()
+                    .expect("a live slot")
+                    .core
+            }
             End::Gone(_) => unreachable!("a gone end has no core"),
         }
     }
@@ -40,7 +45,7 @@ impl Queues for SimQueues<'_> {
     fn next_command(&mut self) -> Option<Command> {
         match self.end {
             End::Conn(i) => self.net.conns[i].core.poll_command(),
-            End::Hub(s) => self.net.hub().slots[s]
+            End::Hub(s) => self.net.hub().table.slots[s]
                 .as_mut()
                 .and_then(|slot| slot.core.poll_command()),
             End::Gone(_) => None,
@@ -62,7 +67,7 @@ impl Queues for SimQueues<'_> {
     fn room(&self) -> Room {
         match self.end {
             End::Conn(i) => self.net.conns[i].room(),
-            End::Hub(s) => self.net.hub.as_ref().expect("a hub").slots[s]
+            End::Hub(s) => self.net.hub.as_ref().expect("a hub").table.slots[s]
                 .as_ref()
                 .expect("a live slot")
                 .room(),
@@ -98,7 +103,7 @@ impl Queues for SimQueues<'_> {
             return;
         };
         let h = self.net.hub();
-        let slot = h.slots[s].as_mut().expect("a live slot");
+        let slot = h.table.slots[s].as_mut().expect("a live slot");
         let r = match receipt.action {
             RecvAction::Grant => share::Consumed::Grant,
             _ if receipt.spent_credit => share::Consumed::Data,
@@ -106,7 +111,7 @@ impl Queues for SimQueues<'_> {
         };
         if slot.admitted {
             h.share.on_consumed(s, slot, r, &mut h.touched);
-            h.share.park_slots(s, &mut h.slots, &mut h.touched);
+            h.share.park_slots(s, &mut h.table.slots, &mut h.touched);
         } else {
             h.share.on_stray();
         }
@@ -122,7 +127,7 @@ impl Queues for SimQueues<'_> {
             }
             End::Hub(s) => {
                 let h = self.net.hub();
-                let slot = h.slots[s].as_mut().expect("a live slot");
+                let slot = h.table.slots[s].as_mut().expect("a live slot");
                 slot.app.received.push(seq);
                 slot.app.held += 1;
                 h.held += 1;
@@ -177,7 +182,7 @@ impl Queues for SimQueues<'_> {
     fn flushing(&mut self) {
         if let End::Hub(s) = self.end {
             let h = self.net.hub();
-            if h.slots[s].as_ref().is_some_and(|slot| slot.admitted) {
+            if h.table.slots[s].as_ref().is_some_and(|slot| slot.admitted) {
                 // Its buffers stop being refilled; released at the end.
                 h.share.retire(s);
             }
@@ -192,7 +197,7 @@ impl Queues for SimQueues<'_> {
                 c.recv_posted as usize + c.recv_cq.entries.len()
             }
             // The hub waits for its sends (the shared queue keeps its receives).
-            End::Hub(s) => self.net.hub.as_ref().expect("a hub").slots[s]
+            End::Hub(s) => self.net.hub.as_ref().expect("a hub").table.slots[s]
                 .as_ref()
                 .map_or(0, |slot| slot.sq.posted.len()),
             End::Gone(_) => 0,

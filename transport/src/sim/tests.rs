@@ -235,7 +235,7 @@ fn a_hub_closing_a_peer_that_died_reports_it_vanished_at_once() {
         let (mut net, ids) = hub(2, SHARE, 4);
         net.retry_for_ever();
         let (slot, dead) = ids[0];
-        net.hub().slots[slot].as_mut().unwrap().app.backlog = 3;
+        net.hub().table.slots[slot].as_mut().unwrap().app.backlog = 3;
         net.conns[dead].app.hold = 0;
         net.drive(10_000);
         if died_first {
@@ -501,13 +501,13 @@ fn hub_peers_share_the_pool_without_receiver_not_ready() {
     for (k, &(slot, c)) in ids.iter().enumerate() {
         net.conns[c].app.backlog = 50 * (k as u64 + 1);
         net.conns[c].app.hold = 0;
-        net.hub().slots[slot].as_mut().unwrap().app.hold = 1;
-        net.hub().slots[slot].as_mut().unwrap().app.backlog = 20;
+        net.hub().table.slots[slot].as_mut().unwrap().app.hold = 1;
+        net.hub().table.slots[slot].as_mut().unwrap().app.backlog = 20;
     }
     net.drive(200_000);
     assert_eq!(net.rnr, 0);
     for (k, &(slot, c)) in ids.iter().enumerate() {
-        let got = &net.hub().slots[slot].as_ref().unwrap().app.received;
+        let got = &net.hub().table.slots[slot].as_ref().unwrap().app.received;
         assert_eq!(*got, seqs(50 * (k as u64 + 1)), "peer {k} to the hub");
         assert_eq!(net.conns[c].app.received, seqs(20), "the hub to peer {k}");
     }
@@ -518,7 +518,7 @@ fn a_hub_peer_that_dies_fails_alone_after_what_it_sent() {
     let (mut net, ids) = hub(3, SHARE, 4);
     for &(slot, c) in &ids {
         net.conns[c].app.backlog = 10;
-        net.hub().slots[slot].as_mut().unwrap().app.hold = 0;
+        net.hub().table.slots[slot].as_mut().unwrap().app.hold = 0;
     }
     net.drive(100_000);
     let (dead_slot, dead) = ids[1];
@@ -529,7 +529,7 @@ fn a_hub_peer_that_dies_fails_alone_after_what_it_sent() {
     net.drive(100_000);
     assert_eq!(net.hub().ended, vec![(dead_slot, Failure::PeerVanished)]);
     for &(slot, _) in ids.iter().filter(|&&(s, _)| s != dead_slot) {
-        let got = &net.hub().slots[slot].as_ref().unwrap().app.received;
+        let got = &net.hub().table.slots[slot].as_ref().unwrap().app.received;
         assert_eq!(*got, seqs(20));
     }
     assert_eq!(net.rnr, 0);
@@ -539,7 +539,7 @@ fn a_hub_peer_that_dies_fails_alone_after_what_it_sent() {
 fn a_stalled_hub_peer_holds_back_only_itself() {
     let (mut net, ids) = hub(3, SHARE, 4);
     for &(slot, c) in &ids {
-        net.hub().slots[slot].as_mut().unwrap().app.backlog = 40;
+        net.hub().table.slots[slot].as_mut().unwrap().app.backlog = 40;
         net.conns[c].app.hold = 0;
     }
     // The first peer's application never lets go of what it receives.
@@ -547,7 +547,14 @@ fn a_stalled_hub_peer_holds_back_only_itself() {
     net.conns[stalled].app.hold = u32::MAX;
     net.drive(100_000);
     assert_eq!(net.conns[stalled].app.received.len(), 8);
-    assert!(net.hub().slots[stalled_slot].as_ref().unwrap().app.backlog > 0);
+    assert!(
+        net.hub().table.slots[stalled_slot]
+            .as_ref()
+            .unwrap()
+            .app
+            .backlog
+            > 0
+    );
     for &(_, c) in &ids[1..] {
         assert_eq!(net.conns[c].app.received, seqs(40));
     }
@@ -557,7 +564,7 @@ fn a_stalled_hub_peer_holds_back_only_itself() {
 fn a_hub_closes_a_peer_gracefully() {
     let (mut net, ids) = hub(2, SHARE, 4);
     let (slot, c) = ids[0];
-    net.hub().slots[slot].as_mut().unwrap().app.backlog = 7;
+    net.hub().table.slots[slot].as_mut().unwrap().app.backlog = 7;
     net.conns[c].app.hold = 0;
     net.drive(10_000);
     assert!(net.close_hub_slot(slot));
@@ -582,7 +589,7 @@ fn equal_load_is_served_fairly_and_quotas_follow_the_traffic() {
     };
     let (mut net, ids) = hub(PEERS, cfg, 64);
     for &(slot, c) in &ids {
-        net.hub().slots[slot].as_mut().unwrap().app.hold = u32::MAX;
+        net.hub().table.slots[slot].as_mut().unwrap().app.hold = u32::MAX;
         net.conns[c].app.hold = 0;
     }
     // One round: the first `busy` peers keep 8 messages to send and send what their credits
@@ -606,7 +613,14 @@ fn equal_load_is_served_fairly_and_quotas_follow_the_traffic() {
     };
     let received = |net: &mut Net| -> Vec<usize> {
         ids.iter()
-            .map(|&(s, _)| net.hub().slots[s].as_ref().unwrap().app.received.len())
+            .map(|&(s, _)| {
+                net.hub().table.slots[s]
+                    .as_ref()
+                    .unwrap()
+                    .app
+                    .received
+                    .len()
+            })
             .collect()
     };
     let quotas = |net: &mut Net| -> Vec<u32> {
@@ -716,7 +730,7 @@ fn run_hub(cfg: ShareConfig, shared: u32, peers: usize, ops: &[(u8, u8)]) {
         match op % 9 {
             0 => net.conns[c].app.backlog += u64::from(x % 4) + 1,
             1 => {
-                if let Some(s) = net.hub().slots[slot].as_mut() {
+                if let Some(s) = net.hub().table.slots[slot].as_mut() {
                     s.app.backlog += u64::from(x % 3);
                 }
             }
@@ -737,7 +751,7 @@ fn run_hub(cfg: ShareConfig, shared: u32, peers: usize, ops: &[(u8, u8)]) {
             }
             6 => {
                 net.conns[c].app.hold = u32::from(x % 5);
-                if let Some(s) = net.hub().slots[slot].as_mut() {
+                if let Some(s) = net.hub().table.slots[slot].as_mut() {
                     s.app.hold = u32::from(x / 16 % 5);
                 }
             }
@@ -756,7 +770,7 @@ fn run_hub(cfg: ShareConfig, shared: u32, peers: usize, ops: &[(u8, u8)]) {
     }
     for &(slot, c) in &ids {
         net.conns[c].app.hold = 0;
-        if let Some(s) = net.hub().slots[slot].as_mut() {
+        if let Some(s) = net.hub().table.slots[slot].as_mut() {
             s.app.hold = 0;
         }
     }
@@ -771,7 +785,9 @@ fn run_hub(cfg: ShareConfig, shared: u32, peers: usize, ops: &[(u8, u8)]) {
     assert_eq!(ended, expected, "exactly the dead peers ended");
     for &(slot, c) in ids.iter().filter(|p| !dead.contains(p)) {
         let peer_sent = net.conns[c].app.sent;
-        let s = net.hub().slots[slot].as_ref().expect("a live peer's slot");
+        let s = net.hub().table.slots[slot]
+            .as_ref()
+            .expect("a live peer's slot");
         assert_eq!(s.app.received, seqs(peer_sent), "to the hub");
         assert_eq!(s.app.backlog, 0, "the hub sent everything");
         let hub_sent = s.app.sent;
