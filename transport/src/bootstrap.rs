@@ -367,7 +367,8 @@ impl Listener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Result<Connection>>> {
-        // The clock is read once per wake-up.
+        // The clock is read after each wake-up, and again once the handshakes' work is done
+        // (setting a queue pair up takes milliseconds), for the deadlines and the wait.
         let mut now = Instant::now();
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = timeout.and_then(|t| now.checked_add(t));
@@ -422,6 +423,7 @@ impl Listener {
             if let Some(e) = self.failed.take() {
                 return Ok(Some(Err(e)));
             }
+            now = Instant::now();
             let next = nearest_deadline(&pending, *paused)
                 .into_iter()
                 .chain(deadline)

@@ -167,7 +167,8 @@ impl CmListener {
         timeout: Option<Duration>,
     ) -> Result<Option<Result<Connection>>> {
         config.check()?;
-        // The clock is read once per wake-up.
+        // The clock is read after each wake-up, and again once the handshakes' work is done
+        // (setting a queue pair up takes milliseconds), for the deadlines and the wait.
         let mut now = Instant::now();
         let deadline = timeout.map(|t| deadline_after(now, t));
         let mut ready = Vec::new();
@@ -199,6 +200,7 @@ impl CmListener {
             if let Some(e) = self.failed.take() {
                 return Ok(Some(Err(e)));
             }
+            now = Instant::now();
             let next = self
                 .lock_pending()
                 .iter()

@@ -392,7 +392,9 @@ impl Connection {
             self.stall.began(self.qp.qp_num(), None);
         }
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
+        // A new turn: the wait's deadline, and whatever the waits below look at, from now.
+        self.clock.new_turn();
+        let deadline = timeout.and_then(|t| self.clock.now().checked_add(t));
         // While blocked, any grant (not only a solicited one) and any send completion must
         // wake us.
         self.arm(drive::arm_modes(
@@ -465,7 +467,9 @@ impl Connection {
         mut take: impl FnMut(&mut Self) -> Result<Option<T>>,
     ) -> Result<Option<T>> {
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
+        // A new turn: the wait's deadline, and whatever the waits below look at, from now.
+        self.clock.new_turn();
+        let deadline = timeout.and_then(|t| self.clock.now().checked_add(t));
         loop {
             if let Some(got) = take(self)? {
                 return Ok(Some(got));

@@ -333,7 +333,9 @@ impl RawHub {
             return Ok(());
         }
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
+        // A new turn: the wait's deadline, and whatever the waits below look at, from now.
+        self.clock.new_turn();
+        let deadline = timeout.and_then(|t| self.clock.now().checked_add(t));
         let s = self.slot_mut(slot);
         if s.core.send_waited() {
             let qpn = s.qpn.unwrap_or(0);

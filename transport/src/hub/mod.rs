@@ -385,7 +385,9 @@ impl RawHub {
     /// every connection has been failed with it.
     pub fn next_event(&mut self, timeout: Option<Duration>) -> Result<Option<RawHubEvent>> {
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| self.begin_turn().checked_add(t));
+        // A call from the application begins a turn (the clock is read only if it is needed).
+        self.clock.new_turn();
+        let deadline = timeout.and_then(|t| self.clock.now().checked_add(t));
         loop {
             if let Some(ev) = self.events.pop_front() {
                 return Ok(Some(ev));

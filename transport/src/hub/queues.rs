@@ -61,7 +61,9 @@ impl Queues for SlotQueues<'_> {
 
     #[inline]
     fn clock(&self) -> impl FnOnce() -> Instant + 'static {
-        self.hub.clock.lazy()
+        // Asked only on the rare paths (a failure's drain, a close's linger), which a public
+        // call may reach without a turn of its own: the clock itself, never an old turn's.
+        Instant::now
     }
 
     #[inline]

@@ -83,6 +83,8 @@ impl RawHub {
         blocked: bool,
     ) -> Result<()> {
         if !self.pool.going_to_sleep() {
+            // Buffers came back: no sleep, but a new turn all the same.
+            self.clock.new_turn();
             self.after_wake(true)?;
             return Ok(());
         }
