@@ -334,7 +334,7 @@ impl Listener {
     /// of descriptors or memory (then the listener stops taking new clients for 100 ms while
     /// the pending handshakes go on, and stays usable).
     pub fn accept(&self, config: &Config) -> Result<Connection> {
-        crate::bootstrap::accept_blocking(self, config)
+        accept_blocking(&mut |left| self.accept_outcome_timeout(config, left))
     }
 
     /// [`Listener::accept`], waiting at most `timeout` (`None`: as long as it takes);
@@ -347,7 +347,9 @@ impl Listener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
-        skip_failed(self, config, timeout)
+        skip_failed(timeout, &mut |left| {
+            self.accept_outcome_timeout(config, left)
+        })
     }
 
     /// How many clients failed their handshake on this listener so far (each also traced as
@@ -597,32 +599,15 @@ pub fn loopback_pair(server: &Config, client: &Config) -> Result<(Connection, Co
     Ok((accepted?, connected?))
 }
 
-/// A listener ([`Listener`], [`CmListener`](crate::CmListener)): what its `accept` and
-/// `accept_timeout` are made of.
-pub(crate) trait Accepts {
-    /// The next handshake's outcome within `timeout`: a client's failure is `Some(Err)`.
-    fn next_outcome(
-        &self,
-        config: &Config,
-        timeout: Option<Duration>,
-    ) -> Result<Option<Result<Connection>>>;
-}
-
-impl Accepts for Listener {
-    fn next_outcome(
-        &self,
-        config: &Config,
-        timeout: Option<Duration>,
-    ) -> Result<Option<Result<Connection>>> {
-        self.accept_outcome_timeout(config, timeout)
-    }
-}
+/// A listener's `accept_outcome_timeout` ([`Listener`], [`CmListener`](crate::CmListener)):
+/// the next handshake's outcome within a timeout, a client's failure as `Some(Err)`.
+type NextOutcome<'a> = dyn FnMut(Option<Duration>) -> Result<Option<Result<Connection>>> + 'a;
 
 /// `accept` of either listener: the first client whose handshake succeeds, however long it
 /// takes.
-pub(crate) fn accept_blocking(l: &impl Accepts, config: &Config) -> Result<Connection> {
+pub(crate) fn accept_blocking(next: &mut NextOutcome<'_>) -> Result<Connection> {
     loop {
-        if let Some(conn) = skip_failed(l, config, None)? {
+        if let Some(conn) = skip_failed(None, next)? {
             return Ok(conn);
         }
     }
@@ -631,14 +616,13 @@ pub(crate) fn accept_blocking(l: &impl Accepts, config: &Config) -> Result<Conne
 /// `accept_timeout` of either listener: its next outcomes with the clients' failures
 /// skipped, within `timeout` in all.
 pub(crate) fn skip_failed(
-    l: &impl Accepts,
-    config: &Config,
     timeout: Option<Duration>,
+    next: &mut NextOutcome<'_>,
 ) -> Result<Option<Connection>> {
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        match l.next_outcome(config, left.or(timeout))? {
+        match next(left.or(timeout))? {
             Some(Ok(conn)) => return Ok(Some(conn)),
             // Counted and traced already.
             Some(Err(_)) => {}

@@ -135,7 +135,7 @@ impl CmListener {
     /// counted in [`CmListener::failed_handshakes`], traced as `handshake failed`. An error
     /// is the listener's own: a bad `config`, its event channel or epoll set failing.
     pub fn accept(&self, config: &Config) -> Result<Connection> {
-        crate::bootstrap::accept_blocking(self, config)
+        crate::bootstrap::accept_blocking(&mut |left| self.accept_outcome_timeout(config, left))
     }
 
     /// [`CmListener::accept`] for at most `timeout` (`None`: for ever); `Ok(None)` when no
@@ -146,7 +146,9 @@ impl CmListener {
         config: &Config,
         timeout: Option<Duration>,
     ) -> Result<Option<Connection>> {
-        crate::bootstrap::skip_failed(self, config, timeout)
+        crate::bootstrap::skip_failed(timeout, &mut |left| {
+            self.accept_outcome_timeout(config, left)
+        })
     }
 
     /// How many clients failed their handshake on this listener so far (each also traced as
@@ -560,15 +562,5 @@ impl Accepted {
             cq.ack_events(1);
         }
         arrived
-    }
-}
-
-impl crate::bootstrap::Accepts for CmListener {
-    fn next_outcome(
-        &self,
-        config: &Config,
-        timeout: Option<Duration>,
-    ) -> Result<Option<Result<Connection>>> {
-        self.accept_outcome_timeout(config, timeout)
     }
 }
