@@ -106,11 +106,10 @@ pub use dispatch::{DispatchStats, Dispatcher};
 pub use error::{DecodeFailure, Error, Result};
 pub use hub::{Hub, HubEvent, OutboxStats, Posted};
 pub use message::{tag, Message};
-pub use peer::Delivery;
-pub use session::{
-    Closed, Session, SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT,
-    DEFAULT_RENDEZVOUS_THRESHOLD,
+pub use peer::{
+    Delivery, SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT, DEFAULT_RENDEZVOUS_THRESHOLD,
 };
+pub use session::{Closed, Session};
 pub use split::{RecvHalf, SendHalf};
 
 #[doc(hidden)]

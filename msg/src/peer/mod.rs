@@ -4,6 +4,7 @@
 //! `link` is where frames go, `send` the sending side, `receive` the receiving side, `table`
 //! a hub's per-peer state.
 
+mod config;
 mod link;
 mod receive;
 mod record;
@@ -12,14 +13,15 @@ mod table;
 #[cfg(test)]
 mod tests;
 
+pub use config::{
+    SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT, DEFAULT_RENDEZVOUS_THRESHOLD,
+};
 pub(crate) use link::*;
 pub(crate) use receive::*;
 pub use record::Delivery;
 pub(crate) use record::*;
 pub(crate) use send::*;
 pub(crate) use table::*;
-
-use crate::SessionStats;
 
 /// Hands acknowledgements and delivery records between the two sides of one peer: the
 /// peer's to our sender, ours to be sent. Whether any frame of ours was queued.

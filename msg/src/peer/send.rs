@@ -6,13 +6,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::{SessionConfig, SessionStats};
 use crate::bulk::Piece;
 use crate::codec::{self, NUDGE_TAG};
 use crate::frame::{self, ASK, FIRST, HEADER_LEN, LAST};
 use crate::policy::SolicitPolicy;
 use crate::rendezvous::{self, Descriptor, Lent, Segment};
 use crate::trace::trace_event;
-use crate::{Message, Result, SessionConfig, SessionStats};
+use crate::{Message, Result};
 
 use super::*;
 

@@ -6,11 +6,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rdmsg_transport::{Buffer, Exposed, ReadPost, ReadSegment};
 
+use super::SessionConfig;
 use super::*;
 use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::rendezvous::{Descriptor, ReadPool, Segment};
 use crate::Error;
-use crate::{Message, Result, SessionConfig};
+use crate::{Message, Result};
 
 /// A slot and a generation, as a transport hub makes them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
