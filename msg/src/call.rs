@@ -29,7 +29,7 @@ use serde::ser::{SerializeTuple, Serializer};
 use serde::Serialize;
 
 use crate::codec::{Decoder, Envelope};
-use crate::peer::{Absorbing, HubLink, Link, Sender};
+use crate::peer::{HubPeerIo, PeerIo, SendSide, SessionPeerIo};
 use crate::{Error, Message, Result};
 
 /// A message that asks for an answer of type [`Request::Response`]. Declare both with
@@ -156,22 +156,22 @@ pub(crate) trait Outgoing: Send + fmt::Debug {
     /// nothing sent).
     fn send_session(
         &self,
-        sender: &mut Sender,
-        link: &mut Absorbing<'_>,
+        sender: &mut SendSide,
+        link: &mut SessionPeerIo<'_>,
         timeout: Option<Duration>,
     ) -> Result<()>;
     /// Sends it over a session's connection if it can go now.
-    fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool>;
+    fn try_send_conn(&self, sender: &mut SendSide, conn: &mut Connection) -> Result<bool>;
     /// Sends it to a hub's peer if it can go now.
-    fn try_send_hub(&self, sender: &mut Sender, link: &mut HubLink<'_>) -> Result<bool>;
+    fn try_send_hub(&self, sender: &mut SendSide, link: &mut HubPeerIo<'_>) -> Result<bool>;
     /// Its encoded length (what it holds, roughly).
     fn size(&self) -> usize;
 }
 
 /// Sends `m` if it can go now.
 fn try_send<M: Message>(
-    sender: &mut Sender,
-    link: &mut impl Link,
+    sender: &mut SendSide,
+    link: &mut impl PeerIo,
     m: &M,
     solicited: bool,
 ) -> Result<bool> {
@@ -209,16 +209,16 @@ impl<M> fmt::Debug for Owned<M> {
 impl<M: Message + Send> Outgoing for Owned<M> {
     fn send_session(
         &self,
-        sender: &mut Sender,
-        link: &mut Absorbing<'_>,
+        sender: &mut SendSide,
+        link: &mut SessionPeerIo<'_>,
         timeout: Option<Duration>,
     ) -> Result<()> {
         sender.send_within(link, &self.m, self.solicited, timeout)
     }
-    fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool> {
+    fn try_send_conn(&self, sender: &mut SendSide, conn: &mut Connection) -> Result<bool> {
         try_send(sender, conn, &self.m, self.solicited)
     }
-    fn try_send_hub(&self, sender: &mut Sender, link: &mut HubLink<'_>) -> Result<bool> {
+    fn try_send_hub(&self, sender: &mut SendSide, link: &mut HubPeerIo<'_>) -> Result<bool> {
         try_send(sender, link, &self.m, self.solicited)
     }
     fn size(&self) -> usize {
@@ -246,16 +246,16 @@ impl<T: Serialize> OwnedReply<T> {
 impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
     fn send_session(
         &self,
-        sender: &mut Sender,
-        link: &mut Absorbing<'_>,
+        sender: &mut SendSide,
+        link: &mut SessionPeerIo<'_>,
         timeout: Option<Duration>,
     ) -> Result<()> {
         sender.send_within(link, &self.out(), true, timeout)
     }
-    fn try_send_conn(&self, sender: &mut Sender, conn: &mut Connection) -> Result<bool> {
+    fn try_send_conn(&self, sender: &mut SendSide, conn: &mut Connection) -> Result<bool> {
         try_send(sender, conn, &self.out(), true)
     }
-    fn try_send_hub(&self, sender: &mut Sender, link: &mut HubLink<'_>) -> Result<bool> {
+    fn try_send_hub(&self, sender: &mut SendSide, link: &mut HubPeerIo<'_>) -> Result<bool> {
         try_send(sender, link, &self.out(), true)
     }
     fn size(&self) -> usize {

@@ -4,7 +4,7 @@
 //! A kept message is out of its receive buffer (its credit back to the peer, which may need
 //! it to send the answer), so credits no longer bound what is kept: this does. Once a peer's
 //! messages kept reach the bound, the session or hub stops taking that peer's messages in
-//! ([`crate::peer::Receiver::hold_back`]): they stay unread in their receive buffers, the
+//! ([`crate::peer::RecvSide::hold_back`]): they stay unread in their receive buffers, the
 //! peer's credits with them, and the peer stops. (A hub's receive buffers are a shared pool
 //! that would return the peer's credits from other buffers: it holds the peer back there too,
 //! [`rdmsg_transport::RawHub::hold_back`].) The application receiving kept messages brings the

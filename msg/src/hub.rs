@@ -16,7 +16,9 @@ use crate::call::{
 use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::unread_error;
 use crate::held::Held;
-use crate::peer::{self, Delivery, HubLink, Link, PeerTable, ReassemblyBudget, Receiver, Sender};
+use crate::peer::{
+    self, Delivery, HubPeerIo, PeerIo, PeerTable, ReassemblyBudget, RecvSide, SendSide,
+};
 use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
 
@@ -117,8 +119,8 @@ impl HubEvent {
 /// What the hub keeps per peer: what a [`crate::Session`] keeps for its connection.
 #[derive(Debug)]
 struct PeerState {
-    sender: Sender,
-    receiver: Receiver,
+    sender: SendSide,
+    receiver: RecvSide,
     /// Listed in [`Hub::unflushed`].
     listed: bool,
     /// [`Hub::start_close`] waits for the peer to finish reading our messages, until then.
@@ -258,7 +260,7 @@ pub struct Hub {
 
 /// Whether a close must wait for the peer's application to take what was sent: copies are
 /// kept, and it has not taken everything yet.
-fn waits_for_record(sender: &Sender) -> bool {
+fn waits_for_record(sender: &SendSide) -> bool {
     sender.keeps_copies() && sender.delivery(None).unconfirmed() > 0
 }
 
@@ -266,7 +268,7 @@ fn waits_for_record(sender: &Sender) -> bool {
 /// taken as its `BadFrame`).
 fn queue_ready(
     peer: PeerId,
-    receiver: &mut Receiver,
+    receiver: &mut RecvSide,
     ready: &mut VecDeque<(HubEvent, Option<u32>)>,
 ) {
     while let Some((seq, r)) = receiver.pop_numbered() {
@@ -1226,7 +1228,7 @@ impl Hub {
     }
 
     /// Gives each peer's message in reassembly its look at the clock
-    /// ([`Receiver::handle_timeout`]): one that got no fragment for
+    /// ([`RecvSide::handle_timeout`]): one that got no fragment for
     /// [`SessionConfig::reassembly_timeout`] fails in its place
     /// ([`crate::Error::ReassemblyTimedOut`], a [`HubEvent::BadFrame`]) and its reservation
     /// returns. Keeps the nearest deadline for the waits ([`Hub::next_timeout`]).
@@ -1257,7 +1259,7 @@ impl Hub {
     /// After `peer`'s receiving side took something in: posts its waiting reads, hands
     /// acknowledgements over (ours go out as they can), and queues its messages that are
     /// ready, in order (unless calls' waits keep all they may of its messages: they wait in
-    /// its receiver, the peer under [`Receiver::hold_back`]).
+    /// its receiver, the peer under [`RecvSide::hold_back`]).
     fn collect(&mut self, peer: PeerId) {
         let Some((state, mut link)) = self.split(peer) else {
             return;
@@ -1407,8 +1409,8 @@ impl Hub {
             // Gone meanwhile: nothing will be sent, by rendezvous or otherwise.
             let max_read = hello.map_or(0, |h| h.max_read);
             let fresh = PeerState {
-                sender: Sender::new(&self.config, depth).with_peer_max_read(max_read),
-                receiver: Receiver::new(self.registry.fresh(), self.pool.clone())
+                sender: SendSide::new(&self.config, depth).with_peer_max_read(max_read),
+                receiver: RecvSide::new(self.registry.fresh(), self.pool.clone())
                     .with_budget(self.budget.clone()),
                 listed: false,
                 close_at: None,
@@ -1430,7 +1432,7 @@ impl Hub {
     fn with_sender<T>(
         &mut self,
         peer: PeerId,
-        f: impl FnOnce(&mut Sender, &mut HubLink<'_>) -> Result<T>,
+        f: impl FnOnce(&mut SendSide, &mut HubPeerIo<'_>) -> Result<T>,
     ) -> Result<T> {
         self.with_sender_waiting(peer, None, f)
     }
@@ -1441,7 +1443,7 @@ impl Hub {
         &mut self,
         peer: PeerId,
         timeout: Option<Duration>,
-        f: impl FnOnce(&mut Sender, &mut HubLink<'_>) -> Result<T>,
+        f: impl FnOnce(&mut SendSide, &mut HubPeerIo<'_>) -> Result<T>,
     ) -> Result<T> {
         if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
             self.transport.send_with(peer, false, timeout, |_| None)?;
@@ -1464,7 +1466,7 @@ impl Hub {
             listed,
             ..
         } = peers.get_mut(peer).expect("made above");
-        let mut link = HubLink {
+        let mut link = HubPeerIo {
             hub: transport,
             peer,
             stash: Some(stash),
@@ -1488,13 +1490,13 @@ impl Hub {
     }
 
     /// `peer`'s state and a link to it, borrowed together.
-    fn split(&mut self, peer: PeerId) -> Option<(&mut PeerState, HubLink<'_>)> {
+    fn split(&mut self, peer: PeerId) -> Option<(&mut PeerState, HubPeerIo<'_>)> {
         let Self {
             transport, peers, ..
         } = self;
         Some((
             peers.get_mut(peer)?,
-            HubLink {
+            HubPeerIo {
                 hub: transport,
                 peer,
                 stash: None,

@@ -12,7 +12,7 @@ use crate::call::{self, Call, CallOut, CallStats, Calls, Outgoing, Replies, Requ
 use crate::codec::{Decoder, Envelope};
 use crate::error::unread_error;
 use crate::held::Held;
-use crate::peer::{self, Absorbing, Delivery, Receiver, Sender};
+use crate::peer::{self, Delivery, RecvSide, SendSide, SessionPeerIo};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result, SessionConfig, SessionStats};
 
@@ -22,8 +22,8 @@ use crate::{Message, Result, SessionConfig, SessionStats};
 #[derive(Debug)]
 pub struct Session {
     conn: Connection,
-    sender: Sender,
-    receiver: Receiver,
+    sender: SendSide,
+    receiver: RecvSide,
     /// Our calls waiting for answers.
     calls: Calls,
     /// Answers to the peer's requests given on other threads (or by dropped responders).
@@ -44,12 +44,12 @@ pub struct Session {
 }
 
 /// The session's fields, borrowed apart: the sender and a link that waits by taking in what
-/// arrives (see [`crate::peer::Link::absorb`]).
+/// arrives (see [`crate::peer::PeerIo::absorb`]).
 macro_rules! absorbing {
     ($self:ident) => {
         (
             &mut $self.sender,
-            &mut Absorbing {
+            &mut SessionPeerIo {
                 conn: &mut $self.conn,
                 receiver: &mut $self.receiver,
             },
@@ -84,9 +84,9 @@ impl Session {
             held: Held::new(config.max_held_bytes),
             waiting_call: false,
             answered: false,
-            sender: Sender::new(&config, conn.peer().recv_depth)
+            sender: SendSide::new(&config, conn.peer().recv_depth)
                 .with_peer_max_read(conn.peer().max_read),
-            receiver: Receiver::new(Decoder::new(config.max_message), pool),
+            receiver: RecvSide::new(Decoder::new(config.max_message), pool),
             conn,
         }
     }

@@ -27,7 +27,7 @@ const FOLLOWER_SLICE: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
 struct SharedSession {
-    core: Mutex<Core>,
+    core: Mutex<SplitState>,
     /// Signalled whenever the sleeper wakes or someone moved the connection on.
     turn: Condvar,
     /// Ends the sleeper's wait.
@@ -39,7 +39,7 @@ struct SharedSession {
 }
 
 #[derive(Debug)]
-struct Core {
+struct SplitState {
     session: Session,
     /// A thread sleeps on the descriptor.
     sleeping: bool,
@@ -69,7 +69,7 @@ impl Session {
             .add(fd.as_fd(), 0)
             .map_err(rdmsg_transport::Error::from)?;
         let shared = Arc::new(SharedSession {
-            core: Mutex::new(Core {
+            core: Mutex::new(SplitState {
                 session: self,
                 sleeping: false,
                 armed_for_send: false,
@@ -90,7 +90,7 @@ impl Session {
 }
 
 impl SharedSession {
-    fn lock(&self) -> MutexGuard<'_, Core> {
+    fn lock(&self) -> MutexGuard<'_, SplitState> {
         // A panic in another thread mid-step leaves the session as consistent as any failed
         // call does: carry on with it.
         self.core.lock().unwrap_or_else(|p| p.into_inner())
@@ -102,7 +102,7 @@ impl SharedSession {
         &self,
         deadline: Option<Instant>,
         role: Role,
-        mut attempt: impl FnMut(&mut Core) -> Result<Option<T>>,
+        mut attempt: impl FnMut(&mut SplitState) -> Result<Option<T>>,
     ) -> Result<Option<T>> {
         let mut core = self.lock();
         loop {

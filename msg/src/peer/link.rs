@@ -1,5 +1,5 @@
-//! Where a [`Sender`]'s frames go and what a wait takes in: a connection, one peer of a
-//! transport hub, or a connection absorbing arrivals into a [`Receiver`].
+//! Where a [`SendSide`]'s frames go and what a wait takes in: a connection, one peer of a
+//! transport hub, or a connection absorbing arrivals into a [`RecvSide`].
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -12,8 +12,8 @@ use crate::Result;
 
 use super::*;
 
-/// Where a [`Sender`]'s frames go: a connection, or one peer of a transport hub.
-pub(crate) trait Link {
+/// Where a [`SendSide`]'s frames go: a connection, or one peer of a transport hub.
+pub(crate) trait PeerIo {
     /// Sends what `fill` writes into a registered send buffer (`None`: nothing sent,
     /// `Ok(false)`), waiting at most `timeout` (`None`: as long as it takes) for a credit
     /// and a send slot ([`rdmsg_transport::Error::Timeout`]).
@@ -36,7 +36,7 @@ pub(crate) trait Link {
         timeout: Option<Duration>,
     ) -> rdmsg_transport::Result<Vec<Exposed>>;
 
-    /// The most pieces [`Link::expose_all`] takes at once.
+    /// The most pieces [`PeerIo::expose_all`] takes at once.
     fn max_exposures(&self) -> usize;
 
     /// Registers `len` bytes that reads may land in.
@@ -57,7 +57,7 @@ pub(crate) trait Link {
         Ok(None)
     }
 
-    /// Sends one frame, waiting at most `timeout` as [`Link::send_with`] does; `Ok(false)`
+    /// Sends one frame, waiting at most `timeout` as [`PeerIo::send_with`] does; `Ok(false)`
     /// if nothing came in time (nothing sent).
     fn send(
         &mut self,
@@ -67,7 +67,7 @@ pub(crate) trait Link {
     ) -> rdmsg_transport::Result<bool>;
 }
 
-impl Link for Connection {
+impl PeerIo for Connection {
     fn send_with(
         &mut self,
         solicited: bool,
@@ -115,7 +115,7 @@ impl Link for Connection {
     }
 }
 
-/// What [`Link::absorb`] took in: acknowledgements and delivery records each way.
+/// What [`PeerIo::absorb`] took in: acknowledgements and delivery records each way.
 #[derive(Debug, Default)]
 pub(crate) struct Absorbed {
     /// The peer is done reading these messages of ours.
@@ -132,7 +132,7 @@ pub(crate) struct Absorbed {
 }
 
 impl Absorbed {
-    pub(super) fn from(receiver: &mut Receiver) -> Self {
+    pub(super) fn from(receiver: &mut RecvSide) -> Self {
         Self {
             acked: receiver.take_acked(),
             acks: receiver.take_acks(),
@@ -145,22 +145,22 @@ impl Absorbed {
 }
 
 /// A session's connection with its receiving side, for a send that may wait for room
-/// ([`Link::absorb`]).
+/// ([`PeerIo::absorb`]).
 #[derive(Debug)]
-pub(crate) struct Absorbing<'a> {
+pub(crate) struct SessionPeerIo<'a> {
     pub(crate) conn: &'a mut Connection,
-    pub(crate) receiver: &'a mut Receiver,
+    pub(crate) receiver: &'a mut RecvSide,
 }
 
-/// Everything but [`Link::absorb`] is the connection's own [`Link`].
-impl Link for Absorbing<'_> {
+/// Everything but [`PeerIo::absorb`] is the connection's own [`PeerIo`].
+impl PeerIo for SessionPeerIo<'_> {
     fn send_with(
         &mut self,
         solicited: bool,
         timeout: Option<Duration>,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> rdmsg_transport::Result<bool> {
-        Link::send_with(self.conn, solicited, timeout, fill)
+        PeerIo::send_with(self.conn, solicited, timeout, fill)
     }
 
     fn send(
@@ -169,11 +169,11 @@ impl Link for Absorbing<'_> {
         solicited: bool,
         timeout: Option<Duration>,
     ) -> rdmsg_transport::Result<bool> {
-        Link::send(self.conn, frame, solicited, timeout)
+        PeerIo::send(self.conn, frame, solicited, timeout)
     }
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
-        Link::max_message(self.conn)
+        PeerIo::max_message(self.conn)
     }
 
     fn expose_all(
@@ -181,15 +181,15 @@ impl Link for Absorbing<'_> {
         pieces: Vec<Bytes>,
         timeout: Option<Duration>,
     ) -> rdmsg_transport::Result<Vec<Exposed>> {
-        Link::expose_all(self.conn, pieces, timeout)
+        PeerIo::expose_all(self.conn, pieces, timeout)
     }
 
     fn max_exposures(&self) -> usize {
-        Link::max_exposures(self.conn)
+        PeerIo::max_exposures(self.conn)
     }
 
     fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
-        Link::register(self.conn, len)
+        PeerIo::register(self.conn, len)
     }
 
     fn post_read(
@@ -197,7 +197,7 @@ impl Link for Absorbing<'_> {
         into: Buffer,
         segments: &[ReadSegment],
     ) -> rdmsg_transport::Result<ReadPost> {
-        Link::post_read(self.conn, into, segments)
+        PeerIo::post_read(self.conn, into, segments)
     }
 
     fn absorb(&mut self, timeout: Option<Duration>) -> Result<Option<Absorbed>> {
@@ -221,19 +221,19 @@ pub(crate) fn in_time(sent: Result<()>) -> Result<bool> {
     }
 }
 
-/// One peer of a transport hub, as a [`Link`].
+/// One peer of a transport hub, as a [`PeerIo`].
 #[derive(Debug)]
-pub(crate) struct HubLink<'a> {
+pub(crate) struct HubPeerIo<'a> {
     pub(crate) hub: &'a mut rdmsg_transport::RawHub,
     pub(crate) peer: PeerId,
     /// Where a waiting send keeps the events of other peers it takes (see
-    /// [`Link::absorb`]), and this peer's receiving side; `None`: it does not wait for
+    /// [`PeerIo::absorb`]), and this peer's receiving side; `None`: it does not wait for
     /// rendezvous room.
     pub(crate) stash: Option<&'a mut VecDeque<rdmsg_transport::RawHubEvent>>,
-    pub(crate) receiver: Option<&'a mut Receiver>,
+    pub(crate) receiver: Option<&'a mut RecvSide>,
 }
 
-impl Link for HubLink<'_> {
+impl PeerIo for HubPeerIo<'_> {
     fn send_with(
         &mut self,
         solicited: bool,

@@ -1,6 +1,6 @@
 //! What a [`crate::Session`] keeps for its connection and a [`crate::Hub`] keeps for each of
 //! its peers: the sending side (sequence, solicitation policy, encoding and fragmenting) and
-//! the receiving side (decoder), written once over a [`Link`] so that both drive the same code.
+//! the receiving side (decoder), written once over a [`PeerIo`] so that both drive the same code.
 //! `link` is where frames go, `send` the sending side, `receive` the receiving side, `table`
 //! a hub's per-peer state.
 
@@ -26,8 +26,8 @@ pub(crate) use table::*;
 /// Hands acknowledgements and delivery records between the two sides of one peer: the
 /// peer's to our sender, ours to be sent. Whether any frame of ours was queued.
 pub(crate) fn exchange_acks(
-    sender: &mut Sender,
-    receiver: &mut Receiver,
+    sender: &mut SendSide,
+    receiver: &mut RecvSide,
     frame_max: usize,
 ) -> bool {
     let answered = took(sender, receiver);
@@ -45,7 +45,7 @@ pub(crate) fn exchange_acks(
 
 /// After our application took messages of the peer's: the count our frames carry moves on,
 /// and a request of the peer's that it reaches is answered (a frame queued: `true`).
-pub(crate) fn took(sender: &mut Sender, receiver: &mut Receiver) -> bool {
+pub(crate) fn took(sender: &mut SendSide, receiver: &mut RecvSide) -> bool {
     sender.tell_taken(receiver.taken());
     let answer = receiver.take_answer_due();
     if answer {
@@ -55,7 +55,7 @@ pub(crate) fn took(sender: &mut Sender, receiver: &mut Receiver) -> bool {
 }
 
 /// The counters of both sides.
-pub(crate) fn stats(sender: &Sender, receiver: &Receiver) -> SessionStats {
+pub(crate) fn stats(sender: &SendSide, receiver: &RecvSide) -> SessionStats {
     SessionStats {
         received: receiver.received,
         dropped_frames: receiver.dropped_frames,

@@ -19,7 +19,7 @@ use super::*;
 /// rendezvous reads under way, and the receive counters of [`SessionStats`]. Messages come
 /// out in their sequence order, a message being read holding back those after it.
 #[derive(Debug)]
-pub(crate) struct Receiver {
+pub(crate) struct RecvSide {
     pub(super) decoder: Decoder,
     pub(super) received: u64,
     pub(super) dropped_frames: u64,
@@ -27,7 +27,7 @@ pub(crate) struct Receiver {
     /// Bodies of the messages received, in bytes ([`SessionStats::bytes_received`]).
     pub(super) bytes_received: u64,
     /// A hub's wake-ups that brought frames of this peer ([`SessionStats::wakeups`]), and the
-    /// hub's wake-up count when the last one came ([`Receiver::woken`]).
+    /// hub's wake-up count when the last one came ([`RecvSide::woken`]).
     pub(super) wakeups: u64,
     pub(super) last_wakeup: u64,
     /// Messages (or the errors of dropped frames) in order; some still being read.
@@ -61,7 +61,7 @@ pub(crate) struct Receiver {
     pub(super) reserved: usize,
     /// Our place in the budget's line while a message waits for room.
     pub(super) ticket: Option<u64>,
-    /// The message in reassembly as last seen by [`Receiver::handle_timeout`] (tag, seq,
+    /// The message in reassembly as last seen by [`RecvSide::handle_timeout`] (tag, seq,
     /// bytes received) and when: its progress deadline runs from then.
     pub(super) watch: Option<((u32, u32, usize), Instant)>,
     /// The application holds as much of this peer's messages as it may
@@ -78,14 +78,14 @@ pub(crate) struct Receiver {
 ///   under way always finish, and the total never passes the bound. One message may always be
 ///   under way, whatever the bound (an empty budget takes any message).
 /// - **Turns.** Each peer has at most one message in reassembly. A peer whose message finds no
-///   room parks its frames (see [`Receiver::parked`]) and takes a place in line; while anyone
+///   room parks its frames (see [`RecvSide::parked`]) and takes a place in line; while anyone
 ///   waits, only the first in line may reserve, as soon as its message fits. So a peer that
 ///   finishes a message and starts the next cannot take the room back from those waiting, and
 ///   small messages cannot keep a large one out for ever: each waiting peer gets its turn once
 ///   the messages ahead of it end.
 /// - **Progress.** A message that gets no fragment for `timeout`
 ///   ([`crate::SessionConfig::reassembly_timeout`]) is dropped, its reservation returned
-///   ([`Receiver::handle_timeout`]): a stalled or stopped peer holds its part for that long at
+///   ([`RecvSide::handle_timeout`]): a stalled or stopped peer holds its part for that long at
 ///   most.
 #[derive(Debug, Clone)]
 pub(crate) struct ReassemblyBudget {
@@ -178,7 +178,7 @@ pub(super) const MAX_READS_POSTED: usize = 8;
 /// own room; beyond this one is refused (and acknowledged).
 pub(super) const MAX_WAITING_READS: usize = 1024;
 
-impl Receiver {
+impl RecvSide {
     pub(crate) fn new(decoder: Decoder, pool: ReadPool) -> Self {
         Self {
             decoder,
@@ -218,10 +218,10 @@ impl Receiver {
     }
 
     /// Whether frames of new messages are to be parked, holding their receive buffers and
-    /// so the peer's credits (see [`Receiver::parked`]): while the application holds as much
+    /// so the peer's credits (see [`RecvSide::parked`]): while the application holds as much
     /// of this peer's messages as it may. A message under way in fragments still finishes
     /// (one message more, bounded by `max_message`); acknowledgements are taken as ever.
-    /// Turned off, the parked frames are taken in by the next [`Receiver::advance`].
+    /// Turned off, the parked frames are taken in by the next [`RecvSide::advance`].
     pub(crate) fn hold_back(&mut self, on: bool) {
         self.held_back = on;
     }
@@ -242,7 +242,7 @@ impl Receiver {
 
     /// Takes one frame: a message (or the typed error of a frame that was dropped, counted)
     /// joins the queue in order; a descriptor queues its read; an acknowledgement is kept for
-    /// the sender ([`Receiver::take_acked`]).
+    /// the sender ([`RecvSide::take_acked`]).
     #[cfg(test)]
     pub(crate) fn take(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
         self.arrive(frame);
@@ -253,7 +253,7 @@ impl Receiver {
     /// since the hub's budget's timeout ([`crate::SessionConfig::reassembly_timeout`]) is dropped,
     /// [`crate::Error::ReassemblyTimedOut`] in its place, its reservation returned. Its
     /// deadline runs from the first call that saw it as it is now, so the owner calls this
-    /// after taking frames in and at [`Receiver::poll_timeout`]. Nothing for a receiver
+    /// after taking frames in and at [`RecvSide::poll_timeout`]. Nothing for a receiver
     /// without a budget (a session's).
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
         let Some(timeout) = self.budget.as_ref().map(|b| b.timeout) else {
@@ -279,7 +279,7 @@ impl Receiver {
         }
     }
 
-    /// When [`Receiver::handle_timeout`] should next be called: the progress deadline of the
+    /// When [`RecvSide::handle_timeout`] should next be called: the progress deadline of the
     /// message in reassembly (it may have moved on since; a call then finds out).
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
         let timeout = self.budget.as_ref()?.timeout;
@@ -287,7 +287,7 @@ impl Receiver {
         since.checked_add(timeout)
     }
 
-    /// Whether a message is being reassembled (see [`Receiver::handle_timeout`]).
+    /// Whether a message is being reassembled (see [`RecvSide::handle_timeout`]).
     pub(crate) fn reassembling(&self) -> bool {
         self.decoder.in_progress()
     }
@@ -319,8 +319,8 @@ impl Receiver {
         }
     }
 
-    /// [`Receiver::take`] without taking the next message out. While the head of the order
-    /// waits for read room, frames of messages are parked (see [`Receiver::parked`]);
+    /// [`RecvSide::take`] without taking the next message out. While the head of the order
+    /// waits for read room, frames of messages are parked (see [`RecvSide::parked`]);
     /// acknowledgements and requests for the record are taken at once.
     pub(crate) fn arrive(&mut self, frame: FrameBytes) {
         let header = frame::parse(frame.bytes()).ok().map(|(h, _)| h);
@@ -530,7 +530,7 @@ impl Receiver {
 
     /// Posts the reads of waiting descriptors, as far as buffer room and send slots allow,
     /// and takes in the frames parked behind a head that no longer waits.
-    pub(crate) fn advance(&mut self, link: &mut impl Link) -> Result<()> {
+    pub(crate) fn advance(&mut self, link: &mut impl PeerIo) -> Result<()> {
         loop {
             self.post_reads(link)?;
             let parked = self.parked.len();
@@ -541,7 +541,7 @@ impl Receiver {
         }
     }
 
-    fn post_reads(&mut self, link: &mut impl Link) -> Result<()> {
+    fn post_reads(&mut self, link: &mut impl PeerIo) -> Result<()> {
         while let Some(w) = self.waiting.front() {
             if self.reading.len() >= MAX_READS_POSTED {
                 // Enough to keep the link busy; more would only register more buffers.
@@ -718,7 +718,7 @@ impl Receiver {
     }
 
     /// The next message (or dropped frame's error) in order, if it is there, handed to the
-    /// application: counted as taken ([`Receiver::mark_taken`]).
+    /// application: counted as taken ([`RecvSide::mark_taken`]).
     pub(crate) fn pop(&mut self) -> Option<Result<Envelope>> {
         let (seq, r) = self.pop_numbered()?;
         if let Some(seq) = seq {
@@ -727,7 +727,7 @@ impl Receiver {
         Some(r)
     }
 
-    /// [`Receiver::pop`] without counting it taken, with the message's number if known: for a
+    /// [`RecvSide::pop`] without counting it taken, with the message's number if known: for a
     /// hub, which hands it to the application later.
     pub(crate) fn pop_numbered(&mut self) -> Option<(Option<u32>, Result<Envelope>)> {
         match self.order.front()? {
@@ -739,7 +739,7 @@ impl Receiver {
         }
     }
 
-    /// Whether [`Receiver::pop`] has something.
+    /// Whether [`RecvSide::pop`] has something.
     pub(crate) fn has_ready(&self) -> bool {
         matches!(self.order.front(), Some(Place::Ready(..)))
     }
@@ -766,7 +766,7 @@ impl Receiver {
     }
 }
 
-impl Drop for Receiver {
+impl Drop for RecvSide {
     fn drop(&mut self) {
         if let Some(b) = &self.budget {
             b.release(self.reserved);

@@ -38,7 +38,7 @@ pub(super) fn concat(pieces: Vec<Piece>) -> Vec<u8> {
 /// The sending side of one connection: the next sequence number, the solicitation policy,
 /// and the send counters of [`SessionStats`].
 #[derive(Debug)]
-pub(crate) struct Sender {
+pub(crate) struct SendSide {
     pub(super) policy: SolicitPolicy,
     pub(super) seq: u32,
     pub(super) max_message: usize,
@@ -59,7 +59,7 @@ pub(crate) struct Sender {
     /// The largest message the peer reads from us, as its handshake announced: larger ones
     /// go in fragments.
     pub(super) peer_max_read: usize,
-    /// Whole messages committed by [`Sender::commit_as`] that could not go at once, encoded:
+    /// Whole messages committed by [`SendSide::commit_as`] that could not go at once, encoded:
     /// they go after `outgoing`, in order, before anything sent later.
     pub(super) committed: VecDeque<Committed>,
     /// A committed message is being sent: waits within its send (for room) send frames
@@ -176,7 +176,7 @@ impl Encode for Committed {
     }
 }
 
-impl Sender {
+impl SendSide {
     /// The sender for a peer announcing `peer_depth` receive buffers (its credit window),
     /// within `config`'s bounds.
     pub(crate) fn new(config: &SessionConfig, peer_depth: u32) -> Self {
@@ -274,7 +274,7 @@ impl Sender {
     /// ([`rdmsg_transport::Error::Timeout`] of `timeout`).
     fn wait_for_record(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         deadline: Option<Instant>,
         timeout: Option<Duration>,
     ) -> Result<()> {
@@ -332,12 +332,12 @@ impl Sender {
         self.lent.count()
     }
 
-    /// Waits, taking in what arrives ([`Link::absorb`]), until the peer is done reading our
+    /// Waits, taking in what arrives ([`PeerIo::absorb`]), until the peer is done reading our
     /// messages (and with `record`, until its application took them all) or `deadline`
     /// passes: closing under a read would fail it. Returns how many it had not read by then.
     pub(crate) fn wait_until_returned(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         deadline: Instant,
         record: bool,
     ) -> Result<usize> {
@@ -361,11 +361,11 @@ impl Sender {
         Ok(self.lent())
     }
 
-    /// Waits at most `timeout` for what arrives ([`Link::absorb`]), takes in the peer's
+    /// Waits at most `timeout` for what arrives ([`PeerIo::absorb`]), takes in the peer's
     /// acknowledgements and sends ours as they can go; `false` if the link cannot wait so.
     pub(super) fn wait_and_take_acks(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         timeout: Option<Duration>,
     ) -> Result<bool> {
         let Some(got) = link.absorb(timeout)? else {
@@ -417,7 +417,7 @@ impl Sender {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn send_rendezvous(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         tag: u32,
         seq: u32,
         mut pieces: Vec<Piece>,
@@ -512,19 +512,19 @@ impl Sender {
     /// buffer when it fits, else fragmented, the last fragment alone carrying the solicitation.
     pub(crate) fn send_as<M: Message>(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         m: &M,
         solicited: bool,
     ) -> Result<()> {
         self.send_within(link, m, solicited, None)
     }
 
-    /// [`Sender::send_as`], its first frame waiting at most `first_timeout` for a credit and a
+    /// [`SendSide::send_as`], its first frame waiting at most `first_timeout` for a credit and a
     /// send slot ([`rdmsg_transport::Error::Timeout`]: nothing sent); the other frames of a
     /// fragmented message wait as long as it takes, so that none is left half sent.
     pub(crate) fn send_within<M: Message>(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         m: &M,
         solicited: bool,
         first_timeout: Option<Duration>,
@@ -618,10 +618,10 @@ impl Sender {
     /// has no credit, no send slot is free, or frames committed earlier are still waiting. A
     /// message needing fragments is committed once its first frame is sent: the rest are
     /// queued and go out as credits allow, on any later call that drives the link
-    /// ([`Sender::send_committed`]), before anything else.
+    /// ([`SendSide::send_committed`]), before anything else.
     pub(crate) fn try_send_as<M: Message>(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         m: &M,
         solicited: bool,
     ) -> Result<bool> {
@@ -637,13 +637,13 @@ impl Sender {
         Ok(true)
     }
 
-    /// Commits `m`: sends it now if it can go ([`Sender::try_send_as`]), else encodes it
+    /// Commits `m`: sends it now if it can go ([`SendSide::try_send_as`]), else encodes it
     /// and queues it to go, in order, before anything sent later, as credits come (any
     /// later call that drives the link sends it). Only an error (too large, not encodable,
     /// the link failed) leaves it unsent, and nothing of it committed.
     pub(crate) fn commit_as<M: Message>(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         m: &M,
         solicited: bool,
     ) -> Result<()> {
@@ -677,7 +677,7 @@ impl Sender {
     /// `outgoing`, which goes first whoever drives the link next.
     fn try_send_now<E: Encode + ?Sized>(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         m: &E,
         solicited: bool,
         patience: Patience,
@@ -765,7 +765,7 @@ impl Sender {
     }
 
     /// Sends committed frames that can go without waiting; whether none is left.
-    pub(crate) fn send_committed(&mut self, link: &mut impl Link) -> Result<bool> {
+    pub(crate) fn send_committed(&mut self, link: &mut impl PeerIo) -> Result<bool> {
         self.drain(link, Some(Duration::ZERO))
     }
 
@@ -837,7 +837,7 @@ impl Sender {
     /// Sends every message unsolicited but the last, which is solicited.
     pub(crate) fn send_batch<'a, M: Message + 'a>(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         batch: impl IntoIterator<Item = &'a M>,
     ) -> Result<usize> {
         let mut iter = batch.into_iter().peekable();
@@ -851,15 +851,15 @@ impl Sender {
 
     /// A payload-less solicited frame if anything went unsolicited since the last solicited
     /// one.
-    pub(crate) fn flush(&mut self, link: &mut impl Link) -> Result<()> {
+    pub(crate) fn flush(&mut self, link: &mut impl PeerIo) -> Result<()> {
         self.flush_within(link, None).map(|_| ())
     }
 
-    /// [`Sender::flush`], waiting at most `timeout` for a credit: `Ok(false)` if none came
+    /// [`SendSide::flush`], waiting at most `timeout` for a credit: `Ok(false)` if none came
     /// (nothing sent; still pending).
     pub(crate) fn flush_within(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         timeout: Option<Duration>,
     ) -> Result<bool> {
         // Committed frames go first (a flush promises everything sent so far is on its way,
@@ -885,7 +885,7 @@ impl Sender {
     /// and hold up everything behind it.
     pub(crate) fn drain(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         timeout: Option<Duration>,
     ) -> Result<bool> {
         let patience = Patience::from_timeout(timeout);
@@ -926,7 +926,7 @@ impl Sender {
     }
 
     /// Sends every committed frame within `patience`; whether all went.
-    fn drain_frames(&mut self, link: &mut impl Link, patience: Patience) -> Result<bool> {
+    fn drain_frames(&mut self, link: &mut impl PeerIo, patience: Patience) -> Result<bool> {
         let taken = self.taken_to_tell;
         while let Some((f, solicited)) = self.outgoing.front_mut() {
             frame::stamp_taken(f, taken);
@@ -951,7 +951,7 @@ impl Sender {
     /// went solicited (the transport solicits it), so the peer looks anyway.
     pub(crate) fn flush_before_wait(
         &mut self,
-        link: &mut impl Link,
+        link: &mut impl PeerIo,
         credits: u32,
         timeout: Option<Duration>,
     ) -> Result<bool> {

@@ -71,7 +71,7 @@ struct Wire {
     room: usize,
 }
 
-impl Link for Wire {
+impl PeerIo for Wire {
     fn send_with(
         &mut self,
         solicited: bool,
@@ -192,7 +192,7 @@ fn a_refused_read_is_reported_with_its_message() {
 #[test]
 fn acknowledgements_that_cannot_go_are_merged_into_few_frames() {
     // A peer that withholds credits while we read 100,000 of its messages.
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let frame_max = 4096;
     for seq in 0..100_000u32 {
         tx.queue_acks(&[seq], frame_max);
@@ -216,7 +216,7 @@ fn acknowledgements_that_cannot_go_are_merged_into_few_frames() {
 
 #[test]
 fn a_wait_flushes_what_went_unsolicited_once_and_only_with_a_credit() {
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire::new(256);
     let zero = Some(Duration::ZERO);
     assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
@@ -243,7 +243,7 @@ fn a_wait_flushes_what_went_unsolicited_once_and_only_with_a_credit() {
 
 #[test]
 fn a_send_that_times_out_sends_nothing_and_keeps_its_number() {
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire {
         full: true,
         ..Wire::new(256)
@@ -264,7 +264,7 @@ fn a_send_that_times_out_sends_nothing_and_keeps_its_number() {
 
 #[test]
 fn a_non_blocking_send_commits_a_fragmented_message_and_queues_its_rest_first() {
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire {
         room: 0,
         ..Wire::new(256)
@@ -289,7 +289,7 @@ fn a_non_blocking_send_commits_a_fragmented_message_and_queues_its_rest_first() 
     assert!(tx.try_send_as(&mut wire, &Other(2), true).unwrap());
     let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
     assert_eq!(solicited, [false, false, false, false, true, true]);
-    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let mut rx = RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
     let got: Vec<Envelope> = deliver(&wire, &mut rx)
         .into_iter()
         .map(|r| r.unwrap())
@@ -304,7 +304,7 @@ fn a_non_blocking_send_commits_a_fragmented_message_and_queues_its_rest_first() 
 /// keeps copies lists a committed message the connection never sent.
 #[test]
 fn a_commit_without_room_queues_the_message_and_it_goes_first() {
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire {
         room: 0,
         ..Wire::new(256)
@@ -321,7 +321,7 @@ fn a_commit_without_room_queues_the_message_and_it_goes_first() {
     wire.room = 10;
     assert!(tx.try_send_as(&mut wire, &Other(3), true).unwrap());
     assert_eq!((tx.seq, tx.queued_frames()), (3, 0));
-    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let mut rx = RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
     let got: Vec<Envelope> = deliver(&wire, &mut rx)
         .into_iter()
         .map(|r| r.unwrap())
@@ -331,7 +331,7 @@ fn a_commit_without_room_queues_the_message_and_it_goes_first() {
     assert_eq!(got[1].decode::<Blob>().unwrap(), Blob(vec![5; 600]));
     assert_eq!(got[2].decode::<Other>().unwrap(), Other(3));
     // Too large: an error, and nothing committed.
-    let mut small = Sender::new(
+    let mut small = SendSide::new(
         &SessionConfig {
             max_message: 100,
             ..config(100)
@@ -344,7 +344,7 @@ fn a_commit_without_room_queues_the_message_and_it_goes_first() {
         .is_err());
     assert_eq!(small.queued_frames(), 0);
     // Kept copies include what was committed and never sent.
-    let mut keeping = Sender::new(
+    let mut keeping = SendSide::new(
         &SessionConfig {
             keep_unconfirmed: Some(1024),
             ..config(100)
@@ -359,7 +359,7 @@ fn a_commit_without_room_queues_the_message_and_it_goes_first() {
 
 #[test]
 fn a_flush_goes_after_the_queued_frames() {
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire {
         room: 1,
         ..Wire::new(256)
@@ -377,7 +377,7 @@ fn a_flush_goes_after_the_queued_frames() {
 
 #[test]
 fn a_flush_sends_the_queued_frames_of_a_solicited_message_too() {
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire {
         room: 1,
         ..Wire::new(256)
@@ -418,7 +418,7 @@ fn config(run: u32) -> SessionConfig {
 }
 
 /// What a receiver makes of the frames on the wire, in order.
-fn deliver(wire: &Wire, rx: &mut Receiver) -> Vec<Result<Envelope>> {
+fn deliver(wire: &Wire, rx: &mut RecvSide) -> Vec<Result<Envelope>> {
     wire.frames
         .iter()
         .filter_map(|(f, _)| rx.take(FrameBytes::Owned(f.clone())).transpose())
@@ -428,7 +428,7 @@ fn deliver(wire: &Wire, rx: &mut Receiver) -> Vec<Result<Envelope>> {
 #[test]
 fn small_messages_go_whole_large_ones_in_fragments_solicited_last() {
     let mut wire = Wire::new(256);
-    let mut tx = Sender::new(&config(100), 0);
+    let mut tx = SendSide::new(&config(100), 0);
     tx.send_as(&mut wire, &Blob(vec![1; 10]), false).unwrap();
     tx.send_as(&mut wire, &Blob(vec![2; 1000]), true).unwrap();
     let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
@@ -441,7 +441,7 @@ fn small_messages_go_whole_large_ones_in_fragments_solicited_last() {
     let st = tx.stats;
     assert_eq!((st.sent, st.fragmented, st.sent_solicited), (2, 1, 1));
     assert_eq!(st.frames_sent, solicited.len() as u64);
-    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let mut rx = RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
     let envelopes: Vec<Envelope> = deliver(&wire, &mut rx)
         .into_iter()
         .map(|e| e.unwrap())
@@ -468,7 +468,7 @@ fn a_hub_wake_up_counts_once_for_a_peer_however_many_frames_it_brought() {
 #[test]
 fn the_policy_solicits_long_runs_and_flush_ends_a_burst() {
     let mut wire = Wire::new(256);
-    let mut tx = Sender::new(&config(3), 64);
+    let mut tx = SendSide::new(&config(3), 64);
     for i in 0..5 {
         tx.send_as(&mut wire, &Blob(vec![i]), false).unwrap();
     }
@@ -477,7 +477,7 @@ fn the_policy_solicits_long_runs_and_flush_ends_a_burst() {
     let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
     assert_eq!(solicited, [false, false, false, true, false, true]);
     assert_eq!(tx.stats.policy_solicited, 1);
-    let mut rx = Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let mut rx = RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
     assert_eq!(
         deliver(&wire, &mut rx).len(),
         5,
@@ -488,14 +488,14 @@ fn the_policy_solicits_long_runs_and_flush_ends_a_burst() {
 #[test]
 fn a_batch_solicits_its_last_message_only() {
     let mut wire = Wire::new(256);
-    let mut tx = Sender::new(&config(100), 0);
+    let mut tx = SendSide::new(&config(100), 0);
     let batch: Vec<Blob> = (0..4).map(|i| Blob(vec![i])).collect();
     assert_eq!(tx.send_batch(&mut wire, &batch).unwrap(), 4);
     let solicited: Vec<bool> = wire.frames.iter().map(|f| f.1).collect();
     assert_eq!(solicited, [false, false, false, true]);
     let seqs: Vec<u32> = deliver(
         &wire,
-        &mut Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20)),
+        &mut RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20)),
     )
     .into_iter()
     .map(|e| e.unwrap().seq())
@@ -506,7 +506,7 @@ fn a_batch_solicits_its_last_message_only() {
 #[test]
 fn the_default_run_is_a_quarter_of_the_peer_depth() {
     let mut wire = Wire::new(256);
-    let mut tx = Sender::new(&SessionConfig::default(), 8);
+    let mut tx = SendSide::new(&SessionConfig::default(), 8);
     for _ in 0..3 {
         tx.send_as(&mut wire, &Blob(vec![]), false).unwrap();
     }
@@ -517,13 +517,13 @@ fn the_default_run_is_a_quarter_of_the_peer_depth() {
 #[test]
 fn a_dropped_frame_is_counted_and_the_next_one_decodes() {
     let mut wire = Wire::new(256);
-    let mut tx = Sender::new(&config(100), 0);
+    let mut tx = SendSide::new(&config(100), 0);
     tx.send_as(&mut wire, &Other(1), true).unwrap();
     tx.send_as(&mut wire, &Blob(vec![1]), true).unwrap();
     wire.frames.insert(0, (b"garbage".to_vec(), true));
     let mut decoder = Decoder::new(1 << 20);
     decoder.register::<Blob>().unwrap();
-    let mut rx = Receiver::new(decoder, ReadPool::new(1 << 20));
+    let mut rx = RecvSide::new(decoder, ReadPool::new(1 << 20));
     let got = deliver(&wire, &mut rx);
     assert!(matches!(got[0], Err(Error::BadFrame(_))));
     assert!(matches!(got[1], Err(Error::UnknownTag { tag, .. }) if tag == Other::TAG));
@@ -536,7 +536,7 @@ fn a_dropped_frame_is_counted_and_the_next_one_decodes() {
 }
 
 /// Frames a receiver takes in, as a connection hands them over.
-fn arrive_all(wire: &mut Wire, rx: &mut Receiver) {
+fn arrive_all(wire: &mut Wire, rx: &mut RecvSide) {
     for (f, _) in wire.frames.drain(..) {
         rx.arrive(FrameBytes::Owned(f));
     }
@@ -548,8 +548,8 @@ fn the_record_says_what_the_peer_took_and_hands_back_the_rest_in_order() {
         keep_unconfirmed: Some(1 << 20),
         ..config(100)
     };
-    let (mut a_tx, mut a_rx) = (Sender::new(&keep, 64), receiver());
-    let (mut b_tx, mut b_rx) = (Sender::new(&config(100), 64), receiver());
+    let (mut a_tx, mut a_rx) = (SendSide::new(&keep, 64), receiver());
+    let (mut b_tx, mut b_rx) = (SendSide::new(&config(100), 64), receiver());
     let (mut ab, mut ba) = (Wire::new(256), Wire::new(256));
     // Small ones whole, a large one in fragments.
     let sent: Vec<Blob> = (0..10u8)
@@ -581,8 +581,8 @@ fn the_record_says_what_the_peer_took_and_hands_back_the_rest_in_order() {
 
 #[test]
 fn a_sender_out_of_room_asks_once_and_the_answer_comes_when_the_peer_took_that_far() {
-    let (mut a_tx, mut a_rx) = (Sender::new(&config(100), 64), receiver());
-    let (mut b_tx, mut b_rx) = (Sender::new(&config(100), 64), receiver());
+    let (mut a_tx, mut a_rx) = (SendSide::new(&config(100), 64), receiver());
+    let (mut b_tx, mut b_rx) = (SendSide::new(&config(100), 64), receiver());
     let (mut ab, mut ba) = (Wire::new(256), Wire::new(256));
     let window = MAX_UNCONFIRMED as usize;
     for _ in 0..window {
@@ -638,8 +638,8 @@ fn one_remote_piece(total: u32) -> Descriptor {
     }
 }
 
-fn receiver() -> Receiver {
-    Receiver::new(Decoder::new(1 << 20), ReadPool::new(1 << 20))
+fn receiver() -> RecvSide {
+    RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20))
 }
 
 #[test]
@@ -647,12 +647,12 @@ fn frames_behind_a_head_that_waits_for_room_are_held_unread_then_delivered_after
     // The application holds nearly all of the read pool: the head cannot be read yet.
     let pool = ReadPool::new(1 << 20);
     pool.occupy((1 << 20) - 1000);
-    let mut rx = Receiver::new(Decoder::new(1 << 20), pool);
+    let mut rx = RecvSide::new(Decoder::new(1 << 20), pool);
     rx.on_descriptor(Blob::TAG, 0, one_remote_piece(100_000));
     let mut wire = Wire::new(256);
     rx.advance(&mut wire).unwrap();
     // The peer goes on sending fragmented messages behind it.
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     tx.seq = 1;
     for i in 0..200u8 {
         tx.send_as(&mut wire, &Blob(vec![i; 1000]), false).unwrap();
@@ -686,13 +686,13 @@ fn a_hub_bounds_the_messages_its_peers_reassemble_at_once() {
     // Room for one message of 2,000 bytes in reassembly, hub-wide.
     let budget = ReassemblyBudget::new(3000, TIMEOUT);
     let peer =
-        || Receiver::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
+        || RecvSide::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
     let (mut a, mut b) = (peer(), peer());
     let (mut wa, mut wb) = (Wire::new(256), Wire::new(256));
-    Sender::new(&config(100), 64)
+    SendSide::new(&config(100), 64)
         .send_as(&mut wa, &Blob(vec![1; 2000]), false)
         .unwrap();
-    Sender::new(&config(100), 64)
+    SendSide::new(&config(100), 64)
         .send_as(&mut wb, &Blob(vec![2; 2000]), false)
         .unwrap();
     let mut a_frames = std::mem::take(&mut wa.frames).into_iter();
@@ -750,9 +750,9 @@ fn a_peer_reads_into_at_most_its_part_of_a_shared_pool() {
 fn a_peer_that_fails_mid_message_gives_its_reassembly_budget_back() {
     let budget = ReassemblyBudget::new(1 << 16, TIMEOUT);
     let mut rx =
-        Receiver::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
+        RecvSide::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
     let mut wire = Wire::new(256);
-    Sender::new(&config(100), 64)
+    SendSide::new(&config(100), 64)
         .send_as(&mut wire, &Blob(vec![1; 2000]), false)
         .unwrap();
     rx.arrive(FrameBytes::Owned(wire.frames.remove(0).0));
@@ -772,8 +772,8 @@ const MAX_MESSAGE: usize = 16 << 20;
 const MAX_REASSEMBLY: usize = 256 << 20;
 
 /// A hub's peer with the default bounds, on `budget`.
-fn hub_peer(budget: &ReassemblyBudget) -> Receiver {
-    Receiver::new(Decoder::new(MAX_MESSAGE), ReadPool::new(1 << 20)).with_budget(budget.clone())
+fn hub_peer(budget: &ReassemblyBudget) -> RecvSide {
+    RecvSide::new(Decoder::new(MAX_MESSAGE), ReadPool::new(1 << 20)).with_budget(budget.clone())
 }
 
 /// The frames of a `Blob` of `len` bytes sent as message `seq`, in fragments of 256 bytes.
@@ -783,20 +783,20 @@ fn blob_frames(seq: u32, fill: u8, len: usize) -> Vec<Vec<u8>> {
         rendezvous_threshold: None,
         ..config(100)
     };
-    let mut tx = Sender::new(&fragments, 64);
+    let mut tx = SendSide::new(&fragments, 64);
     tx.seq = seq;
     tx.send_as(&mut wire, &Blob(vec![fill; len]), false)
         .unwrap();
     wire.frames.into_iter().map(|(f, _)| f).collect()
 }
 
-fn arrive(rx: &mut Receiver, frames: impl IntoIterator<Item = Vec<u8>>) {
+fn arrive(rx: &mut RecvSide, frames: impl IntoIterator<Item = Vec<u8>>) {
     for f in frames {
         rx.arrive(FrameBytes::Owned(f));
     }
 }
 
-fn pop_blob(rx: &mut Receiver) -> Blob {
+fn pop_blob(rx: &mut RecvSide) -> Blob {
     match rx.pop() {
         Some(Ok(env)) => env.decode().unwrap(),
         other => panic!("a message, not {other:?}"),
@@ -807,7 +807,7 @@ fn pop_blob(rx: &mut Receiver) -> Blob {
 fn stalled_small_messages_reserve_what_they_announced_not_max_message() {
     let budget = ReassemblyBudget::new(MAX_REASSEMBLY, TIMEOUT);
     // 16 peers each send the first fragment of a 2,000-byte message, then nothing.
-    let mut stalled: Vec<Receiver> = (0..16).map(|_| hub_peer(&budget)).collect();
+    let mut stalled: Vec<RecvSide> = (0..16).map(|_| hub_peer(&budget)).collect();
     for (i, rx) in stalled.iter_mut().enumerate() {
         let first = blob_frames(0, i as u8, 2000).swap_remove(0);
         arrive(rx, [first]);
@@ -838,7 +838,7 @@ fn stalled_large_messages_time_out_alone_and_give_their_budget_back() {
     let body = vec![0u8; MAX_MESSAGE];
     let big = crate::codec::fragment(&body, Blob::TAG, 0, 1 << 16, MAX_MESSAGE).unwrap();
     let t0 = Instant::now();
-    let mut stalled: Vec<Receiver> = (0..16).map(|_| hub_peer(&budget)).collect();
+    let mut stalled: Vec<RecvSide> = (0..16).map(|_| hub_peer(&budget)).collect();
     for rx in &mut stalled {
         arrive(rx, [big[0].clone()]);
         rx.handle_timeout(t0);
@@ -917,7 +917,7 @@ fn a_peer_that_keeps_sending_large_messages_cannot_starve_another() {
     // Room for one message of 40,000 bytes at a time.
     let budget = ReassemblyBudget::new(1 << 16, TIMEOUT);
     let peer =
-        || Receiver::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
+        || RecvSide::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
     let (mut a, mut b) = (peer(), peer());
     let a1 = blob_frames(0, 1, 40_000);
     arrive(&mut a, [a1[0].clone()]);
@@ -944,7 +944,7 @@ fn a_peer_that_keeps_sending_large_messages_cannot_starve_another() {
 fn a_peer_that_goes_away_while_it_waits_does_not_hold_up_the_others() {
     let budget = ReassemblyBudget::new(1 << 16, TIMEOUT);
     let peer =
-        || Receiver::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
+        || RecvSide::new(Decoder::new(1 << 16), ReadPool::new(1 << 20)).with_budget(budget.clone());
     let (mut a, mut b, mut c) = (peer(), peer(), peer());
     let a1 = blob_frames(0, 1, 40_000);
     arrive(&mut a, [a1[0].clone()]);
@@ -968,7 +968,7 @@ fn a_peer_that_goes_away_while_it_waits_does_not_hold_up_the_others() {
 #[test]
 fn a_held_back_receiver_stops_a_streaming_peer_by_its_credits() {
     let credits = 16;
-    let mut tx = Sender::new(&config(100), 64);
+    let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire {
         room: credits,
         ..Wire::new(256)
@@ -1008,7 +1008,7 @@ fn a_held_back_receiver_stops_a_streaming_peer_by_its_credits() {
     assert_eq!(rx.order.len(), 1, "nothing new to hand over");
     assert!(tx.queued_frames() > 0, "its last message waits for credits");
     // Acknowledgements are not held back.
-    let mut acks = Sender::new(&config(100), 64);
+    let mut acks = SendSide::new(&config(100), 64);
     acks.queue_acks(&[0], 256);
     let mut ack_wire = Wire::new(256);
     acks.send_committed(&mut ack_wire).unwrap();
