@@ -1091,6 +1091,13 @@ impl Hub {
         self.config.max_unsolicited_delay.is_some()
     }
 
+    /// Whether a message its sender asked to solicit (`requested`) or not goes solicited when
+    /// another thread or task may be asleep on this hub (`others_waiting`): see
+    /// [`crate::policy::solicit_for`].
+    pub fn solicit_for(&self, requested: bool, others_waiting: bool) -> bool {
+        crate::policy::solicit_for(requested, others_waiting, self.delays_unsolicited())
+    }
+
     /// The next event, waiting as long as it takes. An `Err` is the hub's own failure, which
     /// every later call reports too.
     ///

@@ -18,6 +18,17 @@
 
 use std::time::{Duration, Instant};
 
+/// Whether a message goes solicited when several threads or tasks share one session or hub:
+/// when its sender asks (`requested`), and when another thread or task is asleep on it
+/// (`others_waiting`) unless unsolicited sends may wait within a bound (`delays`, see
+/// [`crate::SessionConfig::max_unsolicited_delay`]: the session's own flush deadline then
+/// wakes the sleeper). A sleeper solicited-only would otherwise not see the message until
+/// something solicited came. The one rule; [`crate::Session::solicit_for`] and
+/// [`crate::Hub::solicit_for`] apply it.
+pub fn solicit_for(requested: bool, others_waiting: bool, delays: bool) -> bool {
+    requested || (others_waiting && !delays)
+}
+
 /// Tracks unsolicited traffic since the last solicited frame.
 #[derive(Debug, Clone)]
 pub struct SolicitPolicy {
@@ -97,6 +108,21 @@ impl SolicitPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_is_solicited_when_asked_or_when_another_sleeps_without_a_delay_bound() {
+        assert!(solicit_for(true, false, false));
+        assert!(solicit_for(true, true, true), "asked: always");
+        assert!(
+            solicit_for(false, true, false),
+            "another sleeps: it must wake"
+        );
+        assert!(
+            !solicit_for(false, true, true),
+            "the delay bound's flush wakes it instead"
+        );
+        assert!(!solicit_for(false, false, false));
+    }
 
     #[test]
     fn forces_after_a_run_or_a_byte_count() {

@@ -595,6 +595,13 @@ impl Session {
         self.sender.delay_allowed()
     }
 
+    /// Whether a message its sender asked to solicit (`requested`) or not goes solicited when
+    /// another thread or task may be asleep on this session (`others_waiting`): see
+    /// [`crate::policy::solicit_for`], the one rule code that shares a session follows.
+    pub fn solicit_for(&self, requested: bool, others_waiting: bool) -> bool {
+        crate::policy::solicit_for(requested, others_waiting, self.delays_unsolicited())
+    }
+
     /// Calls the peer: sends `request` and waits for its answer, all within `timeout`
     /// ([`crate::Error::CallTimedOut`] past it; an answer that comes later is dropped and
     /// counted in [`CallStats::late`]). The answer is decoded with

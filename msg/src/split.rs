@@ -210,7 +210,7 @@ impl SendHalf {
         let sent = self.shared.run(deadline, Role::Send, |core| {
             let others_wait = core.receivers_waiting > 0 || core.sleeping;
             let s = &mut core.session;
-            let solicit = solicited || (others_wait && !s.delays_unsolicited());
+            let solicit = s.solicit_for(solicited, others_wait);
             let was_pending = s.unsolicited_pending();
             if !s.try_send_as(m, solicit)? {
                 return Ok(None);

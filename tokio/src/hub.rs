@@ -156,9 +156,8 @@ impl AsyncHub {
         self.shared
             .run(false, |h, shared| {
                 let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
-                let delays = h.delays_unsolicited();
-                Ok(h.try_send_as(peer, m, solicited || (waiting && !delays))?
-                    .then_some(()))
+                let solicit = h.solicit_for(solicited, waiting);
+                Ok(h.try_send_as(peer, m, solicit)?.then_some(()))
             })
             .await
     }
@@ -168,8 +167,8 @@ impl AsyncHub {
         self.with_hub(|h| {
             // Read under the mutex (see `AsyncSession::try_send_as`).
             let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
-            let delays = h.delays_unsolicited();
-            Ok(h.try_send_as(peer, m, solicited || (waiting && !delays))?)
+            let solicit = h.solicit_for(solicited, waiting);
+            Ok(h.try_send_as(peer, m, solicit)?)
         })
     }
 

@@ -78,7 +78,7 @@ fn commit_locked<M: Message>(
 ) -> Result<()> {
     // Read under the mutex: a receiver counts itself before it steps (and flushes) under it.
     let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
-    let solicit = solicited || (waiting && !s.delays_unsolicited());
+    let solicit = s.solicit_for(solicited, waiting);
     let (mark, was_pending) = (s.mark(), s.unsolicited_pending());
     s.commit_as(m, solicit)?;
     if s.mark() != mark || (!was_pending && s.unsolicited_pending()) {
@@ -213,7 +213,7 @@ impl AsyncSession {
         let mut s = self.shared.lock()?;
         // Read under the mutex: a receiver counts itself before it steps (and flushes) under it.
         let waiting = self.shared.receivers.load(Ordering::SeqCst) > 0;
-        let solicit = solicited || (waiting && !s.delays_unsolicited());
+        let solicit = s.solicit_for(solicited, waiting);
         let (mark, was_pending) = (s.mark(), s.unsolicited_pending());
         let sent = s.try_send_as(m, solicit)?;
         if s.mark() != mark || (!was_pending && s.unsolicited_pending()) {
@@ -244,7 +244,7 @@ impl AsyncSession {
         self.shared
             .call(timeout, request_type, |s, shared| {
                 let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
-                let solicit = R::SOLICITED || (waiting && !s.delays_unsolicited());
+                let solicit = s.solicit_for(R::SOLICITED, waiting);
                 Ok(s.try_start_call(request, solicit, timeout)?)
             })
             .await
