@@ -24,12 +24,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use rdmsg_transport::{Connection, PeerId, Waker};
+use rdmsg_transport::{PeerId, Waker};
 use serde::ser::{SerializeTuple, Serializer};
 use serde::Serialize;
 
 use crate::codec::{Decoder, Envelope};
-use crate::peer::{HubPeerIo, PeerIo, SendSide, SessionPeerIo};
+use crate::peer::Encode;
+pub(crate) use crate::peer::{encoded_len, Outgoing, Owned};
 use crate::{Error, Message, Result};
 
 /// A message that asks for an answer of type [`Request::Response`]. Declare both with
@@ -149,80 +150,9 @@ impl<T: Serialize> Message for ReplyOut<'_, T> {
     const TAG: u32 = REPLY_TAG;
 }
 
-/// A message owned by a queue (a hub's outbox, answers from other threads), sent later by
-/// the thread that drives the connection.
-pub(crate) trait Outgoing: Send + fmt::Debug {
-    /// Sends it over a session, waiting at most `timeout` for credits (a timeout error:
-    /// nothing sent).
-    fn send_session(
-        &self,
-        sender: &mut SendSide,
-        link: &mut SessionPeerIo<'_>,
-        timeout: Option<Duration>,
-    ) -> Result<()>;
-    /// Sends it over a session's connection if it can go now.
-    fn try_send_conn(&self, sender: &mut SendSide, conn: &mut Connection) -> Result<bool>;
-    /// Sends it to a hub's peer if it can go now.
-    fn try_send_hub(&self, sender: &mut SendSide, link: &mut HubPeerIo<'_>) -> Result<bool>;
-    /// Its encoded length (what it holds, roughly).
-    fn size(&self) -> usize;
-}
-
-/// Sends `m` if it can go now.
-fn try_send<M: Message>(
-    sender: &mut SendSide,
-    link: &mut impl PeerIo,
-    m: &M,
-    solicited: bool,
-) -> Result<bool> {
-    sender.try_send_as(link, m, solicited)
-}
-
-/// Encoded length of `m` (bincode's standard configuration, as frames use), without encoding
-/// it anywhere.
-pub(crate) fn encoded_len<M: Serialize>(m: &M) -> usize {
-    let mut size = bincode::enc::write::SizeWriter::default();
-    match bincode::serde::encode_into_writer(m, &mut size, bincode::config::standard()) {
-        Ok(()) => size.bytes_written,
-        Err(_) => 0,
-    }
-}
-
-/// A message of the application's, owned by a hub's outbox.
-pub(crate) struct Owned<M> {
-    pub(crate) m: M,
-    pub(crate) solicited: bool,
-}
-
 impl<T> fmt::Debug for OwnedReply<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "answer to call {} ({})", self.id, self.status)
-    }
-}
-
-impl<M> fmt::Debug for Owned<M> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(std::any::type_name::<M>())
-    }
-}
-
-impl<M: Message + Send> Outgoing for Owned<M> {
-    fn send_session(
-        &self,
-        sender: &mut SendSide,
-        link: &mut SessionPeerIo<'_>,
-        timeout: Option<Duration>,
-    ) -> Result<()> {
-        sender.send_within(link, &self.m, self.solicited, timeout)
-    }
-    fn try_send_conn(&self, sender: &mut SendSide, conn: &mut Connection) -> Result<bool> {
-        try_send(sender, conn, &self.m, self.solicited)
-    }
-    fn try_send_hub(&self, sender: &mut SendSide, link: &mut HubPeerIo<'_>) -> Result<bool> {
-        try_send(sender, link, &self.m, self.solicited)
-    }
-    fn size(&self) -> usize {
-        encoded_len(&self.m)
     }
 }
 
@@ -244,19 +174,9 @@ impl<T: Serialize> OwnedReply<T> {
 }
 
 impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
-    fn send_session(
-        &self,
-        sender: &mut SendSide,
-        link: &mut SessionPeerIo<'_>,
-        timeout: Option<Duration>,
-    ) -> Result<()> {
-        sender.send_within(link, &self.out(), true, timeout)
-    }
-    fn try_send_conn(&self, sender: &mut SendSide, conn: &mut Connection) -> Result<bool> {
-        try_send(sender, conn, &self.out(), true)
-    }
-    fn try_send_hub(&self, sender: &mut SendSide, link: &mut HubPeerIo<'_>) -> Result<bool> {
-        try_send(sender, link, &self.out(), true)
+    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool> {
+        // Answers are solicited: their callers wait for them.
+        send(&self.out(), true)
     }
     fn size(&self) -> usize {
         encoded_len(&self.out())
@@ -528,8 +448,8 @@ pub struct CallStats {
     /// Requests received by this side (answered, refused, or waiting for their answer).
     pub served: u64,
     /// Answers this side gave that could not be sent: past the bound on answers waiting to
-    /// go ([`crate::SessionConfig::max_outbox_bytes`]) while the peer took nothing, not
-    /// encodable, or the connection gone.
+    /// go ([`crate::SessionConfig::max_outbox_bytes`]) while the peer took nothing (its
+    /// caller was told "no answer"), not encodable, or the connection gone.
     pub answers_dropped: u64,
 }
 

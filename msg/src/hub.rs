@@ -8,16 +8,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::{Endpoint, Failure, HubConfig, PeerId};
-use rdmsg_verbs::deadline_after;
 
 use crate::call::{
     self, Call, CallOut, CallStats, Calls, Outgoing, Owned, OwnedReply, Replies, Request, Responder,
 };
 use crate::codec::{Decoder, Envelope, FrameBytes};
-use crate::error::unread_error;
+use crate::error::{unread_error, unsent_error};
 use crate::held::Held;
 use crate::peer::{
-    self, Delivery, HubPeerIo, PeerIo, PeerTable, ReassemblyBudget, RecvSide, SendSide,
+    self, Closing, Delivery, HubPeerIo, Outbox, OutboxStats, PeerIo, PeerTable, ReassemblyBudget,
+    RecvSide, SendSide,
 };
 use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
@@ -123,30 +123,15 @@ struct PeerState {
     receiver: RecvSide,
     /// Listed in [`Hub::unflushed`].
     listed: bool,
-    /// [`Hub::start_close`] waits for the peer to finish reading our messages, until then.
-    close_at: Option<Instant>,
-    /// Messages waiting for the peer's credits, in order, each with its encoded length.
-    outbox: VecDeque<(Box<dyn Outgoing>, usize)>,
-    /// What the outbox holds and has done.
-    outbox_stats: OutboxStats,
-    /// A post was refused: [`HubEvent::Writable`] is due once there is room.
-    refused: bool,
+    /// [`Hub::start_close`] under way: the transport's close starts once it is due.
+    closing: Option<Closing>,
+    /// Messages waiting for the peer's credits ([`Hub::post`], answers).
+    outbox: Outbox,
 }
 
 impl PeerState {
     fn stats(&self) -> SessionStats {
         peer::stats(&self.sender, &self.receiver)
-    }
-}
-
-impl OutboxStats {
-    fn add(&mut self, o: &OutboxStats) {
-        self.messages += o.messages;
-        self.bytes += o.bytes;
-        self.peak_bytes = self.peak_bytes.max(o.peak_bytes);
-        self.queued += o.queued;
-        self.refused += o.refused;
-        self.dropped += o.dropped;
     }
 }
 
@@ -168,24 +153,6 @@ pub enum Posted<M> {
     /// nothing was sent, and here is the message back. Not an error: a request handed out
     /// before its peer's disconnection is still answered with `reply`, and lands here.
     PeerGone(M),
-}
-
-/// A peer's outbox ([`Hub::post`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct OutboxStats {
-    /// Messages waiting now.
-    pub messages: usize,
-    /// Their encoded bytes.
-    pub bytes: usize,
-    /// The most bytes it has held.
-    pub peak_bytes: usize,
-    /// Messages queued in all (sent at once: not counted).
-    pub queued: u64,
-    /// Posts refused for want of room.
-    pub refused: u64,
-    /// Messages dropped: answers refused for want of room, and what was still waiting when
-    /// the peer disconnected.
-    pub dropped: u64,
 }
 
 /// Longest wait while a peer's flush before a wait found no free send slot.
@@ -256,12 +223,6 @@ pub struct Hub {
     answered: bool,
     /// The outbox counts of peers gone.
     departed_outboxes: OutboxStats,
-}
-
-/// Whether a close must wait for the peer's application to take what was sent: copies are
-/// kept, and it has not taken everything yet.
-fn waits_for_record(sender: &SendSide) -> bool {
-    sender.keeps_copies() && sender.delivery(None).unconfirmed() > 0
 }
 
 /// Queues `peer`'s messages that are ready, in order, as events (a message that could not be
@@ -473,115 +434,103 @@ impl Hub {
 
     /// Closes `peer` gracefully (see [`rdmsg_transport::RawHub::close`]): it receives everything
     /// sent so far, then [`Failure::PeerClosed`]; here [`HubEvent::Disconnected`] follows with
-    /// [`Failure::Closed`]. The close waits at most `close_timeout` for the peer to finish
-    /// reading what it was lent by rendezvous: [`Error::Unread`] says how many it had not read
-    /// by then (the connection is closed all the same).
+    /// [`Failure::Closed`]. As [`crate::Session::close`] does, within one `close_timeout`: its
+    /// outbox and committed messages go first, then the close waits for the peer to finish
+    /// reading what it was lent by rendezvous (with
+    /// [`SessionConfig::keep_unconfirmed`], for its application to take everything).
+    /// [`Error::Unread`] says how many lent messages it had not read by then, and
+    /// [`Error::Unsent`] how many messages found no room (the connection is closed all the
+    /// same).
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
-        // The peer may still be reading our messages: closing now would fail its reads.
-        let deadline = deadline_after(Instant::now(), self.transport.config().conn.close_timeout);
-        // What waits in its outbox goes first (within the close's time).
-        while self.peers.get(peer).is_some_and(|s| !s.outbox.is_empty()) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.transport.failure(peer).is_some() {
-                break;
-            }
-            self.drain_outboxes();
-            if self.peers.get(peer).is_some_and(|s| !s.outbox.is_empty()) {
-                self.transport.wait(Some(left))?;
-                while let Some(raw) = self.transport.queued_event() {
-                    self.stash.push_back(raw);
-                }
-            }
-        }
         let record = self.config.keep_unconfirmed.is_some();
-        let unread = self.with_sender(peer, |s, link| {
-            s.wait_until_returned(link, deadline, record)
-        })?;
-        // The transport's close (a credit, then the acknowledgement) spends what is left.
-        self.transport.close_by(peer, deadline)?;
-        unread_error(unread)
+        let timeout = self.transport.config().conn.close_timeout;
+        let closing = Closing::begin(Instant::now(), timeout, record);
+        // Answers given on other threads join the outbox first.
+        self.queue_replies();
+        let left = closing.deadline().saturating_duration_since(Instant::now());
+        let waited = self.with_peer_waiting(peer, Some(left), |send, outbox, io| {
+            closing.wait(send, io, outbox)
+        });
+        let unsent = self.peers.get_mut(peer).map_or(0, |state| {
+            state.sender.committed_waiting() + state.outbox.clear()
+        });
+        waited.and_then(|w| {
+            // The transport's close (a credit, then the acknowledgement) spends what is left.
+            self.transport.close_by(peer, closing.deadline())?;
+            unread_error(w.unread)?;
+            unsent_error(unsent)
+        })
     }
 
     /// Starts closing `peer` gracefully without waiting (see
-    /// [`rdmsg_transport::RawHub::start_close`]); its [`HubEvent::Disconnected`] follows.
+    /// [`rdmsg_transport::RawHub::start_close`]); its [`HubEvent::Disconnected`] follows. The
+    /// same close as [`Hub::close`], driven by the hub's later calls: once its outbox and
+    /// committed messages went and the peer read what it was lent (at most
+    /// `close_timeout`), the transport's close starts; lent messages it had not read by then
+    /// are a [`HubEvent::Unread`], and messages that found no room are counted in
+    /// [`OutboxStats::dropped`].
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
-        let deadline = deadline_after(Instant::now(), self.transport.config().conn.close_timeout);
-        match self.peers.get_mut(peer) {
-            // The peer may still be reading our messages: the close waits for that (at most
-            // `close_timeout`), driven by later calls.
-            Some(state)
-                if state.sender.lent() > 0
-                    || waits_for_record(&state.sender)
-                    || !state.outbox.is_empty() =>
-            {
-                if state.sender.keeps_copies() {
-                    state.sender.ask_all();
-                    if !state.listed {
-                        state.listed = true;
-                        self.unflushed.push(peer);
-                    }
-                }
-                state.close_at = Some(deadline);
-                if !self.closing.contains(&peer) {
-                    self.closing.push(peer);
-                }
-                Ok(())
-            }
-            _ => Ok(self.transport.start_close_by(peer, deadline)?),
+        let record = self.config.keep_unconfirmed.is_some();
+        let timeout = self.transport.config().conn.close_timeout;
+        let closing = Closing::begin(Instant::now(), timeout, record);
+        let Some(state) = self.peers.get_mut(peer) else {
+            // Nothing of ours waits for it.
+            return Ok(self.transport.start_close_by(peer, closing.deadline())?);
+        };
+        state.closing = Some(closing);
+        if !self.closing.contains(&peer) {
+            self.closing.push(peer);
         }
+        // At once if nothing waits; else as the hub's calls drive it.
+        self.finish_closes(Instant::now());
+        Ok(())
     }
 
     /// When the first close waiting for its peer runs out of time.
     fn earliest_close(&self) -> Option<Instant> {
         self.closing
             .iter()
-            .filter_map(|&p| self.peers.get(p).and_then(|s| s.close_at))
+            .filter_map(|&p| self.peers.get(p).and_then(|s| s.closing))
+            .map(|c| c.deadline())
             .min()
     }
 
-    /// Starts the closes that waited for their peers to finish reading, once they have (or
-    /// their time ran out).
-    fn finish_closes(&mut self) {
-        let now = Instant::now();
-        // A close without a deadline of its own (none is listed so) gets a whole one.
-        let fresh = deadline_after(now, self.transport.config().conn.close_timeout);
+    /// Starts the transport's close of the peers whose close is due (everything of ours
+    /// went and the peer is done reading, or time ran out); asks those waiting for the
+    /// record about what went.
+    fn finish_closes(&mut self, now: Instant) {
         let mut i = 0;
         while i < self.closing.len() {
             let peer = self.closing[i];
-            // When the close is due now: the deadline it keeps.
-            let due = match self.peers.get_mut(peer) {
-                Some(state) => match state.close_at {
-                    Some(at)
-                        if (state.sender.lent() == 0
-                            && !waits_for_record(&state.sender)
-                            && state.outbox.is_empty())
-                            || now >= at =>
-                    {
-                        state.close_at = None;
-                        let messages = state.sender.lent();
-                        if messages > 0 {
-                            self.ready
-                                .push_back((HubEvent::Unread { peer, messages }, None));
-                        }
-                        Some(at)
-                    }
-                    Some(_) => None,
-                    None => Some(fresh),
-                },
-                None => {
-                    self.closing.swap_remove(i);
-                    continue;
-                }
-            };
-            if let Some(deadline) = due {
+            let Some(state) = self.peers.get_mut(peer) else {
                 self.closing.swap_remove(i);
-                // The transport's close spends what is left of the time this one began with
-                // (none, if it ran out waiting for the peer: then only a credit there now
-                // lets the close message go). A peer gone meanwhile: its Disconnected tells.
-                let _ = self.transport.start_close_by(peer, deadline);
-            } else {
+                continue;
+            };
+            let Some(closing) = state.closing else {
+                self.closing.swap_remove(i);
+                continue;
+            };
+            if !closing.due(now, &state.sender, &state.outbox) {
+                if closing.ask(&mut state.sender, &state.outbox) && !state.listed {
+                    state.listed = true;
+                    self.unflushed.push(peer);
+                }
                 i += 1;
+                continue;
             }
+            state.closing = None;
+            self.closing.swap_remove(i);
+            // What found no room in time is counted dropped.
+            state.outbox.clear();
+            let messages = state.sender.lent();
+            if messages > 0 {
+                self.ready
+                    .push_back((HubEvent::Unread { peer, messages }, None));
+            }
+            // The transport's close spends what is left of the time this one began with
+            // (none, if it ran out waiting for the peer: then only a credit there now lets
+            // the close message go). A peer gone meanwhile: its Disconnected tells.
+            let _ = self.transport.start_close_by(peer, closing.deadline());
         }
     }
 
@@ -657,9 +606,7 @@ impl Hub {
         }
         let size = call::encoded_len(&m);
         if !self.room(peer, size) {
-            let state = self.state(peer);
-            state.outbox_stats.refused += 1;
-            state.refused = true;
+            self.state(peer).outbox.refuse();
             return Ok(Posted::Full(m));
         }
         self.queue(peer, Box::new(Owned { m, solicited }), size);
@@ -678,9 +625,7 @@ impl Hub {
     /// Whether `peer`'s outbox has room for `size` more bytes (one message always fits an
     /// empty one).
     fn room(&mut self, peer: PeerId, size: usize) -> bool {
-        let max = self.config.max_outbox_bytes;
-        let state = self.state(peer);
-        state.outbox.is_empty() || state.outbox_stats.bytes + size <= max
+        self.state(peer).outbox.has_room(size)
     }
 
     /// An answer to `peer`'s call `id` could not be queued (no room): "no answer" goes in its
@@ -690,20 +635,13 @@ impl Hub {
         call::lock(&self.calls).answer_dropped();
         let no = call::no_answer(id);
         let size = no.size();
-        self.state(peer).outbox_stats.dropped += 1;
+        self.state(peer).outbox.count_dropped();
         self.queue(peer, Box::new(no), size);
     }
 
     /// Queues `msg` in `peer`'s outbox (room checked by the caller).
     fn queue(&mut self, peer: PeerId, msg: Box<dyn Outgoing>, size: usize) {
-        let state = self.state(peer);
-        let stats = &mut state.outbox_stats;
-        state.outbox.push_back((msg, size));
-        stats.messages += 1;
-        stats.bytes += size;
-        stats.peak_bytes = stats.peak_bytes.max(stats.bytes);
-        stats.queued += 1;
-        if state.outbox.len() == 1 {
+        if self.state(peer).outbox.push(msg, size) {
             self.outboxed.push(peer);
         }
     }
@@ -711,6 +649,16 @@ impl Hub {
     /// Sends what the outboxes hold as far as credits allow, in order per peer, never
     /// waiting; queues the answers given on other threads first.
     fn drain_outboxes(&mut self) {
+        self.queue_replies();
+        self.send_outboxes();
+        // Closes waiting for their outboxes go once those went.
+        if !self.closing.is_empty() {
+            self.finish_closes(Instant::now());
+        }
+    }
+
+    /// Moves the answers given on other threads into their peers' outboxes.
+    fn queue_replies(&mut self) {
         if self.replies.waiting() {
             for r in self.replies.take() {
                 let Some(peer) = r.peer else { continue };
@@ -727,31 +675,23 @@ impl Hub {
                 }
             }
         }
+    }
+
+    /// Sends what the outboxes hold as far as credits allow, in order per peer.
+    fn send_outboxes(&mut self) {
         let mut i = 0;
         while i < self.outboxed.len() {
             let peer = self.outboxed[i];
-            let half = self.config.max_outbox_bytes / 2;
             let (writable, listed, empty) = {
                 let Some((state, mut link)) = self.split(peer) else {
                     self.outboxed.swap_remove(i);
                     continue;
                 };
                 state.sender.learn_note(link.hub.peer_note(peer));
-                while let Some((msg, size)) = state.outbox.front() {
-                    match msg.try_send_hub(&mut state.sender, &mut link) {
-                        Ok(true) => {}
-                        Ok(false) => break,
-                        // A failing peer: its Disconnected tells (and drops the rest).
-                        Err(_) if link.hub.failure(peer).is_some() => break,
-                        // This message alone (too large, not encodable): dropped, counted.
-                        Err(_) => state.outbox_stats.dropped += 1,
-                    }
-                    state.outbox_stats.messages -= 1;
-                    state.outbox_stats.bytes -= size;
-                    state.outbox.pop_front();
-                }
-                let writable = state.refused && state.outbox_stats.bytes <= half;
-                state.refused &= !writable;
+                // A failing peer: its Disconnected tells (and drops the rest). A message
+                // failing alone (too large, not encodable) is dropped and counted.
+                let _ = state.outbox.send_ready(&mut state.sender, &mut link);
+                let writable = state.outbox.take_writable();
                 let listed = state.sender.queued_frames() > 0 && !state.listed;
                 state.listed |= listed;
                 (writable, listed, state.outbox.is_empty())
@@ -790,14 +730,14 @@ impl Hub {
         total.messages = 0;
         total.bytes = 0;
         for s in self.peers.values() {
-            total.add(&s.outbox_stats);
+            total.add(&s.outbox.stats());
         }
         total
     }
 
     /// `peer`'s outbox ([`Hub::post`]); `None` for a peer unknown or gone.
     pub fn outbox(&self, peer: PeerId) -> Option<OutboxStats> {
-        self.peers.get(peer).map(|s| s.outbox_stats)
+        self.peers.get(peer).map(|s| s.outbox.stats())
     }
 
     /// Answers a request received from a peer at once, on the hub's thread, as
@@ -1229,9 +1169,6 @@ impl Hub {
         for peer in std::mem::take(&mut self.reads_waiting) {
             self.collect(peer);
         }
-        if !self.closing.is_empty() {
-            self.finish_closes();
-        }
     }
 
     /// Gives each peer's message in reassembly its look at the clock
@@ -1362,9 +1299,8 @@ impl Hub {
                     calls.forget_peer(peer);
                 }
                 if let Some(mut gone) = self.peers.remove(peer) {
-                    let lost = gone.outbox.len() as u64;
-                    gone.outbox_stats.dropped += lost;
-                    self.departed_outboxes.add(&gone.outbox_stats);
+                    gone.outbox.clear();
+                    self.departed_outboxes.add(&gone.outbox.stats());
                     // Its last word: what its application took, as of its last grant or close.
                     gone.sender.learn_note(last_note);
                     // What arrived comes first: messages whose reads can no longer complete
@@ -1420,10 +1356,8 @@ impl Hub {
                 receiver: RecvSide::new(self.registry.fresh(), self.pool.clone())
                     .with_budget(self.budget.clone()),
                 listed: false,
-                close_at: None,
-                outbox: VecDeque::new(),
-                outbox_stats: OutboxStats::default(),
-                refused: false,
+                closing: None,
+                outbox: Outbox::new(self.config.max_outbox_bytes),
             };
             // A slot reused before its previous peer's `Disconnected` came through here.
             if let Some((_, stale)) = self.peers.insert(peer, fresh) {
@@ -1452,6 +1386,16 @@ impl Hub {
         timeout: Option<Duration>,
         f: impl FnOnce(&mut SendSide, &mut HubPeerIo<'_>) -> Result<T>,
     ) -> Result<T> {
+        self.with_peer_waiting(peer, timeout, |send, _, io| f(send, io))
+    }
+
+    /// [`Hub::with_sender_waiting`], with the peer's outbox.
+    fn with_peer_waiting<T>(
+        &mut self,
+        peer: PeerId,
+        timeout: Option<Duration>,
+        f: impl FnOnce(&mut SendSide, &mut Outbox, &mut HubPeerIo<'_>) -> Result<T>,
+    ) -> Result<T> {
         if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
             self.transport.send_with(peer, false, timeout, |_| None)?;
         }
@@ -1471,6 +1415,7 @@ impl Hub {
             sender,
             receiver,
             listed,
+            outbox,
             ..
         } = peers.get_mut(peer).expect("made above");
         let mut link = HubPeerIo {
@@ -1480,7 +1425,7 @@ impl Hub {
             receiver: Some(receiver),
         };
         sender.learn_note(link.hub.peer_note(peer));
-        let out = f(sender, &mut link);
+        let out = f(sender, outbox, &mut link);
         let list = (sender.pending() || sender.queued_frames() > 0) && !*listed;
         *listed |= list;
         if list {

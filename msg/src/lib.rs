@@ -104,10 +104,11 @@ pub use call::{Call, CallStats, Request, Responder};
 pub use codec::Envelope;
 pub use dispatch::{DispatchStats, Dispatcher};
 pub use error::{DecodeFailure, Error, Result};
-pub use hub::{Hub, HubEvent, OutboxStats, Posted};
+pub use hub::{Hub, HubEvent, Posted};
 pub use message::{tag, Message};
 pub use peer::{
-    Delivery, SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT, DEFAULT_RENDEZVOUS_THRESHOLD,
+    Delivery, OutboxStats, SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT,
+    DEFAULT_RENDEZVOUS_THRESHOLD,
 };
 pub use session::{Closed, Session};
 pub use split::{RecvHalf, SendHalf};

@@ -1,18 +1,16 @@
 //! A message session over one transport connection.
 
-use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::Connection;
-use rdmsg_verbs::deadline_after;
 
 use crate::call::{self, Call, CallOut, CallStats, Calls, Outgoing, Replies, Request, Responder};
 use crate::codec::{Decoder, Envelope};
 use crate::error::unread_error;
 use crate::held::Held;
-use crate::peer::{self, Delivery, RecvSide, SendSide, SessionPeerIo};
+use crate::peer::{self, Closing, Delivery, Outbox, RecvSide, SendSide, SessionPeerIo};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result, SessionConfig, SessionStats};
 
@@ -28,12 +26,9 @@ pub struct Session {
     calls: Calls,
     /// Answers to the peer's requests given on other threads (or by dropped responders).
     replies: Arc<Replies>,
-    /// Answers taken from `replies` that could not go yet (a non-blocking call).
-    unsent: VecDeque<(Box<dyn Outgoing>, usize)>,
-    /// Their encoded bytes (bounded by [`SessionConfig::max_outbox_bytes`]).
-    unsent_bytes: usize,
-    /// The bound on `unsent_bytes`.
-    max_unsent: usize,
+    /// Answers taken from `replies` that could not go yet (a non-blocking call), within
+    /// [`SessionConfig::max_outbox_bytes`].
+    outbox: Outbox,
     /// Messages that arrived while a call waited for its answer: handed out first. At
     /// [`SessionConfig::max_held_bytes`], nothing more is taken in (see [`Session::hold`]).
     held: Held<(), Result<Envelope>>,
@@ -78,9 +73,7 @@ impl Session {
             // An answer given on another thread wakes whoever waits on the connection (its
             // waker made when the first request arrives).
             replies: Replies::new(None),
-            unsent: VecDeque::new(),
-            unsent_bytes: 0,
-            max_unsent: config.max_outbox_bytes,
+            outbox: Outbox::new(config.max_outbox_bytes),
             held: Held::new(config.max_held_bytes),
             waiting_call: false,
             answered: false,
@@ -266,7 +259,7 @@ impl Session {
                     None => continue,
                 }
             }
-            if self.replies.waiting() || !self.unsent.is_empty() {
+            if self.replies.waiting() || !self.outbox.is_empty() {
                 self.send_replies()?;
             }
             if self.waiting_call && self.answered {
@@ -280,7 +273,7 @@ impl Session {
                 continue;
             }
             // Answers given meanwhile, or a credit for those waiting, end the wait.
-            let (replies, unsent) = (&self.replies, !self.unsent.is_empty());
+            let (replies, unsent) = (&self.replies, !self.outbox.is_empty());
             let arrival = advanced.and_then(|()| {
                 Ok(self.conn.recv_any_interruptible(left, |c| {
                     replies.waiting() || (unsent && c.credits() > 0)
@@ -334,7 +327,7 @@ impl Session {
     }
 
     fn try_recv_inner(&mut self) -> Result<Option<Envelope>> {
-        if self.replies.waiting() || !self.unsent.is_empty() {
+        if self.replies.waiting() || !self.outbox.is_empty() {
             self.send_replies()?;
         }
         loop {
@@ -428,40 +421,31 @@ impl Session {
     }
 
     fn close_inner(mut self, record: bool) -> (Result<()>, Delivery, Vec<Envelope>) {
-        // One clock for the whole close: what it waits for here and the connection's own
-        // close (a credit for the close message, then its acknowledgement) spend the same
-        // `close_timeout`.
-        let deadline = deadline_after(Instant::now(), self.conn.config().close_timeout);
-        let waited = self.wait_before_close(record, deadline);
+        // One clock for the whole close (`peer/close.rs`): what it waits for here and the
+        // connection's own close spend the same `close_timeout`.
+        let closing = Closing::begin(Instant::now(), self.conn.config().close_timeout, record);
+        // Answers given before the close go before it.
+        self.queue_replies();
+        let (sender, link) = absorbing!(self);
+        let waited = closing.wait(sender, link, &mut self.outbox);
+        if let Ok(w) = &waited {
+            let mut calls = call::lock(&self.calls);
+            for _ in 0..w.dropped {
+                calls.answer_dropped();
+            }
+        }
+        // Answers that found no room in time: their callers time out.
+        self.drop_unsent();
         self.sender.learn_note(self.conn.peer_note());
         let delivery = self.sender.delivery(None);
         let unsent = self.sender.committed_waiting();
         let unconfirmed = self.sender.take_unconfirmed();
-        let result = waited.and_then(|unread| {
-            self.conn.close_by(deadline)?;
-            unread_error(unread)?;
+        let result = waited.and_then(|w| {
+            self.conn.close_by(closing.deadline())?;
+            unread_error(w.unread)?;
             crate::error::unsent_error(unsent)
         });
         (result, delivery, unconfirmed)
-    }
-
-    /// Everything a close does before the connection's own: committed frames out, the
-    /// peer's reads (and with `record`, its application) waited for, our last count told.
-    /// How many lent messages the peer had not read.
-    fn wait_before_close(&mut self, record: bool, deadline: Instant) -> Result<usize> {
-        // Everything here ends by the close's `deadline`: a flush that cannot go in time is
-        // given up (the close message says the rest: our count of the peer's messages taken
-        // rides it, as it rides our grants).
-        let left = |now: Instant| Some(deadline.saturating_duration_since(now));
-        // Answers given before the close go before it.
-        self.send_replies_before(deadline)?;
-        // Committed messages may wait for rendezvous room: the link takes in acknowledgements.
-        let (sender, link) = absorbing!(self);
-        sender.flush_within(link, left(Instant::now()))?;
-        // The peer may still be reading our messages: closing now would fail its reads.
-        let unread = sender.wait_until_returned(link, deadline, record)?;
-        sender.flush_within(link, left(Instant::now()))?;
-        Ok(unread)
     }
 
     /// Sends `m` if it can go without waiting (see [`Session::send_as`] for `solicited`):
@@ -524,10 +508,10 @@ impl Session {
         if self.receiver.has_waiting() {
             self.receiver.advance(&mut self.conn)?;
         }
-        let answered = (self.replies.waiting() || !self.unsent.is_empty()) && {
-            let before = self.unsent.len();
+        let answered = (self.replies.waiting() || !self.outbox.is_empty()) && {
+            let before = self.outbox.stats().messages;
             self.send_replies()?;
-            self.unsent.len() != before || self.unsent.is_empty()
+            self.outbox.stats().messages != before || self.outbox.is_empty()
         };
         let sent = answered
             || self.sender.queued_frames() > 0 && {
@@ -863,7 +847,7 @@ impl Session {
     /// Whether answers given by [`Responder`]s wait to be sent (they go with the next call
     /// that drives the session: a receive, a [`Session::step`], ...).
     pub fn answers_waiting(&self) -> bool {
-        self.replies.waiting() || !self.unsent.is_empty()
+        self.replies.waiting() || !self.outbox.is_empty()
     }
 
     /// Runs `hook` whenever a [`Responder`] of this session answers (on the answering
@@ -904,63 +888,60 @@ impl Session {
     }
 
     /// Sends the answers given on other threads that can go now, in order, keeping the rest
-    /// (within [`SessionConfig::max_outbox_bytes`]; answers beyond it, or that cannot be
-    /// encoded or sent, are dropped and counted: their callers time out or learn "no
-    /// answer" from a dropped responder). Never waits: a peer that takes nothing costs the
-    /// bound and no receive's time.
+    /// in the outbox (within [`SessionConfig::max_outbox_bytes`]: an answer that does not
+    /// fit becomes "no answer", a few bytes let past the bound, so that its caller learns
+    /// at once; one that cannot be encoded or sent is dropped and counted, and its caller
+    /// waits for its deadline). Never waits: a peer that takes nothing costs the bound and
+    /// no receive's time.
     fn send_replies(&mut self) -> Result<()> {
+        self.queue_replies();
+        self.sender.learn_note(self.conn.peer_note());
+        let sent = self.outbox.send_ready(&mut self.sender, &mut self.conn);
+        self.settle_replies(sent)
+    }
+
+    /// Moves the answers given on other threads into the outbox.
+    fn queue_replies(&mut self) {
         for r in self.replies.take() {
             let size = r.msg.size();
-            if !self.unsent.is_empty() && self.unsent_bytes + size > self.max_unsent {
+            if self.outbox.has_room(size) {
+                self.outbox.push(r.msg, size);
+            } else {
                 call::lock(&self.calls).answer_dropped();
-                continue;
+                self.outbox.count_dropped();
+                let no = call::no_answer(r.id);
+                let size = no.size();
+                self.outbox.push(Box::new(no), size);
             }
-            self.unsent_bytes += size;
-            self.unsent.push_back((r.msg, size));
         }
-        self.sender.learn_note(self.conn.peer_note());
-        while let Some((msg, size)) = self.unsent.front() {
-            match msg.try_send_conn(&mut self.sender, &mut self.conn) {
-                Ok(true) => {}
-                Ok(false) => return Ok(()),
-                Err(e) if e.is_fatal() || self.conn.failure().is_some() => {
-                    self.drop_unsent();
-                    return Err(e);
+    }
+
+    /// Counts what a send of the outbox dropped; a failed connection drops the rest.
+    fn settle_replies(&mut self, sent: Result<u64>) -> Result<()> {
+        match sent {
+            Ok(dropped) => {
+                let mut calls = call::lock(&self.calls);
+                for _ in 0..dropped {
+                    calls.answer_dropped();
                 }
-                // This answer alone (too large, not encodable).
-                Err(_) => call::lock(&self.calls).answer_dropped(),
+                Ok(())
             }
-            self.unsent_bytes -= size;
-            self.unsent.pop_front();
+            Err(e) => {
+                self.drop_unsent();
+                Err(e)
+            }
         }
-        Ok(())
     }
 
     /// The connection failed: answers waiting to go never will.
     fn drop_unsent(&mut self) {
-        let lost = self.unsent.len() + self.replies.take().len();
+        let lost = self.outbox.clear() + self.replies.take().len();
         if lost > 0 {
             let mut calls = call::lock(&self.calls);
             for _ in 0..lost {
                 calls.answer_dropped();
             }
         }
-        self.unsent.clear();
-        self.unsent_bytes = 0;
-    }
-
-    /// Before a close: the answers waiting go, within `deadline`.
-    fn send_replies_before(&mut self, deadline: Instant) -> Result<()> {
-        self.send_replies()?;
-        while let Some((msg, size)) = self.unsent.pop_front() {
-            self.unsent_bytes -= size;
-            let left = Some(deadline.saturating_duration_since(Instant::now()));
-            let (sender, link) = absorbing!(self);
-            if msg.send_session(sender, link, left).is_err() {
-                call::lock(&self.calls).answer_dropped();
-            }
-        }
-        Ok(())
     }
 }
 

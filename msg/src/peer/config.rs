@@ -77,12 +77,14 @@ pub struct SessionConfig {
     /// not while the hub itself holds the peer's frames back. A session ignores this. Default
     /// [`DEFAULT_REASSEMBLY_TIMEOUT`] (10 s).
     pub reassembly_timeout: Duration,
-    /// For a [`crate::Hub`]: bound on the bytes (encoded) each peer's outbox holds
-    /// ([`crate::Hub::post`]): messages, and answers to its requests, waiting for its
-    /// credits. A post beyond it is refused ([`crate::Posted::Full`]) and a
-    /// [`crate::HubEvent::Writable`] follows once the outbox has drained to half of it; one
-    /// message always fits an empty outbox. So a slow or stalled peer costs at most this
-    /// much memory, and never blocks the hub's thread. Default 4 MiB.
+    /// Bound on the bytes (encoded) a peer's outbox holds: a hub's posts
+    /// ([`crate::Hub::post`]), and for a session or a hub, answers to the peer's requests
+    /// given on other threads, waiting for its credits. A post beyond it is refused
+    /// ([`crate::Posted::Full`]) and a [`crate::HubEvent::Writable`] follows once the outbox
+    /// has drained to half of it; an answer beyond it becomes "no answer" (its caller learns
+    /// at once, [`crate::Error::NoAnswer`]). One message always fits an empty outbox. So a
+    /// slow or stalled peer costs at most this much memory, and never blocks the thread that
+    /// drives it. Default 4 MiB.
     pub max_outbox_bytes: usize,
     /// Bound on the bytes of a peer's messages that a call's wait keeps for the next receive
     /// ([`crate::Session::wait`], [`crate::Session::poll_calls`], and the hub's, for each peer): messages

@@ -4,8 +4,10 @@
 //! `link` is where frames go, `send` the sending side, `receive` the receiving side, `table`
 //! a hub's per-peer state.
 
+mod close;
 mod config;
 mod link;
+mod outbox;
 mod receive;
 mod record;
 mod send;
@@ -13,10 +15,13 @@ mod table;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use close::Closing;
 pub use config::{
     SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT, DEFAULT_RENDEZVOUS_THRESHOLD,
 };
 pub(crate) use link::*;
+pub use outbox::OutboxStats;
+pub(crate) use outbox::{encoded_len, Outbox, Outgoing, Owned};
 pub(crate) use receive::*;
 pub use record::Delivery;
 pub(crate) use record::*;

@@ -522,10 +522,10 @@ impl SendSide {
     /// [`SendSide::send_as`], its first frame waiting at most `first_timeout` for a credit and a
     /// send slot ([`rdmsg_transport::Error::Timeout`]: nothing sent); the other frames of a
     /// fragmented message wait as long as it takes, so that none is left half sent.
-    pub(crate) fn send_within<M: Message>(
+    pub(crate) fn send_within<E: Encode + ?Sized>(
         &mut self,
         link: &mut impl PeerIo,
-        m: &M,
+        m: &E,
         solicited: bool,
         first_timeout: Option<Duration>,
     ) -> Result<()> {
@@ -539,7 +539,7 @@ impl SendSide {
             )
             .into());
         }
-        let tag = M::TAG;
+        let tag = m.tag();
         // A timeout too long to add to the clock is no deadline at all.
         let deadline = first_timeout.and_then(|t| Instant::now().checked_add(t));
         self.wait_for_record(link, deadline, first_timeout)?;
@@ -619,10 +619,10 @@ impl SendSide {
     /// message needing fragments is committed once its first frame is sent: the rest are
     /// queued and go out as credits allow, on any later call that drives the link
     /// ([`SendSide::send_committed`]), before anything else.
-    pub(crate) fn try_send_as<M: Message>(
+    pub(crate) fn try_send_as<E: Encode + ?Sized>(
         &mut self,
         link: &mut impl PeerIo,
-        m: &M,
+        m: &E,
         solicited: bool,
     ) -> Result<bool> {
         if !self.send_committed(link)? {

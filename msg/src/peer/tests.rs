@@ -1032,3 +1032,91 @@ fn a_held_back_receiver_stops_a_streaming_peer_by_its_credits() {
     }
     assert_eq!(got, (0..sent).map(blob).collect::<Vec<_>>());
 }
+
+#[test]
+fn a_close_sends_in_order_drops_a_message_failing_alone_and_ends_by_its_deadline() {
+    let small = SessionConfig {
+        max_message: 100,
+        ..config(100)
+    };
+    let mut tx = SendSide::new(&small, 64);
+    let mut wire = Wire {
+        room: 0,
+        ..Wire::new(256)
+    };
+    tx.commit_as(&mut wire, &Other(1), true).unwrap();
+    let mut outbox = Outbox::new(1 << 20);
+    let owned = |m: Box<dyn Outgoing>| {
+        let size = m.size();
+        (m, size)
+    };
+    for (m, size) in [
+        owned(Box::new(Owned {
+            m: Other(2),
+            solicited: true,
+        })),
+        // Larger than `max_message`: it fails alone.
+        owned(Box::new(Owned {
+            m: Blob(vec![1; 500]),
+            solicited: true,
+        })),
+        owned(Box::new(Owned {
+            m: Other(3),
+            solicited: true,
+        })),
+    ] {
+        outbox.push(m, size);
+    }
+    // No room and no time: the close gives up at once, nothing sent, nothing settled.
+    let now = Instant::now();
+    let hurried = Closing::begin(now, Duration::ZERO, false);
+    hurried.wait(&mut tx, &mut wire, &mut outbox).unwrap();
+    assert!(wire.frames.is_empty());
+    assert!(!hurried.settled(&tx, &outbox));
+    assert!(hurried.due(Instant::now(), &tx, &outbox), "out of time");
+    // With room: what was committed first, then the outbox in order; the message that
+    // cannot go is dropped and counted, and the rest go on.
+    wire.room = 10;
+    let closing = Closing::begin(Instant::now(), Duration::from_secs(5), false);
+    assert!(!closing.due(Instant::now(), &tx, &outbox));
+    let waited = closing.wait(&mut tx, &mut wire, &mut outbox).unwrap();
+    assert_eq!((waited.unread, waited.dropped), (0, 1));
+    assert!(closing.settled(&tx, &outbox));
+    assert_eq!(outbox.stats().dropped, 1);
+    let mut rx = RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20));
+    let got: Vec<Other> = deliver(&wire, &mut rx)
+        .into_iter()
+        .map(|r| r.unwrap().decode::<Other>().unwrap())
+        .collect();
+    assert_eq!(got, [Other(1), Other(2), Other(3)]);
+}
+
+#[test]
+fn a_close_waiting_for_the_record_asks_once_everything_went() {
+    let keeping = SessionConfig {
+        keep_unconfirmed: Some(1 << 20),
+        ..config(100)
+    };
+    let mut tx = SendSide::new(&keeping, 64);
+    let mut wire = Wire::new(256);
+    tx.send_as(&mut wire, &Other(1), true).unwrap();
+    let mut outbox = Outbox::new(1 << 20);
+    outbox.push(
+        Box::new(Owned {
+            m: Other(2),
+            solicited: true,
+        }),
+        2,
+    );
+    let closing = Closing::begin(Instant::now(), Duration::from_secs(5), true);
+    assert!(!closing.ask(&mut tx, &outbox), "not while the outbox waits");
+    outbox.send_ready(&mut tx, &mut wire).unwrap();
+    assert!(closing.ask(&mut tx, &outbox), "asked about both");
+    assert!(!closing.settled(&tx, &outbox), "the ask is still to go");
+    tx.send_committed(&mut wire).unwrap();
+    assert!(
+        !closing.settled(&tx, &outbox),
+        "the peer has not said it took them"
+    );
+    assert!(!closing.ask(&mut tx, &outbox), "asked once");
+}

@@ -1,0 +1,253 @@
+//! One peer's outbox: messages handed over without waiting (a hub's [`crate::Hub::post`],
+//! answers given on other threads for a session or a hub) that go, in order, as the peer's
+//! credits come. One bound ([`crate::SessionConfig::max_outbox_bytes`]) and one behaviour when
+//! full, for every front end: a message that does not fit is refused, never dropped in
+//! silence (a post gets it back with [`crate::Posted::Full`], an answer becomes "no answer"),
+//! and the front end is told when half the bound is free again.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::{Message, Result};
+
+use super::{Encode, PeerIo, SendSide};
+
+/// A message owned by an outbox, sent later by the thread that drives the peer.
+pub(crate) trait Outgoing: Send + fmt::Debug {
+    /// Hands `send` the message to encode, with its solicitation; what `send` returns.
+    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool>;
+    /// Its encoded length (what it holds, roughly).
+    fn size(&self) -> usize;
+}
+
+/// Encoded length of `m` (bincode's standard configuration, as frames use), without encoding
+/// it anywhere.
+pub(crate) fn encoded_len<M: Serialize>(m: &M) -> usize {
+    let mut size = bincode::enc::write::SizeWriter::default();
+    match bincode::serde::encode_into_writer(m, &mut size, bincode::config::standard()) {
+        Ok(()) => size.bytes_written,
+        Err(_) => 0,
+    }
+}
+
+/// A message of the application's, owned by an outbox.
+pub(crate) struct Owned<M> {
+    pub(crate) m: M,
+    pub(crate) solicited: bool,
+}
+
+impl<M> fmt::Debug for Owned<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(std::any::type_name::<M>())
+    }
+}
+
+impl<M: Message + Send> Outgoing for Owned<M> {
+    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool> {
+        send(&self.m, self.solicited)
+    }
+    fn size(&self) -> usize {
+        encoded_len(&self.m)
+    }
+}
+
+/// A peer's outbox ([`crate::Hub::post`], answers waiting to go).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutboxStats {
+    /// Messages waiting now.
+    pub messages: usize,
+    /// Their encoded bytes.
+    pub bytes: usize,
+    /// The most bytes it has held.
+    pub peak_bytes: usize,
+    /// Messages queued in all (sent at once: not counted).
+    pub queued: u64,
+    /// Posts refused for want of room.
+    pub refused: u64,
+    /// Messages dropped: answers refused for want of room, what could not be encoded or
+    /// sent for a reason of its own, and what was still waiting when the peer failed or a
+    /// close ran out of time.
+    pub dropped: u64,
+}
+
+impl OutboxStats {
+    pub(crate) fn add(&mut self, o: &OutboxStats) {
+        self.messages += o.messages;
+        self.bytes += o.bytes;
+        self.peak_bytes = self.peak_bytes.max(o.peak_bytes);
+        self.queued += o.queued;
+        self.refused += o.refused;
+        self.dropped += o.dropped;
+    }
+}
+
+/// Messages waiting for one peer's credits, in order, within one bound.
+#[derive(Debug)]
+pub(crate) struct Outbox {
+    queue: VecDeque<(Box<dyn Outgoing>, usize)>,
+    max_bytes: usize,
+    stats: OutboxStats,
+    /// Something was refused: the front end is told once half the bound is free.
+    refused: bool,
+}
+
+impl Outbox {
+    pub(crate) fn new(max_bytes: usize) -> Self {
+        Self {
+            queue: VecDeque::new(),
+            max_bytes,
+            stats: OutboxStats::default(),
+            refused: false,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    pub(crate) fn stats(&self) -> OutboxStats {
+        self.stats
+    }
+
+    /// Whether `size` more bytes fit (one message always fits an empty outbox).
+    pub(crate) fn has_room(&self, size: usize) -> bool {
+        self.queue.is_empty() || self.stats.bytes + size <= self.max_bytes
+    }
+
+    /// Queues `msg` (room checked by the caller, or a "no answer" let past the bound);
+    /// whether the outbox was empty before.
+    pub(crate) fn push(&mut self, msg: Box<dyn Outgoing>, size: usize) -> bool {
+        let was_empty = self.queue.is_empty();
+        self.queue.push_back((msg, size));
+        let s = &mut self.stats;
+        s.messages += 1;
+        s.bytes += size;
+        s.peak_bytes = s.peak_bytes.max(s.bytes);
+        s.queued += 1;
+        was_empty
+    }
+
+    /// A message was refused for want of room.
+    pub(crate) fn refuse(&mut self) {
+        self.stats.refused += 1;
+        self.refused = true;
+    }
+
+    /// A message is counted dropped (an answer refused, turned into "no answer").
+    pub(crate) fn count_dropped(&mut self) {
+        self.stats.dropped += 1;
+    }
+
+    /// Whether the front end should now say there is room: something was refused and half
+    /// the bound is free (said once per refusal).
+    pub(crate) fn take_writable(&mut self) -> bool {
+        let writable = self.refused && self.stats.bytes <= self.max_bytes / 2;
+        self.refused &= !writable;
+        writable
+    }
+
+    /// Sends, in order, what can go now without waiting: how many it dropped. A message
+    /// failing for a reason of its own (too large, not encodable) is dropped and counted; a
+    /// fatal error (the connection failed) stops it, the message kept, and is returned.
+    pub(crate) fn send_ready(&mut self, send: &mut SendSide, io: &mut impl PeerIo) -> Result<u64> {
+        self.send_in_order(|m| {
+            m.with_encode(&mut |e, solicited| send.try_send_as(io, e, solicited))
+        })
+    }
+
+    /// Before a close: sends everything, in order, each waiting for room until `deadline`
+    /// (what is left when it passes stays, for the close to count); how many it dropped, as
+    /// [`Outbox::send_ready`].
+    pub(crate) fn send_all_by(
+        &mut self,
+        send: &mut SendSide,
+        io: &mut impl PeerIo,
+        deadline: Instant,
+    ) -> Result<u64> {
+        self.send_in_order(|m| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let sent = m.with_encode(&mut |e, solicited| {
+                send.send_within(io, e, solicited, Some(left))
+                    .map(|()| true)
+            });
+            super::in_time(sent.map(|_| ()))
+        })
+    }
+
+    fn send_in_order(
+        &mut self,
+        mut send: impl FnMut(&dyn Outgoing) -> Result<bool>,
+    ) -> Result<u64> {
+        let mut dropped = 0;
+        while let Some((msg, size)) = self.queue.front() {
+            match send(&**msg) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) if e.is_fatal() => return Err(e),
+                Err(_) => dropped += 1,
+            }
+            self.stats.messages -= 1;
+            self.stats.bytes -= size;
+            self.queue.pop_front();
+        }
+        self.stats.dropped += dropped;
+        Ok(dropped)
+    }
+
+    /// Drops everything waiting (the peer failed, or a close ran out of time): how many.
+    pub(crate) fn clear(&mut self) -> usize {
+        let n = self.queue.len();
+        self.queue.clear();
+        self.stats.messages = 0;
+        self.stats.bytes = 0;
+        self.stats.dropped += n as u64;
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Note {
+        n: u32,
+    }
+    crate::message!(Note);
+
+    fn note(n: u32) -> (Box<dyn Outgoing>, usize) {
+        let m = Owned {
+            m: Note { n },
+            solicited: false,
+        };
+        let size = m.size();
+        (Box::new(m), size)
+    }
+
+    #[test]
+    fn one_bound_one_message_always_fits_and_room_is_said_at_half() {
+        let (m, size) = note(1);
+        let mut outbox = Outbox::new(2 * size);
+        // Even a message larger than the bound fits an empty outbox.
+        assert!(Outbox::new(0).has_room(size));
+        assert!(outbox.push(m, size), "was empty");
+        let (m, _) = note(2);
+        assert!(outbox.has_room(size));
+        assert!(!outbox.push(m, size));
+        assert!(!outbox.has_room(size), "full at the bound");
+        outbox.refuse();
+        assert!(!outbox.take_writable(), "no room yet");
+        assert_eq!(outbox.clear(), 2);
+        assert!(outbox.take_writable(), "half free: said once");
+        assert!(!outbox.take_writable());
+        let s = outbox.stats();
+        assert_eq!(
+            (s.messages, s.bytes, s.queued, s.refused, s.dropped),
+            (0, 0, 2, 1, 2)
+        );
+        assert_eq!(s.peak_bytes, 2 * size);
+    }
+}
