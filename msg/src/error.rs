@@ -131,13 +131,13 @@ pub enum Error {
         messages: usize,
     },
     /// A hub's peer sent part of a message in fragments, then no fragment of it for
-    /// [`crate::SessionConfig::reassembly_timeout`] (a stopped or stalled sender): the
+    /// [`crate::HubLimits::reassembly_timeout`] (a stopped or stalled sender): the
     /// message is dropped in its place (the peer's messages before and after it are
     /// delivered), and what it held of the hub's reassembly budget goes back to other peers.
     /// Fragments of it that come later are dropped quietly.
     #[error(
         "message {seq} (tag {tag:#010x}) in fragments got no fragment for {after:?} after \
-         {received} bytes: dropped (raise SessionConfig::reassembly_timeout if the peer is \
+         {received} bytes: dropped (raise HubLimits::reassembly_timeout if the peer is \
          that slow)"
     )]
     ReassemblyTimedOut {
@@ -147,7 +147,7 @@ pub enum Error {
         seq: u32,
         /// Body bytes received of it.
         received: usize,
-        /// The timeout that ran out ([`crate::SessionConfig::reassembly_timeout`]).
+        /// The timeout that ran out ([`crate::HubLimits::reassembly_timeout`]).
         after: std::time::Duration,
     },
     /// A message larger than [`crate::SessionConfig::max_message`] (on this side: a sender

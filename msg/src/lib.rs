@@ -104,7 +104,7 @@ pub use call::{Call, CallStats, Request, Responder};
 pub use codec::Envelope;
 pub use dispatch::{DispatchStats, Dispatcher};
 pub use error::{DecodeFailure, Error, Result};
-pub use hub::{Hub, HubEvent, Posted};
+pub use hub::{Hub, HubEvent, HubLimits, Posted};
 pub use message::{tag, Message};
 pub use peer::{
     Delivery, OutboxStats, SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT,

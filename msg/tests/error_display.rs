@@ -253,7 +253,7 @@ fn a_message_whose_fragments_stopped_says_how_far_it_got() {
     assert_eq!(
         e.to_string(),
         "message 7 (tag 0x0000002a) in fragments got no fragment for 10s after 65512 bytes: \
-         dropped (raise SessionConfig::reassembly_timeout if the peer is that slow)"
+         dropped (raise HubLimits::reassembly_timeout if the peer is that slow)"
     );
     assert!(!e.is_fatal());
 }

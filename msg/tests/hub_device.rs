@@ -699,10 +699,7 @@ fn sixteen_senders_stopped_mid_message_neither_stall_a_seventeenth_nor_hold_the_
         stalled_senders_child(addr.parse().expect("an address"));
     }
     let timeout = Duration::from_secs(4);
-    let session = rdmsg_msg::SessionConfig {
-        reassembly_timeout: timeout,
-        ..rdmsg_msg::SessionConfig::default()
-    };
+    let session = rdmsg_msg::SessionConfig::default();
     let ep = endpoint();
     let mut hub = Hub::with_config(
         &ep,
@@ -713,6 +710,10 @@ fn sixteen_senders_stopped_mid_message_neither_stall_a_seventeenth_nor_hold_the_
         session,
     )
     .unwrap();
+    hub.set_limits(rdmsg_msg::HubLimits {
+        reassembly_timeout: timeout,
+        ..hub.limits()
+    });
     hub.register::<Blob>().unwrap();
     let addr = hub.listen("127.0.0.1:0").unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())

@@ -56,26 +56,11 @@ pub struct SessionConfig {
     /// everything. `None` (the default): no copies; [`crate::Session::delivery`] still says what
     /// was taken.
     pub keep_unconfirmed: Option<usize>,
-    /// For a [`crate::Hub`]: bound on what all its peers' messages in fragments may hold
-    /// while they are reassembled. Each such message reserves the length its first fragment
-    /// announces (at most `max_message`) until it is whole, so that messages under way always
-    /// finish; a peer starting one beyond the bound waits, its frames held unread and so its
-    /// credits, until there is room. Peers that wait are served in the order they came, and
-    /// while anyone waits only the first in line may start a message: a peer that keeps
-    /// sending cannot keep another out. One message may always be under way. A message that
-    /// stops making progress gives its part back after `reassembly_timeout`. A session
-    /// reassembles one message at a time and ignores this. Default 256 MiB (16 messages of
-    /// the default `max_message` at once, many more of smaller ones).
+    /// Read once, when a hub is made, as its first [`crate::HubLimits::max_reassembly_bytes`].
+    #[deprecated(note = "a hub's setting: HubLimits::max_reassembly_bytes (Hub::set_limits)")]
     pub max_reassembly_bytes: usize,
-    /// For a [`crate::Hub`]: how long a peer's message in fragments may go without a new
-    /// fragment. Past it, the message is dropped
-    /// ([`crate::Error::ReassemblyTimedOut`] in its place, a [`crate::HubEvent::BadFrame`];
-    /// the peer's messages before and after it are delivered), its fragments that come later
-    /// are dropped quietly, and its part of `max_reassembly_bytes` goes back to the others:
-    /// a stopped or stalled peer cannot hold it for longer. The deadline runs from the hub's
-    /// first look after a fragment came (it wakes for it: [`crate::Hub::next_timeout`]), and
-    /// not while the hub itself holds the peer's frames back. A session ignores this. Default
-    /// [`DEFAULT_REASSEMBLY_TIMEOUT`] (10 s).
+    /// Read once, when a hub is made, as its first [`crate::HubLimits::reassembly_timeout`].
+    #[deprecated(note = "a hub's setting: HubLimits::reassembly_timeout (Hub::set_limits)")]
     pub reassembly_timeout: Duration,
     /// Bound on the bytes (encoded) a peer's outbox holds: a hub's posts
     /// ([`crate::Hub::post`]), and for a session or a hub, answers to the peer's requests
@@ -103,10 +88,12 @@ pub struct SessionConfig {
 /// measurement behind it).
 pub const DEFAULT_RENDEZVOUS_THRESHOLD: usize = 16 << 10;
 
-/// Default [`SessionConfig::reassembly_timeout`]: 10 s.
+/// Default [`crate::HubLimits::reassembly_timeout`]: 10 s.
 pub const DEFAULT_REASSEMBLY_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for SessionConfig {
+    // The two fields kept for code that sets them.
+    #[allow(deprecated)]
     fn default() -> Self {
         Self {
             max_message: codec::DEFAULT_MAX_MESSAGE,

@@ -6,6 +6,7 @@
 
 mod close;
 mod config;
+mod lend;
 mod link;
 mod outbox;
 mod receive;

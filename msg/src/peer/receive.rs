@@ -2,6 +2,7 @@
 //! reads waiting, posted and done, acknowledgements each way.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -84,14 +85,15 @@ pub(crate) struct RecvSide {
 ///   small messages cannot keep a large one out for ever: each waiting peer gets its turn once
 ///   the messages ahead of it end.
 /// - **Progress.** A message that gets no fragment for `timeout`
-///   ([`crate::SessionConfig::reassembly_timeout`]) is dropped, its reservation returned
+///   ([`crate::HubLimits::reassembly_timeout`]) is dropped, its reservation returned
 ///   ([`RecvSide::handle_timeout`]): a stalled or stopped peer holds its part for that long at
 ///   most.
 #[derive(Debug, Clone)]
 pub(crate) struct ReassemblyBudget {
     shares: Arc<Mutex<Shares>>,
-    max: usize,
-    timeout: Duration,
+    /// The progress timeout in nanoseconds, changed in place for every peer
+    /// ([`crate::Hub::set_limits`]).
+    timeout_ns: Arc<AtomicU64>,
 }
 
 #[derive(Debug, Default)]
@@ -101,15 +103,30 @@ struct Shares {
     /// Tickets of the peers waiting for room, in the order they came.
     line: VecDeque<u64>,
     next_ticket: u64,
+    /// The bound on `used` (one message always fits).
+    max: usize,
 }
 
 impl ReassemblyBudget {
     pub(crate) fn new(max: usize, timeout: Duration) -> Self {
-        Self {
+        let budget = Self {
             shares: Arc::default(),
-            max,
-            timeout,
-        }
+            timeout_ns: Arc::default(),
+        };
+        budget.set_limits(max, timeout);
+        budget
+    }
+
+    /// New limits for every peer at once: a lower bound holds back only messages not yet
+    /// started; a timeout runs from each message's last progress as before.
+    pub(crate) fn set_limits(&self, max: usize, timeout: Duration) {
+        self.shares().max = max;
+        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+        self.timeout_ns.store(ns, Ordering::Relaxed);
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
     }
 
     fn shares(&self) -> std::sync::MutexGuard<'_, Shares> {
@@ -122,7 +139,7 @@ impl ReassemblyBudget {
     fn try_reserve(&self, ticket: &mut Option<u64>, need: usize) -> bool {
         let mut s = self.shares();
         let turn = s.line.front().map_or(true, |first| Some(*first) == *ticket);
-        if turn && (s.used == 0 || s.used + need <= self.max) {
+        if turn && (s.used == 0 || s.used + need <= s.max) {
             s.used += need;
             if ticket.take().is_some() {
                 s.line.pop_front();
@@ -250,13 +267,13 @@ impl RecvSide {
     }
 
     /// Time passed (`now` never goes backwards): a message in reassembly that got no fragment
-    /// since the hub's budget's timeout ([`crate::SessionConfig::reassembly_timeout`]) is dropped,
+    /// since the hub's budget's timeout ([`crate::HubLimits::reassembly_timeout`]) is dropped,
     /// [`crate::Error::ReassemblyTimedOut`] in its place, its reservation returned. Its
     /// deadline runs from the first call that saw it as it is now, so the owner calls this
     /// after taking frames in and at [`RecvSide::poll_timeout`]. Nothing for a receiver
     /// without a budget (a session's).
     pub(crate) fn handle_timeout(&mut self, now: Instant) {
-        let Some(timeout) = self.budget.as_ref().map(|b| b.timeout) else {
+        let Some(timeout) = self.budget.as_ref().map(ReassemblyBudget::timeout) else {
             return;
         };
         let Some(seen) = self.decoder.partial() else {
@@ -282,7 +299,7 @@ impl RecvSide {
     /// When [`RecvSide::handle_timeout`] should next be called: the progress deadline of the
     /// message in reassembly (it may have moved on since; a call then finds out).
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        let timeout = self.budget.as_ref()?.timeout;
+        let timeout = self.budget.as_ref()?.timeout();
         let (_, since) = self.watch.filter(|_| self.decoder.in_progress())?;
         since.checked_add(timeout)
     }

@@ -33,6 +33,12 @@ use crate::peer::Encode;
 pub(crate) use crate::peer::{encoded_len, Outgoing, Owned};
 use crate::{Error, Message, Result};
 
+mod table;
+mod wire;
+
+pub(crate) use table::*;
+pub(crate) use wire::*;
+
 /// A message that asks for an answer of type [`Request::Response`]. Declare both with
 /// [`crate::request!`].
 pub trait Request: Message {
@@ -77,120 +83,6 @@ macro_rules! request {
 }
 
 pub use crate::message::{CALL_TAG, REPLY_TAG};
-
-/// An answer's status.
-const ANSWERED: u8 = 0;
-/// The server dropped the request's responder without answering.
-const NO_ANSWER: u8 = 1;
-/// The server does not take requests of that type (it registered types, not this one).
-const NOT_SERVED: u8 = 2;
-
-/// A request as it goes: `(id, tag, request)`.
-pub(crate) struct CallOut<'a, M> {
-    pub(crate) id: u64,
-    pub(crate) m: &'a M,
-}
-
-impl<M: Message> Serialize for CallOut<'_, M> {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let mut t = s.serialize_tuple(3)?;
-        t.serialize_element(&self.id)?;
-        t.serialize_element(&M::TAG)?;
-        t.serialize_element(self.m)?;
-        t.end()
-    }
-}
-
-impl<M: Message> Message for CallOut<'_, M> {
-    const TAG: u32 = CALL_TAG;
-    const SOLICITED: bool = M::SOLICITED;
-}
-
-/// A request owned by an outbox, as it goes (as [`CallOut`]).
-pub(crate) struct CallOwned<M> {
-    pub(crate) id: u64,
-    pub(crate) request: M,
-}
-
-impl<M: Message> Serialize for CallOwned<M> {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        CallOut {
-            id: self.id,
-            m: &self.request,
-        }
-        .serialize(s)
-    }
-}
-
-impl<M: Message> Message for CallOwned<M> {
-    const TAG: u32 = CALL_TAG;
-    const SOLICITED: bool = M::SOLICITED;
-}
-
-/// An answer as it goes: `(id, status[, response])`.
-pub(crate) struct ReplyOut<'a, T> {
-    pub(crate) id: u64,
-    pub(crate) status: u8,
-    pub(crate) value: Option<&'a T>,
-}
-
-impl<T: Serialize> Serialize for ReplyOut<'_, T> {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let mut t = s.serialize_tuple(2 + usize::from(self.value.is_some()))?;
-        t.serialize_element(&self.id)?;
-        t.serialize_element(&self.status)?;
-        if let Some(v) = self.value {
-            t.serialize_element(v)?;
-        }
-        t.end()
-    }
-}
-
-impl<T: Serialize> Message for ReplyOut<'_, T> {
-    const TAG: u32 = REPLY_TAG;
-}
-
-impl<T> fmt::Debug for OwnedReply<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "answer to call {} ({})", self.id, self.status)
-    }
-}
-
-/// An answer owned by a queue.
-pub(crate) struct OwnedReply<T> {
-    pub(crate) id: u64,
-    pub(crate) status: u8,
-    pub(crate) value: Option<T>,
-}
-
-impl<T: Serialize> OwnedReply<T> {
-    fn out(&self) -> ReplyOut<'_, T> {
-        ReplyOut {
-            id: self.id,
-            status: self.status,
-            value: self.value.as_ref(),
-        }
-    }
-}
-
-impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
-    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool> {
-        // Answers are solicited: their callers wait for them.
-        send(&self.out(), true)
-    }
-    fn size(&self) -> usize {
-        encoded_len(&self.out())
-    }
-}
-
-/// "No answer" to call `id`.
-pub(crate) fn no_answer(id: u64) -> OwnedReply<()> {
-    OwnedReply {
-        id,
-        status: NO_ANSWER,
-        value: None,
-    }
-}
 
 /// An answer waiting for the thread that drives the connection.
 pub(crate) struct QueuedReply {
@@ -453,192 +345,6 @@ pub struct CallStats {
     pub answers_dropped: u64,
 }
 
-/// What a call came to, once its answer is in.
-#[derive(Debug)]
-pub(crate) enum Outcome {
-    Answer(Envelope),
-    Failed(Error),
-}
-
-#[derive(Debug)]
-struct Pending {
-    peer: Option<PeerId>,
-    /// The response type's tag and name.
-    expect: (u32, &'static str),
-    request: &'static str,
-    outcome: Option<Outcome>,
-}
-
-/// The calls of one session or hub waiting for answers.
-#[derive(Debug, Default)]
-pub(crate) struct CallTable {
-    next: u64,
-    pending: HashMap<u64, Pending>,
-    stats: CallStats,
-    /// A hub's counts per peer (its calls to the peer, and the peer's requests served).
-    by_peer: HashMap<PeerId, CallStats>,
-}
-
-/// A call table shared with the [`Call`] handles (whose drop cancels).
-pub(crate) type Calls = Arc<Mutex<CallTable>>;
-
-/// The call `id` of `R` whose request went (`Ok(true)`), did not go within `timeout`
-/// (`Ok(false)`: [`crate::Error::CallTimedOut`]), or failed: a session's and a hub's start.
-pub(crate) fn started<R: Request>(
-    calls: &Calls,
-    id: u64,
-    sent: Result<bool>,
-    timeout: Duration,
-    deadline: Option<Instant>,
-) -> Result<Call<R::Response>> {
-    let request = std::any::type_name::<R>();
-    match sent {
-        Ok(true) => Ok(Call::new(id, calls.clone(), request, timeout, deadline)),
-        Ok(false) => {
-            lock(calls).give_up(id, true);
-            Err(crate::Error::CallTimedOut {
-                request,
-                after: timeout,
-            })
-        }
-        Err(e) => {
-            lock(calls).forget(id);
-            Err(e)
-        }
-    }
-}
-
-pub(crate) fn lock(calls: &Calls) -> MutexGuard<'_, CallTable> {
-    calls.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl CallTable {
-    /// Counts `f` in all and for `peer` (for a peer gone, in all only).
-    fn count(&mut self, peer: Option<PeerId>, f: impl Fn(&mut CallStats)) {
-        f(&mut self.stats);
-        if let Some(s) = peer.and_then(|p| self.by_peer.get_mut(&p)) {
-            f(s);
-        }
-    }
-
-    /// The counts of a peer that is starting a call or has sent a request.
-    fn counted(&mut self, peer: Option<PeerId>) {
-        if let Some(p) = peer {
-            self.by_peer.entry(p).or_default();
-        }
-    }
-
-    /// A new call's number.
-    pub(crate) fn start<R: Request>(&mut self, peer: Option<PeerId>) -> u64 {
-        self.next = self.next.wrapping_add(1);
-        let id = self.next;
-        self.pending.insert(
-            id,
-            Pending {
-                peer,
-                expect: (R::Response::TAG, std::any::type_name::<R::Response>()),
-                request: std::any::type_name::<R>(),
-                outcome: None,
-            },
-        );
-        self.counted(peer);
-        self.count(peer, |s| {
-            s.started += 1;
-            s.in_flight += 1;
-        });
-        id
-    }
-
-    /// Call `id` is over: no longer in flight.
-    fn remove(&mut self, id: u64) -> Option<Pending> {
-        let p = self.pending.remove(&id)?;
-        self.count(p.peer, |s| s.in_flight = s.in_flight.saturating_sub(1));
-        Some(p)
-    }
-
-    /// A call whose request did not go.
-    pub(crate) fn forget(&mut self, id: u64) {
-        if let Some(p) = self.remove(id) {
-            self.count(p.peer, |s| s.started -= 1);
-        }
-    }
-
-    pub(crate) fn stats(&self) -> CallStats {
-        self.stats
-    }
-
-    /// The counts of calls to and from `peer`, while it is connected.
-    pub(crate) fn peer_stats(&self, peer: PeerId) -> CallStats {
-        self.by_peer.get(&peer).copied().unwrap_or_default()
-    }
-
-    /// `peer` is gone: its counts are dropped (they stay in the totals).
-    pub(crate) fn forget_peer(&mut self, peer: PeerId) {
-        self.by_peer.remove(&peer);
-    }
-
-    pub(crate) fn answer_dropped(&mut self) {
-        self.stats.answers_dropped += 1;
-    }
-
-    pub(crate) fn served(&mut self, peer: Option<PeerId>) {
-        self.counted(peer);
-        self.count(peer, |s| s.served += 1);
-    }
-
-    /// An answer arrived from `peer` (its body past the call number and status).
-    pub(crate) fn answer(&mut self, peer: Option<PeerId>, id: u64, status: u8, mut env: Envelope) {
-        let Some(p) = self
-            .pending
-            .get_mut(&id)
-            .filter(|p| p.peer == peer && p.outcome.is_none())
-        else {
-            self.count(peer, |s| s.late += 1);
-            return;
-        };
-        let request = p.request;
-        p.outcome = Some(match status {
-            ANSWERED => {
-                env.retag(p.expect.0, p.expect.1);
-                // It may wait for its caller a while: not in a receive buffer, whose credit
-                // the peer needs.
-                env.release_credit();
-                Outcome::Answer(env)
-            }
-            NOT_SERVED => Outcome::Failed(Error::NotServed { request }),
-            _ => Outcome::Failed(Error::NoAnswer { request }),
-        });
-    }
-
-    /// The connection to `peer` (every peer: `None` in a session) failed: its calls fail.
-    pub(crate) fn fail_peer(&mut self, peer: Option<PeerId>, error: impl Fn() -> Error) {
-        for p in self.pending.values_mut() {
-            if p.outcome.is_none() && (peer.is_none() || p.peer == peer) {
-                p.outcome = Some(Outcome::Failed(error()));
-            }
-        }
-    }
-
-    /// The outcome of call `id`, if it is in (the call is then over).
-    pub(crate) fn take(&mut self, id: u64) -> Option<Outcome> {
-        let out = self.pending.get_mut(&id)?.outcome.take()?;
-        let p = self.remove(id)?;
-        if matches!(out, Outcome::Answer(_)) {
-            self.count(p.peer, |s| s.answered += 1);
-        }
-        Some(out)
-    }
-
-    /// Call `id` ran out of time (or its handle went): an answer that comes now is late.
-    pub(crate) fn give_up(&mut self, id: u64, timed_out: bool) {
-        if let Some(p) = self.remove(id) {
-            if p.outcome.is_none() && timed_out {
-                self.count(p.peer, |s| s.timed_out += 1);
-            }
-        }
-    }
-}
-
 /// A call under way: the handle to its answer. Dropping it cancels the call (its answer,
 /// should it come, is dropped and counted late).
 #[must_use = "dropping a call cancels it"]
@@ -708,10 +414,7 @@ impl<T> Call<T> {
 
     /// Whether its answer (or its failure) is in, without waiting.
     pub fn is_done(&self) -> bool {
-        lock(&self.calls)
-            .pending
-            .get(&self.id)
-            .is_some_and(|p| p.outcome.is_some())
+        lock(&self.calls).is_done(self.id)
     }
 
     /// The answer if it is in: `Some(Ok(envelope))`, retagged as the response type, or the
@@ -755,6 +458,52 @@ where
     match outcome {
         Outcome::Answer(mut env) => env.decode_shared(),
         Outcome::Failed(e) => Err(e),
+    }
+}
+
+/// A front end whose calls wait: a session, or a hub.
+pub(crate) trait CallHost {
+    /// Takes in, without waiting, what has arrived: answers go to their calls, the rest is
+    /// kept for the application's next receive.
+    fn take_in(&mut self);
+    /// Waits at most `left` for what arrives, taken in as [`CallHost::take_in`] does. An
+    /// error returned ends the wait of the calls that have no outcome yet (a failed
+    /// connection, the hub's own failure); others are kept in their place for the receive.
+    fn wait_in(&mut self, left: Option<Duration>) -> Result<()>;
+}
+
+/// Waits for `call`'s answer until its deadline (see [`crate::Session::wait`]).
+pub(crate) fn wait<T, H>(host: &mut H, call: Call<T>) -> Result<T>
+where
+    T: Message + serde::de::DeserializeOwned,
+    H: CallHost + ?Sized,
+{
+    let mut calls = vec![call];
+    let (_, outcome) = wait_any(host, &mut calls).expect("one call to wait for");
+    outcome
+}
+
+/// Waits for the first of `calls` to end (see [`crate::Session::wait_any`]).
+pub(crate) fn wait_any<T, H>(host: &mut H, calls: &mut Vec<Call<T>>) -> Option<(usize, Result<T>)>
+where
+    T: Message + serde::de::DeserializeOwned,
+    H: CallHost + ?Sized,
+{
+    loop {
+        // Past a deadline, what has arrived is taken in first.
+        let left = match first_ended(calls, || host.take_in()) {
+            Next::Ended(i, outcome) => return Some((i, outcome)),
+            Next::NoneLeft => return None,
+            Next::Wait(left) => left,
+        };
+        if let Err(e) = host.wait_in(left) {
+            // The calls failed with it: their outcomes are in (else the failure is the
+            // first call's).
+            if !calls.iter().any(|c| c.is_done()) {
+                drop(calls.remove(0));
+                return Some((0, Err(e)));
+            }
+        }
     }
 }
 
@@ -883,254 +632,4 @@ pub(crate) fn deadline(timeout: Duration) -> Option<Instant> {
 }
 
 #[cfg(test)]
-mod tests {
-    use serde::{Deserialize, Serialize};
-
-    use super::*;
-    use crate::codec::{self, FrameBytes};
-    use crate::Bulk;
-
-    #[derive(Debug, Serialize, Deserialize, PartialEq)]
-    struct Get {
-        key: String,
-    }
-    #[derive(Debug, Serialize, Deserialize, PartialEq)]
-    struct Value {
-        data: Bulk,
-    }
-    #[derive(Debug, Serialize, Deserialize)]
-    struct Other;
-    crate::message!(Value);
-    crate::message!(Other);
-    crate::request!(Get => Value);
-
-    /// `m` as the decoder hands it out, from one frame.
-    fn received<M: Message>(m: &M, decoder: &mut Decoder) -> Result<Envelope> {
-        let mut frame = vec![0; 1 << 20];
-        let n = codec::encode_single(m, 0, &mut frame)?.expect("fits");
-        frame.truncate(n);
-        Ok(decoder
-            .push(FrameBytes::Owned(frame))?
-            .expect("one whole frame"))
-    }
-
-    fn deliver(
-        env: Envelope,
-        calls: &Calls,
-        replies: &Arc<Replies>,
-        d: &Decoder,
-    ) -> Option<Envelope> {
-        match route(env, None, calls, replies, d).unwrap() {
-            Routed::Deliver(e) => Some(e),
-            Routed::Consumed => None,
-        }
-    }
-
-    #[test]
-    fn a_request_arrives_as_its_own_type_and_its_answer_reaches_its_call() {
-        let (client, server) = (Calls::default(), Calls::default());
-        let replies = Replies::new(None);
-        let mut decoder = Decoder::new(1 << 20);
-        decoder.register::<Get>().unwrap();
-        let id = lock(&client).start::<Get>(None);
-        let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::from_secs(1), None);
-        let get = Get { key: "k".into() };
-        let env = received(&CallOut { id, m: &get }, &mut decoder).unwrap();
-        let mut env = deliver(env, &server, &replies, &decoder).expect("for the application");
-        assert!(env.is::<Get>() && env.is_request());
-        assert_eq!(env.decode::<Get>().unwrap(), get);
-        let responder = env.responder::<Get>().unwrap();
-        assert!(matches!(
-            env.responder::<Get>(),
-            Err(Error::NotARequest { .. })
-        ));
-        assert_eq!(responder.call_id(), id);
-        // The answer as it goes: large enough to be shared, not copied.
-        let data = Bulk::new(vec![7u8; 8192]);
-        let out = ReplyOut {
-            id,
-            status: ANSWERED,
-            value: Some(&Value { data: data.clone() }),
-        };
-        let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
-        assert!(deliver(answer, &client, &replies, &decoder).is_none());
-        assert!(call.is_done());
-        let Some(Outcome::Answer(mut env)) = call.take_outcome() else {
-            panic!("answered")
-        };
-        let got: Value = env.decode_shared().unwrap();
-        assert_eq!(got.data, data);
-        let body = env.body().as_ptr_range();
-        assert!(
-            body.contains(&got.data.as_ptr()),
-            "the payload shares the received bytes"
-        );
-        assert_eq!(lock(&client).stats().answered, 1);
-        // A second answer to the same call is late.
-        let again = received(&out, &mut Decoder::new(1 << 20)).unwrap();
-        assert!(deliver(again, &client, &replies, &decoder).is_none());
-        assert_eq!(lock(&client).stats().late, 1);
-        drop(responder);
-        let queued = replies.take();
-        assert_eq!(
-            queued.len(),
-            1,
-            "a responder dropped unanswered answers 'no answer'"
-        );
-    }
-
-    #[test]
-    fn a_request_of_a_type_not_served_is_refused_at_once() {
-        let (calls, replies) = (Calls::default(), Replies::new(None));
-        let mut decoder = Decoder::new(1 << 20);
-        decoder.register::<Other>().unwrap();
-        let get = Get { key: "k".into() };
-        let env = received(&CallOut { id: 5, m: &get }, &mut decoder).unwrap();
-        assert!(deliver(env, &calls, &replies, &decoder).is_none());
-        assert_eq!(replies.take().len(), 1, "answered NOT_SERVED");
-        // ... which the caller sees as NotServed.
-        let client = Calls::default();
-        let id = lock(&client).start::<Get>(None);
-        let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::from_secs(1), None);
-        let out = ReplyOut::<()> {
-            id,
-            status: NOT_SERVED,
-            value: None,
-        };
-        let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
-        assert!(deliver(answer, &client, &replies, &decoder).is_none());
-        let err = finish::<Value>(call.take_outcome().unwrap()).unwrap_err();
-        assert!(matches!(err, Error::NotServed { .. }), "{err}");
-    }
-
-    #[test]
-    fn forged_call_frames_are_bad_frames() {
-        let (calls, replies) = (Calls::default(), Replies::new(None));
-        let decoder = Decoder::new(1 << 20);
-        let bad = |m: &dyn Fn(&mut Decoder) -> Envelope| {
-            let env = m(&mut Decoder::new(1 << 20));
-            let r = route(env, None, &calls, &replies, &decoder);
-            matches!(r, Err(Error::BadCall { .. }))
-        };
-        // A request posing as one of the library's own tags.
-        let inner = CallOut {
-            id: 1,
-            m: &ReplyOut::<()> {
-                id: 1,
-                status: 0,
-                value: None,
-            },
-        };
-        assert!(bad(&|d| received(&inner, d).unwrap()));
-        // An answer of an unknown status.
-        let status = ReplyOut::<()> {
-            id: 1,
-            status: 9,
-            value: None,
-        };
-        assert!(bad(&|d| received(&status, d).unwrap()));
-        // Headers that do not decode.
-        #[derive(Serialize)]
-        struct Junk(u8);
-        impl Message for Junk {
-            const TAG: u32 = CALL_TAG;
-        }
-        assert!(bad(&|d| received(&Junk(0xff), d).unwrap()));
-        assert_eq!(
-            lock(&calls).stats(),
-            CallStats::default(),
-            "nothing counted"
-        );
-    }
-
-    #[test]
-    fn a_call_whose_answer_is_here_when_its_deadline_is_judged_ends_with_it() {
-        // The caller's thread came back past the deadline (busy elsewhere) while the answer
-        // sat in the connection: taking it in comes before judging the deadline.
-        let (client, replies, decoder) =
-            (Calls::default(), Replies::new(None), Decoder::new(1 << 20));
-        let id = lock(&client).start::<Get>(None);
-        let past = Instant::now();
-        let mut calls = vec![Call::<Value>::new(
-            id,
-            client.clone(),
-            "Get",
-            Duration::ZERO,
-            Some(past),
-        )];
-        let data = Bulk::new(vec![3u8; 16]);
-        let out = ReplyOut {
-            id,
-            status: ANSWERED,
-            value: Some(&Value { data: data.clone() }),
-        };
-        let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
-        let mut took_in = 0;
-        let ended = first_ended(&mut calls, || {
-            took_in += 1;
-            assert!(deliver(answer, &client, &replies, &decoder).is_none());
-        });
-        let Next::Ended(0, Ok(got)) = ended else {
-            panic!("the answer that was here, not a timeout")
-        };
-        assert_eq!((got.data, took_in), (data, 1));
-        let stats = lock(&client).stats();
-        assert_eq!((stats.answered, stats.timed_out, stats.late), (1, 0, 0));
-        // Nothing there: the deadline is the outcome.
-        let id = lock(&client).start::<Get>(None);
-        let mut calls = vec![Call::<Value>::new(
-            id,
-            client.clone(),
-            "Get",
-            Duration::ZERO,
-            Some(past),
-        )];
-        let ended = first_ended(&mut calls, || {});
-        assert!(matches!(
-            ended,
-            Next::Ended(0, Err(Error::CallTimedOut { .. }))
-        ));
-        // Before any deadline, nothing is taken in here (the wait receives).
-        let id = lock(&client).start::<Get>(None);
-        let mut calls = vec![Call::<Value>::new(
-            id,
-            client.clone(),
-            "Get",
-            Duration::from_secs(60),
-            deadline(Duration::from_secs(60)),
-        )];
-        let ended = first_ended(&mut calls, || panic!("no deadline passed"));
-        assert!(matches!(ended, Next::Wait(Some(_))));
-    }
-
-    #[test]
-    fn a_cancelled_or_expired_call_counts_its_answer_late() {
-        let (client, replies, decoder) =
-            (Calls::default(), Replies::new(None), Decoder::new(1 << 20));
-        let id = lock(&client).start::<Get>(None);
-        let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::ZERO, None);
-        let err = call.expire();
-        assert!(matches!(err, Error::CallTimedOut { .. }));
-        let id2 = lock(&client).start::<Get>(None);
-        drop(Call::<Value>::new(
-            id2,
-            client.clone(),
-            "Get",
-            Duration::ZERO,
-            None,
-        ));
-        for id in [id, id2] {
-            let out = ReplyOut {
-                id,
-                status: ANSWERED,
-                value: Some(&Value {
-                    data: Bulk::default(),
-                }),
-            };
-            let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
-            assert!(deliver(answer, &client, &replies, &decoder).is_none());
-        }
-        let stats = lock(&client).stats();
-        assert_eq!((stats.late, stats.timed_out, stats.in_flight), (2, 1, 0));
-    }
-}
+mod tests;

@@ -1,0 +1,195 @@
+//! The calls waiting for answers, shared by the thread that drives the connection and the
+//! callers' handles.
+
+use super::*;
+
+/// What a call came to, once its answer is in.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Answer(Envelope),
+    Failed(Error),
+}
+
+#[derive(Debug)]
+pub(crate) struct Pending {
+    peer: Option<PeerId>,
+    /// The response type's tag and name.
+    expect: (u32, &'static str),
+    request: &'static str,
+    outcome: Option<Outcome>,
+}
+
+/// The calls of one session or hub waiting for answers.
+#[derive(Debug, Default)]
+pub(crate) struct CallTable {
+    next: u64,
+    pending: HashMap<u64, Pending>,
+    stats: CallStats,
+    /// A hub's counts per peer (its calls to the peer, and the peer's requests served).
+    by_peer: HashMap<PeerId, CallStats>,
+}
+
+/// A call table shared with the [`Call`] handles (whose drop cancels).
+pub(crate) type Calls = Arc<Mutex<CallTable>>;
+
+/// The call `id` of `R` whose request went (`Ok(true)`), did not go within `timeout`
+/// (`Ok(false)`: [`crate::Error::CallTimedOut`]), or failed: a session's and a hub's start.
+pub(crate) fn started<R: Request>(
+    calls: &Calls,
+    id: u64,
+    sent: Result<bool>,
+    timeout: Duration,
+    deadline: Option<Instant>,
+) -> Result<Call<R::Response>> {
+    let request = std::any::type_name::<R>();
+    match sent {
+        Ok(true) => Ok(Call::new(id, calls.clone(), request, timeout, deadline)),
+        Ok(false) => {
+            lock(calls).give_up(id, true);
+            Err(crate::Error::CallTimedOut {
+                request,
+                after: timeout,
+            })
+        }
+        Err(e) => {
+            lock(calls).forget(id);
+            Err(e)
+        }
+    }
+}
+
+pub(crate) fn lock(calls: &Calls) -> MutexGuard<'_, CallTable> {
+    calls.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl CallTable {
+    /// Whether call `id`'s answer (or its failure) is in.
+    pub(crate) fn is_done(&self, id: u64) -> bool {
+        self.pending.get(&id).is_some_and(|p| p.outcome.is_some())
+    }
+
+    /// Counts `f` in all and for `peer` (for a peer gone, in all only).
+    fn count(&mut self, peer: Option<PeerId>, f: impl Fn(&mut CallStats)) {
+        f(&mut self.stats);
+        if let Some(s) = peer.and_then(|p| self.by_peer.get_mut(&p)) {
+            f(s);
+        }
+    }
+
+    /// The counts of a peer that is starting a call or has sent a request.
+    fn counted(&mut self, peer: Option<PeerId>) {
+        if let Some(p) = peer {
+            self.by_peer.entry(p).or_default();
+        }
+    }
+
+    /// A new call's number.
+    pub(crate) fn start<R: Request>(&mut self, peer: Option<PeerId>) -> u64 {
+        self.next = self.next.wrapping_add(1);
+        let id = self.next;
+        self.pending.insert(
+            id,
+            Pending {
+                peer,
+                expect: (R::Response::TAG, std::any::type_name::<R::Response>()),
+                request: std::any::type_name::<R>(),
+                outcome: None,
+            },
+        );
+        self.counted(peer);
+        self.count(peer, |s| {
+            s.started += 1;
+            s.in_flight += 1;
+        });
+        id
+    }
+
+    /// Call `id` is over: no longer in flight.
+    fn remove(&mut self, id: u64) -> Option<Pending> {
+        let p = self.pending.remove(&id)?;
+        self.count(p.peer, |s| s.in_flight = s.in_flight.saturating_sub(1));
+        Some(p)
+    }
+
+    /// A call whose request did not go.
+    pub(crate) fn forget(&mut self, id: u64) {
+        if let Some(p) = self.remove(id) {
+            self.count(p.peer, |s| s.started -= 1);
+        }
+    }
+
+    pub(crate) fn stats(&self) -> CallStats {
+        self.stats
+    }
+
+    /// The counts of calls to and from `peer`, while it is connected.
+    pub(crate) fn peer_stats(&self, peer: PeerId) -> CallStats {
+        self.by_peer.get(&peer).copied().unwrap_or_default()
+    }
+
+    /// `peer` is gone: its counts are dropped (they stay in the totals).
+    pub(crate) fn forget_peer(&mut self, peer: PeerId) {
+        self.by_peer.remove(&peer);
+    }
+
+    pub(crate) fn answer_dropped(&mut self) {
+        self.stats.answers_dropped += 1;
+    }
+
+    pub(crate) fn served(&mut self, peer: Option<PeerId>) {
+        self.counted(peer);
+        self.count(peer, |s| s.served += 1);
+    }
+
+    /// An answer arrived from `peer` (its body past the call number and status).
+    pub(crate) fn answer(&mut self, peer: Option<PeerId>, id: u64, status: u8, mut env: Envelope) {
+        let Some(p) = self
+            .pending
+            .get_mut(&id)
+            .filter(|p| p.peer == peer && p.outcome.is_none())
+        else {
+            self.count(peer, |s| s.late += 1);
+            return;
+        };
+        let request = p.request;
+        p.outcome = Some(match status {
+            ANSWERED => {
+                env.retag(p.expect.0, p.expect.1);
+                // It may wait for its caller a while: not in a receive buffer, whose credit
+                // the peer needs.
+                env.release_credit();
+                Outcome::Answer(env)
+            }
+            NOT_SERVED => Outcome::Failed(Error::NotServed { request }),
+            _ => Outcome::Failed(Error::NoAnswer { request }),
+        });
+    }
+
+    /// The connection to `peer` (every peer: `None` in a session) failed: its calls fail.
+    pub(crate) fn fail_peer(&mut self, peer: Option<PeerId>, error: impl Fn() -> Error) {
+        for p in self.pending.values_mut() {
+            if p.outcome.is_none() && (peer.is_none() || p.peer == peer) {
+                p.outcome = Some(Outcome::Failed(error()));
+            }
+        }
+    }
+
+    /// The outcome of call `id`, if it is in (the call is then over).
+    pub(crate) fn take(&mut self, id: u64) -> Option<Outcome> {
+        let out = self.pending.get_mut(&id)?.outcome.take()?;
+        let p = self.remove(id)?;
+        if matches!(out, Outcome::Answer(_)) {
+            self.count(p.peer, |s| s.answered += 1);
+        }
+        Some(out)
+    }
+
+    /// Call `id` ran out of time (or its handle went): an answer that comes now is late.
+    pub(crate) fn give_up(&mut self, id: u64, timed_out: bool) {
+        if let Some(p) = self.remove(id) {
+            if p.outcome.is_none() && timed_out {
+                self.count(p.peer, |s| s.timed_out += 1);
+            }
+        }
+    }
+}

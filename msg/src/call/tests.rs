@@ -1,0 +1,242 @@
+use serde::{Deserialize, Serialize};
+
+use super::*;
+use crate::codec::{self, FrameBytes};
+use crate::Bulk;
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Get {
+    key: String,
+}
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Value {
+    data: Bulk,
+}
+#[derive(Debug, Serialize, Deserialize)]
+struct Other;
+crate::message!(Value);
+crate::message!(Other);
+crate::request!(Get => Value);
+
+/// `m` as the decoder hands it out, from one frame.
+fn received<M: Message>(m: &M, decoder: &mut Decoder) -> Result<Envelope> {
+    let mut frame = vec![0; 1 << 20];
+    let n = codec::encode_single(m, 0, &mut frame)?.expect("fits");
+    frame.truncate(n);
+    Ok(decoder
+        .push(FrameBytes::Owned(frame))?
+        .expect("one whole frame"))
+}
+
+fn deliver(env: Envelope, calls: &Calls, replies: &Arc<Replies>, d: &Decoder) -> Option<Envelope> {
+    match route(env, None, calls, replies, d).unwrap() {
+        Routed::Deliver(e) => Some(e),
+        Routed::Consumed => None,
+    }
+}
+
+#[test]
+fn a_request_arrives_as_its_own_type_and_its_answer_reaches_its_call() {
+    let (client, server) = (Calls::default(), Calls::default());
+    let replies = Replies::new(None);
+    let mut decoder = Decoder::new(1 << 20);
+    decoder.register::<Get>().unwrap();
+    let id = lock(&client).start::<Get>(None);
+    let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::from_secs(1), None);
+    let get = Get { key: "k".into() };
+    let env = received(&CallOut { id, m: &get }, &mut decoder).unwrap();
+    let mut env = deliver(env, &server, &replies, &decoder).expect("for the application");
+    assert!(env.is::<Get>() && env.is_request());
+    assert_eq!(env.decode::<Get>().unwrap(), get);
+    let responder = env.responder::<Get>().unwrap();
+    assert!(matches!(
+        env.responder::<Get>(),
+        Err(Error::NotARequest { .. })
+    ));
+    assert_eq!(responder.call_id(), id);
+    // The answer as it goes: large enough to be shared, not copied.
+    let data = Bulk::new(vec![7u8; 8192]);
+    let out = ReplyOut {
+        id,
+        status: ANSWERED,
+        value: Some(&Value { data: data.clone() }),
+    };
+    let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+    assert!(deliver(answer, &client, &replies, &decoder).is_none());
+    assert!(call.is_done());
+    let Some(Outcome::Answer(mut env)) = call.take_outcome() else {
+        panic!("answered")
+    };
+    let got: Value = env.decode_shared().unwrap();
+    assert_eq!(got.data, data);
+    let body = env.body().as_ptr_range();
+    assert!(
+        body.contains(&got.data.as_ptr()),
+        "the payload shares the received bytes"
+    );
+    assert_eq!(lock(&client).stats().answered, 1);
+    // A second answer to the same call is late.
+    let again = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+    assert!(deliver(again, &client, &replies, &decoder).is_none());
+    assert_eq!(lock(&client).stats().late, 1);
+    drop(responder);
+    let queued = replies.take();
+    assert_eq!(
+        queued.len(),
+        1,
+        "a responder dropped unanswered answers 'no answer'"
+    );
+}
+
+#[test]
+fn a_request_of_a_type_not_served_is_refused_at_once() {
+    let (calls, replies) = (Calls::default(), Replies::new(None));
+    let mut decoder = Decoder::new(1 << 20);
+    decoder.register::<Other>().unwrap();
+    let get = Get { key: "k".into() };
+    let env = received(&CallOut { id: 5, m: &get }, &mut decoder).unwrap();
+    assert!(deliver(env, &calls, &replies, &decoder).is_none());
+    assert_eq!(replies.take().len(), 1, "answered NOT_SERVED");
+    // ... which the caller sees as NotServed.
+    let client = Calls::default();
+    let id = lock(&client).start::<Get>(None);
+    let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::from_secs(1), None);
+    let out = ReplyOut::<()> {
+        id,
+        status: NOT_SERVED,
+        value: None,
+    };
+    let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+    assert!(deliver(answer, &client, &replies, &decoder).is_none());
+    let err = finish::<Value>(call.take_outcome().unwrap()).unwrap_err();
+    assert!(matches!(err, Error::NotServed { .. }), "{err}");
+}
+
+#[test]
+fn forged_call_frames_are_bad_frames() {
+    let (calls, replies) = (Calls::default(), Replies::new(None));
+    let decoder = Decoder::new(1 << 20);
+    let bad = |m: &dyn Fn(&mut Decoder) -> Envelope| {
+        let env = m(&mut Decoder::new(1 << 20));
+        let r = route(env, None, &calls, &replies, &decoder);
+        matches!(r, Err(Error::BadCall { .. }))
+    };
+    // A request posing as one of the library's own tags.
+    let inner = CallOut {
+        id: 1,
+        m: &ReplyOut::<()> {
+            id: 1,
+            status: 0,
+            value: None,
+        },
+    };
+    assert!(bad(&|d| received(&inner, d).unwrap()));
+    // An answer of an unknown status.
+    let status = ReplyOut::<()> {
+        id: 1,
+        status: 9,
+        value: None,
+    };
+    assert!(bad(&|d| received(&status, d).unwrap()));
+    // Headers that do not decode.
+    #[derive(Serialize)]
+    struct Junk(u8);
+    impl Message for Junk {
+        const TAG: u32 = CALL_TAG;
+    }
+    assert!(bad(&|d| received(&Junk(0xff), d).unwrap()));
+    assert_eq!(
+        lock(&calls).stats(),
+        CallStats::default(),
+        "nothing counted"
+    );
+}
+
+#[test]
+fn a_call_whose_answer_is_here_when_its_deadline_is_judged_ends_with_it() {
+    // The caller's thread came back past the deadline (busy elsewhere) while the answer
+    // sat in the connection: taking it in comes before judging the deadline.
+    let (client, replies, decoder) = (Calls::default(), Replies::new(None), Decoder::new(1 << 20));
+    let id = lock(&client).start::<Get>(None);
+    let past = Instant::now();
+    let mut calls = vec![Call::<Value>::new(
+        id,
+        client.clone(),
+        "Get",
+        Duration::ZERO,
+        Some(past),
+    )];
+    let data = Bulk::new(vec![3u8; 16]);
+    let out = ReplyOut {
+        id,
+        status: ANSWERED,
+        value: Some(&Value { data: data.clone() }),
+    };
+    let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+    let mut took_in = 0;
+    let ended = first_ended(&mut calls, || {
+        took_in += 1;
+        assert!(deliver(answer, &client, &replies, &decoder).is_none());
+    });
+    let Next::Ended(0, Ok(got)) = ended else {
+        panic!("the answer that was here, not a timeout")
+    };
+    assert_eq!((got.data, took_in), (data, 1));
+    let stats = lock(&client).stats();
+    assert_eq!((stats.answered, stats.timed_out, stats.late), (1, 0, 0));
+    // Nothing there: the deadline is the outcome.
+    let id = lock(&client).start::<Get>(None);
+    let mut calls = vec![Call::<Value>::new(
+        id,
+        client.clone(),
+        "Get",
+        Duration::ZERO,
+        Some(past),
+    )];
+    let ended = first_ended(&mut calls, || {});
+    assert!(matches!(
+        ended,
+        Next::Ended(0, Err(Error::CallTimedOut { .. }))
+    ));
+    // Before any deadline, nothing is taken in here (the wait receives).
+    let id = lock(&client).start::<Get>(None);
+    let mut calls = vec![Call::<Value>::new(
+        id,
+        client.clone(),
+        "Get",
+        Duration::from_secs(60),
+        deadline(Duration::from_secs(60)),
+    )];
+    let ended = first_ended(&mut calls, || panic!("no deadline passed"));
+    assert!(matches!(ended, Next::Wait(Some(_))));
+}
+
+#[test]
+fn a_cancelled_or_expired_call_counts_its_answer_late() {
+    let (client, replies, decoder) = (Calls::default(), Replies::new(None), Decoder::new(1 << 20));
+    let id = lock(&client).start::<Get>(None);
+    let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::ZERO, None);
+    let err = call.expire();
+    assert!(matches!(err, Error::CallTimedOut { .. }));
+    let id2 = lock(&client).start::<Get>(None);
+    drop(Call::<Value>::new(
+        id2,
+        client.clone(),
+        "Get",
+        Duration::ZERO,
+        None,
+    ));
+    for id in [id, id2] {
+        let out = ReplyOut {
+            id,
+            status: ANSWERED,
+            value: Some(&Value {
+                data: Bulk::default(),
+            }),
+        };
+        let answer = received(&out, &mut Decoder::new(1 << 20)).unwrap();
+        assert!(deliver(answer, &client, &replies, &decoder).is_none());
+    }
+    let stats = lock(&client).stats();
+    assert_eq!((stats.late, stats.timed_out, stats.in_flight), (2, 1, 0));
+}

@@ -1,0 +1,117 @@
+//! Calls on the wire: a request wrapped with its call's number, an answer with its status.
+
+use super::*;
+
+/// An answer's status.
+pub(crate) const ANSWERED: u8 = 0;
+/// The server dropped the request's responder without answering.
+pub(crate) const NO_ANSWER: u8 = 1;
+/// The server does not take requests of that type (it registered types, not this one).
+pub(crate) const NOT_SERVED: u8 = 2;
+
+/// A request as it goes: `(id, tag, request)`.
+pub(crate) struct CallOut<'a, M> {
+    pub(crate) id: u64,
+    pub(crate) m: &'a M,
+}
+
+impl<M: Message> Serialize for CallOut<'_, M> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut t = s.serialize_tuple(3)?;
+        t.serialize_element(&self.id)?;
+        t.serialize_element(&M::TAG)?;
+        t.serialize_element(self.m)?;
+        t.end()
+    }
+}
+
+impl<M: Message> Message for CallOut<'_, M> {
+    const TAG: u32 = CALL_TAG;
+    const SOLICITED: bool = M::SOLICITED;
+}
+
+/// A request owned by an outbox, as it goes (as [`CallOut`]).
+pub(crate) struct CallOwned<M> {
+    pub(crate) id: u64,
+    pub(crate) request: M,
+}
+
+impl<M: Message> Serialize for CallOwned<M> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        CallOut {
+            id: self.id,
+            m: &self.request,
+        }
+        .serialize(s)
+    }
+}
+
+impl<M: Message> Message for CallOwned<M> {
+    const TAG: u32 = CALL_TAG;
+    const SOLICITED: bool = M::SOLICITED;
+}
+
+/// An answer as it goes: `(id, status[, response])`.
+pub(crate) struct ReplyOut<'a, T> {
+    pub(crate) id: u64,
+    pub(crate) status: u8,
+    pub(crate) value: Option<&'a T>,
+}
+
+impl<T: Serialize> Serialize for ReplyOut<'_, T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut t = s.serialize_tuple(2 + usize::from(self.value.is_some()))?;
+        t.serialize_element(&self.id)?;
+        t.serialize_element(&self.status)?;
+        if let Some(v) = self.value {
+            t.serialize_element(v)?;
+        }
+        t.end()
+    }
+}
+
+impl<T: Serialize> Message for ReplyOut<'_, T> {
+    const TAG: u32 = REPLY_TAG;
+}
+
+impl<T> fmt::Debug for OwnedReply<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "answer to call {} ({})", self.id, self.status)
+    }
+}
+
+/// An answer owned by a queue.
+pub(crate) struct OwnedReply<T> {
+    pub(crate) id: u64,
+    pub(crate) status: u8,
+    pub(crate) value: Option<T>,
+}
+
+impl<T: Serialize> OwnedReply<T> {
+    fn out(&self) -> ReplyOut<'_, T> {
+        ReplyOut {
+            id: self.id,
+            status: self.status,
+            value: self.value.as_ref(),
+        }
+    }
+}
+
+impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
+    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool> {
+        // Answers are solicited: their callers wait for them.
+        send(&self.out(), true)
+    }
+    fn size(&self) -> usize {
+        encoded_len(&self.out())
+    }
+}
+
+/// "No answer" to call `id`.
+pub(crate) fn no_answer(id: u64) -> OwnedReply<()> {
+    OwnedReply {
+        id,
+        status: NO_ANSWER,
+        value: None,
+    }
+}

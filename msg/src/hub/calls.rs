@@ -1,0 +1,219 @@
+//! A hub's calls: started to a peer, waited for with the hub's events kept meanwhile.
+
+use super::*;
+
+impl Hub {
+    /// Calls `peer` (see [`crate::Session::call`]): sends `request` and waits for its
+    /// answer, all within `timeout`, driving the hub meanwhile (events that come wait for
+    /// [`Hub::recv`], in order).
+    pub fn call<R>(&mut self, peer: PeerId, request: &R, timeout: Duration) -> Result<R::Response>
+    where
+        R: Request,
+        R::Response: serde::de::DeserializeOwned,
+    {
+        let call = self.start_call(peer, request, timeout)?;
+        self.wait(call)
+    }
+
+    /// Starts a call to `peer` without waiting for its answer (see
+    /// [`crate::Session::start_call`]): waits at most `timeout` to send the request;
+    /// `Duration::ZERO`-bounded sends are [`Hub::try_start_call`].
+    pub fn start_call<R: Request>(
+        &mut self,
+        peer: PeerId,
+        request: &R,
+        timeout: Duration,
+    ) -> Result<Call<R::Response>> {
+        let deadline = call::deadline(timeout);
+        let id = call::lock(&self.calls).start::<R>(Some(peer));
+        let out = CallOut { id, m: request };
+        let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
+            s.send_within(link, &out, R::SOLICITED, Some(timeout))
+        });
+        call::started::<R>(&self.calls, id, peer::in_time(sent), timeout, deadline)
+    }
+
+    /// Starts a call to `peer` without ever waiting (see [`Hub::post`]): the request goes at
+    /// once or waits in `peer`'s outbox; `Ok(None)` if the outbox is full (nothing sent).
+    /// The call's deadline is `timeout` from now, whatever the outbox.
+    pub fn try_start_call<R: Request + Clone + Send + 'static>(
+        &mut self,
+        peer: PeerId,
+        request: &R,
+        timeout: Duration,
+    ) -> Result<Option<Call<R::Response>>> {
+        let deadline = call::deadline(timeout);
+        let id = call::lock(&self.calls).start::<R>(Some(peer));
+        let out = call::CallOwned {
+            id,
+            request: request.clone(),
+        };
+        let request = std::any::type_name::<R>();
+        match self.post(peer, out) {
+            Ok(Posted::Sent | Posted::Queued) => Ok(Some(Call::new(
+                id,
+                self.calls.clone(),
+                request,
+                timeout,
+                deadline,
+            ))),
+            Ok(Posted::Full(_)) => {
+                call::lock(&self.calls).forget(id);
+                Ok(None)
+            }
+            Ok(Posted::PeerGone(_)) => {
+                call::lock(&self.calls).forget(id);
+                Err(rdmsg_transport::Error::UnknownPeer(peer).into())
+            }
+            Err(e) => {
+                call::lock(&self.calls).forget(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for `call`'s answer until its deadline, driving the hub (events wait for
+    /// [`Hub::recv`]). As in [`crate::Session::wait`], an answer already here when the
+    /// deadline is judged is the answer.
+    pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call::wait(self, call)
+    }
+
+    /// Waits for the first of `calls` to end (see [`crate::Session::wait_any`]), driving the
+    /// hub (events wait for [`Hub::recv`]). Each peer's events kept so are bounded by
+    /// [`SessionConfig::max_held_bytes`]: a peer at its bound is taken nothing more from (its
+    /// messages stay in their receive buffers with its credits, so it stops; a call to it
+    /// ends at its deadline if its answer is behind them), while the others go on.
+    pub fn wait_any<T>(&mut self, calls: &mut Vec<Call<T>>) -> Option<(usize, Result<T>)>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call::wait_any(self, calls)
+    }
+
+    /// Takes in, without waiting, everything that has happened: answers go to their calls,
+    /// other events wait for [`Hub::recv`] (or [`Hub::try_recv`]), each peer's within
+    /// [`SessionConfig::max_held_bytes`] (see [`Hub::wait_any`]). Whether it took in any
+    /// event. For event loops and async runtimes that wait for calls.
+    pub fn poll_calls(&mut self) -> Result<bool> {
+        let before = self.held.len();
+        self.holding = true;
+        let out = loop {
+            match self.try_recv() {
+                Ok(Some(ev)) => self.keep(ev),
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        self.holding = false;
+        out.map(|()| self.held.len() != before)
+    }
+
+    /// Keeps an event a call's wait took in for [`Hub::recv`], its message out of its
+    /// receive buffer (whose credit the peer may need to send the answer). Once a peer's
+    /// kept events reach [`SessionConfig::max_held_bytes`], its frames are parked unread
+    /// (their buffers hold its credits: it stops sending) and nothing more of it is queued
+    /// ([`Hub::collect`]), until [`Hub::recv`] takes some of what is kept; other peers go on.
+    pub(super) fn keep(&mut self, ev: HubEvent) {
+        let (who, body, ev) = match ev {
+            HubEvent::Message { peer, mut msg } => {
+                msg.release_credit();
+                let body = msg.body().len();
+                (Some(peer), body, HubEvent::Message { peer, msg })
+            }
+            HubEvent::BadFrame { peer, error } => {
+                (Some(peer), 0, HubEvent::BadFrame { peer, error })
+            }
+            // Once per connection, or the hub's own doing.
+            ev => (None, 0, ev),
+        };
+        if self.held.push(who, ev, body) {
+            if let Some(peer) = who {
+                if let Some(state) = self.peers.get_mut(peer) {
+                    state.receiver.hold_back(true);
+                }
+                // The buffers its parked frames keep are lent out of the pool every peer
+                // shares: returning its credits would let it draw the pool dry.
+                self.transport.hold_back(peer, true);
+            }
+        }
+    }
+
+    /// The oldest event a call's wait kept (none while a call's wait receives: what it takes
+    /// goes behind them). A peer below its bound again has its frames taken in.
+    pub(super) fn take_held(&mut self) -> Option<HubEvent> {
+        if self.holding {
+            return None;
+        }
+        let (ev, who, freed) = self.held.pop()?;
+        if let (true, Some(peer)) = (freed, who) {
+            if let Some(state) = self.peers.get_mut(peer) {
+                state.receiver.hold_back(false);
+                if !self.reads_waiting.contains(&peer) {
+                    self.reads_waiting.push(peer);
+                }
+            }
+            self.transport.hold_back(peer, false);
+        }
+        Some(ev)
+    }
+
+    /// Bytes of `peer`'s messages that calls' waits took in and keep for the next receive
+    /// (their bodies and a few dozen bytes each): at most
+    /// [`SessionConfig::max_held_bytes`] and one message.
+    pub fn held_bytes(&self, peer: PeerId) -> usize {
+        self.held.bytes(peer)
+    }
+
+    /// The answer of a call whose waiter gave up (see [`crate::Session::expire`]).
+    pub fn expire<T>(&mut self, call: Call<T>) -> Result<T>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call.expire_or_take().and_then(call::finish)
+    }
+
+    /// The call's answer if it is in, without waiting (`None`: not yet).
+    pub fn try_wait<T>(&mut self, call: &Call<T>) -> Option<Result<T>>
+    where
+        T: Message + serde::de::DeserializeOwned,
+    {
+        call.take_outcome().map(call::finish)
+    }
+
+    /// Counts of calls made and served, over every peer, present and past.
+    pub fn call_stats(&self) -> CallStats {
+        call::lock(&self.calls).stats()
+    }
+
+    /// Counts of calls to `peer` and of its requests served here, while it is connected
+    /// (in flight, late answers, ...); `None` for a peer unknown or gone.
+    pub fn peer_call_stats(&self, peer: PeerId) -> Option<CallStats> {
+        self.peers.get(peer)?;
+        Some(call::lock(&self.calls).peer_stats(peer))
+    }
+}
+
+impl call::CallHost for Hub {
+    fn take_in(&mut self) {
+        // The hub's own failure comes from the next receive.
+        let _ = self.poll_calls();
+    }
+
+    fn wait_in(&mut self, left: Option<Duration>) -> Result<()> {
+        self.holding = true;
+        self.waiting_call = true;
+        self.answered = false;
+        let got = self.recv_timeout(left);
+        self.waiting_call = false;
+        self.holding = false;
+        // An error is the hub's own failure.
+        if let Some(ev) = got? {
+            self.keep(ev);
+        }
+        Ok(())
+    }
+}

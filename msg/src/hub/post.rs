@@ -1,0 +1,260 @@
+//! Posting without waiting: each peer's outbox (`peer/outbox.rs`), answers given on other
+//! threads, and the hub's sends of them as credits come.
+
+use super::*;
+
+impl Hub {
+    /// Sends `m` to `peer` without ever waiting: at once if it can go (nothing queued before
+    /// it, a credit and a send slot free), else queued in `peer`'s outbox behind what waits
+    /// there, within [`SessionConfig::max_outbox_bytes`]; beyond that, handed back
+    /// ([`Posted::Full`]), and [`HubEvent::Writable`] tells when there is room. Queued
+    /// messages go in order as the peer's credits come, driven by the hub's later calls
+    /// ([`Hub::recv`], [`Hub::try_recv`], [`Hub::step`]). So one slow or stalled peer costs
+    /// its outbox's memory and nothing else: the thread serving every peer never waits for
+    /// it. What is still queued when the peer disconnects is dropped (counted in
+    /// [`OutboxStats::dropped`]).
+    pub fn post<M: Message + Send + 'static>(&mut self, peer: PeerId, m: M) -> Result<Posted<M>> {
+        self.post_as(peer, m, M::SOLICITED)
+    }
+
+    /// [`Hub::post`], solicited or not as given.
+    pub fn post_as<M: Message + Send + 'static>(
+        &mut self,
+        peer: PeerId,
+        m: M,
+        solicited: bool,
+    ) -> Result<Posted<M>> {
+        let Some(empty) = self.outbox_empty(peer) else {
+            return Ok(Posted::PeerGone(m));
+        };
+        if empty {
+            let mut went = false;
+            let sent = peer::in_time(
+                self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
+                    let before = s.next_seq();
+                    let sent = s.try_send_as(link, &m, solicited);
+                    went = s.next_seq() != before;
+                    sent
+                })
+                .and_then(|sent| {
+                    if sent {
+                        Ok(())
+                    } else {
+                        let none = crate::error::WAIT_NONE;
+                        Err(rdmsg_transport::Error::timeout("posting", none, Duration::ZERO).into())
+                    }
+                }),
+            );
+            match sent {
+                Ok(true) => return Ok(Posted::Sent),
+                Ok(false) => {}
+                // It went (in part, at least) before the peer failed: sent, its fate is the
+                // peer's record's (`Disconnected`, `Unconfirmed`), not handed back twice.
+                Err(_) if went => return Ok(Posted::Sent),
+                // The send itself found the peer gone (or failed it): as when that was
+                // known before, not an error (issue 45: a job queue's coordinator exited on it).
+                Err(_) if self.outbox_empty(peer).is_none() => return Ok(Posted::PeerGone(m)),
+                // This message alone (too large, not encodable).
+                Err(e) => return Err(e),
+            }
+        }
+        let size = call::encoded_len(&m);
+        if !self.room(peer, size) {
+            self.state(peer).outbox.refuse();
+            return Ok(Posted::Full(m));
+        }
+        self.queue(peer, Box::new(Owned { m, solicited }), size);
+        Ok(Posted::Queued)
+    }
+
+    /// Whether `peer`'s outbox is empty; `None` for a peer gone (failed).
+    pub(super) fn outbox_empty(&mut self, peer: PeerId) -> Option<bool> {
+        // Failed, or its slot released (`Disconnected` handed out): gone.
+        if self.transport.failure(peer).is_some() || self.transport.credits(peer).is_err() {
+            return None;
+        }
+        Some(self.peers.get(peer).map_or(true, |s| s.outbox.is_empty()))
+    }
+
+    /// Whether `peer`'s outbox has room for `size` more bytes (one message always fits an
+    /// empty one).
+    pub(super) fn room(&mut self, peer: PeerId, size: usize) -> bool {
+        self.state(peer).outbox.has_room(size)
+    }
+
+    /// An answer to `peer`'s call `id` could not be queued (no room): "no answer" goes in its
+    /// place, past the bound (a few bytes, one per request the peer sent), so that the caller
+    /// does not wait for its deadline. Counted dropped.
+    pub(super) fn refuse_answer(&mut self, peer: PeerId, id: u64) {
+        call::lock(&self.calls).answer_dropped();
+        let no = call::no_answer(id);
+        let size = no.size();
+        self.state(peer).outbox.count_dropped();
+        self.queue(peer, Box::new(no), size);
+    }
+
+    /// Queues `msg` in `peer`'s outbox (room checked by the caller).
+    pub(super) fn queue(&mut self, peer: PeerId, msg: Box<dyn Outgoing>, size: usize) {
+        if self.state(peer).outbox.push(msg, size) {
+            self.outboxed.push(peer);
+        }
+    }
+
+    /// Sends what the outboxes hold as far as credits allow, in order per peer, never
+    /// waiting; queues the answers given on other threads first.
+    pub(super) fn drain_outboxes(&mut self) {
+        self.queue_replies();
+        self.send_outboxes();
+        // Closes waiting for their outboxes go once those went.
+        if !self.closing.is_empty() {
+            self.finish_closes(Instant::now());
+        }
+    }
+
+    /// Moves the answers given on other threads into their peers' outboxes.
+    pub(super) fn queue_replies(&mut self) {
+        if self.replies.waiting() {
+            for r in self.replies.take() {
+                let Some(peer) = r.peer else { continue };
+                if self.peers.get(peer).is_none() || self.transport.failure(peer).is_some() {
+                    // Gone: its calls failed on its side.
+                    call::lock(&self.calls).answer_dropped();
+                    continue;
+                }
+                let size = r.msg.size();
+                if self.room(peer, size) {
+                    self.queue(peer, r.msg, size);
+                } else {
+                    self.refuse_answer(peer, r.id);
+                }
+            }
+        }
+    }
+
+    /// Sends what the outboxes hold as far as credits allow, in order per peer.
+    pub(super) fn send_outboxes(&mut self) {
+        let mut i = 0;
+        while i < self.outboxed.len() {
+            let peer = self.outboxed[i];
+            let (writable, listed, empty) = {
+                let Some((state, mut link)) = self.split(peer) else {
+                    self.outboxed.swap_remove(i);
+                    continue;
+                };
+                state.sender.learn_note(link.hub.peer_note(peer));
+                // A failing peer: its Disconnected tells (and drops the rest). A message
+                // failing alone (too large, not encodable) is dropped and counted.
+                let _ = state.outbox.send_ready(&mut state.sender, &mut link);
+                let writable = state.outbox.take_writable();
+                let listed = state.sender.queued_frames() > 0 && !state.listed;
+                state.listed |= listed;
+                (writable, listed, state.outbox.is_empty())
+            };
+            if writable {
+                self.ready.push_back((HubEvent::Writable { peer }, None));
+            }
+            if listed {
+                self.unflushed.push(peer);
+            }
+            if empty {
+                self.outboxed.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Whether outboxes hold messages, or answers given by [`Responder`]s wait to be queued:
+    /// they go as credits come, with the calls that drive the hub ([`Hub::recv`],
+    /// [`Hub::step`], ...).
+    pub fn outboxes_waiting(&self) -> bool {
+        !self.outboxed.is_empty() || self.replies.waiting()
+    }
+
+    /// Runs `hook` whenever a [`Responder`] of this hub answers (see
+    /// [`crate::Session::on_answer`]).
+    pub fn on_answer(&mut self, hook: impl Fn() + Send + Sync + 'static) {
+        self.replies.set_hook(Arc::new(hook));
+    }
+
+    /// Every outbox's counts in all, peers gone included (`messages` and `bytes`: what
+    /// waits now).
+    pub fn outbox_totals(&self) -> OutboxStats {
+        let mut total = self.departed_outboxes;
+        total.messages = 0;
+        total.bytes = 0;
+        for s in self.peers.values() {
+            total.add(&s.outbox.stats());
+        }
+        total
+    }
+
+    /// `peer`'s outbox ([`Hub::post`]); `None` for a peer unknown or gone.
+    pub fn outbox(&self, peer: PeerId) -> Option<OutboxStats> {
+        self.peers.get(peer).map(|s| s.outbox.stats())
+    }
+
+    /// Answers a request received from a peer at once, on the hub's thread, as
+    /// [`Hub::post`] sends: never waiting; queued in the peer's outbox if it cannot go now;
+    /// if that is full, dropped (counted in [`OutboxStats::dropped`]; the caller's call
+    /// times out) and the value handed back. From another thread, use
+    /// [`Responder::respond`].
+    pub fn reply<T: Message + Send + 'static>(
+        &mut self,
+        responder: Responder<T>,
+        value: T,
+    ) -> Result<Posted<T>> {
+        let Some(origin) = responder.into_origin() else {
+            return Ok(Posted::Sent);
+        };
+        if !Arc::ptr_eq(&origin.replies, &self.replies) {
+            // Dropped: it answers "no answer" through its own session or hub.
+            return Err(crate::Error::ForeignResponder);
+        }
+        let (id, peer) = origin.disarm();
+        let peer = peer.ok_or(crate::Error::ForeignResponder)?;
+        let Some(empty) = self
+            .outbox_empty(peer)
+            .filter(|_| self.peers.get(peer).is_some())
+        else {
+            // Gone (its Disconnected says so): the answer cannot go.
+            call::lock(&self.calls).answer_dropped();
+            return Ok(Posted::PeerGone(value));
+        };
+        if empty {
+            let out = call::ReplyOut {
+                id,
+                status: 0,
+                value: Some(&value),
+            };
+            let sent = self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
+                s.try_send_as(link, &out, true)
+            });
+            match sent {
+                Ok(true) => return Ok(Posted::Sent),
+                Ok(false) | Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {}
+                Err(_) if self.outbox_empty(peer).is_none() => {
+                    call::lock(&self.calls).answer_dropped();
+                    return Ok(Posted::PeerGone(value));
+                }
+                // This answer alone (too large, not encodable): the caller hears "no answer".
+                Err(e) => {
+                    self.refuse_answer(peer, id);
+                    return Err(e);
+                }
+            }
+        }
+        let reply = OwnedReply {
+            id,
+            status: 0,
+            value: Some(value),
+        };
+        let size = reply.size();
+        if !self.room(peer, size) {
+            self.refuse_answer(peer, id);
+            return Ok(Posted::Full(reply.value.expect("built with a value")));
+        }
+        self.queue(peer, Box::new(reply), size);
+        Ok(Posted::Queued)
+    }
+}

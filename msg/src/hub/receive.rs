@@ -1,0 +1,309 @@
+//! A hub's receives: the transport's events taken in, peers' frames routed to their
+//! receiving sides, messages handed out in order with the held ones first.
+
+use super::*;
+
+impl Hub {
+    /// The next event, waiting as long as it takes. An `Err` is the hub's own failure, which
+    /// every later call reports too.
+    ///
+    /// Before it waits, every peer sent something unsolicited since its last solicited frame
+    /// is flushed, as [`crate::Session::recv`] does, without waiting for any one of them
+    /// (counted in [`SessionStats::wait_flushes`]).
+    pub fn recv(&mut self) -> Result<HubEvent> {
+        crate::drive::wait_until_some(|| self.recv_timeout(None))
+    }
+
+    /// The next event, waiting at most `timeout` (`None`: as long as it takes); `Ok(None)` if
+    /// nothing happened in time.
+    pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
+        // A timeout too long to add to the clock is no deadline at all.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        if let Some(ev) = self.take_held() {
+            return Ok(Some(ev));
+        }
+        loop {
+            if let Some(ev) = self.take_ready() {
+                return Ok(Some(ev));
+            }
+            if self.waiting_call && std::mem::take(&mut self.answered) {
+                return Ok(None);
+            }
+            self.advance_reads(Instant::now());
+            self.drain_outboxes();
+            if let Some(ev) = self.take_ready() {
+                return Ok(Some(ev));
+            }
+            let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !self.unflushed.is_empty() {
+                if let Some(ev) = self.try_recv()? {
+                    return Ok(Some(ev));
+                }
+                let (stuck, nearest) = self.flush_before_wait();
+                // A send slot frees as soon as an earlier send completes: look again soon.
+                let retry = if stuck {
+                    Some(UNFLUSHED_RETRY)
+                } else {
+                    nearest.map(|d| d.saturating_duration_since(Instant::now()))
+                };
+                if let Some(r) = retry {
+                    left = Some(left.map_or(r, |l| l.min(r)));
+                }
+            }
+            // A close waiting for its peer ends at its deadline, event or not; so does a
+            // message in reassembly whose sender stalled.
+            for at in self.earliest_close().into_iter().chain(self.reassembly_at) {
+                let r = at.saturating_duration_since(Instant::now());
+                left = Some(left.map_or(r, |l| l.min(r)));
+            }
+            // An outbox waiting for credits: its failed send armed the hub to wake for the
+            // grant (or the send completion) that lets it go, which is no event: `wait`
+            // returns after any wake-up.
+            if self.waiting_call && std::mem::take(&mut self.answered) {
+                return Ok(None);
+            }
+            let raw = match self.transport.queued_event() {
+                Some(raw) => Some(raw),
+                None if left == Some(Duration::ZERO) => None,
+                None => {
+                    self.transport.wait(left)?;
+                    self.transport.queued_event()
+                }
+            };
+            let Some(raw) = raw else {
+                if deadline.map_or(true, |d| Instant::now() < d) {
+                    continue;
+                }
+                return Ok(None);
+            };
+            self.take(raw);
+        }
+    }
+
+    /// The next typed event ready, taking in what a waiting send stashed first. A message
+    /// (or the error in its place) handed out is taken: its peer's record moves on, and a
+    /// request of the peer's it reaches is answered.
+    pub(super) fn take_ready(&mut self) -> Option<HubEvent> {
+        loop {
+            while self.ready.is_empty() {
+                let raw = self.stash.pop_front()?;
+                self.take(raw);
+            }
+            let (ev, seq) = self.ready.pop_front()?;
+            if let (Some(seq), Some(peer)) = (seq, ev.peer()) {
+                self.took(peer, seq);
+            }
+            match ev {
+                HubEvent::Message { peer, msg } => {
+                    let routed =
+                        call::route(msg, Some(peer), &self.calls, &self.replies, &self.registry);
+                    match routed {
+                        Ok(call::Routed::Deliver(msg)) => {
+                            return Some(HubEvent::Message { peer, msg })
+                        }
+                        Ok(call::Routed::Consumed) => self.answered = true,
+                        Err(error) => return Some(HubEvent::BadFrame { peer, error }),
+                    }
+                }
+                ev => return Some(ev),
+            }
+        }
+    }
+
+    /// The application took `peer`'s message `seq`.
+    pub(super) fn took(&mut self, peer: PeerId, seq: u32) {
+        let Some((state, mut link)) = self.split(peer) else {
+            return;
+        };
+        state.receiver.mark_taken(seq);
+        let _ = link.hub.set_note(peer, state.receiver.taken());
+        if peer::took(&mut state.sender, &mut state.receiver) {
+            // A failing peer: its Disconnected tells.
+            let _ = state.sender.send_committed(&mut link);
+            if state.sender.queued_frames() > 0 && !state.listed {
+                state.listed = true;
+                self.unflushed.push(peer);
+            }
+        }
+    }
+
+    /// Posts the reads that wait for buffer room or a send slot, and takes in the frames
+    /// parked for want of room, for every peer, once messages in reassembly whose senders
+    /// stalled until `now` are dropped (which gives their room to the others).
+    pub(super) fn advance_reads(&mut self, now: Instant) {
+        self.watch_reassembly(now);
+        for peer in std::mem::take(&mut self.reads_waiting) {
+            self.collect(peer);
+        }
+    }
+
+    /// Gives each peer's message in reassembly its look at the clock
+    /// ([`RecvSide::handle_timeout`]): one that got no fragment for
+    /// [`HubLimits::reassembly_timeout`] fails in its place
+    /// ([`crate::Error::ReassemblyTimedOut`], a [`HubEvent::BadFrame`]) and its reservation
+    /// returns. Keeps the nearest deadline for the waits ([`Hub::next_timeout`]).
+    pub(super) fn watch_reassembly(&mut self, now: Instant) {
+        let mut nearest: Option<Instant> = None;
+        let mut i = 0;
+        while i < self.reassembling.len() {
+            let peer = self.reassembling[i];
+            let Some(state) = self.peers.get_mut(peer) else {
+                self.reassembling.swap_remove(i);
+                continue;
+            };
+            state.receiver.handle_timeout(now);
+            if !state.receiver.reassembling() {
+                self.reassembling.swap_remove(i);
+                queue_ready(peer, &mut state.receiver, &mut self.ready);
+                continue;
+            }
+            if let Some(d) = state.receiver.poll_timeout() {
+                nearest = Some(nearest.map_or(d, |n| n.min(d)));
+            }
+            i += 1;
+        }
+        self.reassembly_at = nearest;
+        self.reassembly_unwatched = false;
+    }
+
+    /// After `peer`'s receiving side took something in: posts its waiting reads, hands
+    /// acknowledgements over (ours go out as they can), and queues its messages that are
+    /// ready, in order (unless calls' waits keep all they may of its messages: they wait in
+    /// its receiver, the peer under [`RecvSide::hold_back`]).
+    pub(super) fn collect(&mut self, peer: PeerId) {
+        let Some((state, mut link)) = self.split(peer) else {
+            return;
+        };
+        // A failing peer: its Disconnected event tells.
+        let _ = state.receiver.advance(&mut link);
+        state.sender.learn_note(link.hub.peer_note(peer));
+        let frame_max = link.max_message().unwrap_or(0);
+        if peer::exchange_acks(&mut state.sender, &mut state.receiver, frame_max) {
+            let _ = state.sender.send_committed(&mut link);
+        }
+        let list = state.sender.queued_frames() > 0 && !state.listed;
+        state.listed |= list;
+        let (waiting, reassembling) = (state.receiver.has_waiting(), state.receiver.reassembling());
+        if waiting && !self.reads_waiting.contains(&peer) {
+            self.reads_waiting.push(peer);
+        }
+        if reassembling && !self.reassembling.contains(&peer) {
+            // Watched from the next look at the clock on (see `advance_reads`).
+            self.reassembling.push(peer);
+            self.reassembly_unwatched = true;
+        }
+        if let Some(state) = self.peers.get_mut(peer) {
+            if !self.held.is_full(peer) {
+                queue_ready(peer, &mut state.receiver, &mut self.ready);
+            }
+        }
+        if list {
+            self.unflushed.push(peer);
+        }
+    }
+
+    /// An event that has already happened, without waiting (for event loops over
+    /// [`AsFd`]: call it until `Ok(None)` whenever the hub's descriptor is readable, and at
+    /// least every [`rdmsg_transport::RawHub::next_timeout`]).
+    pub fn try_recv(&mut self) -> Result<Option<HubEvent>> {
+        if let Some(ev) = self.take_held() {
+            return Ok(Some(ev));
+        }
+        self.drain_outboxes();
+        loop {
+            if let Some(ev) = self.take_ready() {
+                return Ok(Some(ev));
+            }
+            match self.transport.try_event()? {
+                Some(raw) => self.take(raw),
+                None => return Ok(None),
+            }
+        }
+    }
+
+    /// The events, until the hub's own failure (which [`Hub::recv`] then reports).
+    pub fn incoming(&mut self) -> impl Iterator<Item = HubEvent> + '_ {
+        std::iter::from_fn(move || self.recv().ok()).fuse()
+    }
+
+    /// Turns a transport event into typed ones (queued in [`Hub::ready`]), keeping per-peer
+    /// state: none for a frame that completed nothing (a fragment, a nudge, a descriptor
+    /// whose read is under way).
+    pub(super) fn take(&mut self, raw: rdmsg_transport::RawHubEvent) {
+        use rdmsg_transport::RawHubEvent as Raw;
+        let ev = match raw {
+            Raw::Connected { peer, accepted } => {
+                self.state(peer);
+                HubEvent::Connected { peer, accepted }
+            }
+            Raw::Message { peer, msg } => {
+                let wakeup = self.transport.wakeups();
+                let receiver = &mut self.state(peer).receiver;
+                receiver.woken(wakeup);
+                receiver.arrive(FrameBytes::Received(msg));
+                return self.collect(peer);
+            }
+            Raw::Read { peer, read } => {
+                // A read of a peer already gone was counted out of the pool with it: its
+                // buffer is dropped.
+                if let Some(state) = self.peers.get_mut(peer) {
+                    state.receiver.read_done(read);
+                    self.collect(peer);
+                }
+                return;
+            }
+            Raw::Disconnected {
+                peer,
+                failure,
+                last_note,
+            } => {
+                {
+                    let mut calls = call::lock(&self.calls);
+                    calls.fail_peer(Some(peer), || {
+                        rdmsg_transport::Error::Connection(failure).into()
+                    });
+                    calls.forget_peer(peer);
+                }
+                if let Some(mut gone) = self.peers.remove(peer) {
+                    gone.outbox.clear();
+                    self.departed_outboxes.add(&gone.outbox.stats());
+                    // Its last word: what its application took, as of its last grant or close.
+                    gone.sender.learn_note(last_note);
+                    // What arrived comes first: messages whose reads can no longer complete
+                    // fail in their place, the others behind them are delivered.
+                    gone.receiver.abandon_reads();
+                    queue_ready(peer, &mut gone.receiver, &mut self.ready);
+                    self.departed.add(&gone.stats());
+                    let delivery = gone.sender.delivery(None);
+                    if gone.sender.keeps_copies() && delivery.unconfirmed() > 0 {
+                        let messages = gone.sender.take_unconfirmed();
+                        let ev = HubEvent::Unconfirmed {
+                            peer,
+                            delivery,
+                            messages,
+                        };
+                        self.ready.push_back((ev, None));
+                    }
+                }
+                HubEvent::Disconnected { peer, failure }
+            }
+            Raw::HandshakeFailed { peer, error } => {
+                if let Some(p) = peer {
+                    let mut calls = call::lock(&self.calls);
+                    calls.fail_peer(Some(p), || {
+                        rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into()
+                    });
+                    calls.forget_peer(p);
+                }
+                if let Some(gone) = peer.and_then(|p| self.peers.remove(p)) {
+                    self.departed.add(&gone.stats());
+                }
+                HubEvent::HandshakeFailed {
+                    peer,
+                    error: error.into(),
+                }
+            }
+        };
+        self.ready.push_back((ev, None));
+    }
+}
