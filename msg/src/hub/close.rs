@@ -16,10 +16,11 @@ impl Hub {
     pub fn close(&mut self, peer: PeerId) -> Result<()> {
         let record = self.config.keep_unconfirmed.is_some();
         let timeout = self.transport.config().conn.close_timeout;
-        let closing = Closing::begin(Instant::now(), timeout, record);
+        let now = Instant::now();
+        let closing = Closing::begin(now, timeout, record);
         // Answers given on other threads join the outbox first.
         self.queue_replies();
-        let left = closing.deadline().saturating_duration_since(Instant::now());
+        let left = closing.deadline().saturating_duration_since(now);
         let waited = self.with_peer_waiting(peer, Some(left), |send, outbox, io| {
             closing.wait(send, io, outbox)
         });
@@ -44,7 +45,8 @@ impl Hub {
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
         let record = self.config.keep_unconfirmed.is_some();
         let timeout = self.transport.config().conn.close_timeout;
-        let closing = Closing::begin(Instant::now(), timeout, record);
+        let now = Instant::now();
+        let closing = Closing::begin(now, timeout, record);
         let Some(state) = self.peers.get_mut(peer) else {
             // Nothing of ours waits for it.
             return Ok(self.transport.start_close_by(peer, closing.deadline())?);
@@ -54,7 +56,7 @@ impl Hub {
             self.closing.push(peer);
         }
         // At once if nothing waits; else as the hub's calls drive it.
-        self.finish_closes(Instant::now());
+        self.finish_closes(now);
         Ok(())
     }
 

@@ -553,13 +553,15 @@ impl Hub {
     /// [`Hub::next_timeout`] before the next step.
     pub fn step(&mut self) -> Result<usize> {
         let queued = self.ready.len();
-        self.advance_reads(Instant::now());
+        // The clock, once for the step.
+        let now = Instant::now();
+        self.advance_reads(now);
         let outboxes = self.outboxed.len();
-        self.drain_outboxes();
+        self.drain_outboxes_at(now);
         let drained = usize::from(self.outboxed.len() != outboxes);
         let (stuck, nearest) = self.flush_before_wait();
         self.retry_at = if stuck {
-            Some(Instant::now() + UNFLUSHED_RETRY)
+            Some(now + UNFLUSHED_RETRY)
         } else {
             nearest
         };

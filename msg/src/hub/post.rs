@@ -103,11 +103,16 @@ impl Hub {
     /// Sends what the outboxes hold as far as credits allow, in order per peer, never
     /// waiting; queues the answers given on other threads first.
     pub(super) fn drain_outboxes(&mut self) {
+        self.drain_outboxes_at(Instant::now());
+    }
+
+    /// [`Hub::drain_outboxes`] at `now`, the time of the hub's turn.
+    pub(super) fn drain_outboxes_at(&mut self, now: Instant) {
         self.queue_replies();
         self.send_outboxes();
         // Closes waiting for their outboxes go once those went.
         if !self.closing.is_empty() {
-            self.finish_closes(Instant::now());
+            self.finish_closes(now);
         }
     }
 

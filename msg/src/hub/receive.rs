@@ -29,12 +29,14 @@ impl Hub {
             if self.waiting_call && std::mem::take(&mut self.answered) {
                 return Ok(None);
             }
-            self.advance_reads(Instant::now());
-            self.drain_outboxes();
+            // The clock, read once per turn of this loop (each wait ends one).
+            let now = Instant::now();
+            self.advance_reads(now);
+            self.drain_outboxes_at(now);
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
             }
-            let mut left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let mut left = deadline.map(|d| d.saturating_duration_since(now));
             if !self.unflushed.is_empty() {
                 if let Some(ev) = self.try_recv()? {
                     return Ok(Some(ev));
@@ -44,7 +46,7 @@ impl Hub {
                 let retry = if stuck {
                     Some(UNFLUSHED_RETRY)
                 } else {
-                    nearest.map(|d| d.saturating_duration_since(Instant::now()))
+                    nearest.map(|d| d.saturating_duration_since(now))
                 };
                 if let Some(r) = retry {
                     left = Some(left.map_or(r, |l| l.min(r)));
@@ -53,7 +55,7 @@ impl Hub {
             // A close waiting for its peer ends at its deadline, event or not; so does a
             // message in reassembly whose sender stalled.
             for at in self.earliest_close().into_iter().chain(self.reassembly_at) {
-                let r = at.saturating_duration_since(Instant::now());
+                let r = at.saturating_duration_since(now);
                 left = Some(left.map_or(r, |l| l.min(r)));
             }
             // An outbox waiting for credits: its failed send armed the hub to wake for the
@@ -71,10 +73,12 @@ impl Hub {
                 }
             };
             let Some(raw) = raw else {
-                if deadline.map_or(true, |d| Instant::now() < d) {
-                    continue;
+                // Nothing came: out of time if the deadline had passed when this turn began
+                // (a wait that ran out makes the next turn find that).
+                if left == Some(Duration::ZERO) && deadline.is_some_and(|d| now >= d) {
+                    return Ok(None);
                 }
-                return Ok(None);
+                continue;
             };
             self.take(raw);
         }

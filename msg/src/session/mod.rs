@@ -222,7 +222,14 @@ impl Session {
             if self.waiting_call && std::mem::take(&mut self.answered) {
                 return Ok(None);
             }
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            // The clock, read once per turn of this loop (each wait ends one), and only if a
+            // deadline needs it.
+            let now =
+                (deadline.is_some() || self.sender.flush_deadline().is_some()).then(Instant::now);
+            let passed = matches!((deadline, now), (Some(d), Some(n)) if n >= d);
+            let left = deadline
+                .zip(now)
+                .map(|(d, n)| d.saturating_duration_since(n));
             if self.sender.queued_frames() > 0 || self.sender.flush_due() {
                 // Only if this would wait: what has arrived is taken first.
                 if let Some(env) = self.try_recv_inner()? {
@@ -239,7 +246,7 @@ impl Session {
                     }
                 };
                 if !drained {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                    if passed {
                         return Ok(None);
                     }
                     continue;
@@ -252,8 +259,8 @@ impl Session {
                     }
                 }
             }
-            let left = earliest(left, self.sender.flush_deadline());
-            if left == Some(Duration::ZERO) && deadline.is_some_and(|d| Instant::now() >= d) {
+            let left = earliest(left, self.sender.flush_deadline(), now);
+            if left == Some(Duration::ZERO) && passed {
                 return Ok(None);
             }
             if let Some(r) = self.next_received() {
@@ -282,9 +289,8 @@ impl Session {
                     replies.waiting() || (unsent && c.credits() > 0)
                 })?)
             });
-            if !self.take_arrival(arrival)? && deadline.is_some_and(|d| Instant::now() >= d) {
-                return Ok(None);
-            }
+            // Nothing came: the next turn reads the clock and judges the deadline.
+            self.take_arrival(arrival)?;
         }
     }
 
@@ -539,9 +545,12 @@ impl Session {
     pub fn next_timeout(&self) -> Option<Duration> {
         // A flush already due but stuck (no send slot) is retried a millisecond on, not in a
         // spin.
-        let retry = Instant::now() + Duration::from_millis(1);
-        let flush = self.sender.flush_deadline().map(|d| d.max(retry));
-        earliest(self.conn.next_timeout(), flush)
+        let now = Instant::now();
+        let flush = self
+            .sender
+            .flush_deadline()
+            .map(|d| d.max(now + Duration::from_millis(1)));
+        earliest(self.conn.next_timeout(), flush, Some(now))
     }
 
     /// Whether a message (or a frame to take) is there for [`Session::try_recv`] without
@@ -647,9 +656,16 @@ pub struct Closed {
     pub unconfirmed: Vec<Envelope>,
 }
 
-/// The earlier of a wait's limit and a deadline, as a duration from now.
-fn earliest(limit: Option<Duration>, deadline: Option<Instant>) -> Option<Duration> {
-    let until = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+/// The earlier of a wait's limit and a deadline, as a duration from `now` (read if a
+/// deadline is given).
+fn earliest(
+    limit: Option<Duration>,
+    deadline: Option<Instant>,
+    now: Option<Instant>,
+) -> Option<Duration> {
+    let until = deadline
+        .zip(now)
+        .map(|(d, n)| d.saturating_duration_since(n));
     match (limit, until) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
