@@ -4,6 +4,7 @@
 //! `link` is where frames go, `send` the sending side, `receive` the receiving side, `table`
 //! a hub's per-peer state.
 
+mod budget;
 mod close;
 mod config;
 mod lend;
@@ -16,6 +17,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use budget::ReassemblyBudget;
 pub(crate) use close::Closing;
 pub use config::{
     SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT, DEFAULT_RENDEZVOUS_THRESHOLD,

@@ -52,8 +52,12 @@ macro_rules! absorbing {
     };
 }
 
-// After the macro: the calls use it.
+// After the macro: they use it.
 mod calls;
+mod close;
+mod send;
+
+pub use close::Closed;
 
 impl Session {
     /// A session with default bounds.
@@ -133,51 +137,6 @@ impl Session {
         self.conn.failure()?;
         self.sender.learn_note(self.conn.peer_note());
         Some(self.sender.take_unconfirmed())
-    }
-
-    /// Sends `m`, solicited or not as its type says ([`Message::SOLICITED`]).
-    pub fn send<M: Message>(&mut self, m: &M) -> Result<()> {
-        self.send_as(m, M::SOLICITED)
-    }
-
-    /// Sends `m`, solicited or not as given (the policy may still solicit it). Encoded
-    /// straight into a registered send buffer when it fits; larger messages are fragmented,
-    /// only their last fragment solicited.
-    pub fn send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
-        let (sender, link) = absorbing!(self);
-        sender.send_as(link, m, solicited)
-    }
-
-    /// Sends a batch: every message unsolicited but the last, which is solicited. One
-    /// wake-up for the whole batch.
-    pub fn send_batch<'a, M: Message + 'a>(
-        &mut self,
-        batch: impl IntoIterator<Item = &'a M>,
-    ) -> Result<usize> {
-        let (sender, link) = absorbing!(self);
-        sender.send_batch(link, batch)
-    }
-
-    /// If anything went unsolicited since the last solicited frame, sends a payload-less
-    /// solicited frame so that the receiver looks now. Call it when a burst ends.
-    pub fn flush(&mut self) -> Result<()> {
-        let (sender, link) = absorbing!(self);
-        sender.flush(link)
-    }
-
-    /// Sends `m` as [`Session::send_as`] does, but waits at most `timeout` for the peer's
-    /// credit and a send slot: `Ok(false)`, nothing sent, if none came in time.
-    /// `Duration::ZERO` never waits. A message too large for one frame has its first frame
-    /// bounded so; once that is there, the rest wait as long as it takes (a message is never
-    /// left half sent).
-    pub fn send_timeout<M: Message>(
-        &mut self,
-        m: &M,
-        solicited: bool,
-        timeout: Duration,
-    ) -> Result<bool> {
-        let (sender, link) = absorbing!(self);
-        peer::in_time(sender.send_within(link, m, solicited, Some(timeout)))
     }
 
     /// Receives the next message, waiting as long as it takes. A bad frame gives its error
@@ -387,107 +346,6 @@ impl Session {
         crate::drive::messages(move || self.recv())
     }
 
-    /// Closes gracefully (see [`Connection::close`]), once every committed frame went and the
-    /// peer finished reading what it was lent by rendezvous (with
-    /// [`SessionConfig::keep_unconfirmed`], once its application took everything), waiting at
-    /// most `close_timeout` for that: [`Error::Unread`](crate::Error::Unread) says how many
-    /// lent messages it had not read by then (the connection is closed all the same). The
-    /// close message tells the peer how many of its messages we took.
-    pub fn close(self) -> Result<()> {
-        let keep = self.sender.keeps_copies();
-        self.close_inner(keep).0
-    }
-
-    /// [`Session::close`], waiting (at most `close_timeout`) until the peer's application took
-    /// every message, with or without copies kept: what it comes to, the delivery record at
-    /// the end, and the messages not taken (copies, with [`SessionConfig::keep_unconfirmed`]),
-    /// in order.
-    pub fn close_with_record(self) -> Closed {
-        let (result, delivery, unconfirmed) = self.close_inner(true);
-        Closed {
-            result,
-            delivery,
-            unconfirmed,
-        }
-    }
-
-    /// [`Session::close`], returning with its outcome the delivery record at the end and,
-    /// with [`SessionConfig::keep_unconfirmed`], the messages the peer's application was not
-    /// seen to take (committed ones never sent included), without waiting for its record
-    /// as [`Session::close_with_record`] does.
-    pub fn close_with_delivery(self) -> Closed {
-        let keep = self.sender.keeps_copies();
-        let (result, delivery, unconfirmed) = self.close_inner(keep);
-        Closed {
-            result,
-            delivery,
-            unconfirmed,
-        }
-    }
-
-    fn close_inner(mut self, record: bool) -> (Result<()>, Delivery, Vec<Envelope>) {
-        // One clock for the whole close (`peer/close.rs`): what it waits for here and the
-        // connection's own close spend the same `close_timeout`.
-        let closing = Closing::begin(Instant::now(), self.conn.config().close_timeout, record);
-        // Answers given before the close go before it.
-        self.queue_replies();
-        let (sender, link) = absorbing!(self);
-        let waited = closing.wait(sender, link, &mut self.outbox);
-        if let Ok(w) = &waited {
-            let mut calls = call::lock(&self.calls);
-            for _ in 0..w.dropped {
-                calls.answer_dropped();
-            }
-        }
-        // Answers that found no room in time: their callers time out.
-        self.drop_unsent();
-        self.sender.learn_note(self.conn.peer_note());
-        let delivery = self.sender.delivery(None);
-        let unsent = self.sender.committed_waiting();
-        let unconfirmed = self.sender.take_unconfirmed();
-        let result = waited.and_then(|w| {
-            self.conn.close_by(closing.deadline())?;
-            unread_error(w.unread)?;
-            crate::error::unsent_error(unsent)
-        });
-        (result, delivery, unconfirmed)
-    }
-
-    /// Sends `m` if it can go without waiting (see [`Session::send_as`] for `solicited`):
-    /// `Ok(false)`, nothing of it sent, if the peer has no credit or no send slot is free.
-    /// A message needing several frames is committed once its first frame goes; the rest
-    /// follow as credits come, driven by any later call (a [`Session::step`] included),
-    /// before anything sent after it. For event loops and async runtimes: it never blocks.
-    pub fn try_send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<bool> {
-        self.sender.learn_note(self.conn.peer_note());
-        self.sender.try_send_as(&mut self.conn, m, solicited)
-    }
-
-    /// Commits `m` to go, without waiting: it is sent now if it can go, else encoded
-    /// ([`crate::Bulk`] payloads by reference) and queued to go before anything sent later,
-    /// as credits come, driven by any later call that sends, flushes, steps or closes. Only
-    /// an error (too large, not encodable, the connection failed) leaves it unsent; once
-    /// this returned `Ok`, the message is the session's to deliver (see
-    /// [`Session::delivery`]; a message committed but never sent because the connection
-    /// ended is among [`Session::take_unconfirmed`]'s). For the async layer's
-    /// reserve-then-send: wait for [`Session::ready_to_send`], then commit.
-    pub fn commit_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
-        self.sender.learn_note(self.conn.peer_note());
-        self.sender.commit_as(&mut self.conn, m, solicited)
-    }
-
-    /// Whether a message can very likely go at once: nothing committed waits before it, the
-    /// peer has a credit, and the window of messages not yet confirmed has room. (A send
-    /// slot, or rendezvous room for a large message, may still be missing.)
-    pub fn ready_to_send(&self) -> bool {
-        self.sender.queued_frames() == 0 && self.conn.credits() > 0 && self.sender.has_room()
-    }
-
-    /// [`Session::try_send_as`] with the type's own solicitation.
-    pub fn try_send<M: Message>(&mut self, m: &M) -> Result<bool> {
-        self.try_send_as(m, M::SOLICITED)
-    }
-
     /// The non-blocking step for an event loop that waits on the session's descriptor
     /// ([`AsFd`]): sends committed frames that can go, flushes what went unsolicited if a
     /// wait would otherwise hide it from the peer (see
@@ -559,41 +417,6 @@ impl Session {
         !self.held.is_empty() || self.receiver.has_ready() || self.conn.has_ready()
     }
 
-    /// Whether a sent message's frames are still waiting for credits (see
-    /// [`Session::try_send_as`]).
-    pub fn has_queued_frames(&self) -> bool {
-        self.sender.queued_frames() > 0
-    }
-
-    /// Whether anything went unsolicited since the last solicited frame.
-    pub fn unsolicited_pending(&self) -> bool {
-        self.sender.pending()
-    }
-
-    /// [`Session::flush`] without waiting: sends the committed frames and the flush that can
-    /// go now; whether nothing is left to send (no frame queued, nothing unsolicited unflushed).
-    pub fn try_flush(&mut self) -> Result<bool> {
-        self.sender.send_committed(&mut self.conn)?;
-        self.sender
-            .flush_within(&mut self.conn, Some(Duration::ZERO))?;
-        Ok(!self.sender.pending() && self.sender.queued_frames() == 0)
-    }
-
-    /// Whether unsolicited sends may wait for a solicited one within a bound
-    /// ([`SessionConfig::max_unsolicited_delay`] set). Code that shares the session between
-    /// threads or tasks solicits a message sent while a receiver waits unless this holds
-    /// (see [`Session::split`]).
-    pub fn delays_unsolicited(&self) -> bool {
-        self.sender.delay_allowed()
-    }
-
-    /// Whether a message its sender asked to solicit (`requested`) or not goes solicited when
-    /// another thread or task may be asleep on this session (`others_waiting`): see
-    /// [`crate::policy::solicit_for`], the one rule code that shares a session follows.
-    pub fn solicit_for(&self, requested: bool, others_waiting: bool) -> bool {
-        crate::policy::solicit_for(requested, others_waiting, self.delays_unsolicited())
-    }
-
     /// Keeps what a call's wait took in for `recv`, holding no receive buffer. At
     /// [`SessionConfig::max_held_bytes`], the receiver parks the peer's frames unread (their
     /// buffers hold its credits: it stops sending) and receives hand over nothing more to be
@@ -640,20 +463,6 @@ impl AsFd for Session {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.conn.as_fd()
     }
-}
-
-/// How a [`Session::close_with_record`] ended.
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct Closed {
-    /// What [`Session::close`] would have returned.
-    pub result: Result<()>,
-    /// The delivery record at the end: `delivery.taken == delivery.sent` when the peer's
-    /// application took everything.
-    pub delivery: Delivery,
-    /// The messages it did not take, in order (copies kept with
-    /// [`SessionConfig::keep_unconfirmed`]; none without it).
-    pub unconfirmed: Vec<Envelope>,
 }
 
 /// The earlier of a wait's limit and a deadline, as a duration from `now` (read if a
