@@ -119,8 +119,9 @@ pub enum Error {
         messages: usize,
     },
     /// A close gave up on messages committed to go (see
-    /// [`Session::commit_as`](crate::Session::commit_as)) that found no room within
-    /// `close_timeout`: they were not sent (the connection is closed all the same; with
+    /// [`Session::commit_as`](crate::Session::commit_as); for [`crate::Hub::close`], posts
+    /// waiting in the peer's outbox too) that found no room within `close_timeout`: they
+    /// were not sent (the connection is closed all the same; with
     /// [`crate::SessionConfig::keep_unconfirmed`] they are among the messages not confirmed).
     #[error(
         "closed with {messages} committed message(s) unsent: the peer gave no room for them \

@@ -27,9 +27,11 @@ impl Hub {
         let unsent = self.peers.get_mut(peer).map_or(0, |state| {
             state.sender.committed_waiting() + state.outbox.clear()
         });
+        // The transport's close (a credit, then the acknowledgement) spends what is left,
+        // whatever came before (a peer still connecting is closed too).
+        let closed = self.transport.close_by(peer, closing.deadline());
         waited.and_then(|w| {
-            // The transport's close (a credit, then the acknowledgement) spends what is left.
-            self.transport.close_by(peer, closing.deadline())?;
+            closed?;
             unread_error(w.unread)?;
             unsent_error(unsent)
         })
@@ -40,7 +42,7 @@ impl Hub {
     /// same close as [`Hub::close`], driven by the hub's later calls: once its outbox and
     /// committed messages went and the peer read what it was lent (at most
     /// `close_timeout`), the transport's close starts; lent messages it had not read by then
-    /// are a [`HubEvent::Unread`], and messages that found no room are counted in
+    /// are a [`HubEvent::Unread`], and what its outbox still holds then is counted in
     /// [`OutboxStats::dropped`].
     pub fn start_close(&mut self, peer: PeerId) -> Result<()> {
         let record = self.config.keep_unconfirmed.is_some();

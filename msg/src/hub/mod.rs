@@ -463,6 +463,10 @@ impl Hub {
         self.drain_outboxes_at(now);
         let drained = usize::from(self.outboxed.len() != outboxes);
         let (stuck, nearest) = self.flush_before_wait();
+        // Closes that waited for those frames go now, not at their deadlines.
+        if !self.closing.is_empty() {
+            self.finish_closes(now);
+        }
         self.retry_at = if stuck {
             Some(now + UNFLUSHED_RETRY)
         } else {

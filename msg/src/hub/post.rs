@@ -87,10 +87,13 @@ impl Hub {
     /// does not wait for its deadline. Counted dropped.
     pub(super) fn refuse_answer(&mut self, peer: PeerId, id: u64) {
         call::lock(&self.calls).answer_dropped();
-        let no = call::no_answer(id);
-        let size = no.size();
-        self.state(peer).outbox.count_dropped();
-        self.queue(peer, Box::new(no), size);
+        if self
+            .state(peer)
+            .outbox
+            .refuse_answer(Box::new(call::no_answer(id)))
+        {
+            self.outboxed.push(peer);
+        }
     }
 
     /// Queues `msg` in `peer`'s outbox (room checked by the caller).
@@ -201,8 +204,8 @@ impl Hub {
 
     /// Answers a request received from a peer at once, on the hub's thread, as
     /// [`Hub::post`] sends: never waiting; queued in the peer's outbox if it cannot go now;
-    /// if that is full, dropped (counted in [`OutboxStats::dropped`]; the caller's call
-    /// times out) and the value handed back. From another thread, use
+    /// if that is full, dropped (counted in [`OutboxStats::dropped`]; the caller is told
+    /// "no answer" at once, [`Error::NoAnswer`]) and the value handed back. From another thread, use
     /// [`Responder::respond`].
     pub fn reply<T: Message + Send + 'static>(
         &mut self,

@@ -51,6 +51,13 @@ impl Hub {
                 if let Some(r) = retry {
                     left = Some(left.map_or(r, |l| l.min(r)));
                 }
+                // Closes that waited for those frames go now, not at their deadlines.
+                if !self.closing.is_empty() {
+                    self.finish_closes(now);
+                    if let Some(ev) = self.take_ready() {
+                        return Ok(Some(ev));
+                    }
+                }
             }
             // A close waiting for its peer ends at its deadline, event or not; so does a
             // message in reassembly whose sender stalled.

@@ -76,16 +76,26 @@ impl Closing {
     }
 
     /// The blocking close's steps before the transport's, each within the deadline, in the
-    /// order above. Only a failed connection is an error.
+    /// order above. Only a fatal error (a failed connection above all) ends them early; the
+    /// front end closes the transport all the same.
     pub(crate) fn wait(
         &self,
         send: &mut SendSide,
         io: &mut impl PeerIo,
         outbox: &mut Outbox,
     ) -> Result<Waited> {
-        let dropped = outbox.send_all_by(send, io, self.deadline)?;
+        // The outbox joins the committed messages: the flush sends them all in order.
+        let dropped = outbox.commit_all(send, io)?;
         self.flush(send, io)?;
-        let unread = send.wait_until_returned(io, self.deadline, self.record)?;
+        let unread = loop {
+            match send.wait_until_returned(io, self.deadline, self.record) {
+                Ok(unread) => break unread,
+                Err(e) if io.failed() || e.is_fatal() => return Err(e),
+                // One message's own error (counted where it happened): the wait goes on.
+                Err(_) if Instant::now() < self.deadline => {}
+                Err(_) => break send.lent(),
+            }
+        };
         self.flush(send, io)?;
         Ok(Waited { unread, dropped })
     }

@@ -49,6 +49,9 @@ pub(crate) trait PeerIo {
         segments: &[ReadSegment],
     ) -> rdmsg_transport::Result<ReadPost>;
 
+    /// Whether the connection failed (for good: nothing more goes over it).
+    fn failed(&self) -> bool;
+
     /// Waits at most `timeout` for anything to arrive and hands it to the receiving side
     /// (which reads what the peer lends us meanwhile, so that two peers each waiting for the
     /// other's acknowledgement both go on): how a send short of rendezvous room waits.
@@ -88,6 +91,10 @@ impl PeerIo for Connection {
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         Ok(Connection::max_message(self))
+    }
+
+    fn failed(&self) -> bool {
+        self.failure().is_some()
     }
 
     fn expose_all(
@@ -176,6 +183,10 @@ impl PeerIo for SessionPeerIo<'_> {
         PeerIo::max_message(self.conn)
     }
 
+    fn failed(&self) -> bool {
+        PeerIo::failed(self.conn)
+    }
+
     fn expose_all(
         &mut self,
         pieces: Vec<Bytes>,
@@ -254,6 +265,11 @@ impl PeerIo for HubPeerIo<'_> {
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         self.hub.max_message(self.peer)
+    }
+
+    fn failed(&self) -> bool {
+        // Failed, or its slot released: gone.
+        self.hub.failure(self.peer).is_some() || self.hub.credits(self.peer).is_err()
     }
 
     fn expose_all(

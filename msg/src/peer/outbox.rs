@@ -7,7 +7,6 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::time::Instant;
 
 use serde::Serialize;
 
@@ -84,10 +83,20 @@ impl OutboxStats {
     }
 }
 
+/// One message waiting.
+#[derive(Debug)]
+struct Entry {
+    msg: Box<dyn Outgoing>,
+    /// Its encoded length.
+    size: usize,
+    /// Counted dropped already (a "no answer" in a refused answer's place): not again.
+    counted: bool,
+}
+
 /// Messages waiting for one peer's credits, in order, within one bound.
 #[derive(Debug)]
 pub(crate) struct Outbox {
-    queue: VecDeque<(Box<dyn Outgoing>, usize)>,
+    queue: VecDeque<Entry>,
     max_bytes: usize,
     stats: OutboxStats,
     /// Something was refused: the front end is told once half the bound is free.
@@ -117,11 +126,23 @@ impl Outbox {
         self.queue.is_empty() || self.stats.bytes + size <= self.max_bytes
     }
 
-    /// Queues `msg` (room checked by the caller, or a "no answer" let past the bound);
-    /// whether the outbox was empty before.
+    /// Queues `msg` (room checked by the caller); whether the outbox was empty before.
     pub(crate) fn push(&mut self, msg: Box<dyn Outgoing>, size: usize) -> bool {
+        self.push_entry(msg, size, false)
+    }
+
+    /// An answer found no room: it is counted dropped, and `no_answer` ("no answer" to its
+    /// call, a few bytes) goes past the bound in its place, so that the caller learns at
+    /// once; whether the outbox was empty before.
+    pub(crate) fn refuse_answer(&mut self, no_answer: Box<dyn Outgoing>) -> bool {
+        self.stats.dropped += 1;
+        let size = no_answer.size();
+        self.push_entry(no_answer, size, true)
+    }
+
+    fn push_entry(&mut self, msg: Box<dyn Outgoing>, size: usize, counted: bool) -> bool {
         let was_empty = self.queue.is_empty();
-        self.queue.push_back((msg, size));
+        self.queue.push_back(Entry { msg, size, counted });
         let s = &mut self.stats;
         s.messages += 1;
         s.bytes += size;
@@ -136,11 +157,6 @@ impl Outbox {
         self.refused = true;
     }
 
-    /// A message is counted dropped (an answer refused, turned into "no answer").
-    pub(crate) fn count_dropped(&mut self) {
-        self.stats.dropped += 1;
-    }
-
     /// Whether the front end should now say there is room: something was refused and half
     /// the bound is free (said once per refusal).
     pub(crate) fn take_writable(&mut self) -> bool {
@@ -150,57 +166,62 @@ impl Outbox {
     }
 
     /// Sends, in order, what can go now without waiting: how many it dropped. A message
-    /// failing for a reason of its own (too large, not encodable) is dropped and counted; a
-    /// fatal error (the connection failed) stops it, the message kept, and is returned.
+    /// failing for a reason of its own (too large, not encodable, memory that cannot be
+    /// registered) is dropped and counted; a failed connection stops it, the message kept,
+    /// and its error is returned.
     pub(crate) fn send_ready(&mut self, send: &mut SendSide, io: &mut impl PeerIo) -> Result<u64> {
-        self.send_in_order(|m| {
-            m.with_encode(&mut |e, solicited| send.try_send_as(io, e, solicited))
+        self.send_in_order(send, io, |send, io, e, solicited| {
+            send.try_send_as(io, e, solicited)
         })
     }
 
-    /// Before a close: sends everything, in order, each waiting for room until `deadline`
-    /// (what is left when it passes stays, for the close to count); how many it dropped, as
-    /// [`Outbox::send_ready`].
-    pub(crate) fn send_all_by(
+    /// Before a close: commits everything, in order, without waiting (what cannot go now is
+    /// encoded and queued behind, as [`SendSide::commit_as`] does), so that the close's
+    /// drain sends it within its deadline and counts what found no room
+    /// ([`crate::Error::Unsent`]); how many it dropped, as [`Outbox::send_ready`].
+    pub(crate) fn commit_all(&mut self, send: &mut SendSide, io: &mut impl PeerIo) -> Result<u64> {
+        self.send_in_order(send, io, |send, io, e, solicited| {
+            send.commit_as(io, e, solicited).map(|()| true)
+        })
+    }
+
+    fn send_in_order<I: PeerIo>(
         &mut self,
         send: &mut SendSide,
-        io: &mut impl PeerIo,
-        deadline: Instant,
-    ) -> Result<u64> {
-        self.send_in_order(|m| {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let sent = m.with_encode(&mut |e, solicited| {
-                send.send_within(io, e, solicited, Some(left))
-                    .map(|()| true)
-            });
-            super::in_time(sent.map(|_| ()))
-        })
-    }
-
-    fn send_in_order(
-        &mut self,
-        mut send: impl FnMut(&dyn Outgoing) -> Result<bool>,
+        io: &mut I,
+        mut one: impl FnMut(&mut SendSide, &mut I, &dyn Encode, bool) -> Result<bool>,
     ) -> Result<u64> {
         let mut dropped = 0;
-        while let Some((msg, size)) = self.queue.front() {
-            match send(&**msg) {
+        let mut failed = None;
+        while let Some(entry) = self.queue.front() {
+            let sent = entry
+                .msg
+                .with_encode(&mut |e, solicited| one(send, io, e, solicited));
+            match sent {
                 Ok(true) => {}
                 Ok(false) => break,
-                Err(e) if e.is_fatal() => return Err(e),
-                Err(_) => dropped += 1,
+                Err(e) if io.failed() => {
+                    failed = Some(e);
+                    break;
+                }
+                // Not counted twice: a "no answer" in a refused answer's place was counted
+                // when it was queued.
+                Err(_) => dropped += u64::from(!entry.counted),
             }
             self.stats.messages -= 1;
-            self.stats.bytes -= size;
+            self.stats.bytes -= entry.size;
             self.queue.pop_front();
         }
         self.stats.dropped += dropped;
-        Ok(dropped)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(dropped),
+        }
     }
 
     /// Drops everything waiting (the peer failed, or a close ran out of time): how many.
     pub(crate) fn clear(&mut self) -> usize {
-        let n = self.queue.len();
-        self.queue.clear();
+        let n = self.queue.drain(..).filter(|e| !e.counted).count();
         self.stats.messages = 0;
         self.stats.bytes = 0;
         self.stats.dropped += n as u64;

@@ -448,10 +448,10 @@ impl SendSide {
     /// and queues it to go, in order, before anything sent later, as credits come (any
     /// later call that drives the link sends it). Only an error (too large, not encodable,
     /// the link failed) leaves it unsent, and nothing of it committed.
-    pub(crate) fn commit_as<M: Message>(
+    pub(crate) fn commit_as<E: Encode + ?Sized>(
         &mut self,
         link: &mut impl PeerIo,
-        m: &M,
+        m: &E,
         solicited: bool,
     ) -> Result<()> {
         if self.send_committed(link)? {
@@ -470,7 +470,7 @@ impl SendSide {
         }
         let (pieces, total) = self.encode_large(m)?;
         self.committed.push_back(Committed {
-            tag: M::TAG,
+            tag: m.tag(),
             pieces,
             total,
             solicited,

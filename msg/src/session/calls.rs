@@ -254,10 +254,7 @@ impl Session {
                 self.outbox.push(r.msg, size);
             } else {
                 call::lock(&self.calls).answer_dropped();
-                self.outbox.count_dropped();
-                let no = call::no_answer(r.id);
-                let size = no.size();
-                self.outbox.push(Box::new(no), size);
+                self.outbox.refuse_answer(Box::new(call::no_answer(r.id)));
             }
         }
     }

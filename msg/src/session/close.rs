@@ -61,8 +61,10 @@ impl Session {
         let delivery = self.sender.delivery(None);
         let unsent = self.sender.committed_waiting();
         let unconfirmed = self.sender.take_unconfirmed();
+        // The connection's close whatever came before (a failed one says so at once).
+        let closed = self.conn.close_by(closing.deadline());
         let result = waited.and_then(|w| {
-            self.conn.close_by(closing.deadline())?;
+            closed?;
             unread_error(w.unread)?;
             crate::error::unsent_error(unsent)
         });

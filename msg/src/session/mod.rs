@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use rdmsg_transport::Connection;
 
-use crate::call::{self, Call, CallOut, CallStats, Calls, Outgoing, Replies, Request, Responder};
+use crate::call::{self, Call, CallOut, CallStats, Calls, Replies, Request, Responder};
 use crate::codec::{Decoder, Envelope};
 use crate::error::unread_error;
 use crate::held::Held;
@@ -183,12 +183,7 @@ impl Session {
             }
             // The clock, read once per turn of this loop (each wait ends one), and only if a
             // deadline needs it.
-            let now =
-                (deadline.is_some() || self.sender.flush_deadline().is_some()).then(Instant::now);
-            let passed = matches!((deadline, now), (Some(d), Some(n)) if n >= d);
-            let left = deadline
-                .zip(now)
-                .map(|(d, n)| d.saturating_duration_since(n));
+            let (mut now, mut passed, mut left) = self.clock(deadline);
             if self.sender.queued_frames() > 0 || self.sender.flush_due() {
                 // Only if this would wait: what has arrived is taken first.
                 if let Some(env) = self.try_recv_inner()? {
@@ -217,6 +212,8 @@ impl Session {
                         continue;
                     }
                 }
+                // Those sends may have waited, and left a flush deadline of their own.
+                (now, passed, left) = self.clock(deadline);
             }
             let left = earliest(left, self.sender.flush_deadline(), now);
             if left == Some(Duration::ZERO) && passed {
@@ -251,6 +248,17 @@ impl Session {
             // Nothing came: the next turn reads the clock and judges the deadline.
             self.take_arrival(arrival)?;
         }
+    }
+
+    /// The time of a receive's turn, if `deadline` or a flush deadline needs it; whether
+    /// `deadline` has passed; how long is left until it.
+    fn clock(&self, deadline: Option<Instant>) -> (Option<Instant>, bool, Option<Duration>) {
+        let now = (deadline.is_some() || self.sender.flush_deadline().is_some()).then(Instant::now);
+        let passed = matches!((deadline, now), (Some(d), Some(n)) if n >= d);
+        let left = deadline
+            .zip(now)
+            .map(|(d, n)| d.saturating_duration_since(n));
+        (now, passed, left)
     }
 
     /// Takes in what a receive from the connection brought: whether anything came (a
