@@ -42,8 +42,10 @@ rdmsg::msg::message!(Tick, tag = "rdmsg.bench.Tick");
 /// `AsyncSession` gave 5,200 to 8,100 instructions per round trip in four runs (with nearly no
 /// completion wake-ups), and failed its ceiling on a slower machine; held 3 ms (or 10 ms), it
 /// gave 10,800 to 11,000, one wake-up per round trip. A receiver that sleeps is also the case
-/// this library is for. (At 10 ms the longer run outlives the idle offload worker, and the new
-/// thread started for the close shows as allocations.)
+/// this library is for. (rdmsg-tokio's offload pool keeps its last worker: before, a run
+/// longer than the 10 s a worker idles (at 10 ms, or a slow run at 3 ms: CI saw 0.047
+/// allocations per round trip once) started a new thread for the close, and its allocations
+/// counted against the round trips.)
 pub const REPLY_DELAY: Duration = Duration::from_millis(3);
 
 /// Payload bytes of the untyped subjects (`ibv_rc_pingpong -s 8`).

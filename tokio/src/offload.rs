@@ -5,7 +5,9 @@
 //! Not tokio's blocking pool: when all its threads are busy it creates one more on the
 //! caller's thread, which takes milliseconds too (and a dropped handle would wait for it).
 //! Here a runtime thread only queues the job and wakes a thread; a thread of the pool's own
-//! creates the workers, and workers idle for [`IDLE`] end.
+//! creates the workers, and workers idle for [`IDLE`] end, all but one: the close after a
+//! quiet spell (a session that only exchanged messages for a while) finds a thread waiting
+//! rather than starting one, which costs milliseconds and a few dozen allocations.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
@@ -79,7 +81,7 @@ impl Pool {
     }
 }
 
-/// A worker: runs jobs until none came for [`IDLE`].
+/// A worker: runs jobs until none came for [`IDLE`] (the last one stays).
 fn work() {
     let Some(pool) = pool() else { return };
     let mut state = pool.lock();
@@ -100,7 +102,7 @@ fn work() {
             .unwrap_or_else(|p| p.into_inner());
         state = next;
         state.idle -= 1;
-        if waited.timed_out() && state.jobs.is_empty() {
+        if waited.timed_out() && state.jobs.is_empty() && state.workers > 1 {
             state.workers -= 1;
             return;
         }
