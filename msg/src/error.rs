@@ -332,10 +332,6 @@ pub(crate) const WAIT_LENT: &str = "waiting for the peer to finish reading earli
     messages (SessionConfig::max_rendezvous_bytes bounds what it may be reading) or for a \
     credit (the peer is not taking its messages, or has gone)";
 
-/// What a send that must not wait found: no credit or send slot (never shown: it becomes
-/// `Ok(false)`).
-pub(crate) const WAIT_NONE: &str = "without waiting: no credit or free send slot";
-
 /// Why a body did not decode.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -29,22 +29,15 @@ impl Hub {
         };
         if empty {
             let mut went = false;
-            let sent = peer::in_time(
-                self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
-                    let before = s.next_seq();
-                    let sent = s.try_send_as(link, &m, solicited);
-                    went = s.next_seq() != before;
-                    sent
-                })
-                .and_then(|sent| {
-                    if sent {
-                        Ok(())
-                    } else {
-                        let none = crate::error::WAIT_NONE;
-                        Err(rdmsg_transport::Error::timeout("posting", none, Duration::ZERO).into())
-                    }
-                }),
-            );
+            let sent =
+                peer::went(
+                    self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
+                        let before = s.next_seq();
+                        let sent = s.try_send_as(link, &m, solicited);
+                        went = s.next_seq() != before;
+                        sent
+                    }),
+                );
             match sent {
                 Ok(true) => return Ok(Posted::Sent),
                 Ok(false) => {}
@@ -69,8 +62,7 @@ impl Hub {
 
     /// Whether `peer`'s outbox is empty; `None` for a peer gone (failed).
     pub(super) fn outbox_empty(&mut self, peer: PeerId) -> Option<bool> {
-        // Failed, or its slot released (`Disconnected` handed out): gone.
-        if self.transport.failure(peer).is_some() || self.transport.credits(peer).is_err() {
+        if peer::hub_peer_gone(&self.transport, peer) {
             return None;
         }
         Some(self.peers.get(peer).map_or(true, |s| s.outbox.is_empty()))

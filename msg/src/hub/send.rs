@@ -82,17 +82,9 @@ impl Hub {
         m: &M,
         solicited: bool,
     ) -> Result<bool> {
-        peer::in_time(
+        peer::went(
             self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
                 s.try_send_as(link, m, solicited)
-            })
-            .and_then(|sent| {
-                if sent {
-                    Ok(())
-                } else {
-                    let none = crate::error::WAIT_NONE;
-                    Err(rdmsg_transport::Error::timeout("sending", none, Duration::ZERO).into())
-                }
             }),
         )
     }

@@ -232,6 +232,20 @@ pub(crate) fn in_time(sent: Result<()>) -> Result<bool> {
     }
 }
 
+/// A non-blocking send's outcome with a timeout read as "not sent": `Ok(false)`.
+pub(crate) fn went(sent: Result<bool>) -> Result<bool> {
+    match sent {
+        Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
+        other => other,
+    }
+}
+
+/// Whether a hub's `peer` is gone: failed, or its slot released (its `Disconnected` handed
+/// out).
+pub(crate) fn hub_peer_gone(hub: &rdmsg_transport::RawHub, peer: PeerId) -> bool {
+    hub.failure(peer).is_some() || hub.credits(peer).is_err()
+}
+
 /// One peer of a transport hub, as a [`PeerIo`].
 #[derive(Debug)]
 pub(crate) struct HubPeerIo<'a> {
@@ -268,8 +282,7 @@ impl PeerIo for HubPeerIo<'_> {
     }
 
     fn failed(&self) -> bool {
-        // Failed, or its slot released: gone.
-        self.hub.failure(self.peer).is_some() || self.hub.credits(self.peer).is_err()
+        hub_peer_gone(self.hub, self.peer)
     }
 
     fn expose_all(
