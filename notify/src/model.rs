@@ -18,7 +18,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::Instant;
 
 use crate::source::{ArmMode, CompletionSource, EventChannel, EventTarget, Readiness};
 use crate::Result;
@@ -325,7 +325,7 @@ impl EventChannel<ModelCq> for ModelChannel {
     /// Does not sleep: delivers what is scheduled for this instant and reports whether an event
     /// is pending. When it is not, the caller would block: the model then checks that nothing
     /// that should wake it is stranded.
-    fn wait_readable(&mut self, _timeout: Option<Duration>) -> Result<Readiness> {
+    fn wait_readable(&mut self, _deadline: Option<Instant>, _now: Instant) -> Result<Readiness> {
         let mut s = self.state.borrow_mut();
         s.tick();
         if !s.events.is_empty() {

@@ -2,7 +2,7 @@
 //! verbs-core's types and for the deterministic [`crate::model`].
 
 use std::os::fd::AsFd;
-use std::time::Duration;
+use std::time::Instant;
 
 use rdmsg_verbs::{CompletionChannel, CompletionQueue, WorkCompletion};
 
@@ -56,8 +56,9 @@ pub trait EventChannel<Q: CompletionSource> {
     /// Reads the next pending event without blocking; `Ok(None)` when the channel is drained.
     fn next_event(&mut self, cqs: &[Q]) -> Result<Option<EventTarget>>;
     /// Blocks until an event may be pending, something else the implementation watches is
-    /// ready, or `timeout` passes.
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> Result<Readiness>;
+    /// ready, or `deadline` passes (`None`: never). `now` is the caller's time, read before it
+    /// began to wait: the sleep is `deadline - now` long and reads no clock of its own.
+    fn wait_readable(&mut self, deadline: Option<Instant>, now: Instant) -> Result<Readiness>;
 }
 
 impl CompletionSource for CompletionQueue {
@@ -85,11 +86,13 @@ impl EventChannel<CompletionQueue> for CompletionChannel {
         }))
     }
 
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> Result<Readiness> {
-        Ok(if rdmsg_verbs::wait_readable(self.as_fd(), timeout)? {
-            Readiness::Events
-        } else {
-            Readiness::TimedOut
-        })
+    fn wait_readable(&mut self, deadline: Option<Instant>, now: Instant) -> Result<Readiness> {
+        Ok(
+            if rdmsg_verbs::wait_readable_until(self.as_fd(), deadline, now)? {
+                Readiness::Events
+            } else {
+                Readiness::TimedOut
+            },
+        )
     }
 }

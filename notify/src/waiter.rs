@@ -140,6 +140,8 @@ pub struct Waiter<Q: CompletionSource, C: EventChannel<Q>> {
     scratch: Vec<Q::Completion>,
     stats: Stats,
     gaps: Gaps,
+    /// The clock as read when the last wait's last sleep ended (`None`: it did not sleep).
+    woke: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -162,6 +164,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
             scratch: (0..POLL_BATCH).map(|_| Q::Completion::default()).collect(),
             stats: Stats::default(),
             gaps: Gaps::default(),
+            woke: None,
         }
     }
 
@@ -351,8 +354,41 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         timeout: Option<Duration>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        // What is already queued needs no syscall, and no clock read: the deadline is taken
-        // only once there is something to wait for.
+        // What is already queued needs no syscall, and no clock read: the time is taken only
+        // once there is something to wait for.
+        self.wait_from(
+            || {
+                let now = Instant::now();
+                (timeout.map(|t| rdmsg_verbs::deadline_after(now, t)), now)
+            },
+            f,
+        )
+    }
+
+    /// Like [`Waiter::wait`], until `deadline` (`None`: forever), with `now` the caller's time
+    /// (read at the start of its turn): a sleeping wait then reads the clock once, when it
+    /// wakes ([`Waiter::woke_at`]), where [`Waiter::wait`] reads it before it sleeps too.
+    pub fn wait_until(
+        &mut self,
+        deadline: Option<Instant>,
+        now: Instant,
+        f: &mut dyn FnMut(CqKey, &Q::Completion),
+    ) -> Result<usize> {
+        self.wait_from(|| (deadline, now), f)
+    }
+
+    /// The clock as read when the last wait's sleep ended; `None` if that wait did not sleep.
+    /// The time a caller's next turn begins at, without reading the clock again.
+    pub fn woke_at(&self) -> Option<Instant> {
+        self.woke
+    }
+
+    fn wait_from(
+        &mut self,
+        start: impl FnOnce() -> (Option<Instant>, Instant),
+        f: &mut dyn FnMut(CqKey, &Q::Completion),
+    ) -> Result<usize> {
+        self.woke = None;
         let n = self.poll_all(f)?;
         if n > 0 {
             if matches!(self.policy, Policy::Adaptive { .. }) {
@@ -360,7 +396,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
             }
             return Ok(n);
         }
-        let deadline = timeout.map(|t| rdmsg_verbs::deadline_after(Instant::now(), t));
+        let (deadline, now) = start();
         let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
         match self.policy {
             Policy::Poll => {
@@ -381,31 +417,32 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 spin,
                 max_empty_polls,
             } => {
-                if let Some(n) = self.spin(spin, max_empty_polls, deadline, f)? {
+                if let Some(n) = self.spin(spin, max_empty_polls, now, deadline, f)? {
                     return Ok(n);
                 }
-                self.sleep_until(deadline, f)
+                self.sleep_until(deadline, Instant::now(), f)
             }
             Policy::Adaptive { max_spin } => {
                 let spin = self.gaps.spin_now(max_spin);
-                if !spin.is_zero() {
-                    let started = Instant::now();
-                    let caught = self.spin(spin, u32::MAX, deadline, f)?;
-                    let spun = started.elapsed();
-                    match caught {
-                        Some(_) => self.gaps.record(spun),
-                        // Fruitless only if it had its whole budget: one the caller's
-                        // deadline cut short says nothing of the next message.
-                        None if spun >= spin => self.gaps.record(Duration::MAX),
-                        None => {}
-                    }
-                    if let Some(n) = caught {
-                        return Ok(n);
-                    }
+                if spin.is_zero() {
+                    return self.sleep_until(deadline, now, f);
                 }
-                self.sleep_until(deadline, f)
+                let caught = self.spin(spin, u32::MAX, now, deadline, f)?;
+                let spun_until = Instant::now();
+                let spun = spun_until.saturating_duration_since(now);
+                match caught {
+                    Some(_) => self.gaps.record(spun),
+                    // Fruitless only if it had its whole budget: one the caller's deadline
+                    // cut short says nothing of the next message.
+                    None if spun >= spin => self.gaps.record(Duration::MAX),
+                    None => {}
+                }
+                match caught {
+                    Some(n) => Ok(n),
+                    None => self.sleep_until(deadline, spun_until, f),
+                }
             }
-            Policy::Sleep => self.sleep_until(deadline, f),
+            Policy::Sleep => self.sleep_until(deadline, now, f),
         }
     }
 
@@ -417,17 +454,18 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         }
     }
 
-    /// Polls for up to `spin` or `max_polls` polls (the first already done by the caller),
-    /// whichever ends first, or until `deadline`; what it delivered, if anything.
+    /// Polls for up to `spin` from `now` or `max_polls` polls (the first already done by the
+    /// caller), whichever ends first, or until `deadline`; what it delivered, if anything.
     fn spin(
         &mut self,
         spin: Duration,
         max_polls: u32,
+        now: Instant,
         deadline: Option<Instant>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<Option<usize>> {
         self.stats.spins += 1;
-        let spin_until = rdmsg_verbs::deadline_after(Instant::now(), spin);
+        let spin_until = rdmsg_verbs::deadline_after(now, spin);
         for i in 2..=max_polls.max(1) {
             if i % CLOCK_EVERY == 0 {
                 let now = Instant::now();
@@ -445,9 +483,12 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         Ok(None)
     }
 
+    /// Sleeps until a completion is delivered or `deadline` passes, `now` being the time
+    /// before the first sleep: the clock is read once per sleep, when it ends.
     fn sleep_until(
         &mut self,
         deadline: Option<Instant>,
+        mut now: Instant,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
         loop {
@@ -466,10 +507,11 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
             if n > 0 {
                 return Ok(n);
             }
-            let slept = Instant::now();
-            let timeout = deadline.map(|d| d.saturating_duration_since(slept));
-            let readiness = self.channel.wait_readable(timeout)?;
-            self.stats.time_asleep += slept.elapsed();
+            let readiness = self.channel.wait_readable(deadline, now)?;
+            let woke = Instant::now();
+            self.stats.time_asleep += woke.saturating_duration_since(now);
+            self.woke = Some(woke);
+            now = woke;
             match readiness {
                 Readiness::TimedOut => return Ok(0),
                 Readiness::Other => {
@@ -490,7 +532,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 return Ok(n);
             }
             self.stats.spurious_wakeups += 1;
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            if deadline.is_some_and(|d| now >= d) {
                 return Ok(0);
             }
         }

@@ -138,7 +138,12 @@ fn flush_under_a_waiter(mode: ArmMode, within: Duration) -> bool {
     // Arms the queue (nothing is queued yet).
     assert_eq!(waiter.step(&mut |_, _| {}).unwrap(), 0);
     b.to_error().unwrap();
-    let fired = waiter.channel_mut().wait_readable(Some(within)).unwrap() == Readiness::Events;
+    let now = std::time::Instant::now();
+    let fired = waiter
+        .channel_mut()
+        .wait_readable(Some(now + within), now)
+        .unwrap()
+        == Readiness::Events;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut flushed = 0;
     while flushed < DEPTH {

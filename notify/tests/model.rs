@@ -1,7 +1,7 @@
 //! The model obeys every clause of the verbs notification semantics, and the waiter, driven
 //! against it, never strands a completion.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use rdmsg_notify::model::{Model, ModelArrival, ModelChannel, ModelCompletion, ModelCq};
@@ -164,6 +164,30 @@ fn solicited_only_receiver_sleeps_through_unsolicited_messages() {
 }
 
 #[test]
+fn a_sleep_reads_the_clock_when_it_ends_and_a_wait_that_polled_reads_none() {
+    let m = Model::new();
+    let mut w = waiter(&m, &[ArmMode::SolicitedOnly], Policy::Sleep);
+    let mut got = Vec::new();
+    m.arrive(ModelArrival::recv(0, false));
+    let now = Instant::now();
+    assert_eq!(
+        w.wait_until(Some(now), now, &mut |_, c| got.push(*c))
+            .unwrap(),
+        1
+    );
+    assert_eq!(w.woke_at(), None, "found by the first poll: no sleep");
+    m.schedule(m.now() + DURING_FIRST_SLEEP, ModelArrival::recv(0, true));
+    assert_eq!(
+        w.wait_until(Some(now), now, &mut |_, c| got.push(*c))
+            .unwrap(),
+        1
+    );
+    assert!(w.woke_at().is_some_and(|t| t >= now), "slept, then read it");
+    assert_eq!(w.stats().wakeups, 1);
+    assert!(m.violations().is_empty(), "{:?}", m.violations());
+}
+
+#[test]
 fn solicited_message_wakes_and_everything_before_it_is_drained_in_order() {
     let m = Model::new();
     let mut w = waiter(&m, &[ArmMode::SolicitedOnly], Policy::Sleep);
@@ -283,7 +307,10 @@ fn the_model_catches_poll_then_arm() {
     assert_eq!(cq.poll(&mut scratch).unwrap(), 0);
     m.arrive(ModelArrival::recv(0, true));
     cq.arm(ArmMode::SolicitedOnly).unwrap();
-    assert_eq!(ch.wait_readable(None).unwrap(), Readiness::TimedOut);
+    assert_eq!(
+        ch.wait_readable(None, std::time::Instant::now()).unwrap(),
+        Readiness::TimedOut
+    );
     assert_eq!(m.violations().len(), 1, "{:?}", m.violations());
 }
 

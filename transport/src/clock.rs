@@ -24,6 +24,13 @@ impl TurnClock {
         self.0.set(None);
     }
 
+    /// A new turn begins at `now`, a time the caller read (a wait's wake-up): the turn reads
+    /// no clock.
+    #[inline]
+    pub(crate) fn new_turn_at(&self, now: Instant) {
+        self.0.set(Some(now));
+    }
+
     /// This turn's time: the clock, read by the first step of the turn that asks.
     #[inline]
     pub(crate) fn now(&self) -> Instant {

@@ -146,7 +146,17 @@ pub fn wait_readable(
     fd: std::os::fd::BorrowedFd<'_>,
     timeout: Option<std::time::Duration>,
 ) -> Result<bool> {
-    Ok(wait_any_readable(&[fd], timeout)?.is_some())
+    Ok(poll_readable(&mut [pollin(fd)], WaitTimeout::new(timeout))?.is_some())
+}
+
+/// Like [`wait_readable`], until `deadline` (`None`: forever) counted from `now`, the caller's
+/// time: the wait reads no clock (only a wait a signal interrupted does, to resume).
+pub fn wait_readable_until(
+    fd: std::os::fd::BorrowedFd<'_>,
+    deadline: Option<std::time::Instant>,
+    now: std::time::Instant,
+) -> Result<bool> {
+    Ok(poll_readable(&mut [pollin(fd)], WaitTimeout::until(deadline, now))?.is_some())
 }
 
 /// Waits until one of `fds` is readable (or hung up) or `timeout` passes (`None`: forever).
@@ -156,21 +166,28 @@ pub fn wait_any_readable(
     fds: &[std::os::fd::BorrowedFd<'_>],
     timeout: Option<std::time::Duration>,
 ) -> Result<Option<usize>> {
-    use std::os::fd::AsRawFd;
-    let mut wait = WaitTimeout::new(timeout);
     // A few descriptors, on the stack: a sleep allocates nothing.
-    let mut pfds: smallvec::SmallVec<[libc::pollfd; 8]> = fds
-        .iter()
-        .map(|fd| libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
+    let mut pfds: smallvec::SmallVec<[libc::pollfd; 8]> =
+        fds.iter().map(|&fd| pollin(fd)).collect();
+    poll_readable(&mut pfds, WaitTimeout::new(timeout))
+}
+
+/// A `pollfd` waiting for `fd` to be readable.
+fn pollin(fd: std::os::fd::BorrowedFd<'_>) -> libc::pollfd {
+    use std::os::fd::AsRawFd;
+    libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+/// `poll(2)` on `pfds` (descriptors the caller's borrows keep open), resumed after a signal:
+/// the index of the first readable one, `None` on timeout.
+fn poll_readable(pfds: &mut [libc::pollfd], mut wait: WaitTimeout) -> Result<Option<usize>> {
     loop {
         let ms = wait.next_ms();
-        // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds; the descriptors are kept
-        // open by the borrows in `fds`.
+        // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds, kept open by the caller.
         let ret = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
         if ret < 0 {
             let err = std::io::Error::last_os_error();
@@ -179,7 +196,7 @@ pub fn wait_any_readable(
             }
             return Err(Error::WaitFd {
                 call: "poll",
-                fd: fds.first().map_or(-1, |fd| fd.as_raw_fd()),
+                fd: pfds.first().map_or(-1, |p| p.fd),
                 source: err,
             });
         }
@@ -226,6 +243,16 @@ impl WaitTimeout {
             deadline: timeout
                 .filter(|t| !t.is_zero())
                 .map(|t| deadline_after(std::time::Instant::now(), t)),
+            first: true,
+        }
+    }
+
+    /// A wait until `deadline` (`None`: forever), `now` being the caller's time: the first
+    /// call's timeout is counted from it, so that no clock is read unless a signal interrupts.
+    pub(crate) fn until(deadline: Option<std::time::Instant>, now: std::time::Instant) -> Self {
+        Self {
+            timeout: deadline.map(|d| d.saturating_duration_since(now)),
+            deadline,
             first: true,
         }
     }
@@ -376,5 +403,42 @@ mod tests {
         let mut bounded = WaitTimeout::new(Some(Duration::from_millis(1500)));
         assert_eq!(bounded.next_ms(), 1500);
         assert!((1..=1500).contains(&bounded.next_ms()));
+    }
+
+    #[test]
+    fn a_wait_until_counts_from_the_callers_time_and_resumes_from_the_clock() {
+        let now = std::time::Instant::now();
+        // The first wait is the deadline less the caller's time, whatever the clock says.
+        let mut until = WaitTimeout::until(Some(now + Duration::from_millis(1500)), now);
+        assert_eq!(until.next_ms(), 1500);
+        assert!(
+            (1..=1500).contains(&until.next_ms()),
+            "resumed: what is left"
+        );
+        let mut past = WaitTimeout::until(Some(now), now + Duration::from_secs(1));
+        assert_eq!(
+            (past.next_ms(), past.next_ms()),
+            (0, 0),
+            "a deadline passed looks"
+        );
+        let mut forever = WaitTimeout::until(None, now);
+        assert_eq!((forever.next_ms(), forever.next_ms()), (-1, -1));
+    }
+
+    #[test]
+    fn wait_readable_until_sees_a_readable_descriptor_and_times_out_at_the_deadline() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let (mut tx, rx) = std::os::unix::net::UnixStream::pair().unwrap();
+        let now = std::time::Instant::now();
+        let deadline = now + Duration::from_millis(30);
+        assert!(!wait_readable_until(rx.as_fd(), Some(deadline), now).unwrap());
+        assert!(
+            std::time::Instant::now() >= deadline,
+            "a wait never ends early"
+        );
+        tx.write_all(b"x").unwrap();
+        let now = std::time::Instant::now();
+        assert!(wait_readable_until(rx.as_fd(), None, now).unwrap());
     }
 }

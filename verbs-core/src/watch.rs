@@ -3,7 +3,7 @@
 //! on every sleep, which under emulation costs as much as a tenth of a round trip.
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
 
@@ -99,8 +99,18 @@ impl ReadyWatch {
     /// Returns the set of ready tokens as a bit mask (bit `t` for token `t`); 0 on timeout.
     /// Interrupted waits are resumed with the remaining time.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<u64> {
+        self.wait_mask(crate::WaitTimeout::new(timeout))
+    }
+
+    /// Like [`ReadyWatch::wait`], until `deadline` (`None`: forever) counted from `now`, the
+    /// caller's time: the wait reads no clock (only one a signal interrupted does, to resume).
+    pub fn wait_until(&self, deadline: Option<Instant>, now: Instant) -> Result<u64> {
+        self.wait_mask(crate::WaitTimeout::until(deadline, now))
+    }
+
+    fn wait_mask(&self, wait: crate::WaitTimeout) -> Result<u64> {
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
-        let n = self.wait_raw(timeout, &mut events)?;
+        let n = self.wait_raw(wait, &mut events)?;
         Ok(events[..n]
             .iter()
             .fold(0u64, |mask, ev| mask | (1u64 << (ev.u64 & 63))))
@@ -111,20 +121,34 @@ impl ReadyWatch {
     /// many. A zero `timeout` only looks. Level-triggered: a descriptor left readable is
     /// reported again by the next call.
     pub fn wait_keys(&self, timeout: Option<Duration>, ready: &mut Vec<u64>) -> Result<usize> {
+        self.keys(crate::WaitTimeout::new(timeout), ready)
+    }
+
+    /// Like [`ReadyWatch::wait_keys`], until `deadline` (`None`: forever) counted from `now`,
+    /// the caller's time: the wait reads no clock (only one a signal interrupted does).
+    pub fn wait_keys_until(
+        &self,
+        deadline: Option<Instant>,
+        now: Instant,
+        ready: &mut Vec<u64>,
+    ) -> Result<usize> {
+        self.keys(crate::WaitTimeout::until(deadline, now), ready)
+    }
+
+    fn keys(&self, wait: crate::WaitTimeout, ready: &mut Vec<u64>) -> Result<usize> {
         // Small: most waits find one or two descriptors ready, and those left over are
         // reported by the next call (level-triggered).
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
-        let n = self.wait_raw(timeout, &mut events)?;
+        let n = self.wait_raw(wait, &mut events)?;
         ready.extend(events[..n].iter().map(|ev| ev.u64));
         Ok(n)
     }
 
     fn wait_raw(
         &self,
-        timeout: Option<Duration>,
+        mut wait: crate::WaitTimeout,
         events: &mut [libc::epoll_event],
     ) -> Result<usize> {
-        let mut wait = crate::WaitTimeout::new(timeout);
         loop {
             let ms = wait.next_ms();
             // SAFETY: `events` is a valid array of `events.len()` epoll_events the kernel may

@@ -17,8 +17,15 @@ impl Hub {
     /// The next event, waiting at most `timeout` (`None`: as long as it takes); `Ok(None)` if
     /// nothing happened in time.
     pub fn recv_timeout(&mut self, timeout: Option<Duration>) -> Result<Option<HubEvent>> {
+        // The clock is read once per turn of the loop below (each wait ends one): by the first
+        // turn that needs it, then by the hub when its wait ends (`turn`).
+        let mut turn = None;
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let deadline = timeout.and_then(|t| {
+            let now = Instant::now();
+            turn = Some(now);
+            now.checked_add(t)
+        });
         if let Some(ev) = self.take_held() {
             return Ok(Some(ev));
         }
@@ -29,8 +36,7 @@ impl Hub {
             if self.waiting_call && std::mem::take(&mut self.answered) {
                 return Ok(None);
             }
-            // The clock, read once per turn of this loop (each wait ends one).
-            let now = Instant::now();
+            let now = turn.take().unwrap_or_else(Instant::now);
             self.advance_reads(now);
             self.drain_outboxes_at(now);
             if let Some(ev) = self.take_ready() {
@@ -75,7 +81,8 @@ impl Hub {
                 Some(raw) => Some(raw),
                 None if left == Some(Duration::ZERO) => None,
                 None => {
-                    self.transport.wait(left)?;
+                    self.transport.wait_from(now, left)?;
+                    turn = Some(self.transport.turn_now());
                     self.transport.queued_event()
                 }
             };

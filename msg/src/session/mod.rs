@@ -410,13 +410,15 @@ impl Session {
     /// [`SessionConfig::max_unsolicited_delay`] runs out.
     pub fn next_timeout(&self) -> Option<Duration> {
         // A flush already due but stuck (no send slot) is retried a millisecond on, not in a
-        // spin.
-        let now = Instant::now();
-        let flush = self
-            .sender
-            .flush_deadline()
-            .map(|d| d.max(now + Duration::from_millis(1)));
-        earliest(self.conn.next_timeout(), flush, Some(now))
+        // spin. The clock is read only for a flush waiting.
+        let flush = self.sender.flush_deadline().map(|d| {
+            d.saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        });
+        match (self.conn.next_timeout(), flush) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Whether a message (or a frame to take) is there for [`Session::try_recv`] without

@@ -2,7 +2,7 @@
 //! one epoll set.
 
 use std::os::fd::AsFd;
-use std::time::Duration;
+use std::time::Instant;
 
 use rdmsg_notify::{EventChannel, EventTarget, Readiness};
 use rdmsg_verbs::{CompletionChannel, CompletionQueue, ReadyWatch};
@@ -66,8 +66,12 @@ impl EventChannel<CompletionQueue> for ConnChannel {
         self.channel.next_event(cqs)
     }
 
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> rdmsg_notify::Result<Readiness> {
-        let ready = self.watch.wait(timeout)?;
+    fn wait_readable(
+        &mut self,
+        deadline: Option<Instant>,
+        now: Instant,
+    ) -> rdmsg_notify::Result<Readiness> {
+        let ready = self.watch.wait_until(deadline, now)?;
         if Token::Async.in_mask(ready) {
             // Exclusive: of the connections asleep on the device's async events, this one was
             // woken, and it may be the only one. Route them now, whatever else woke us: each

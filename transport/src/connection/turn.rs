@@ -127,8 +127,11 @@ impl Connection {
         let waited = self
             .waiter
             .wait(timeout, &mut |key, wc| got.push((key, wc.clone())));
-        // Awake: a new turn.
-        self.clock.new_turn();
+        // Awake: a new turn, at the time the sleep ended if it slept.
+        match self.waiter.woke_at() {
+            Some(woke) => self.clock.new_turn_at(woke),
+            None => self.clock.new_turn(),
+        }
         Ok(waited?)
     }
 

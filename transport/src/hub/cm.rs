@@ -78,6 +78,8 @@ impl RawHub {
         let dst = socket_addr(&addr)?;
         let timeout = self.config.conn.handshake_timeout;
         let most = (self.config.conn.max_pending_handshakes as usize / 4).max(1);
+        // A call from the application begins a turn: the waits below count from it.
+        self.clock.new_turn();
         while self.outgoing_handshakes() >= most {
             self.wait_for_progress(Some(timeout), false)?;
         }

@@ -291,6 +291,8 @@ impl RawHub {
         self.check_fatal()?;
         let timeout = self.config.conn.handshake_timeout;
         let most = (self.config.conn.max_pending_handshakes as usize / 4).max(1);
+        // A call from the application begins a turn: the waits below count from it.
+        self.clock.new_turn();
         while self.outgoing_handshakes() >= most {
             self.wait_for_progress(Some(timeout), false)?;
         }
@@ -363,11 +365,26 @@ impl RawHub {
     /// too (a grant, a send completion, a [`Waker`]). Events it produced are queued for
     /// [`RawHub::try_event`]; returns how many are queued.
     pub fn wait(&mut self, timeout: Option<Duration>) -> Result<usize> {
+        self.clock.new_turn();
+        self.wait_from(self.clock.now(), timeout)
+    }
+
+    /// [`RawHub::wait`] with the caller's time: `timeout` counts from `now`, which begins the
+    /// hub's turn, so that a caller that read the clock for its own turn spares the hub reading
+    /// it again. After it, [`RawHub::turn_now`] is the time the hub woke.
+    pub fn wait_from(&mut self, now: Instant, timeout: Option<Duration>) -> Result<usize> {
+        self.clock.new_turn_at(now);
         self.check_fatal()?;
         if self.events.is_empty() {
             self.wait_for_progress(timeout, false)?;
         }
         Ok(self.events.len())
+    }
+
+    /// The time of the hub's current turn: as read when its last wait woke (or its last call
+    /// began), read now only if no step of the turn needed it yet.
+    pub fn turn_now(&self) -> Instant {
+        self.clock.now()
     }
 
     /// An event already queued, without stepping the hub.
@@ -452,17 +469,23 @@ impl RawHub {
     /// Longest an event loop may wait on [`AsFd`] before calling [`RawHub::step`]: the nearest
     /// deadline (a handshake's, a close's, a peer's after its goodbye), or the health check.
     pub fn next_timeout(&self) -> Option<Duration> {
-        // The nearest entry may be stale (its deadline moved or went): then the hub wakes
-        // early once, and `fire_deadlines` drops it.
-        let nearest = match (self.timers.peek(), self.liveness.deadline()) {
+        // Asked between turns: however long ago the last one was, the answer is from now.
+        self.clock.new_turn();
+        let now = self.clock.now();
+        let nearest = self
+            .nearest_deadline()
+            .map(|at| at.saturating_duration_since(now));
+        earliest(nearest, self.config.conn.health_check)
+    }
+
+    /// The nearest timer or liveness deadline. It may be stale (its deadline moved or went):
+    /// then the hub wakes early once, and `fire_deadlines` drops it.
+    pub(super) fn nearest_deadline(&self) -> Option<Instant> {
+        match (self.timers.peek(), self.liveness.deadline()) {
             (Some(Reverse((at, _))), Some(l)) => Some((*at).min(l)),
             (Some(Reverse((at, _))), None) => Some(*at),
             (None, l) => l,
-        };
-        // Asked between turns: however long ago the last one was, the answer is from now.
-        self.clock.new_turn();
-        let nearest = nearest.map(|at| at.saturating_duration_since(self.clock.now()));
-        earliest(nearest, self.config.conn.health_check)
+        }
     }
 
     /// Sends `data` to `peer`, solicited (waking a receiver asleep solicited-only) or not.

@@ -4,9 +4,10 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use rdmsg_notify::{ArmMode, EventChannel, EventTarget, Readiness};
-use rdmsg_verbs::{CompletionChannel, CompletionQueue, ReadyWatch};
+use rdmsg_verbs::{deadline_after, CompletionChannel, CompletionQueue, ReadyWatch};
 
 use super::RawHub;
+use crate::core::earliest;
 use crate::error::Result;
 use crate::token::Token;
 
@@ -44,9 +45,13 @@ impl EventChannel<CompletionQueue> for HubChannel {
         self.channel.next_event(cqs)
     }
 
-    fn wait_readable(&mut self, timeout: Option<Duration>) -> rdmsg_notify::Result<Readiness> {
+    fn wait_readable(
+        &mut self,
+        deadline: Option<Instant>,
+        now: Instant,
+    ) -> rdmsg_notify::Result<Readiness> {
         let before = self.ready.len();
-        if self.watch.wait_keys(timeout, &mut self.ready)? == 0 {
+        if self.watch.wait_keys_until(deadline, now, &mut self.ready)? == 0 {
             return Ok(Readiness::TimedOut);
         }
         let channel_key = Token::Channel.key();
@@ -75,8 +80,9 @@ impl RawHub {
         self.clock.now()
     }
 
-    /// Sleeps until something happens (at most `timeout`, and the nearest deadline), then
-    /// handles it. A `blocked` sender must hear of any grant and any send completion.
+    /// Sleeps until something happens (at most `timeout` from this turn's time, and the
+    /// nearest deadline), then handles it. A `blocked` sender must hear of any grant and any
+    /// send completion.
     pub(super) fn wait_for_progress(
         &mut self,
         timeout: Option<Duration>,
@@ -89,13 +95,24 @@ impl RawHub {
             return Ok(());
         }
         self.arm(blocked)?;
-        let limit = [self.next_timeout(), timeout].into_iter().flatten().min();
+        // Counted from this turn's time (the call that began it, or the last wake-up): the
+        // sleep itself reads the clock only when it ends.
+        let now = self.clock.now();
+        let after =
+            earliest(timeout, self.config.conn.health_check).map(|t| deadline_after(now, t));
+        let limit = match (self.nearest_deadline(), after) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let mut got = std::mem::take(&mut self.completions);
         let res = self
             .waiter
-            .wait(limit, &mut |key, wc| got.push((key, wc.clone())));
-        // Awake: a new turn.
-        self.clock.new_turn();
+            .wait_until(limit, now, &mut |key, wc| got.push((key, wc.clone())));
+        // Awake: a new turn, at the time the sleep ended if it slept.
+        match self.waiter.woke_at() {
+            Some(woke) => self.clock.new_turn_at(woke),
+            None => self.clock.new_turn(),
+        }
         self.pool.awake(!matches!(res, Ok(n) if n > 0));
         self.completions = got;
         self.handle_completions();
