@@ -31,6 +31,12 @@ impl TurnClock {
         self.0.set(Some(now));
     }
 
+    /// This turn's time if a step of it has read the clock already.
+    #[inline]
+    pub(crate) fn read(&self) -> Option<Instant> {
+        self.0.get()
+    }
+
     /// This turn's time: the clock, read by the first step of the turn that asks.
     #[inline]
     pub(crate) fn now(&self) -> Instant {

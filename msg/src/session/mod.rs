@@ -175,7 +175,15 @@ impl Session {
 
     fn recv_inner(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
         // A timeout too long to add to the clock is no deadline at all.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        // The first turn's time is the one read for the deadline; a later turn's, the
+        // connection's when its wait woke.
+        let mut first = None;
+        let deadline = timeout.and_then(|t| {
+            let now = Instant::now();
+            first = Some(now);
+            now.checked_add(t)
+        });
+        let mut woke = false;
         loop {
             // An answer came: a call's wait looks whether it is its own.
             if self.waiting_call && std::mem::take(&mut self.answered) {
@@ -183,7 +191,8 @@ impl Session {
             }
             // The clock, read once per turn of this loop (each wait ends one), and only if a
             // deadline needs it.
-            let (mut now, mut passed, mut left) = self.clock(deadline);
+            let (mut now, mut passed, left) =
+                self.clock(deadline, first.take(), std::mem::take(&mut woke));
             if self.sender.queued_frames() > 0 || self.sender.flush_due() {
                 // Only if this would wait: what has arrived is taken first.
                 if let Some(env) = self.try_recv_inner()? {
@@ -213,10 +222,9 @@ impl Session {
                     }
                 }
                 // Those sends may have waited, and left a flush deadline of their own.
-                (now, passed, left) = self.clock(deadline);
+                (now, passed, _) = self.clock(deadline, None, false);
             }
-            let left = earliest(left, self.sender.flush_deadline(), now);
-            if left == Some(Duration::ZERO) && passed {
+            if passed {
                 return Ok(None);
             }
             if let Some(r) = self.next_received() {
@@ -240,20 +248,42 @@ impl Session {
             }
             // Answers given meanwhile, or a credit for those waiting, end the wait.
             let (replies, unsent) = (&self.replies, !self.outbox.is_empty());
+            let interrupted = |c: &Connection| replies.waiting() || (unsent && c.credits() > 0);
+            // One deadline, the nearer of the caller's and a flush's, counted from this turn's
+            // time: the connection reads no clock of its own for it.
+            let limit = match (deadline, self.sender.flush_deadline()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             let arrival = advanced.and_then(|()| {
-                Ok(self.conn.recv_any_interruptible(left, |c| {
-                    replies.waiting() || (unsent && c.credits() > 0)
-                })?)
+                Ok(match now {
+                    Some(now) => self
+                        .conn
+                        .recv_any_interruptible_until(limit, now, interrupted)?,
+                    None => self.conn.recv_any_interruptible(None, interrupted)?,
+                })
             });
+            woke = true;
             // Nothing came: the next turn reads the clock and judges the deadline.
             self.take_arrival(arrival)?;
         }
     }
 
-    /// The time of a receive's turn, if `deadline` or a flush deadline needs it; whether
-    /// `deadline` has passed; how long is left until it.
-    fn clock(&self, deadline: Option<Instant>) -> (Option<Instant>, bool, Option<Duration>) {
-        let now = (deadline.is_some() || self.sender.flush_deadline().is_some()).then(Instant::now);
+    /// The time of a receive's turn, if `deadline` or a flush deadline needs it (`known`, or
+    /// the connection's if its wait just `woke`, else the clock's); whether `deadline` has
+    /// passed; how long is left until it.
+    fn clock(
+        &self,
+        deadline: Option<Instant>,
+        known: Option<Instant>,
+        woke: bool,
+    ) -> (Option<Instant>, bool, Option<Duration>) {
+        let needed = deadline.is_some() || self.sender.flush_deadline().is_some();
+        let now = needed.then(|| match known {
+            Some(now) => now,
+            None if woke => self.conn.turn_now(),
+            None => Instant::now(),
+        });
         let passed = matches!((deadline, now), (Some(d), Some(n)) if n >= d);
         let left = deadline
             .zip(now)
@@ -474,21 +504,5 @@ impl AsFd for Session {
     /// The connection's descriptor (see [`Session::step`]).
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.conn.as_fd()
-    }
-}
-
-/// The earlier of a wait's limit and a deadline, as a duration from `now` (read if a
-/// deadline is given).
-fn earliest(
-    limit: Option<Duration>,
-    deadline: Option<Instant>,
-    now: Option<Instant>,
-) -> Option<Duration> {
-    let until = deadline
-        .zip(now)
-        .map(|(d, n)| d.saturating_duration_since(n));
-    match (limit, until) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
     }
 }

@@ -464,12 +464,22 @@ impl Connection {
     fn wait_for<T>(
         &mut self,
         timeout: Option<Duration>,
-        mut take: impl FnMut(&mut Self) -> Result<Option<T>>,
+        take: impl FnMut(&mut Self) -> Result<Option<T>>,
     ) -> Result<Option<T>> {
         // A timeout too long to add to the clock is no deadline at all.
         // A new turn: the wait's deadline, and whatever the waits below look at, from now.
         self.clock.new_turn();
         let deadline = timeout.and_then(|t| self.clock.now().checked_add(t));
+        self.wait_loop(deadline, take)
+    }
+
+    /// Takes what `take` finds, waiting until `deadline` (`None`: forever); each wait begins
+    /// at its turn's time and the next turn at the wait's end.
+    fn wait_loop<T>(
+        &mut self,
+        deadline: Option<Instant>,
+        mut take: impl FnMut(&mut Self) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
         loop {
             if let Some(got) = take(self)? {
                 return Ok(Some(got));
@@ -732,13 +742,40 @@ impl Connection {
         timeout: Option<Duration>,
         interrupted: impl Fn(&Connection) -> bool,
     ) -> Result<Option<Arrival>> {
-        let got = self.wait_for(timeout, |c| {
-            if interrupted(c) {
-                return Ok(Some(None));
-            }
-            Ok(c.try_recv_any()?.map(Some))
-        })?;
+        let got = self.wait_for(timeout, |c| c.try_recv_unless(&interrupted))?;
         Ok(got.flatten())
+    }
+
+    /// [`Connection::recv_any_interruptible`] until `deadline` (`None`: forever), `now` being
+    /// the caller's time, which begins the connection's turn: a layer above that read the
+    /// clock for its own turn spares the connection reading it again, and one deadline serves
+    /// both. After it, [`Connection::turn_now`] is the time the last wait woke.
+    pub fn recv_any_interruptible_until(
+        &mut self,
+        deadline: Option<Instant>,
+        now: Instant,
+        interrupted: impl Fn(&Connection) -> bool,
+    ) -> Result<Option<Arrival>> {
+        self.clock.new_turn_at(now);
+        let got = self.wait_loop(deadline, |c| c.try_recv_unless(&interrupted))?;
+        Ok(got.flatten())
+    }
+
+    /// The time of the connection's current turn: as read when its last wait woke (or its
+    /// last call or poll began), read now only if nothing in the turn needed it yet.
+    pub fn turn_now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// `Some(None)` if `interrupted` holds, else what [`Connection::try_recv_any`] finds.
+    fn try_recv_unless(
+        &mut self,
+        interrupted: &impl Fn(&Connection) -> bool,
+    ) -> Result<Option<Option<Arrival>>> {
+        if interrupted(self) {
+            return Ok(Some(None));
+        }
+        Ok(self.try_recv_any()?.map(Some))
     }
 
     /// A handle that makes the connection's descriptor readable (and ends its blocking

@@ -124,9 +124,16 @@ impl Connection {
         got: &mut Vec<(CqKey, WorkCompletion)>,
     ) -> Result<usize> {
         self.injected_poll_fault()?;
-        let waited = self
-            .waiter
-            .wait(timeout, &mut |key, wc| got.push((key, wc.clone())));
+        // Counted from this turn's time if the turn has read it (the caller's `timeout` counts
+        // from it too); else the waiter reads the clock only if it has to sleep.
+        let mut push = |key, wc: &WorkCompletion| got.push((key, wc.clone()));
+        let waited = match self.clock.read() {
+            Some(now) => {
+                let deadline = timeout.map(|t| rdmsg_verbs::deadline_after(now, t));
+                self.waiter.wait_until(deadline, now, &mut push)
+            }
+            None => self.waiter.wait(timeout, &mut push),
+        };
         // Awake: a new turn, at the time the sleep ended if it slept.
         match self.waiter.woke_at() {
             Some(woke) => self.clock.new_turn_at(woke),
