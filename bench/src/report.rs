@@ -1424,7 +1424,7 @@ pub fn fanin_markdown(samples: &[Sample]) -> String {
          the mean per peer and second.\n\n\
          Grants: explicit credit grants the server sent per message (the server sends no \
          data, so every credit goes back that way); asleep: the share of the messages' time \
-         the hub spent asleep.\n\n\
+         the hub spent in its sleeping waits (from the start of each wait's turn to its wake-up).\n\n\
          | N | server | CPU µs/msg | wake-ups/msg | wake-ups/solicited | solicited (forced) | \
          grants/msg | asleep | fds/conn | registered KiB/conn | VmPin KiB/conn | \
          RSS KiB/conn | threads | RNR | fairness (mean/s) | msgs/s | connect s |\n\

@@ -57,7 +57,8 @@ pub trait EventChannel<Q: CompletionSource> {
     fn next_event(&mut self, cqs: &[Q]) -> Result<Option<EventTarget>>;
     /// Blocks until an event may be pending, something else the implementation watches is
     /// ready, or `deadline` passes (`None`: never). `now` is the caller's time, read before it
-    /// began to wait: the sleep is `deadline - now` long and reads no clock of its own.
+    /// began to wait: the sleep is `deadline - now` long and reads no clock of its own (only a
+    /// wait a signal interrupted does, to resume with what is left).
     fn wait_readable(&mut self, deadline: Option<Instant>, now: Instant) -> Result<Readiness>;
 }
 

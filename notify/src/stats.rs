@@ -26,7 +26,9 @@ pub struct Stats {
     pub arms: u64,
     /// Polls that found nothing.
     pub empty_polls: u64,
-    /// Time spent blocked on the channel.
+    /// Time spent blocked on the channel: from the start of each sleep (the time the waiter
+    /// was given for it, `Waiter::wait_until`'s `now`, which may include the caller's work in
+    /// its turn before the wait) to its wake-up. Sleeps read the clock only when they end.
     pub time_asleep: Duration,
     /// Spins before sleeping ([`crate::Policy::Hybrid`], [`crate::Policy::Adaptive`]).
     pub spins: u64,

@@ -417,7 +417,9 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 spin,
                 max_empty_polls,
             } => {
-                if let Some(n) = self.spin(spin, max_empty_polls, now, deadline, f)? {
+                // A spin is timed from its own start: the caller's time may be its turn's,
+                // and the turn's work since is no spin.
+                if let Some(n) = self.spin(spin, max_empty_polls, Instant::now(), deadline, f)? {
                     return Ok(n);
                 }
                 self.sleep_until(deadline, Instant::now(), f)
@@ -427,9 +429,10 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 if spin.is_zero() {
                     return self.sleep_until(deadline, now, f);
                 }
-                let caught = self.spin(spin, u32::MAX, now, deadline, f)?;
+                let started = Instant::now();
+                let caught = self.spin(spin, u32::MAX, started, deadline, f)?;
                 let spun_until = Instant::now();
-                let spun = spun_until.saturating_duration_since(now);
+                let spun = spun_until.saturating_duration_since(started);
                 match caught {
                     Some(_) => self.gaps.record(spun),
                     // Fruitless only if it had its whole budget: one the caller's deadline

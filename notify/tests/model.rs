@@ -184,6 +184,10 @@ fn a_sleep_reads_the_clock_when_it_ends_and_a_wait_that_polled_reads_none() {
     );
     assert!(w.woke_at().is_some_and(|t| t >= now), "slept, then read it");
     assert_eq!(w.stats().wakeups, 1);
+    // A later wait that finds its completion by polling did not sleep: no time of its own.
+    m.arrive(ModelArrival::recv(0, false));
+    assert_eq!(w.wait(None, &mut |_, c| got.push(*c)).unwrap(), 1);
+    assert_eq!(w.woke_at(), None, "not the earlier wait's");
     assert!(m.violations().is_empty(), "{:?}", m.violations());
 }
 

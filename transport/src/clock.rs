@@ -64,4 +64,16 @@ mod tests {
         clock.new_turn();
         assert!(clock.now() > first, "a new turn reads the clock");
     }
+
+    #[test]
+    fn a_turn_begun_at_a_given_time_reads_no_clock() {
+        let clock = TurnClock::default();
+        assert_eq!(clock.read(), None, "nothing read yet");
+        let then = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        clock.new_turn_at(then);
+        assert_eq!((clock.read(), clock.now()), (Some(then), then));
+        clock.new_turn();
+        assert_eq!(clock.read(), None, "a new turn has not read it");
+    }
 }

@@ -211,6 +211,28 @@ mod tests {
     }
 
     #[test]
+    fn waits_until_a_deadline_count_from_the_callers_time() {
+        let (mut tx, rx) = UnixStream::pair().unwrap();
+        let w = ReadyWatch::new().unwrap();
+        w.add(rx.as_fd(), 2).unwrap();
+        let now = Instant::now();
+        let deadline = now + Duration::from_millis(20);
+        assert_eq!(w.wait_until(Some(deadline), now).unwrap(), 0);
+        assert!(Instant::now() >= deadline, "a wait never ends early");
+        let mut ready = Vec::new();
+        // A deadline already passed only looks.
+        let now = Instant::now();
+        assert_eq!(w.wait_keys_until(Some(now), now, &mut ready).unwrap(), 0);
+        tx.write_all(b"x").unwrap();
+        assert_eq!(w.wait_until(None, Instant::now()).unwrap(), 1 << 2);
+        assert_eq!(
+            w.wait_keys_until(None, Instant::now(), &mut ready).unwrap(),
+            1
+        );
+        assert_eq!(ready, [2]);
+    }
+
+    #[test]
     fn keyed_watches_report_their_keys() {
         let (mut a_tx, a_rx) = UnixStream::pair().unwrap();
         let (mut b_tx, b_rx) = UnixStream::pair().unwrap();

@@ -82,7 +82,9 @@ impl Hub {
                 None if left == Some(Duration::ZERO) => None,
                 None => {
                     self.transport.wait_from(now, left)?;
-                    turn = Some(self.transport.turn_now());
+                    // The hub's time if its wait moved it on (it slept, or stepped); else
+                    // the next turn reads the clock, so that time moves on.
+                    turn = Some(self.transport.turn_now()).filter(|&t| t > now);
                     self.transport.queued_event()
                 }
             };

@@ -176,14 +176,14 @@ impl Session {
     fn recv_inner(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
         // A timeout too long to add to the clock is no deadline at all.
         // The first turn's time is the one read for the deadline; a later turn's, the
-        // connection's when its wait woke.
+        // connection's when its wait woke (`waited_from`: the time its wait was given).
         let mut first = None;
         let deadline = timeout.and_then(|t| {
             let now = Instant::now();
             first = Some(now);
             now.checked_add(t)
         });
-        let mut woke = false;
+        let mut waited_from = None;
         loop {
             // An answer came: a call's wait looks whether it is its own.
             if self.waiting_call && std::mem::take(&mut self.answered) {
@@ -192,7 +192,7 @@ impl Session {
             // The clock, read once per turn of this loop (each wait ends one), and only if a
             // deadline needs it.
             let (mut now, mut passed, left) =
-                self.clock(deadline, first.take(), std::mem::take(&mut woke));
+                self.clock(deadline, first.take(), waited_from.take());
             if self.sender.queued_frames() > 0 || self.sender.flush_due() {
                 // Only if this would wait: what has arrived is taken first.
                 if let Some(env) = self.try_recv_inner()? {
@@ -222,7 +222,7 @@ impl Session {
                     }
                 }
                 // Those sends may have waited, and left a flush deadline of their own.
-                (now, passed, _) = self.clock(deadline, None, false);
+                (now, passed, _) = self.clock(deadline, None, None);
             }
             if passed {
                 return Ok(None);
@@ -250,39 +250,44 @@ impl Session {
             let (replies, unsent) = (&self.replies, !self.outbox.is_empty());
             let interrupted = |c: &Connection| replies.waiting() || (unsent && c.credits() > 0);
             // One deadline, the nearer of the caller's and a flush's, counted from this turn's
-            // time: the connection reads no clock of its own for it.
+            // time: the connection derives none of its own.
             let limit = match (deadline, self.sender.flush_deadline()) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
             let arrival = advanced.and_then(|()| {
                 Ok(match now {
-                    Some(now) => self
-                        .conn
-                        .recv_any_interruptible_until(limit, now, interrupted)?,
+                    Some(now) => {
+                        waited_from = Some(now);
+                        self.conn
+                            .recv_any_interruptible_until(limit, now, interrupted)?
+                    }
                     None => self.conn.recv_any_interruptible(None, interrupted)?,
                 })
             });
-            woke = true;
             // Nothing came: the next turn reads the clock and judges the deadline.
             self.take_arrival(arrival)?;
         }
     }
 
     /// The time of a receive's turn, if `deadline` or a flush deadline needs it (`known`, or
-    /// the connection's if its wait just `woke`, else the clock's); whether `deadline` has
-    /// passed; how long is left until it.
+    /// the connection's if a wait given `waited_from` moved its turn on, else the clock's);
+    /// whether `deadline` has passed; how long is left until it.
     fn clock(
         &self,
         deadline: Option<Instant>,
         known: Option<Instant>,
-        woke: bool,
+        waited_from: Option<Instant>,
     ) -> (Option<Instant>, bool, Option<Duration>) {
         let needed = deadline.is_some() || self.sender.flush_deadline().is_some();
-        let now = needed.then(|| match known {
-            Some(now) => now,
-            None if woke => self.conn.turn_now(),
-            None => Instant::now(),
+        let now = needed.then(|| match (known, waited_from) {
+            (Some(now), _) => now,
+            // A connection that returned without polling or sleeping is still at our time:
+            // the clock, so that time moves on.
+            (None, Some(from)) => Some(self.conn.turn_now())
+                .filter(|&t| t > from)
+                .unwrap_or_else(Instant::now),
+            (None, None) => Instant::now(),
         });
         let passed = matches!((deadline, now), (Some(d), Some(n)) if n >= d);
         let left = deadline

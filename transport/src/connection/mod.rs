@@ -747,9 +747,10 @@ impl Connection {
     }
 
     /// [`Connection::recv_any_interruptible`] until `deadline` (`None`: forever), `now` being
-    /// the caller's time, which begins the connection's turn: a layer above that read the
-    /// clock for its own turn spares the connection reading it again, and one deadline serves
-    /// both. After it, [`Connection::turn_now`] is the time the last wait woke.
+    /// the caller's time, which begins the connection's turn: one deadline serves the layer
+    /// above and the connection, and the connection derives none of its own. `now` must be a
+    /// fresh reading (a wait counted from it is longer by its age). After a wait that slept,
+    /// [`Connection::turn_now`] is the time it woke.
     pub fn recv_any_interruptible_until(
         &mut self,
         deadline: Option<Instant>,
@@ -763,6 +764,7 @@ impl Connection {
 
     /// The time of the connection's current turn: as read when its last wait woke (or its
     /// last call or poll began), read now only if nothing in the turn needed it yet.
+    /// Meaningful right after a wait; between calls it may be as old as the last one.
     pub fn turn_now(&self) -> Instant {
         self.clock.now()
     }

@@ -365,24 +365,31 @@ impl RawHub {
     /// too (a grant, a send completion, a [`Waker`]). Events it produced are queued for
     /// [`RawHub::try_event`]; returns how many are queued.
     pub fn wait(&mut self, timeout: Option<Duration>) -> Result<usize> {
-        self.clock.new_turn();
-        self.wait_from(self.clock.now(), timeout)
+        self.check_fatal()?;
+        if self.events.is_empty() {
+            // A call from the application begins a turn (the wait reads its time).
+            self.clock.new_turn();
+            self.wait_for_progress(timeout, false)?;
+        }
+        Ok(self.events.len())
     }
 
     /// [`RawHub::wait`] with the caller's time: `timeout` counts from `now`, which begins the
-    /// hub's turn, so that a caller that read the clock for its own turn spares the hub reading
-    /// it again. After it, [`RawHub::turn_now`] is the time the hub woke.
+    /// hub's turn, so that a caller that has just read the clock for its own turn spares the
+    /// hub reading it before it sleeps. `now` must be that fresh: the sleep is longer by its
+    /// age. After a wait that slept, [`RawHub::turn_now`] is the time the hub woke.
     pub fn wait_from(&mut self, now: Instant, timeout: Option<Duration>) -> Result<usize> {
-        self.clock.new_turn_at(now);
         self.check_fatal()?;
         if self.events.is_empty() {
+            self.clock.new_turn_at(now);
             self.wait_for_progress(timeout, false)?;
         }
         Ok(self.events.len())
     }
 
     /// The time of the hub's current turn: as read when its last wait woke (or its last call
-    /// began), read now only if no step of the turn needed it yet.
+    /// or step began), read now only if no step of the turn needed it yet. Meaningful right
+    /// after a wait; between calls it may be as old as the last one.
     pub fn turn_now(&self) -> Instant {
         self.clock.now()
     }

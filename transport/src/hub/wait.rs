@@ -96,7 +96,8 @@ impl RawHub {
         }
         self.arm(blocked)?;
         // Counted from this turn's time (the call that began it, or the last wake-up): the
-        // sleep itself reads the clock only when it ends.
+        // sleep itself reads the clock only when it ends. A timer due meanwhile fires late by
+        // the turn's work since it began (microseconds natively), never early.
         let now = self.clock.now();
         let after =
             earliest(timeout, self.config.conn.health_check).map(|t| deadline_after(now, t));
