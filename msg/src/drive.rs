@@ -1,11 +1,20 @@
 //! The receive loops: the blocking `recv` over `recv_timeout`, and the loop of
 //! [`crate::Session::incoming`] and [`crate::Dispatcher::run`] over any source of results, so
-//! that it can be driven by a scripted sequence as well as by a session.
+//! that it can be driven by a scripted sequence as well as by a session; and the sooner of two
+//! bounds, which their waits take.
 
 use crate::{Envelope, Error, Result};
 
 /// Calls `recv_timeout` until it yields something: the blocking `recv` of a session, a split
 /// half or a hub, over its bounded form.
+/// The sooner of two optional bounds, durations or deadlines (`None`: no bound).
+pub(crate) fn earliest<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 pub(crate) fn wait_until_some<T>(mut recv_timeout: impl FnMut() -> Result<Option<T>>) -> Result<T> {
     loop {
         if let Some(got) = recv_timeout()? {

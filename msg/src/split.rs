@@ -153,10 +153,7 @@ impl SharedSession {
             }
             core.sleeping = true;
             core.armed_for_send = core.session.connection().send_blocked();
-            let limit = match (left, core.session.next_timeout()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let limit = crate::drive::earliest(left, core.session.next_timeout());
             drop(core);
             let slept = self.watch.wait(limit);
             core = self.lock();

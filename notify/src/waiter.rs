@@ -116,6 +116,44 @@ impl Gaps {
     }
 }
 
+/// Where a wait's time comes from: a timeout from now ([`Waiter::wait`]), or the caller's
+/// deadline and time ([`Waiter::wait_until`]).
+#[derive(Clone, Copy)]
+enum Start {
+    Timeout(Option<Duration>),
+    Until(Option<Instant>, Instant),
+}
+
+impl Start {
+    /// The deadline alone: a timeout reads the clock only if it is bounded.
+    fn deadline(self) -> Option<Instant> {
+        match self {
+            Start::Timeout(t) => t.map(|t| rdmsg_verbs::deadline_after(Instant::now(), t)),
+            Start::Until(deadline, _) => deadline,
+        }
+    }
+
+    /// The deadline and the time the wait starts at: the caller's, if it gave one.
+    fn given(self) -> (Option<Instant>, Instant) {
+        match self {
+            Start::Timeout(t) => {
+                let now = Instant::now();
+                (t.map(|t| rdmsg_verbs::deadline_after(now, t)), now)
+            }
+            Start::Until(deadline, now) => (deadline, now),
+        }
+    }
+
+    /// The deadline and the time read now: a spin is timed from its own start, not from the
+    /// caller's time, which may be its turn's (the turn's work since is no spin).
+    fn fresh(self) -> (Option<Instant>, Instant) {
+        match self {
+            Start::Timeout(_) => self.given(),
+            Start::Until(deadline, _) => (deadline, Instant::now()),
+        }
+    }
+}
+
 /// Key of a queue added to a [`Waiter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct CqKey(pub usize);
@@ -354,15 +392,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         timeout: Option<Duration>,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        // What is already queued needs no syscall, and no clock read: the time is taken only
-        // once there is something to wait for.
-        self.wait_from(
-            || {
-                let now = Instant::now();
-                (timeout.map(|t| rdmsg_verbs::deadline_after(now, t)), now)
-            },
-            f,
-        )
+        self.wait_from(Start::Timeout(timeout), f)
     }
 
     /// Like [`Waiter::wait`], until `deadline` (`None`: forever), with `now` the caller's time
@@ -374,7 +404,7 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         now: Instant,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
-        self.wait_from(|| (deadline, now), f)
+        self.wait_from(Start::Until(deadline, now), f)
     }
 
     /// The clock as read when the last wait's sleep ended; `None` if that wait did not sleep.
@@ -385,9 +415,11 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
 
     fn wait_from(
         &mut self,
-        start: impl FnOnce() -> (Option<Instant>, Instant),
+        start: Start,
         f: &mut dyn FnMut(CqKey, &Q::Completion),
     ) -> Result<usize> {
+        // What is already queued needs no syscall, and no clock read: the time is taken only
+        // once there is something to wait for, and only by a policy that needs it.
         self.woke = None;
         let n = self.poll_all(f)?;
         if n > 0 {
@@ -396,10 +428,10 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
             }
             return Ok(n);
         }
-        let (deadline, now) = start();
         let expired = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
         match self.policy {
             Policy::Poll => {
+                let deadline = start.deadline();
                 let mut empty = 0u32;
                 loop {
                     empty = empty.wrapping_add(1);
@@ -417,9 +449,8 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                 spin,
                 max_empty_polls,
             } => {
-                // A spin is timed from its own start: the caller's time may be its turn's,
-                // and the turn's work since is no spin.
-                if let Some(n) = self.spin(spin, max_empty_polls, Instant::now(), deadline, f)? {
+                let (deadline, started) = start.fresh();
+                if let Some(n) = self.spin(spin, max_empty_polls, started, deadline, f)? {
                     return Ok(n);
                 }
                 self.sleep_until(deadline, Instant::now(), f)
@@ -427,9 +458,10 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
             Policy::Adaptive { max_spin } => {
                 let spin = self.gaps.spin_now(max_spin);
                 if spin.is_zero() {
+                    let (deadline, now) = start.given();
                     return self.sleep_until(deadline, now, f);
                 }
-                let started = Instant::now();
+                let (deadline, started) = start.fresh();
                 let caught = self.spin(spin, u32::MAX, started, deadline, f)?;
                 let spun_until = Instant::now();
                 let spun = spun_until.saturating_duration_since(started);
@@ -445,7 +477,10 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
                     None => self.sleep_until(deadline, spun_until, f),
                 }
             }
-            Policy::Sleep => self.sleep_until(deadline, now, f),
+            Policy::Sleep => {
+                let (deadline, now) = start.given();
+                self.sleep_until(deadline, now, f)
+            }
         }
     }
 

@@ -31,6 +31,13 @@ impl TurnClock {
         self.0.set(Some(now));
     }
 
+    /// Awake after a wait: a new turn, at `woke`, the time the wait's sleep ended, if it slept
+    /// (no clock read), else at the next reading.
+    #[inline]
+    pub(crate) fn after_wait(&self, woke: Option<Instant>) {
+        self.0.set(woke);
+    }
+
     /// This turn's time if a step of it has read the clock already.
     #[inline]
     pub(crate) fn read(&self) -> Option<Instant> {

@@ -500,10 +500,7 @@ impl Hub {
             .chain(self.reassembly_at)
             .min()
             .map(|d| d.saturating_duration_since(Instant::now()));
-        match (self.transport.next_timeout(), flush) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        crate::drive::earliest(self.transport.next_timeout(), flush)
     }
 }
 

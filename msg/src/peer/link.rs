@@ -225,11 +225,7 @@ impl PeerIo for SessionPeerIo<'_> {
 
 /// What a send bounded by a timeout came to: `Ok(false)` if it timed out (nothing sent).
 pub(crate) fn in_time(sent: Result<()>) -> Result<bool> {
-    match sent {
-        Ok(()) => Ok(true),
-        Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => Ok(false),
-        Err(e) => Err(e),
-    }
+    went(sent.map(|()| true))
 }
 
 /// A non-blocking send's outcome with a timeout read as "not sent": `Ok(false)`.

@@ -8,6 +8,7 @@ use rdmsg_transport::Connection;
 
 use crate::call::{self, Call, CallOut, CallStats, Calls, Replies, Request, Responder};
 use crate::codec::{Decoder, Envelope};
+use crate::drive::earliest;
 use crate::error::unread_error;
 use crate::held::Held;
 use crate::peer::{self, Closing, Delivery, Outbox, RecvSide, SendSide, SessionPeerIo};
@@ -249,16 +250,13 @@ impl Session {
             // Answers given meanwhile, or a credit for those waiting, end the wait.
             let (replies, unsent) = (&self.replies, !self.outbox.is_empty());
             let interrupted = |c: &Connection| replies.waiting() || (unsent && c.credits() > 0);
-            // One deadline, the nearer of the caller's and a flush's, counted from this turn's
-            // time: the connection derives none of its own.
-            let limit = match (deadline, self.sender.flush_deadline()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
             let arrival = advanced.and_then(|()| {
                 Ok(match now {
                     Some(now) => {
                         waited_from = Some(now);
+                        // One deadline, the nearer of the caller's and a flush's, counted from
+                        // this turn's time: the connection derives none of its own.
+                        let limit = earliest(deadline, self.sender.flush_deadline());
                         self.conn
                             .recv_any_interruptible_until(limit, now, interrupted)?
                     }
@@ -452,10 +450,7 @@ impl Session {
             d.saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1))
         });
-        match (self.conn.next_timeout(), flush) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        earliest(self.conn.next_timeout(), flush)
     }
 
     /// Whether a message (or a frame to take) is there for [`Session::try_recv`] without

@@ -134,11 +134,7 @@ impl Connection {
             }
             None => self.waiter.wait(timeout, &mut push),
         };
-        // Awake: a new turn, at the time the sleep ended if it slept.
-        match self.waiter.woke_at() {
-            Some(woke) => self.clock.new_turn_at(woke),
-            None => self.clock.new_turn(),
-        }
+        self.clock.after_wait(self.waiter.woke_at());
         Ok(waited?)
     }
 

@@ -94,8 +94,8 @@ pub(crate) fn probe_interval(limit: Duration) -> Duration {
     (limit / 3).max(Duration::from_millis(100))
 }
 
-/// The sooner of two optional durations (`None`: no bound).
-pub(crate) fn earliest(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+/// The sooner of two optional bounds, durations or deadlines (`None`: no bound).
+pub(crate) fn earliest<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),

@@ -101,19 +101,12 @@ impl RawHub {
         let now = self.clock.now();
         let after =
             earliest(timeout, self.config.conn.health_check).map(|t| deadline_after(now, t));
-        let limit = match (self.nearest_deadline(), after) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let limit = earliest(self.nearest_deadline(), after);
         let mut got = std::mem::take(&mut self.completions);
         let res = self
             .waiter
             .wait_until(limit, now, &mut |key, wc| got.push((key, wc.clone())));
-        // Awake: a new turn, at the time the sleep ended if it slept.
-        match self.waiter.woke_at() {
-            Some(woke) => self.clock.new_turn_at(woke),
-            None => self.clock.new_turn(),
-        }
+        self.clock.after_wait(self.waiter.woke_at());
         self.pool.awake(!matches!(res, Ok(n) if n > 0));
         self.completions = got;
         self.handle_completions();
