@@ -126,6 +126,7 @@ enum Start {
 
 impl Start {
     /// The deadline alone: a timeout reads the clock only if it is bounded.
+    #[inline(always)]
     fn deadline(self) -> Option<Instant> {
         match self {
             Start::Timeout(t) => t.map(|t| rdmsg_verbs::deadline_after(Instant::now(), t)),
@@ -134,6 +135,7 @@ impl Start {
     }
 
     /// The deadline and the time the wait starts at: the caller's, if it gave one.
+    #[inline(always)]
     fn given(self) -> (Option<Instant>, Instant) {
         match self {
             Start::Timeout(t) => {
@@ -146,6 +148,7 @@ impl Start {
 
     /// The deadline and the time read now: a spin is timed from its own start, not from the
     /// caller's time, which may be its turn's (the turn's work since is no spin).
+    #[inline(always)]
     fn fresh(self) -> (Option<Instant>, Instant) {
         match self {
             Start::Timeout(_) => self.given(),
@@ -413,6 +416,9 @@ impl<Q: CompletionSource, C: EventChannel<Q>> Waiter<Q, C> {
         self.woke
     }
 
+    // Inlined into `wait` and `wait_until`, so that each knows its `Start` and keeps only its
+    // own way of taking the time.
+    #[inline(always)]
     fn wait_from(
         &mut self,
         start: Start,
