@@ -51,7 +51,7 @@ const USAGE: &str = "usage:
   rdmsg-bench codec [--quick] [--rounds N]
   rdmsg-bench cost-check [--iters N] [--runs K] [--only LAYER]
       counts instructions and allocations per round trip of each layer with callgrind
-      (the smallest of K runs) and fails above the ceilings (cargo xtask test runs it)
+      (the smallest of K runs, default 2) and fails above the ceilings (cargo xtask test runs it)
   rdmsg-bench report --out DIR SAMPLE_FILE...";
 
 fn main() -> ExitCode {
