@@ -9,7 +9,7 @@ use crate::frame::FrameError;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A message-layer failure. [`Error::is_fatal`] says whether the session can go on.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The connection failed (fatal) or a transport call was refused.
@@ -239,6 +239,15 @@ pub enum Error {
         /// The request type asked for.
         request: &'static str,
     },
+}
+
+/// `Debug` prints the [report](rdmsg_verbs::Report): the message and the causes it does not already
+/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
+/// and what to do, as `Display` does. Match on the variants to inspect one.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&rdmsg_verbs::Report(self), f)
+    }
 }
 
 // By hand rather than `#[from]`, which would also make the frame error the error's source and

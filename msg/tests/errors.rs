@@ -155,3 +155,32 @@ fn the_dispatcher_skips_per_message_errors_and_goes_on() {
         (2, 1, 3)
     );
 }
+
+/// `fn main() -> Result<(), rdmsg::Error>` ends with `Debug`: it must say what `Display` says
+/// (here the Soft-RoCE advice), then the OS's words once, and not the variants' structure.
+#[test]
+fn debug_tells_the_message_and_its_cause_not_the_variants() {
+    let e: Error = rdmsg_transport::Error::from(rdmsg_verbs::Error::ListDevices(
+        io::Error::from_raw_os_error(38),
+    ))
+    .into();
+    let debug = format!("{e:?}");
+    assert!(
+        debug.starts_with("ibv_get_device_list failed (ENOSYS)"),
+        "{debug}"
+    );
+    assert!(debug.contains(rdmsg_verbs::SETUP_HINT), "{debug}");
+    assert!(
+        !debug.contains("ListDevices") && !debug.contains("Os {"),
+        "{debug}"
+    );
+    let os = io::Error::from_raw_os_error(38).to_string();
+    assert_eq!(debug, format!("{e}\n\nCaused by:\n    {os}"));
+    assert_eq!(format!("{e:#?}"), debug);
+
+    // A cause whose words the message already holds is not said twice.
+    let e: Error =
+        rdmsg_transport::Error::Connection(rdmsg_transport::Failure::PeerVanished).into();
+    assert_eq!(format!("{e:?}"), e.to_string());
+    assert!(!format!("{e:?}").contains("Caused by"));
+}

@@ -4,7 +4,7 @@
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A failure while arming, waiting or polling.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A verb failed. Displays as the verbs error itself (which names the verb and why).
@@ -13,6 +13,15 @@ pub enum Error {
     /// A key that names no queue of this waiter.
     #[error("no completion queue with key {0}")]
     UnknownCq(usize),
+}
+
+/// `Debug` prints the [report](rdmsg_verbs::Report): the message and the causes it does not already
+/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
+/// and what to do, as `Display` does. Match on the variants to inspect one.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&rdmsg_verbs::Report(self), f)
+    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use rdmsg_transport::Brief;
 use tokio::io::unix::AsyncFd;
 
 /// What can fail here.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The session, hub or connection failed, or refused the call.
@@ -49,6 +49,15 @@ pub enum Error {
     /// ([`is_peer_closed`](Error::is_peer_closed) is false).
     #[error("the session was closed (by `close` on one of its handles); make a new connection")]
     Closed,
+}
+
+/// `Debug` prints the [report](rdmsg_transport::Report): the message and the causes it does not already
+/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
+/// and what to do, as `Display` does. Match on the variants to inspect one.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&rdmsg_transport::Report(self), f)
+    }
 }
 
 impl Error {
@@ -120,6 +129,14 @@ mod tests {
             "connecting the bootstrap stream failed: connection refused"
         );
         assert!(e.is_fatal() && !e.is_peer_closed());
+    }
+
+    #[test]
+    fn debug_is_the_message_then_the_os_words() {
+        let e = io("connecting the bootstrap stream")(std::io::Error::from_raw_os_error(111));
+        let os = std::io::Error::from_raw_os_error(111).to_string();
+        assert_eq!(format!("{e:?}"), format!("{e}\n\nCaused by:\n    {os}"));
+        assert!(!format!("{e:?}").contains("Io {"));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::handshake::Reject;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A transport failure.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A verb failed.
@@ -165,6 +165,15 @@ pub enum Error {
     /// `connection failed: ` and why.
     #[error("{}", Ended(.0))]
     Connection(Failure),
+}
+
+/// `Debug` prints the [report](rdmsg_verbs::Report): the message and the causes it does not already
+/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
+/// and what to do, as `Display` does. Match on the variants to inspect one.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&rdmsg_verbs::Report(self), f)
+    }
 }
 
 impl Error {

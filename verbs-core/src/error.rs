@@ -7,6 +7,41 @@ use crate::{QpCaps, QpState};
 /// Result alias for verbs-core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// An error told in full: its message, then under `Caused by:` each cause whose text the
+/// lines before do not already hold (a verb's message names its errno in short; the OS's own
+/// words follow once). What `Debug` of every rdmsg error type prints: `fn main() -> Result<(),
+/// rdmsg::Error>` ends with `Debug`, and a variant's structure (`Verbs(ListDevices(Os { code:
+/// 38, .. }))`) would hide the message's advice (here, how to set up Soft-RoCE).
+pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut said = self.0.to_string();
+        f.write_str(&said)?;
+        let mut heading = false;
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            let text = c.to_string();
+            if !text.is_empty() && !said.contains(&text) {
+                if !heading {
+                    f.write_str("\n\nCaused by:")?;
+                    heading = true;
+                }
+                write!(f, "\n    {text}")?;
+                said.push_str(&text);
+            }
+            cause = c.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
 /// A failed verb, with the context needed to tell which call failed and why.
 ///
 /// Each message names the call, its context and, in short form, the error number (for example
@@ -14,7 +49,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// means and what to do ([`FdLimit`]: `failed: too many open files (EMFILE): ...`); the OS
 /// error itself (`errno`, or the error number a verb returned directly) is the `#[source]`, so
 /// printing the chain (anyhow's `{:#}`) adds its full text once.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// `ibv_get_device_list` failed (typically `ENOSYS`: the kernel has no RDMA support
@@ -258,6 +293,15 @@ pub enum Error {
     /// An argument was rejected before any verb was called.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+/// `Debug` prints the [report](Report): the message and the causes it does not already
+/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
+/// and what to do, as `Display` does. Match on the variants to inspect one.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&Report(self), f)
+    }
 }
 
 /// What follows a failed connection-manager call whose error number means "no CM here".

@@ -105,7 +105,7 @@ pub use device::{
     devices, AsyncElement, AsyncEvent, AsyncEventKind, Context, DeviceAttr, DeviceInfo, Gid,
     LinkLayer, Mtu, PortAttr, PortState,
 };
-pub use error::{Error, FdLimit, Result, SETUP_HINT};
+pub use error::{Error, FdLimit, Report, Result, SETUP_HINT};
 pub use loopback::connect_loopback;
 pub use mr::{Access, Buffer, Exposed};
 pub use pd::ProtectionDomain;
