@@ -133,7 +133,7 @@ impl Hub {
         if self.held.push(who, ev, body) {
             if let Some(peer) = who {
                 if let Some(state) = self.peers.get_mut(peer) {
-                    state.receiver.hold_back(true);
+                    state.machine.recv.hold_back(true);
                 }
                 // The buffers its parked frames keep are lent out of the pool every peer
                 // shares: returning its credits would let it draw the pool dry.
@@ -151,7 +151,7 @@ impl Hub {
         let (ev, who, freed) = self.held.pop()?;
         if let (true, Some(peer)) = (freed, who) {
             if let Some(state) = self.peers.get_mut(peer) {
-                state.receiver.hold_back(false);
+                state.machine.recv.hold_back(false);
                 if !self.reads_waiting.contains(&peer) {
                     self.reads_waiting.push(peer);
                 }

@@ -25,7 +25,7 @@ impl Hub {
             closing.wait(send, io, outbox)
         });
         let unsent = self.peers.get_mut(peer).map_or(0, |state| {
-            state.sender.committed_waiting() + state.outbox.clear()
+            state.machine.send.committed_waiting() + state.machine.outbox.clear()
         });
         // The transport's close (a credit, then the acknowledgement) spends what is left,
         // whatever came before (a peer still connecting is closed too).
@@ -86,8 +86,8 @@ impl Hub {
                 self.closing.swap_remove(i);
                 continue;
             };
-            if !closing.due(now, &state.sender, &state.outbox) {
-                if closing.ask(&mut state.sender, &state.outbox) && !state.listed {
+            if !closing.due(now, &state.machine.send, &state.machine.outbox) {
+                if closing.ask(&mut state.machine.send, &state.machine.outbox) && !state.listed {
                     state.listed = true;
                     self.unflushed.push(peer);
                 }
@@ -97,8 +97,8 @@ impl Hub {
             state.closing = None;
             self.closing.swap_remove(i);
             // What found no room in time is counted dropped.
-            state.outbox.clear();
-            let messages = state.sender.lent();
+            state.machine.outbox.clear();
+            let messages = state.machine.send.lent();
             if messages > 0 {
                 self.ready
                     .push_back((HubEvent::Unread { peer, messages }, None));

@@ -16,8 +16,8 @@ use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::{unread_error, unsent_error};
 use crate::held::Held;
 use crate::peer::{
-    self, Closing, Delivery, HubPeerIo, Outbox, OutboxStats, PeerIo, PeerTable, ReassemblyBudget,
-    RecvSide, SendSide,
+    self, Closing, Delivery, HubPeerIo, Outbox, OutboxStats, PeerIo, PeerMachine, PeerTable,
+    ReassemblyBudget, RecvSide, SendSide,
 };
 use crate::rendezvous::ReadPool;
 use crate::{Error, Message, Result, SessionConfig, SessionStats};
@@ -36,19 +36,18 @@ pub use limits::HubLimits;
 /// What the hub keeps per peer: what a [`crate::Session`] keeps for its connection.
 #[derive(Debug)]
 struct PeerState {
-    sender: SendSide,
-    receiver: RecvSide,
+    /// The peer's protocol state: sending side, receiving side, outbox (messages waiting
+    /// for the peer's credits: [`Hub::post`], answers).
+    machine: PeerMachine,
     /// Listed in [`Hub::unflushed`].
     listed: bool,
     /// [`Hub::start_close`] under way: the transport's close starts once it is due.
     closing: Option<Closing>,
-    /// Messages waiting for the peer's credits ([`Hub::post`], answers).
-    outbox: Outbox,
 }
 
 impl PeerState {
     fn stats(&self) -> SessionStats {
-        peer::stats(&self.sender, &self.receiver)
+        self.machine.stats()
     }
 }
 
@@ -204,7 +203,7 @@ impl Hub {
         self.registry.register::<M>()?;
         for p in self.peers.values_mut() {
             // Every decoder was made from the registry, so it takes what the registry took.
-            p.receiver.register::<M>()?;
+            p.machine.recv.register::<M>()?;
         }
         Ok(self)
     }
@@ -273,7 +272,7 @@ impl Hub {
     /// unknown or gone.
     pub fn delivery(&self, peer: PeerId) -> Option<Delivery> {
         let note = self.transport.peer_note(peer);
-        self.peers.get(peer).map(|s| s.sender.delivery(note))
+        self.peers.get(peer).map(|s| s.machine.send.delivery(note))
     }
 
     /// What was exchanged with `peer`, while it is connected.
@@ -305,12 +304,14 @@ impl Hub {
             // Gone meanwhile: nothing will be sent, by rendezvous or otherwise.
             let max_read = hello.map_or(0, |h| h.max_read);
             let fresh = PeerState {
-                sender: SendSide::new(&self.config, depth).with_peer_max_read(max_read),
-                receiver: RecvSide::new(self.registry.fresh(), self.pool.clone())
-                    .with_budget(self.budget.clone()),
+                machine: PeerMachine::new(
+                    SendSide::new(&self.config, depth).with_peer_max_read(max_read),
+                    RecvSide::new(self.registry.fresh(), self.pool.clone())
+                        .with_budget(self.budget.clone()),
+                    Outbox::new(self.config.max_outbox_bytes),
+                ),
                 listed: false,
                 closing: None,
-                outbox: Outbox::new(self.config.max_outbox_bytes),
             };
             // A slot reused before its previous peer's `Disconnected` came through here.
             if let Some((_, stale)) = self.peers.insert(peer, fresh) {
@@ -365,10 +366,13 @@ impl Hub {
             ..
         } = self;
         let PeerState {
-            sender,
-            receiver,
+            machine:
+                PeerMachine {
+                    send: sender,
+                    recv: receiver,
+                    outbox,
+                },
             listed,
-            outbox,
             ..
         } = peers.get_mut(peer).expect("made above");
         let mut link = HubPeerIo {
@@ -377,7 +381,7 @@ impl Hub {
             stash: Some(stash),
             receiver: Some(receiver),
         };
-        sender.learn_note(link.hub.peer_note(peer));
+        sender.learn_note(link.peer_note());
         let out = f(sender, outbox, &mut link);
         let list = (sender.pending() || sender.queued_frames() > 0) && !*listed;
         *listed |= list;
@@ -386,7 +390,7 @@ impl Hub {
         }
         // What a wait for rendezvous room took in for this peer.
         if self.peers.get(peer).is_some_and(|s| {
-            let r = &s.receiver;
+            let r = &s.machine.recv;
             r.has_ready() || r.has_acks() || r.has_waiting() || r.reassembling()
         }) {
             self.collect(peer);
@@ -421,17 +425,15 @@ impl Hub {
         let mut nearest: Option<Instant> = None;
         while i < self.unflushed.len() {
             let peer = self.unflushed[i];
-            let credits = self.transport.credits(peer).unwrap_or(0);
             let done = match self.split(peer) {
                 None => true,
                 Some((state, mut link)) => {
-                    let sender = &mut state.sender;
+                    let sender = &mut state.machine.send;
                     // A failing peer: its Disconnected event tells.
                     let all_sent = sender.send_committed(&mut link).unwrap_or(true);
-                    let flushed = !sender.flush_due()
-                        || sender
-                            .flush_before_wait(&mut link, credits, Some(Duration::ZERO))
-                            .unwrap_or(true);
+                    let flushed = sender
+                        .flush_if_due(&mut link, Some(Duration::ZERO))
+                        .unwrap_or(true);
                     stuck |= !all_sent || !flushed;
                     if let Some(d) = sender.flush_deadline() {
                         nearest = Some(nearest.map_or(d, |n| n.min(d)));

@@ -53,7 +53,7 @@ impl Hub {
         }
         let size = call::encoded_len(&m);
         if !self.room(peer, size) {
-            self.state(peer).outbox.refuse();
+            self.state(peer).machine.outbox.refuse();
             return Ok(Posted::Full(m));
         }
         self.queue(peer, Box::new(Owned { m, solicited }), size);
@@ -65,13 +65,17 @@ impl Hub {
         if peer::hub_peer_gone(&self.transport, peer) {
             return None;
         }
-        Some(self.peers.get(peer).map_or(true, |s| s.outbox.is_empty()))
+        Some(
+            self.peers
+                .get(peer)
+                .map_or(true, |s| s.machine.outbox.is_empty()),
+        )
     }
 
     /// Whether `peer`'s outbox has room for `size` more bytes (one message always fits an
     /// empty one).
     pub(super) fn room(&mut self, peer: PeerId, size: usize) -> bool {
-        self.state(peer).outbox.has_room(size)
+        self.state(peer).machine.outbox.has_room(size)
     }
 
     /// An answer to `peer`'s call `id` could not be queued (no room): "no answer" goes in its
@@ -81,6 +85,7 @@ impl Hub {
         call::lock(&self.calls).answer_dropped();
         if self
             .state(peer)
+            .machine
             .outbox
             .refuse_answer(Box::new(call::no_answer(id)))
         {
@@ -90,7 +95,7 @@ impl Hub {
 
     /// Queues `msg` in `peer`'s outbox (room checked by the caller).
     pub(super) fn queue(&mut self, peer: PeerId, msg: Box<dyn Outgoing>, size: usize) {
-        if self.state(peer).outbox.push(msg, size) {
+        if self.state(peer).machine.outbox.push(msg, size) {
             self.outboxed.push(peer);
         }
     }
@@ -141,14 +146,17 @@ impl Hub {
                     self.outboxed.swap_remove(i);
                     continue;
                 };
-                state.sender.learn_note(link.hub.peer_note(peer));
+                state.machine.learn_note(&link);
                 // A failing peer: its Disconnected tells (and drops the rest). A message
                 // failing alone (too large, not encodable) is dropped and counted.
-                let _ = state.outbox.send_ready(&mut state.sender, &mut link);
-                let writable = state.outbox.take_writable();
-                let listed = state.sender.queued_frames() > 0 && !state.listed;
+                let _ = state
+                    .machine
+                    .outbox
+                    .send_ready(&mut state.machine.send, &mut link);
+                let writable = state.machine.outbox.take_writable();
+                let listed = state.machine.send.queued_frames() > 0 && !state.listed;
                 state.listed |= listed;
-                (writable, listed, state.outbox.is_empty())
+                (writable, listed, state.machine.outbox.is_empty())
             };
             if writable {
                 self.ready.push_back((HubEvent::Writable { peer }, None));
@@ -184,14 +192,14 @@ impl Hub {
         total.messages = 0;
         total.bytes = 0;
         for s in self.peers.values() {
-            total.add(&s.outbox.stats());
+            total.add(&s.machine.outbox.stats());
         }
         total
     }
 
     /// `peer`'s outbox ([`Hub::post`]); `None` for a peer unknown or gone.
     pub fn outbox(&self, peer: PeerId) -> Option<OutboxStats> {
-        self.peers.get(peer).map(|s| s.outbox.stats())
+        self.peers.get(peer).map(|s| s.machine.outbox.stats())
     }
 
     /// Answers a request received from a peer at once, on the hub's thread, as

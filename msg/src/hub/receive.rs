@@ -135,15 +135,11 @@ impl Hub {
         let Some((state, mut link)) = self.split(peer) else {
             return;
         };
-        state.receiver.mark_taken(seq);
-        let _ = link.hub.set_note(peer, state.receiver.taken());
-        if peer::took(&mut state.sender, &mut state.receiver) {
-            // A failing peer: its Disconnected tells.
-            let _ = state.sender.send_committed(&mut link);
-            if state.sender.queued_frames() > 0 && !state.listed {
-                state.listed = true;
-                self.unflushed.push(peer);
-            }
+        state.machine.recv.mark_taken(seq);
+        state.machine.took(&mut link);
+        if state.machine.send.queued_frames() > 0 && !state.listed {
+            state.listed = true;
+            self.unflushed.push(peer);
         }
     }
 
@@ -171,13 +167,13 @@ impl Hub {
                 self.reassembling.swap_remove(i);
                 continue;
             };
-            state.receiver.handle_timeout(now);
-            if !state.receiver.reassembling() {
+            state.machine.recv.handle_timeout(now);
+            if !state.machine.recv.reassembling() {
                 self.reassembling.swap_remove(i);
-                queue_ready(peer, &mut state.receiver, &mut self.ready);
+                queue_ready(peer, &mut state.machine.recv, &mut self.ready);
                 continue;
             }
-            if let Some(d) = state.receiver.poll_timeout() {
+            if let Some(d) = state.machine.recv.poll_timeout() {
                 nearest = Some(nearest.map_or(d, |n| n.min(d)));
             }
             i += 1;
@@ -195,15 +191,14 @@ impl Hub {
             return;
         };
         // A failing peer: its Disconnected event tells.
-        let _ = state.receiver.advance(&mut link);
-        state.sender.learn_note(link.hub.peer_note(peer));
-        let frame_max = link.max_message().unwrap_or(0);
-        if peer::exchange_acks(&mut state.sender, &mut state.receiver, frame_max) {
-            let _ = state.sender.send_committed(&mut link);
-        }
-        let list = state.sender.queued_frames() > 0 && !state.listed;
+        let _ = state.machine.recv.advance(&mut link);
+        let _ = state.machine.exchange_acks(&mut link);
+        let list = state.machine.send.queued_frames() > 0 && !state.listed;
         state.listed |= list;
-        let (waiting, reassembling) = (state.receiver.has_waiting(), state.receiver.reassembling());
+        let (waiting, reassembling) = (
+            state.machine.recv.has_waiting(),
+            state.machine.recv.reassembling(),
+        );
         if waiting && !self.reads_waiting.contains(&peer) {
             self.reads_waiting.push(peer);
         }
@@ -214,7 +209,7 @@ impl Hub {
         }
         if let Some(state) = self.peers.get_mut(peer) {
             if !self.held.is_full(peer) {
-                queue_ready(peer, &mut state.receiver, &mut self.ready);
+                queue_ready(peer, &mut state.machine.recv, &mut self.ready);
             }
         }
         if list {
@@ -258,7 +253,7 @@ impl Hub {
             }
             Raw::Message { peer, msg } => {
                 let wakeup = self.transport.wakeups();
-                let receiver = &mut self.state(peer).receiver;
+                let receiver = &mut self.state(peer).machine.recv;
                 receiver.woken(wakeup);
                 receiver.arrive(FrameBytes::Received(msg));
                 return self.collect(peer);
@@ -267,7 +262,7 @@ impl Hub {
                 // A read of a peer already gone was counted out of the pool with it: its
                 // buffer is dropped.
                 if let Some(state) = self.peers.get_mut(peer) {
-                    state.receiver.read_done(read);
+                    state.machine.recv.read_done(read);
                     self.collect(peer);
                 }
                 return;
@@ -285,18 +280,18 @@ impl Hub {
                     calls.forget_peer(peer);
                 }
                 if let Some(mut gone) = self.peers.remove(peer) {
-                    gone.outbox.clear();
-                    self.departed_outboxes.add(&gone.outbox.stats());
+                    gone.machine.outbox.clear();
+                    self.departed_outboxes.add(&gone.machine.outbox.stats());
                     // Its last word: what its application took, as of its last grant or close.
-                    gone.sender.learn_note(last_note);
+                    gone.machine.send.learn_note(last_note);
                     // What arrived comes first: messages whose reads can no longer complete
                     // fail in their place, the others behind them are delivered.
-                    gone.receiver.abandon_reads();
-                    queue_ready(peer, &mut gone.receiver, &mut self.ready);
+                    gone.machine.recv.abandon_reads();
+                    queue_ready(peer, &mut gone.machine.recv, &mut self.ready);
                     self.departed.add(&gone.stats());
-                    let delivery = gone.sender.delivery(None);
-                    if gone.sender.keeps_copies() && delivery.unconfirmed() > 0 {
-                        let messages = gone.sender.take_unconfirmed();
+                    let delivery = gone.machine.send.delivery(None);
+                    if gone.machine.send.keeps_copies() && delivery.unconfirmed() > 0 {
+                        let messages = gone.machine.send.take_unconfirmed();
                         let ev = HubEvent::Unconfirmed {
                             peer,
                             delivery,

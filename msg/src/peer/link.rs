@@ -27,6 +27,17 @@ pub(crate) trait PeerIo {
     /// The largest frame the peer accepts.
     fn max_message(&self) -> rdmsg_transport::Result<usize>;
 
+    /// Credits we hold for sending to the peer (0 for a peer gone).
+    fn credits(&self) -> u32;
+
+    /// The count of our messages the peer's application took that its latest grant carried
+    /// (see [`rdmsg_transport::Connection::set_note`]), if one came.
+    fn peer_note(&self) -> Option<u32>;
+
+    /// The count of the peer's messages our application took, for every grant to carry from
+    /// now on.
+    fn set_note(&mut self, taken: u32);
+
     /// Exposes `pieces` to the peer's RDMA reads, each under a key of its own that only this
     /// peer can use, waiting at most `timeout` (as a send does) for room to bind them and
     /// send the descriptor that names them right after.
@@ -91,6 +102,18 @@ impl PeerIo for Connection {
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         Ok(Connection::max_message(self))
+    }
+
+    fn credits(&self) -> u32 {
+        Connection::credits(self)
+    }
+
+    fn peer_note(&self) -> Option<u32> {
+        Connection::peer_note(self)
+    }
+
+    fn set_note(&mut self, taken: u32) {
+        Connection::set_note(self, taken);
     }
 
     fn failed(&self) -> bool {
@@ -181,6 +204,18 @@ impl PeerIo for SessionPeerIo<'_> {
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         PeerIo::max_message(self.conn)
+    }
+
+    fn credits(&self) -> u32 {
+        self.conn.credits()
+    }
+
+    fn peer_note(&self) -> Option<u32> {
+        self.conn.peer_note()
+    }
+
+    fn set_note(&mut self, taken: u32) {
+        self.conn.set_note(taken);
     }
 
     fn failed(&self) -> bool {
@@ -275,6 +310,19 @@ impl PeerIo for HubPeerIo<'_> {
 
     fn max_message(&self) -> rdmsg_transport::Result<usize> {
         self.hub.max_message(self.peer)
+    }
+
+    fn credits(&self) -> u32 {
+        self.hub.credits(self.peer).unwrap_or(0)
+    }
+
+    fn peer_note(&self) -> Option<u32> {
+        self.hub.peer_note(self.peer)
+    }
+
+    fn set_note(&mut self, taken: u32) {
+        // A peer gone: its Disconnected tells.
+        let _ = self.hub.set_note(self.peer, taken);
     }
 
     fn failed(&self) -> bool {

@@ -745,6 +745,19 @@ impl SendSide {
         Ok(true)
     }
 
+    /// [`SendSide::flush_before_wait`] if a flush is due ([`SendSide::flush_due`]); `Ok(true)`
+    /// if none is, or it went.
+    pub(crate) fn flush_if_due(
+        &mut self,
+        link: &mut impl PeerIo,
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
+        if !self.flush_due() {
+            return Ok(true);
+        }
+        self.flush_before_wait(link, timeout)
+    }
+
     /// Whether something went unsolicited since the last solicited frame.
     pub(crate) fn pending(&self) -> bool {
         self.policy.pending()
@@ -754,18 +767,17 @@ impl SendSide {
     /// woken it, and if it sleeps solicited-only waiting for exactly that (a request whose
     /// answer we are about to wait for), both would wait for ever. So it is flushed first,
     /// waiting at most `timeout` for a send slot; `Ok(false)` if it is still pending. With no
-    /// credit (`credits` 0) nothing is sent: the message that spent the peer's last credit
-    /// went solicited (the transport solicits it), so the peer looks anyway.
+    /// credit nothing is sent: the message that spent the peer's last credit went solicited
+    /// (the transport solicits it), so the peer looks anyway.
     pub(crate) fn flush_before_wait(
         &mut self,
         link: &mut impl PeerIo,
-        credits: u32,
         timeout: Option<Duration>,
     ) -> Result<bool> {
         if !self.policy.pending() {
             return Ok(true);
         }
-        if credits == 0 {
+        if link.credits() == 0 {
             // The message that spent the peer's last credit went solicited (the transport
             // solicits it): the run is flushed, and its deadline with it.
             self.policy.record(true, 0);

@@ -193,7 +193,7 @@ impl Session {
     /// Whether answers given by [`Responder`]s wait to be sent (they go with the next call
     /// that drives the session: a receive, a [`Session::step`], ...).
     pub fn answers_waiting(&self) -> bool {
-        self.replies.waiting() || !self.outbox.is_empty()
+        self.replies.waiting() || !self.machine.outbox.is_empty()
     }
 
     /// Runs `hook` whenever a [`Responder`] of this session answers (on the answering
@@ -223,7 +223,7 @@ impl Session {
             None,
             &self.calls,
             &self.replies,
-            self.receiver.decoder(),
+            self.machine.recv.decoder(),
         )? {
             call::Routed::Deliver(env) => Ok(Some(env)),
             call::Routed::Consumed => {
@@ -241,8 +241,11 @@ impl Session {
     /// no receive's time.
     pub(super) fn send_replies(&mut self) -> Result<()> {
         self.queue_replies();
-        self.sender.learn_note(self.conn.peer_note());
-        let sent = self.outbox.send_ready(&mut self.sender, &mut self.conn);
+        self.machine.learn_note(&self.conn);
+        let sent = self
+            .machine
+            .outbox
+            .send_ready(&mut self.machine.send, &mut self.conn);
         self.settle_replies(sent)
     }
 
@@ -250,11 +253,13 @@ impl Session {
     pub(super) fn queue_replies(&mut self) {
         for r in self.replies.take() {
             let size = r.msg.size();
-            if self.outbox.has_room(size) {
-                self.outbox.push(r.msg, size);
+            if self.machine.outbox.has_room(size) {
+                self.machine.outbox.push(r.msg, size);
             } else {
                 call::lock(&self.calls).answer_dropped();
-                self.outbox.refuse_answer(Box::new(call::no_answer(r.id)));
+                self.machine
+                    .outbox
+                    .refuse_answer(Box::new(call::no_answer(r.id)));
             }
         }
     }
@@ -278,7 +283,7 @@ impl Session {
 
     /// The connection failed: answers waiting to go never will.
     pub(super) fn drop_unsent(&mut self) {
-        let lost = self.outbox.clear() + self.replies.take().len();
+        let lost = self.machine.outbox.clear() + self.replies.take().len();
         if lost > 0 {
             let mut calls = call::lock(&self.calls);
             for _ in 0..lost {

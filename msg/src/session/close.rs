@@ -10,7 +10,7 @@ impl Session {
     /// lent messages it had not read by then (the connection is closed all the same). The
     /// close message tells the peer how many of its messages we took.
     pub fn close(self) -> Result<()> {
-        let keep = self.sender.keeps_copies();
+        let keep = self.machine.send.keeps_copies();
         self.close_inner(keep).0
     }
 
@@ -32,7 +32,7 @@ impl Session {
     /// seen to take (committed ones never sent included), without waiting for its record
     /// as [`Session::close_with_record`] does.
     pub fn close_with_delivery(self) -> Closed {
-        let keep = self.sender.keeps_copies();
+        let keep = self.machine.send.keeps_copies();
         let (result, delivery, unconfirmed) = self.close_inner(keep);
         Closed {
             result,
@@ -48,7 +48,7 @@ impl Session {
         // Answers given before the close go before it.
         self.queue_replies();
         let (sender, link) = absorbing!(self);
-        let waited = closing.wait(sender, link, &mut self.outbox);
+        let waited = closing.wait(sender, link, &mut self.machine.outbox);
         if let Ok(w) = &waited {
             let mut calls = call::lock(&self.calls);
             for _ in 0..w.dropped {
@@ -57,10 +57,10 @@ impl Session {
         }
         // Answers that found no room in time: their callers time out.
         self.drop_unsent();
-        self.sender.learn_note(self.conn.peer_note());
-        let delivery = self.sender.delivery(None);
-        let unsent = self.sender.committed_waiting();
-        let unconfirmed = self.sender.take_unconfirmed();
+        self.machine.learn_note(&self.conn);
+        let delivery = self.machine.send.delivery(None);
+        let unsent = self.machine.send.committed_waiting();
+        let unconfirmed = self.machine.send.take_unconfirmed();
         // The connection's close whatever came before (a failed one says so at once).
         let closed = self.conn.close_by(closing.deadline());
         let result = waited.and_then(|w| {

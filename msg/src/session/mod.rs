@@ -11,7 +11,9 @@ use crate::codec::{Decoder, Envelope};
 use crate::drive::earliest;
 use crate::error::unread_error;
 use crate::held::Held;
-use crate::peer::{self, Closing, Delivery, Outbox, RecvSide, SendSide, SessionPeerIo};
+use crate::peer::{
+    self, Closing, Delivery, Outbox, PeerMachine, RecvSide, SendSide, SessionPeerIo,
+};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result, SessionConfig, SessionStats};
 
@@ -21,15 +23,13 @@ use crate::{Message, Result, SessionConfig, SessionStats};
 #[derive(Debug)]
 pub struct Session {
     conn: Connection,
-    sender: SendSide,
-    receiver: RecvSide,
+    /// The peer's protocol state: sending side, receiving side, outbox (answers taken from
+    /// `replies` that could not go yet, within [`SessionConfig::max_outbox_bytes`]).
+    machine: PeerMachine,
     /// Our calls waiting for answers.
     calls: Calls,
     /// Answers to the peer's requests given on other threads (or by dropped responders).
     replies: Arc<Replies>,
-    /// Answers taken from `replies` that could not go yet (a non-blocking call), within
-    /// [`SessionConfig::max_outbox_bytes`].
-    outbox: Outbox,
     /// Messages that arrived while a call waited for its answer: handed out first. At
     /// [`SessionConfig::max_held_bytes`], nothing more is taken in (see [`Session::hold`]).
     held: Held<(), Result<Envelope>>,
@@ -44,10 +44,10 @@ pub struct Session {
 macro_rules! absorbing {
     ($self:ident) => {
         (
-            &mut $self.sender,
+            &mut $self.machine.send,
             &mut SessionPeerIo {
                 conn: &mut $self.conn,
-                receiver: &mut $self.receiver,
+                receiver: &mut $self.machine.recv,
             },
         )
     };
@@ -81,13 +81,15 @@ impl Session {
             // An answer given on another thread wakes whoever waits on the connection (its
             // waker made when the first request arrives).
             replies: Replies::new(None),
-            outbox: Outbox::new(config.max_outbox_bytes),
             held: Held::new(config.max_held_bytes),
             waiting_call: false,
             answered: false,
-            sender: SendSide::new(&config, conn.peer().recv_depth)
-                .with_peer_max_read(conn.peer().max_read),
-            receiver: RecvSide::new(Decoder::new(config.max_message), pool),
+            machine: PeerMachine::new(
+                SendSide::new(&config, conn.peer().recv_depth)
+                    .with_peer_max_read(conn.peer().max_read),
+                RecvSide::new(Decoder::new(config.max_message), pool),
+                Outbox::new(config.max_outbox_bytes),
+            ),
             conn,
         }
     }
@@ -96,7 +98,7 @@ impl Session {
     /// [`crate::Error::UnknownTag`] (a fragmented one at its first fragment, before anything
     /// of it is buffered). [`crate::Error::DuplicateTag`] if `M`'s tag is registered already.
     pub fn register<M: Message>(&mut self) -> Result<&mut Self> {
-        self.receiver.register::<M>()?;
+        self.machine.recv.register::<M>()?;
         Ok(self)
     }
 
@@ -115,7 +117,7 @@ impl Session {
         SessionStats {
             credit_waits: self.conn.stats().credit_stalls,
             wakeups: self.conn.wakeups(),
-            ..peer::stats(&self.sender, &self.receiver)
+            ..self.machine.stats()
         }
     }
 
@@ -124,7 +126,7 @@ impl Session {
     /// below [`Delivery::taken`] were taken). The peer's count rides every frame it sends,
     /// and a sender with many messages unconfirmed asks for it, so it is never far behind.
     pub fn delivery(&self) -> Delivery {
-        self.sender.delivery(self.conn.peer_note())
+        self.machine.send.delivery(self.conn.peer_note())
     }
 
     /// Once the connection has ended (a fatal error from a receive or a send), the messages
@@ -136,8 +138,8 @@ impl Session {
     /// frames; RDMA says nothing of what an application did).
     pub fn take_unconfirmed(&mut self) -> Option<Vec<Envelope>> {
         self.conn.failure()?;
-        self.sender.learn_note(self.conn.peer_note());
-        Some(self.sender.take_unconfirmed())
+        self.machine.learn_note(&self.conn);
+        Some(self.machine.send.take_unconfirmed())
     }
 
     /// Receives the next message, waiting as long as it takes. A bad frame gives its error
@@ -168,10 +170,7 @@ impl Session {
     /// request of the peer's it reaches is answered (sent if it can go now; else with the
     /// next call that sends: a failure comes from the next receive).
     fn took(&mut self) {
-        self.conn.set_note(self.receiver.taken());
-        if peer::took(&mut self.sender, &mut self.receiver) {
-            let _ = self.sender.send_committed(&mut self.conn);
-        }
+        self.machine.took(&mut self.conn);
     }
 
     fn recv_inner(&mut self, timeout: Option<Duration>) -> Result<Option<Envelope>> {
@@ -194,7 +193,7 @@ impl Session {
             // deadline needs it.
             let (mut now, mut passed, left) =
                 self.clock(deadline, first.take(), waited_from.take());
-            if self.sender.queued_frames() > 0 || self.sender.flush_due() {
+            if self.machine.send.queued_frames() > 0 || self.machine.send.flush_due() {
                 // Only if this would wait: what has arrived is taken first.
                 if let Some(env) = self.try_recv_inner()? {
                     return Ok(Some(env));
@@ -215,12 +214,9 @@ impl Session {
                     }
                     continue;
                 }
-                if self.sender.flush_due() {
-                    let credits = self.conn.credits();
-                    if let Err(e) = self.sender.flush_before_wait(&mut self.conn, credits, left) {
-                        self.before_failure(e)?;
-                        continue;
-                    }
+                if let Err(e) = self.machine.send.flush_if_due(&mut self.conn, left) {
+                    self.before_failure(e)?;
+                    continue;
                 }
                 // Those sends may have waited, and left a flush deadline of their own.
                 (now, passed, _) = self.clock(deadline, None, None);
@@ -234,13 +230,13 @@ impl Session {
                     None => continue,
                 }
             }
-            if self.replies.waiting() || !self.outbox.is_empty() {
+            if self.replies.waiting() || !self.machine.outbox.is_empty() {
                 self.send_replies()?;
             }
             if self.waiting_call && self.answered {
                 continue;
             }
-            let advanced = self.receiver.advance(&mut self.conn);
+            let advanced = self.machine.recv.advance(&mut self.conn);
             if advanced.is_ok() && self.has_received() {
                 // Frames parked until now were taken in (behind a head whose read could start,
                 // or a bound that lifted): handed out before any wait. Their receive buffers
@@ -248,7 +244,7 @@ impl Session {
                 continue;
             }
             // Answers given meanwhile, or a credit for those waiting, end the wait.
-            let (replies, unsent) = (&self.replies, !self.outbox.is_empty());
+            let (replies, unsent) = (&self.replies, !self.machine.outbox.is_empty());
             let interrupted = |c: &Connection| replies.waiting() || (unsent && c.credits() > 0);
             let arrival = advanced.and_then(|()| {
                 Ok(match now {
@@ -256,7 +252,7 @@ impl Session {
                         waited_from = Some(now);
                         // One deadline, the nearer of the caller's and a flush's, counted from
                         // this turn's time: the connection derives none of its own.
-                        let limit = earliest(deadline, self.sender.flush_deadline());
+                        let limit = earliest(deadline, self.machine.send.flush_deadline());
                         self.conn
                             .recv_any_interruptible_until(limit, now, interrupted)?
                     }
@@ -277,7 +273,7 @@ impl Session {
         known: Option<Instant>,
         waited_from: Option<Instant>,
     ) -> (Option<Instant>, bool, Option<Duration>) {
-        let needed = deadline.is_some() || self.sender.flush_deadline().is_some();
+        let needed = deadline.is_some() || self.machine.send.flush_deadline().is_some();
         let now = needed.then(|| match (known, waited_from) {
             (Some(now), _) => now,
             // A connection that returned without polling or sleeping is still at our time:
@@ -301,7 +297,7 @@ impl Session {
     fn take_arrival(&mut self, arrival: Result<Option<rdmsg_transport::Arrival>>) -> Result<bool> {
         match arrival {
             Ok(Some(a)) => {
-                self.receiver.accept(a);
+                self.machine.recv.accept(a);
                 self.exchange_acks()?;
                 Ok(true)
             }
@@ -323,9 +319,9 @@ impl Session {
             call::lock(&self.calls)
                 .fail_peer(None, || rdmsg_transport::Error::Connection(f).into());
             self.drop_unsent();
-            self.receiver.abandon_reads();
+            self.machine.recv.abandon_reads();
             // (Unless a call's wait keeps all it may: then the calls have their outcome.)
-            if self.receiver.has_ready() && !self.held.is_full(()) {
+            if self.machine.recv.has_ready() && !self.held.is_full(()) {
                 return Ok(());
             }
         }
@@ -343,7 +339,7 @@ impl Session {
     }
 
     fn try_recv_inner(&mut self) -> Result<Option<Envelope>> {
-        if self.replies.waiting() || !self.outbox.is_empty() {
+        if self.replies.waiting() || !self.machine.outbox.is_empty() {
             self.send_replies()?;
         }
         loop {
@@ -353,7 +349,7 @@ impl Session {
                     None => continue,
                 }
             }
-            let advanced = self.receiver.advance(&mut self.conn);
+            let advanced = self.machine.recv.advance(&mut self.conn);
             if advanced.is_ok() && self.has_received() {
                 // Parked frames taken in just now.
                 continue;
@@ -369,16 +365,10 @@ impl Session {
     /// they can go now. Not on a failed connection: its failure comes from the next receive,
     /// after what arrived before it.
     fn exchange_acks(&mut self) -> Result<()> {
-        self.sender.learn_note(self.conn.peer_note());
-        let frame_max = self.conn.max_message();
-        if peer::exchange_acks(&mut self.sender, &mut self.receiver, frame_max) {
-            if let Err(e) = self.sender.send_committed(&mut self.conn) {
-                if self.conn.failure().is_none() {
-                    return Err(e);
-                }
-            }
+        match self.machine.exchange_acks(&mut self.conn) {
+            Err(e) if self.conn.failure().is_none() => Err(e),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// An iterator over received messages; it skips non-fatal errors (bad frames, unknown
@@ -404,32 +394,30 @@ impl Session {
         while self.conn.has_ready() {
             match self.conn.try_recv_any()? {
                 Some(a) => {
-                    self.receiver.accept(a);
+                    self.machine.recv.accept(a);
                     took = true;
                 }
                 None => break,
             }
         }
         self.exchange_acks()?;
-        if self.receiver.has_waiting() {
-            self.receiver.advance(&mut self.conn)?;
+        if self.machine.recv.has_waiting() {
+            self.machine.recv.advance(&mut self.conn)?;
         }
-        let answered = (self.replies.waiting() || !self.outbox.is_empty()) && {
-            let before = self.outbox.stats().messages;
+        let answered = (self.replies.waiting() || !self.machine.outbox.is_empty()) && {
+            let before = self.machine.outbox.stats().messages;
             self.send_replies()?;
-            self.outbox.stats().messages != before || self.outbox.is_empty()
+            self.machine.outbox.stats().messages != before || self.machine.outbox.is_empty()
         };
         let sent = answered
-            || self.sender.queued_frames() > 0 && {
-                let before = self.sender.queued_frames();
-                self.sender.send_committed(&mut self.conn)?;
-                self.sender.queued_frames() != before
+            || self.machine.send.queued_frames() > 0 && {
+                let before = self.machine.send.queued_frames();
+                self.machine.send.send_committed(&mut self.conn)?;
+                self.machine.send.queued_frames() != before
             };
-        if self.sender.flush_due() {
-            let credits = self.conn.credits();
-            self.sender
-                .flush_before_wait(&mut self.conn, credits, Some(Duration::ZERO))?;
-        }
+        self.machine
+            .send
+            .flush_if_due(&mut self.conn, Some(Duration::ZERO))?;
         // What was taken in may have freed room for a send: look again before waiting.
         // (Messages ready stay ready: callers look with `has_ready`/`try_recv`.)
         Ok(self.conn.step()? || sent || took)
@@ -446,7 +434,7 @@ impl Session {
     pub fn next_timeout(&self) -> Option<Duration> {
         // A flush already due but stuck (no send slot) is retried a millisecond on, not in a
         // spin. The clock is read only for a flush waiting.
-        let flush = self.sender.flush_deadline().map(|d| {
+        let flush = self.machine.send.flush_deadline().map(|d| {
             d.saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1))
         });
@@ -456,7 +444,7 @@ impl Session {
     /// Whether a message (or a frame to take) is there for [`Session::try_recv`] without
     /// waiting.
     pub fn has_ready(&self) -> bool {
-        !self.held.is_empty() || self.receiver.has_ready() || self.conn.has_ready()
+        !self.held.is_empty() || self.machine.recv.has_ready() || self.conn.has_ready()
     }
 
     /// Keeps what a call's wait took in for `recv`, holding no receive buffer. At
@@ -470,7 +458,7 @@ impl Session {
         });
         let body = got.as_ref().map_or(0, |env| env.body().len());
         if self.held.push(Some(()), got, body) {
-            self.receiver.hold_back(true);
+            self.machine.recv.hold_back(true);
         }
     }
 
@@ -479,14 +467,14 @@ impl Session {
     fn take_held(&mut self) -> Option<Result<Envelope>> {
         let (got, _, freed) = self.held.pop()?;
         if freed {
-            self.receiver.hold_back(false);
+            self.machine.recv.hold_back(false);
         }
         Some(got)
     }
 
     /// Whether [`Session::next_received`] has a message to hand out.
     fn has_received(&self) -> bool {
-        self.receiver.has_ready() && !self.held.is_full(())
+        self.machine.recv.has_ready() && !self.held.is_full(())
     }
 
     /// The next message the receiver has in order, unless what calls' waits keep is at its
@@ -496,7 +484,7 @@ impl Session {
         if self.held.is_full(()) {
             return None;
         }
-        self.receiver.pop()
+        self.machine.recv.pop()
     }
 }
 

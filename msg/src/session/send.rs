@@ -55,8 +55,8 @@ impl Session {
     /// follow as credits come, driven by any later call (a [`Session::step`] included),
     /// before anything sent after it. For event loops and async runtimes: it never blocks.
     pub fn try_send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<bool> {
-        self.sender.learn_note(self.conn.peer_note());
-        self.sender.try_send_as(&mut self.conn, m, solicited)
+        self.machine.learn_note(&self.conn);
+        self.machine.send.try_send_as(&mut self.conn, m, solicited)
     }
 
     /// Commits `m` to go, without waiting: it is sent now if it can go, else encoded
@@ -68,15 +68,17 @@ impl Session {
     /// ended is among [`Session::take_unconfirmed`]'s). For the async layer's
     /// reserve-then-send: wait for [`Session::ready_to_send`], then commit.
     pub fn commit_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
-        self.sender.learn_note(self.conn.peer_note());
-        self.sender.commit_as(&mut self.conn, m, solicited)
+        self.machine.learn_note(&self.conn);
+        self.machine.send.commit_as(&mut self.conn, m, solicited)
     }
 
     /// Whether a message can very likely go at once: nothing committed waits before it, the
     /// peer has a credit, and the window of messages not yet confirmed has room. (A send
     /// slot, or rendezvous room for a large message, may still be missing.)
     pub fn ready_to_send(&self) -> bool {
-        self.sender.queued_frames() == 0 && self.conn.credits() > 0 && self.sender.has_room()
+        self.machine.send.queued_frames() == 0
+            && self.conn.credits() > 0
+            && self.machine.send.has_room()
     }
 
     /// [`Session::try_send_as`] with the type's own solicitation.
@@ -87,21 +89,22 @@ impl Session {
     /// Whether a sent message's frames are still waiting for credits (see
     /// [`Session::try_send_as`]).
     pub fn has_queued_frames(&self) -> bool {
-        self.sender.queued_frames() > 0
+        self.machine.send.queued_frames() > 0
     }
 
     /// Whether anything went unsolicited since the last solicited frame.
     pub fn unsolicited_pending(&self) -> bool {
-        self.sender.pending()
+        self.machine.send.pending()
     }
 
     /// [`Session::flush`] without waiting: sends the committed frames and the flush that can
     /// go now; whether nothing is left to send (no frame queued, nothing unsolicited unflushed).
     pub fn try_flush(&mut self) -> Result<bool> {
-        self.sender.send_committed(&mut self.conn)?;
-        self.sender
+        self.machine.send.send_committed(&mut self.conn)?;
+        self.machine
+            .send
             .flush_within(&mut self.conn, Some(Duration::ZERO))?;
-        Ok(!self.sender.pending() && self.sender.queued_frames() == 0)
+        Ok(!self.machine.send.pending() && self.machine.send.queued_frames() == 0)
     }
 
     /// Whether unsolicited sends may wait for a solicited one within a bound
@@ -109,7 +112,7 @@ impl Session {
     /// threads or tasks solicits a message sent while a receiver waits unless this holds
     /// (see [`Session::split`]).
     pub fn delays_unsolicited(&self) -> bool {
-        self.sender.delay_allowed()
+        self.machine.send.delay_allowed()
     }
 
     /// Whether a message its sender asked to solicit (`requested`) or not goes solicited when

@@ -99,6 +99,17 @@ impl PeerIo for Wire {
         Ok(self.max)
     }
 
+    fn credits(&self) -> u32 {
+        u32::try_from(self.room).unwrap_or(u32::MAX)
+    }
+
+    /// The test wire has no grants: the record rides frames only.
+    fn peer_note(&self) -> Option<u32> {
+        None
+    }
+
+    fn set_note(&mut self, _taken: u32) {}
+
     fn failed(&self) -> bool {
         false
     }
@@ -226,25 +237,27 @@ fn a_wait_flushes_what_went_unsolicited_once_and_only_with_a_credit() {
     let mut tx = SendSide::new(&config(100), 64);
     let mut wire = Wire::new(256);
     let zero = Some(Duration::ZERO);
-    assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert!(tx.flush_before_wait(&mut wire, zero).unwrap());
     assert!(wire.frames.is_empty(), "nothing pending, nothing sent");
     tx.send_as(&mut wire, &Other(1), false).unwrap();
     // No credit: the transport solicited the message that spent the last one, so the run
     // counts as flushed (its deadline too).
-    assert!(tx.flush_before_wait(&mut wire, 0, zero).unwrap());
+    let room = std::mem::replace(&mut wire.room, 0);
+    assert!(tx.flush_before_wait(&mut wire, zero).unwrap());
+    wire.room = room;
     assert_eq!(wire.frames.len(), 1);
     assert!(!tx.pending());
     tx.send_as(&mut wire, &Other(2), false).unwrap();
     // No send slot now: still pending, nothing sent, no sequence number used.
     wire.full = true;
-    assert!(!tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert!(!tx.flush_before_wait(&mut wire, zero).unwrap());
     assert!(tx.pending());
     wire.full = false;
-    assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert!(tx.flush_before_wait(&mut wire, zero).unwrap());
     assert_eq!(wire.frames.len(), 3);
     assert!(wire.frames[2].1, "the nudge is solicited");
     assert!(!tx.pending());
-    assert!(tx.flush_before_wait(&mut wire, 5, zero).unwrap());
+    assert!(tx.flush_before_wait(&mut wire, zero).unwrap());
     assert_eq!((wire.frames.len(), tx.stats.wait_flushes), (3, 1));
 }
 
