@@ -15,7 +15,7 @@ use std::task::{ready, Context, Poll};
 use futures_core::Stream;
 use futures_sink::Sink;
 
-use crate::stream::{poll_wait, Receives, Receiving, Waiting};
+use crate::stream::{poll_wait, Receives, Waiting};
 
 use crate::{Error, Result};
 
@@ -136,12 +136,12 @@ impl AsyncHub {
 
     /// The next event (cancel-safe).
     pub async fn recv(&self) -> Result<HubEvent> {
-        self.shared.run(true, |h, _| Ok(h.try_recv()?)).await
+        self.shared.recv().await
     }
 
     /// An event that has already happened, without waiting.
     pub fn try_recv(&self) -> Result<Option<HubEvent>> {
-        self.with_hub(|h| Ok(h.try_recv()?))
+        self.shared.try_recv()
     }
 
     /// Sends `m` to `peer`, solicited or not as its type says, waiting for its credits (and
@@ -249,21 +249,11 @@ impl AsyncHub {
 /// Cancel-safe as [`AsyncHub::recv`].
 #[must_use = "streams do nothing unless polled"]
 #[derive(Debug)]
-pub struct HubEvents(Receives<AsyncHub>);
+pub struct HubEvents(Receives<Hub>);
 
 impl HubEvents {
     pub(crate) fn new(hub: AsyncHub) -> Self {
-        Self(Receives::new(hub))
-    }
-}
-
-impl Receiving for AsyncHub {
-    type Item = HubEvent;
-    fn try_next(&self) -> Result<Option<HubEvent>> {
-        self.try_recv()
-    }
-    fn next(self) -> Waiting<Result<HubEvent>> {
-        Box::pin(async move { self.recv().await })
+        Self(Receives::new(hub.shared))
     }
 }
 

@@ -15,7 +15,7 @@ use std::task::{ready, Context, Poll};
 use futures_core::Stream;
 use futures_sink::Sink;
 
-use crate::stream::{poll_wait, Receives, Receiving, Waiting};
+use crate::stream::{poll_wait, Receives, Waiting};
 
 use crate::{Error, Result};
 
@@ -252,13 +252,12 @@ impl AsyncSession {
 
     /// Receives the next message (cancel-safe).
     pub async fn recv(&self) -> Result<Envelope> {
-        self.shared.run(true, |s, _| Ok(s.try_recv()?)).await
+        self.shared.recv().await
     }
 
     /// A message that has already arrived, without waiting.
     pub fn try_recv(&self) -> Result<Option<Envelope>> {
-        let mut s = self.shared.lock()?;
-        Ok(self.shared.signalling(&mut s, |s| s.try_recv())?)
+        self.shared.try_recv()
     }
 
     /// Sends what was committed and, if anything went unsolicited since the last solicited
@@ -370,26 +369,20 @@ fn reserve(s: &Session, shared: &SharedDriver<Session>) -> bool {
 /// nothing: a message is taken only in the poll that returns it.
 #[must_use = "streams do nothing unless polled"]
 #[derive(Debug)]
-pub struct SessionStream(Receives<AsyncSession>);
+pub struct SessionStream {
+    session: AsyncSession,
+    receives: Receives<Session>,
+}
 
 impl SessionStream {
     pub(crate) fn new(session: AsyncSession) -> Self {
-        Self(Receives::new(session))
+        let receives = Receives::new(Arc::clone(&session.shared));
+        Self { session, receives }
     }
 
     /// The session it reads.
     pub fn session(&self) -> &AsyncSession {
-        &self.0.handle
-    }
-}
-
-impl Receiving for AsyncSession {
-    type Item = Envelope;
-    fn try_next(&self) -> Result<Option<Envelope>> {
-        self.try_recv()
-    }
-    fn next(self) -> Waiting<Result<Envelope>> {
-        Box::pin(async move { self.recv().await })
+        &self.session
     }
 }
 
@@ -397,7 +390,7 @@ impl Stream for SessionStream {
     type Item = Result<Envelope>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.get_mut().0.poll_next(cx)
+        self.get_mut().receives.poll_next(cx)
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdmsg_msg::{Call, Delivery, Envelope, Hub, Message, Session, SessionStats};
+use rdmsg_msg::{Call, Delivery, Envelope, Hub, HubEvent, Message, Session, SessionStats};
 use serde::de::DeserializeOwned;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
@@ -16,6 +16,10 @@ use crate::{Error, Result};
 
 /// What a shared handle drives: a session or a hub.
 pub(crate) trait Drive: AsFd + Send + 'static {
+    /// What a receive hands out: a session's message, a hub's event.
+    type Received: Send + 'static;
+    /// What has arrived, without waiting (see `Session::try_recv`, `Hub::try_recv`).
+    fn try_recv(&mut self) -> rdmsg_msg::Result<Option<Self::Received>>;
     /// The non-blocking step before a wait; whether it handled anything.
     fn step(&mut self) -> Result<bool>;
     /// Longest wait before the next step.
@@ -47,9 +51,12 @@ pub(crate) trait Drive: AsFd + Send + 'static {
     fn expire<T: Message + DeserializeOwned>(&mut self, call: Call<T>) -> rdmsg_msg::Result<T>;
 }
 
-/// The [`Drive`] methods for calls, the same on a session and a hub.
+/// The [`Drive`] methods for receives and calls, the same on a session and a hub.
 macro_rules! drive_calls {
     ($ty:ty) => {
+        fn try_recv(&mut self) -> rdmsg_msg::Result<Option<Self::Received>> {
+            <$ty>::try_recv(self)
+        }
         fn poll_calls(&mut self) -> rdmsg_msg::Result<bool> {
             <$ty>::poll_calls(self)
         }
@@ -66,6 +73,7 @@ macro_rules! drive_calls {
 }
 
 impl Drive for Session {
+    type Received = Envelope;
     fn step(&mut self) -> Result<bool> {
         Ok(Session::step(self)?)
     }
@@ -97,6 +105,7 @@ impl Drive for Session {
 }
 
 impl Drive for Hub {
+    type Received = HubEvent;
     fn step(&mut self) -> Result<bool> {
         Ok(Hub::step(self)? > 0)
     }
@@ -210,6 +219,17 @@ impl Drop for Counted<'_> {
 }
 
 impl<D: Drive> SharedDriver<D> {
+    /// What has arrived (a message, a hub's event), without waiting.
+    pub(crate) fn try_recv(&self) -> Result<Option<D::Received>> {
+        let mut d = self.lock()?;
+        Ok(self.signalling(&mut d, |d| d.try_recv())?)
+    }
+
+    /// The next arrival (a message, a hub's event), waited for (cancel-safe).
+    pub(crate) async fn recv(&self) -> Result<D::Received> {
+        self.run(true, |d, _| Ok(d.try_recv()?)).await
+    }
+
     /// The shared state, and a ticker task that wakes its waiters every [`Drive::tick`] (the
     /// health check) for as long as a handle lives.
     pub(crate) fn start(driven: D, op: &'static str) -> Result<Arc<Self>> {

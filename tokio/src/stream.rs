@@ -6,8 +6,10 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
+use crate::shared::{Drive, SharedDriver};
 use crate::{Error, Result};
 
 /// The one wait a stream or sink has in progress.
@@ -35,24 +37,16 @@ pub(crate) fn poll_wait<T>(
     Poll::Ready(done)
 }
 
-/// A handle whose receives a stream yields.
-pub(crate) trait Receiving: Clone + Send + Sync + 'static {
-    type Item: Send + 'static;
-    /// What is there already, without waiting.
-    fn try_next(&self) -> Result<Option<Self::Item>>;
-    /// The next one, waited for (cancel-safe).
-    fn next(self) -> Waiting<Result<Self::Item>>;
-}
-
-/// A stream of a handle's receives: what is there is taken without a future, else one boxed
-/// wait; it ends at the peer's graceful close or after a fatal error (see [`ending`]).
-pub(crate) struct Receives<H: Receiving> {
-    pub(crate) handle: H,
-    next: Option<Waiting<Result<H::Item>>>,
+/// A stream of a session's or hub's receives: what is there is taken without a future, else
+/// one boxed wait; it ends at the peer's graceful close or after a fatal error (see
+/// [`ending`]).
+pub(crate) struct Receives<D: Drive> {
+    shared: Arc<SharedDriver<D>>,
+    next: Option<Waiting<Result<D::Received>>>,
     done: bool,
 }
 
-impl<H: Receiving> std::fmt::Debug for Receives<H> {
+impl<D: Drive> std::fmt::Debug for Receives<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Receives")
             .field("waiting", &self.next.is_some())
@@ -61,28 +55,31 @@ impl<H: Receiving> std::fmt::Debug for Receives<H> {
     }
 }
 
-impl<H: Receiving> Receives<H> {
-    pub(crate) fn new(handle: H) -> Self {
+impl<D: Drive> Receives<D> {
+    pub(crate) fn new(shared: Arc<SharedDriver<D>>) -> Self {
         Self {
-            handle,
+            shared,
             next: None,
             done: false,
         }
     }
 
-    pub(crate) fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<H::Item>>> {
+    pub(crate) fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<D::Received>>> {
         if self.done {
             return Poll::Ready(None);
         }
         if self.next.is_none() {
-            match self.handle.try_next() {
+            match self.shared.try_recv() {
                 Ok(Some(item)) => return Poll::Ready(Some(Ok(item))),
                 Ok(None) => {}
                 Err(e) => return Poll::Ready(ending(&mut self.done, e)),
             }
         }
-        let handle = &self.handle;
-        let got = ready!(poll_wait(&mut self.next, cx, || handle.clone().next()));
+        let shared = &self.shared;
+        let got = ready!(poll_wait(&mut self.next, cx, || {
+            let shared = Arc::clone(shared);
+            Box::pin(async move { shared.recv().await })
+        }));
         Poll::Ready(match got {
             Ok(item) => Some(Ok(item)),
             Err(e) => ending(&mut self.done, e),

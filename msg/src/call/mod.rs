@@ -461,6 +461,54 @@ where
     }
 }
 
+/// A front end's four methods for the calls it started (`wait`, `wait_any`, `try_wait`,
+/// `expire`), written once for a session and a hub: each does its work in this module, over
+/// the front end's [`CallHost`]. The docs, one block before each name, are the front end's.
+macro_rules! call_waits {
+    (
+        $(#[$wait:meta])* wait;
+        $(#[$wait_any:meta])* wait_any;
+        $(#[$try_wait:meta])* try_wait;
+        $(#[$expire:meta])* expire;
+    ) => {
+        $(#[$wait])*
+        pub fn wait<T>(&mut self, call: $crate::Call<T>) -> $crate::Result<T>
+        where
+            T: $crate::Message + serde::de::DeserializeOwned,
+        {
+            $crate::call::wait(self, call)
+        }
+
+        $(#[$wait_any])*
+        pub fn wait_any<T>(
+            &mut self,
+            calls: &mut Vec<$crate::Call<T>>,
+        ) -> Option<(usize, $crate::Result<T>)>
+        where
+            T: $crate::Message + serde::de::DeserializeOwned,
+        {
+            $crate::call::wait_any(self, calls)
+        }
+
+        $(#[$try_wait])*
+        pub fn try_wait<T>(&mut self, call: &$crate::Call<T>) -> Option<$crate::Result<T>>
+        where
+            T: $crate::Message + serde::de::DeserializeOwned,
+        {
+            call.take_outcome().map($crate::call::finish)
+        }
+
+        $(#[$expire])*
+        pub fn expire<T>(&mut self, call: $crate::Call<T>) -> $crate::Result<T>
+        where
+            T: $crate::Message + serde::de::DeserializeOwned,
+        {
+            call.expire_or_take().and_then($crate::call::finish)
+        }
+    };
+}
+pub(crate) use call_waits;
+
 /// A front end whose calls wait: a session, or a hub.
 pub(crate) trait CallHost {
     /// Takes in, without waiting, what has arrived: answers go to their calls, the rest is

@@ -72,26 +72,21 @@ impl Hub {
         }
     }
 
-    /// Waits for `call`'s answer until its deadline, driving the hub (events wait for
-    /// [`Hub::recv`]). As in [`crate::Session::wait`], an answer already here when the
-    /// deadline is judged is the answer.
-    pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call::wait(self, call)
-    }
-
-    /// Waits for the first of `calls` to end (see [`crate::Session::wait_any`]), driving the
-    /// hub (events wait for [`Hub::recv`]). Each peer's events kept so are bounded by
-    /// [`SessionConfig::max_held_bytes`]: a peer at its bound is taken nothing more from (its
-    /// messages stay in their receive buffers with its credits, so it stops; a call to it
-    /// ends at its deadline if its answer is behind them), while the others go on.
-    pub fn wait_any<T>(&mut self, calls: &mut Vec<Call<T>>) -> Option<(usize, Result<T>)>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call::wait_any(self, calls)
+    call::call_waits! {
+        /// Waits for `call`'s answer until its deadline, driving the hub (events wait for
+        /// [`Hub::recv`]). As in [`crate::Session::wait`], an answer already here when the
+        /// deadline is judged is the answer.
+        wait;
+        /// Waits for the first of `calls` to end (see [`crate::Session::wait_any`]), driving the
+        /// hub (events wait for [`Hub::recv`]). Each peer's events kept so are bounded by
+        /// [`SessionConfig::max_held_bytes`]: a peer at its bound is taken nothing more from (its
+        /// messages stay in their receive buffers with its credits, so it stops; a call to it
+        /// ends at its deadline if its answer is behind them), while the others go on.
+        wait_any;
+        /// The call's answer if it is in, without waiting (`None`: not yet).
+        try_wait;
+        /// The answer of a call whose waiter gave up (see [`crate::Session::expire`]).
+        expire;
     }
 
     /// Takes in, without waiting, everything that has happened: answers go to their calls,
@@ -166,22 +161,6 @@ impl Hub {
     /// [`SessionConfig::max_held_bytes`] and one message.
     pub fn held_bytes(&self, peer: PeerId) -> usize {
         self.held.bytes(peer)
-    }
-
-    /// The answer of a call whose waiter gave up (see [`crate::Session::expire`]).
-    pub fn expire<T>(&mut self, call: Call<T>) -> Result<T>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call.expire_or_take().and_then(call::finish)
-    }
-
-    /// The call's answer if it is in, without waiting (`None`: not yet).
-    pub fn try_wait<T>(&mut self, call: &Call<T>) -> Option<Result<T>>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call.take_outcome().map(call::finish)
     }
 
     /// Counts of calls made and served, over every peer, present and past.

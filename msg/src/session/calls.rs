@@ -95,32 +95,29 @@ impl Session {
         }
     }
 
-    /// Waits for `call`'s answer until its deadline, taking in what arrives meanwhile:
-    /// messages (and the errors that come in their place) wait for [`Session::recv`], in
-    /// order, out of their receive buffers so that they hold none of the peer's credits.
-    /// Handing them out of the session counts them taken in the delivery record. The
-    /// deadline is judged on what has arrived: an answer already in the connection when the
-    /// caller comes to wait, past the deadline (its thread busy elsewhere), is the answer.
-    ///
-    /// What is kept so is bounded ([`SessionConfig::max_held_bytes`]): at the bound the wait
-    /// takes nothing more in, the peer's messages stay in their receive buffers with its
-    /// credits, and a peer that keeps sending stops. An answer behind them is then not seen:
-    /// the call ends at its deadline, unless the connection fails first.
-    pub fn wait<T>(&mut self, call: Call<T>) -> Result<T>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call::wait(self, call)
-    }
-
-    /// Waits for the first of `calls` to end (its answer, its failure or its deadline),
-    /// taking in what arrives meanwhile as [`Session::wait`] does: removes it from `calls`
-    /// and returns where it was and what it came to; `None` once `calls` is empty.
-    pub fn wait_any<T>(&mut self, calls: &mut Vec<Call<T>>) -> Option<(usize, Result<T>)>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call::wait_any(self, calls)
+    call::call_waits! {
+        /// Waits for `call`'s answer until its deadline, taking in what arrives meanwhile:
+        /// messages (and the errors that come in their place) wait for [`Session::recv`], in
+        /// order, out of their receive buffers so that they hold none of the peer's credits.
+        /// Handing them out of the session counts them taken in the delivery record. The
+        /// deadline is judged on what has arrived: an answer already in the connection when the
+        /// caller comes to wait, past the deadline (its thread busy elsewhere), is the answer.
+        ///
+        /// What is kept so is bounded ([`SessionConfig::max_held_bytes`]): at the bound the wait
+        /// takes nothing more in, the peer's messages stay in their receive buffers with its
+        /// credits, and a peer that keeps sending stops. An answer behind them is then not seen:
+        /// the call ends at its deadline, unless the connection fails first.
+        wait;
+        /// Waits for the first of `calls` to end (its answer, its failure or its deadline),
+        /// taking in what arrives meanwhile as [`Session::wait`] does: removes it from `calls`
+        /// and returns where it was and what it came to; `None` once `calls` is empty.
+        wait_any;
+        /// The call's answer if it is in, without waiting or receiving (`None`: not yet; it
+        /// stays under way). In an event loop, [`Session::poll_calls`] takes answers in.
+        try_wait;
+        /// The answer of a call whose waiter gave up (an async timeout): its answer if it came
+        /// meanwhile, else [`crate::Error::CallTimedOut`] (and the call is counted timed out).
+        expire;
     }
 
     /// Bytes of the messages calls' waits took in and keep for the next receive (their
@@ -148,24 +145,6 @@ impl Session {
             }
         }
         Ok(self.held.len() != before)
-    }
-
-    /// The call's answer if it is in, without waiting or receiving (`None`: not yet; it
-    /// stays under way). In an event loop, [`Session::poll_calls`] takes answers in.
-    pub fn try_wait<T>(&mut self, call: &Call<T>) -> Option<Result<T>>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call.take_outcome().map(call::finish)
-    }
-
-    /// The answer of a call whose waiter gave up (an async timeout): its answer if it came
-    /// meanwhile, else [`crate::Error::CallTimedOut`] (and the call is counted timed out).
-    pub fn expire<T>(&mut self, call: Call<T>) -> Result<T>
-    where
-        T: Message + serde::de::DeserializeOwned,
-    {
-        call.expire_or_take().and_then(call::finish)
     }
 
     /// Answers a request received on this session at once, on this thread: `value` is sent
