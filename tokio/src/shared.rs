@@ -225,9 +225,10 @@ impl<D: Drive> SharedDriver<D> {
         Ok(self.signalling(&mut d, |d| d.try_recv())?)
     }
 
-    /// The next arrival (a message, a hub's event), waited for (cancel-safe).
-    pub(crate) async fn recv(&self) -> Result<D::Received> {
-        self.run(true, |d, _| Ok(d.try_recv()?)).await
+    /// The next arrival (a message, a hub's event), waited for (cancel-safe). `run`'s own
+    /// future, not one wrapped around it: a receive polls one state machine fewer.
+    pub(crate) fn recv(&self) -> impl std::future::Future<Output = Result<D::Received>> + '_ {
+        self.run(true, |d, _| Ok(d.try_recv()?))
     }
 
     /// The shared state, and a ticker task that wakes its waiters every [`Drive::tick`] (the
