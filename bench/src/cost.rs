@@ -500,7 +500,7 @@ pub const MAX_ALLOCATIONS: f64 = 0.01;
 pub const CHECK_RUNS: usize = 2;
 
 /// `rdmsg-bench cost-check [--iters N] [--runs K]`: measures every rdmsg layer `K` times
-/// (`N` and `3N` round trips, 300 and 3 by default) and fails if one allocates per message in
+/// (`N` and `3N` round trips, 300 and 2 by default) and fails if one allocates per message in
 /// any run or the smallest of its instruction counts is above its [`ceiling`]. For `cargo
 /// xtask test`.
 pub fn check_main(args: &[String], perf: &Perftest) -> Result<bool> {

@@ -200,27 +200,28 @@ fn bad_frames_over_the_wire_are_typed_counted_and_survived() {
         Error::BadFrame(f) => Some(*f),
         _ => None,
     };
-    assert!(matches!(
-        frame_error(&seen[0]),
-        Some(FrameError::TooShort(2))
-    ));
-    assert!(matches!(
-        frame_error(&seen[1]),
-        Some(FrameError::BadMagic(_))
-    ));
-    assert!(matches!(
-        frame_error(&seen[2]),
-        Some(FrameError::BadVersion(77))
-    ));
-    assert!(matches!(
-        frame_error(&seen[3]),
-        Some(FrameError::Length { .. })
-    ));
+    let frames: Vec<Option<FrameError>> = seen.iter().map(frame_error).collect();
+    assert!(
+        matches!(frames[0], Some(FrameError::TooShort(2))),
+        "{frames:?}"
+    );
+    assert!(
+        matches!(frames[1], Some(FrameError::BadMagic(_))),
+        "{frames:?}"
+    );
+    assert!(
+        matches!(frames[2], Some(FrameError::BadVersion(77))),
+        "{frames:?}"
+    );
+    assert!(
+        matches!(frames[3], Some(FrameError::Length { .. })),
+        "{frames:?}"
+    );
     assert!(matches!(seen[4], Error::UnknownTag { .. }), "{:?}", seen[4]);
-    assert!(matches!(
-        frame_error(&seen[5]),
-        Some(FrameError::OutOfOrder { .. })
-    ));
+    assert!(
+        matches!(frames[5], Some(FrameError::OutOfOrder { .. })),
+        "{frames:?}"
+    );
     assert!(matches!(seen[6], Error::Decode { .. }), "{:?}", seen[6]);
     assert_eq!(
         rx.stats().dropped_frames,

@@ -241,14 +241,8 @@ pub enum Error {
     },
 }
 
-/// `Debug` prints the [report](rdmsg_verbs::Report): the message and the causes it does not already
-/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
-/// and what to do, as `Display` does. Match on the variants to inspect one.
-impl std::fmt::Debug for Error {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(&rdmsg_verbs::Report(self), f)
-    }
-}
+// `Debug` is the report (see `Report`): advice, not variants.
+rdmsg_verbs::debug_as_report!(Error);
 
 // By hand rather than `#[from]`, which would also make the frame error the error's source and
 // print its text twice in a chain.

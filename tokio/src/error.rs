@@ -51,14 +51,8 @@ pub enum Error {
     Closed,
 }
 
-/// `Debug` prints the [report](rdmsg_transport::Report): the message and the causes it does not already
-/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
-/// and what to do, as `Display` does. Match on the variants to inspect one.
-impl std::fmt::Debug for Error {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(&rdmsg_transport::Report(self), f)
-    }
-}
+// `Debug` is the report (see `Report`): advice, not variants.
+rdmsg_transport::debug_as_report!(Error);
 
 impl Error {
     /// Whether this error will recur, as [`rdmsg_msg::Error::is_fatal`] says for the layers
@@ -137,6 +131,16 @@ mod tests {
         let os = std::io::Error::from_raw_os_error(111).to_string();
         assert_eq!(format!("{e:?}"), format!("{e}\n\nCaused by:\n    {os}"));
         assert!(!format!("{e:?}").contains("Io {"));
+    }
+
+    #[test]
+    fn debug_does_not_repeat_a_cause_the_message_holds() {
+        // The handshake's message quotes its cause.
+        let e = Error::Handshake(rdmsg_transport::Error::Connection(
+            rdmsg_transport::Failure::PeerVanished,
+        ));
+        assert!(std::error::Error::source(&e).is_some());
+        assert_eq!(format!("{e:?}"), e.to_string());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! What the [`futures_core::Stream`]s and [`futures_sink::Sink`]s over the async handles share
 //! (they live beside their handles: `SessionStream` and `SessionSink` in `session`,
-//! `HubEvents` and `PeerSink` in `hub`, `Incoming` in `listener`). Each wraps a clone of its
-//! handle and boxes the one wait it has in progress (a receive, a reservation, a flush), so a
+//! `HubEvents` and `PeerSink` in `hub`, `Incoming` in `listener`). Each holds a clone of its
+//! handle (or, for the receive streams, of the session's or hub's shared driver) and boxes the
+//! one wait it has in progress (a receive, a reservation, a flush), so a
 //! message already there is taken without a future, and the usual path allocates nothing.
 
 use std::future::Future;

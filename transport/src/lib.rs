@@ -154,6 +154,6 @@ pub use hub::{ConnectTimes, HubConfig, HubStats, PeerId, RawHub, RawHubEvent};
 pub use pool::{PoolStats, Received, RecvPool, Waker};
 /// The epoll set a thread sharing a connection sleeps on (see `rdmsg_msg`'s split halves).
 pub use rdmsg_verbs::ReadyWatch;
-pub use rdmsg_verbs::{Buffer, Bytes, Exposed, ReadSegment, Report};
+pub use rdmsg_verbs::{debug_as_report, Buffer, Bytes, Exposed, ReadSegment, Report};
 pub use read::{Arrival, ReadDone, ReadPost};
 pub use setup::random_psn;

@@ -17,9 +17,17 @@ pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
 impl std::fmt::Display for Report<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut said = self.0.to_string();
+        let mut cause = self.0.source();
+        // An error with nothing to say of its own is told by its first cause that has.
+        while said.is_empty() {
+            let Some(c) = cause else {
+                return f.write_str("(an error with no message)");
+            };
+            said = c.to_string();
+            cause = c.source();
+        }
         f.write_str(&said)?;
         let mut heading = false;
-        let mut cause = self.0.source();
         while let Some(c) = cause {
             let text = c.to_string();
             if !text.is_empty() && !said.contains(&text) {
@@ -28,12 +36,28 @@ impl std::fmt::Display for Report<'_> {
                     heading = true;
                 }
                 write!(f, "\n    {text}")?;
+                // Apart, so that a later cause is not found across two texts' seam.
+                said.push('\n');
                 said.push_str(&text);
             }
             cause = c.source();
         }
         Ok(())
     }
+}
+
+/// Implements `Debug` for an error type as its [`Report`]: what rdmsg's error enums do, so
+/// that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed and what
+/// to do, as `Display` does. Match on the variants to inspect one.
+#[macro_export]
+macro_rules! debug_as_report {
+    ($ty:ty) => {
+        impl ::std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                ::std::fmt::Display::fmt(&$crate::Report(self), f)
+            }
+        }
+    };
 }
 
 impl std::fmt::Debug for Report<'_> {
@@ -295,14 +319,8 @@ pub enum Error {
     InvalidArgument(String),
 }
 
-/// `Debug` prints the [report](Report): the message and the causes it does not already
-/// say, so that `fn main() -> Result<(), E>` (which Rust ends with `Debug`) tells what failed
-/// and what to do, as `Display` does. Match on the variants to inspect one.
-impl std::fmt::Debug for Error {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(&Report(self), f)
-    }
-}
+// `Debug` is the report (see `Report`): advice, not variants.
+crate::debug_as_report!(Error);
 
 /// What follows a failed connection-manager call whose error number means "no CM here".
 struct CmHint<'a>(&'a io::Error);
@@ -544,6 +562,55 @@ pub(crate) fn non_null<T>(ptr: *mut T) -> io::Result<std::ptr::NonNull<T>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error of a given message and cause, for [`Report`]'s cases.
+    #[derive(Debug)]
+    struct Said(&'static str, Option<Box<Said>>);
+
+    impl std::fmt::Display for Said {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Said {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    fn said(texts: &[&'static str]) -> Said {
+        texts
+            .iter()
+            .rev()
+            .fold(None, |cause, t| Some(Said(t, cause.map(Box::new))))
+            .expect("one text at least")
+    }
+
+    #[test]
+    fn a_report_says_each_cause_once_and_never_nothing() {
+        let report = |e: &Said| Report(e).to_string();
+        assert_eq!(report(&said(&["outer"])), "outer");
+        assert_eq!(
+            report(&said(&["outer: inner", "inner", "os"])),
+            "outer: inner\n\nCaused by:\n    os"
+        );
+        // A cause is looked for in each text said, not across the seam of two.
+        assert_eq!(
+            report(&said(&["ab", "cd", "bc"])),
+            "ab\n\nCaused by:\n    cd\n    bc"
+        );
+        // An error without a message is told by its first cause that has one.
+        assert_eq!(
+            report(&said(&["", "", "inner", "os"])),
+            "inner\n\nCaused by:\n    os"
+        );
+        assert_eq!(report(&said(&[""])), "(an error with no message)");
+        assert_eq!(
+            format!("{:?}", Report(&said(&["x", "y"]))),
+            "x\n\nCaused by:\n    y"
+        );
+    }
 
     /// The message chain as anyhow's `{:#}` prints it: each error, then its sources, joined by
     /// `": "`.

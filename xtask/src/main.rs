@@ -1771,6 +1771,14 @@ mod tests {
                 full_soaks: false,
             }))
         );
+        assert!(matches!(
+            parse(&args("test --full-soaks"), None),
+            Ok(Task::Test(TestPlan {
+                full_soaks: true,
+                device_only: false,
+                ..
+            }))
+        ));
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! What a [`crate::Session`] keeps for its connection and a [`crate::Hub`] keeps for each of
 //! its peers: the sending side (sequence, solicitation policy, encoding and fragmenting) and
 //! the receiving side (decoder), written once over a [`PeerIo`] so that both drive the same code.
-//! `link` is where frames go, `send` the sending side, `receive` the receiving side, `table`
-//! a hub's per-peer state.
+//! `link` is where frames go, `send` the sending side, `receive` the receiving side,
+//! `machine` the three a front end holds per peer (with the outbox) and the sequences that
+//! join them, `table` a hub's per-peer state.
 
 mod budget;
 mod close;
