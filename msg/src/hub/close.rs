@@ -21,8 +21,8 @@ impl Hub {
         // Answers given on other threads join the outbox first.
         self.queue_replies();
         let left = closing.deadline().saturating_duration_since(now);
-        let waited = self.with_peer_waiting(peer, Some(left), |send, outbox, io| {
-            closing.wait(send, io, outbox)
+        let waited = self.with_peer_waiting(peer, Some(left), |machine, io| {
+            machine.close_wait(&closing, io)
         });
         let unsent = self.peers.get_mut(peer).map_or(0, |state| {
             state.machine.send.committed_waiting() + state.machine.outbox.clear()

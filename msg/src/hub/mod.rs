@@ -16,7 +16,7 @@ use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::{unread_error, unsent_error};
 use crate::held::Held;
 use crate::peer::{
-    self, Closing, Delivery, HubPeerIo, Outbox, OutboxStats, PeerIo, PeerMachine, PeerTable,
+    self, Closing, Delivery, HubPeerIo, Outbox, OutboxStats, PeerMachine, PeerTable,
     ReassemblyBudget, RecvSide, SendSide,
 };
 use crate::rendezvous::ReadPool;
@@ -340,15 +340,16 @@ impl Hub {
         timeout: Option<Duration>,
         f: impl FnOnce(&mut SendSide, &mut HubPeerIo<'_>) -> Result<T>,
     ) -> Result<T> {
-        self.with_peer_waiting(peer, timeout, |send, _, io| f(send, io))
+        self.with_peer_waiting(peer, timeout, |machine, io| machine.lending(io, f))
     }
 
-    /// [`Hub::with_sender_waiting`], with the peer's outbox.
+    /// [`Hub::with_sender_waiting`] with the peer's whole machine, and its link not yet lent
+    /// the receiving side (the machine lends it: [`PeerMachine::lending`]).
     fn with_peer_waiting<T>(
         &mut self,
         peer: PeerId,
         timeout: Option<Duration>,
-        f: impl FnOnce(&mut SendSide, &mut Outbox, &mut HubPeerIo<'_>) -> Result<T>,
+        f: impl FnOnce(&mut PeerMachine, &mut HubPeerIo<'_>) -> Result<T>,
     ) -> Result<T> {
         if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
             self.transport.send_with(peer, false, timeout, |_| None)?;
@@ -366,24 +367,17 @@ impl Hub {
             ..
         } = self;
         let PeerState {
-            machine:
-                PeerMachine {
-                    send: sender,
-                    recv: receiver,
-                    outbox,
-                },
-            listed,
-            ..
+            machine, listed, ..
         } = peers.get_mut(peer).expect("made above");
         let mut link = HubPeerIo {
             hub: transport,
             peer,
             stash: Some(stash),
-            receiver: Some(receiver),
+            receiver: None,
         };
-        sender.learn_note(link.peer_note());
-        let out = f(sender, outbox, &mut link);
-        let list = (sender.pending() || sender.queued_frames() > 0) && !*listed;
+        machine.learn_note(&link);
+        let out = f(machine, &mut link);
+        let list = (machine.send.pending() || machine.send.queued_frames() > 0) && !*listed;
         *listed |= list;
         if list {
             self.unflushed.push(peer);

@@ -174,6 +174,46 @@ impl Absorbed {
     }
 }
 
+/// A peer's I/O that, lent the peer's receiving side, takes in what arrives while a send
+/// waits for room ([`PeerIo::absorb`]): a session's connection, or a hub's peer (with the
+/// hub's stash for the other peers' events). [`crate::peer::PeerMachine`] lends its own
+/// receiving side so, for the sends and the close that may wait.
+pub(crate) trait LendsRecv: PeerIo {
+    /// The I/O with the receiving side lent to it.
+    type Absorbing<'a>: PeerIo
+    where
+        Self: 'a;
+
+    fn absorbing<'a>(&'a mut self, recv: &'a mut RecvSide) -> Self::Absorbing<'a>;
+}
+
+impl LendsRecv for Connection {
+    type Absorbing<'a> = SessionPeerIo<'a>;
+
+    fn absorbing<'a>(&'a mut self, recv: &'a mut RecvSide) -> SessionPeerIo<'a> {
+        SessionPeerIo {
+            conn: self,
+            receiver: recv,
+        }
+    }
+}
+
+impl<'h> LendsRecv for HubPeerIo<'h> {
+    type Absorbing<'a>
+        = HubPeerIo<'a>
+    where
+        Self: 'a;
+
+    fn absorbing<'a>(&'a mut self, recv: &'a mut RecvSide) -> HubPeerIo<'a> {
+        HubPeerIo {
+            hub: &mut *self.hub,
+            peer: self.peer,
+            stash: self.stash.as_deref_mut(),
+            receiver: Some(recv),
+        }
+    }
+}
+
 /// A session's connection with its receiving side, for a send that may wait for room
 /// ([`PeerIo::absorb`]).
 #[derive(Debug)]

@@ -5,7 +5,11 @@
 //! it; the sequences here take the peer's I/O ([`PeerIo`]) as an argument, so that a session
 //! and a hub drive them alike.
 
-use super::{Outbox, PeerIo, RecvSide, SendSide, SessionStats};
+use std::time::Duration;
+
+use super::close::Waited;
+use super::{Closing, Encode, LendsRecv, Outbox, PeerIo, RecvSide, SendSide, SessionStats};
+use crate::Message;
 
 /// One peer's sending side, receiving side and outbox.
 #[derive(Debug)]
@@ -43,6 +47,74 @@ impl PeerMachine {
         if took(&mut self.send, &mut self.recv) {
             let _ = self.send.send_committed(io);
         }
+    }
+
+    /// Runs `f` with the sending side and `io` lent the receiving side, so that a send that
+    /// waits for room takes in what arrives meanwhile ([`PeerIo::absorb`]).
+    // One lifetime for the loan, not any (`Absorbing<'_>` in `f` would ask `L: 'static`).
+    pub(crate) fn lending<'s, L: LendsRecv + 's, T>(
+        &'s mut self,
+        io: &'s mut L,
+        f: impl FnOnce(&mut SendSide, &mut L::Absorbing<'s>) -> T,
+    ) -> T {
+        f(&mut self.send, &mut io.absorbing(&mut self.recv))
+    }
+
+    /// Sends `m` ([`SendSide::send_as`]), waiting for room as long as it takes.
+    pub(crate) fn send_as<M: Message>(
+        &mut self,
+        io: &mut impl LendsRecv,
+        m: &M,
+        solicited: bool,
+    ) -> crate::Result<()> {
+        self.lending(io, |send, link| send.send_as(link, m, solicited))
+    }
+
+    /// Sends `m` ([`SendSide::send_within`]), its first frame waiting at most `timeout`.
+    pub(crate) fn send_within<E: Encode + ?Sized>(
+        &mut self,
+        io: &mut impl LendsRecv,
+        m: &E,
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> crate::Result<()> {
+        self.lending(io, |send, link| {
+            send.send_within(link, m, solicited, timeout)
+        })
+    }
+
+    /// Sends a batch, only its last message solicited ([`SendSide::send_batch`]).
+    pub(crate) fn send_batch<'a, M: Message + 'a>(
+        &mut self,
+        io: &mut impl LendsRecv,
+        batch: impl IntoIterator<Item = &'a M>,
+    ) -> crate::Result<usize> {
+        self.lending(io, |send, link| send.send_batch(link, batch))
+    }
+
+    /// Flushes what went unsolicited ([`SendSide::flush`]).
+    pub(crate) fn flush(&mut self, io: &mut impl LendsRecv) -> crate::Result<()> {
+        self.lending(io, |send, link| send.flush(link))
+    }
+
+    /// Sends what was committed ([`SendSide::drain`]) within `timeout`; whether all went.
+    pub(crate) fn drain(
+        &mut self,
+        io: &mut impl LendsRecv,
+        timeout: Option<Duration>,
+    ) -> crate::Result<bool> {
+        self.lending(io, |send, link| send.drain(link, timeout))
+    }
+
+    /// The blocking close's steps before the transport's ([`Closing::wait`]): the outbox,
+    /// committed frames and messages, the peer's reads and record, a last flush.
+    pub(crate) fn close_wait(
+        &mut self,
+        closing: &Closing,
+        io: &mut impl LendsRecv,
+    ) -> crate::Result<Waited> {
+        let Self { send, recv, outbox } = self;
+        closing.wait(send, &mut io.absorbing(recv), outbox)
     }
 
     /// Hands acknowledgements and delivery records between the two sides (the peer's to our

@@ -70,8 +70,11 @@ impl Session {
     ) -> Result<Call<R::Response>> {
         let id = call::lock(&self.calls).start::<R>(None);
         let out = CallOut { id, m: request };
-        let (sender, link) = absorbing!(self);
-        let sent = peer::in_time(sender.send_within(link, &out, solicited, Some(left)));
+        let sent =
+            peer::in_time(
+                self.machine
+                    .send_within(&mut self.conn, &out, solicited, Some(left)),
+            );
         call::started::<R>(&self.calls, id, sent, timeout, deadline)
     }
 
@@ -165,8 +168,7 @@ impl Session {
             status: 0,
             value: Some(value),
         };
-        let (sender, link) = absorbing!(self);
-        sender.send_as(link, &out, true)
+        self.machine.send_as(&mut self.conn, &out, true)
     }
 
     /// Whether answers given by [`Responder`]s wait to be sent (they go with the next call

@@ -47,8 +47,7 @@ impl Session {
         let closing = Closing::begin(Instant::now(), self.conn.config().close_timeout, record);
         // Answers given before the close go before it.
         self.queue_replies();
-        let (sender, link) = absorbing!(self);
-        let waited = closing.wait(sender, link, &mut self.machine.outbox);
+        let waited = self.machine.close_wait(&closing, &mut self.conn);
         if let Ok(w) = &waited {
             let mut calls = call::lock(&self.calls);
             for _ in 0..w.dropped {

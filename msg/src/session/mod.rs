@@ -11,9 +11,7 @@ use crate::codec::{Decoder, Envelope};
 use crate::drive::earliest;
 use crate::error::unread_error;
 use crate::held::Held;
-use crate::peer::{
-    self, Closing, Delivery, Outbox, PeerMachine, RecvSide, SendSide, SessionPeerIo,
-};
+use crate::peer::{self, Closing, Delivery, Outbox, PeerMachine, RecvSide, SendSide};
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result, SessionConfig, SessionStats};
 
@@ -39,21 +37,6 @@ pub struct Session {
     answered: bool,
 }
 
-/// The session's fields, borrowed apart: the sender and a link that waits by taking in what
-/// arrives (see [`crate::peer::PeerIo::absorb`]).
-macro_rules! absorbing {
-    ($self:ident) => {
-        (
-            &mut $self.machine.send,
-            &mut SessionPeerIo {
-                conn: &mut $self.conn,
-                receiver: &mut $self.machine.recv,
-            },
-        )
-    };
-}
-
-// After the macro: they use it.
 mod calls;
 mod close;
 mod send;
@@ -200,8 +183,7 @@ impl Session {
                 }
                 // A message committed earlier goes out whole before we wait for anything: the
                 // peer may be waiting for its rest (the send waits take in what arrives).
-                let (sender, link) = absorbing!(self);
-                let drained = match sender.drain(link, left) {
+                let drained = match self.machine.drain(&mut self.conn, left) {
                     Ok(drained) => drained,
                     Err(e) => {
                         self.before_failure(e)?;

@@ -13,8 +13,7 @@ impl Session {
     /// straight into a registered send buffer when it fits; larger messages are fragmented,
     /// only their last fragment solicited.
     pub fn send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
-        let (sender, link) = absorbing!(self);
-        sender.send_as(link, m, solicited)
+        self.machine.send_as(&mut self.conn, m, solicited)
     }
 
     /// Sends a batch: every message unsolicited but the last, which is solicited. One
@@ -23,15 +22,13 @@ impl Session {
         &mut self,
         batch: impl IntoIterator<Item = &'a M>,
     ) -> Result<usize> {
-        let (sender, link) = absorbing!(self);
-        sender.send_batch(link, batch)
+        self.machine.send_batch(&mut self.conn, batch)
     }
 
     /// If anything went unsolicited since the last solicited frame, sends a payload-less
     /// solicited frame so that the receiver looks now. Call it when a burst ends.
     pub fn flush(&mut self) -> Result<()> {
-        let (sender, link) = absorbing!(self);
-        sender.flush(link)
+        self.machine.flush(&mut self.conn)
     }
 
     /// Sends `m` as [`Session::send_as`] does, but waits at most `timeout` for the peer's
@@ -45,8 +42,10 @@ impl Session {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        let (sender, link) = absorbing!(self);
-        peer::in_time(sender.send_within(link, m, solicited, Some(timeout)))
+        peer::in_time(
+            self.machine
+                .send_within(&mut self.conn, m, solicited, Some(timeout)),
+        )
     }
 
     /// Sends `m` if it can go without waiting (see [`Session::send_as`] for `solicited`):
