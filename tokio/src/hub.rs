@@ -249,11 +249,17 @@ impl AsyncHub {
 /// Cancel-safe as [`AsyncHub::recv`].
 #[must_use = "streams do nothing unless polled"]
 #[derive(Debug)]
-pub struct HubEvents(Receives<Hub>);
+pub struct HubEvents {
+    hub: Arc<SharedDriver<Hub>>,
+    receives: Receives<Hub>,
+}
 
 impl HubEvents {
     pub(crate) fn new(hub: AsyncHub) -> Self {
-        Self(Receives::new(hub.shared))
+        Self {
+            hub: hub.shared,
+            receives: Receives::new(),
+        }
     }
 }
 
@@ -261,7 +267,8 @@ impl Stream for HubEvents {
     type Item = Result<HubEvent>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.get_mut().0.poll_next(cx)
+        let this = self.get_mut();
+        this.receives.poll_next(&this.hub, cx)
     }
 }
 

@@ -376,8 +376,10 @@ pub struct SessionStream {
 
 impl SessionStream {
     pub(crate) fn new(session: AsyncSession) -> Self {
-        let receives = Receives::new(Arc::clone(&session.shared));
-        Self { session, receives }
+        Self {
+            session,
+            receives: Receives::new(),
+        }
     }
 
     /// The session it reads.
@@ -390,7 +392,8 @@ impl Stream for SessionStream {
     type Item = Result<Envelope>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.get_mut().receives.poll_next(cx)
+        let this = self.get_mut();
+        this.receives.poll_next(&this.session.shared, cx)
     }
 }
 

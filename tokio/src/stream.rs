@@ -40,9 +40,9 @@ pub(crate) fn poll_wait<T>(
 
 /// A stream of a session's or hub's receives: what is there is taken without a future, else
 /// one boxed wait; it ends at the peer's graceful close or after a fatal error (see
-/// [`ending`]).
+/// [`ending`]). The stream that holds it holds the handle and gives its shared driver to
+/// each poll.
 pub(crate) struct Receives<D: Drive> {
-    shared: Arc<SharedDriver<D>>,
     next: Option<Waiting<Result<D::Received>>>,
     done: bool,
 }
@@ -57,26 +57,28 @@ impl<D: Drive> std::fmt::Debug for Receives<D> {
 }
 
 impl<D: Drive> Receives<D> {
-    pub(crate) fn new(shared: Arc<SharedDriver<D>>) -> Self {
+    pub(crate) fn new() -> Self {
         Self {
-            shared,
             next: None,
             done: false,
         }
     }
 
-    pub(crate) fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<D::Received>>> {
+    pub(crate) fn poll_next(
+        &mut self,
+        shared: &Arc<SharedDriver<D>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<D::Received>>> {
         if self.done {
             return Poll::Ready(None);
         }
         if self.next.is_none() {
-            match self.shared.try_recv() {
+            match shared.try_recv() {
                 Ok(Some(item)) => return Poll::Ready(Some(Ok(item))),
                 Ok(None) => {}
                 Err(e) => return Poll::Ready(ending(&mut self.done, e)),
             }
         }
-        let shared = &self.shared;
         let got = ready!(poll_wait(&mut self.next, cx, || {
             let shared = Arc::clone(shared);
             Box::pin(async move { shared.recv().await })

@@ -9,7 +9,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// An error told in full: its message, then under `Caused by:` each cause whose text the
 /// lines before do not already hold (a verb's message names its errno in short; the OS's own
-/// words follow once). What `Debug` of every rdmsg error type prints: `fn main() -> Result<(),
+/// words follow once). What `Debug` of rdmsg's error enums prints: `fn main() -> Result<(),
 /// rdmsg::Error>` ends with `Debug`, and a variant's structure (`Verbs(ListDevices(Os { code:
 /// 38, .. }))`) would hide the message's advice (here, how to set up Soft-RoCE).
 pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));

@@ -292,7 +292,7 @@ impl PeerIo for SessionPeerIo<'_> {
         }
         self.receiver.advance(self.conn)?;
         Ok(Some(Absorbed {
-            note: self.conn.peer_note(),
+            note: PeerIo::peer_note(self),
             ..Absorbed::from(self.receiver)
         }))
     }
@@ -433,7 +433,7 @@ impl PeerIo for HubPeerIo<'_> {
                     Some(f) => Err(rdmsg_transport::Error::from(f).into()),
                     None => receiver.advance(self).map(|()| {
                         Some(Absorbed {
-                            note: self.hub.peer_note(self.peer),
+                            note: PeerIo::peer_note(self),
                             ..Absorbed::from(receiver)
                         })
                     }),
