@@ -509,6 +509,43 @@ macro_rules! call_waits {
 }
 pub(crate) use call_waits;
 
+/// Whether a call's wait is receiving, and whether an answer came since it began: an answer
+/// ends the receive, so that the wait looks whether it is its own.
+#[derive(Debug, Default)]
+pub(crate) struct AnswerWatch {
+    waiting: bool,
+    answered: bool,
+}
+
+impl AnswerWatch {
+    /// A call's wait starts receiving.
+    pub(crate) fn begin(&mut self) {
+        self.waiting = true;
+        self.answered = false;
+    }
+
+    /// The call's wait stopped receiving.
+    pub(crate) fn end(&mut self) {
+        self.waiting = false;
+    }
+
+    /// An answer was routed to its call.
+    pub(crate) fn answer_came(&mut self) {
+        self.answered = true;
+    }
+
+    /// Whether a call's wait should stop receiving and look: an answer came since it began
+    /// or last looked (which this forgets).
+    pub(crate) fn take(&mut self) -> bool {
+        self.waiting && std::mem::take(&mut self.answered)
+    }
+
+    /// [`AnswerWatch::take`] without forgetting.
+    pub(crate) fn came(&self) -> bool {
+        self.waiting && self.answered
+    }
+}
+
 /// A front end whose calls wait: a session, or a hub.
 pub(crate) trait CallHost {
     /// Takes in, without waiting, what has arrived: answers go to their calls, the rest is

@@ -184,10 +184,9 @@ impl call::CallHost for Hub {
 
     fn wait_in(&mut self, left: Option<Duration>) -> Result<()> {
         self.holding = true;
-        self.waiting_call = true;
-        self.answered = false;
+        self.answer_watch.begin();
         let got = self.recv_timeout(left);
-        self.waiting_call = false;
+        self.answer_watch.end();
         self.holding = false;
         // An error is the hub's own failure.
         if let Some(ev) = got? {

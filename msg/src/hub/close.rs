@@ -87,8 +87,8 @@ impl Hub {
                 continue;
             };
             if !closing.due(now, &state.machine.send, &state.machine.outbox) {
-                if closing.ask(&mut state.machine.send, &state.machine.outbox) && !state.listed {
-                    state.listed = true;
+                if closing.ask(&mut state.machine.send, &state.machine.outbox) && state.join_list()
+                {
                     self.unflushed.push(peer);
                 }
                 i += 1;

@@ -49,6 +49,14 @@ impl PeerState {
     fn stats(&self) -> SessionStats {
         self.machine.stats()
     }
+
+    /// Whether the peer is to join [`Hub::unflushed`] now: it has frames or a flush waiting
+    /// ([`PeerMachine::unflushed`]) and is not listed yet (it is, from now on).
+    fn join_list(&mut self) -> bool {
+        let list = !self.listed && self.machine.unflushed();
+        self.listed |= list;
+        list
+    }
 }
 
 /// Longest wait while a peer's flush before a wait found no free send slot.
@@ -115,10 +123,8 @@ pub struct Hub {
     /// A call's wait (or [`Hub::poll_calls`]) is receiving: what it takes is kept in `held`,
     /// which it does not hand out.
     holding: bool,
-    /// A call's wait is receiving: an answer ends the receive.
-    waiting_call: bool,
-    /// An answer was taken in since the last look.
-    answered: bool,
+    /// A call's wait is receiving, and whether an answer came: it ends the receive.
+    answer_watch: call::AnswerWatch,
     /// The outbox counts of peers gone.
     departed_outboxes: OutboxStats,
 }
@@ -173,8 +179,7 @@ impl Hub {
             replies,
             held: Held::new(config.max_held_bytes),
             holding: false,
-            waiting_call: false,
-            answered: false,
+            answer_watch: call::AnswerWatch::default(),
             departed_outboxes: OutboxStats::default(),
             pool,
             budget: ReassemblyBudget::new(limits.max_reassembly_bytes, limits.reassembly_timeout),
@@ -366,20 +371,16 @@ impl Hub {
             stash,
             ..
         } = self;
-        let PeerState {
-            machine, listed, ..
-        } = peers.get_mut(peer).expect("made above");
+        let state = peers.get_mut(peer).expect("made above");
         let mut link = HubPeerIo {
             hub: transport,
             peer,
             stash: Some(stash),
             receiver: None,
         };
-        machine.learn_note(&link);
-        let out = f(machine, &mut link);
-        let list = (machine.send.pending() || machine.send.queued_frames() > 0) && !*listed;
-        *listed |= list;
-        if list {
+        state.machine.learn_note(&link);
+        let out = f(&mut state.machine, &mut link);
+        if state.join_list() {
             self.unflushed.push(peer);
         }
         // What a wait for rendezvous room took in for this peer.
@@ -413,7 +414,7 @@ impl Hub {
     /// [`SessionConfig::max_unsolicited_delay`], those whose delay ran out), never waiting for
     /// any one of them. Returns whether some are still pending for want of a send slot or
     /// credit (the wait should then be short), and the nearest flush deadline.
-    fn flush_before_wait(&mut self) -> (bool, Option<Instant>) {
+    fn flush_before_wait(&mut self, now: Instant) -> (bool, Option<Instant>) {
         let mut i = 0;
         let mut stuck = false;
         let mut nearest: Option<Instant> = None;
@@ -422,19 +423,16 @@ impl Hub {
             let done = match self.split(peer) {
                 None => true,
                 Some((state, mut link)) => {
-                    let sender = &mut state.machine.send;
+                    let machine = &mut state.machine;
                     // A failing peer: its Disconnected event tells.
-                    let all_sent = sender.send_committed(&mut link).unwrap_or(true);
-                    let flushed = sender
-                        .flush_if_due(&mut link, Some(Duration::ZERO))
-                        .unwrap_or(true);
-                    stuck |= !all_sent || !flushed;
-                    if let Some(d) = sender.flush_deadline() {
+                    stuck |= machine
+                        .flush_before_wait(&mut link, Some(Duration::ZERO), Some(now))
+                        .is_ok_and(|f| f.stuck());
+                    if let Some(d) = machine.send.flush_deadline() {
                         nearest = Some(nearest.map_or(d, |n| n.min(d)));
                     }
-                    let done = !sender.pending() && sender.queued_frames() == 0;
-                    state.listed = !done;
-                    done
+                    state.listed = machine.unflushed();
+                    !state.listed
                 }
             };
             if done {
@@ -456,9 +454,9 @@ impl Hub {
         let now = Instant::now();
         self.advance_reads(now);
         let outboxes = self.outboxed.len();
-        self.drain_outboxes_at(now);
+        self.drain_outboxes_at(Some(now));
         let drained = usize::from(self.outboxed.len() != outboxes);
-        let (stuck, nearest) = self.flush_before_wait();
+        let (stuck, nearest) = self.flush_before_wait(now);
         // Closes that waited for those frames go now, not at their deadlines.
         if !self.closing.is_empty() {
             self.finish_closes(now);

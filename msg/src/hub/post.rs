@@ -101,18 +101,14 @@ impl Hub {
     }
 
     /// Sends what the outboxes hold as far as credits allow, in order per peer, never
-    /// waiting; queues the answers given on other threads first.
-    pub(super) fn drain_outboxes(&mut self) {
-        self.drain_outboxes_at(Instant::now());
-    }
-
-    /// [`Hub::drain_outboxes`] at `now`, the time of the hub's turn.
-    pub(super) fn drain_outboxes_at(&mut self, now: Instant) {
+    /// waiting; queues the answers given on other threads first. `now` is the time of the
+    /// hub's turn, if it has one (the clock is read only for closes waiting).
+    pub(super) fn drain_outboxes_at(&mut self, now: Option<Instant>) {
         self.queue_replies();
         self.send_outboxes();
         // Closes waiting for their outboxes go once those went.
         if !self.closing.is_empty() {
-            self.finish_closes(now);
+            self.finish_closes(now.unwrap_or_else(Instant::now));
         }
     }
 
@@ -126,11 +122,17 @@ impl Hub {
                     call::lock(&self.calls).answer_dropped();
                     continue;
                 }
-                let size = r.msg.size();
-                if self.room(peer, size) {
-                    self.queue(peer, r.msg, size);
-                } else {
-                    self.refuse_answer(peer, r.id);
+                let no_answer = || Box::new(call::no_answer(r.id)) as _;
+                let (kept, first) = self
+                    .state(peer)
+                    .machine
+                    .outbox
+                    .push_answer(r.msg, no_answer);
+                if !kept {
+                    call::lock(&self.calls).answer_dropped();
+                }
+                if first {
+                    self.outboxed.push(peer);
                 }
             }
         }
@@ -154,9 +156,7 @@ impl Hub {
                     .outbox
                     .send_ready(&mut state.machine.send, &mut link);
                 let writable = state.machine.outbox.take_writable();
-                let listed = state.machine.send.queued_frames() > 0 && !state.listed;
-                state.listed |= listed;
-                (writable, listed, state.machine.outbox.is_empty())
+                (writable, state.join_list(), state.machine.outbox.is_empty())
             };
             if writable {
                 self.ready.push_back((HubEvent::Writable { peer }, None));

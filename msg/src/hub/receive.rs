@@ -33,12 +33,12 @@ impl Hub {
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
             }
-            if self.waiting_call && std::mem::take(&mut self.answered) {
+            if self.answer_watch.take() {
                 return Ok(None);
             }
             let now = turn.take().unwrap_or_else(Instant::now);
             self.advance_reads(now);
-            self.drain_outboxes_at(now);
+            self.drain_outboxes_at(Some(now));
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
             }
@@ -47,7 +47,7 @@ impl Hub {
                 if let Some(ev) = self.try_recv()? {
                     return Ok(Some(ev));
                 }
-                let (stuck, nearest) = self.flush_before_wait();
+                let (stuck, nearest) = self.flush_before_wait(now);
                 // A send slot frees as soon as an earlier send completes: look again soon.
                 let retry = if stuck {
                     Some(UNFLUSHED_RETRY)
@@ -74,7 +74,7 @@ impl Hub {
             // An outbox waiting for credits: its failed send armed the hub to wake for the
             // grant (or the send completion) that lets it go, which is no event: `wait`
             // returns after any wake-up.
-            if self.waiting_call && std::mem::take(&mut self.answered) {
+            if self.answer_watch.take() {
                 return Ok(None);
             }
             let raw = match self.transport.queued_event() {
@@ -121,7 +121,7 @@ impl Hub {
                         Ok(call::Routed::Deliver(msg)) => {
                             return Some(HubEvent::Message { peer, msg })
                         }
-                        Ok(call::Routed::Consumed) => self.answered = true,
+                        Ok(call::Routed::Consumed) => self.answer_watch.answer_came(),
                         Err(error) => return Some(HubEvent::BadFrame { peer, error }),
                     }
                 }
@@ -137,8 +137,7 @@ impl Hub {
         };
         state.machine.recv.mark_taken(seq);
         state.machine.took(&mut link);
-        if state.machine.send.queued_frames() > 0 && !state.listed {
-            state.listed = true;
+        if state.join_list() {
             self.unflushed.push(peer);
         }
     }
@@ -193,8 +192,7 @@ impl Hub {
         // A failing peer: its Disconnected event tells.
         let _ = state.machine.recv.advance(&mut link);
         let _ = state.machine.exchange_acks(&mut link);
-        let list = state.machine.send.queued_frames() > 0 && !state.listed;
-        state.listed |= list;
+        let list = state.join_list();
         let (waiting, reassembling) = (
             state.machine.recv.has_waiting(),
             state.machine.recv.reassembling(),
@@ -224,7 +222,7 @@ impl Hub {
         if let Some(ev) = self.take_held() {
             return Ok(Some(ev));
         }
-        self.drain_outboxes();
+        self.drain_outboxes_at(None);
         loop {
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
@@ -280,13 +278,9 @@ impl Hub {
                     calls.forget_peer(peer);
                 }
                 if let Some(mut gone) = self.peers.remove(peer) {
-                    gone.machine.outbox.clear();
+                    gone.machine.connection_failed(last_note);
                     self.departed_outboxes.add(&gone.machine.outbox.stats());
-                    // Its last word: what its application took, as of its last grant or close.
-                    gone.machine.send.learn_note(last_note);
-                    // What arrived comes first: messages whose reads can no longer complete
-                    // fail in their place, the others behind them are delivered.
-                    gone.machine.recv.abandon_reads();
+                    // What arrived comes first, then the failure.
                     queue_ready(peer, &mut gone.machine.recv, &mut self.ready);
                     self.departed.add(&gone.stats());
                     let delivery = gone.machine.send.delivery(None);

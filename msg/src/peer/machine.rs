@@ -5,11 +5,29 @@
 //! it; the sequences here take the peer's I/O ([`PeerIo`]) as an argument, so that a session
 //! and a hub drive them alike.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::close::Waited;
 use super::{Closing, Encode, LendsRecv, Outbox, PeerIo, RecvSide, SendSide, SessionStats};
 use crate::Message;
+
+/// What [`PeerMachine::flush_before_wait`] left.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Flushed {
+    /// Every committed frame went.
+    pub(crate) drained: bool,
+    /// Some committed frames went.
+    pub(crate) sent: bool,
+    /// No flush was due, or it went.
+    pub(crate) flushed: bool,
+}
+
+impl Flushed {
+    /// Frames or a flush still wait for a send slot or a credit: look again soon.
+    pub(crate) fn stuck(self) -> bool {
+        !self.drained || !self.flushed
+    }
+}
 
 /// One peer's sending side, receiving side and outbox.
 #[derive(Debug)]
@@ -47,6 +65,17 @@ impl PeerMachine {
         if took(&mut self.send, &mut self.recv) {
             let _ = self.send.send_committed(io);
         }
+    }
+
+    /// The connection to the peer failed: what waits in the outbox never goes (counted
+    /// dropped; how many is returned), reads under way never complete (their messages fail in
+    /// their place, and those behind them are deliverable), and the peer's last word
+    /// (`last_note`: what its application took, as of its last grant or close) settles the
+    /// delivery record.
+    pub(crate) fn connection_failed(&mut self, last_note: Option<u32>) -> usize {
+        self.send.learn_note(last_note);
+        self.recv.abandon_reads();
+        self.outbox.clear()
     }
 
     /// Runs `f` with the sending side and `io` lent the receiving side, so that a send that
@@ -104,6 +133,36 @@ impl PeerMachine {
         timeout: Option<Duration>,
     ) -> crate::Result<bool> {
         self.lending(io, |send, link| send.drain(link, timeout))
+    }
+
+    /// The one flush before a wait for the peer (a session's receive or step, a hub's wait
+    /// or step): committed frames go first, since the peer may wait for a message's rest;
+    /// then, if the flush is due by `now` ([`SendSide::flush_due`]), what went unsolicited is
+    /// flushed, since a peer asleep solicited-only would not look at it before our wait ends
+    /// ([`SendSide::flush_before_wait`]). Each waits at most `timeout` for a send slot, taking
+    /// in what arrives meanwhile.
+    pub(crate) fn flush_before_wait(
+        &mut self,
+        io: &mut impl LendsRecv,
+        timeout: Option<Duration>,
+        now: Option<Instant>,
+    ) -> crate::Result<Flushed> {
+        let before = self.send.queued_frames();
+        let drained = before == 0 || self.drain(io, timeout)?;
+        let sent = self.send.queued_frames() != before;
+        let flushed =
+            drained && self.lending(io, |send, link| send.flush_if_due(link, timeout, now))?;
+        Ok(Flushed {
+            drained,
+            sent,
+            flushed,
+        })
+    }
+
+    /// Whether [`PeerMachine::flush_before_wait`] has anything to do: frames committed, or
+    /// something went unsolicited since the last solicited frame.
+    pub(crate) fn unflushed(&self) -> bool {
+        self.send.pending() || self.send.queued_frames() > 0
     }
 
     /// The blocking close's steps before the transport's ([`Closing::wait`]): the outbox,

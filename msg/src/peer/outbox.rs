@@ -140,6 +140,22 @@ impl Outbox {
         self.push_entry(no_answer, size, true)
     }
 
+    /// Queues an answer given on another thread: as it is if it fits, else "no answer" in its
+    /// place ([`Outbox::refuse_answer`], `no_answer` makes it). Whether it went in as it is,
+    /// and whether the outbox was empty before.
+    pub(crate) fn push_answer(
+        &mut self,
+        answer: Box<dyn Outgoing>,
+        no_answer: impl FnOnce() -> Box<dyn Outgoing>,
+    ) -> (bool, bool) {
+        let size = answer.size();
+        if self.has_room(size) {
+            (true, self.push(answer, size))
+        } else {
+            (false, self.refuse_answer(no_answer()))
+        }
+    }
+
     fn push_entry(&mut self, msg: Box<dyn Outgoing>, size: usize, counted: bool) -> bool {
         let was_empty = self.queue.is_empty();
         self.queue.push_back(Entry { msg, size, counted });

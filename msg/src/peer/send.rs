@@ -599,12 +599,13 @@ impl SendSide {
     }
 
     /// Whether a session about to wait should flush now: something went unsolicited, and
-    /// either no delay is allowed or it has run out.
-    pub(crate) fn flush_due(&self) -> bool {
+    /// either no delay is allowed or it has run out by `now` (the clock is read only if a
+    /// delay runs and the caller had no time).
+    pub(crate) fn flush_due(&self, now: Option<Instant>) -> bool {
         self.policy.pending()
-            && match self.policy.max_delay() {
-                None => true,
-                Some(_) => self.flush_deadline().is_some_and(|d| Instant::now() >= d),
+            && match self.flush_deadline() {
+                None => self.policy.max_delay().is_none(),
+                Some(d) => now.unwrap_or_else(Instant::now) >= d,
             }
     }
 
@@ -745,14 +746,15 @@ impl SendSide {
         Ok(true)
     }
 
-    /// [`SendSide::flush_before_wait`] if a flush is due ([`SendSide::flush_due`]); `Ok(true)`
-    /// if none is, or it went.
+    /// [`SendSide::flush_before_wait`] if a flush is due by `now` ([`SendSide::flush_due`]);
+    /// `Ok(true)` if none is, or it went.
     pub(crate) fn flush_if_due(
         &mut self,
         link: &mut impl PeerIo,
         timeout: Option<Duration>,
+        now: Option<Instant>,
     ) -> Result<bool> {
-        if !self.flush_due() {
+        if !self.flush_due(now) {
             return Ok(true);
         }
         self.flush_before_wait(link, timeout)

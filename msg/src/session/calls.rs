@@ -208,7 +208,7 @@ impl Session {
         )? {
             call::Routed::Deliver(env) => Ok(Some(env)),
             call::Routed::Consumed => {
-                self.answered = true;
+                self.answer_watch.answer_came();
                 Ok(None)
             }
         }
@@ -233,14 +233,9 @@ impl Session {
     /// Moves the answers given on other threads into the outbox.
     pub(super) fn queue_replies(&mut self) {
         for r in self.replies.take() {
-            let size = r.msg.size();
-            if self.machine.outbox.has_room(size) {
-                self.machine.outbox.push(r.msg, size);
-            } else {
+            let no_answer = || Box::new(call::no_answer(r.id)) as _;
+            if !self.machine.outbox.push_answer(r.msg, no_answer).0 {
                 call::lock(&self.calls).answer_dropped();
-                self.machine
-                    .outbox
-                    .refuse_answer(Box::new(call::no_answer(r.id)));
             }
         }
     }
@@ -256,15 +251,17 @@ impl Session {
                 Ok(())
             }
             Err(e) => {
-                self.drop_unsent();
+                let lost = self.machine.outbox.clear();
+                self.drop_replies(lost);
                 Err(e)
             }
         }
     }
 
-    /// The connection failed: answers waiting to go never will.
-    pub(super) fn drop_unsent(&mut self) {
-        let lost = self.machine.outbox.clear() + self.replies.take().len();
+    /// The connection failed: answers waiting to go never will (`lost` of them dropped from
+    /// the outbox, and those not queued yet).
+    pub(super) fn drop_replies(&mut self, lost: usize) {
+        let lost = lost + self.replies.take().len();
         if lost > 0 {
             let mut calls = call::lock(&self.calls);
             for _ in 0..lost {
@@ -280,10 +277,9 @@ impl call::CallHost for Session {
     }
 
     fn wait_in(&mut self, left: Option<Duration>) -> Result<()> {
-        self.waiting_call = true;
-        self.answered = false;
+        self.answer_watch.begin();
         let got = self.recv_inner(left);
-        self.waiting_call = false;
+        self.answer_watch.end();
         self.took();
         match got {
             Ok(Some(env)) => self.hold(Ok(env)),

@@ -55,7 +55,8 @@ impl Session {
             }
         }
         // Answers that found no room in time: their callers time out.
-        self.drop_unsent();
+        let lost = self.machine.outbox.clear();
+        self.drop_replies(lost);
         self.machine.learn_note(&self.conn);
         let delivery = self.machine.send.delivery(None);
         let unsent = self.machine.send.committed_waiting();

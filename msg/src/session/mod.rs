@@ -31,10 +31,8 @@ pub struct Session {
     /// Messages that arrived while a call waited for its answer: handed out first. At
     /// [`SessionConfig::max_held_bytes`], nothing more is taken in (see [`Session::hold`]).
     held: Held<(), Result<Envelope>>,
-    /// A call's wait is receiving: an answer ends the receive.
-    waiting_call: bool,
-    /// An answer was taken in since the last look.
-    answered: bool,
+    /// A call's wait is receiving, and whether an answer came: it ends the receive.
+    answer_watch: call::AnswerWatch,
 }
 
 mod calls;
@@ -65,8 +63,7 @@ impl Session {
             // waker made when the first request arrives).
             replies: Replies::new(None),
             held: Held::new(config.max_held_bytes),
-            waiting_call: false,
-            answered: false,
+            answer_watch: call::AnswerWatch::default(),
             machine: PeerMachine::new(
                 SendSide::new(&config, conn.peer().recv_depth)
                     .with_peer_max_read(conn.peer().max_read),
@@ -169,36 +166,31 @@ impl Session {
         let mut waited_from = None;
         loop {
             // An answer came: a call's wait looks whether it is its own.
-            if self.waiting_call && std::mem::take(&mut self.answered) {
+            if self.answer_watch.take() {
                 return Ok(None);
             }
             // The clock, read once per turn of this loop (each wait ends one), and only if a
             // deadline needs it.
             let (mut now, mut passed, left) =
                 self.clock(deadline, first.take(), waited_from.take());
-            if self.machine.send.queued_frames() > 0 || self.machine.send.flush_due() {
+            if self.machine.send.queued_frames() > 0 || self.machine.send.flush_due(now) {
                 // Only if this would wait: what has arrived is taken first.
                 if let Some(env) = self.try_recv_inner()? {
                     return Ok(Some(env));
                 }
-                // A message committed earlier goes out whole before we wait for anything: the
-                // peer may be waiting for its rest (the send waits take in what arrives).
-                let drained = match self.machine.drain(&mut self.conn, left) {
-                    Ok(drained) => drained,
+                // The sends wait at most what is left, taking in what arrives.
+                match self.machine.flush_before_wait(&mut self.conn, left, now) {
                     Err(e) => {
                         self.before_failure(e)?;
                         continue;
                     }
-                };
-                if !drained {
-                    if passed {
-                        return Ok(None);
+                    Ok(f) if !f.drained => {
+                        if passed {
+                            return Ok(None);
+                        }
+                        continue;
                     }
-                    continue;
-                }
-                if let Err(e) = self.machine.send.flush_if_due(&mut self.conn, left) {
-                    self.before_failure(e)?;
-                    continue;
+                    Ok(_) => {}
                 }
                 // Those sends may have waited, and left a flush deadline of their own.
                 (now, passed, _) = self.clock(deadline, None, None);
@@ -215,7 +207,7 @@ impl Session {
             if self.replies.waiting() || !self.machine.outbox.is_empty() {
                 self.send_replies()?;
             }
-            if self.waiting_call && self.answered {
+            if self.answer_watch.came() {
                 continue;
             }
             let advanced = self.machine.recv.advance(&mut self.conn);
@@ -300,8 +292,8 @@ impl Session {
             // waiting to go are dropped.
             call::lock(&self.calls)
                 .fail_peer(None, || rdmsg_transport::Error::Connection(f).into());
-            self.drop_unsent();
-            self.machine.recv.abandon_reads();
+            let lost = self.machine.connection_failed(self.conn.peer_note());
+            self.drop_replies(lost);
             // (Unless a call's wait keeps all it may: then the calls have their outcome.)
             if self.machine.recv.has_ready() && !self.held.is_full(()) {
                 return Ok(());
@@ -391,15 +383,10 @@ impl Session {
             self.send_replies()?;
             self.machine.outbox.stats().messages != before || self.machine.outbox.is_empty()
         };
-        let sent = answered
-            || self.machine.send.queued_frames() > 0 && {
-                let before = self.machine.send.queued_frames();
-                self.machine.send.send_committed(&mut self.conn)?;
-                self.machine.send.queued_frames() != before
-            };
-        self.machine
-            .send
-            .flush_if_due(&mut self.conn, Some(Duration::ZERO))?;
+        let flushed = self
+            .machine
+            .flush_before_wait(&mut self.conn, Some(Duration::ZERO), None)?;
+        let sent = answered || flushed.sent;
         // What was taken in may have freed room for a send: look again before waiting.
         // (Messages ready stay ready: callers look with `has_ready`/`try_recv`.)
         Ok(self.conn.step()? || sent || took)

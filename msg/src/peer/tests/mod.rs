@@ -155,6 +155,70 @@ impl PeerIo for Wire {
     }
 }
 
+/// The machine's sequences lend the receiving side to the I/O; the test wire takes nothing
+/// in while a send waits, so it lends itself.
+impl LendsRecv for Wire {
+    type Absorbing<'a> = &'a mut Wire;
+
+    fn absorbing<'a>(&'a mut self, _: &'a mut RecvSide) -> &'a mut Wire {
+        self
+    }
+}
+
+impl PeerIo for &mut Wire {
+    fn send_with(
+        &mut self,
+        solicited: bool,
+        timeout: Option<Duration>,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> rdmsg_transport::Result<bool> {
+        (**self).send_with(solicited, timeout, fill)
+    }
+    fn max_message(&self) -> rdmsg_transport::Result<usize> {
+        (**self).max_message()
+    }
+    fn credits(&self) -> u32 {
+        (**self).credits()
+    }
+    fn peer_note(&self) -> Option<u32> {
+        (**self).peer_note()
+    }
+    fn set_note(&mut self, taken: u32) {
+        (**self).set_note(taken)
+    }
+    fn failed(&self) -> bool {
+        (**self).failed()
+    }
+    fn expose_all(
+        &mut self,
+        pieces: Vec<Bytes>,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<Vec<Exposed>> {
+        (**self).expose_all(pieces, timeout)
+    }
+    fn max_exposures(&self) -> usize {
+        (**self).max_exposures()
+    }
+    fn register(&self, len: usize) -> rdmsg_transport::Result<Buffer> {
+        (**self).register(len)
+    }
+    fn post_read(
+        &mut self,
+        into: Buffer,
+        segments: &[ReadSegment],
+    ) -> rdmsg_transport::Result<ReadPost> {
+        (**self).post_read(into, segments)
+    }
+    fn send(
+        &mut self,
+        frame: &[u8],
+        solicited: bool,
+        timeout: Option<Duration>,
+    ) -> rdmsg_transport::Result<bool> {
+        (**self).send(frame, solicited, timeout)
+    }
+}
+
 impl Wire {
     /// An empty wire taking frames of up to `max` bytes, not full.
     fn new(max: usize) -> Self {
@@ -230,6 +294,50 @@ fn acknowledgements_that_cannot_go_are_merged_into_few_frames() {
         (0..100_000).collect::<Vec<_>>(),
         "each once, in order"
     );
+}
+
+/// The one flush before a wait, as a session's receive and a hub's wait run it: committed
+/// frames first (none of the flush goes while one waits), then the flush if it is due by the
+/// time given (with a delay allowed, not before it runs out).
+#[test]
+fn the_flush_before_a_wait_sends_committed_frames_then_flushes_when_due() {
+    let zero = Some(Duration::ZERO);
+    let delayed = SessionConfig {
+        max_unsolicited_delay: Some(Duration::from_millis(5)),
+        ..config(100)
+    };
+    let mut m = PeerMachine::new(
+        SendSide::new(&delayed, 64),
+        RecvSide::new(Decoder::new(1 << 20), ReadPool::new(1 << 20)),
+        Outbox::new(1 << 20),
+    );
+    let mut wire = Wire {
+        room: 0,
+        ..Wire::new(256)
+    };
+    m.send
+        .commit_as(&mut wire, &Blob(vec![5; 600]), false)
+        .unwrap();
+    assert!(m.unflushed());
+    // Room for one frame of three: some went, the rest and the flush wait.
+    wire.room = 1;
+    let f = m.flush_before_wait(&mut wire, zero, None).unwrap();
+    assert!(!f.drained && f.sent && !f.flushed && f.stuck());
+    assert_eq!(wire.frames.len(), 1);
+    wire.room = 10;
+    // All went; the flush is not due before its delay runs out.
+    let sent_at = m.send.flush_deadline().expect("a delay runs") - Duration::from_millis(5);
+    let f = m.flush_before_wait(&mut wire, zero, Some(sent_at)).unwrap();
+    assert!(f.drained && f.sent && f.flushed && !f.stuck());
+    assert_eq!(wire.frames.len(), 3);
+    assert!(m.unflushed(), "still pending until the delay runs out");
+    // Once it has: the solicited nudge, and nothing left.
+    let late = sent_at + Duration::from_millis(5);
+    let f = m.flush_before_wait(&mut wire, zero, Some(late)).unwrap();
+    assert!(f.drained && !f.sent && f.flushed);
+    assert_eq!(wire.frames.len(), 4);
+    assert!(wire.frames[3].1, "the nudge is solicited");
+    assert!(!m.unflushed());
 }
 
 #[test]
