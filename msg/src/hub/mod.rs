@@ -350,6 +350,7 @@ impl Hub {
 
     /// [`Hub::with_sender_waiting`] with the peer's whole machine, and its link not yet lent
     /// the receiving side (the machine lends it: [`PeerMachine::lending`]).
+    #[inline]
     fn with_peer_waiting<T>(
         &mut self,
         peer: PeerId,

@@ -150,8 +150,9 @@ impl PeerMachine {
         let before = self.send.queued_frames();
         let drained = before == 0 || self.drain(io, timeout)?;
         let sent = self.send.queued_frames() != before;
-        let flushed =
-            drained && self.lending(io, |send, link| send.flush_if_due(link, timeout, now))?;
+        let flushed = drained
+            && (!self.send.flush_due(now)
+                || self.lending(io, |send, link| send.flush_before_wait(link, timeout))?);
         Ok(Flushed {
             drained,
             sent,

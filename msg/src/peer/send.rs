@@ -746,20 +746,6 @@ impl SendSide {
         Ok(true)
     }
 
-    /// [`SendSide::flush_before_wait`] if a flush is due by `now` ([`SendSide::flush_due`]);
-    /// `Ok(true)` if none is, or it went.
-    pub(crate) fn flush_if_due(
-        &mut self,
-        link: &mut impl PeerIo,
-        timeout: Option<Duration>,
-        now: Option<Instant>,
-    ) -> Result<bool> {
-        if !self.flush_due(now) {
-            return Ok(true);
-        }
-        self.flush_before_wait(link, timeout)
-    }
-
     /// Whether something went unsolicited since the last solicited frame.
     pub(crate) fn pending(&self) -> bool {
         self.policy.pending()
