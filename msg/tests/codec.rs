@@ -694,3 +694,114 @@ fn a_first_fragment_announces_the_body_length_and_frames_stay_within_bounds() {
         assert_eq!(joined, body, "frame_max {frame_max}");
     }
 }
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Reading {
+    sensor: u16,
+    seq: u64,
+    value: f64,
+}
+rdmsg_msg::message!(Reading, tag = "tests.reading");
+
+/// Looks plain to a probe that answers with zeros (a `u8`, then a `u32`), but asks for a
+/// string when its first byte is not zero: what a hand-written `Deserialize` may do.
+#[derive(Debug, PartialEq)]
+struct Sneaky(Option<String>);
+rdmsg_msg::message!(Sneaky, tag = "tests.sneaky");
+
+impl Serialize for Sneaky {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        (0u8, 0u32).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Sneaky {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Sneaky;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a kind and a number or a string")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Sneaky, A::Error> {
+                let missing = || serde::de::Error::custom("missing");
+                let kind: u8 = seq.next_element()?.ok_or_else(missing)?;
+                if kind == 0 {
+                    let _: u32 = seq.next_element()?.ok_or_else(missing)?;
+                    Ok(Sneaky(None))
+                } else {
+                    let s: String = seq.next_element()?.ok_or_else(missing)?;
+                    Ok(Sneaky(Some(s)))
+                }
+            }
+        }
+        d.deserialize_tuple(2, V)
+    }
+}
+
+/// A type made only of fixed-size values skips the bounded deserializer (no input can make
+/// its decode allocate or recurse) with the same errors; a hand-written `Deserialize` that
+/// the probe took for plain is still bounded: on the fast path only within the plain shape's
+/// longest encoding and bincode's limit on claimed lengths, beyond it by the bounded path.
+#[test]
+fn plain_types_decode_fast_with_the_same_errors_and_bounds() {
+    let r = Reading {
+        sensor: 7,
+        seq: u64::MAX,
+        value: -1.5,
+    };
+    let body = bincode::serde::encode_to_vec(&r, bincode::config::standard()).unwrap();
+    let decode = |b: &[u8]| codec::decode_body::<Reading>(Reading::TAG, b, 1 << 20);
+    assert_eq!(decode(&body).unwrap(), r);
+    assert!(matches!(
+        decode(&body[..body.len() - 1]),
+        Err(Error::Decode {
+            source: rdmsg_msg::DecodeFailure::Bincode(
+                bincode::error::DecodeError::UnexpectedEnd { .. }
+            ),
+            ..
+        })
+    ));
+    let mut longer = body.clone();
+    longer.push(0);
+    assert!(matches!(
+        decode(&longer),
+        Err(Error::Decode {
+            source: rdmsg_msg::DecodeFailure::Trailing(1),
+            ..
+        })
+    ));
+    assert!(matches!(
+        codec::decode_body::<Reading>(Other::TAG, &body, 1 << 20),
+        Err(Error::WrongType { .. })
+    ));
+
+    let sneaky = |b: &[u8], max| codec::decode_body::<Sneaky>(Sneaky::TAG, b, max);
+    assert_eq!(sneaky(&[0, 9], 64).unwrap(), Sneaky(None));
+    assert_eq!(
+        sneaky(&[1, 2, b'h', b'i'], 64).unwrap(),
+        Sneaky(Some("hi".into()))
+    );
+    // Within the plain shape's 6 bytes, a claimed length of 4 GiB: refused, not allocated.
+    let forged = [1, 252, 0xff, 0xff, 0xff, 0xff];
+    assert!(matches!(
+        sneaky(&forged, 1 << 30),
+        Err(Error::Decode { .. })
+    ));
+    // Longer than any plain encoding of it: the bounded path, and its bound.
+    let long = [&[1u8, 10][..], b"0123456789"].concat();
+    assert!(matches!(
+        sneaky(&long, 4),
+        Err(Error::Decode {
+            source: rdmsg_msg::DecodeFailure::TooLarge { max: 4 },
+            ..
+        })
+    ));
+    assert_eq!(
+        sneaky(&long, 64).unwrap(),
+        Sneaky(Some("0123456789".into()))
+    );
+}
