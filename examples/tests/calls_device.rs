@@ -197,6 +197,63 @@ fn calls_end_in_an_answer_a_refusal_or_their_deadline() {
     assert_eq!(server.join().unwrap(), 8, "every note arrived");
 }
 
+#[derive(Debug, Serialize, Deserialize)]
+struct HowLong {
+    hold_ms: u64,
+}
+/// The time the server had left (ms).
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Left(Option<u64>);
+request!(HowLong => Left);
+message!(Left);
+
+/// A request carries its caller's deadline: the server's responder says how long is left;
+/// one that finds it expired drops it, nothing is sent, and both sides count what happened.
+#[test]
+#[ignore = "device"]
+fn a_request_carries_its_callers_deadline_to_the_server() {
+    let (srv, cli) = loopback_pair(&Config::default(), &Config::default()).expect("device");
+    let server = thread::spawn(move || {
+        let mut s = Session::new(srv);
+        loop {
+            let mut env = match s.recv() {
+                Ok(env) => env,
+                Err(e) if e.is_peer_closed() => return s.call_stats(),
+                Err(e) => panic!("server: {e}"),
+            };
+            let hold = env.decode::<HowLong>().unwrap().hold_ms;
+            let r = env.responder::<HowLong>().unwrap();
+            thread::sleep(Duration::from_millis(hold));
+            if r.expired() {
+                drop(r);
+                continue;
+            }
+            let left = r.time_left().map(|l| l.as_millis() as u64);
+            s.reply(r, &Left(left)).unwrap();
+        }
+    });
+    let mut s = Session::new(cli);
+    let Left(left) = s.call(&HowLong { hold_ms: 0 }, T).unwrap();
+    let left = left.expect("the server knows the deadline");
+    assert!(
+        left <= T.as_millis() as u64 && left > T.as_millis() as u64 / 2,
+        "{left} ms"
+    );
+    // The caller gives up after 300 ms; the server, 800 ms into the request, drops it.
+    let err = s
+        .call(&HowLong { hold_ms: 800 }, Duration::from_millis(300))
+        .unwrap_err();
+    assert!(matches!(err, Error::CallTimedOut { .. }), "{err}");
+    // Nothing comes back for it, not even "no answer": the next call's answer is the next.
+    thread::sleep(Duration::from_millis(800));
+    assert!(s.call(&HowLong { hold_ms: 0 }, T).unwrap().0.is_some());
+    let client = s.call_stats();
+    assert_eq!((client.timed_out, client.late), (1, 0), "{client:?}");
+    s.close().unwrap();
+    let served = server.join().unwrap();
+    assert_eq!((served.served, served.expired), (3, 1), "{served:?}");
+}
+
 /// A client that reads nothing until told, then everything: the hub's stalled peer.
 fn stalled_client(addr: SocketAddr, go: mpsc::Receiver<()>) -> u32 {
     let ep = Endpoint::open_default().unwrap();

@@ -18,8 +18,10 @@
 /// Frame magic, "RM".
 pub const MAGIC: u16 = 0x524d;
 /// Frame format version. 2: a first fragment announces its message's length
-/// ([`announced_total`]).
-pub const VERSION: u8 = 2;
+/// ([`announced_total`]). 3: a request's body carries what was left of its caller's deadline
+/// (see [`crate::call`]), so that a peer of another version refuses every frame
+/// ([`FrameError::BadVersion`]) rather than misreading requests.
+pub const VERSION: u8 = 3;
 /// Header length.
 pub const HEADER_LEN: usize = 20;
 /// Bytes at the start of a first fragment's body (a frame with [`FIRST`] and without

@@ -2,7 +2,8 @@
 //! messages, each with one deadline for the whole exchange.
 //!
 //! On the wire a request is a message of its own tag ([`CALL_TAG`]) whose body is the call's
-//! number, the request type's tag and the request; an answer is a message of tag
+//! number, the request type's tag, what was left of the caller's deadline when it went, and
+//! the request; an answer is a message of tag
 //! [`REPLY_TAG`] whose body is the call's number, a status and the response. The receiving
 //! side unwraps both before the application sees anything: a request arrives as an
 //! [`Envelope`] of the request's own type that also carries a [`Responder`]
@@ -15,12 +16,20 @@
 //! A request type names its response type ([`Request`], declared with [`crate::request!`]).
 //! Answers are always solicited, so an answer always wakes the caller; requests are unless
 //! the request type says otherwise, and `start_calls` sends a batch of requests that wakes
-//! the server once. A deadline is the caller's alone: the server does not learn of it.
+//! the server once.
+//!
+//! A deadline travels with its request: the server's [`Responder`] says when the caller gives
+//! up ([`Responder::deadline`], [`Responder::time_left`]), counted from the request's arrival
+//! (the time in transit is not taken off, so the server's view is never earlier than the
+//! caller's). A server that calls another peer on its behalf gives that call
+//! [`Responder::time_left`]; one that finds a request [`Responder::expired`] can drop it
+//! unanswered: nothing is sent (the caller would drop it as late) and it is counted in
+//! [`CallStats::expired`].
 
 use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -108,6 +117,9 @@ pub(crate) struct Replies {
     waker: OnceLock<Waker>,
     /// Called after an answer is queued (see [`crate::Session::on_answer`]).
     hook: Mutex<Option<AnswerHook>>,
+    /// Requests whose responder was dropped after their caller's deadline
+    /// ([`CallStats::expired`]).
+    expired: AtomicU64,
 }
 
 /// What a driver runs when an answer is given (see [`crate::Session::on_answer`]).
@@ -130,6 +142,7 @@ impl Replies {
             any: AtomicBool::new(false),
             waker: waker.map_or_else(OnceLock::new, OnceLock::from),
             hook: Mutex::new(None),
+            expired: AtomicU64::new(0),
         })
     }
 
@@ -168,6 +181,11 @@ impl Replies {
         }
     }
 
+    /// Requests whose responder was dropped unanswered after their caller's deadline.
+    pub(crate) fn expired(&self) -> u64 {
+        self.expired.load(Ordering::Relaxed)
+    }
+
     /// Whether answers wait (one atomic load: cheap enough for every call).
     pub(crate) fn waiting(&self) -> bool {
         self.any.load(Ordering::Acquire)
@@ -190,15 +208,23 @@ pub(crate) struct Origin {
     pub(crate) id: u64,
     pub(crate) peer: Option<PeerId>,
     pub(crate) replies: Arc<Replies>,
+    /// The caller's deadline as seen here ([`deadline_of`]), if it has one.
+    pub(crate) deadline: Option<Instant>,
     answered: bool,
 }
 
 impl Origin {
-    pub(crate) fn new(id: u64, peer: Option<PeerId>, replies: Arc<Replies>) -> Self {
+    pub(crate) fn new(
+        id: u64,
+        peer: Option<PeerId>,
+        replies: Arc<Replies>,
+        deadline: Option<Instant>,
+    ) -> Self {
         Self {
             id,
             peer,
             replies,
+            deadline,
             answered: false,
         }
     }
@@ -221,7 +247,13 @@ impl Origin {
 
 impl Drop for Origin {
     fn drop(&mut self) {
-        if !self.answered {
+        if self.answered {
+            return;
+        }
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            // Its caller has given up: "no answer" would only be dropped there as late.
+            self.replies.expired.fetch_add(1, Ordering::Relaxed);
+        } else {
             self.replies.push(QueuedReply {
                 peer: self.peer,
                 id: self.id,
@@ -271,6 +303,28 @@ impl<T: Message> Responder<T> {
     /// The caller's number for this call.
     pub fn call_id(&self) -> u64 {
         self.origin.as_ref().map_or(0, |o| o.id)
+    }
+
+    /// The caller's deadline as this side sees it: when the request arrived, plus what was
+    /// left of the caller's deadline when it was sent (the time in transit is not taken off,
+    /// so this is never earlier than the caller's own). `None` if the caller set none.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.origin.as_ref().and_then(|o| o.deadline)
+    }
+
+    /// How long is left until [`Responder::deadline`] (zero once it passed; `None`: no
+    /// deadline). A server that calls another peer on this request's behalf gives that call
+    /// what is left, so that the deadline travels on.
+    pub fn time_left(&self) -> Option<Duration> {
+        self.deadline()
+            .map(|d| d.saturating_duration_since(Instant::now()))
+    }
+
+    /// Whether the caller has given up waiting ([`Responder::deadline`] passed). Dropping the
+    /// responder of such a request sends nothing (its caller would drop "no answer" as late)
+    /// and counts it in [`CallStats::expired`].
+    pub fn expired(&self) -> bool {
+        self.deadline().is_some_and(|d| Instant::now() >= d)
     }
 
     /// Answers with `value`: queued for the session's (or hub's) thread, which is woken to
@@ -343,6 +397,10 @@ pub struct CallStats {
     /// go ([`crate::SessionConfig::max_outbox_bytes`]) while the peer took nothing (its
     /// caller was told "no answer"), not encodable, or the connection gone.
     pub answers_dropped: u64,
+    /// Requests received here whose [`Responder`] was dropped unanswered after the caller's
+    /// deadline ([`Responder::expired`]): nothing was sent. Counted for the session or hub as a
+    /// whole (a hub's [`crate::Hub::peer_call_stats`] leaves it 0).
+    pub expired: u64,
 }
 
 /// A call under way: the handle to its answer. Dropping it cancels the call (its answer,
@@ -666,9 +724,11 @@ pub(crate) fn route(
 ) -> Result<Routed> {
     match env.tag() {
         CALL_TAG => {
-            let ((id, inner), used) =
-                crate::codec::decode_prefix::<(u64, u32)>(env.body()).ok_or(Error::BadCall {
-                    reason: "a request whose header (call number, type's tag) does not decode",
+            let ((id, inner, budget), used) =
+                crate::codec::decode_prefix::<(u64, u32, u64)>(env.body())
+                    .ok_or(Error::BadCall {
+                    reason:
+                        "a request whose header (call number, type's tag, budget) does not decode",
                 })?;
             if matches!(inner, CALL_TAG | REPLY_TAG | crate::codec::NUDGE_TAG) {
                 return Err(Error::BadCall {
@@ -689,7 +749,11 @@ pub(crate) fn route(
                 return Ok(Routed::Consumed);
             }
             let ty = decoder.type_of(inner);
-            let origin = Box::new(Origin::new(id, peer, replies.clone()));
+            // The clock, once per request that has a deadline.
+            let deadline = (budget != NO_DEADLINE)
+                .then(|| deadline_of(budget, Instant::now()))
+                .flatten();
+            let origin = Box::new(Origin::new(id, peer, replies.clone(), deadline));
             env.unwrap_request(used, (inner, ty), origin);
             Ok(Routed::Deliver(env))
         }

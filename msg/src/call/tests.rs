@@ -44,7 +44,12 @@ fn a_request_arrives_as_its_own_type_and_its_answer_reaches_its_call() {
     let id = lock(&client).start::<Get>(None);
     let call: Call<Value> = Call::new(id, client.clone(), "Get", Duration::from_secs(1), None);
     let get = Get { key: "k".into() };
-    let env = received(&CallOut { id, m: &get }, &mut decoder).unwrap();
+    let out = CallOut {
+        id,
+        budget: NO_DEADLINE,
+        m: &get,
+    };
+    let env = received(&out, &mut decoder).unwrap();
     let mut env = deliver(env, &server, &replies, &decoder).expect("for the application");
     assert!(env.is::<Get>() && env.is_request());
     assert_eq!(env.decode::<Get>().unwrap(), get);
@@ -94,7 +99,12 @@ fn a_request_of_a_type_not_served_is_refused_at_once() {
     let mut decoder = Decoder::new(1 << 20);
     decoder.register::<Other>().unwrap();
     let get = Get { key: "k".into() };
-    let env = received(&CallOut { id: 5, m: &get }, &mut decoder).unwrap();
+    let out = CallOut {
+        id: 5,
+        budget: NO_DEADLINE,
+        m: &get,
+    };
+    let env = received(&out, &mut decoder).unwrap();
     assert!(deliver(env, &calls, &replies, &decoder).is_none());
     assert_eq!(replies.take().len(), 1, "answered NOT_SERVED");
     // ... which the caller sees as NotServed.
@@ -124,6 +134,7 @@ fn forged_call_frames_are_bad_frames() {
     // A request posing as one of the library's own tags.
     let inner = CallOut {
         id: 1,
+        budget: NO_DEADLINE,
         m: &ReplyOut::<()> {
             id: 1,
             status: 0,
@@ -239,4 +250,69 @@ fn a_cancelled_or_expired_call_counts_its_answer_late() {
     }
     let stats = lock(&client).stats();
     assert_eq!((stats.late, stats.timed_out, stats.in_flight), (2, 1, 0));
+}
+
+/// A request carries what was left of its caller's deadline: the server's responder says how
+/// long is left (never less than the caller has), a forwarded call can take the rest, and a
+/// responder dropped after the deadline sends nothing and is counted.
+#[test]
+fn a_request_carries_its_deadline_and_an_expired_one_is_dropped_silently() {
+    let (server, replies) = (Calls::default(), Replies::new(None));
+    let mut decoder = Decoder::new(1 << 20);
+    decoder.register::<Get>().unwrap();
+    let get = Get { key: "k".into() };
+    let request = |budget, decoder: &mut Decoder| {
+        let out = CallOut {
+            id: 1,
+            budget,
+            m: &get,
+        };
+        let env = received(&out, decoder).unwrap();
+        let mut env = deliver(env, &server, &replies, decoder).expect("for the application");
+        env.responder::<Get>().unwrap()
+    };
+    let before = Instant::now();
+    let r = request(budget_of(Some(Duration::from_secs(5))), &mut decoder);
+    let left = r.time_left().expect("a deadline");
+    assert!(
+        left <= Duration::from_secs(5) && left > Duration::from_secs(4),
+        "{left:?}"
+    );
+    assert!(r.deadline().unwrap() >= before + Duration::from_secs(5));
+    assert!(!r.expired());
+    drop(r);
+    assert_eq!(replies.take().len(), 1, "in time: 'no answer' goes");
+
+    let r = request(NO_DEADLINE, &mut decoder);
+    assert_eq!(
+        (r.deadline(), r.time_left(), r.expired()),
+        (None, None, false)
+    );
+    drop(r);
+    assert_eq!(replies.take().len(), 1);
+
+    let r = request(budget_of(Some(Duration::ZERO)), &mut decoder);
+    assert!(r.expired());
+    assert_eq!(r.time_left(), Some(Duration::ZERO));
+    drop(r);
+    assert!(
+        replies.take().is_empty(),
+        "its caller gave up: nothing sent"
+    );
+    assert_eq!(replies.expired(), 1);
+
+    // What is left of an outbox's request is taken when it goes.
+    let queued = CallOwned {
+        id: 2,
+        deadline: Some(Instant::now() + Duration::from_secs(60)),
+        request: Get { key: "q".into() },
+    };
+    let env = received(&queued, &mut decoder).unwrap();
+    let ((_, _, budget), _) = crate::codec::decode_prefix::<(u64, u32, u64)>(env.body()).unwrap();
+    assert!(budget <= 60_000_000 && budget > 59_000_000, "{budget}");
+    assert_eq!(
+        budget_of(Some(Duration::MAX)),
+        NO_DEADLINE - 1,
+        "saturates, stays a deadline"
+    );
 }

@@ -9,17 +9,40 @@ pub(crate) const NO_ANSWER: u8 = 1;
 /// The server does not take requests of that type (it registered types, not this one).
 pub(crate) const NOT_SERVED: u8 = 2;
 
-/// A request as it goes: `(id, tag, request)`.
+/// What a request says of its caller's deadline: how long was left when it was sent, in
+/// microseconds ([`NO_DEADLINE`]: none).
+pub(crate) fn budget_of(left: Option<Duration>) -> u64 {
+    left.map_or(NO_DEADLINE, |l| {
+        u64::try_from(l.as_micros()).map_or(NO_DEADLINE - 1, |us| us.min(NO_DEADLINE - 1))
+    })
+}
+
+/// A request's budget for a caller without a deadline.
+pub(crate) const NO_DEADLINE: u64 = u64::MAX;
+
+/// The deadline a request's `budget` gives, counted from `arrived`: never earlier than the
+/// caller's own, since the time in transit is not taken off.
+pub(crate) fn deadline_of(budget: u64, arrived: Instant) -> Option<Instant> {
+    if budget == NO_DEADLINE {
+        return None;
+    }
+    arrived.checked_add(Duration::from_micros(budget))
+}
+
+/// A request as it goes: `(id, tag, budget, request)`, the budget what was left of the
+/// caller's deadline ([`budget_of`]).
 pub(crate) struct CallOut<'a, M> {
     pub(crate) id: u64,
+    pub(crate) budget: u64,
     pub(crate) m: &'a M,
 }
 
 impl<M: Message> Serialize for CallOut<'_, M> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let mut t = s.serialize_tuple(3)?;
+        let mut t = s.serialize_tuple(4)?;
         t.serialize_element(&self.id)?;
         t.serialize_element(&M::TAG)?;
+        t.serialize_element(&self.budget)?;
         t.serialize_element(self.m)?;
         t.end()
     }
@@ -30,16 +53,22 @@ impl<M: Message> Message for CallOut<'_, M> {
     const SOLICITED: bool = M::SOLICITED;
 }
 
-/// A request owned by an outbox, as it goes (as [`CallOut`]).
+/// A request owned by an outbox, as it goes (as [`CallOut`]), its budget what is left of
+/// `deadline` when it goes.
 pub(crate) struct CallOwned<M> {
     pub(crate) id: u64,
+    pub(crate) deadline: Option<Instant>,
     pub(crate) request: M,
 }
 
 impl<M: Message> Serialize for CallOwned<M> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let left = self
+            .deadline
+            .map(|d| d.saturating_duration_since(Instant::now()));
         CallOut {
             id: self.id,
+            budget: budget_of(left),
             m: &self.request,
         }
         .serialize(s)

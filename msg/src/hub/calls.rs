@@ -26,7 +26,11 @@ impl Hub {
     ) -> Result<Call<R::Response>> {
         let deadline = call::deadline(timeout);
         let id = call::lock(&self.calls).start::<R>(Some(peer));
-        let out = CallOut { id, m: request };
+        let out = CallOut {
+            id,
+            budget: call::budget_of(deadline.map(|_| timeout)),
+            m: request,
+        };
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
             s.send_within(link, &out, R::SOLICITED, Some(timeout))
         });
@@ -46,6 +50,7 @@ impl Hub {
         let id = call::lock(&self.calls).start::<R>(Some(peer));
         let out = call::CallOwned {
             id,
+            deadline,
             request: request.clone(),
         };
         let request = std::any::type_name::<R>();
@@ -165,7 +170,10 @@ impl Hub {
 
     /// Counts of calls made and served, over every peer, present and past.
     pub fn call_stats(&self) -> CallStats {
-        call::lock(&self.calls).stats()
+        CallStats {
+            expired: self.replies.expired(),
+            ..call::lock(&self.calls).stats()
+        }
     }
 
     /// Counts of calls to `peer` and of its requests served here, while it is connected

@@ -69,7 +69,11 @@ impl Session {
         deadline: Option<Instant>,
     ) -> Result<Call<R::Response>> {
         let id = call::lock(&self.calls).start::<R>(None);
-        let out = CallOut { id, m: request };
+        let out = CallOut {
+            id,
+            budget: call::budget_of(deadline.map(|_| left)),
+            m: request,
+        };
         let sent =
             peer::in_time(
                 self.machine
@@ -89,7 +93,12 @@ impl Session {
     ) -> Result<Option<Call<R::Response>>> {
         let deadline = call::deadline(timeout);
         let id = call::lock(&self.calls).start::<R>(None);
-        match self.try_send_as(&CallOut { id, m: request }, solicited) {
+        let out = CallOut {
+            id,
+            budget: call::budget_of(deadline.map(|_| timeout)),
+            m: request,
+        };
+        match self.try_send_as(&out, solicited) {
             Ok(true) => call::started::<R>(&self.calls, id, Ok(true), timeout, deadline).map(Some),
             other => {
                 call::lock(&self.calls).forget(id);
@@ -187,7 +196,10 @@ impl Session {
 
     /// Counts of calls made and served.
     pub fn call_stats(&self) -> CallStats {
-        call::lock(&self.calls).stats()
+        CallStats {
+            expired: self.replies.expired(),
+            ..call::lock(&self.calls).stats()
+        }
     }
 
     /// A received message, as the application sees it: a request unwrapped (with where its
