@@ -155,35 +155,6 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
     if tag != M::TAG {
         return Err(wrong_type::<M>(tag, None));
     }
-    // A plain type (see `shape`) within its longest encoding: nothing to bound.
-    if crate::shape::plain_max_len::<M>().is_some_and(|n| body.len() <= n) {
-        return decode_plain(tag, body);
-    }
-    decode_bounded(tag, body, max)
-}
-
-/// [`decode_body_borrowed`] of a plain type: bincode's own decode, under its limit on what a
-/// length prefix may claim (which a plain type's own decode never reads).
-#[inline]
-fn decode_plain<'de, M: Deserialize<'de>>(tag: u32, body: &'de [u8]) -> Result<M> {
-    let config = bincode::config::standard().with_limit::<{ crate::shape::PLAIN_LIMIT }>();
-    match bincode::serde::borrow_decode_from_slice(body, config) {
-        Ok((m, used)) if used == body.len() => Ok(m),
-        Ok((_, used)) => Err(Error::Decode {
-            tag,
-            source: DecodeFailure::Trailing(body.len() - used),
-        }),
-        Err(e) => Err(Error::Decode {
-            tag,
-            source: DecodeFailure::Bincode(e),
-        }),
-    }
-}
-
-/// [`decode_body_borrowed`] through the bounded deserializer. Not inlined: the fast path's
-/// caller stays small.
-#[inline(never)]
-fn decode_bounded<'de, M: Deserialize<'de>>(tag: u32, body: &'de [u8], max: usize) -> Result<M> {
     let budget = Budget::new(max);
     let seed = Bounded {
         seed: PhantomData::<M>,

@@ -175,7 +175,6 @@ pub fn announced_total(flags: u8, body: &[u8]) -> Option<u32> {
 }
 
 /// Splits a received frame into header and body, checking everything the header claims.
-#[inline]
 pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
     if frame.len() < HEADER_LEN {
         return Err(FrameError::TooShort(frame.len()));

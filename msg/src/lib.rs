@@ -69,9 +69,7 @@
 //! it is buffered; reassembly stops at [`SessionConfig::max_message`]; and decoding never
 //! preallocates from a claimed length, and fails ([`DecodeFailure::TooLarge`]) once the value's
 //! strings and container elements would exceed `max_message`, or
-//! ([`DecodeFailure::TooDeep`]) once values nest deeper than [`codec::MAX_DEPTH`]. A type
-//! made only of fixed-size values (numbers, `bool`, `char` in structs, tuples and arrays), whose
-//! decode no input can inflate, is recognised once and decoded at plain bincode's cost.
+//! ([`DecodeFailure::TooDeep`]) once values nest deeper than [`codec::MAX_DEPTH`].
 //!
 //! # Errors that end loops
 //!
@@ -98,7 +96,6 @@ mod peer;
 pub mod policy;
 pub mod rendezvous;
 mod session;
-mod shape;
 mod split;
 mod trace;
 

@@ -16,14 +16,6 @@ pub trait Message: Serialize {
     /// Whether `send` wakes a receiver sleeping solicited-only by default: `true` for
     /// requests and alarms, `false` for telemetry that may wait for the next wake-up.
     const SOLICITED: bool = true;
-
-    /// Where [`crate::message!`] keeps whether the type is plain (made only of fixed-size
-    /// values, decoded without the bounded deserializer: see the `shape` module). `None`, the
-    /// default for a hand-written impl: always decoded bounded.
-    #[doc(hidden)]
-    fn decode_shape() -> Option<&'static core::sync::atomic::AtomicU32> {
-        None
-    }
 }
 
 /// Tag of a request's frame (its body: call number, request tag, request; see
@@ -114,12 +106,6 @@ macro_rules! message {
         impl $crate::Message for $ty {
             const TAG: u32 = $crate::tag($name);
             const SOLICITED: bool = $s;
-            fn decode_shape() -> ::core::option::Option<&'static ::core::sync::atomic::AtomicU32> {
-                // One per type (the impl is for one type; lifetimes do not change its shape).
-                static SHAPE: ::core::sync::atomic::AtomicU32 =
-                    ::core::sync::atomic::AtomicU32::new(0);
-                ::core::option::Option::Some(&SHAPE)
-            }
         }
     };
     ($ty:ty $(, solicited = $s:expr)?) => {
