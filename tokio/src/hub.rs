@@ -215,9 +215,12 @@ impl AsyncHub {
         R::Response: serde::de::DeserializeOwned,
     {
         let request_type = std::any::type_name::<R>();
+        // One deadline however often the start finds the outbox full: each try gets what is
+        // left.
+        let left = crate::shared::time_left(timeout);
         self.shared
             .call(timeout, request_type, |h, _| {
-                Ok(h.try_start_call(peer, request, timeout)?)
+                Ok(h.try_start_call(peer, request, left())?)
             })
             .await
     }

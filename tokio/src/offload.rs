@@ -14,14 +14,9 @@ use std::sync::mpsc;
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
-type Job = Box<dyn FnOnce() + Send>;
-
-/// A job waiting, and whether it counts itself in [`State::handing_back`] once it has its
-/// result (see [`spawn`]).
-struct Queued {
-    job: Job,
-    hands_back: bool,
-}
+/// A job; it returns whether it counted itself in [`State::handing_back`] (see [`spawn`]),
+/// which the worker undoes once it is back for the next job.
+type Job = Box<dyn FnOnce() -> bool + Send>;
 
 /// How long a worker waits for a job before it ends.
 const IDLE: Duration = Duration::from_secs(10);
@@ -39,7 +34,7 @@ struct Pool {
 
 #[derive(Default)]
 struct State {
-    jobs: VecDeque<Queued>,
+    jobs: VecDeque<Job>,
     /// Workers running.
     workers: usize,
     idle: usize,
@@ -69,11 +64,10 @@ fn pool() -> Option<&'static Pool> {
                             p.lock().coming -= 1;
                             loop {
                                 let next = p.lock().jobs.pop_front();
-                                let Some(next) = next else { break };
-                                let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-                                    next.job,
-                                ));
-                                if next.hands_back && done.is_ok() {
+                                let Some(job) = next else { break };
+                                let done =
+                                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                                if matches!(done, Ok(true)) {
                                     p.lock().handing_back -= 1;
                                 }
                             }
@@ -105,12 +99,12 @@ fn work() {
     state.coming -= 1;
     state.workers += 1;
     loop {
-        if let Some(next) = state.jobs.pop_front() {
+        if let Some(job) = state.jobs.pop_front() {
             drop(state);
             // A job that panics ends its own task's result, not the worker.
-            let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(next.job));
+            let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
             state = pool.lock();
-            if next.hands_back && done.is_ok() {
+            if matches!(done, Ok(true)) {
                 state.handing_back -= 1;
             }
             continue;
@@ -131,16 +125,19 @@ fn work() {
 
 /// Runs `job` on a worker; where no thread can be had at all, here.
 pub(crate) fn run(job: impl FnOnce() + Send + 'static) {
-    queue(Box::new(job), false);
+    queue(Box::new(move || {
+        job();
+        false
+    }));
 }
 
-fn queue(job: Job, hands_back: bool) {
+fn queue(job: Job) {
     let Some(pool) = pool() else {
         job();
         return;
     };
     let mut state = pool.lock();
-    state.jobs.push_back(Queued { job, hands_back });
+    state.jobs.push_back(job);
     // Idle workers, those handing a result back and those on their way take the jobs
     // waiting; more jobs, more workers.
     if state.idle + state.handing_back + state.coming < state.jobs.len()
@@ -160,17 +157,24 @@ pub(crate) async fn spawn<T: Send + 'static>(
     job: impl FnOnce() -> T + Send + 'static,
 ) -> Option<T> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let hands_back = pool().is_some();
-    queue(
-        Box::new(move || {
-            let result = job();
-            if let Some(p) = pool() {
-                p.lock().handing_back += 1;
-            }
+    queue(Box::new(move || {
+        let result = job();
+        let Some(p) = pool() else {
             let _ = tx.send(result);
-        }),
-        hands_back,
-    );
+            return false;
+        };
+        // Counted before the result wakes its task, which may queue the next job at once.
+        p.lock().handing_back += 1;
+        match tx.send(result) {
+            Ok(()) => true,
+            Err(unwanted) => {
+                // Nobody awaits it: dropping it (a session's teardown) is work of its own.
+                p.lock().handing_back -= 1;
+                drop(unwanted);
+                false
+            }
+        }
+    }));
     rx.await.ok()
 }
 

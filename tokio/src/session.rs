@@ -241,11 +241,13 @@ impl AsyncSession {
         R::Response: serde::de::DeserializeOwned,
     {
         let request_type = std::any::type_name::<R>();
+        // One deadline however often the start finds no room: each try gets what is left.
+        let left = crate::shared::time_left(timeout);
         self.shared
             .call(timeout, request_type, |s, shared| {
                 let waiting = shared.receivers.load(Ordering::SeqCst) > 0;
                 let solicit = s.solicit_for(R::SOLICITED, waiting);
-                Ok(s.try_start_call(request, solicit, timeout)?)
+                Ok(s.try_start_call(request, solicit, left())?)
             })
             .await
     }

@@ -507,3 +507,14 @@ impl<D: Drive> SharedDriver<D> {
         }
     }
 }
+
+/// What is left of `timeout` from now, each time it is asked: a call's start that is tried
+/// again (no room yet) keeps the call's one deadline, which its request carries.
+pub(crate) fn time_left(timeout: Duration) -> impl Fn() -> Duration {
+    let until = std::time::Instant::now().checked_add(timeout);
+    move || {
+        until.map_or(timeout, |u| {
+            u.saturating_duration_since(std::time::Instant::now())
+        })
+    }
+}

@@ -19,9 +19,10 @@
 //! the server once.
 //!
 //! A deadline travels with its request: the server's [`Responder`] says when the caller gives
-//! up ([`Responder::deadline`], [`Responder::time_left`]), counted from the request's arrival
-//! (the time in transit is not taken off, so the server's view is never earlier than the
-//! caller's). A server that calls another peer on its behalf gives that call
+//! up ([`Responder::deadline`], [`Responder::time_left`]): what was left when the request
+//! went, after any wait for a credit, counted from when this side hands it to the application
+//! (its time in transit and in this side's queues is not taken off, so the server's view is
+//! never earlier than the caller's). A server that calls another peer on its behalf gives that call
 //! [`Responder::time_left`]; one that finds a request [`Responder::expired`] can drop it
 //! unanswered: nothing is sent (the caller would drop it as late) and it is counted in
 //! [`CallStats::expired`].
@@ -305,9 +306,11 @@ impl<T: Message> Responder<T> {
         self.origin.as_ref().map_or(0, |o| o.id)
     }
 
-    /// The caller's deadline as this side sees it: when the request arrived, plus what was
-    /// left of the caller's deadline when it was sent (the time in transit is not taken off,
-    /// so this is never earlier than the caller's own). `None` if the caller set none.
+    /// The caller's deadline as this side sees it: when this side handed the request to the
+    /// application (a receive, an event), plus what was left of the caller's deadline when the
+    /// request went. Neither its time in transit nor its wait in this side's queues is taken
+    /// off, so this is never earlier than the caller's own, and later by that much. `None` if
+    /// the caller set none.
     pub fn deadline(&self) -> Option<Instant> {
         self.origin.as_ref().and_then(|o| o.deadline)
     }

@@ -46,7 +46,7 @@ fn a_request_arrives_as_its_own_type_and_its_answer_reaches_its_call() {
     let get = Get { key: "k".into() };
     let out = CallOut {
         id,
-        budget: NO_DEADLINE,
+        deadline: None,
         m: &get,
     };
     let env = received(&out, &mut decoder).unwrap();
@@ -101,7 +101,7 @@ fn a_request_of_a_type_not_served_is_refused_at_once() {
     let get = Get { key: "k".into() };
     let out = CallOut {
         id: 5,
-        budget: NO_DEADLINE,
+        deadline: None,
         m: &get,
     };
     let env = received(&out, &mut decoder).unwrap();
@@ -134,7 +134,7 @@ fn forged_call_frames_are_bad_frames() {
     // A request posing as one of the library's own tags.
     let inner = CallOut {
         id: 1,
-        budget: NO_DEADLINE,
+        deadline: None,
         m: &ReplyOut::<()> {
             id: 1,
             status: 0,
@@ -261,10 +261,10 @@ fn a_request_carries_its_deadline_and_an_expired_one_is_dropped_silently() {
     let mut decoder = Decoder::new(1 << 20);
     decoder.register::<Get>().unwrap();
     let get = Get { key: "k".into() };
-    let request = |budget, decoder: &mut Decoder| {
+    let request = |deadline, decoder: &mut Decoder| {
         let out = CallOut {
             id: 1,
-            budget,
+            deadline,
             m: &get,
         };
         let env = received(&out, decoder).unwrap();
@@ -272,7 +272,7 @@ fn a_request_carries_its_deadline_and_an_expired_one_is_dropped_silently() {
         env.responder::<Get>().unwrap()
     };
     let before = Instant::now();
-    let r = request(budget_of(Some(Duration::from_secs(5))), &mut decoder);
+    let r = request(Some(Instant::now() + Duration::from_secs(5)), &mut decoder);
     let left = r.time_left().expect("a deadline");
     assert!(
         left <= Duration::from_secs(5) && left > Duration::from_secs(4),
@@ -283,7 +283,7 @@ fn a_request_carries_its_deadline_and_an_expired_one_is_dropped_silently() {
     drop(r);
     assert_eq!(replies.take().len(), 1, "in time: 'no answer' goes");
 
-    let r = request(NO_DEADLINE, &mut decoder);
+    let r = request(None, &mut decoder);
     assert_eq!(
         (r.deadline(), r.time_left(), r.expired()),
         (None, None, false)
@@ -291,7 +291,7 @@ fn a_request_carries_its_deadline_and_an_expired_one_is_dropped_silently() {
     drop(r);
     assert_eq!(replies.take().len(), 1);
 
-    let r = request(budget_of(Some(Duration::ZERO)), &mut decoder);
+    let r = request(Some(Instant::now()), &mut decoder);
     assert!(r.expired());
     assert_eq!(r.time_left(), Some(Duration::ZERO));
     drop(r);

@@ -10,10 +10,12 @@ pub(crate) const NO_ANSWER: u8 = 1;
 pub(crate) const NOT_SERVED: u8 = 2;
 
 /// What a request says of its caller's deadline: how long was left when it was sent, in
-/// microseconds ([`NO_DEADLINE`]: none).
+/// microseconds rounded up, so that the server's view is never earlier than the caller's
+/// ([`NO_DEADLINE`]: none).
 pub(crate) fn budget_of(left: Option<Duration>) -> u64 {
     left.map_or(NO_DEADLINE, |l| {
-        u64::try_from(l.as_micros()).map_or(NO_DEADLINE - 1, |us| us.min(NO_DEADLINE - 1))
+        u64::try_from(l.as_nanos().div_ceil(1000))
+            .map_or(NO_DEADLINE - 1, |us| us.min(NO_DEADLINE - 1))
     })
 }
 
@@ -29,20 +31,24 @@ pub(crate) fn deadline_of(budget: u64, arrived: Instant) -> Option<Instant> {
     arrived.checked_add(Duration::from_micros(budget))
 }
 
-/// A request as it goes: `(id, tag, budget, request)`, the budget what was left of the
-/// caller's deadline ([`budget_of`]).
+/// A request as it goes: `(id, tag, budget, request)`, the budget what is left of the
+/// caller's `deadline` when it is encoded, that is when it goes, after any wait for a credit
+/// ([`budget_of`]; the clock is read then, for a call that has a deadline).
 pub(crate) struct CallOut<'a, M> {
     pub(crate) id: u64,
-    pub(crate) budget: u64,
+    pub(crate) deadline: Option<Instant>,
     pub(crate) m: &'a M,
 }
 
 impl<M: Message> Serialize for CallOut<'_, M> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let left = self
+            .deadline
+            .map(|d| d.saturating_duration_since(Instant::now()));
         let mut t = s.serialize_tuple(4)?;
         t.serialize_element(&self.id)?;
         t.serialize_element(&M::TAG)?;
-        t.serialize_element(&self.budget)?;
+        t.serialize_element(&budget_of(left))?;
         t.serialize_element(self.m)?;
         t.end()
     }
@@ -53,8 +59,7 @@ impl<M: Message> Message for CallOut<'_, M> {
     const SOLICITED: bool = M::SOLICITED;
 }
 
-/// A request owned by an outbox, as it goes (as [`CallOut`]), its budget what is left of
-/// `deadline` when it goes.
+/// A request owned by an outbox, as it goes (as [`CallOut`]: its budget taken when it goes).
 pub(crate) struct CallOwned<M> {
     pub(crate) id: u64,
     pub(crate) deadline: Option<Instant>,
@@ -63,12 +68,9 @@ pub(crate) struct CallOwned<M> {
 
 impl<M: Message> Serialize for CallOwned<M> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let left = self
-            .deadline
-            .map(|d| d.saturating_duration_since(Instant::now()));
         CallOut {
             id: self.id,
-            budget: budget_of(left),
+            deadline: self.deadline,
             m: &self.request,
         }
         .serialize(s)

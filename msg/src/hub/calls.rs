@@ -28,7 +28,7 @@ impl Hub {
         let id = call::lock(&self.calls).start::<R>(Some(peer));
         let out = CallOut {
             id,
-            budget: call::budget_of(deadline.map(|_| timeout)),
+            deadline,
             m: request,
         };
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {

@@ -71,7 +71,7 @@ impl Session {
         let id = call::lock(&self.calls).start::<R>(None);
         let out = CallOut {
             id,
-            budget: call::budget_of(deadline.map(|_| left)),
+            deadline,
             m: request,
         };
         let sent =
@@ -95,7 +95,7 @@ impl Session {
         let id = call::lock(&self.calls).start::<R>(None);
         let out = CallOut {
             id,
-            budget: call::budget_of(deadline.map(|_| timeout)),
+            deadline,
             m: request,
         };
         match self.try_send_as(&out, solicited) {
