@@ -239,6 +239,11 @@ impl Origin {
         });
     }
 
+    /// Whether the caller's deadline has passed.
+    fn expired(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
     /// Taken to be answered by the thread that drives the connection: no "no answer" on drop.
     pub(crate) fn disarm(mut self) -> (u64, Option<PeerId>) {
         self.answered = true;
@@ -251,7 +256,7 @@ impl Drop for Origin {
         if self.answered {
             return;
         }
-        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+        if self.expired() {
             // Its caller has given up: "no answer" would only be dropped there as late.
             self.replies.expired.fetch_add(1, Ordering::Relaxed);
         } else {
@@ -327,7 +332,7 @@ impl<T: Message> Responder<T> {
     /// responder of such a request sends nothing (its caller would drop "no answer" as late)
     /// and counts it in [`CallStats::expired`].
     pub fn expired(&self) -> bool {
-        self.deadline().is_some_and(|d| Instant::now() >= d)
+        self.origin.as_ref().is_some_and(Origin::expired)
     }
 
     /// Answers with `value`: queued for the session's (or hub's) thread, which is woken to
@@ -753,9 +758,7 @@ pub(crate) fn route(
             }
             let ty = decoder.type_of(inner);
             // The clock, once per request that has a deadline.
-            let deadline = (budget != NO_DEADLINE)
-                .then(|| deadline_of(budget, Instant::now()))
-                .flatten();
+            let deadline = deadline_of(budget, Instant::now);
             let origin = Box::new(Origin::new(id, peer, replies.clone(), deadline));
             env.unwrap_request(used, (inner, ty), origin);
             Ok(Routed::Deliver(env))

@@ -22,13 +22,14 @@ pub(crate) fn budget_of(left: Option<Duration>) -> u64 {
 /// A request's budget for a caller without a deadline.
 pub(crate) const NO_DEADLINE: u64 = u64::MAX;
 
-/// The deadline a request's `budget` gives, counted from `arrived`: never earlier than the
-/// caller's own, since the time in transit is not taken off.
-pub(crate) fn deadline_of(budget: u64, arrived: Instant) -> Option<Instant> {
+/// The deadline a request's `budget` gives, counted from `arrived` (read only for a budget
+/// that is a deadline): never earlier than the caller's own, since the time in transit is not
+/// taken off.
+pub(crate) fn deadline_of(budget: u64, arrived: impl FnOnce() -> Instant) -> Option<Instant> {
     if budget == NO_DEADLINE {
         return None;
     }
-    arrived.checked_add(Duration::from_micros(budget))
+    arrived().checked_add(Duration::from_micros(budget))
 }
 
 /// A request as it goes: `(id, tag, budget, request)`, the budget what is left of the
