@@ -301,8 +301,9 @@ rdmsg side: `rdmsg::msg::Session`s carrying a byte-string message (20-byte frame
 read in place by the receiver (`decode_borrowed`, as perftest does not touch its data either).
 Latency: `Policy::Sleep` with solicited-only arming (event) or `Policy::Poll` (polling),
 defaults otherwise, one-way = half the round trip, median of 1000 after 50 of warm-up.
-Throughput: `send_batch` of 64, receive depth 256, from the first send to the last message read
-at the receiver; `ib_send_bw`'s figure is its receiver's; `verbs-core` is the same stream
+Throughput: batches of 64 (the last solicited), receive depth 256, from the first send to the
+last message read at the receiver, sent one `send` per message (a frame, a receive buffer and a
+credit each) and by `send_batch` (`packed`: as many messages to a frame as fit); `ib_send_bw`'s figure is its receiver's; `verbs-core` is the same stream
 written directly on verbs-core (128 in flight, a completion every 64, 512 receives, polling, no
 framing, no credits). Wake-ups: 200 batches of K messages of 64 B, the last solicited, 5 ms
 apart, receiver thread CPU time (`CLOCK_THREAD_CPUTIME_ID`, kernel time included); busy-poll:

@@ -184,15 +184,27 @@ pub struct Stream {
     pub size: usize,
     /// Messages in all.
     pub count: usize,
-    /// Messages per `send_batch` (the last of each solicited).
+    /// Messages per batch (the last of each solicited).
     pub batch: usize,
+    /// Batches go by `send_batch`, packed several messages to a frame; else one `send` per
+    /// message (one frame, one receive buffer and one credit each).
+    pub packed: bool,
     /// Receive buffers (credits) of the receiver.
     pub recv_depth: u32,
 }
 
-/// One-way stream of `count` messages; returns million messages per second, from the first
-/// send to the last message decoded by the receiver.
-pub fn throughput(s: Stream) -> Result<f64> {
+/// What a stream measured.
+#[derive(Debug, Clone, Copy)]
+pub struct Streamed {
+    /// Million messages per second, from the first send to the last message decoded by the
+    /// receiver.
+    pub mpps: f64,
+    /// The receiver's frames per message: receive buffers (and credits) spent per message.
+    pub buffers_per_message: f64,
+}
+
+/// One-way stream of `count` messages.
+pub fn throughput(s: Stream) -> Result<Streamed> {
     let config = Config {
         buf_size: buf_size(s.size),
         recv_depth: s.recv_depth,
@@ -201,22 +213,35 @@ pub fn throughput(s: Stream) -> Result<f64> {
     };
     let (rx, tx) = rdmsg::transport::loopback_pair(&config, &config)?;
     let count = s.count;
-    let receiver = thread::spawn(move || -> Result<Instant> {
+    let receiver = thread::spawn(move || -> Result<(Instant, f64)> {
         let mut r = Session::new(rx);
         receive_payloads(&mut r, count, s.size)?;
         let done = Instant::now();
+        let stats = r.stats();
         expect_close(&mut r)?;
-        Ok(done)
+        Ok((
+            done,
+            stats.frames_received as f64 / stats.received.max(1) as f64,
+        ))
     });
     let mut t = Session::new(tx);
     let m = Payload {
         bytes: vec![0xa5; s.size],
     };
     let started = Instant::now();
-    send_in_batches(&mut t, &m, count, s.batch, Duration::ZERO)?;
+    if s.packed {
+        send_in_batches(&mut t, &m, count, s.batch, Duration::ZERO)?;
+    } else {
+        for i in 0..count {
+            t.send_as(&m, (i + 1) % s.batch == 0 || i + 1 == count)?;
+        }
+    }
     t.close()?;
-    let done = join(receiver)?;
-    Ok(count as f64 / done.duration_since(started).as_secs_f64() / 1e6)
+    let (done, buffers_per_message) = join(receiver)?;
+    Ok(Streamed {
+        mpps: count as f64 / done.duration_since(started).as_secs_f64() / 1e6,
+        buffers_per_message,
+    })
 }
 
 /// How the receiver waits, in the wake-up benchmark.

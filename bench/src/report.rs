@@ -342,27 +342,50 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
         ("ib_send_bw", Section::ThroughputPerftest, "ib_send_bw"),
         ("verbs-core", Section::ThroughputVerbs, "verbs-core"),
     ] {
-        for (_, size, _) in m.points(Bench::Bw, "rdmsg", "mpps") {
-            let Some(ours) = m.get(Bench::Bw, "rdmsg", "", size, 0, "mpps") else {
+        let mut points = m.points(Bench::Bw, "rdmsg", "mpps");
+        points.sort_by_key(|(variant, size, _)| (*size, variant.clone()));
+        for (variant, size, _) in points {
+            let Some(ours) = m.get(Bench::Bw, "rdmsg", &variant, size, 0, "mpps") else {
                 continue;
             };
             let Some(theirs) = m.get(Bench::Bw, subject, "", size, 0, "mpps") else {
                 continue;
             };
-            // Issue 26: 64 B at least `ib_send_bw`'s rate and 0.9 of the raw verbs-core
-            // stream's.
-            let goal = (size <= SMALL).then_some(if section == Section::ThroughputPerftest {
-                Goal::AtLeast(1.0)
-            } else {
-                Goal::AtLeast(0.9)
-            });
+            let packed = variant == "packed";
+            // Issue 26: 64 B one message per send at least `ib_send_bw`'s rate and 0.9 of the
+            // raw verbs-core stream's; issue 44: packed, three times `ib_send_bw`'s.
+            let goal = match (size <= SMALL, packed, section) {
+                (false, _, _) | (true, true, Section::ThroughputVerbs) => None,
+                (true, true, _) => Some(Goal::AtLeast(3.0)),
+                (true, false, Section::ThroughputPerftest) => Some(Goal::AtLeast(1.0)),
+                (true, false, _) => Some(Goal::AtLeast(0.9)),
+            };
+            let label = match packed {
+                true => format!("{}, packed", fmt_size(size)),
+                false => fmt_size(size),
+            };
             rows.push(Row::new(
                 section,
-                fmt_size(size),
+                label.clone(),
                 ours,
                 Some((anchor, theirs.0)),
                 goal,
             ));
+            if section == Section::ThroughputPerftest {
+                // Receive buffers (and credits) per message: issue 44, at most 1/16 packed.
+                if let Some(buffers) =
+                    m.get(Bench::Bw, "rdmsg", &variant, size, 0, "buffers_per_msg")
+                {
+                    let goal = (packed && size <= SMALL).then_some(Goal::AtMost(1.0 / 16.0));
+                    rows.push(Row::beside(
+                        section,
+                        format!("{label}: receive buffers per message"),
+                        buffers,
+                        None,
+                        goal,
+                    ));
+                }
+            }
         }
     }
     let mut wake = m.points(Bench::Wake, "rdmsg", "cpu_us_per_msg");

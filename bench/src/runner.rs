@@ -732,15 +732,38 @@ impl Task {
             }
             What::Stream { size, count, who } => {
                 let (subject, mpps) = match who {
-                    Who::Rdmsg => (
-                        "rdmsg",
-                        rdmsg::throughput(Stream {
-                            size,
-                            count,
-                            batch: plan.bw_batch,
-                            recv_depth: plan.bw_depth,
-                        })?,
-                    ),
+                    Who::Rdmsg => {
+                        // One message per send, then the same batches packed.
+                        let mut samples = Vec::new();
+                        for (variant, packed) in [("", false), ("packed", true)] {
+                            let got = rdmsg::throughput(Stream {
+                                size,
+                                count,
+                                batch: plan.bw_batch,
+                                packed,
+                                recv_depth: plan.bw_depth,
+                            })?;
+                            samples.push(sample(
+                                Bench::Bw,
+                                "rdmsg",
+                                variant,
+                                size,
+                                0,
+                                "mpps",
+                                got.mpps,
+                            ));
+                            samples.push(sample(
+                                Bench::Bw,
+                                "rdmsg",
+                                variant,
+                                size,
+                                0,
+                                "buffers_per_msg",
+                                got.buffers_per_message,
+                            ));
+                        }
+                        return Ok(samples);
+                    }
                     Who::Perftest => {
                         let args =
                             ["-s", &size.to_string(), "-n", &count.to_string()].map(String::from);

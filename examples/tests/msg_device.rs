@@ -107,6 +107,46 @@ fn a_batch_costs_one_wake_up() {
     );
 }
 
+/// A million small messages streamed by `send_batch`, packed many to a frame: every one arrives
+/// once and in order, and the receiver spends a receive buffer (and the sender a credit) per
+/// frame, under one per 16 messages.
+#[test]
+#[ignore = "device"]
+fn a_million_small_messages_stream_packed() {
+    const N: u64 = 1_000_000;
+    const BATCH: u64 = 256;
+    let (mut rx, mut tx) = sessions();
+    let producer = thread::spawn(move || {
+        let mut batch = Vec::with_capacity(BATCH as usize);
+        for first in (0..N).step_by(BATCH as usize) {
+            batch.clear();
+            batch.extend((first..N.min(first + BATCH)).map(|seq| Reading {
+                sensor: 3,
+                seq,
+                value: seq as f64,
+            }));
+            assert_eq!(tx.send_batch(&batch).unwrap(), batch.len());
+        }
+        tx
+    });
+    for seq in 0..N {
+        let r: Reading = recv_one(&mut rx);
+        assert_eq!((r.seq, r.value), (seq, seq as f64), "in order, each once");
+    }
+    let tx = producer.join().unwrap();
+    let (sent, got) = (tx.stats(), rx.stats());
+    println!(
+        "stats packed stream: {N} messages in {} frames ({:.4} receive buffers per message), \
+         {} solicited",
+        got.frames_received,
+        got.frames_received as f64 / N as f64,
+        sent.sent_solicited
+    );
+    assert_eq!((sent.sent, sent.packed, got.received), (N, N, N));
+    assert!(got.frames_received * 16 <= N, "{got:?}");
+    assert!(rx.try_recv().unwrap().is_none(), "nothing more");
+}
+
 /// Unsolicited telemetry without batch ends, trickling in while the receiver sleeps: the
 /// policy solicits every 17th message (a quarter of the peer's 64 credits, plus one) and
 /// `flush` wakes the receiver for the tail, so nothing waits unread.

@@ -11,7 +11,7 @@ pub use crate::bounded::MAX_DEPTH;
 use crate::bounded::{Bounded, Budget};
 use crate::bulk::Piece;
 use crate::frame::{
-    self, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV, TOTAL_LEN,
+    self, FrameError, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV, TOTAL_LEN,
 };
 use crate::message::{CALL_TAG, REPLY_TAG};
 use crate::rendezvous::{self, Descriptor, ReadBuf};
@@ -57,6 +57,25 @@ pub fn encode_single<M: Message>(m: &M, seq: u32, out: &mut [u8]) -> Result<Opti
             }
             .write(head);
             Ok(Some(HEADER_LEN + len))
+        }
+        Err(bincode::error::EncodeError::UnexpectedEnd) => Ok(None),
+        Err(source) => Err(Error::Encode {
+            tag: M::TAG,
+            source,
+        }),
+    }
+}
+
+/// Encodes `m` as one entry of a packed frame ([`frame::PACK_ENTRY`] bytes of head, then its
+/// body) straight into `out`: the entry's length, or `Ok(None)` if it does not fit.
+pub(crate) fn encode_entry<M: Message>(m: &M, out: &mut [u8]) -> Result<Option<usize>> {
+    let Some(body) = out.get_mut(frame::PACK_ENTRY..) else {
+        return Ok(None);
+    };
+    match bincode::serde::encode_into_slice(m, body, config()) {
+        Ok(len) => {
+            frame::write_entry(out, M::TAG, len as u32);
+            Ok(Some(frame::PACK_ENTRY + len))
         }
         Err(bincode::error::EncodeError::UnexpectedEnd) => Ok(None),
         Err(source) => Err(Error::Encode {
@@ -203,6 +222,10 @@ pub enum FrameBytes {
     Read(ReadBuf),
     /// Bytes shared with payloads decoded from them ([`Envelope::decode_shared`]).
     Shared(bytes::Bytes),
+    /// One message's body in a receive buffer it shares with the other messages of its
+    /// packed frame ([`frame::PACK`]): the buffer, and its credit, go back once all of them
+    /// are dropped.
+    Packed(bytes::Bytes),
 }
 
 impl FrameBytes {
@@ -211,8 +234,39 @@ impl FrameBytes {
             FrameBytes::Received(r) => r,
             FrameBytes::Owned(v) => v,
             FrameBytes::Read(r) => r.bytes(),
-            FrameBytes::Shared(b) => b,
+            FrameBytes::Shared(b) | FrameBytes::Packed(b) => b,
         }
+    }
+
+    /// The frame as shared bytes, for the messages of a packed frame to share.
+    fn into_shared(self) -> bytes::Bytes {
+        match self {
+            FrameBytes::Received(r) => bytes::Bytes::from_owner(r),
+            FrameBytes::Owned(v) => bytes::Bytes::from(v),
+            FrameBytes::Read(r) => bytes::Bytes::copy_from_slice(r.bytes()),
+            FrameBytes::Shared(b) | FrameBytes::Packed(b) => b,
+        }
+    }
+}
+
+/// A packed frame's messages, still together ([`Decoded::Packed`]); [`Decoder::unpack`]
+/// hands them out.
+#[derive(Debug)]
+pub struct Packed {
+    frame: bytes::Bytes,
+    seq: u32,
+    count: u16,
+}
+
+impl Packed {
+    /// The number of its last message.
+    pub fn last_seq(&self) -> u32 {
+        self.seq.wrapping_add(self.count() - 1)
+    }
+
+    /// How many messages it holds (at least one).
+    pub fn count(&self) -> u32 {
+        u32::from(self.count)
     }
 }
 
@@ -237,6 +291,8 @@ pub enum Decoded {
     Done(Vec<u32>),
     /// The peer asks to be told once our application has taken its messages before `seq`.
     Ask(u32),
+    /// Several whole messages in one frame, checked to add up ([`Decoder::unpack`]).
+    Packed(Packed),
 }
 
 /// A received message: its tag and body, still encoded. Single-frame messages keep their
@@ -313,7 +369,7 @@ impl Envelope {
     /// envelope does not keep the peer's credit (a rendezvous read buffer is kept: it holds
     /// no credit).
     pub(crate) fn release_credit(&mut self) {
-        if matches!(self.frame, FrameBytes::Received(_)) {
+        if matches!(self.frame, FrameBytes::Received(_) | FrameBytes::Packed(_)) {
             self.detach();
         }
     }
@@ -323,7 +379,10 @@ impl Envelope {
     /// the buffer (and, for a receive buffer, the peer's credit). Nothing to do for a body
     /// that is already owned.
     pub fn detach(&mut self) {
-        if matches!(self.frame, FrameBytes::Received(_) | FrameBytes::Read(_)) {
+        if matches!(
+            self.frame,
+            FrameBytes::Received(_) | FrameBytes::Read(_) | FrameBytes::Packed(_)
+        ) {
             let body = self.body().to_vec();
             self.frame = FrameBytes::Owned(body);
             self.offset = 0;
@@ -366,6 +425,12 @@ impl Envelope {
         crate::bulk::sharing(source, || {
             decode_body_borrowed(self.tag, self.body(), self.max)
         })
+    }
+
+    /// Where its bytes are.
+    #[cfg(test)]
+    pub(crate) fn frame_bytes(&self) -> &FrameBytes {
+        &self.frame
     }
 
     /// The message's tag.
@@ -575,10 +640,12 @@ impl Decoder {
 
     /// Takes one frame. `Ok(None)`: a fragment was stored or dropped with its message, the
     /// frame carried no message, or it was a rendezvous frame (see [`Decoder::take`], which
-    /// hands those out).
+    /// hands those out). A packed frame ([`frame::PACK`]) is refused whole
+    /// ([`frame::FrameError::NotSingle`]): [`Decoder::take`] hands out its messages.
     pub fn push(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
         Ok(match self.take(frame)? {
             Decoded::Message(env) => Some(env),
+            Decoded::Packed(p) => return Err(Error::BadFrame(FrameError::NotSingle(p.count))),
             _ => None,
         })
     }
@@ -600,6 +667,17 @@ impl Decoder {
         }
         if h.flags & ASK != 0 {
             return Ok(Decoded::Ask(h.seq));
+        }
+        if h.flags & frame::PACK != 0 {
+            // Whole messages: a fragmented one before them lost its tail.
+            self.skipping = None;
+            self.drop_partial();
+            frame::check_packed(h.seq, h.frag, &frame.bytes()[HEADER_LEN..])?;
+            return Ok(Decoded::Packed(Packed {
+                frame: frame.into_shared(),
+                seq: h.seq,
+                count: h.frag,
+            }));
         }
         if h.flags & RNDV != 0 {
             self.check_tag(h.tag)?;
@@ -666,6 +744,34 @@ impl Decoder {
                 )))
             }
         }
+    }
+
+    /// The messages of a packed frame, in order, each with its number: its envelope (sharing
+    /// the frame's buffer), or the error of its own that stands in its place (a tag not
+    /// registered, a nudge's tag where a message belongs).
+    pub fn unpack<'a>(
+        &'a self,
+        p: &'a Packed,
+    ) -> impl Iterator<Item = (u32, Result<Envelope>)> + 'a {
+        let body = &p.frame[HEADER_LEN..];
+        // Checked whole when the frame was taken.
+        let entries = frame::unpack(p.seq, p.count, body)
+            .ok()
+            .into_iter()
+            .flatten();
+        entries.map(move |(seq, tag, range)| {
+            let ty = match tag {
+                NUDGE_TAG => Err(Error::BadFrame(frame::FrameError::Packed {
+                    seq: p.seq,
+                    count: p.count,
+                })),
+                _ => self.check_tag(tag),
+            };
+            let at = HEADER_LEN + range.start..HEADER_LEN + range.end;
+            let env =
+                ty.map(|ty| self.envelope(tag, ty, seq, FrameBytes::Packed(p.frame.slice(at)), 0));
+            (seq, env)
+        })
     }
 
     /// Fragmented messages dropped because a complete message, or the first fragment of a

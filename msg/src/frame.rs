@@ -11,6 +11,11 @@
 //! fragments must add up to exactly that. Since RC delivers whole messages in order, a bad
 //! frame never desynchronises the next one: it can always be dropped alone.
 //!
+//! A packed frame ([`PACK`], with [`FIRST`] and [`LAST`], tag 0) carries several whole small
+//! messages in one receive buffer: `frag` says how many, `seq` is the first one's number (the
+//! others follow it), and the body is that many entries of a [`PACK_ENTRY`]-byte head (the
+//! message's tag and body length, big-endian) and the body (see [`unpack`]).
+//!
 //! `taken` is the delivery record riding every frame: how many of the *peer's* messages the
 //! writer's application has taken, modulo 2^16 (see [`stamp_taken`]). A sender keeps fewer
 //! than 2^15 messages unconfirmed, so the low 16 bits name the count without doubt.
@@ -20,8 +25,8 @@ pub const MAGIC: u16 = 0x524d;
 /// Frame format version. 2: a first fragment announces its message's length
 /// ([`announced_total`]). 3: a request's body carries what was left of its caller's deadline
 /// (see [`crate::call`]), so that a peer of another version refuses every frame
-/// ([`FrameError::BadVersion`]) rather than misreading requests.
-pub const VERSION: u8 = 3;
+/// ([`FrameError::BadVersion`]) rather than misreading requests. 4: packed frames ([`PACK`]).
+pub const VERSION: u8 = 4;
 /// Header length.
 pub const HEADER_LEN: usize = 20;
 /// Bytes at the start of a first fragment's body (a frame with [`FIRST`] and without
@@ -41,6 +46,11 @@ pub const DONE: u8 = 0x08;
 /// "once your application has taken my messages up to `seq` (exclusive), send a frame, solicited,
 /// to say so". A sender short of room in its window of unconfirmed messages asks so.
 pub const ASK: u8 = 0x10;
+/// Flag: several whole messages in one frame (with [`FIRST`] and [`LAST`], tag 0, `frag` the
+/// number of messages, at least one): see [`unpack`].
+pub const PACK: u8 = 0x20;
+/// Bytes ahead of each message in a packed frame: its tag and its body length, big-endian.
+pub const PACK_ENTRY: usize = 8;
 
 /// A frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +129,18 @@ pub enum FrameError {
     /// A rendezvous descriptor or acknowledgement that cannot be taken apart.
     #[error("bad rendezvous frame: {0}")]
     Rendezvous(&'static str),
+    /// A packed frame whose entries do not add up to its body and its count.
+    #[error("packed frame of messages {seq}.. does not hold the {count} messages it announces")]
+    Packed {
+        /// Its first message's number.
+        seq: u32,
+        /// The messages it announces.
+        count: u16,
+    },
+    /// A packed frame where one message was expected ([`crate::codec::Decoder::push`]):
+    /// [`crate::codec::Decoder::take`] hands out its messages.
+    #[error("packed frame of {0} messages where one message was expected")]
+    NotSingle(u16),
 }
 
 impl Header {
@@ -187,12 +209,12 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
         return Err(FrameError::BadVersion(frame[2]));
     }
     let flags = frame[3];
-    if flags & !(FIRST | LAST | RNDV | DONE | ASK) != 0 {
+    if flags & !(FIRST | LAST | RNDV | DONE | ASK | PACK) != 0 {
         return Err(FrameError::Reserved);
     }
-    if flags & (RNDV | DONE | ASK) != 0 && !matches!(flags, 0x07 | 0x0b | 0x13) {
-        // A descriptor, an acknowledgement or a request for the record is one whole frame,
-        // and only one of them.
+    if flags & (RNDV | DONE | ASK | PACK) != 0 && !matches!(flags, 0x07 | 0x0b | 0x13 | 0x23) {
+        // A descriptor, an acknowledgement, a request for the record or a packed frame is one
+        // whole frame, and only one of them.
         return Err(FrameError::Reserved);
     }
     let u32_at =
@@ -208,6 +230,9 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
     if flags & ASK != 0 && (header.tag != 0 || header.len != 0) {
         return Err(FrameError::Reserved);
     }
+    if flags & PACK != 0 && (header.tag != 0 || header.frag == 0) {
+        return Err(FrameError::Reserved);
+    }
     if header.len as usize != body.len() {
         return Err(FrameError::Length {
             declared: header.len,
@@ -215,6 +240,52 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), FrameError> {
         });
     }
     Ok((header, body))
+}
+
+/// The entries of a packed frame's `body` ([`PACK`]) whose header announced `count` messages
+/// from `seq` on: each message's number, tag and the range of its body in `body`, checked
+/// whole before any is handed out, so that a frame that does not add up is one error
+/// ([`FrameError::Packed`]) and never half delivered.
+pub fn unpack(
+    seq: u32,
+    count: u16,
+    body: &[u8],
+) -> Result<impl Iterator<Item = (u32, u32, std::ops::Range<usize>)> + '_, FrameError> {
+    check_packed(seq, count, body)?;
+    let mut at = 0;
+    Ok((0..count).map(move |i| {
+        let h = &body[at..at + PACK_ENTRY];
+        let tag = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+        let len = u32::from_be_bytes([h[4], h[5], h[6], h[7]]) as usize;
+        let range = at + PACK_ENTRY..at + PACK_ENTRY + len;
+        at = range.end;
+        (seq.wrapping_add(u32::from(i)), tag, range)
+    }))
+}
+
+/// Whether a packed frame's `body` holds exactly the `count` entries its header announced
+/// (see [`unpack`]).
+pub fn check_packed(seq: u32, count: u16, body: &[u8]) -> Result<(), FrameError> {
+    let bad = FrameError::Packed { seq, count };
+    let mut at: usize = 0;
+    for _ in 0..count {
+        let head = body.get(at..at + PACK_ENTRY).ok_or(bad)?;
+        let len = u32::from_be_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        at = at
+            .checked_add(PACK_ENTRY + len)
+            .filter(|&end| end <= body.len())
+            .ok_or(bad)?;
+    }
+    match at == body.len() {
+        true => Ok(()),
+        false => Err(bad),
+    }
+}
+
+/// Writes one packed entry's head (see [`PACK_ENTRY`]) into the first bytes of `out`.
+pub fn write_entry(out: &mut [u8], tag: u32, len: u32) {
+    out[0..4].copy_from_slice(&tag.to_be_bytes());
+    out[4..8].copy_from_slice(&len.to_be_bytes());
 }
 
 /// Joins fragments back into messages. Single-frame messages never go through it.

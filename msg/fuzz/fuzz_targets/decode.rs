@@ -50,6 +50,20 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(again, descriptor);
             }
             Ok(Decoded::Done(seqs)) => assert!(!seqs.is_empty()),
+            Ok(Decoded::Packed(p)) => {
+                // Checked whole when taken: it hands out exactly the messages it announced,
+                // numbered in a row, each within the frame.
+                let mut n = 0u32;
+                for (seq, env) in dec.unpack(&p) {
+                    assert_eq!(seq, p.last_seq().wrapping_sub(p.count() - 1).wrapping_add(n));
+                    if let Ok(env) = env {
+                        assert!(env.body().len() < frame.len());
+                        let _ = env.decode::<Sample>();
+                    }
+                    n += 1;
+                }
+                assert_eq!(n, p.count());
+            }
             Ok(Decoded::Nothing | Decoded::Ask(_)) | Err(_) => {}
         }
         match next {

@@ -125,11 +125,16 @@ pub struct SessionStats {
     pub fragmented: u64,
     /// Frames sent.
     pub frames_sent: u64,
+    /// Messages sent packed, several to a frame ([`crate::Session::send_batch`]).
+    pub packed: u64,
     /// Payload-less solicited frames sent because a receive was about to wait while
     /// messages sent unsolicited had not woken the peer (see [`crate::Session::recv`]).
     pub wait_flushes: u64,
     /// Messages received.
     pub received: u64,
+    /// Frames received: the receive buffers (and credits) the peer's messages, nudges and
+    /// acknowledgements used. Below [`SessionStats::received`] when messages came packed.
+    pub frames_received: u64,
     /// Frames dropped as malformed, out of order or of an unknown tag.
     pub dropped_frames: u64,
     /// Messages sent by rendezvous (the peer read them from our memory).
@@ -176,6 +181,8 @@ impl SessionStats {
         self.policy_solicited += other.policy_solicited;
         self.fragmented += other.fragmented;
         self.frames_sent += other.frames_sent;
+        self.packed += other.packed;
+        self.frames_received += other.frames_received;
         self.wait_flushes += other.wait_flushes;
         self.received += other.received;
         self.dropped_frames += other.dropped_frames;

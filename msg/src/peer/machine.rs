@@ -224,6 +224,7 @@ pub(super) fn took(sender: &mut SendSide, receiver: &mut RecvSide) -> bool {
 pub(super) fn stats(sender: &SendSide, receiver: &RecvSide) -> SessionStats {
     SessionStats {
         received: receiver.received,
+        frames_received: receiver.frames_received,
         dropped_frames: receiver.dropped_frames,
         rendezvous_received: receiver.rendezvous_received,
         bytes_received: receiver.bytes_received,

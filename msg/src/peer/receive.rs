@@ -21,6 +21,8 @@ use super::*;
 pub(crate) struct RecvSide {
     pub(super) decoder: Decoder,
     pub(super) received: u64,
+    /// Frames that arrived: receive buffers the peer spent ([`SessionStats::frames_received`]).
+    pub(super) frames_received: u64,
     pub(super) dropped_frames: u64,
     pub(super) rendezvous_received: u64,
     /// Bodies of the messages received, in bytes ([`SessionStats::bytes_received`]).
@@ -96,6 +98,7 @@ impl RecvSide {
         Self {
             decoder,
             received: 0,
+            frames_received: 0,
             dropped_frames: 0,
             rendezvous_received: 0,
             bytes_received: 0,
@@ -151,15 +154,6 @@ impl RecvSide {
             self.last_wakeup = wakeup;
             self.wakeups += 1;
         }
-    }
-
-    /// Takes one frame: a message (or the typed error of a frame that was dropped, counted)
-    /// joins the queue in order; a descriptor queues its read; an acknowledgement is kept for
-    /// the sender ([`RecvSide::take_acked`]).
-    #[cfg(test)]
-    pub(crate) fn take(&mut self, frame: FrameBytes) -> Result<Option<Envelope>> {
-        self.arrive(frame);
-        self.pop().transpose()
     }
 
     /// Time passed (`now` never goes backwards): a message in reassembly that got no fragment
@@ -236,6 +230,7 @@ impl RecvSide {
     /// waits for read room, frames of messages are parked (see [`RecvSide::parked`]);
     /// acknowledgements and requests for the record are taken at once.
     pub(crate) fn arrive(&mut self, frame: FrameBytes) {
+        self.frames_received += 1;
         let header = frame::parse(frame.bytes()).ok().map(|(h, _)| h);
         if header.is_some() {
             self.peer_taken = frame::taken_of(frame.bytes());
@@ -335,16 +330,36 @@ impl RecvSide {
     }
 
     fn take_in(&mut self, frame: FrameBytes, header: Option<frame::Header>) {
-        // The message a bad frame belonged to, if it names one (not a control frame).
+        // The message a bad frame belonged to, if it names one (not a control frame); for a
+        // packed frame, its last: the error stands in for all of them, and taking it counts
+        // them all taken.
         let message_seq = header
             .filter(|h| h.flags & (frame::DONE | frame::ASK) == 0)
-            .map(|h| h.seq);
+            .map(|h| match h.flags & frame::PACK {
+                0 => h.seq,
+                _ => h.seq.wrapping_add(u32::from(h.frag.max(1)) - 1),
+            });
         let descriptor_seq = header.filter(|h| h.flags & frame::RNDV != 0).map(|h| h.seq);
         match self.decoder.take(frame) {
             Ok(Decoded::Message(env)) => {
                 self.received += 1;
                 self.bytes_received += env.body().len() as u64;
                 self.order.push_back(Place::Ready(Some(env.seq()), Ok(env)));
+            }
+            Ok(Decoded::Packed(packed)) => {
+                for (seq, env) in self.decoder.unpack(&packed) {
+                    match env {
+                        Ok(env) => {
+                            self.received += 1;
+                            self.bytes_received += env.body().len() as u64;
+                            self.order.push_back(Place::Ready(Some(seq), Ok(env)));
+                        }
+                        Err(e) => {
+                            self.dropped_frames += 1;
+                            self.order.push_back(Place::Ready(Some(seq), Err(e)));
+                        }
+                    }
+                }
             }
             Ok(Decoded::Nothing) => {}
             Ok(Decoded::Done(seqs)) => self.acked.extend(seqs),

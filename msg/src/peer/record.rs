@@ -144,6 +144,16 @@ impl Record {
                 .map_or(true, |k| k.copies.is_empty() || k.bytes < k.max_bytes)
     }
 
+    /// How many more messages may go in one frame ([`crate::frame::PACK`]): the window's
+    /// room, none while [`Record::has_room`] says no (a frame may pass the copies' bound as
+    /// one message may).
+    pub(crate) fn room(&self) -> u64 {
+        match self.has_room() {
+            true => MAX_UNCONFIRMED - self.delivery.unconfirmed(),
+            false => 0,
+        }
+    }
+
     /// The number to ask the peer about ([`crate::frame::ASK`]), once half the room is used
     /// and no request is outstanding: the peer answers once its application took everything
     /// sent so far, long before a sender streaming at full speed runs out of room.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::{SessionConfig, SessionStats};
 use crate::bulk::Piece;
 use crate::codec::{self, NUDGE_TAG};
-use crate::frame::{self, ASK, FIRST, HEADER_LEN, LAST};
+use crate::frame::{self, ASK, FIRST, HEADER_LEN, LAST, PACK, PACK_ENTRY};
 use crate::policy::SolicitPolicy;
 use crate::rendezvous::Lent;
 use crate::{Message, Result};
@@ -62,6 +62,8 @@ pub(crate) struct SendSide {
     /// A committed message is being sent: waits within its send (for room) send frames
     /// only, so that nothing committed after it overtakes it.
     pub(super) draining: bool,
+    /// Where a packed frame is put together ([`SendSide::send_batch`]), kept between batches.
+    pack_buf: Vec<u8>,
 }
 
 /// How long a send may wait for room.
@@ -192,6 +194,7 @@ impl SendSide {
             peer_max_read: usize::MAX,
             committed: VecDeque::new(),
             draining: false,
+            pack_buf: Vec::new(),
         }
     }
 
@@ -642,7 +645,12 @@ impl SendSide {
         self.stats.policy_solicited += u64::from(solicited && !requested);
     }
 
-    /// Sends every message unsolicited but the last, which is solicited.
+    /// Sends every message unsolicited but the last, which is solicited, packed: as many
+    /// whole messages to a frame as fit one of the peer's receive buffers
+    /// ([`frame::PACK`]), so that a batch of small messages spends one buffer and one credit
+    /// of the peer's per frame, not per message. A frame is solicited if it holds the last
+    /// (or the policy says so), so nobody wakes later than one frame per message would wake
+    /// it. A message too large to share a frame goes alone, as [`SendSide::send_as`] sends it.
     pub(crate) fn send_batch<'a, M: Message + 'a>(
         &mut self,
         link: &mut impl PeerIo,
@@ -650,11 +658,117 @@ impl SendSide {
     ) -> Result<usize> {
         let mut iter = batch.into_iter().peekable();
         let mut n = 0;
-        while let Some(m) = iter.next() {
-            self.send_as(link, m, iter.peek().is_none())?;
-            n += 1;
+        while iter.peek().is_some() {
+            let packed = self.send_packed(link, &mut iter)?;
+            n += packed;
+            if packed == 0 {
+                let m = iter.next().expect("peeked");
+                self.send_as(link, m, iter.peek().is_none())?;
+                n += 1;
+            }
         }
         Ok(n)
+    }
+
+    /// Sends as many of `batch`'s next messages as fit one frame, in one frame: how many went
+    /// (none when the next one does not fit a frame whole, or does not encode: it goes
+    /// alone).
+    fn send_packed<'a, M: Message + 'a>(
+        &mut self,
+        link: &mut impl PeerIo,
+        batch: &mut std::iter::Peekable<impl Iterator<Item = &'a M>>,
+    ) -> Result<usize> {
+        // Committed frames go first, and the window of unconfirmed messages needs room.
+        self.drain(link, None)?;
+        self.wait_for_record(link, None, None)?;
+        let frame_max = link.max_message()?;
+        let room = self.record.room().min(u64::from(u16::MAX)) as usize;
+        let mut buf = std::mem::take(&mut self.pack_buf);
+        buf.resize(frame_max.max(HEADER_LEN), 0);
+        let (mut end, mut count) = (HEADER_LEN, 0);
+        while count < room {
+            let Some(&m) = batch.peek() else { break };
+            match codec::encode_entry(m, &mut buf[end..]) {
+                Ok(Some(len)) => {
+                    end += len;
+                    count += 1;
+                    batch.next();
+                }
+                // What is packed goes; this one starts the next frame, or goes alone (to be
+                // fragmented, or to fail alone).
+                Ok(None) | Err(_) => break,
+            }
+        }
+        let last = batch.peek().is_none();
+        let sent = self.send_pack(link, &mut buf, end, count, last);
+        self.pack_buf = buf;
+        sent.map(|()| count)
+    }
+
+    /// Sends the `count` entries packed in `buf[HEADER_LEN..end]` as one frame (one alone as a
+    /// frame of its own), solicited if `last` asks or the policy says so, and counts each
+    /// message sent: its number, its copy in the record, the counters.
+    fn send_pack(
+        &mut self,
+        link: &mut impl PeerIo,
+        buf: &mut [u8],
+        end: usize,
+        count: usize,
+        last: bool,
+    ) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let seq = self.seq;
+        let keep = self.record.keeps();
+        let want = self.policy.decide(last);
+        if count == 1 {
+            let tag = u32::from_be_bytes(buf[HEADER_LEN..HEADER_LEN + 4].try_into().expect("4"));
+            buf.copy_within(HEADER_LEN + PACK_ENTRY..end, HEADER_LEN);
+            let len = end - PACK_ENTRY;
+            let header = frame::Header {
+                flags: FIRST | LAST,
+                tag,
+                seq,
+                frag: 0,
+                len: (len - HEADER_LEN) as u32,
+            };
+            header.write(buf);
+            frame::stamp_taken(&mut buf[..len], self.taken_to_tell);
+            link.send(&buf[..len], want, None)?;
+            let copy = keep.then(|| buf[HEADER_LEN..len].to_vec());
+            self.sent_single(Some(len));
+            self.finish(want, last, len, 1, tag, copy);
+            return Ok(());
+        }
+        let header = frame::Header {
+            flags: FIRST | LAST | PACK,
+            tag: 0,
+            seq,
+            frag: count as u16,
+            len: (end - HEADER_LEN) as u32,
+        };
+        header.write(buf);
+        frame::stamp_taken(&mut buf[..end], self.taken_to_tell);
+        link.send(&buf[..end], want, None)?;
+        let entries = frame::unpack(seq, count as u16, &buf[HEADER_LEN..end])
+            .expect("our own packed frame adds up");
+        for (_, tag, body) in entries {
+            self.stats.bytes_sent += body.len() as u64;
+            let body = HEADER_LEN + body.start..HEADER_LEN + body.end;
+            self.record.sent(tag, keep.then(|| buf[body].to_vec()));
+        }
+        if let Some(through) = self.record.ask_due() {
+            self.queue_ask(through);
+        }
+        self.seq = self.seq.wrapping_add(count as u32);
+        self.policy.record(want, end);
+        self.stats.sent += count as u64;
+        self.stats.packed += count as u64;
+        self.stats.frames_sent += 1;
+        self.stats.sent_solicited += u64::from(want);
+        self.stats.policy_solicited += u64::from(want && !last);
+        Ok(())
     }
 
     /// A payload-less solicited frame if anything went unsolicited since the last solicited
