@@ -129,10 +129,25 @@ impl<T: Serialize> OwnedReply<T> {
     }
 }
 
+impl<T: Serialize> Encode for OwnedReply<T> {
+    fn tag(&self) -> u32 {
+        REPLY_TAG
+    }
+    fn encode_single(&self, seq: u32, out: &mut [u8]) -> Result<Option<usize>> {
+        self.out().encode_single(seq, out)
+    }
+    fn encode_pieces(&self) -> Result<Vec<crate::bulk::Piece>> {
+        self.out().encode_pieces()
+    }
+    fn encode_entry(&self, out: &mut [u8]) -> Result<Option<usize>> {
+        self.out().encode_entry(out)
+    }
+}
+
 impl<T: Serialize + Send> Outgoing for OwnedReply<T> {
-    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool> {
+    fn encoding(&self) -> (&dyn Encode, bool) {
         // Answers are solicited: their callers wait for them.
-        send(&self.out(), true)
+        (self, true)
     }
     fn size(&self) -> usize {
         encoded_len(&self.out())

@@ -16,8 +16,8 @@ use super::{Encode, PeerIo, SendSide};
 
 /// A message owned by an outbox, sent later by the thread that drives the peer.
 pub(crate) trait Outgoing: Send + fmt::Debug {
-    /// Hands `send` the message to encode, with its solicitation; what `send` returns.
-    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool>;
+    /// The message to encode, with its solicitation.
+    fn encoding(&self) -> (&dyn Encode, bool);
     /// Its encoded length (what it holds, roughly).
     fn size(&self) -> usize;
 }
@@ -45,8 +45,8 @@ impl<M> fmt::Debug for Owned<M> {
 }
 
 impl<M: Message + Send> Outgoing for Owned<M> {
-    fn with_encode(&self, send: &mut dyn FnMut(&dyn Encode, bool) -> Result<bool>) -> Result<bool> {
-        send(&self.m, self.solicited)
+    fn encoding(&self) -> (&dyn Encode, bool) {
+        (&self.m, self.solicited)
     }
     fn size(&self) -> usize {
         encoded_len(&self.m)
@@ -185,7 +185,19 @@ impl Outbox {
     /// failing for a reason of its own (too large, not encodable, memory that cannot be
     /// registered) is dropped and counted; a failed connection stops it, the message kept,
     /// and its error is returned.
+    /// Messages that waited together go packed, several to a frame, as far as they fit
+    /// ([`SendSide::try_send_packed`]).
     pub(crate) fn send_ready(&mut self, send: &mut SendSide, io: &mut impl PeerIo) -> Result<u64> {
+        while self.queue.len() >= 2 {
+            let packed = send.try_send_packed(io, self.queue.iter().map(|e| e.msg.encoding()))?;
+            if packed == 0 {
+                break;
+            }
+            for entry in self.queue.drain(..packed) {
+                self.stats.messages -= 1;
+                self.stats.bytes -= entry.size;
+            }
+        }
         self.send_in_order(send, io, |send, io, e, solicited| {
             send.try_send_as(io, e, solicited)
         })
@@ -210,9 +222,8 @@ impl Outbox {
         let mut dropped = 0;
         let mut failed = None;
         while let Some(entry) = self.queue.front() {
-            let sent = entry
-                .msg
-                .with_encode(&mut |e, solicited| one(send, io, e, solicited));
+            let (e, solicited) = entry.msg.encoding();
+            let sent = one(send, io, e, solicited);
             match sent {
                 Ok(true) => {}
                 Ok(false) => break,

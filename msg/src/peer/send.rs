@@ -116,6 +116,9 @@ pub(crate) trait Encode {
     fn encode_single(&self, seq: u32, out: &mut [u8]) -> Result<Option<usize>>;
     /// Its pieces, [`crate::Bulk`] payloads by reference.
     fn encode_pieces(&self) -> Result<Vec<Piece>>;
+    /// It as one entry of a packed frame ([`frame::PACK_ENTRY`] bytes of head, then its body)
+    /// written into `out`: the entry's length, or `None` if it does not fit.
+    fn encode_entry(&self, out: &mut [u8]) -> Result<Option<usize>>;
 }
 
 impl<M: Message> Encode for M {
@@ -127,6 +130,9 @@ impl<M: Message> Encode for M {
     }
     fn encode_pieces(&self) -> Result<Vec<Piece>> {
         codec::encode_pieces(self)
+    }
+    fn encode_entry(&self, out: &mut [u8]) -> Result<Option<usize>> {
+        codec::encode_entry(self, out)
     }
 }
 
@@ -172,6 +178,19 @@ impl Encode for Committed {
     }
     fn encode_pieces(&self) -> Result<Vec<Piece>> {
         Ok(self.pieces.clone())
+    }
+    fn encode_entry(&self, out: &mut [u8]) -> Result<Option<usize>> {
+        let len = PACK_ENTRY + self.total;
+        if out.len() < len {
+            return Ok(None);
+        }
+        frame::write_entry(out, self.tag, self.total as u32);
+        let mut at = PACK_ENTRY;
+        for p in &self.pieces {
+            out[at..at + p.len()].copy_from_slice(p.bytes());
+            at += p.len();
+        }
+        Ok(Some(len))
     }
 }
 
@@ -700,13 +719,54 @@ impl SendSide {
             }
         }
         let last = batch.peek().is_none();
-        let sent = self.send_pack(link, &mut buf, end, count, last);
+        let sent = self.send_pack(link, &mut buf, end, count, last, None);
         self.pack_buf = buf;
-        sent.map(|()| count)
+        sent.map(|_| count)
+    }
+
+    /// Sends the next of `waiting`'s messages (each with its solicitation), at least two,
+    /// packed in one frame if they can go now without waiting: how many went (none: each
+    /// goes alone, as one frame would not hold two, or no credit or send slot is free, or
+    /// frames committed earlier still wait). For messages that queued up while the peer had
+    /// no credit (an outbox, committed messages): they go as fast as credits come back.
+    pub(crate) fn try_send_packed<'a>(
+        &mut self,
+        link: &mut impl PeerIo,
+        waiting: impl Iterator<Item = (&'a dyn Encode, bool)>,
+    ) -> Result<usize> {
+        if link.credits() == 0 || !self.send_committed(link)? {
+            return Ok(0);
+        }
+        let room = self.record.room().min(u64::from(u16::MAX)) as usize;
+        if room < 2 {
+            return Ok(0);
+        }
+        let frame_max = link.max_message()?;
+        let mut buf = std::mem::take(&mut self.pack_buf);
+        buf.resize(frame_max.max(HEADER_LEN), 0);
+        let (mut end, mut count, mut solicited) = (HEADER_LEN, 0, false);
+        for (m, wants) in waiting.take(room) {
+            match m.encode_entry(&mut buf[end..]) {
+                Ok(Some(len)) => {
+                    end += len;
+                    count += 1;
+                    solicited |= wants;
+                }
+                // It goes alone (fragmented, or to fail alone).
+                Ok(None) | Err(_) => break,
+            }
+        }
+        let sent = match count {
+            0 | 1 => Ok(false),
+            _ => self.send_pack(link, &mut buf, end, count, solicited, Some(Duration::ZERO)),
+        };
+        self.pack_buf = buf;
+        Ok(if sent? { count } else { 0 })
     }
 
     /// Sends the `count` entries packed in `buf[HEADER_LEN..end]` as one frame (one alone as a
-    /// frame of its own), solicited if `last` asks or the policy says so, and counts each
+    /// frame of its own), solicited if `last` asks or the policy says so, waiting at most
+    /// `timeout` for a credit and a send slot (`Ok(false)`: nothing sent), and counts each
     /// message sent: its number, its copy in the record, the counters.
     fn send_pack(
         &mut self,
@@ -715,9 +775,10 @@ impl SendSide {
         end: usize,
         count: usize,
         last: bool,
-    ) -> Result<()> {
+        timeout: Option<Duration>,
+    ) -> Result<bool> {
         if count == 0 {
-            return Ok(());
+            return Ok(false);
         }
         let seq = self.seq;
         let keep = self.record.keeps();
@@ -735,11 +796,13 @@ impl SendSide {
             };
             header.write(buf);
             frame::stamp_taken(&mut buf[..len], self.taken_to_tell);
-            link.send(&buf[..len], want, None)?;
+            if !link.send(&buf[..len], want, timeout)? {
+                return Ok(false);
+            }
             let copy = keep.then(|| buf[HEADER_LEN..len].to_vec());
             self.sent_single(Some(len));
             self.finish(want, last, len, 1, tag, copy);
-            return Ok(());
+            return Ok(true);
         }
         let header = frame::Header {
             flags: FIRST | LAST | PACK,
@@ -750,7 +813,9 @@ impl SendSide {
         };
         header.write(buf);
         frame::stamp_taken(&mut buf[..end], self.taken_to_tell);
-        link.send(&buf[..end], want, None)?;
+        if !link.send(&buf[..end], want, timeout)? {
+            return Ok(false);
+        }
         let entries = frame::unpack(seq, count as u16, &buf[HEADER_LEN..end])
             .expect("our own packed frame adds up");
         for (_, tag, body) in entries {
@@ -768,7 +833,7 @@ impl SendSide {
         self.stats.frames_sent += 1;
         self.stats.sent_solicited += u64::from(want);
         self.stats.policy_solicited += u64::from(want && !last);
-        Ok(())
+        Ok(true)
     }
 
     /// A payload-less solicited frame if anything went unsolicited since the last solicited
@@ -818,6 +883,17 @@ impl SendSide {
             if self.draining {
                 // A wait within a committed message's send: it stays first.
                 return Ok(self.committed.is_empty());
+            }
+            if self.committed.len() >= 2 {
+                let committed = std::mem::take(&mut self.committed);
+                let waiting = committed.iter().map(|c| (c as &dyn Encode, c.solicited));
+                let packed = self.try_send_packed(link, waiting);
+                self.committed = committed;
+                let packed = packed?;
+                if packed > 0 {
+                    self.committed.drain(..packed);
+                    continue;
+                }
             }
             let Some(next) = self.committed.pop_front() else {
                 return Ok(true);

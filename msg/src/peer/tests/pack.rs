@@ -200,3 +200,68 @@ fn a_forged_pack_header_is_refused_by_the_frame_parser() {
         Err(Error::BadFrame(frame::FrameError::NotSingle(1)))
     ));
 }
+
+#[test]
+fn messages_committed_while_the_peer_had_no_credit_go_packed_when_credit_comes() {
+    let mut wire = Wire::new(256);
+    wire.room = 0;
+    let mut tx = SendSide::new(&config(1000), 0);
+    let sent = blobs(20, 10);
+    for (i, m) in sent.iter().enumerate() {
+        tx.commit_as(&mut wire, m, i == 4).unwrap();
+    }
+    assert_eq!((tx.committed_waiting(), wire.frames.len()), (20, 0));
+    wire.room = 1;
+    assert!(
+        !tx.send_committed(&mut wire).unwrap(),
+        "one frame's worth went"
+    );
+    assert_eq!(wire.frames.len(), 1);
+    assert_eq!(tx.committed_waiting(), 8, "12 to a frame");
+    assert!(wire.frames[0].1, "solicited: it holds a solicited message");
+    wire.room = usize::MAX;
+    assert!(tx.send_committed(&mut wire).unwrap());
+    assert_eq!(wire.frames.len(), 2);
+    assert!(!wire.frames[1].1, "nothing in it asked to be solicited");
+    let got: Vec<(u32, Blob)> = deliver(&wire, &mut receiver())
+        .into_iter()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.seq(), e.decode::<Blob>().unwrap())
+        })
+        .collect();
+    assert_eq!(got, (0..20u32).zip(sent).collect::<Vec<_>>());
+    assert_eq!(tx.stats.packed, 20);
+}
+
+#[test]
+fn an_outbox_that_queued_up_goes_packed_in_order() {
+    use super::super::outbox::{Outbox, Outgoing, Owned};
+    let mut wire = Wire::new(256);
+    wire.room = 0;
+    let mut tx = SendSide::new(&config(1000), 0);
+    let mut outbox = Outbox::new(1 << 20);
+    for i in 0..30u8 {
+        let m = Owned {
+            m: Blob(vec![i; 10]),
+            solicited: false,
+        };
+        let size = m.size();
+        outbox.push(Box::new(m), size);
+    }
+    assert_eq!(outbox.send_ready(&mut tx, &mut wire).unwrap(), 0);
+    assert_eq!(outbox.stats().messages, 30, "no credit: all wait");
+    wire.room = usize::MAX;
+    assert_eq!(outbox.send_ready(&mut tx, &mut wire).unwrap(), 0);
+    assert!(outbox.is_empty());
+    assert_eq!(outbox.stats().bytes, 0);
+    assert_eq!(wire.frames.len(), 3, "12, 12 and 6 to a frame");
+    let got: Vec<Blob> = deliver(&wire, &mut receiver())
+        .into_iter()
+        .map(|e| e.unwrap().decode::<Blob>().unwrap())
+        .collect();
+    assert_eq!(
+        got,
+        (0..30u8).map(|i| Blob(vec![i; 10])).collect::<Vec<_>>()
+    );
+}
