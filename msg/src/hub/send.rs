@@ -34,7 +34,8 @@ impl Hub {
         }))
     }
 
-    /// Sends a batch to `peer`: every message unsolicited but the last, which is solicited.
+    /// Sends a batch to `peer`: every message unsolicited but the last, which is solicited,
+    /// small ones packed several to a frame (see [`crate::Session::send_batch`]).
     pub fn send_batch<'a, M: Message + 'a>(
         &mut self,
         peer: PeerId,

@@ -330,16 +330,6 @@ impl RecvSide {
     }
 
     fn take_in(&mut self, frame: FrameBytes, header: Option<frame::Header>) {
-        // The message a bad frame belonged to, if it names one (not a control frame); for a
-        // packed frame, its last: the error stands in for all of them, and taking it counts
-        // them all taken.
-        let message_seq = header
-            .filter(|h| h.flags & (frame::DONE | frame::ASK) == 0)
-            .map(|h| match h.flags & frame::PACK {
-                0 => h.seq,
-                _ => h.seq.wrapping_add(u32::from(h.frag.max(1)) - 1),
-            });
-        let descriptor_seq = header.filter(|h| h.flags & frame::RNDV != 0).map(|h| h.seq);
         match self.decoder.take(frame) {
             Ok(Decoded::Message(env)) => {
                 self.received += 1;
@@ -374,8 +364,9 @@ impl RecvSide {
             }) => self.on_descriptor(tag, seq, descriptor),
             Err(e) => {
                 // A descriptor refused is acknowledged all the same: its sender frees it.
+                let descriptor_seq = header.filter(|h| h.flags & frame::RNDV != 0).map(|h| h.seq);
                 self.acks.extend(descriptor_seq);
-                self.drop_frame(message_seq, e);
+                self.drop_frame(message_seq(header), e);
             }
         }
         self.release_budget();
@@ -692,6 +683,17 @@ impl RecvSide {
     pub(crate) fn has_acks(&self) -> bool {
         !self.acks.is_empty() || !self.acked.is_empty()
     }
+}
+
+/// The message a bad frame belonged to, if it names one (not a control frame); for a packed
+/// frame, its last: the error stands in for all of them, and taking it counts them all taken.
+fn message_seq(header: Option<frame::Header>) -> Option<u32> {
+    header
+        .filter(|h| h.flags & (frame::DONE | frame::ASK) == 0)
+        .map(|h| match h.flags & frame::PACK {
+            0 => h.seq,
+            _ => h.seq.wrapping_add(u32::from(h.frag.max(1)) - 1),
+        })
 }
 
 impl Drop for RecvSide {

@@ -17,7 +17,9 @@ impl Session {
     }
 
     /// Sends a batch: every message unsolicited but the last, which is solicited. One
-    /// wake-up for the whole batch.
+    /// wake-up for the whole batch. Small messages go packed, as many to a frame as fit the
+    /// peer's receive buffer: one buffer and one credit of the peer's per frame, not per
+    /// message.
     pub fn send_batch<'a, M: Message + 'a>(
         &mut self,
         batch: impl IntoIterator<Item = &'a M>,
