@@ -262,6 +262,9 @@ impl Medians {
 /// Sizes the throughput goal applies to: batched small messages.
 const SMALL: u64 = 512;
 
+/// Sizes the packed throughput goals apply to (issue 44: 64-byte messages).
+const PACKED: u64 = 64;
+
 /// Builds every row the samples allow, in section order.
 pub fn rows(samples: &[Sample]) -> Vec<Row> {
     let m = Medians::new(samples);
@@ -354,11 +357,12 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
             let packed = variant == "packed";
             // Issue 26: 64 B one message per send at least `ib_send_bw`'s rate and 0.9 of the
             // raw verbs-core stream's; issue 44: packed, three times `ib_send_bw`'s.
-            let goal = match (size <= SMALL, packed, section) {
-                (false, _, _) | (true, true, Section::ThroughputVerbs) => None,
-                (true, true, _) => Some(Goal::AtLeast(3.0)),
-                (true, false, Section::ThroughputPerftest) => Some(Goal::AtLeast(1.0)),
-                (true, false, _) => Some(Goal::AtLeast(0.9)),
+            let goal = match (packed, section) {
+                (true, Section::ThroughputPerftest) if size <= PACKED => Some(Goal::AtLeast(3.0)),
+                (true, _) => None,
+                (false, Section::ThroughputPerftest) if size <= SMALL => Some(Goal::AtLeast(1.0)),
+                (false, _) if size <= SMALL => Some(Goal::AtLeast(0.9)),
+                (false, _) => None,
             };
             let label = match packed {
                 true => format!("{}, packed", fmt_size(size)),
@@ -376,7 +380,7 @@ pub fn rows(samples: &[Sample]) -> Vec<Row> {
                 if let Some(buffers) =
                     m.get(Bench::Bw, "rdmsg", &variant, size, 0, "buffers_per_msg")
                 {
-                    let goal = (packed && size <= SMALL).then_some(Goal::AtMost(1.0 / 16.0));
+                    let goal = (packed && size <= PACKED).then_some(Goal::AtMost(1.0 / 16.0));
                     rows.push(Row::beside(
                         section,
                         format!("{label}: receive buffers per message"),
