@@ -16,7 +16,7 @@ use rdmsg::{
 };
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Add {
     a: i64,
     b: i64,
@@ -252,6 +252,88 @@ fn a_request_carries_its_callers_deadline_to_the_server() {
     s.close().unwrap();
     let served = server.join().unwrap();
     assert_eq!((served.served, served.expired), (3, 1), "{served:?}");
+}
+
+/// When a peer fails under calls, each call ends with its own error naming the peer and the
+/// request, and saying what became of the request: taken by the peer's application (the
+/// delivery record said so), sent but not known taken, or never sent (it waited in the
+/// outbox).
+#[test]
+#[ignore = "device"]
+fn a_failed_peer_fails_each_call_with_what_became_of_its_request() {
+    let ep = Endpoint::open_default().expect("device");
+    let mut hub = Hub::new(&ep, HubConfig::default()).unwrap();
+    let addr = hub.listen("127.0.0.1:0").unwrap();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let server = thread::spawn(move || {
+        let ep = Endpoint::open_default().unwrap();
+        let mut s = Session::new(ep.connect(addr, &Config::default()).unwrap());
+        // The first request is taken, and the next frame says so.
+        assert!(s.recv().unwrap().is_request());
+        s.send(&Note(1)).unwrap();
+        // Nothing more is taken; then the queue pair fails under the hub's calls.
+        go_rx.recv().unwrap();
+        s.connection_mut().break_queue_pair().unwrap();
+        thread::sleep(Duration::from_millis(500));
+    });
+    let peer = match hub.recv_timeout(WAIT).unwrap() {
+        Some(HubEvent::Connected { peer, .. }) => peer,
+        ev => panic!("the server should have connected: {ev:?}"),
+    };
+    let taken = hub.start_call(peer, &Add { a: 1, b: 1 }, T).unwrap();
+    match hub.recv_timeout(WAIT).unwrap() {
+        Some(HubEvent::Message { msg, .. }) => assert_eq!(msg.decode::<Note>().unwrap(), Note(1)),
+        ev => panic!("the server's note: {ev:?}"),
+    }
+    let sent = hub.start_call(peer, &Add { a: 2, b: 2 }, T).unwrap();
+    // Fill the peer's credits, then a call waits in the outbox.
+    let mut posted = 0;
+    while !matches!(
+        hub.post(
+            peer,
+            Tick {
+                n: posted,
+                pad: vec![0; 1000]
+            }
+        )
+        .unwrap(),
+        Posted::Queued
+    ) {
+        posted += 1;
+        assert!(
+            posted < 10_000,
+            "the peer takes nothing: its credits run out"
+        );
+    }
+    let unsent = hub
+        .try_start_call(peer, &Add { a: 3, b: 3 }, T)
+        .unwrap()
+        .expect("room in the outbox");
+    go_tx.send(()).unwrap();
+    let mut fates = Vec::new();
+    for call in [taken, sent, unsent] {
+        let err = hub.wait(call).unwrap_err();
+        println!("stats call failed: {err}");
+        match &err {
+            Error::CallFailed {
+                request,
+                peer: p,
+                fate,
+                ..
+            } => {
+                assert_eq!((*p, *request), (Some(peer), std::any::type_name::<Add>()));
+                fates.push(*fate);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            err.to_string().contains(&format!("to {peer} failed")),
+            "{err}"
+        );
+    }
+    use rdmsg::RequestFate::*;
+    assert_eq!(fates, [Taken, Unknown, NotSent]);
+    server.join().unwrap();
 }
 
 /// A client that reads nothing until told, then everything: the hub's stalled peer.

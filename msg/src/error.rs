@@ -5,6 +5,47 @@ use std::sync::Arc;
 
 use crate::frame::FrameError;
 
+/// What became of a call's request when its connection failed ([`Error::CallFailed`]), as the
+/// delivery record tells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RequestFate {
+    /// It never left this side (it waited in the outbox, or for a credit): the peer never saw
+    /// it, and sending it elsewhere cannot do its work twice.
+    NotSent,
+    /// The peer's application took it (its delivery record said so): it may have acted on it.
+    Taken,
+    /// It went, and the peer's application had not said it took it when the connection
+    /// failed: it may or may not have.
+    Unknown,
+}
+
+impl fmt::Display for RequestFate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RequestFate::NotSent => "its request was never sent",
+            RequestFate::Taken => {
+                "the peer's application took its request (and may have acted on it)"
+            }
+            RequestFate::Unknown => {
+                "its request was sent, and whether the peer's application took it is unknown"
+            }
+        })
+    }
+}
+
+/// " to peer N.G", or nothing (a session's call).
+struct OnPeer(Option<rdmsg_transport::PeerId>);
+
+impl fmt::Display for OnPeer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(p) => write!(f, " to {p}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Result alias for msg.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -220,6 +261,21 @@ pub enum Error {
         /// The request type.
         request: &'static str,
     },
+    /// The connection a call went over failed before its answer came: which call, to which
+    /// peer, and what became of its request, so that the caller knows whether sending it
+    /// elsewhere could do its work twice.
+    #[error("call {request}{} failed: {fate}: {source}", OnPeer(*.peer))]
+    CallFailed {
+        /// The request type.
+        request: &'static str,
+        /// The peer called (a hub's calls; `None` for a session's).
+        peer: Option<rdmsg_transport::PeerId>,
+        /// What became of the request.
+        fate: RequestFate,
+        /// Why the connection failed.
+        #[source]
+        source: Box<Error>,
+    },
     /// A request or an answer whose call header is malformed (a confused or lying peer): it
     /// was dropped.
     #[error("bad call frame dropped: {reason}")]
@@ -382,6 +438,7 @@ impl Error {
         match self {
             Error::Transport(e) => transport_is_fatal(e),
             Error::DuplicateTag { .. } => true,
+            Error::CallFailed { source, .. } => source.is_fatal(),
             Error::Encode { .. }
             | Error::Decode { .. }
             | Error::BadFrame(_)

@@ -93,7 +93,7 @@
 pub use rdmsg_msg::{
     message, request, tag, Bulk, Call, CallStats, Closed, DecodeFailure, Delivery, DispatchStats,
     Dispatcher, Envelope, Error, Hub, HubEvent, HubLimits, Message, OutboxStats, Posted, RecvHalf,
-    Request, Responder, Result, SendHalf, Session, SessionConfig, SessionStats,
+    Request, RequestFate, Responder, Result, SendHalf, Session, SessionConfig, SessionStats,
 };
 pub use rdmsg_transport::{
     Config, Connection, Endpoint, Failure, HubConfig, Listener, PeerId, Psk, Received,

@@ -16,6 +16,8 @@ pub(crate) struct Pending {
     /// The response type's tag and name.
     expect: (u32, &'static str),
     request: &'static str,
+    /// The number its request went under, once it went.
+    seq: Option<u32>,
     outcome: Option<Outcome>,
 }
 
@@ -29,21 +31,50 @@ pub(crate) struct CallTable {
     by_peer: HashMap<PeerId, CallStats>,
 }
 
+/// What a failed connection's delivery record says of the calls that went over it.
+#[derive(Debug, Default)]
+pub(crate) struct LostCalls {
+    /// How many of our messages the peer's application took (modulo 2^32).
+    pub(crate) taken: u32,
+    /// The calls whose requests were still in the outbox.
+    pub(crate) unsent: Vec<u64>,
+}
+
+impl LostCalls {
+    /// What became of call `id`'s request, which went as message `seq` (`None`: not known to
+    /// have gone).
+    fn fate(&self, id: u64, seq: Option<u32>) -> crate::RequestFate {
+        use crate::RequestFate::*;
+        if self.unsent.contains(&id) {
+            return NotSent;
+        }
+        match seq {
+            Some(seq) if (self.taken.wrapping_sub(seq.wrapping_add(1)) as i32) >= 0 => Taken,
+            _ => Unknown,
+        }
+    }
+}
+
 /// A call table shared with the [`Call`] handles (whose drop cancels).
 pub(crate) type Calls = Arc<Mutex<CallTable>>;
 
-/// The call `id` of `R` whose request went (`Ok(true)`), did not go within `timeout`
-/// (`Ok(false)`: [`crate::Error::CallTimedOut`]), or failed: a session's and a hub's start.
+/// The call `id` of `R` whose request went (`Ok(true)`, as message `seq`), did not go within
+/// `timeout` (`Ok(false)`: [`crate::Error::CallTimedOut`]), or failed: a session's and a
+/// hub's start.
 pub(crate) fn started<R: Request>(
     calls: &Calls,
     id: u64,
     sent: Result<bool>,
+    seq: u32,
     timeout: Duration,
     deadline: Option<Instant>,
 ) -> Result<Call<R::Response>> {
     let request = std::any::type_name::<R>();
     match sent {
-        Ok(true) => Ok(Call::new(id, calls.clone(), request, timeout, deadline)),
+        Ok(true) => {
+            lock(calls).request_sent(id, seq);
+            Ok(Call::new(id, calls.clone(), request, timeout, deadline))
+        }
         Ok(false) => {
             lock(calls).give_up(id, true);
             Err(crate::Error::CallTimedOut {
@@ -93,6 +124,7 @@ impl CallTable {
                 peer,
                 expect: (R::Response::TAG, std::any::type_name::<R::Response>()),
                 request: std::any::type_name::<R>(),
+                seq: None,
                 outcome: None,
             },
         );
@@ -165,11 +197,30 @@ impl CallTable {
         });
     }
 
-    /// The connection to `peer` (every peer: `None` in a session) failed: its calls fail.
-    pub(crate) fn fail_peer(&mut self, peer: Option<PeerId>, error: impl Fn() -> Error) {
-        for p in self.pending.values_mut() {
+    /// Call `id`'s request went as message `seq`.
+    pub(crate) fn request_sent(&mut self, id: u64, seq: u32) {
+        if let Some(p) = self.pending.get_mut(&id) {
+            p.seq = Some(seq);
+        }
+    }
+
+    /// The connection to `peer` (every peer: `None` in a session) failed with `error`: each
+    /// of its calls fails with [`Error::CallFailed`], saying what became of its request by
+    /// `lost` (what the peer's application took, and the calls whose requests never went).
+    pub(crate) fn fail_peer(
+        &mut self,
+        peer: Option<PeerId>,
+        lost: &LostCalls,
+        error: impl Fn() -> Error,
+    ) {
+        for (&id, p) in self.pending.iter_mut() {
             if p.outcome.is_none() && (peer.is_none() || p.peer == peer) {
-                p.outcome = Some(Outcome::Failed(error()));
+                p.outcome = Some(Outcome::Failed(Error::CallFailed {
+                    request: p.request,
+                    peer: p.peer,
+                    fate: lost.fate(id, p.seq),
+                    source: Box::new(error()),
+                }));
             }
         }
     }

@@ -316,3 +316,63 @@ fn a_request_carries_its_deadline_and_an_expired_one_is_dropped_silently() {
         "saturates, stays a deadline"
     );
 }
+
+/// A failed connection fails each call with what became of its request: never sent (it was
+/// in the outbox), taken by the peer's application (its record said so), or not known.
+#[test]
+fn a_failed_connection_says_per_call_what_became_of_its_request() {
+    use crate::RequestFate;
+    let mut table = CallTable::default();
+    // A session's calls (a hub's name their peer: the device tests show it).
+    let peer = None;
+    let ids: Vec<u64> = (0..4).map(|_| table.start::<Get>(peer)).collect();
+    table.request_sent(ids[0], u32::MAX); // taken: the count wrapped past it
+    table.request_sent(ids[1], 4); // sent, not known taken
+                                   // ids[2] never said it went (in the outbox: listed unsent); ids[3] neither, and not listed.
+    let lost = LostCalls {
+        taken: 4,
+        unsent: vec![ids[2]],
+    };
+    let vanished = || {
+        Error::from(rdmsg_transport::Error::Connection(
+            rdmsg_transport::Failure::PeerVanished,
+        ))
+    };
+    table.fail_peer(peer, &lost, vanished);
+    let fates: Vec<RequestFate> = ids
+        .iter()
+        .map(|&id| match table.take(id) {
+            Some(Outcome::Failed(Error::CallFailed {
+                fate,
+                peer: p,
+                request,
+                source,
+            })) => {
+                assert_eq!((p, request), (peer, std::any::type_name::<Get>()));
+                assert!(source.is_fatal() && source.to_string().contains("vanished"));
+                fate
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    use RequestFate::*;
+    assert_eq!(fates, [Taken, Unknown, NotSent, Unknown]);
+
+    let e = Error::CallFailed {
+        request: "app::Job",
+        peer,
+        fate: NotSent,
+        source: Box::new(vanished()),
+    };
+    let text = e.to_string();
+    assert!(
+        text.starts_with("call app::Job failed: its request was never sent: "),
+        "{text}"
+    );
+    assert!(text.contains("vanished"), "{text}");
+    assert!(e.is_fatal(), "as fatal as the connection's failure");
+    assert!(
+        !format!("{e:?}").contains("Caused by"),
+        "the report says the cause once: {e:?}"
+    );
+}

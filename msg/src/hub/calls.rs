@@ -34,7 +34,13 @@ impl Hub {
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
             s.send_within(link, &out, R::SOLICITED, Some(timeout))
         });
-        call::started::<R>(&self.calls, id, peer::in_time(sent), timeout, deadline)
+        // Sent, it was the last message to go to `peer`.
+        let seq = self
+            .peers
+            .get(peer)
+            .map_or(0, |p| p.machine.send.next_seq())
+            .wrapping_sub(1);
+        call::started::<R>(&self.calls, id, peer::in_time(sent), seq, timeout, deadline)
     }
 
     /// Starts a call to `peer` without ever waiting (see [`Hub::post`]): the request goes at
@@ -54,7 +60,7 @@ impl Hub {
             request: request.clone(),
         };
         let request = std::any::type_name::<R>();
-        match self.post(peer, out) {
+        match self.post_call(peer, out, id) {
             Ok(Posted::Sent | Posted::Queued) => Ok(Some(Call::new(
                 id,
                 self.calls.clone(),

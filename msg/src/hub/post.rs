@@ -24,6 +24,27 @@ impl Hub {
         m: M,
         solicited: bool,
     ) -> Result<Posted<M>> {
+        self.post_owned(peer, m, solicited, None)
+    }
+
+    /// Posts call `id`'s request (see [`Hub::try_start_call`]): the call learns the number
+    /// its request goes under, when it goes, for its failure to say what became of it.
+    pub(super) fn post_call<M: Message + Send + 'static>(
+        &mut self,
+        peer: PeerId,
+        m: M,
+        id: u64,
+    ) -> Result<Posted<M>> {
+        self.post_owned(peer, m, M::SOLICITED, Some(id))
+    }
+
+    fn post_owned<M: Message + Send + 'static>(
+        &mut self,
+        peer: PeerId,
+        m: M,
+        solicited: bool,
+        call: Option<u64>,
+    ) -> Result<Posted<M>> {
         let Some(empty) = self.outbox_empty(peer) else {
             return Ok(Posted::PeerGone(m));
         };
@@ -39,7 +60,13 @@ impl Hub {
                     }),
                 );
             match sent {
-                Ok(true) => return Ok(Posted::Sent),
+                Ok(true) => {
+                    if let Some(id) = call {
+                        let seq = self.state(peer).machine.send.next_seq().wrapping_sub(1);
+                        call::lock(&self.calls).request_sent(id, seq);
+                    }
+                    return Ok(Posted::Sent);
+                }
                 Ok(false) => {}
                 // It went (in part, at least) before the peer failed: sent, its fate is the
                 // peer's record's (`Disconnected`, `Unconfirmed`), not handed back twice.
@@ -56,7 +83,11 @@ impl Hub {
             self.state(peer).machine.outbox.refuse();
             return Ok(Posted::Full(m));
         }
-        self.queue(peer, Box::new(Owned { m, solicited }), size);
+        let owned = Owned { m, solicited };
+        match call {
+            Some(id) => self.queue(peer, Box::new(peer::CallRequest { owned, id }), size),
+            None => self.queue(peer, Box::new(owned), size),
+        }
         Ok(Posted::Queued)
     }
 
@@ -158,6 +189,15 @@ impl Hub {
                 let writable = state.machine.outbox.take_writable();
                 (writable, state.join_list(), state.machine.outbox.is_empty())
             };
+            if let Some(state) = self.peers.get_mut(peer) {
+                // Calls whose requests went learn their numbers.
+                let mut calls = None;
+                for (id, seq) in state.machine.outbox.take_calls_sent() {
+                    calls
+                        .get_or_insert_with(|| call::lock(&self.calls))
+                        .request_sent(id, seq);
+                }
+            }
             if writable {
                 self.ready.push_back((HubEvent::Writable { peer }, None));
             }

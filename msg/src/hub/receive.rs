@@ -270,15 +270,25 @@ impl Hub {
                 failure,
                 last_note,
             } => {
+                let mut gone = self.peers.remove(peer);
+                // What the peer's record says of the calls to it, for each call's failure.
+                let lost = gone
+                    .as_mut()
+                    .map(|g| g.machine.connection_failed(last_note).1)
+                    .unwrap_or_default();
                 {
                     let mut calls = call::lock(&self.calls);
-                    calls.fail_peer(Some(peer), || {
+                    if let Some(g) = &mut gone {
+                        for (id, seq) in g.machine.outbox.take_calls_sent() {
+                            calls.request_sent(id, seq);
+                        }
+                    }
+                    calls.fail_peer(Some(peer), &lost, || {
                         rdmsg_transport::Error::Connection(failure).into()
                     });
                     calls.forget_peer(peer);
                 }
-                if let Some(mut gone) = self.peers.remove(peer) {
-                    gone.machine.connection_failed(last_note);
+                if let Some(mut gone) = gone {
                     self.departed_outboxes.add(&gone.machine.outbox.stats());
                     // What arrived comes first, then the failure.
                     queue_ready(peer, &mut gone.machine.recv, &mut self.ready);
@@ -299,7 +309,9 @@ impl Hub {
             Raw::HandshakeFailed { peer, error } => {
                 if let Some(p) = peer {
                     let mut calls = call::lock(&self.calls);
-                    calls.fail_peer(Some(p), || {
+                    // Its handshake failed: nothing went to it.
+                    let lost = call::LostCalls::default();
+                    calls.fail_peer(Some(p), &lost, || {
                         rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into()
                     });
                     calls.forget_peer(p);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::close::Waited;
 use super::{Closing, Encode, LendsRecv, Outbox, PeerIo, RecvSide, SendSide, SessionStats};
+use crate::call::LostCalls;
 use crate::Message;
 
 /// What [`PeerMachine::flush_before_wait`] left.
@@ -71,11 +72,16 @@ impl PeerMachine {
     /// dropped; how many is returned), reads under way never complete (their messages fail in
     /// their place, and those behind them are deliverable), and the peer's last word
     /// (`last_note`: what its application took, as of its last grant or close) settles the
-    /// delivery record.
-    pub(crate) fn connection_failed(&mut self, last_note: Option<u32>) -> usize {
+    /// delivery record, which then says what became of the calls that went
+    /// ([`LostCalls`]).
+    pub(crate) fn connection_failed(&mut self, last_note: Option<u32>) -> (usize, LostCalls) {
         self.send.learn_note(last_note);
         self.recv.abandon_reads();
-        self.outbox.clear()
+        let lost = LostCalls {
+            taken: self.send.delivery(None).taken as u32,
+            unsent: self.outbox.calls_waiting(),
+        };
+        (self.outbox.clear(), lost)
     }
 
     /// Runs `f` with the sending side and `io` lent the receiving side, so that a send that

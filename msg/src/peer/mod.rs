@@ -29,7 +29,7 @@ pub(crate) use machine::PeerMachine;
 #[cfg(test)]
 use machine::{exchange_acks, stats, took};
 pub use outbox::OutboxStats;
-pub(crate) use outbox::{encoded_len, Outbox, Outgoing, Owned};
+pub(crate) use outbox::{encoded_len, CallRequest, Outbox, Outgoing, Owned};
 pub(crate) use receive::*;
 pub use record::Delivery;
 pub(crate) use record::*;

@@ -20,6 +20,10 @@ pub(crate) trait Outgoing: Send + fmt::Debug {
     fn encoding(&self) -> (&dyn Encode, bool);
     /// Its encoded length (what it holds, roughly).
     fn size(&self) -> usize;
+    /// The call it is the request of, if it is one: the call learns its number when it goes.
+    fn call_id(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Encoded length of `m` (bincode's standard configuration, as frames use), without encoding
@@ -50,6 +54,30 @@ impl<M: Message + Send> Outgoing for Owned<M> {
     }
     fn size(&self) -> usize {
         encoded_len(&self.m)
+    }
+}
+
+/// A call's request, owned by an outbox ([`crate::Hub::try_start_call`]).
+pub(crate) struct CallRequest<M> {
+    pub(crate) owned: Owned<M>,
+    pub(crate) id: u64,
+}
+
+impl<M> fmt::Debug for CallRequest<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "call {} ({:?})", self.id, self.owned)
+    }
+}
+
+impl<M: Message + Send> Outgoing for CallRequest<M> {
+    fn encoding(&self) -> (&dyn Encode, bool) {
+        self.owned.encoding()
+    }
+    fn size(&self) -> usize {
+        self.owned.size()
+    }
+    fn call_id(&self) -> Option<u64> {
+        Some(self.id)
     }
 }
 
@@ -101,6 +129,9 @@ pub(crate) struct Outbox {
     stats: OutboxStats,
     /// Something was refused: the front end is told once half the bound is free.
     refused: bool,
+    /// Calls whose requests went, with their numbers, for the front end's call table
+    /// ([`Outbox::take_calls_sent`]).
+    calls_sent: Vec<(u64, u32)>,
 }
 
 impl Outbox {
@@ -110,6 +141,7 @@ impl Outbox {
             max_bytes,
             stats: OutboxStats::default(),
             refused: false,
+            calls_sent: Vec::new(),
         }
     }
 
@@ -193,7 +225,12 @@ impl Outbox {
             if packed == 0 {
                 break;
             }
-            for entry in self.queue.drain(..packed) {
+            // The frame was the last to go: its messages' numbers end just before the next.
+            let first = send.next_seq().wrapping_sub(packed as u32);
+            for (i, entry) in self.queue.drain(..packed).enumerate() {
+                if let Some(id) = entry.msg.call_id() {
+                    self.calls_sent.push((id, first.wrapping_add(i as u32)));
+                }
                 self.stats.messages -= 1;
                 self.stats.bytes -= entry.size;
             }
@@ -223,9 +260,15 @@ impl Outbox {
         let mut failed = None;
         while let Some(entry) = self.queue.front() {
             let (e, solicited) = entry.msg.encoding();
+            let before = send.next_seq();
             let sent = one(send, io, e, solicited);
             match sent {
-                Ok(true) => {}
+                Ok(true) => {
+                    if let Some(id) = entry.msg.call_id().filter(|_| send.next_seq() != before) {
+                        // Sent, it was the last message to go.
+                        self.calls_sent.push((id, send.next_seq().wrapping_sub(1)));
+                    }
+                }
                 Ok(false) => break,
                 Err(e) if io.failed() => {
                     failed = Some(e);
@@ -244,6 +287,16 @@ impl Outbox {
             Some(e) => Err(e),
             None => Ok(dropped),
         }
+    }
+
+    /// The calls whose requests went since last asked, with their numbers.
+    pub(crate) fn take_calls_sent(&mut self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.calls_sent.drain(..)
+    }
+
+    /// The calls whose requests wait here, unsent.
+    pub(crate) fn calls_waiting(&self) -> Vec<u64> {
+        self.queue.iter().filter_map(|e| e.msg.call_id()).collect()
     }
 
     /// Drops everything waiting (the peer failed, or a close ran out of time): how many.

@@ -79,7 +79,9 @@ impl Session {
                 self.machine
                     .send_within(&mut self.conn, &out, solicited, Some(left)),
             );
-        call::started::<R>(&self.calls, id, sent, timeout, deadline)
+        // Sent, it was the last message to go.
+        let seq = self.machine.send.next_seq().wrapping_sub(1);
+        call::started::<R>(&self.calls, id, sent, seq, timeout, deadline)
     }
 
     /// [`Session::start_call`] only if the request can go without waiting: `Ok(None)`,
@@ -99,7 +101,10 @@ impl Session {
             m: request,
         };
         match self.try_send_as(&out, solicited) {
-            Ok(true) => call::started::<R>(&self.calls, id, Ok(true), timeout, deadline).map(Some),
+            Ok(true) => {
+                let seq = self.machine.send.next_seq().wrapping_sub(1);
+                call::started::<R>(&self.calls, id, Ok(true), seq, timeout, deadline).map(Some)
+            }
             other => {
                 call::lock(&self.calls).forget(id);
                 other.map(|_| None)

@@ -290,10 +290,10 @@ impl Session {
         if let Some(f) = self.conn.failure() {
             // Calls under way end with it (their answers can no longer come), and answers
             // waiting to go are dropped.
+            let (dropped, lost) = self.machine.connection_failed(self.conn.peer_note());
             call::lock(&self.calls)
-                .fail_peer(None, || rdmsg_transport::Error::Connection(f).into());
-            let lost = self.machine.connection_failed(self.conn.peer_note());
-            self.drop_replies(lost);
+                .fail_peer(None, &lost, || rdmsg_transport::Error::Connection(f).into());
+            self.drop_replies(dropped);
             // (Unless a call's wait keeps all it may: then the calls have their outcome.)
             if self.machine.recv.has_ready() && !self.held.is_full(()) {
                 return Ok(());
