@@ -10,6 +10,7 @@ use crate::codec::{self, NUDGE_TAG};
 use crate::frame::{self, ASK, FIRST, HEADER_LEN, LAST, PACK, PACK_ENTRY};
 use crate::policy::SolicitPolicy;
 use crate::rendezvous::Lent;
+use crate::trace::trace_event;
 use crate::{Message, Result};
 
 use super::*;
@@ -64,6 +65,8 @@ pub(crate) struct SendSide {
     pub(super) draining: bool,
     /// Where a packed frame is put together ([`SendSide::send_batch`]), kept between batches.
     pack_buf: Vec<u8>,
+    /// Whether the application was told its messages go in fragments.
+    told_fragments: bool,
 }
 
 /// How long a send may wait for room.
@@ -214,6 +217,7 @@ impl SendSide {
             committed: VecDeque::new(),
             draining: false,
             pack_buf: Vec::new(),
+            told_fragments: false,
         }
     }
 
@@ -430,7 +434,7 @@ impl SendSide {
             link.send(f, last && want, None)?;
             bytes += f.len();
         }
-        self.stats.fragmented += 1;
+        self.fragmented(frame_max, body_len);
         self.stats.bytes_sent += body_len;
         self.finish(want, solicited, bytes, count as u64, tag, copy);
         self.send_committed(link)?;
@@ -587,7 +591,7 @@ impl SendSide {
         let rest: Vec<(Vec<u8>, bool)> = frames.map(|(i, f)| (f, i + 1 == count && want)).collect();
         let bytes = bytes + rest.iter().map(|(f, _)| f.len()).sum::<usize>();
         self.outgoing.extend(rest);
-        self.stats.fragmented += 1;
+        self.fragmented(frame_max, body_len);
         self.stats.bytes_sent += body_len;
         self.finish(want, solicited, bytes, count as u64, tag, copy);
         Ok(true)
@@ -634,6 +638,29 @@ impl SendSide {
     /// Whether unsolicited sends may wait up to a bound ([`crate::SessionConfig::max_unsolicited_delay`]).
     pub(crate) fn delay_allowed(&self) -> bool {
         self.policy.max_delay().is_some()
+    }
+
+    /// A message of `len` encoded bytes went in fragments of `frame_max`-byte frames: counted,
+    /// and once they are a good share of what goes (a quarter of at least 64 messages), the
+    /// `tracing` feature says what to raise, once per connection.
+    fn fragmented(&mut self, frame_max: usize, len: u64) {
+        let s = &mut self.stats;
+        s.fragmented += 1;
+        if !self.told_fragments && s.fragmented >= 64 && s.fragmented * 4 >= s.sent {
+            self.told_fragments = true;
+            trace_event!(
+                WARN,
+                fragmented = s.fragmented,
+                sent = s.sent,
+                frame = frame_max,
+                bytes = len,
+                "messages go in fragments: raise the receive buffers on both sides above the \
+                 messages' encoded size (Config::buf_size; a hub's HubConfig::conn and its pool), \
+                 or send them by rendezvous (SessionConfig::rendezvous_threshold)"
+            );
+        }
+        #[cfg(not(feature = "tracing"))]
+        let _ = (frame_max, len, s);
     }
 
     /// A message went whole in one frame of `frame_len` bytes: its body is counted.

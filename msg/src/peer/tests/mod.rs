@@ -272,6 +272,33 @@ fn a_refused_read_is_reported_with_its_message() {
     assert!(e.field("error").is_some());
 }
 
+#[cfg(feature = "tracing")]
+#[test]
+fn messages_that_fragment_a_lot_say_once_what_to_raise() {
+    use rdmsg_testkit::events::recording;
+
+    let ((), events) = recording(|| {
+        let mut wire = Wire::new(256);
+        let mut tx = SendSide::new(&config(1000), 0);
+        for i in 0..300 {
+            // Three in four too large for a frame.
+            let len = if i % 4 == 0 { 10 } else { 600 };
+            tx.send_as(&mut wire, &Blob(vec![0; len]), false).unwrap();
+        }
+    });
+    let told: Vec<_> = events
+        .iter()
+        .filter(|e| e.message.starts_with("messages go in fragments"))
+        .collect();
+    assert_eq!(told.len(), 1, "once: {events:#?}");
+    assert_eq!(told[0].level, tracing::Level::WARN);
+    assert_eq!(
+        (told[0].field("fragmented"), told[0].field("frame")),
+        (Some("64"), Some("256"))
+    );
+    assert!(told[0].message.contains("Config::buf_size"));
+}
+
 #[test]
 fn acknowledgements_that_cannot_go_are_merged_into_few_frames() {
     // A peer that withholds credits while we read 100,000 of its messages.
