@@ -3,6 +3,7 @@
 //! while the hub goes on serving another; `Bulk` payloads decoded in place; the key-value
 //! example. Ignored on hosts; `cargo xtask test` runs them in the VM.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::mpsc;
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 use rdmsg::transport::loopback_pair;
 use rdmsg::{
     message, request, Bulk, Config, Endpoint, Error, Hub, HubConfig, HubEvent, PeerId, Posted,
-    Session, SessionConfig,
+    Responder, Session, SessionConfig,
 };
 use serde::{Deserialize, Serialize};
 
@@ -252,6 +253,118 @@ fn a_request_carries_its_callers_deadline_to_the_server() {
     s.close().unwrap();
     let served = server.join().unwrap();
     assert_eq!((served.served, served.expired), (3, 1), "{served:?}");
+}
+
+/// A hub that serves a client's requests and makes calls of its own in one event loop: each
+/// watched call's end (its answer, its deadline, "no answer") is an event of the same `recv`,
+/// and nothing polls. Here it forwards the client's requests to a worker.
+#[test]
+#[ignore = "device"]
+fn a_hub_serves_and_calls_in_one_event_loop() {
+    const CALLS: i64 = 200;
+    let ep = Endpoint::open_default().expect("device");
+    let mut hub = Hub::new(&ep, HubConfig::default()).unwrap();
+    let addr = hub.listen("127.0.0.1:0").unwrap();
+    let next_peer = |hub: &mut Hub| match hub.recv_timeout(WAIT).unwrap() {
+        Some(HubEvent::Connected { peer, .. }) => peer,
+        ev => panic!("a peer should have connected: {ev:?}"),
+    };
+    let worker_thread = thread::spawn(move || {
+        let ep = Endpoint::open_default().unwrap();
+        serve_session(Session::new(ep.connect(addr, &Config::default()).unwrap()))
+    });
+    let worker = next_peer(&mut hub);
+    let client_thread = thread::spawn(move || {
+        let ep = Endpoint::open_default().unwrap();
+        let mut s = Session::new(ep.connect(addr, &Config::default()).unwrap());
+        for i in 0..CALLS {
+            assert_eq!(s.call(&Add { a: i, b: 1 }, T).unwrap(), Sum(i + 1));
+        }
+        s.close().unwrap();
+    });
+    let client = next_peer(&mut hub);
+    let mut forwarded: HashMap<u64, Responder<Sum>> = HashMap::new();
+    let (mut answered, mut client_gone) = (0, false);
+    while !client_gone || !forwarded.is_empty() {
+        match hub
+            .recv_timeout(WAIT)
+            .unwrap()
+            .expect("an event within 20 s")
+        {
+            HubEvent::Message { peer, mut msg } if peer == client => {
+                let add: Add = msg.decode().unwrap();
+                let responder = msg.responder::<Add>().unwrap();
+                let call = hub.start_call(worker, &add, T).unwrap();
+                forwarded.insert(hub.watch(call).unwrap(), responder);
+            }
+            HubEvent::CallEnded { peer, call, result } => {
+                assert_eq!(peer, worker);
+                let responder = forwarded.remove(&call).expect("a call we watch");
+                let sum: Sum = result.unwrap().decode().unwrap();
+                assert!(matches!(
+                    hub.reply(responder, sum).unwrap(),
+                    Posted::Sent | Posted::Queued
+                ));
+                answered += 1;
+            }
+            HubEvent::Disconnected { peer, .. } if peer == client => client_gone = true,
+            // The worker's note before its answer to a = 100.
+            HubEvent::Message { peer, msg } if peer == worker => {
+                assert_eq!(msg.decode::<Note>().unwrap(), Note(7));
+            }
+            ev => panic!("{ev:?}"),
+        }
+    }
+    assert_eq!(answered, CALLS);
+    client_thread.join().unwrap();
+
+    // A watched call whose answer comes too late ends at its deadline, as an event.
+    let slow = hub
+        .start_call(worker, &Slow { ms: 1500 }, Duration::from_millis(300))
+        .unwrap();
+    let slow = hub.watch(slow).unwrap();
+    let t = Instant::now();
+    match hub.recv_timeout(WAIT).unwrap() {
+        Some(HubEvent::CallEnded {
+            call,
+            result: Err(Error::CallTimedOut { .. }),
+            ..
+        }) => assert_eq!(call, slow),
+        ev => panic!("{ev:?}"),
+    }
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    // Its late answer is counted late, no event.
+    assert!(hub
+        .recv_timeout(Some(Duration::from_secs(2)))
+        .unwrap()
+        .is_none());
+    assert_eq!(hub.call_stats().late, 1);
+    // A request the server drops unanswered: "no answer", as an event.
+    let ignored = hub.start_call(worker, &Ignored, T).unwrap();
+    let ignored = hub.watch(ignored).unwrap();
+    match hub.recv_timeout(WAIT).unwrap() {
+        Some(HubEvent::CallEnded {
+            call,
+            result: Err(Error::NoAnswer { .. }),
+            ..
+        }) => assert_eq!(call, ignored),
+        ev => panic!("{ev:?}"),
+    }
+    // A call of another hub is refused.
+    let (srv, cli) = loopback_pair(&Config::default(), &Config::default()).unwrap();
+    let server = thread::spawn(move || serve_session(Session::new(srv)));
+    let mut other = Session::new(cli);
+    // (One the server drops unanswered: its answer races nothing at the close.)
+    let foreign = other.start_call(&Ignored, T).unwrap();
+    assert!(matches!(hub.watch(foreign), Err(Error::ForeignCall)));
+    other.close().unwrap();
+    server.join().unwrap();
+    hub.close(worker).unwrap();
+    worker_thread.join().unwrap();
 }
 
 /// When a peer fails under calls, each call ends with its own error naming the peer and the

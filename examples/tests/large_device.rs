@@ -913,7 +913,7 @@ fn a_hub_hands_back_what_a_vanished_peer_did_not_take() {
                 assert_eq!(msg.decode::<Plain>().unwrap().id, 999);
                 assert_eq!(hub.delivery(peer).unwrap().taken, TAKEN.into());
             }
-            HubEvent::Writable { .. } => {}
+            HubEvent::Writable { .. } | HubEvent::CallEnded { .. } => {}
             HubEvent::Unconfirmed {
                 delivery, messages, ..
             } => {

@@ -306,6 +306,7 @@ impl Dispatcher {
                 | HubEvent::Unread { .. }
                 | HubEvent::Unconfirmed { .. }
                 | HubEvent::Writable { .. }
+                | HubEvent::CallEnded { .. }
                 | HubEvent::Disconnected { .. }
                 | HubEvent::HandshakeFailed { .. } => self.routes.stats.peer_events += 1,
             }

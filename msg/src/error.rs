@@ -10,8 +10,8 @@ use crate::frame::FrameError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum RequestFate {
-    /// It never left this side (it waited in the outbox, or for a credit): the peer never saw
-    /// it, and sending it elsewhere cannot do its work twice.
+    /// It never left this side (it waited in a hub's outbox, or its peer's handshake failed):
+    /// the peer never saw it, and sending it elsewhere cannot do its work twice.
     NotSent,
     /// The peer's application took it (its delivery record said so): it may have acted on it.
     Taken,
@@ -288,6 +288,10 @@ pub enum Error {
     /// the session or hub that received the request).
     #[error("this responder answers a request received by another session or hub")]
     ForeignResponder,
+    /// [`crate::Hub::watch`] was given a call started by another session or hub: it goes on
+    /// as it was (its handle dropped: cancelled).
+    #[error("this call was started by another session or hub")]
+    ForeignCall,
     /// [`crate::Envelope::responder`] on a message that is not a request (or whose responder
     /// was taken already).
     #[error("this {request} message is not a request waiting for an answer (sent with `send`, or its responder was taken already)")]
@@ -458,20 +462,24 @@ impl Error {
             | Error::NotServed { .. }
             | Error::NotARequest { .. }
             | Error::BadCall { .. }
-            | Error::ForeignResponder => false,
+            | Error::ForeignResponder
+            | Error::ForeignCall => false,
         }
     }
 
     /// Whether this is the peer's graceful close: everything it sent has been received (a
     /// message it lent us but took back too soon came before, as
     /// [`ReadFailed`](Error::ReadFailed)).
+    ///
+    /// A call the close ended ([`Error::CallFailed`]) says so too.
     pub fn is_peer_closed(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Error::Transport(rdmsg_transport::Error::Connection(
-                rdmsg_transport::Failure::PeerClosed
-            ))
-        )
+                rdmsg_transport::Failure::PeerClosed,
+            )) => true,
+            Error::CallFailed { source, .. } => source.is_peer_closed(),
+            _ => false,
+        }
     }
 }
 

@@ -271,8 +271,9 @@ pub fn check_packed(seq: u32, count: u16, body: &[u8]) -> Result<(), FrameError>
     for _ in 0..count {
         let head = body.get(at..at + PACK_ENTRY).ok_or(bad)?;
         let len = u32::from_be_bytes([head[4], head[5], head[6], head[7]]) as usize;
-        at = at
-            .checked_add(PACK_ENTRY + len)
+        at = len
+            .checked_add(PACK_ENTRY)
+            .and_then(|entry| at.checked_add(entry))
             .filter(|&end| end <= body.len())
             .ok_or(bad)?;
     }

@@ -128,6 +128,7 @@ fn serve(addr_tx: mpsc::Sender<SocketAddr>) -> Served {
             HubEvent::Unread { peer, messages } => panic!("{peer} closed with {messages} unread"),
             HubEvent::Unconfirmed { peer, .. } => panic!("{peer}: copies are not kept"),
             HubEvent::Writable { peer } => panic!("{peer}: nothing was posted"),
+            HubEvent::CallEnded { peer, .. } => panic!("{peer}: no call was watched"),
             HubEvent::Message { .. } => {}
         }
         ControlFlow::Continue(())

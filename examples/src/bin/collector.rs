@@ -573,7 +573,8 @@ fn collect(
             HubEvent::Unread { peer, messages } => {
                 c.error(format_args!("{peer} closed with {messages} unread"))
             }
-            HubEvent::Writable { .. } => {} // nothing is posted here
+            HubEvent::Writable { .. } => {}  // nothing is posted here
+            HubEvent::CallEnded { .. } => {} // no call is watched here
             HubEvent::Unconfirmed { peer, delivery, .. } => c.error(format_args!(
                 "{peer} ended with {} message(s) not taken",
                 delivery.unconfirmed()
@@ -1089,7 +1090,8 @@ impl SensorsState {
             }
             HubEvent::BadFrame { peer, error } => bail!("{peer}: {error}"),
             HubEvent::Unread { peer, messages } => bail!("{peer} closed with {messages} unread"),
-            HubEvent::Writable { .. } => {} // nothing is posted here
+            HubEvent::Writable { .. } => {}  // nothing is posted here
+            HubEvent::CallEnded { .. } => {} // no call is watched here
             HubEvent::Unconfirmed { peer, delivery, .. } => bail!(
                 "{peer} ended with {} message(s) not taken",
                 delivery.unconfirmed()

@@ -581,7 +581,7 @@ impl Node {
                 ));
             }
             // Nothing is posted here: sends wait for credits.
-            HubEvent::Writable { .. } => {}
+            HubEvent::Writable { .. } | HubEvent::CallEnded { .. } => {}
             HubEvent::Disconnected { peer, failure } => {
                 self.unjoined.retain(|c| *c != peer);
                 let Some(i) = self.index_of(peer) else {

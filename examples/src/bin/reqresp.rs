@@ -269,7 +269,7 @@ fn serve(listen: &str, clients: Option<u32>, process: Option<&mut PeerProcess>) 
                 eprintln!("server: {peer} ended with {n} message(s) not taken");
             }
             // Nothing is posted: answers wait for credits.
-            HubEvent::Writable { .. } | HubEvent::Message { .. } => {}
+            HubEvent::Writable { .. } | HubEvent::Message { .. } | HubEvent::CallEnded { .. } => {}
         }
         if Some(gone) == clients {
             ControlFlow::Break(())
@@ -441,7 +441,7 @@ fn run_clients(connect: &str, count: u32, requests: u64) -> Result<()> {
                 let n = delivery.unconfirmed();
                 eprintln!("clients: {peer} ended with {n} message(s) not taken");
             }
-            HubEvent::Writable { .. } => {}
+            HubEvent::Writable { .. } | HubEvent::CallEnded { .. } => {}
             HubEvent::HandshakeFailed { error, .. } => bail!("a handshake failed: {error}"),
         }
     }

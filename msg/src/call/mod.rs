@@ -420,6 +420,8 @@ pub struct Call<T> {
     calls: Calls,
     request: &'static str,
     timeout: Duration,
+    /// Whether dropping it cancels the call (not once a hub watches it in its place).
+    armed: bool,
     _answer: PhantomData<fn() -> T>,
 }
 
@@ -447,8 +449,22 @@ impl<T> Call<T> {
             calls,
             request,
             timeout,
+            armed: true,
             _answer: PhantomData,
         }
+    }
+
+    /// The same call, its answer's type forgotten: what a hub keeps for a watched call
+    /// ([`crate::Hub::watch`]). This handle no longer cancels it.
+    pub(crate) fn erase(mut self) -> Call<()> {
+        self.armed = false;
+        Call::new(
+            self.id,
+            self.calls.clone(),
+            self.request,
+            self.timeout,
+            self.deadline,
+        )
     }
 
     /// The call's number (as its [`Responder::call_id`] on the other side).
@@ -476,6 +492,11 @@ impl<T> Call<T> {
     /// async timeout around it).
     pub fn expire(self) -> Error {
         self.timed_out()
+    }
+
+    /// Whether it was started by the session or hub whose calls are `calls`.
+    pub(crate) fn started_by(&self, calls: &Calls) -> bool {
+        Arc::ptr_eq(&self.calls, calls)
     }
 
     /// Whether its answer (or its failure) is in, without waiting.
@@ -511,7 +532,9 @@ impl<T> Call<T> {
 
 impl<T> Drop for Call<T> {
     fn drop(&mut self) {
-        lock(&self.calls).give_up(self.id, false);
+        if self.armed {
+            lock(&self.calls).give_up(self.id, false);
+        }
     }
 }
 

@@ -2,12 +2,23 @@
 //! callers' handles.
 
 use super::*;
+pub(crate) use crate::peer::LostCalls;
 
 /// What a call came to, once its answer is in.
 #[derive(Debug)]
 pub(crate) enum Outcome {
     Answer(Envelope),
     Failed(Error),
+}
+
+impl Outcome {
+    /// The answer still encoded, or the failure.
+    pub(crate) fn into_result(self) -> Result<Envelope> {
+        match self {
+            Outcome::Answer(env) => Ok(env),
+            Outcome::Failed(e) => Err(e),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -18,6 +29,8 @@ pub(crate) struct Pending {
     request: &'static str,
     /// The number its request went under, once it went.
     seq: Option<u32>,
+    /// A hub hands its end out as an event ([`crate::Hub::watch`]).
+    watched: bool,
     outcome: Option<Outcome>,
 }
 
@@ -29,52 +42,32 @@ pub(crate) struct CallTable {
     stats: CallStats,
     /// A hub's counts per peer (its calls to the peer, and the peer's requests served).
     by_peer: HashMap<PeerId, CallStats>,
-}
-
-/// What a failed connection's delivery record says of the calls that went over it.
-#[derive(Debug, Default)]
-pub(crate) struct LostCalls {
-    /// How many of our messages the peer's application took (modulo 2^32).
-    pub(crate) taken: u32,
-    /// The calls whose requests were still in the outbox.
-    pub(crate) unsent: Vec<u64>,
-}
-
-impl LostCalls {
-    /// What became of call `id`'s request, which went as message `seq` (`None`: not known to
-    /// have gone).
-    fn fate(&self, id: u64, seq: Option<u32>) -> crate::RequestFate {
-        use crate::RequestFate::*;
-        if self.unsent.contains(&id) {
-            return NotSent;
-        }
-        match seq {
-            Some(seq) if (self.taken.wrapping_sub(seq.wrapping_add(1)) as i32) >= 0 => Taken,
-            _ => Unknown,
-        }
-    }
+    /// Watched calls whose outcome came in, for their hub to hand out.
+    ended: Vec<u64>,
 }
 
 /// A call table shared with the [`Call`] handles (whose drop cancels).
 pub(crate) type Calls = Arc<Mutex<CallTable>>;
 
-/// The call `id` of `R` whose request went (`Ok(true)`, as message `seq`), did not go within
-/// `timeout` (`Ok(false)`: [`crate::Error::CallTimedOut`]), or failed: a session's and a
-/// hub's start.
+/// The call `id` of `R` whose request went (as message `went`, whatever failed after it: that
+/// recurs, and ends the call, on the next call that drives the connection), did not go
+/// within `timeout` (`Ok(false)`: [`crate::Error::CallTimedOut`]), or failed: a session's and
+/// a hub's start.
 pub(crate) fn started<R: Request>(
     calls: &Calls,
     id: u64,
     sent: Result<bool>,
-    seq: u32,
+    went: Option<u32>,
     timeout: Duration,
     deadline: Option<Instant>,
 ) -> Result<Call<R::Response>> {
     let request = std::any::type_name::<R>();
+    if let Some(seq) = went {
+        lock(calls).request_sent(id, seq);
+        return Ok(Call::new(id, calls.clone(), request, timeout, deadline));
+    }
     match sent {
-        Ok(true) => {
-            lock(calls).request_sent(id, seq);
-            Ok(Call::new(id, calls.clone(), request, timeout, deadline))
-        }
+        Ok(true) => Ok(Call::new(id, calls.clone(), request, timeout, deadline)),
         Ok(false) => {
             lock(calls).give_up(id, true);
             Err(crate::Error::CallTimedOut {
@@ -125,6 +118,7 @@ impl CallTable {
                 expect: (R::Response::TAG, std::any::type_name::<R::Response>()),
                 request: std::any::type_name::<R>(),
                 seq: None,
+                watched: false,
                 outcome: None,
             },
         );
@@ -195,6 +189,30 @@ impl CallTable {
             NOT_SERVED => Outcome::Failed(Error::NotServed { request }),
             _ => Outcome::Failed(Error::NoAnswer { request }),
         });
+        if p.watched {
+            self.ended.push(id);
+        }
+    }
+
+    /// A hub watches call `id` ([`crate::Hub::watch`]): its peer, if the call is pending. An
+    /// outcome already in is listed ended at once.
+    pub(crate) fn watch(&mut self, id: u64) -> Option<Option<PeerId>> {
+        let p = self.pending.get_mut(&id)?;
+        p.watched = true;
+        if p.outcome.is_some() {
+            self.ended.push(id);
+        }
+        Some(p.peer)
+    }
+
+    /// The watched calls whose outcome came in since last asked.
+    pub(crate) fn take_ended(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.ended)
+    }
+
+    /// Whether a watched call's outcome came in.
+    pub(crate) fn any_ended(&self) -> bool {
+        !self.ended.is_empty()
     }
 
     /// Call `id`'s request went as message `seq`.
@@ -221,6 +239,9 @@ impl CallTable {
                     fate: lost.fate(id, p.seq),
                     source: Box::new(error()),
                 }));
+                if p.watched {
+                    self.ended.push(id);
+                }
             }
         }
     }

@@ -332,6 +332,7 @@ fn a_failed_connection_says_per_call_what_became_of_its_request() {
     let lost = LostCalls {
         taken: 4,
         unsent: vec![ids[2]],
+        nothing_went: false,
     };
     let vanished = || {
         Error::from(rdmsg_transport::Error::Connection(
@@ -357,6 +358,18 @@ fn a_failed_connection_says_per_call_what_became_of_its_request() {
         .collect();
     use RequestFate::*;
     assert_eq!(fates, [Taken, Unknown, NotSent, Unknown]);
+    // A peer whose handshake failed was sent nothing.
+    let id = table.start::<Get>(peer);
+    table.request_sent(id, 0);
+    let none = LostCalls {
+        nothing_went: true,
+        ..LostCalls::default()
+    };
+    table.fail_peer(peer, &none, vanished);
+    assert!(matches!(
+        table.take(id),
+        Some(Outcome::Failed(Error::CallFailed { fate: NotSent, .. }))
+    ));
 
     let e = Error::CallFailed {
         request: "app::Job",
@@ -375,4 +388,36 @@ fn a_failed_connection_says_per_call_what_became_of_its_request() {
         !format!("{e:?}").contains("Caused by"),
         "the report says the cause once: {e:?}"
     );
+}
+
+/// A watched call's outcome is listed for its hub once, whether it came before the watch or
+/// after, by an answer or by its connection's failure.
+#[test]
+fn watched_calls_are_listed_once_when_they_end() {
+    let mut table = CallTable::default();
+    let (a, b, c) = (
+        table.start::<Get>(None),
+        table.start::<Get>(None),
+        table.start::<Get>(None),
+    );
+    assert_eq!(table.watch(a), Some(None));
+    assert!(!table.any_ended());
+    let answer = |table: &mut CallTable, id| {
+        let mut decoder = Decoder::new(1 << 20);
+        let env = received(&Other, &mut decoder).unwrap();
+        table.answer(None, id, NO_ANSWER, env);
+    };
+    answer(&mut table, a);
+    answer(&mut table, b);
+    assert_eq!(table.take_ended(), [a], "b is not watched");
+    assert_eq!(table.watch(b), Some(None), "already in: listed at once");
+    assert_eq!(table.take_ended(), [b]);
+    table.watch(c);
+    table.fail_peer(None, &LostCalls::default(), || Error::ForeignCall);
+    assert_eq!(table.take_ended(), [c]);
+    assert!(matches!(
+        table.take(c),
+        Some(Outcome::Failed(Error::CallFailed { .. }))
+    ));
+    assert_eq!(table.watch(c), None, "over: nothing to watch");
 }

@@ -31,16 +31,14 @@ impl Hub {
             deadline,
             m: request,
         };
+        let mut went = None;
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
-            s.send_within(link, &out, R::SOLICITED, Some(timeout))
+            let before = peer::Numbering::before(s);
+            let sent = peer::in_time(s.send_within(link, &out, R::SOLICITED, Some(timeout)));
+            went = before.went(s, &sent);
+            sent
         });
-        // Sent, it was the last message to go to `peer`.
-        let seq = self
-            .peers
-            .get(peer)
-            .map_or(0, |p| p.machine.send.next_seq())
-            .wrapping_sub(1);
-        call::started::<R>(&self.calls, id, peer::in_time(sent), seq, timeout, deadline)
+        call::started::<R>(&self.calls, id, sent, went, timeout, deadline)
     }
 
     /// Starts a call to `peer` without ever waiting (see [`Hub::post`]): the request goes at
@@ -80,6 +78,91 @@ impl Hub {
                 call::lock(&self.calls).forget(id);
                 Err(e)
             }
+        }
+    }
+
+    /// Hands `call` to the hub: its end comes as a [`HubEvent::CallEnded`] among the hub's
+    /// other events (its answer, its failure, or its deadline passing, each once), so that a
+    /// thread serving its peers waits for the calls it made in the same [`Hub::recv`], without
+    /// polling. Returns the call's number, which the event carries. The hub keeps the call
+    /// until then; dropped with the hub, it is cancelled. [`Error::ForeignCall`] for a call
+    /// of another session or hub.
+    pub fn watch<T>(&mut self, call: Call<T>) -> Result<u64> {
+        let id = call.id();
+        let call = call.erase();
+        if !call.started_by(&self.calls) {
+            return Err(Error::ForeignCall);
+        }
+        let watched = call::lock(&self.calls).watch(id);
+        if let Some(Some(peer)) = watched {
+            if let Some(d) = call.deadline() {
+                self.watch_deadlines.insert((d, id));
+            }
+            self.watched.insert(id, (peer, call));
+            self.queue_ended_calls();
+        }
+        Ok(id)
+    }
+
+    /// The nearest deadline of a watched call.
+    pub(super) fn watch_deadline(&self) -> Option<Instant> {
+        self.watch_deadlines.first().map(|&(d, _)| d)
+    }
+
+    /// Queues the events of watched calls whose outcome came in (an answer routed, a peer
+    /// failed).
+    pub(super) fn queue_ended_calls(&mut self) {
+        let ended = {
+            let mut table = call::lock(&self.calls);
+            if !table.any_ended() {
+                return;
+            }
+            table.take_ended()
+        };
+        for id in ended {
+            let Some((peer, call)) = self.watched.remove(&id) else {
+                continue;
+            };
+            if let Some(d) = call.deadline() {
+                self.watch_deadlines.remove(&(d, id));
+            }
+            if let Some(outcome) = call.take_outcome() {
+                let result = outcome.into_result();
+                self.ready.push_back((
+                    HubEvent::CallEnded {
+                        peer,
+                        call: id,
+                        result,
+                    },
+                    None,
+                ));
+            }
+        }
+    }
+
+    /// Ends the watched calls whose deadline has passed by `now` (an answer already in is
+    /// their end all the same).
+    pub(super) fn expire_watched(&mut self, now: Instant) {
+        while let Some(&(d, id)) = self.watch_deadlines.first() {
+            if d > now {
+                return;
+            }
+            self.watch_deadlines.pop_first();
+            let Some((peer, call)) = self.watched.remove(&id) else {
+                continue;
+            };
+            let result = match call.take_outcome() {
+                Some(outcome) => outcome.into_result(),
+                None => Err(call.timed_out()),
+            };
+            self.ready.push_back((
+                HubEvent::CallEnded {
+                    peer,
+                    call: id,
+                    result,
+                },
+                None,
+            ));
         }
     }
 

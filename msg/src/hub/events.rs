@@ -70,6 +70,18 @@ pub enum HubEvent {
         /// The peer.
         peer: PeerId,
     },
+    /// A call handed to [`Hub::watch`] ended: its answer (an envelope of the response type:
+    /// [`Envelope::decode`] it), or why it failed ([`Error::CallTimedOut`] at its deadline,
+    /// [`Error::CallFailed`] when its peer's connection failed, [`Error::NoAnswer`],
+    /// [`Error::NotServed`]). Before the peer's `Disconnected` when that failed it.
+    CallEnded {
+        /// The peer called.
+        peer: PeerId,
+        /// The call's number ([`Call::id`], what [`Hub::watch`] returned).
+        call: u64,
+        /// What it came to.
+        result: Result<Envelope>,
+    },
     /// A handshake failed: a client accepted from the listener (`peer: None`), or one that
     /// [`Hub::connect`] started. The hub and every other connection go on.
     HandshakeFailed {
@@ -90,6 +102,7 @@ impl HubEvent {
             | HubEvent::Unread { peer, .. }
             | HubEvent::Unconfirmed { peer, .. }
             | HubEvent::Writable { peer }
+            | HubEvent::CallEnded { peer, .. }
             | HubEvent::Disconnected { peer, .. } => Some(*peer),
             HubEvent::HandshakeFailed { peer, .. } => *peer,
         }

@@ -127,6 +127,10 @@ pub struct Hub {
     answer_watch: call::AnswerWatch,
     /// The outbox counts of peers gone.
     departed_outboxes: OutboxStats,
+    /// Calls whose ends are events ([`Hub::watch`]), with their peers.
+    watched: std::collections::HashMap<u64, (PeerId, Call<()>)>,
+    /// Their deadlines, nearest first.
+    watch_deadlines: std::collections::BTreeSet<(Instant, u64)>,
 }
 
 /// Queues `peer`'s messages that are ready, in order, as events (a message that could not be
@@ -181,6 +185,8 @@ impl Hub {
             holding: false,
             answer_watch: call::AnswerWatch::default(),
             departed_outboxes: OutboxStats::default(),
+            watched: std::collections::HashMap::new(),
+            watch_deadlines: std::collections::BTreeSet::new(),
             pool,
             budget: ReassemblyBudget::new(limits.max_reassembly_bytes, limits.reassembly_timeout),
             limits,
@@ -454,6 +460,7 @@ impl Hub {
         // The clock, once for the step.
         let now = Instant::now();
         self.advance_reads(now);
+        self.expire_watched(now);
         let outboxes = self.outboxed.len();
         self.drain_outboxes_at(Some(now));
         let drained = usize::from(self.outboxed.len() != outboxes);
@@ -493,6 +500,7 @@ impl Hub {
             .into_iter()
             .chain(close)
             .chain(self.reassembly_at)
+            .chain(self.watch_deadline())
             .min()
             .map(|d| d.saturating_duration_since(Instant::now()));
         crate::drive::earliest(self.transport.next_timeout(), flush)

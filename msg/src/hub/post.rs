@@ -49,28 +49,25 @@ impl Hub {
             return Ok(Posted::PeerGone(m));
         };
         if empty {
-            let mut went = false;
+            let mut went = None;
             let sent =
                 peer::went(
                     self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
-                        let before = s.next_seq();
+                        let before = peer::Numbering::before(s);
                         let sent = s.try_send_as(link, &m, solicited);
-                        went = s.next_seq() != before;
+                        went = before.went(s, &sent);
                         sent
                     }),
                 );
+            if let (Some(id), Some(seq)) = (call, went) {
+                call::lock(&self.calls).request_sent(id, seq);
+            }
             match sent {
-                Ok(true) => {
-                    if let Some(id) = call {
-                        let seq = self.state(peer).machine.send.next_seq().wrapping_sub(1);
-                        call::lock(&self.calls).request_sent(id, seq);
-                    }
-                    return Ok(Posted::Sent);
-                }
+                Ok(true) => return Ok(Posted::Sent),
                 Ok(false) => {}
                 // It went (in part, at least) before the peer failed: sent, its fate is the
                 // peer's record's (`Disconnected`, `Unconfirmed`), not handed back twice.
-                Err(_) if went => return Ok(Posted::Sent),
+                Err(_) if went.is_some() => return Ok(Posted::Sent),
                 // The send itself found the peer gone (or failed it): as when that was
                 // known before, not an error (issue 45: a job queue's coordinator exited on it).
                 Err(_) if self.outbox_empty(peer).is_none() => return Ok(Posted::PeerGone(m)),

@@ -38,6 +38,7 @@ impl Hub {
             }
             let now = turn.take().unwrap_or_else(Instant::now);
             self.advance_reads(now);
+            self.expire_watched(now);
             self.drain_outboxes_at(Some(now));
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
@@ -65,9 +66,15 @@ impl Hub {
                     }
                 }
             }
-            // A close waiting for its peer ends at its deadline, event or not; so does a
-            // message in reassembly whose sender stalled.
-            for at in self.earliest_close().into_iter().chain(self.reassembly_at) {
+            // A close waiting for its peer ends at its deadline, event or not; so do a
+            // message in reassembly whose sender stalled and a watched call.
+            let watch = self.watch_deadline();
+            for at in self
+                .earliest_close()
+                .into_iter()
+                .chain(self.reassembly_at)
+                .chain(watch)
+            {
                 let r = at.saturating_duration_since(now);
                 left = Some(left.map_or(r, |l| l.min(r)));
             }
@@ -121,7 +128,10 @@ impl Hub {
                         Ok(call::Routed::Deliver(msg)) => {
                             return Some(HubEvent::Message { peer, msg })
                         }
-                        Ok(call::Routed::Consumed) => self.answer_watch.answer_came(),
+                        Ok(call::Routed::Consumed) => {
+                            self.answer_watch.answer_came();
+                            self.queue_ended_calls();
+                        }
                         Err(error) => return Some(HubEvent::BadFrame { peer, error }),
                     }
                 }
@@ -223,6 +233,9 @@ impl Hub {
             return Ok(Some(ev));
         }
         self.drain_outboxes_at(None);
+        if !self.watch_deadlines.is_empty() {
+            self.expire_watched(Instant::now());
+        }
         loop {
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
@@ -304,13 +317,18 @@ impl Hub {
                         self.ready.push_back((ev, None));
                     }
                 }
+                // Its watched calls end before it does.
+                self.queue_ended_calls();
                 HubEvent::Disconnected { peer, failure }
             }
             Raw::HandshakeFailed { peer, error } => {
                 if let Some(p) = peer {
                     let mut calls = call::lock(&self.calls);
                     // Its handshake failed: nothing went to it.
-                    let lost = call::LostCalls::default();
+                    let lost = call::LostCalls {
+                        nothing_went: true,
+                        ..call::LostCalls::default()
+                    };
                     calls.fail_peer(Some(p), &lost, || {
                         rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into()
                     });
@@ -319,6 +337,7 @@ impl Hub {
                 if let Some(gone) = peer.and_then(|p| self.peers.remove(p)) {
                     self.departed.add(&gone.stats());
                 }
+                self.queue_ended_calls();
                 HubEvent::HandshakeFailed {
                     peer,
                     error: error.into(),

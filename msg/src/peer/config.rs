@@ -117,7 +117,8 @@ impl Default for SessionConfig {
 pub struct SessionStats {
     /// Messages sent.
     pub sent: u64,
-    /// Messages whose (last) frame was solicited.
+    /// Solicited frames that carried messages: a message's own (its last fragment's), or a
+    /// packed frame's, counted once for all its messages.
     pub sent_solicited: u64,
     /// Of those, solicited by the policy rather than the caller.
     pub policy_solicited: u64,
@@ -125,7 +126,9 @@ pub struct SessionStats {
     pub fragmented: u64,
     /// Frames sent.
     pub frames_sent: u64,
-    /// Messages sent packed, several to a frame ([`crate::Session::send_batch`]).
+    /// Messages sent packed, several to a frame: a [`crate::Session::send_batch`]'s, and
+    /// messages that queued up while the peer had no credit (committed ones, a hub's
+    /// outbox).
     pub packed: u64,
     /// Payload-less solicited frames sent because a receive was about to wait while
     /// messages sent unsolicited had not woken the peer (see [`crate::Session::recv`]).
@@ -135,7 +138,8 @@ pub struct SessionStats {
     /// Frames received: the receive buffers (and credits) the peer's messages, nudges and
     /// acknowledgements used. Below [`SessionStats::received`] when messages came packed.
     pub frames_received: u64,
-    /// Frames dropped as malformed, out of order or of an unknown tag.
+    /// Frames dropped as malformed, out of order or of an unknown tag (a message of a packed
+    /// frame refused alone counts as one).
     pub dropped_frames: u64,
     /// Messages sent by rendezvous (the peer read them from our memory).
     pub rendezvous_sent: u64,

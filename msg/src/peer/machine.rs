@@ -8,8 +8,9 @@
 use std::time::{Duration, Instant};
 
 use super::close::Waited;
-use super::{Closing, Encode, LendsRecv, Outbox, PeerIo, RecvSide, SendSide, SessionStats};
-use crate::call::LostCalls;
+use super::{
+    Closing, Encode, LendsRecv, LostCalls, Outbox, PeerIo, RecvSide, SendSide, SessionStats,
+};
 use crate::Message;
 
 /// What [`PeerMachine::flush_before_wait`] left.
@@ -80,6 +81,7 @@ impl PeerMachine {
         let lost = LostCalls {
             taken: self.send.delivery(None).taken as u32,
             unsent: self.outbox.calls_waiting(),
+            nothing_went: false,
         };
         (self.outbox.clear(), lost)
     }

@@ -132,6 +132,8 @@ pub(crate) struct Outbox {
     /// Calls whose requests went, with their numbers, for the front end's call table
     /// ([`Outbox::take_calls_sent`]).
     calls_sent: Vec<(u64, u32)>,
+    /// Calls whose requests were dropped from here unsent (a close that ran out of time).
+    calls_cleared: Vec<u64>,
 }
 
 impl Outbox {
@@ -142,6 +144,7 @@ impl Outbox {
             stats: OutboxStats::default(),
             refused: false,
             calls_sent: Vec::new(),
+            calls_cleared: Vec::new(),
         }
     }
 
@@ -221,7 +224,13 @@ impl Outbox {
     /// ([`SendSide::try_send_packed`]).
     pub(crate) fn send_ready(&mut self, send: &mut SendSide, io: &mut impl PeerIo) -> Result<u64> {
         while self.queue.len() >= 2 {
-            let packed = send.try_send_packed(io, self.queue.iter().map(|e| e.msg.encoding()))?;
+            let packed = match send.try_send_packed(io, self.queue.iter().map(|e| e.msg.encoding()))
+            {
+                Ok(packed) => packed,
+                Err(e) if io.failed() => return Err(e),
+                // A committed message's own error: the messages here go one by one.
+                Err(_) => 0,
+            };
             if packed == 0 {
                 break;
             }
@@ -235,7 +244,7 @@ impl Outbox {
                 self.stats.bytes -= entry.size;
             }
         }
-        self.send_in_order(send, io, |send, io, e, solicited| {
+        self.send_in_order(send, io, true, |send, io, e, solicited| {
             send.try_send_as(io, e, solicited)
         })
     }
@@ -245,15 +254,20 @@ impl Outbox {
     /// drain sends it within its deadline and counts what found no room
     /// ([`crate::Error::Unsent`]); how many it dropped, as [`Outbox::send_ready`].
     pub(crate) fn commit_all(&mut self, send: &mut SendSide, io: &mut impl PeerIo) -> Result<u64> {
-        self.send_in_order(send, io, |send, io, e, solicited| {
+        // Whether a committed message went, and under which number, is not known here: calls
+        // committed so say nothing of their numbers (their fate is then not known).
+        self.send_in_order(send, io, false, |send, io, e, solicited| {
             send.commit_as(io, e, solicited).map(|()| true)
         })
     }
 
+    /// Sends (`one`) each message in order; with `numbered`, `one` sends nothing before the
+    /// message, so a message that went is the last to have gone: a call learns its number.
     fn send_in_order<I: PeerIo>(
         &mut self,
         send: &mut SendSide,
         io: &mut I,
+        numbered: bool,
         mut one: impl FnMut(&mut SendSide, &mut I, &dyn Encode, bool) -> Result<bool>,
     ) -> Result<u64> {
         let mut dropped = 0;
@@ -262,14 +276,24 @@ impl Outbox {
             let (e, solicited) = entry.msg.encoding();
             let before = send.next_seq();
             let sent = one(send, io, e, solicited);
+            let went = send.next_seq() != before;
+            if let Some(id) = entry.msg.call_id().filter(|_| went && numbered) {
+                self.calls_sent.push((id, send.next_seq().wrapping_sub(1)));
+            }
             match sent {
-                Ok(true) => {
-                    if let Some(id) = entry.msg.call_id().filter(|_| send.next_seq() != before) {
-                        // Sent, it was the last message to go.
-                        self.calls_sent.push((id, send.next_seq().wrapping_sub(1)));
+                Ok(true) => {}
+                Ok(false) => break,
+                // It went, then the connection failed (or something after it did): it is
+                // sent, its fate the record's.
+                Err(e) if went => {
+                    if io.failed() {
+                        failed = Some(e);
+                        self.stats.messages -= 1;
+                        self.stats.bytes -= entry.size;
+                        self.queue.pop_front();
+                        break;
                     }
                 }
-                Ok(false) => break,
                 Err(e) if io.failed() => {
                     failed = Some(e);
                     break;
@@ -294,13 +318,17 @@ impl Outbox {
         self.calls_sent.drain(..)
     }
 
-    /// The calls whose requests wait here, unsent.
+    /// The calls whose requests wait here, or were dropped from here, unsent.
     pub(crate) fn calls_waiting(&self) -> Vec<u64> {
-        self.queue.iter().filter_map(|e| e.msg.call_id()).collect()
+        let waiting = self.queue.iter().filter_map(|e| e.msg.call_id());
+        self.calls_cleared.iter().copied().chain(waiting).collect()
     }
 
-    /// Drops everything waiting (the peer failed, or a close ran out of time): how many.
+    /// Drops everything waiting (the peer failed, or a close ran out of time): how many. The
+    /// calls among them stay listed unsent ([`Outbox::calls_waiting`]).
     pub(crate) fn clear(&mut self) -> usize {
+        let cleared = self.queue.iter().filter_map(|e| e.msg.call_id());
+        self.calls_cleared.extend(cleared);
         let n = self.queue.drain(..).filter(|e| !e.counted).count();
         self.stats.messages = 0;
         self.stats.bytes = 0;

@@ -193,6 +193,32 @@ impl Record {
     }
 }
 
+/// What a failed connection's delivery record says of the calls that went over it.
+#[derive(Debug, Default)]
+pub(crate) struct LostCalls {
+    /// How many of our messages the peer's application took (modulo 2^32).
+    pub(crate) taken: u32,
+    /// The calls whose requests were still in the outbox.
+    pub(crate) unsent: Vec<u64>,
+    /// Nothing went to the peer (its handshake failed).
+    pub(crate) nothing_went: bool,
+}
+
+impl LostCalls {
+    /// What became of call `id`'s request, which went as message `seq` (`None`: not known to
+    /// have gone).
+    pub(crate) fn fate(&self, id: u64, seq: Option<u32>) -> crate::RequestFate {
+        use crate::RequestFate::*;
+        if self.nothing_went || self.unsent.contains(&id) {
+            return NotSent;
+        }
+        match seq {
+            Some(seq) if (self.taken.wrapping_sub(seq.wrapping_add(1)) as i32) >= 0 => Taken,
+            _ => Unknown,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

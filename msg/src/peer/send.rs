@@ -69,6 +69,33 @@ pub(crate) struct SendSide {
     told_fragments: bool,
 }
 
+/// Where a sending side's numbers stood before a send: afterwards, whether the message sent
+/// went and under which number (a call's request learns it so).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Numbering {
+    next: u32,
+    /// No committed message waited: anything that moved the numbers is the send's own.
+    clear: bool,
+}
+
+impl Numbering {
+    pub(crate) fn before(send: &SendSide) -> Self {
+        Self {
+            next: send.next_seq(),
+            clear: send.committed.is_empty(),
+        }
+    }
+
+    /// The number the message went under, if it went (sent, or sent before an error of what
+    /// followed it): the last to go, since committed messages go before a send's own and
+    /// nothing after it.
+    pub(crate) fn went(self, send: &SendSide, sent: &Result<bool>) -> Option<u32> {
+        let next = send.next_seq();
+        let moved = next != self.next;
+        (moved && (self.clear || matches!(sent, Ok(true)))).then(|| next.wrapping_sub(1))
+    }
+}
+
 /// How long a send may wait for room.
 #[derive(Debug, Clone, Copy)]
 enum Patience {
@@ -725,7 +752,14 @@ impl SendSide {
         batch: &mut std::iter::Peekable<impl Iterator<Item = &'a M>>,
     ) -> Result<usize> {
         // Committed frames go first, and the window of unconfirmed messages needs room.
-        self.drain(link, None)?;
+        if !self.drain(link, None)? {
+            let e = rdmsg_transport::Error::timeout(
+                "sending",
+                crate::error::WAIT_COMMITTED,
+                Duration::ZERO,
+            );
+            return Err(e.into());
+        }
         self.wait_for_record(link, None, None)?;
         let frame_max = link.max_message()?;
         let room = self.record.room().min(u64::from(u16::MAX)) as usize;

@@ -74,14 +74,14 @@ impl Session {
             deadline,
             m: request,
         };
+        let before = peer::Numbering::before(&self.machine.send);
         let sent =
             peer::in_time(
                 self.machine
                     .send_within(&mut self.conn, &out, solicited, Some(left)),
             );
-        // Sent, it was the last message to go.
-        let seq = self.machine.send.next_seq().wrapping_sub(1);
-        call::started::<R>(&self.calls, id, sent, seq, timeout, deadline)
+        let went = before.went(&self.machine.send, &sent);
+        call::started::<R>(&self.calls, id, sent, went, timeout, deadline)
     }
 
     /// [`Session::start_call`] only if the request can go without waiting: `Ok(None)`,
@@ -100,14 +100,16 @@ impl Session {
             deadline,
             m: request,
         };
-        match self.try_send_as(&out, solicited) {
-            Ok(true) => {
-                let seq = self.machine.send.next_seq().wrapping_sub(1);
-                call::started::<R>(&self.calls, id, Ok(true), seq, timeout, deadline).map(Some)
+        let before = peer::Numbering::before(&self.machine.send);
+        let sent = self.try_send_as(&out, solicited);
+        match before.went(&self.machine.send, &sent) {
+            Some(seq) => {
+                call::started::<R>(&self.calls, id, Ok(true), Some(seq), timeout, deadline)
+                    .map(Some)
             }
-            other => {
+            None => {
                 call::lock(&self.calls).forget(id);
-                other.map(|_| None)
+                sent.map(|_| None)
             }
         }
     }

@@ -111,7 +111,7 @@ fn a_packed_frame_that_does_not_add_up_fails_alone_and_counts_its_messages_taken
     assert_eq!(rx.taken(), 5, "the bad frame's messages count as taken");
 
     // Entries whose lengths run past the body, or stop short of it.
-    for forged_len in [200u32, 5] {
+    for forged_len in [200u32, 5, u32::MAX, u32::MAX - 7] {
         let mut f = wire.frames[1].0.clone();
         f[20 + 4..20 + 8].copy_from_slice(&forged_len.to_be_bytes());
         let mut rx = receiver();
