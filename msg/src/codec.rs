@@ -66,6 +66,15 @@ pub fn encode_single<M: Message>(m: &M, seq: u32, out: &mut [u8]) -> Result<Opti
     }
 }
 
+/// `v` encoded as bincode, as frames encode bodies: the head of a request or an answer whose
+/// body goes as it came ([`crate::Hub::forward`]).
+pub(crate) fn encode_head<T: serde::Serialize>(v: &T) -> Result<Vec<u8>> {
+    bincode::serde::encode_to_vec(v, config()).map_err(|source| Error::Encode {
+        tag: crate::message::CALL_TAG,
+        source,
+    })
+}
+
 /// Encodes `m` as one entry of a packed frame ([`frame::PACK_ENTRY`] bytes of head, then its
 /// body) straight into `out`: the entry's length, or `Ok(None)` if it does not fit.
 pub(crate) fn encode_entry<M: Message>(m: &M, out: &mut [u8]) -> Result<Option<usize>> {
@@ -341,6 +350,11 @@ impl Envelope {
         self.tag = tag;
         self.ty = ty;
         self.origin = Some(origin);
+    }
+
+    /// Where a request's answer goes, if it is a request.
+    pub(crate) fn origin_ref(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        self.origin.as_deref()
     }
 
     /// Where a request's answer goes, taken out.

@@ -288,8 +288,8 @@ pub enum Error {
     /// the session or hub that received the request).
     #[error("this responder answers a request received by another session or hub")]
     ForeignResponder,
-    /// [`crate::Hub::watch`] was given a call started by another session or hub: it goes on
-    /// as it was (its handle dropped: cancelled).
+    /// [`crate::Hub::watch`] was given a call started by another session or hub: the call is
+    /// cancelled (its handle was consumed).
     #[error("this call was started by another session or hub")]
     ForeignCall,
     /// [`crate::Envelope::responder`] on a message that is not a request (or whose responder

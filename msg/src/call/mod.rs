@@ -366,6 +366,12 @@ impl<T> Drop for Responder<T> {
 }
 
 impl Envelope {
+    /// The deadline of the call this request came with, as seen here (see
+    /// [`Responder::deadline`]), if it is a request that has one.
+    pub(crate) fn call_deadline(&self) -> Option<Instant> {
+        self.origin_ref()?.downcast_ref::<Origin>()?.deadline
+    }
+
     /// Takes the answer's handle of a request of type `R` ([`Request`]): answer it with
     /// [`Responder::respond`] from any thread, or with [`crate::Session::reply`] /
     /// [`crate::Hub::reply`] on the connection's own. [`Error::WrongType`] if the message is

@@ -421,3 +421,45 @@ fn watched_calls_are_listed_once_when_they_end() {
     ));
     assert_eq!(table.watch(c), None, "over: nothing to watch");
 }
+
+/// A request or an answer forwarded as it came goes out byte for byte as the same value
+/// called or answered again: the receiving side cannot tell them apart.
+#[test]
+fn forwarded_requests_and_answers_are_the_frames_a_call_would_send() {
+    let get = Get {
+        key: "k".repeat(40),
+    };
+    let frame_of = |e: &dyn Encode| {
+        let mut frame = vec![0; 4096];
+        let n = e.encode_single(9, &mut frame).unwrap().expect("fits");
+        frame.truncate(n);
+        frame
+    };
+    let body = codec::encode_head(&get).unwrap();
+    let called = CallOut {
+        id: 5,
+        deadline: None,
+        m: &get,
+    };
+    let forwarded = forwarded_request(5, Get::TAG, None, &body).unwrap();
+    assert_eq!(frame_of(&called), frame_of(&forwarded));
+    let mut packed = vec![0; 4096];
+    let n = forwarded.encode_entry(&mut packed).unwrap().unwrap();
+    assert_eq!(&packed[crate::frame::PACK_ENTRY..n], &frame_of(&called)[20..]);
+
+    let value = Value {
+        data: Bulk::from(vec![3u8; 100]),
+    };
+    let answer = codec::encode_head(&value).unwrap();
+    let answered = ReplyOut {
+        id: 5,
+        status: ANSWERED,
+        value: Some(&value),
+    };
+    let forwarded = forwarded_answer(5, answer.clone()).unwrap();
+    assert_eq!(frame_of(&answered), frame_of(&forwarded));
+    assert_eq!(forwarded.size(), encoded_len(&answered));
+    let pieces = forwarded.encode_pieces().unwrap();
+    let joined: Vec<u8> = pieces.iter().flat_map(|p| p.bytes().to_vec()).collect();
+    assert_eq!(joined, frame_of(&answered)[20..]);
+}

@@ -1,6 +1,7 @@
 //! Calls on the wire: a request wrapped with its call's number, an answer with its status.
 
 use super::*;
+use crate::frame::{HEADER_LEN, PACK_ENTRY};
 
 /// An answer's status.
 pub(crate) const ANSWERED: u8 = 0;
@@ -81,6 +82,109 @@ impl<M: Message> Serialize for CallOwned<M> {
 impl<M: Message> Message for CallOwned<M> {
     const TAG: u32 = CALL_TAG;
     const SOLICITED: bool = M::SOLICITED;
+}
+
+/// A request or an answer whose body goes as it came, undecoded ([`crate::Hub::forward`],
+/// [`crate::Hub::reply_with`]): its call head (`(id, tag, budget)` or `(id, status)`),
+/// encoded, then the body's bytes, which are what the value's encoding was.
+pub(crate) struct Forwarded<B> {
+    pub(crate) tag: u32,
+    pub(crate) head: Vec<u8>,
+    pub(crate) body: B,
+}
+
+impl<B: AsRef<[u8]>> Forwarded<B> {
+    /// Its encoded length: head and body.
+    pub(crate) fn size_of(&self) -> usize {
+        self.len()
+    }
+
+    fn len(&self) -> usize {
+        self.head.len() + self.body.as_ref().len()
+    }
+
+    fn write(&self, out: &mut [u8]) {
+        let (head, body) = out.split_at_mut(self.head.len());
+        head.copy_from_slice(&self.head);
+        body.copy_from_slice(self.body.as_ref());
+    }
+}
+
+impl<B: AsRef<[u8]>> Encode for Forwarded<B> {
+    fn tag(&self) -> u32 {
+        self.tag
+    }
+    fn encode_single(&self, seq: u32, out: &mut [u8]) -> Result<Option<usize>> {
+        let len = HEADER_LEN + self.len();
+        if out.len() < len {
+            return Ok(None);
+        }
+        let header = crate::frame::Header {
+            flags: crate::frame::FIRST | crate::frame::LAST,
+            tag: self.tag,
+            seq,
+            frag: 0,
+            len: self.len() as u32,
+        };
+        header.write(&mut out[..HEADER_LEN]);
+        self.write(&mut out[HEADER_LEN..len]);
+        Ok(Some(len))
+    }
+    fn encode_pieces(&self) -> Result<Vec<crate::bulk::Piece>> {
+        let mut all = vec![0; self.len()];
+        self.write(&mut all);
+        Ok(vec![crate::bulk::Piece::Encoded(all)])
+    }
+    fn encode_entry(&self, out: &mut [u8]) -> Result<Option<usize>> {
+        let len = PACK_ENTRY + self.len();
+        if out.len() < len {
+            return Ok(None);
+        }
+        crate::frame::write_entry(out, self.tag, self.len() as u32);
+        self.write(&mut out[PACK_ENTRY..len]);
+        Ok(Some(len))
+    }
+}
+
+impl fmt::Debug for Forwarded<Vec<u8>> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "forwarded answer ({} bytes)", self.len())
+    }
+}
+
+impl Outgoing for Forwarded<Vec<u8>> {
+    fn encoding(&self) -> (&dyn Encode, bool) {
+        // Answers are solicited: their callers wait for them.
+        (self, true)
+    }
+    fn size(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A request received, to go on to another peer as it came: the head of the call that carries
+/// it (`(id, tag, budget)`, the budget what is left of `deadline` now) and its body.
+pub(crate) fn forwarded_request<'a>(
+    id: u64,
+    tag: u32,
+    deadline: Option<Instant>,
+    body: &'a [u8],
+) -> Result<Forwarded<&'a [u8]>> {
+    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    Ok(Forwarded {
+        tag: CALL_TAG,
+        head: crate::codec::encode_head(&(id, tag, budget_of(left)))?,
+        body,
+    })
+}
+
+/// An answer received, to go on as the answer to call `id` as it came.
+pub(crate) fn forwarded_answer<B>(id: u64, body: B) -> Result<Forwarded<B>> {
+    Ok(Forwarded {
+        tag: REPLY_TAG,
+        head: crate::codec::encode_head(&(id, ANSWERED))?,
+        body,
+    })
 }
 
 /// An answer as it goes: `(id, status[, response])`.

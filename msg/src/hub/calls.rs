@@ -31,10 +31,53 @@ impl Hub {
             deadline,
             m: request,
         };
+        self.send_call::<R>(peer, id, &out, timeout, deadline)
+    }
+
+    /// Forwards `request`, a request of type `R` received from a peer, to `peer` as it came:
+    /// its body is not decoded nor encoded again, only copied (straight into a send buffer
+    /// when it fits), under a call of this hub's, waited for as any call or
+    /// [`Hub::watch`]ed. The call's deadline is the sooner of `timeout` from now and the
+    /// original caller's ([`Responder::deadline`]), read from the envelope while it still
+    /// holds its responder: forward first, then take the responder
+    /// ([`Envelope::responder`]) to answer the original caller with this call's answer as it
+    /// came ([`Hub::reply_with`]). [`Error::WrongType`] if `request` is not an `R`.
+    pub fn forward<R: Request>(
+        &mut self,
+        peer: PeerId,
+        request: &Envelope,
+        timeout: Duration,
+    ) -> Result<Call<R::Response>> {
+        if !request.is::<R>() {
+            return Err(crate::codec::wrong_type::<R>(request.tag(), request.type_name()));
+        }
+        let deadline = crate::drive::earliest(call::deadline(timeout), request.call_deadline());
+        let timeout = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
+        let id = call::lock(&self.calls).start::<R>(Some(peer));
+        let out = match call::forwarded_request(id, R::TAG, deadline, request.body()) {
+            Ok(out) => out,
+            Err(e) => {
+                call::lock(&self.calls).forget(id);
+                return Err(e);
+            }
+        };
+        self.send_call::<R>(peer, id, &out, timeout, deadline)
+    }
+
+    /// Sends call `id`'s request `out` to `peer`, waiting at most `timeout` for room: the
+    /// call, once it went.
+    fn send_call<R: Request>(
+        &mut self,
+        peer: PeerId,
+        id: u64,
+        out: &(impl Encode + ?Sized),
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Call<R::Response>> {
         let mut went = None;
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
             let before = peer::Numbering::before(s);
-            let sent = peer::in_time(s.send_within(link, &out, R::SOLICITED, Some(timeout)));
+            let sent = peer::in_time(s.send_within(link, out, R::SOLICITED, Some(timeout)));
             went = before.went(s, &sent);
             sent
         });
@@ -85,8 +128,11 @@ impl Hub {
     /// other events (its answer, its failure, or its deadline passing, each once), so that a
     /// thread serving its peers waits for the calls it made in the same [`Hub::recv`], without
     /// polling. Returns the call's number, which the event carries. The hub keeps the call
-    /// until then; dropped with the hub, it is cancelled. [`Error::ForeignCall`] for a call
-    /// of another session or hub.
+    /// until then; dropped with the hub, it is cancelled. A call whose peer's failure the hub
+    /// has taken in already ends at once, its event then after the peer's `Disconnected` if
+    /// that was handed out (or kept by a call's wait) before; a call whose outcome was taken
+    /// already ([`Hub::try_wait`]) has ended and gives no event. [`Error::ForeignCall`] for a
+    /// call of another session or hub.
     pub fn watch<T>(&mut self, call: Call<T>) -> Result<u64> {
         let id = call.id();
         let call = call.erase();
@@ -105,6 +151,7 @@ impl Hub {
     }
 
     /// The nearest deadline of a watched call.
+    #[inline]
     pub(super) fn watch_deadline(&self) -> Option<Instant> {
         self.watch_deadlines.first().map(|&(d, _)| d)
     }
@@ -141,11 +188,13 @@ impl Hub {
     }
 
     /// Ends the watched calls whose deadline has passed by `now` (an answer already in is
-    /// their end all the same).
-    pub(super) fn expire_watched(&mut self, now: Instant) {
+    /// their end all the same); whether it queued any event. Run once what has arrived is
+    /// taken in: a deadline is judged on that, as [`Hub::wait`] judges it.
+    pub(super) fn expire_watched(&mut self, now: Instant) -> bool {
+        let mut queued = false;
         while let Some(&(d, id)) = self.watch_deadlines.first() {
             if d > now {
-                return;
+                break;
             }
             self.watch_deadlines.pop_first();
             let Some((peer, call)) = self.watched.remove(&id) else {
@@ -163,7 +212,9 @@ impl Hub {
                 },
                 None,
             ));
+            queued = true;
         }
+        queued
     }
 
     call::call_waits! {

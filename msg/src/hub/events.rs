@@ -3,7 +3,8 @@
 use super::*;
 
 /// What happened in a [`Hub`]. Per peer, events come in order: `Connected`, its messages and
-/// bad frames, then `Disconnected`.
+/// bad frames (and the ends of the calls to it that the hub watches), then `Unconfirmed` and
+/// `Disconnected`.
 #[derive(Debug)]
 pub enum HubEvent {
     /// A connection is established: accepted from the hub's listener (`accepted`), or one that

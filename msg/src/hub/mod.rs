@@ -16,7 +16,7 @@ use crate::codec::{Decoder, Envelope, FrameBytes};
 use crate::error::{unread_error, unsent_error};
 use crate::held::Held;
 use crate::peer::{
-    self, Closing, Delivery, HubPeerIo, Outbox, OutboxStats, PeerMachine, PeerTable,
+    self, Closing, Delivery, Encode, HubPeerIo, Outbox, OutboxStats, PeerMachine, PeerTable,
     ReassemblyBudget, RecvSide, SendSide,
 };
 use crate::rendezvous::ReadPool;
@@ -460,7 +460,6 @@ impl Hub {
         // The clock, once for the step.
         let now = Instant::now();
         self.advance_reads(now);
-        self.expire_watched(now);
         let outboxes = self.outboxed.len();
         self.drain_outboxes_at(Some(now));
         let drained = usize::from(self.outboxed.len() != outboxes);

@@ -249,6 +249,26 @@ impl Hub {
         responder: Responder<T>,
         value: T,
     ) -> Result<Posted<T>> {
+        self.answer(responder, value)
+    }
+
+    /// Answers a request with `answer`, the answer of a call this hub made (see
+    /// [`Hub::forward`]), as it came: its body goes on undecoded, as [`Hub::reply`] sends
+    /// (never waiting; queued in the outbox, a copy; handed back if that is full).
+    /// [`Error::WrongType`] if `answer` is not a `T`, the request's response type.
+    pub fn reply_with<T: Message>(
+        &mut self,
+        responder: Responder<T>,
+        answer: Envelope,
+    ) -> Result<Posted<Envelope>> {
+        if !answer.is::<T>() {
+            return Err(crate::codec::wrong_type::<T>(answer.tag(), answer.type_name()));
+        }
+        self.answer(responder, answer)
+    }
+
+    /// Sends `value` as the answer to `responder`'s request ([`Hub::reply`], [`Hub::reply_with`]).
+    fn answer<T, A: Answer>(&mut self, responder: Responder<T>, value: A) -> Result<Posted<A>> {
         let Some(origin) = responder.into_origin() else {
             return Ok(Posted::Sent);
         };
@@ -267,13 +287,8 @@ impl Hub {
             return Ok(Posted::PeerGone(value));
         };
         if empty {
-            let out = call::ReplyOut {
-                id,
-                status: 0,
-                value: Some(&value),
-            };
             let sent = self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
-                s.try_send_as(link, &out, true)
+                value.send_now(id, &mut |out| s.try_send_as(link, out, true))
             });
             match sent {
                 Ok(true) => return Ok(Posted::Sent),
@@ -289,17 +304,74 @@ impl Hub {
                 }
             }
         }
-        let reply = OwnedReply {
-            id,
-            status: 0,
-            value: Some(value),
-        };
-        let size = reply.size();
+        let size = value.size(id);
         if !self.room(peer, size) {
             self.refuse_answer(peer, id);
-            return Ok(Posted::Full(reply.value.expect("built with a value")));
+            return Ok(Posted::Full(value));
         }
-        self.queue(peer, Box::new(reply), size);
+        match value.owned(id) {
+            Ok(reply) => self.queue(peer, reply, size),
+            Err(e) => {
+                // This answer alone: the caller hears "no answer".
+                self.refuse_answer(peer, id);
+                return Err(e);
+            }
+        }
         Ok(Posted::Queued)
+    }
+}
+
+/// What [`Hub::reply`] and [`Hub::reply_with`] send: a value, or an answer as it came.
+trait Answer: Sized {
+    /// Sends it as the answer to call `id` through `send`, without keeping it.
+    fn send_now(&self, id: u64, send: &mut dyn FnMut(&dyn Encode) -> Result<bool>)
+        -> Result<bool>;
+    /// Its encoded size, as the answer to call `id`.
+    fn size(&self, id: u64) -> usize;
+    /// It owned by an outbox, as the answer to call `id`.
+    fn owned(self, id: u64) -> Result<Box<dyn Outgoing>>;
+}
+
+impl<T: Message + Send + 'static> Answer for T {
+    fn send_now(
+        &self,
+        id: u64,
+        send: &mut dyn FnMut(&dyn Encode) -> Result<bool>,
+    ) -> Result<bool> {
+        send(&call::ReplyOut {
+            id,
+            status: 0,
+            value: Some(self),
+        })
+    }
+    fn size(&self, id: u64) -> usize {
+        call::encoded_len(&call::ReplyOut {
+            id,
+            status: 0,
+            value: Some(self),
+        })
+    }
+    fn owned(self, id: u64) -> Result<Box<dyn Outgoing>> {
+        Ok(Box::new(OwnedReply {
+            id,
+            status: 0,
+            value: Some(self),
+        }))
+    }
+}
+
+impl Answer for Envelope {
+    fn send_now(
+        &self,
+        id: u64,
+        send: &mut dyn FnMut(&dyn Encode) -> Result<bool>,
+    ) -> Result<bool> {
+        send(&call::forwarded_answer(id, self.body())?)
+    }
+    fn size(&self, id: u64) -> usize {
+        call::forwarded_answer(id, self.body()).map_or(self.body().len(), |f| f.size_of())
+    }
+    fn owned(self, id: u64) -> Result<Box<dyn Outgoing>> {
+        Ok(Box::new(call::forwarded_answer(id, self.body().to_vec())?))
     }
 }

@@ -38,7 +38,6 @@ impl Hub {
             }
             let now = turn.take().unwrap_or_else(Instant::now);
             self.advance_reads(now);
-            self.expire_watched(now);
             self.drain_outboxes_at(Some(now));
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
@@ -86,6 +85,9 @@ impl Hub {
             }
             let raw = match self.transport.queued_event() {
                 Some(raw) => Some(raw),
+                // Watched calls past their deadlines end once what has arrived is taken in
+                // (an answer among it is the call's end).
+                None if !self.watch_deadlines.is_empty() && self.expire_watched(now) => continue,
                 None if left == Some(Duration::ZERO) => None,
                 None => {
                     self.transport.wait_from(now, left)?;
@@ -233,15 +235,15 @@ impl Hub {
             return Ok(Some(ev));
         }
         self.drain_outboxes_at(None);
-        if !self.watch_deadlines.is_empty() {
-            self.expire_watched(Instant::now());
-        }
         loop {
             if let Some(ev) = self.take_ready() {
                 return Ok(Some(ev));
             }
             match self.transport.try_event()? {
                 Some(raw) => self.take(raw),
+                // Watched calls past their deadlines end once what has arrived is taken in.
+                None if !self.watch_deadlines.is_empty()
+                    && self.expire_watched(Instant::now()) => {}
                 None => return Ok(None),
             }
         }

@@ -273,6 +273,20 @@ impl Outbox {
         let mut dropped = 0;
         let mut failed = None;
         while let Some(entry) = self.queue.front() {
+            if numbered {
+                // Committed messages go first, so that what moves the numbers below is this
+                // message alone.
+                match send.send_committed(io) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) if io.failed() => {
+                        failed = Some(e);
+                        break;
+                    }
+                    // A committed message failed alone (dropped and counted): the next.
+                    Err(_) => continue,
+                }
+            }
             let (e, solicited) = entry.msg.encoding();
             let before = send.next_seq();
             let sent = one(send, io, e, solicited);
