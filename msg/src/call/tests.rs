@@ -445,7 +445,10 @@ fn forwarded_requests_and_answers_are_the_frames_a_call_would_send() {
     assert_eq!(frame_of(&called), frame_of(&forwarded));
     let mut packed = vec![0; 4096];
     let n = forwarded.encode_entry(&mut packed).unwrap().unwrap();
-    assert_eq!(&packed[crate::frame::PACK_ENTRY..n], &frame_of(&called)[20..]);
+    assert_eq!(
+        &packed[crate::frame::PACK_ENTRY..n],
+        &frame_of(&called)[20..]
+    );
 
     let value = Value {
         data: Bulk::from(vec![3u8; 100]),

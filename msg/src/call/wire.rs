@@ -164,12 +164,12 @@ impl Outgoing for Forwarded<Vec<u8>> {
 
 /// A request received, to go on to another peer as it came: the head of the call that carries
 /// it (`(id, tag, budget)`, the budget what is left of `deadline` now) and its body.
-pub(crate) fn forwarded_request<'a>(
+pub(crate) fn forwarded_request(
     id: u64,
     tag: u32,
     deadline: Option<Instant>,
-    body: &'a [u8],
-) -> Result<Forwarded<&'a [u8]>> {
+    body: &[u8],
+) -> Result<Forwarded<&[u8]>> {
     let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     Ok(Forwarded {
         tag: CALL_TAG,

@@ -49,7 +49,10 @@ impl Hub {
         timeout: Duration,
     ) -> Result<Call<R::Response>> {
         if !request.is::<R>() {
-            return Err(crate::codec::wrong_type::<R>(request.tag(), request.type_name()));
+            return Err(crate::codec::wrong_type::<R>(
+                request.tag(),
+                request.type_name(),
+            ));
         }
         let deadline = crate::drive::earliest(call::deadline(timeout), request.call_deadline());
         let timeout = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));

@@ -262,13 +262,20 @@ impl Hub {
         answer: Envelope,
     ) -> Result<Posted<Envelope>> {
         if !answer.is::<T>() {
-            return Err(crate::codec::wrong_type::<T>(answer.tag(), answer.type_name()));
+            return Err(crate::codec::wrong_type::<T>(
+                answer.tag(),
+                answer.type_name(),
+            ));
         }
         self.answer(responder, answer)
     }
 
     /// Sends `value` as the answer to `responder`'s request ([`Hub::reply`], [`Hub::reply_with`]).
-    fn answer<T, A: Answer>(&mut self, responder: Responder<T>, value: A) -> Result<Posted<A>> {
+    fn answer<T: Message, A: Answer>(
+        &mut self,
+        responder: Responder<T>,
+        value: A,
+    ) -> Result<Posted<A>> {
         let Some(origin) = responder.into_origin() else {
             return Ok(Posted::Sent);
         };
@@ -324,8 +331,7 @@ impl Hub {
 /// What [`Hub::reply`] and [`Hub::reply_with`] send: a value, or an answer as it came.
 trait Answer: Sized {
     /// Sends it as the answer to call `id` through `send`, without keeping it.
-    fn send_now(&self, id: u64, send: &mut dyn FnMut(&dyn Encode) -> Result<bool>)
-        -> Result<bool>;
+    fn send_now(&self, id: u64, send: &mut dyn FnMut(&dyn Encode) -> Result<bool>) -> Result<bool>;
     /// Its encoded size, as the answer to call `id`.
     fn size(&self, id: u64) -> usize;
     /// It owned by an outbox, as the answer to call `id`.
@@ -333,11 +339,7 @@ trait Answer: Sized {
 }
 
 impl<T: Message + Send + 'static> Answer for T {
-    fn send_now(
-        &self,
-        id: u64,
-        send: &mut dyn FnMut(&dyn Encode) -> Result<bool>,
-    ) -> Result<bool> {
+    fn send_now(&self, id: u64, send: &mut dyn FnMut(&dyn Encode) -> Result<bool>) -> Result<bool> {
         send(&call::ReplyOut {
             id,
             status: 0,
@@ -361,11 +363,7 @@ impl<T: Message + Send + 'static> Answer for T {
 }
 
 impl Answer for Envelope {
-    fn send_now(
-        &self,
-        id: u64,
-        send: &mut dyn FnMut(&dyn Encode) -> Result<bool>,
-    ) -> Result<bool> {
+    fn send_now(&self, id: u64, send: &mut dyn FnMut(&dyn Encode) -> Result<bool>) -> Result<bool> {
         send(&call::forwarded_answer(id, self.body())?)
     }
     fn size(&self, id: u64) -> usize {

@@ -242,8 +242,8 @@ impl Hub {
             match self.transport.try_event()? {
                 Some(raw) => self.take(raw),
                 // Watched calls past their deadlines end once what has arrived is taken in.
-                None if !self.watch_deadlines.is_empty()
-                    && self.expire_watched(Instant::now()) => {}
+                None if !self.watch_deadlines.is_empty() && self.expire_watched(Instant::now()) => {
+                }
                 None => return Ok(None),
             }
         }
