@@ -382,6 +382,58 @@ fn a_hub_serves_and_calls_in_one_event_loop() {
     worker_thread.join().unwrap();
 }
 
+/// An answer that arrived before its peer failed is the call's answer, even when the hub takes
+/// both in at once: the peer's calls fail when its `Disconnected` is handed out, after what
+/// came before it.
+#[test]
+#[ignore = "device"]
+fn an_answer_that_came_before_the_peer_failed_is_the_answer() {
+    let ep = Endpoint::open_default().expect("device");
+    let mut hub = Hub::new(&ep, HubConfig::default()).unwrap();
+    let addr = hub.listen("127.0.0.1:0").unwrap();
+    let server = thread::spawn(move || {
+        let ep = Endpoint::open_default().unwrap();
+        let mut s = Session::new(ep.connect(addr, &Config::default()).unwrap());
+        for _ in 0..2 {
+            let mut env = s.recv().unwrap();
+            let add: Add = env.decode().unwrap();
+            let r = env.responder::<Add>().unwrap();
+            s.reply(r, &Sum(add.a + add.b)).unwrap();
+        }
+        // Answered, then gone.
+        thread::sleep(Duration::from_millis(200));
+        s.connection_mut().break_queue_pair().unwrap();
+        thread::sleep(Duration::from_millis(500));
+    });
+    let peer = match hub.recv_timeout(WAIT).unwrap() {
+        Some(HubEvent::Connected { peer, .. }) => peer,
+        ev => panic!("the server should have connected: {ev:?}"),
+    };
+    let waited = hub.start_call(peer, &Add { a: 1, b: 2 }, T).unwrap();
+    let watched = hub.start_call(peer, &Add { a: 3, b: 4 }, T).unwrap();
+    let watched = hub.watch(watched).unwrap();
+    // The answers and the failure all arrive before the hub looks.
+    thread::sleep(Duration::from_secs(1));
+    assert_eq!(hub.wait(waited).unwrap(), Sum(3));
+    let mut events = Vec::new();
+    while let Some(ev) = hub.recv_timeout(Some(Duration::from_secs(2))).unwrap() {
+        events.push(ev);
+    }
+    match &events[..] {
+        [HubEvent::CallEnded {
+            call,
+            result: Ok(answer),
+            ..
+        }, HubEvent::Disconnected { peer: p, .. }] => {
+            assert_eq!((*call, *p), (watched, peer));
+            assert_eq!(answer.decode::<Sum>().unwrap(), Sum(7));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(hub.call_stats().late, 0);
+    server.join().unwrap();
+}
+
 /// When a peer fails under calls, each call ends with its own error naming the peer and the
 /// request, and saying what became of the request: taken by the peer's application (the
 /// delivery record said so), sent but not known taken, or never sent (it waited in the

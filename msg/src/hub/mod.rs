@@ -127,6 +127,9 @@ pub struct Hub {
     answer_watch: call::AnswerWatch,
     /// The outbox counts of peers gone.
     departed_outboxes: OutboxStats,
+    /// Peers whose failure was taken in and not handed out yet, with what their records say
+    /// of the calls to them: the calls fail when the `Disconnected` is handed out.
+    failing: Vec<(PeerId, call::LostCalls)>,
     /// Calls whose ends are events ([`Hub::watch`]), with their peers.
     watched: std::collections::HashMap<u64, (PeerId, Call<()>)>,
     /// Their deadlines, nearest first.
@@ -185,6 +188,7 @@ impl Hub {
             holding: false,
             answer_watch: call::AnswerWatch::default(),
             departed_outboxes: OutboxStats::default(),
+            failing: Vec::new(),
             watched: std::collections::HashMap::new(),
             watch_deadlines: std::collections::BTreeSet::new(),
             pool,

@@ -137,9 +137,42 @@ impl Hub {
                         Err(error) => return Some(HubEvent::BadFrame { peer, error }),
                     }
                 }
+                HubEvent::Disconnected { peer, failure } => {
+                    if let Some(ended) = self.fail_calls(peer, failure) {
+                        // Its watched calls end before it does.
+                        self.ready
+                            .push_front((HubEvent::Disconnected { peer, failure }, None));
+                        for ev in ended.into_iter().rev() {
+                            self.ready.push_front(ev);
+                        }
+                        continue;
+                    }
+                    return Some(HubEvent::Disconnected { peer, failure });
+                }
                 ev => return Some(ev),
             }
         }
+    }
+
+    /// `peer`'s failure is handed out: its calls fail (what arrived before it went to them
+    /// first). The events of the watched ones, if any.
+    fn fail_calls(
+        &mut self,
+        peer: PeerId,
+        failure: Failure,
+    ) -> Option<Vec<(HubEvent, Option<u32>)>> {
+        let i = self.failing.iter().position(|(p, _)| *p == peer)?;
+        let (_, lost) = self.failing.swap_remove(i);
+        {
+            let mut calls = call::lock(&self.calls);
+            calls.fail_peer(Some(peer), &lost, || {
+                rdmsg_transport::Error::Connection(failure).into()
+            });
+            calls.forget_peer(peer);
+        }
+        let before = self.ready.len();
+        self.queue_ended_calls();
+        (self.ready.len() > before).then(|| self.ready.drain(before..).collect())
     }
 
     /// The application took `peer`'s message `seq`.
@@ -286,23 +319,20 @@ impl Hub {
                 last_note,
             } => {
                 let mut gone = self.peers.remove(peer);
-                // What the peer's record says of the calls to it, for each call's failure.
+                // What the peer's record says of the calls to it, for each call's failure,
+                // which comes when this event is handed out (`take_ready`): answers that
+                // arrived before it are routed to their calls first.
                 let lost = gone
                     .as_mut()
                     .map(|g| g.machine.connection_failed(last_note).1)
                     .unwrap_or_default();
-                {
+                if let Some(g) = &mut gone {
                     let mut calls = call::lock(&self.calls);
-                    if let Some(g) = &mut gone {
-                        for (id, seq) in g.machine.outbox.take_calls_sent() {
-                            calls.request_sent(id, seq);
-                        }
+                    for (id, seq) in g.machine.outbox.take_calls_sent() {
+                        calls.request_sent(id, seq);
                     }
-                    calls.fail_peer(Some(peer), &lost, || {
-                        rdmsg_transport::Error::Connection(failure).into()
-                    });
-                    calls.forget_peer(peer);
                 }
+                self.failing.push((peer, lost));
                 if let Some(mut gone) = gone {
                     self.departed_outboxes.add(&gone.machine.outbox.stats());
                     // What arrived comes first, then the failure.
@@ -319,8 +349,6 @@ impl Hub {
                         self.ready.push_back((ev, None));
                     }
                 }
-                // Its watched calls end before it does.
-                self.queue_ended_calls();
                 HubEvent::Disconnected { peer, failure }
             }
             Raw::HandshakeFailed { peer, error } => {
