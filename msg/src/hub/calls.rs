@@ -170,23 +170,9 @@ impl Hub {
             table.take_ended()
         };
         for id in ended {
-            let Some((peer, call)) = self.watched.remove(&id) else {
-                continue;
-            };
-            if let Some(d) = call.deadline() {
-                self.watch_deadlines.remove(&(d, id));
-            }
-            if let Some(outcome) = call.take_outcome() {
-                let result = outcome.into_result();
-                self.ready.push_back((
-                    HubEvent::CallEnded {
-                        peer,
-                        call: id,
-                        result,
-                    },
-                    None,
-                ));
-            }
+            self.end_watched(id, |call| {
+                call.take_outcome().map(call::Outcome::into_result)
+            });
         }
     }
 
@@ -200,24 +186,41 @@ impl Hub {
                 break;
             }
             self.watch_deadlines.pop_first();
-            let Some((peer, call)) = self.watched.remove(&id) else {
-                continue;
-            };
-            let result = match call.take_outcome() {
-                Some(outcome) => outcome.into_result(),
-                None => Err(call.timed_out()),
-            };
-            self.ready.push_back((
-                HubEvent::CallEnded {
-                    peer,
-                    call: id,
-                    result,
-                },
-                None,
-            ));
-            queued = true;
+            queued |= self.end_watched(id, |call| {
+                Some(match call.take_outcome() {
+                    Some(outcome) => outcome.into_result(),
+                    None => Err(call.timed_out()),
+                })
+            });
         }
         queued
+    }
+
+    /// Ends watched call `id` (if the hub still watches it) with what `result` makes of it
+    /// (`None`: nothing to hand out): its [`HubEvent::CallEnded`] queued; whether it was.
+    fn end_watched(
+        &mut self,
+        id: u64,
+        result: impl FnOnce(&Call<()>) -> Option<Result<Envelope>>,
+    ) -> bool {
+        let Some((peer, call)) = self.watched.remove(&id) else {
+            return false;
+        };
+        if let Some(d) = call.deadline() {
+            self.watch_deadlines.remove(&(d, id));
+        }
+        let Some(result) = result(&call) else {
+            return false;
+        };
+        self.ready.push_back((
+            HubEvent::CallEnded {
+                peer,
+                call: id,
+                result,
+            },
+            None,
+        ));
+        true
     }
 
     call::call_waits! {

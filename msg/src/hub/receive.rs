@@ -163,16 +163,22 @@ impl Hub {
     ) -> Option<Vec<(HubEvent, Option<u32>)>> {
         let i = self.failing.iter().position(|(p, _)| *p == peer)?;
         let (_, lost) = self.failing.swap_remove(i);
+        let before = self.ready.len();
+        self.end_peer_calls(peer, &lost, failure);
+        (self.ready.len() > before).then(|| self.ready.drain(before..).collect())
+    }
+
+    /// `peer`'s connection failed with `failure`: each of its calls fails, saying by `lost`
+    /// what became of its request, and the watched ones' events are queued.
+    fn end_peer_calls(&mut self, peer: PeerId, lost: &call::LostCalls, failure: Failure) {
         {
             let mut calls = call::lock(&self.calls);
-            calls.fail_peer(Some(peer), &lost, || {
+            calls.fail_peer(Some(peer), lost, || {
                 rdmsg_transport::Error::Connection(failure).into()
             });
             calls.forget_peer(peer);
         }
-        let before = self.ready.len();
         self.queue_ended_calls();
-        (self.ready.len() > before).then(|| self.ready.drain(before..).collect())
     }
 
     /// The application took `peer`'s message `seq`.
@@ -353,21 +359,16 @@ impl Hub {
             }
             Raw::HandshakeFailed { peer, error } => {
                 if let Some(p) = peer {
-                    let mut calls = call::lock(&self.calls);
                     // Its handshake failed: nothing went to it.
                     let lost = call::LostCalls {
                         nothing_went: true,
                         ..call::LostCalls::default()
                     };
-                    calls.fail_peer(Some(p), &lost, || {
-                        rdmsg_transport::Error::Connection(rdmsg_transport::Failure::Closed).into()
-                    });
-                    calls.forget_peer(p);
+                    self.end_peer_calls(p, &lost, Failure::Closed);
                 }
                 if let Some(gone) = peer.and_then(|p| self.peers.remove(p)) {
                     self.departed.add(&gone.stats());
                 }
-                self.queue_ended_calls();
                 HubEvent::HandshakeFailed {
                     peer,
                     error: error.into(),

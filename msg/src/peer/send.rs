@@ -96,6 +96,56 @@ impl Numbering {
     }
 }
 
+/// A message offered to a packed frame ([`pack`]): what to encode, and whether it asks to be
+/// solicited.
+pub(crate) trait Packable {
+    fn offer(&self) -> (&dyn Encode, bool);
+}
+
+/// A batch's message: its solicitation is the batch's (its last).
+impl<M: Message> Packable for &M {
+    fn offer(&self) -> (&dyn Encode, bool) {
+        (*self, false)
+    }
+}
+
+/// A message that queued up, with its own solicitation.
+impl Packable for (&dyn Encode, bool) {
+    fn offer(&self) -> (&dyn Encode, bool) {
+        *self
+    }
+}
+
+/// Packs the next of `waiting`'s messages into `buf` behind a header's room, as many as fit
+/// and at most `room`, each taken from `waiting` once it is in: the one left starts the next
+/// frame, or goes alone (fragmented, or to fail alone). Returns the end of what is packed,
+/// how many, and whether any asked to be solicited.
+fn pack<I>(
+    buf: &mut [u8],
+    room: usize,
+    waiting: &mut std::iter::Peekable<I>,
+) -> (usize, usize, bool)
+where
+    I: Iterator,
+    I::Item: Packable,
+{
+    let (mut end, mut count, mut solicited) = (HEADER_LEN, 0, false);
+    while count < room {
+        let Some(next) = waiting.peek() else { break };
+        let (m, wants) = next.offer();
+        match m.encode_entry(&mut buf[end..]) {
+            Ok(Some(len)) => {
+                end += len;
+                count += 1;
+                solicited |= wants;
+                waiting.next();
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    (end, count, solicited)
+}
+
 /// How long a send may wait for room.
 #[derive(Debug, Clone, Copy)]
 enum Patience {
@@ -761,24 +811,9 @@ impl SendSide {
             return Err(e.into());
         }
         self.wait_for_record(link, None, None)?;
-        let frame_max = link.max_message()?;
-        let room = self.record.room().min(u64::from(u16::MAX)) as usize;
-        let mut buf = std::mem::take(&mut self.pack_buf);
-        buf.resize(frame_max.max(HEADER_LEN), 0);
-        let (mut end, mut count) = (HEADER_LEN, 0);
-        while count < room {
-            let Some(&m) = batch.peek() else { break };
-            match codec::encode_entry(m, &mut buf[end..]) {
-                Ok(Some(len)) => {
-                    end += len;
-                    count += 1;
-                    batch.next();
-                }
-                // What is packed goes; this one starts the next frame, or goes alone (to be
-                // fragmented, or to fail alone).
-                Ok(None) | Err(_) => break,
-            }
-        }
+        let mut buf = self.take_pack_buf(link)?;
+        let room = self.pack_room();
+        let (end, count, _) = pack(&mut buf, room, batch);
         let last = batch.peek().is_none();
         let sent = self.send_pack(link, &mut buf, end, count, last, None);
         self.pack_buf = buf;
@@ -798,31 +833,33 @@ impl SendSide {
         if link.credits() == 0 || !self.send_committed(link)? {
             return Ok(0);
         }
-        let room = self.record.room().min(u64::from(u16::MAX)) as usize;
+        let room = self.pack_room();
         if room < 2 {
             return Ok(0);
         }
-        let frame_max = link.max_message()?;
-        let mut buf = std::mem::take(&mut self.pack_buf);
-        buf.resize(frame_max.max(HEADER_LEN), 0);
-        let (mut end, mut count, mut solicited) = (HEADER_LEN, 0, false);
-        for (m, wants) in waiting.take(room) {
-            match m.encode_entry(&mut buf[end..]) {
-                Ok(Some(len)) => {
-                    end += len;
-                    count += 1;
-                    solicited |= wants;
-                }
-                // It goes alone (fragmented, or to fail alone).
-                Ok(None) | Err(_) => break,
-            }
-        }
+        let mut buf = self.take_pack_buf(link)?;
+        let (end, count, solicited) = pack(&mut buf, room, &mut waiting.peekable());
         let sent = match count {
             0 | 1 => Ok(false),
             _ => self.send_pack(link, &mut buf, end, count, solicited, Some(Duration::ZERO)),
         };
         self.pack_buf = buf;
         Ok(if sent? { count } else { 0 })
+    }
+
+    /// How many more messages one packed frame may hold: the record's room, within the 16
+    /// bits that count them.
+    fn pack_room(&self) -> usize {
+        self.record.room().min(u64::from(u16::MAX)) as usize
+    }
+
+    /// The buffer a packed frame is put together in, one frame of the peer's long (put it
+    /// back in `pack_buf` once sent).
+    fn take_pack_buf(&mut self, link: &mut impl PeerIo) -> Result<Vec<u8>> {
+        let frame_max = link.max_message()?;
+        let mut buf = std::mem::take(&mut self.pack_buf);
+        buf.resize(frame_max.max(HEADER_LEN), 0);
+        Ok(buf)
     }
 
     /// Sends the `count` entries packed in `buf[HEADER_LEN..end]` as one frame (one alone as a
