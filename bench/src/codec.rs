@@ -22,6 +22,14 @@ pub struct Reading {
 }
 rdmsg::msg::message!(Reading, tag = "rdmsg.bench.Reading");
 
+/// A job of the `jobq` example: numbers decoded one by one (a sequence of 20,000 varints).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Numbers {
+    /// The numbers.
+    pub numbers: Vec<u32>,
+}
+rdmsg::msg::message!(Numbers, tag = "rdmsg.bench.Numbers");
+
 /// One codec measurement: ns per message for rdmsg and for plain bincode.
 #[derive(Debug, Clone)]
 pub struct CodecResult {
@@ -159,5 +167,11 @@ pub fn round(scale: f64) -> Result<Vec<CodecResult>> {
     out.extend(measure("64 B bytes", &small, iters(200_000.0))?);
     out.extend(measure("1 KiB bytes", &kib, iters(100_000.0))?);
     out.extend(measure("64 KiB bytes", &big, iters(5_000.0))?);
+    let numbers = Numbers {
+        numbers: (0..20_000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect(),
+    };
+    out.extend(measure("20,000 u32", &numbers, iters(2_000.0))?);
     Ok(out)
 }

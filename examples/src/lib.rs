@@ -61,6 +61,7 @@ pub enum Command {
 }
 rdmsg::msg::message!(Command, tag = "rdmsg.example.Command");
 
+pub mod jobq_demo;
 pub mod mesh;
 
 /// The `main` of every example: runs `main` and turns its error into one line on stderr,
@@ -192,14 +193,25 @@ pub mod peers {
         cpu_ms_of_stat(&std::fs::read_to_string("/proc/self/stat").ok()?)
     }
 
+    /// [`process_cpu_ms`] as user and system time apart.
+    pub fn process_cpu_split_ms() -> Option<(u64, u64)> {
+        cpu_split_ms_of_stat(&std::fs::read_to_string("/proc/self/stat").ok()?)
+    }
+
     /// `utime + stime` of a `/proc/PID/stat` line, in milliseconds (100 ticks a second, as
     /// on every Linux `USER_HZ`). The command name may hold spaces: fields count from its `)`.
     pub fn cpu_ms_of_stat(stat: &str) -> Option<u64> {
+        let (user, system) = cpu_split_ms_of_stat(stat)?;
+        Some(user + system)
+    }
+
+    /// `utime` and `stime` of a `/proc/PID/stat` line, in milliseconds.
+    pub fn cpu_split_ms_of_stat(stat: &str) -> Option<(u64, u64)> {
         let rest = &stat[stat.rfind(')')? + 1..];
         let mut fields = rest.split_whitespace().skip(11);
         let user: u64 = fields.next()?.parse().ok()?;
         let system: u64 = fields.next()?.parse().ok()?;
-        Some((user + system) * 10)
+        Some((user * 10, system * 10))
     }
 
     #[cfg(test)]

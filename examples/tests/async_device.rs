@@ -484,6 +484,98 @@ fn async_calls_answer_concurrent_tasks_and_count_cancelled_ones_late() {
     });
 }
 
+/// Calls as tower services: a session's behind tower's concurrency limit and timeout, and
+/// two peers of an async hub behind tower's power-of-two-choices balancer (a fixed list:
+/// peers as services); every answer right, both peers used.
+#[test]
+#[ignore = "device"]
+fn calls_serve_as_tower_services_limited_and_balanced() {
+    use futures::StreamExt;
+    use tower::{ServiceBuilder, ServiceExt};
+    fn serve(server: AsyncSession) -> tokio::task::JoinHandle<u64> {
+        tokio::spawn(async move {
+            let mut served = 0;
+            while let Ok(mut env) = server.recv().await {
+                let Double(x) = env.decode().unwrap();
+                env.responder::<Double>().unwrap().respond(Doubled(2 * x));
+                served += 1;
+            }
+            served
+        })
+    }
+    runtime().block_on(async {
+        let (client, server) = pair(SessionConfig::default(), SessionConfig::default());
+        let serving = serve(server);
+        let limited = ServiceBuilder::new()
+            .concurrency_limit(4)
+            .timeout(LONG)
+            .service(client.service::<Double>(LONG));
+        let answers: Vec<_> = limited
+            .call_all(futures::stream::iter((0..32).map(Double)))
+            .collect()
+            .await;
+        for (i, a) in answers.into_iter().enumerate() {
+            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
+        }
+        client.close().await.unwrap();
+        assert_eq!(serving.await.unwrap(), 32);
+
+        let ep = Endpoint::open_default().unwrap();
+        let hub = AsyncHub::new(rdmsg::msg::Hub::new(&ep, HubConfig::default()).unwrap()).unwrap();
+        let addr = hub.with_hub(|h| h.listen("127.0.0.1:0")).unwrap();
+        let mut servers = Vec::new();
+        for _ in 0..2 {
+            let ep = ep.clone();
+            servers.push(tokio::spawn(async move {
+                AsyncSession::connect(&ep, addr, Config::default(), SessionConfig::default()).await
+            }));
+        }
+        let mut peers = Vec::new();
+        while peers.len() < 2 {
+            if let HubEvent::Connected { peer, .. } = hub.recv().await.unwrap() {
+                peers.push(peer);
+            }
+        }
+        let mut sessions = Vec::new();
+        let mut serving = Vec::new();
+        for s in servers {
+            let session = s.await.unwrap().unwrap();
+            serving.push(serve(session.clone()));
+            sessions.push(session);
+        }
+        let services: Vec<_> = peers
+            .iter()
+            .map(|&p| hub.service::<Double>(p, LONG))
+            .collect();
+        assert_eq!(services[1].peer(), Some(peers[1]));
+        let balanced =
+            tower::balance::p2c::Balance::new(tower::load::PendingRequestsDiscover::new(
+                tower::discover::ServiceList::new(services),
+                tower::load::CompleteOnResponse::default(),
+            ));
+        let answers: Vec<_> = balanced
+            .call_all(futures::stream::iter((0..64).map(Double)))
+            .collect()
+            .await;
+        for (i, a) in answers.into_iter().enumerate() {
+            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
+        }
+        for s in &sessions {
+            s.close().await.unwrap();
+        }
+        let mut served = Vec::new();
+        for s in serving {
+            served.push(s.await.unwrap());
+        }
+        println!("stats tower balance: served {served:?}");
+        assert_eq!(served.iter().sum::<u64>(), 64, "{served:?}");
+        assert!(
+            served.iter().all(|&n| n > 0),
+            "both peers take calls: {served:?}"
+        );
+    });
+}
+
 /// `AsyncSession::close` towards a peer dropped without closing (as when its process dies)
 /// fails as the peer vanished at once, not after `close_timeout`, as the blocking close does.
 #[test]

@@ -513,6 +513,27 @@ fn a_failed_peer_fails_each_call_with_what_became_of_its_request() {
     }
     use rdmsg::RequestFate::*;
     assert_eq!(fates, [Taken, Unknown, NotSent]);
+    // A call started to the failed peer never goes, and says so the same way: before the
+    // hub handed out its Disconnected, and after (the peer gone from the hub).
+    for round in ["failed", "gone"] {
+        let started = hub.start_call(peer, &Add { a: 4, b: 4 }, T);
+        let posted = hub.try_start_call(peer, &Add { a: 5, b: 5 }, T);
+        for r in [started.map(Some), posted] {
+            match r {
+                Err(Error::CallFailed {
+                    fate: NotSent,
+                    peer: p,
+                    ..
+                }) => assert_eq!(p, Some(peer), "{round}"),
+                other => panic!("a call to a {round} peer: {other:?}"),
+            }
+        }
+        while let Some(ev) = hub.recv_timeout(Some(Duration::from_millis(500))).unwrap() {
+            if matches!(ev, HubEvent::Disconnected { .. }) {
+                break;
+            }
+        }
+    }
     server.join().unwrap();
 }
 

@@ -14,6 +14,7 @@ const REQRESP: &str = env!("CARGO_BIN_EXE_reqresp");
 const MESH: &str = env!("CARGO_BIN_EXE_mesh");
 const TOKIO_SERVER: &str = env!("CARGO_BIN_EXE_tokio_server");
 const EPOLL_HUB: &str = env!("CARGO_BIN_EXE_epoll_hub");
+const JOBQ: &str = env!("CARGO_BIN_EXE_jobq");
 
 /// Long enough for 256 handshakes and their traffic under emulation (qemu TCG).
 const LIMIT: Duration = Duration::from_secs(300);
@@ -355,4 +356,22 @@ fn epoll_hub_serves_rdma_clients_beside_a_tcp_listener() {
         num(&r, "turns") <= num(&r, "loop_waits") + handled,
         "a turn without work or a wait: {r:?}"
     );
+}
+
+/// The job queue example as the README teaches it, in separate processes: a coordinator hub,
+/// 6 workers and 3 clients (of 150 jobs each here, 16 to 200,000 numbers, up to 32 in
+/// flight: a debug build; `cargo xtask test` runs the release build at 3,000 each), one
+/// worker killed with SIGKILL mid-run. The demo checks that every job was answered once and
+/// rightly, that the coordinator lost that one worker, and that every other process ended well.
+#[test]
+#[ignore = "device"]
+fn jobq_answers_every_job_once_when_a_worker_is_killed() {
+    device();
+    let args = ["demo", "--workers", "6", "--clients", "3", "--jobs", "150"];
+    let out = run(JOBQ, &[&args[..], &["--kill-after", "4"]].concat());
+    let r = report(&out, "jobq:");
+    assert_eq!(num(&r, "jobs"), 450, "{r:?}");
+    assert_eq!(num(&r, "answered"), 450, "{r:?}");
+    assert_eq!(num(&r, "wrong"), 0, "{r:?}");
+    assert_eq!(num(&r, "workers_lost"), 1, "{r:?}");
 }

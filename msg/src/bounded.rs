@@ -6,7 +6,10 @@
 //! claims (up to 1 MiB each), and bincode allocates an owned string or byte buffer of the
 //! claimed length before reading it. So the wrapper
 //!
-//! - gives containers no size hint: a `Vec` grows only with elements actually decoded;
+//! - gives a container a size hint only for a length the input could hold (a byte or more per
+//!   element) within the budget, and to one container at a time: a `Vec` that claims more, or
+//!   one inside a hinted one, grows only with elements actually decoded. A lie thus
+//!   preallocates at most once (serde caps a hint at 1 MiB) before the input runs out;
 //! - reads owned strings and byte buffers as borrowed ones (which bincode checks against the
 //!   bytes present, allocating nothing) and lets the visitor copy what is really there;
 //! - charges every string and byte string (its length) and every element of a sequence or map
@@ -55,30 +58,44 @@ pub(crate) struct Budget {
     depth: Cell<usize>,
     max_depth: usize,
     too_deep: Cell<bool>,
+    /// The length of the input: a sequence may claim at most this many elements (each takes
+    /// a byte or more), else it is a lie and gets no size hint.
+    input: usize,
+    /// Whether a sequence that was given a size hint is being decoded: one at a time, so that
+    /// a claimed length preallocates at most once (serde caps each at 1 MiB) beyond what
+    /// decoding charges.
+    hinting: Cell<bool>,
 }
 
 impl Budget {
-    pub(crate) fn new(max: usize) -> Self {
+    /// A budget of `max` bytes for decoding `input` bytes.
+    #[inline]
+    pub(crate) fn new(max: usize, input: usize) -> Self {
         Self {
             left: Cell::new(max),
             exceeded: Cell::new(false),
             depth: Cell::new(0),
             max_depth: MAX_DEPTH,
             too_deep: Cell::new(false),
+            input,
+            hinting: Cell::new(false),
         }
     }
 
     /// Whether a decode failed because the budget ran out.
+    #[inline]
     pub(crate) fn exceeded(&self) -> bool {
         self.exceeded.get()
     }
 
     /// Whether a decode failed because values nested deeper than the limit.
+    #[inline]
     pub(crate) fn too_deep(&self) -> bool {
         self.too_deep.get()
     }
 
     /// Runs `f` one level deeper, or fails if that is beyond the limit.
+    #[inline(always)]
     fn nested<T, E: de::Error>(&self, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
         let depth = self.depth.get();
         if depth >= self.max_depth {
@@ -91,6 +108,7 @@ impl Budget {
         r
     }
 
+    #[inline(always)]
     fn charge<E: de::Error>(&self, n: usize) -> Result<(), E> {
         match self.left.get().checked_sub(n) {
             Some(left) => {
@@ -104,6 +122,7 @@ impl Budget {
         }
     }
 
+    #[inline(always)]
     fn charge_value<T, E: de::Error>(&self) -> Result<(), E> {
         self.charge(std::mem::size_of::<T>().max(1))
     }
@@ -118,6 +137,7 @@ pub(crate) struct Bounded<'b, S> {
 impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for Bounded<'_, S> {
     type Value = S::Value;
 
+    #[inline(always)]
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<S::Value, D::Error> {
         let budget = self.budget;
         budget.nested(|| self.seed.deserialize(De { inner: de, budget }))
@@ -138,6 +158,7 @@ struct Vis<'b, V> {
 }
 
 impl<'b, D> De<'b, D> {
+    #[inline]
     fn wrap<V>(&self, inner: V) -> Vis<'b, V> {
         Vis {
             inner,
@@ -146,6 +167,7 @@ impl<'b, D> De<'b, D> {
         }
     }
 
+    #[inline]
     fn wrap_container<V>(&self, inner: V) -> Vis<'b, V> {
         Vis {
             inner,
@@ -155,9 +177,23 @@ impl<'b, D> De<'b, D> {
     }
 }
 
+/// Scalars: bincode (the only format wrapped here) hands a scalar's visitor the scalar and
+/// nothing else, so the visitor goes unwrapped, and the call stays small enough to inline.
+macro_rules! forward_scalar {
+    ($($method:ident($($arg:ident: $ty:ty),*);)*) => {
+        $(
+            #[inline(always)]
+            fn $method<V: Visitor<'de>>(self, $($arg: $ty,)* v: V) -> Result<V::Value, D::Error> {
+                self.inner.$method($($arg,)* v)
+            }
+        )*
+    };
+}
+
 macro_rules! forward {
     ($($method:ident($($arg:ident: $ty:ty),*);)*) => {
         $(
+            #[inline]
             fn $method<V: Visitor<'de>>(self, $($arg: $ty,)* v: V) -> Result<V::Value, D::Error> {
                 let v = self.wrap(v);
                 self.inner.$method($($arg,)* v)
@@ -169,7 +205,7 @@ macro_rules! forward {
 impl<'de, D: Deserializer<'de>> Deserializer<'de> for De<'_, D> {
     type Error = D::Error;
 
-    forward! {
+    forward_scalar! {
         deserialize_bool();
         deserialize_i8();
         deserialize_i16();
@@ -184,6 +220,9 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for De<'_, D> {
         deserialize_f32();
         deserialize_f64();
         deserialize_char();
+    }
+
+    forward! {
         deserialize_str();
         deserialize_bytes();
         deserialize_option();
@@ -199,16 +238,19 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for De<'_, D> {
     }
 
     // What `any` finds may be a sequence or map of claimed length.
+    #[inline]
     fn deserialize_any<V: Visitor<'de>>(self, v: V) -> Result<V::Value, D::Error> {
         let v = self.wrap_container(v);
         self.inner.deserialize_any(v)
     }
 
+    #[inline]
     fn deserialize_seq<V: Visitor<'de>>(self, v: V) -> Result<V::Value, D::Error> {
         let v = self.wrap_container(v);
         self.inner.deserialize_seq(v)
     }
 
+    #[inline]
     fn deserialize_map<V: Visitor<'de>>(self, v: V) -> Result<V::Value, D::Error> {
         let v = self.wrap_container(v);
         self.inner.deserialize_map(v)
@@ -216,16 +258,19 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for De<'_, D> {
 
     // Owned strings and byte buffers are read in place (checked against the bytes present)
     // and copied by the visitor, instead of allocated at their claimed length first.
+    #[inline]
     fn deserialize_string<V: Visitor<'de>>(self, v: V) -> Result<V::Value, D::Error> {
         let v = self.wrap(v);
         self.inner.deserialize_str(v)
     }
 
+    #[inline]
     fn deserialize_byte_buf<V: Visitor<'de>>(self, v: V) -> Result<V::Value, D::Error> {
         let v = self.wrap(v);
         self.inner.deserialize_bytes(v)
     }
 
+    #[inline]
     fn is_human_readable(&self) -> bool {
         self.inner.is_human_readable()
     }
@@ -234,6 +279,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for De<'_, D> {
 macro_rules! forward_visit {
     ($($method:ident($ty:ty);)*) => {
         $(
+            #[inline]
             fn $method<E: de::Error>(self, v: $ty) -> Result<V::Value, E> {
                 self.inner.$method(v)
             }
@@ -244,6 +290,7 @@ macro_rules! forward_visit {
 impl<'de, V: Visitor<'de>> Visitor<'de> for Vis<'_, V> {
     type Value = V::Value;
 
+    #[inline]
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.inner.expecting(f)
     }
@@ -265,62 +312,75 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Vis<'_, V> {
         visit_char(char);
     }
 
+    #[inline]
     fn visit_str<E: de::Error>(self, v: &str) -> Result<V::Value, E> {
         self.budget.charge(v.len())?;
         self.inner.visit_str(v)
     }
 
+    #[inline]
     fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<V::Value, E> {
         self.budget.charge(v.len())?;
         self.inner.visit_borrowed_str(v)
     }
 
+    #[inline]
     fn visit_string<E: de::Error>(self, v: String) -> Result<V::Value, E> {
         self.budget.charge(v.len())?;
         self.inner.visit_string(v)
     }
 
+    #[inline]
     fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<V::Value, E> {
         self.budget.charge(v.len())?;
         self.inner.visit_bytes(v)
     }
 
+    #[inline]
     fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<V::Value, E> {
         self.budget.charge(v.len())?;
         self.inner.visit_borrowed_bytes(v)
     }
 
+    #[inline]
     fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<V::Value, E> {
         self.budget.charge(v.len())?;
         self.inner.visit_byte_buf(v)
     }
 
+    #[inline]
     fn visit_none<E: de::Error>(self) -> Result<V::Value, E> {
         self.inner.visit_none()
     }
 
+    #[inline]
     fn visit_unit<E: de::Error>(self) -> Result<V::Value, E> {
         self.inner.visit_unit()
     }
 
+    #[inline]
     fn visit_some<D: Deserializer<'de>>(self, de: D) -> Result<V::Value, D::Error> {
         let budget = self.budget;
         budget.nested(|| self.inner.visit_some(De { inner: de, budget }))
     }
 
+    #[inline]
     fn visit_newtype_struct<D: Deserializer<'de>>(self, de: D) -> Result<V::Value, D::Error> {
         let budget = self.budget;
         budget.nested(|| self.inner.visit_newtype_struct(De { inner: de, budget }))
     }
 
+    #[inline]
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<V::Value, A::Error> {
         self.inner.visit_seq(Seq {
             inner: seq,
             budget: self.budget,
             charge: self.container,
+            hinted: Cell::new(false),
         })
     }
 
+    #[inline]
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<V::Value, A::Error> {
         self.inner.visit_map(Map {
             inner: map,
@@ -329,6 +389,7 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Vis<'_, V> {
         })
     }
 
+    #[inline]
     fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<V::Value, A::Error> {
         self.inner.visit_enum(Enum {
             inner: data,
@@ -341,11 +402,23 @@ struct Seq<'b, A> {
     inner: A,
     budget: &'b Budget,
     charge: bool,
+    /// Whether it gave a size hint (and holds the budget's one).
+    hinted: Cell<bool>,
+}
+
+impl<A> Drop for Seq<'_, A> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.hinted.get() {
+            self.budget.hinting.set(false);
+        }
+    }
 }
 
 impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Seq<'_, A> {
     type Error = A::Error;
 
+    #[inline(always)]
     fn next_element_seed<T: DeserializeSeed<'de>>(
         &mut self,
         seed: T,
@@ -358,13 +431,30 @@ impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Seq<'_, A> {
         Ok(value)
     }
 
-    // No hint: the length was claimed by the peer, not proven.
+    // serde's own `next_element` is not always inlined, and a call per element of a long
+    // sequence costs more than decoding it.
+    #[inline(always)]
+    fn next_element<T: de::Deserialize<'de>>(&mut self) -> Result<Option<T>, A::Error> {
+        self.next_element_seed(std::marker::PhantomData)
+    }
+
+    // The length was claimed by the peer, not proven: a hint (which serde's `Vec` caps at
+    // 1 MiB) only for a length the input and the budget could hold at a byte per element,
+    // and for one sequence at a time. Others grow with the elements actually decoded.
+    #[inline]
     fn size_hint(&self) -> Option<usize> {
-        if self.charge {
-            None
-        } else {
-            self.inner.size_hint()
+        let claimed = self.inner.size_hint();
+        if !self.charge || self.hinted.get() {
+            return claimed;
         }
+        let budget = self.budget;
+        let claimed = claimed?;
+        if budget.hinting.get() || claimed > budget.input || claimed > budget.left.get() {
+            return None;
+        }
+        budget.hinting.set(true);
+        self.hinted.set(true);
+        Some(claimed)
     }
 }
 
@@ -377,6 +467,7 @@ struct Map<'b, A> {
 impl<'de, A: MapAccess<'de>> MapAccess<'de> for Map<'_, A> {
     type Error = A::Error;
 
+    #[inline(always)]
     fn next_key_seed<K: DeserializeSeed<'de>>(
         &mut self,
         seed: K,
@@ -389,6 +480,7 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for Map<'_, A> {
         Ok(key)
     }
 
+    #[inline(always)]
     fn next_value_seed<T: DeserializeSeed<'de>>(&mut self, seed: T) -> Result<T::Value, A::Error> {
         let budget = self.budget;
         let value = self.inner.next_value_seed(Bounded { seed, budget })?;
@@ -398,6 +490,7 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for Map<'_, A> {
         Ok(value)
     }
 
+    #[inline]
     fn size_hint(&self) -> Option<usize> {
         if self.charge {
             None
@@ -416,6 +509,7 @@ impl<'de, 'b, A: EnumAccess<'de>> EnumAccess<'de> for Enum<'b, A> {
     type Error = A::Error;
     type Variant = Variant<'b, A::Variant>;
 
+    #[inline]
     fn variant_seed<S: DeserializeSeed<'de>>(
         self,
         seed: S,
@@ -434,15 +528,18 @@ struct Variant<'b, A> {
 impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Variant<'_, A> {
     type Error = A::Error;
 
+    #[inline]
     fn unit_variant(self) -> Result<(), A::Error> {
         self.inner.unit_variant()
     }
 
+    #[inline]
     fn newtype_variant_seed<S: DeserializeSeed<'de>>(self, seed: S) -> Result<S::Value, A::Error> {
         let budget = self.budget;
         self.inner.newtype_variant_seed(Bounded { seed, budget })
     }
 
+    #[inline]
     fn tuple_variant<V: Visitor<'de>>(self, len: usize, v: V) -> Result<V::Value, A::Error> {
         let budget = self.budget;
         let v = Vis {
@@ -453,6 +550,7 @@ impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Variant<'_, A> {
         self.inner.tuple_variant(len, v)
     }
 
+    #[inline]
     fn struct_variant<V: Visitor<'de>>(
         self,
         fields: &'static [&'static str],

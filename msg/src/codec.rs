@@ -183,7 +183,7 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
     if tag != M::TAG {
         return Err(wrong_type::<M>(tag, None));
     }
-    let budget = Budget::new(max);
+    let budget = Budget::new(max, body.len());
     let seed = Bounded {
         seed: PhantomData::<M>,
         budget: &budget,
@@ -391,15 +391,25 @@ impl Envelope {
     /// Copies the body out of a registered buffer (a receive buffer, or one a rendezvous
     /// read landed in) into memory of its own, so that keeping this envelope no longer holds
     /// the buffer (and, for a receive buffer, the peer's credit). Nothing to do for a body
-    /// that is already owned.
+    /// that is already owned. A detached request forwarded ([`crate::Hub::forward`]) goes
+    /// on by reference, without another copy.
     pub fn detach(&mut self) {
         if matches!(
             self.frame,
             FrameBytes::Received(_) | FrameBytes::Read(_) | FrameBytes::Packed(_)
         ) {
             let body = self.body().to_vec();
-            self.frame = FrameBytes::Owned(body);
+            self.frame = FrameBytes::Shared(bytes::Bytes::from(body));
             self.offset = 0;
+        }
+    }
+
+    /// The body by reference, if it is in memory of its own (detached, or shared by
+    /// [`Envelope::decode_shared`]).
+    pub(crate) fn shared_body(&self) -> Option<bytes::Bytes> {
+        match &self.frame {
+            FrameBytes::Shared(b) => Some(b.slice(self.offset..)),
+            _ => None,
         }
     }
 

@@ -449,6 +449,85 @@ impl<'de> Deserialize<'de> for HintProbe {
 }
 rdmsg_msg::message!(HintProbe);
 
+/// A sequence of bytes that records the size hint it was given.
+#[derive(Debug)]
+struct Hinted(Option<usize>);
+impl<'de> Deserialize<'de> for Hinted {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Hinted;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a sequence")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Hinted, A::Error> {
+                let hint = seq.size_hint();
+                while seq.next_element::<u8>()?.is_some() {}
+                Ok(Hinted(hint))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+impl Serialize for Hinted {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(std::iter::empty::<u8>())
+    }
+}
+rdmsg_msg::message!(Hinted);
+
+/// A sequence of [`Hinted`] that records its own hint and theirs, then one more [`Hinted`].
+#[derive(Debug)]
+struct NestedHints {
+    outer: Option<usize>,
+    inner: Vec<Option<usize>>,
+    after: Option<usize>,
+}
+impl Serialize for NestedHints {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(std::iter::empty::<u8>())
+    }
+}
+impl<'de> Deserialize<'de> for NestedHints {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Outer(Option<usize>, Vec<Option<usize>>);
+        impl<'de> Deserialize<'de> for Outer {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl<'de> serde::de::Visitor<'de> for V {
+                    type Value = Outer;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str("a sequence of sequences")
+                    }
+                    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                        self,
+                        mut seq: A,
+                    ) -> Result<Outer, A::Error> {
+                        let hint = seq.size_hint();
+                        let mut inner = Vec::new();
+                        while let Some(Hinted(h)) = seq.next_element()? {
+                            inner.push(h);
+                        }
+                        Ok(Outer(hint, inner))
+                    }
+                }
+                d.deserialize_seq(V)
+            }
+        }
+        let (Outer(outer, inner), Hinted(after)) = <(Outer, Hinted)>::deserialize(d)?;
+        Ok(NestedHints {
+            outer,
+            inner,
+            after,
+        })
+    }
+}
+rdmsg_msg::message!(NestedHints);
+
 /// Reports how an owned string reached its visitor.
 #[derive(Debug)]
 struct StringProbe(&'static str);
@@ -479,7 +558,8 @@ rdmsg_msg::message!(StringProbe);
 
 #[test]
 fn claimed_lengths_are_never_trusted_for_allocation() {
-    // No size hint from a length the peer claims: a Vec grows with what really arrives.
+    // No size hint from a length the input cannot hold: a Vec grows with what really
+    // arrives.
     let probe = codec::decode_body::<HintProbe>(HintProbe::TAG, &claimed_len(1 << 40), 1 << 20);
     assert_eq!(probe.unwrap().0, None);
     // An owned string is checked against the bytes present before anything is allocated
@@ -501,6 +581,23 @@ fn claimed_lengths_are_never_trusted_for_allocation() {
         ),
         "{r:?}"
     );
+}
+
+#[test]
+fn a_length_the_input_can_hold_is_a_size_hint_for_one_sequence_at_a_time() {
+    // Three claimed, three bytes present: a hint, so a Vec is allocated once.
+    let probe = codec::decode_body::<Hinted>(Hinted::TAG, &[3, 1, 2, 3], 64);
+    assert_eq!(probe.unwrap().0, Some(3));
+    // More than the input holds at a byte each: no hint.
+    let probe = codec::decode_body::<HintProbe>(HintProbe::TAG, &[3], 64);
+    assert_eq!(probe.unwrap().0, None);
+    // Nested: the outer sequence holds the one hint, its elements grow as they decode; the
+    // next sequence after it gets a hint again.
+    let input = [2, 2, 1, 2, 2, 3, 4, 1, 9];
+    let probe = codec::decode_body::<NestedHints>(NestedHints::TAG, &input, 64).unwrap();
+    assert_eq!(probe.outer, Some(2));
+    assert_eq!(probe.inner, [None, None]);
+    assert_eq!(probe.after, Some(1));
 }
 
 #[test]

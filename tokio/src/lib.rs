@@ -67,6 +67,8 @@ mod error;
 mod hub;
 mod listener;
 mod offload;
+#[cfg(feature = "tower")]
+mod service;
 mod session;
 mod shared;
 mod stream;
@@ -74,4 +76,6 @@ mod stream;
 pub use error::{Error, Result};
 pub use hub::{AsyncHub, HubEvents, PeerSink};
 pub use listener::{AsyncListener, Incoming};
+#[cfg(feature = "tower")]
+pub use service::CallService;
 pub use session::{AsyncSession, SendPermit, SessionSink, SessionStream};

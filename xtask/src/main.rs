@@ -30,8 +30,10 @@ tasks:
                    quick start built as a project of its own (target/scratch/app), the device
                    tests inside the Soft-RoCE VM once per kernel (6.1, then 6.12, one boot each;
                    --kernel or RDMSG_KERNELS picks; the quick start runs in the first boot), then
-                   the two-host test (as vm2, on 6.1), the small cluster (3 VMs, 1 % loss, a
-                   host killed, a link cut; on each kernel); last, `git status` must show nothing the
+                   the two-host test (as vm2, on 6.1), the cost check, the collector example at
+                   10,000 sensors and the jobq example at 9,000 jobs with a worker killed (on
+                   6.1), the small cluster (3 VMs, 1 % loss, a host killed, a link cut; on each
+                   kernel); last, `git status` must show nothing the
                    run added. The two soaks run 200,000 messages on each kernel; --full-soaks
                    runs their million. For work on the driver: --device-only (device tests only:
                    no checks, fuzzing, packaging, quick start, two-host test or cluster),
@@ -757,6 +759,29 @@ fn collector_at_scale(kernel: Kernel) -> Result<(bool, Option<String>)> {
     Ok((out.code == 0, line))
 }
 
+/// The `jobq` example at the scale issue 45 asked for (a coordinator, 6 workers, 3 clients of
+/// 3,000 jobs each, up to 32 in flight; one worker killed with SIGKILL 5 s in), in the VM,
+/// from the release build [`cost_check`] made: whether every job was answered once and
+/// rightly (the demo's own checks and exit code), and its report line.
+fn jobq_at_scale(kernel: Kernel) -> Result<(bool, Option<String>)> {
+    let _s = Step::new(
+        "jobq",
+        "the jobq example: 6 workers, 3 clients x 3,000 jobs, a worker killed mid-run (release build, in the VM)",
+    );
+    let mut line = None;
+    let out = vm::Vm::new(&repo_root(), kernel).run_script(JOBQ_DEMO, vm_timeout(), &mut |l| {
+        println!("{l}");
+        if l.starts_with("jobq: jobs=") {
+            line = Some(l.to_owned());
+        }
+    })?;
+    Ok((out.code == 0, line))
+}
+
+/// The command [`jobq_at_scale`] runs.
+const JOBQ_DEMO: &str =
+    "./target/release/jobq demo --workers 6 --clients 3 --jobs 3000 --in-flight 32 --kill-after 5";
+
 /// Builds `rdmsg-bench` and the examples it runs (`rc_pingpong`, `collector`) in release
 /// mode, as step `step`: all of `rdmsg-examples`' binaries, so that they land next to
 /// `target/release/rdmsg-bench`, where it looks for them.
@@ -1323,6 +1348,29 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         (ok, secs)
     });
 
+    // The job queue example at scale, a worker killed mid-run.
+    let jobq = (!plan.device_only).then(|| {
+        let vm_started = Instant::now();
+        let ok = match jobq_at_scale(two_host_kernel) {
+            Ok((ok, line)) => {
+                if !ok {
+                    eprintln!(
+                        "xtask: the jobq example at scale failed: {} (alone: cargo xtask vm -- {JOBQ_DEMO})",
+                        line.as_deref().unwrap_or("no report line")
+                    );
+                }
+                ok
+            }
+            Err(e) => {
+                eprintln!("xtask: the jobq example at scale did not run: {e:#}");
+                false
+            }
+        };
+        let secs = vm_started.elapsed().as_secs_f64();
+        eprintln!("==> [jobq] VM run (Linux {two_host_kernel}) {secs:.1} s");
+        (ok, secs)
+    });
+
     // Several VMs on a switch, with faults: on every kernel the device tests ran on, through
     // the TCP bootstrap on the default kernel and through rdma_cm on the other.
     let cluster_runs: Vec<(Kernel, bool, f64)> = if plan.device_only {
@@ -1393,6 +1441,10 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
             ok,
         ));
         times.push(format!("collector ({two_host_kernel}) {secs:.1} s"));
+    }
+    if let Some((ok, secs)) = jobq {
+        checks.push((format!("jobq ({two_host_kernel} only)"), ok));
+        times.push(format!("jobq ({two_host_kernel}) {secs:.1} s"));
     }
     for (kernel, ok, secs) in cluster_runs {
         checks.push((format!("cluster ({kernel})"), ok));

@@ -82,6 +82,23 @@ pub(crate) fn started<R: Request>(
     }
 }
 
+/// The error of a hub's call to `peer` whose request never left because the peer failed or
+/// is gone: [`Error::CallFailed`] with [`RequestFate::NotSent`], as each call the peer's
+/// failure ends, so that one match tells a caller it may send the request elsewhere. Other
+/// errors (a timeout, a request too large, the hub's own failure) are returned as they are.
+pub(crate) fn never_sent<R: Request>(peer: PeerId, e: crate::Error) -> crate::Error {
+    use rdmsg_transport::Error as T;
+    match e {
+        crate::Error::Transport(T::Connection(_) | T::UnknownPeer(_)) => crate::Error::CallFailed {
+            request: std::any::type_name::<R>(),
+            peer: Some(peer),
+            fate: crate::RequestFate::NotSent,
+            source: Box::new(e),
+        },
+        e => e,
+    }
+}
+
 pub(crate) fn lock(calls: &Calls) -> MutexGuard<'_, CallTable> {
     calls.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -1,6 +1,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::bulk::Piece;
 use crate::codec::{self, FrameBytes};
 use crate::Bulk;
 
@@ -441,8 +442,24 @@ fn forwarded_requests_and_answers_are_the_frames_a_call_would_send() {
         deadline: None,
         m: &get,
     };
-    let forwarded = forwarded_request(5, Get::TAG, None, &body).unwrap();
+    let forwarded = forwarded_request(5, Get::TAG, None, &body[..]).unwrap();
     assert_eq!(frame_of(&called), frame_of(&forwarded));
+    // A shared body (a detached envelope's) goes by reference: the same bytes, not copied.
+    let shared = bytes::Bytes::from(body.clone());
+    let by_reference = forwarded_request(5, Get::TAG, None, shared.clone()).unwrap();
+    assert_eq!(frame_of(&called), frame_of(&by_reference));
+    let pieces = by_reference.encode_pieces().unwrap();
+    let copied = forwarded.encode_pieces().unwrap();
+    assert!(matches!(&pieces[1], Piece::Bulk(b) if b.as_ptr() == shared.as_ptr()));
+    let concat = |p: &[Piece]| -> Vec<u8> {
+        p.iter()
+            .flat_map(|p| match p {
+                Piece::Encoded(v) => v.clone(),
+                Piece::Bulk(b) => b.to_vec(),
+            })
+            .collect()
+    };
+    assert_eq!(concat(&pieces), concat(&copied));
     let mut packed = vec![0; 4096];
     let n = forwarded.encode_entry(&mut packed).unwrap().unwrap();
     assert_eq!(

@@ -93,6 +93,26 @@ pub(crate) struct Forwarded<B> {
     pub(crate) body: B,
 }
 
+/// The body of a [`Forwarded`] message: borrowed or owned bytes are copied into its encoding;
+/// shared ones ([`bytes::Bytes`], an envelope's body once detached) go by reference when the
+/// message goes by rendezvous, exposed where they are.
+pub(crate) trait Body: AsRef<[u8]> {
+    /// The body by reference, if it can be.
+    fn shared(&self) -> Option<bytes::Bytes> {
+        None
+    }
+}
+
+impl Body for &[u8] {}
+
+impl Body for Vec<u8> {}
+
+impl Body for bytes::Bytes {
+    fn shared(&self) -> Option<bytes::Bytes> {
+        Some(self.clone())
+    }
+}
+
 impl<B: AsRef<[u8]>> Forwarded<B> {
     /// Its encoded length: head and body.
     pub(crate) fn size_of(&self) -> usize {
@@ -110,7 +130,7 @@ impl<B: AsRef<[u8]>> Forwarded<B> {
     }
 }
 
-impl<B: AsRef<[u8]>> Encode for Forwarded<B> {
+impl<B: Body> Encode for Forwarded<B> {
     fn tag(&self) -> u32 {
         self.tag
     }
@@ -131,6 +151,12 @@ impl<B: AsRef<[u8]>> Encode for Forwarded<B> {
         Ok(Some(len))
     }
     fn encode_pieces(&self) -> Result<Vec<crate::bulk::Piece>> {
+        if let Some(body) = self.body.shared() {
+            return Ok(vec![
+                crate::bulk::Piece::Encoded(self.head.clone()),
+                crate::bulk::Piece::Bulk(body),
+            ]);
+        }
         let mut all = vec![0; self.len()];
         self.write(&mut all);
         Ok(vec![crate::bulk::Piece::Encoded(all)])
@@ -164,12 +190,12 @@ impl Outgoing for Forwarded<Vec<u8>> {
 
 /// A request received, to go on to another peer as it came: the head of the call that carries
 /// it (`(id, tag, budget)`, the budget what is left of `deadline` now) and its body.
-pub(crate) fn forwarded_request(
+pub(crate) fn forwarded_request<B>(
     id: u64,
     tag: u32,
     deadline: Option<Instant>,
-    body: &[u8],
-) -> Result<Forwarded<&[u8]>> {
+    body: B,
+) -> Result<Forwarded<B>> {
     let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     Ok(Forwarded {
         tag: CALL_TAG,

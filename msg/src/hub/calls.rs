@@ -57,14 +57,22 @@ impl Hub {
         let deadline = crate::drive::earliest(call::deadline(timeout), request.call_deadline());
         let timeout = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
         let id = call::lock(&self.calls).start::<R>(Some(peer));
-        let out = match call::forwarded_request(id, R::TAG, deadline, request.body()) {
-            Ok(out) => out,
-            Err(e) => {
-                call::lock(&self.calls).forget(id);
-                return Err(e);
-            }
+        let forget = |e| {
+            call::lock(&self.calls).forget(id);
+            e
         };
-        self.send_call::<R>(peer, id, &out, timeout, deadline)
+        // A detached body goes by reference (no copy when it goes by rendezvous).
+        match request.shared_body() {
+            Some(body) => {
+                let out = call::forwarded_request(id, R::TAG, deadline, body).map_err(forget)?;
+                self.send_call::<R>(peer, id, &out, timeout, deadline)
+            }
+            None => {
+                let out = call::forwarded_request(id, R::TAG, deadline, request.body())
+                    .map_err(forget)?;
+                self.send_call::<R>(peer, id, &out, timeout, deadline)
+            }
+        }
     }
 
     /// Sends call `id`'s request `out` to `peer`, waiting at most `timeout` for room: the
@@ -84,6 +92,7 @@ impl Hub {
             went = before.went(s, &sent);
             sent
         });
+        let sent = sent.map_err(|e| call::never_sent::<R>(peer, e));
         call::started::<R>(&self.calls, id, sent, went, timeout, deadline)
     }
 
@@ -118,11 +127,12 @@ impl Hub {
             }
             Ok(Posted::PeerGone(_)) => {
                 call::lock(&self.calls).forget(id);
-                Err(rdmsg_transport::Error::UnknownPeer(peer).into())
+                let gone = rdmsg_transport::Error::UnknownPeer(peer).into();
+                Err(call::never_sent::<R>(peer, gone))
             }
             Err(e) => {
                 call::lock(&self.calls).forget(id);
-                Err(e)
+                Err(call::never_sent::<R>(peer, e))
             }
         }
     }
