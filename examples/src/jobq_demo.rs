@@ -25,6 +25,8 @@ pub struct Plan {
     pub in_flight: u32,
     /// How long after the clients start one worker is killed (`None`: nobody).
     pub kill_after: Option<Duration>,
+    /// How long the whole run may take: then every process is killed, and the run fails.
+    pub limit: Duration,
 }
 
 /// What a run came to: the sums of the roles' report lines.
@@ -114,6 +116,12 @@ pub fn run(program: &Path, plan: &Plan) -> Result<Outcome> {
             Ok(Role::new("client", spawn(&args)?))
         })
         .collect::<Result<Vec<_>>>()?;
+    let pids = [&coordinator]
+        .into_iter()
+        .chain(&workers)
+        .chain(&clients)
+        .map(|r| r.child.id());
+    let _watchdog = Watchdog::start(pids.collect(), plan.limit);
     let mut killed = false;
     if let Some(after) = plan.kill_after {
         std::thread::sleep(after);
@@ -173,6 +181,33 @@ fn cpu(line: &str) -> (u64, u64) {
 
 fn add(a: (u64, u64), b: (u64, u64)) -> (u64, u64) {
     (a.0 + b.0, a.1 + b.1)
+}
+
+/// Kills every process of a run that outlives its limit (the reads of their output then end,
+/// and the run fails), unless dropped first.
+struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
+
+impl Watchdog {
+    fn start(pids: Vec<u32>, limit: Duration) -> Self {
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(limit) {
+                eprintln!("jobq: the run took longer than {limit:?}: killing it");
+                for pid in pids {
+                    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+                }
+            }
+        });
+        Watchdog(Some(done))
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        if let Some(done) = self.0.take() {
+            let _ = done.send(());
+        }
+    }
 }
 
 /// A role's process and its standard output.

@@ -6,10 +6,8 @@
 //! claims (up to 1 MiB each), and bincode allocates an owned string or byte buffer of the
 //! claimed length before reading it. So the wrapper
 //!
-//! - gives a container a size hint only for a length the input could hold (a byte or more per
-//!   element) within the budget, and to one container at a time: a `Vec` that claims more, or
-//!   one inside a hinted one, grows only with elements actually decoded. A lie thus
-//!   preallocates at most once (serde caps a hint at 1 MiB) before the input runs out;
+//! - gives containers no size hint: a `Vec` grows only with elements actually decoded (any
+//!   visitor may trust a hint, and not all cap it as serde's own containers do);
 //! - reads owned strings and byte buffers as borrowed ones (which bincode checks against the
 //!   bytes present, allocating nothing) and lets the visitor copy what is really there;
 //! - charges every string and byte string (its length) and every element of a sequence or map
@@ -58,27 +56,17 @@ pub(crate) struct Budget {
     depth: Cell<usize>,
     max_depth: usize,
     too_deep: Cell<bool>,
-    /// The length of the input: a sequence may claim at most this many elements (each takes
-    /// a byte or more), else it is a lie and gets no size hint.
-    input: usize,
-    /// Whether a sequence that was given a size hint is being decoded: one at a time, so that
-    /// a claimed length preallocates at most once (serde caps each at 1 MiB) beyond what
-    /// decoding charges.
-    hinting: Cell<bool>,
 }
 
 impl Budget {
-    /// A budget of `max` bytes for decoding `input` bytes.
     #[inline]
-    pub(crate) fn new(max: usize, input: usize) -> Self {
+    pub(crate) fn new(max: usize) -> Self {
         Self {
             left: Cell::new(max),
             exceeded: Cell::new(false),
             depth: Cell::new(0),
             max_depth: MAX_DEPTH,
             too_deep: Cell::new(false),
-            input,
-            hinting: Cell::new(false),
         }
     }
 
@@ -376,7 +364,6 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Vis<'_, V> {
             inner: seq,
             budget: self.budget,
             charge: self.container,
-            hinted: Cell::new(false),
         })
     }
 
@@ -402,17 +389,6 @@ struct Seq<'b, A> {
     inner: A,
     budget: &'b Budget,
     charge: bool,
-    /// Whether it gave a size hint (and holds the budget's one).
-    hinted: Cell<bool>,
-}
-
-impl<A> Drop for Seq<'_, A> {
-    #[inline]
-    fn drop(&mut self) {
-        if self.hinted.get() {
-            self.budget.hinting.set(false);
-        }
-    }
 }
 
 impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Seq<'_, A> {
@@ -438,23 +414,14 @@ impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for Seq<'_, A> {
         self.next_element_seed(std::marker::PhantomData)
     }
 
-    // The length was claimed by the peer, not proven: a hint (which serde's `Vec` caps at
-    // 1 MiB) only for a length the input and the budget could hold at a byte per element,
-    // and for one sequence at a time. Others grow with the elements actually decoded.
+    // No hint: the length was claimed by the peer, not proven.
     #[inline]
     fn size_hint(&self) -> Option<usize> {
-        let claimed = self.inner.size_hint();
-        if !self.charge || self.hinted.get() {
-            return claimed;
+        if self.charge {
+            None
+        } else {
+            self.inner.size_hint()
         }
-        let budget = self.budget;
-        let claimed = claimed?;
-        if budget.hinting.get() || claimed > budget.input || claimed > budget.left.get() {
-            return None;
-        }
-        budget.hinting.set(true);
-        self.hinted.set(true);
-        Some(claimed)
     }
 }
 

@@ -183,7 +183,7 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
     if tag != M::TAG {
         return Err(wrong_type::<M>(tag, None));
     }
-    let budget = Budget::new(max, body.len());
+    let budget = Budget::new(max);
     let seed = Bounded {
         seed: PhantomData::<M>,
         budget: &budget,

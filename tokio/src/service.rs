@@ -19,8 +19,9 @@ use crate::{AsyncHub, AsyncSession, Error, Result};
 ///
 /// Always ready: a call waits for room (a credit, or room in a hub peer's outbox) within its
 /// own deadline, so limits on calls in flight are tower's (`ConcurrencyLimit`). An error is
-/// the call's ([`rdmsg_msg::Error::CallTimedOut`], [`rdmsg_msg::Error::CallFailed`] with what
-/// became of the request, ...), for a retry policy to judge.
+/// the call's, [`Error::Msg`] around [`rdmsg_msg::Error::CallTimedOut`],
+/// [`rdmsg_msg::Error::CallFailed`] with what became of the request, and so on, for a retry
+/// policy to judge.
 pub struct CallService<R> {
     to: To,
     timeout: Duration,

@@ -84,16 +84,19 @@ fn coordinator(listen: &str, clients: usize) -> rdmsg::Result<()> {
     println!("listening {}", hub.listen(listen)?);
     let (mut workers, mut turn) = (Vec::<PeerId>::new(), 0);
     let (mut waiting, mut running) = (VecDeque::new(), HashMap::new());
-    let (mut seen, mut served) = (HashSet::new(), 0);
+    let (mut ready, mut served) = (HashSet::new(), 0);
     let (mut jobs, mut answered, mut retried, mut lost) = (0u64, 0u64, 0u64, 0u64);
     while served < clients {
         match hub.recv()? {
-            HubEvent::Message { peer, msg } if msg.is::<Ready>() => workers.push(peer),
-            HubEvent::Message { peer, mut msg } => {
+            HubEvent::Message { peer, msg } if msg.is::<Ready>() => {
+                ready.insert(peer);
+                workers.push(peer);
+            }
+            HubEvent::Message { mut msg, .. } => {
+                // The client's deadline goes with the job: `time_left` below.
                 let Ok(client) = msg.responder::<Job>() else {
                     continue;
                 }; // not a call
-                seen.insert(peer);
                 msg.detach(); // kept until answered: give the client its receive buffer back
                 waiting.push_back(Pending { job: msg, client });
                 jobs += 1;
@@ -107,17 +110,17 @@ fn coordinator(listen: &str, clients: usize) -> rdmsg::Result<()> {
                         answered += 1;
                     }
                     Err(_) => {
-                        // The worker failed (or ran out of time): try another.
+                        // The worker failed (or ran out of time): try another, in time.
                         retried += 1;
                         waiting.push_front(pending);
                     }
                 }
             }
-            HubEvent::Disconnected { peer, .. } if seen.remove(&peer) => served += 1,
-            HubEvent::Disconnected { peer, .. } => {
+            HubEvent::Disconnected { peer, .. } if ready.remove(&peer) => {
                 workers.retain(|&w| w != peer);
                 lost += 1;
             }
+            HubEvent::Disconnected { .. } => served += 1,
             _ => {}
         }
         // Hand out what waits, round robin over the workers.
@@ -125,6 +128,9 @@ fn coordinator(listen: &str, clients: usize) -> rdmsg::Result<()> {
             let Some(pending) = waiting.pop_front() else {
                 break;
             };
+            if pending.client.expired() {
+                continue; // the client gave up: dropped, unanswered
+            }
             turn = (turn + 1) % workers.len();
             let left = pending.client.time_left().unwrap_or(DEADLINE);
             match hub.forward::<Job>(workers[turn], &pending.job, left) {
@@ -136,7 +142,12 @@ fn coordinator(listen: &str, clients: usize) -> rdmsg::Result<()> {
                     workers.remove(turn); // it failed: its Disconnected is on its way
                     waiting.push_front(pending);
                 }
-                Err(e) => return Err(e),
+                Err(_) => {
+                    // It may have gone: try again after the next event (whatever failed
+                    // shows up there), the job being harmless to run twice.
+                    waiting.push_front(pending);
+                    break;
+                }
             }
         }
     }
@@ -239,6 +250,9 @@ enum Role {
         /// Seconds after the clients start to kill a worker (0: none)
         #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
         kill_after: f64,
+        /// Seconds the whole run may take before every process is killed (and it fails)
+        #[arg(long, value_name = "SECONDS", default_value_t = 900)]
+        limit: u64,
         /// Another program with the same roles to run (the bench's tokio + TCP version)
         #[arg(long, value_name = "PROGRAM")]
         roles_from: Option<std::path::PathBuf>,
@@ -266,6 +280,7 @@ fn main() -> Result<(), rdmsg::Error> {
             jobs,
             in_flight,
             kill_after,
+            limit,
             roles_from,
         } => {
             let plan = jobq_demo::Plan {
@@ -274,6 +289,7 @@ fn main() -> Result<(), rdmsg::Error> {
                 jobs,
                 in_flight,
                 kill_after: (kill_after > 0.0).then(|| Duration::from_secs_f64(kill_after)),
+                limit: Duration::from_secs(limit),
             };
             let program = roles_from
                 .or_else(|| std::env::current_exe().ok())

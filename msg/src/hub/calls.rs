@@ -36,12 +36,15 @@ impl Hub {
 
     /// Forwards `request`, a request of type `R` received from a peer, to `peer` as it came:
     /// its body is not decoded nor encoded again, only copied (straight into a send buffer
-    /// when it fits), under a call of this hub's, waited for as any call or
+    /// when it fits), or, for an envelope [`Envelope::detach`]ed, lent by reference when it
+    /// goes by rendezvous, under a call of this hub's, waited for as any call or
     /// [`Hub::watch`]ed. The call's deadline is the sooner of `timeout` from now and the
     /// original caller's ([`Responder::deadline`]), read from the envelope while it still
     /// holds its responder: forward first, then take the responder
     /// ([`Envelope::responder`]) to answer the original caller with this call's answer as it
-    /// came ([`Hub::reply_with`]). [`Error::WrongType`] if `request` is not an `R`.
+    /// came ([`Hub::reply_with`]). [`Error::WrongType`] if `request` is not an `R`;
+    /// [`Error::CallFailed`] with [`crate::RequestFate::NotSent`] if `peer` failed or is gone
+    /// and nothing went.
     pub fn forward<R: Request>(
         &mut self,
         peer: PeerId,
@@ -85,14 +88,20 @@ impl Hub {
         timeout: Duration,
         deadline: Option<Instant>,
     ) -> Result<Call<R::Response>> {
-        let mut went = None;
+        let (mut went, mut nothing_went) = (None, true);
         let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
             let before = peer::Numbering::before(s);
             let sent = peer::in_time(s.send_within(link, out, R::SOLICITED, Some(timeout)));
             went = before.went(s, &sent);
+            nothing_went = before.nothing_went(s);
             sent
         });
-        let sent = sent.map_err(|e| call::never_sent::<R>(peer, e));
+        // A failure after something went (the request, or committed messages before it
+        // whose sending the failure cut short) makes no claim about the request.
+        let sent = sent.map_err(|e| match nothing_went {
+            true => call::never_sent::<R>(peer, e),
+            false => e,
+        });
         call::started::<R>(&self.calls, id, sent, went, timeout, deadline)
     }
 

@@ -94,6 +94,12 @@ impl Numbering {
         let moved = next != self.next;
         (moved && (self.clear || matches!(sent, Ok(true)))).then(|| next.wrapping_sub(1))
     }
+
+    /// Whether nothing was numbered since: neither the message nor a committed one before it
+    /// went, so a send that failed sent nothing of its own.
+    pub(crate) fn nothing_went(&self, send: &SendSide) -> bool {
+        send.next_seq() == self.next
+    }
 }
 
 /// A message offered to a packed frame ([`pack`]): what to encode, and whether it asks to be
