@@ -1,9 +1,15 @@
 //! A job queue: clients call a coordinator, the coordinator forwards each job to a worker and
 //! answers the client with the worker's answer. A worker that dies (killed, its machine gone)
-//! costs nothing but time: the coordinator hears each of its calls fail and sends the job to
-//! another worker, so every job is answered exactly once. Jobs here are pure (the sum of their
-//! numbers), so doing one twice is harmless; a queue of jobs that are not would retry only
-//! those whose request was never sent (`RequestFate::NotSent`, see the README's calls).
+//! costs nothing but time: the coordinator hears each of its calls fail (or run out of its
+//! time, `TRY`) and sends the job to another worker, so every job is answered once, unless
+//! its client's deadline passes first. Jobs here are pure (the sum of their numbers), so
+//! doing one twice is harmless; a queue of jobs that are not must not retry a job its worker
+//! may have taken (`RequestFate::Taken` or `Unknown`, see the README's calls): it answers
+//! that client with an error of its own instead.
+//!
+//! `forward` waits on the coordinator's thread for room at the worker (up to `TRY`): a
+//! worker alive but stuck holds the loop that long. A queue serving many clients would bound
+//! the jobs in flight per worker, and count the time a job may wait in `waiting`.
 //!
 //! ```text
 //! jobq coordinator --listen 127.0.0.1:7400 --clients 3
@@ -21,7 +27,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use rdmsg::{message, request, Config, Endpoint, Envelope, Hub, HubConfig, HubEvent, PeerId};
-use rdmsg::{Error, RequestFate, Responder, Session};
+use rdmsg::{Error, Posted, RequestFate, Responder, Session};
 use rdmsg_examples::jobq_demo;
 use serde::{Deserialize, Serialize};
 
@@ -48,6 +54,8 @@ message!(Ready);
 /// How long a client gives a job, retries on other workers included (generous: a job of
 /// 800 KB under emulation takes a while).
 const DEADLINE: Duration = Duration::from_secs(300);
+/// How long one worker gets a job (and the coordinator waits for room at it).
+const TRY: Duration = Duration::from_secs(60);
 
 // ---------------------------------------------------------------- worker
 
@@ -104,16 +112,17 @@ fn coordinator(listen: &str, clients: usize) -> rdmsg::Result<()> {
             HubEvent::CallEnded { call, result, .. } => {
                 let pending: Pending = running.remove(&call).expect("a call of ours");
                 match result {
-                    // `PeerGone` if the client left meanwhile: nobody to tell.
+                    // Not `PeerGone` (the client left) nor `Full` (it hears "no answer").
                     Ok(done) => {
-                        drop(hub.reply_with(pending.client, done)?);
-                        answered += 1;
+                        let posted = hub.reply_with(pending.client, done)?;
+                        answered += u64::from(matches!(posted, Posted::Sent | Posted::Queued));
                     }
-                    Err(_) => {
-                        // The worker failed (or ran out of time): try another, in time.
+                    // The worker failed or ran out of time: another one, within the deadline.
+                    Err(Error::CallFailed { .. } | Error::CallTimedOut { .. }) => {
                         retried += 1;
                         waiting.push_front(pending);
                     }
+                    Err(_) => {} // refused or unanswered: the client hears "no answer"
                 }
             }
             HubEvent::Disconnected { peer, .. } if ready.remove(&peer) => {
@@ -132,7 +141,7 @@ fn coordinator(listen: &str, clients: usize) -> rdmsg::Result<()> {
                 continue; // the client gave up: dropped, unanswered
             }
             turn = (turn + 1) % workers.len();
-            let left = pending.client.time_left().unwrap_or(DEADLINE);
+            let left = pending.client.time_left().unwrap_or(DEADLINE).min(TRY);
             match hub.forward::<Job>(workers[turn], &pending.job, left) {
                 Ok(call) => drop(running.insert(hub.watch(call)?, pending)),
                 Err(Error::CallFailed {
