@@ -212,16 +212,10 @@ async fn client(coordinator: &str, jobs: u64, in_flight: usize, seed: u64) -> Re
     Ok(wrong)
 }
 
-/// This process's CPU time so far, as `user_ms=... system_ms=...` (from `/proc/self/stat`).
+/// This process's CPU time so far, as `user_ms=... system_ms=...` (as the jobq example says it).
 fn cpu() -> String {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let rest = stat.rfind(')').map_or("", |i| &stat[i + 1..]);
-    let mut fields = rest
-        .split_whitespace()
-        .skip(11)
-        .map(|t| t.parse::<u64>().unwrap_or(0));
-    let (user, system) = (fields.next().unwrap_or(0), fields.next().unwrap_or(0));
-    format!("user_ms={} system_ms={}", user * 10, system * 10)
+    let (user, system) = rdmsg_examples::peers::process_cpu_split_ms().unwrap_or_default();
+    format!("user_ms={user} system_ms={system}")
 }
 
 /// The `jobq` example's roles on tokio + TCP.
