@@ -204,27 +204,37 @@ struct PieceWriter<'a> {
 }
 
 impl bincode::enc::write::Writer for PieceWriter<'_> {
+    // Inline: a long sequence of scalars writes a few bytes per element.
+    #[inline]
     fn write(&mut self, bytes: &[u8]) -> Result<(), bincode::error::EncodeError> {
-        if bytes.len() >= MIN_BY_REFERENCE {
-            let found = CAPTURE.with(|c| {
-                c.borrow().as_ref().and_then(|list| {
-                    list.iter()
-                        .rev()
-                        .find(|b| b.as_ptr() == bytes.as_ptr() && b.len() == bytes.len())
-                        .cloned()
-                })
-            });
-            if let Some(b) = found {
-                if !self.current.is_empty() {
-                    self.pieces
-                        .push(Piece::Encoded(std::mem::take(&mut self.current)));
-                }
-                self.pieces.push(Piece::Bulk(b));
-                return Ok(());
-            }
+        if bytes.len() < MIN_BY_REFERENCE || !self.left_by_reference(bytes) {
+            self.current.extend_from_slice(bytes);
         }
-        self.current.extend_from_slice(bytes);
         Ok(())
+    }
+}
+
+impl PieceWriter<'_> {
+    /// Whether `bytes` are a captured payload's, now left as a piece by reference.
+    #[inline(never)]
+    fn left_by_reference(&mut self, bytes: &[u8]) -> bool {
+        let found = CAPTURE.with(|c| {
+            c.borrow().as_ref().and_then(|list| {
+                list.iter()
+                    .rev()
+                    .find(|b| b.as_ptr() == bytes.as_ptr() && b.len() == bytes.len())
+                    .cloned()
+            })
+        });
+        let Some(b) = found else {
+            return false;
+        };
+        if !self.current.is_empty() {
+            self.pieces
+                .push(Piece::Encoded(std::mem::take(&mut self.current)));
+        }
+        self.pieces.push(Piece::Bulk(b));
+        true
     }
 }
 

@@ -1,14 +1,13 @@
 //! Encoding messages into frames and decoding frames into messages, without I/O.
 
 use std::collections::hash_map::{Entry, HashMap};
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+use crate::bounded::BodyReader;
 pub use crate::bounded::MAX_DEPTH;
-use crate::bounded::{Bounded, Budget};
 use crate::bulk::Piece;
 use crate::frame::{
     self, FrameError, Header, Reassembler, ASK, DONE, FIRST, HEADER_LEN, LAST, RNDV, TOTAL_LEN,
@@ -183,27 +182,21 @@ pub fn decode_body_borrowed<'de, M: Message + Deserialize<'de>>(
     if tag != M::TAG {
         return Err(wrong_type::<M>(tag, None));
     }
-    let budget = Budget::new(max);
-    let seed = Bounded {
-        seed: PhantomData::<M>,
-        budget: &budget,
-    };
-    let (m, used) = bincode::serde::seed_decode_from_slice(seed, body, config()).map_err(|e| {
-        Error::Decode {
-            tag,
-            source: if budget.too_deep() {
-                DecodeFailure::TooDeep { max: MAX_DEPTH }
-            } else if budget.exceeded() {
-                DecodeFailure::TooLarge { max }
-            } else {
-                DecodeFailure::Bincode(e)
-            },
-        }
+    let mut reader = BodyReader::new(body, max);
+    let m = M::deserialize(&mut reader).map_err(|e| Error::Decode {
+        tag,
+        source: if reader.too_deep() {
+            DecodeFailure::TooDeep { max: MAX_DEPTH }
+        } else if reader.exceeded() {
+            DecodeFailure::TooLarge { max }
+        } else {
+            DecodeFailure::Bincode(e)
+        },
     })?;
-    if used != body.len() {
+    if reader.remaining() != 0 {
         return Err(Error::Decode {
             tag,
-            source: DecodeFailure::Trailing(body.len() - used),
+            source: DecodeFailure::Trailing(reader.remaining()),
         });
     }
     Ok(m)

@@ -408,8 +408,9 @@ fn decoding_is_bounded_in_depth() {
             r => panic!("{r:?}"),
         }
     }
-    // Exactly at the limit: the message is one level, each `Neg` one, the `Lit` one.
-    let deepest = codec::MAX_DEPTH - 2;
+    // Exactly at the limit: the message is one level and each `Neg` one (the `Lit`'s `u8`, a
+    // scalar, none).
+    let deepest = codec::MAX_DEPTH - 1;
     assert!(codec::decode_body::<Expr>(Expr::TAG, &nested_expr(deepest), 1 << 24).is_ok());
     assert!(matches!(
         codec::decode_body::<Expr>(Expr::TAG, &nested_expr(deepest + 1), 1 << 24),
