@@ -576,6 +576,102 @@ fn calls_serve_as_tower_services_limited_and_balanced() {
     });
 }
 
+/// A hub's peers as a discoverable set (`AsyncHub::discover`): tower's balancer spreads calls
+/// over the servers that connected, and stops choosing one once its connection closes,
+/// without the application reading the hub's events.
+#[test]
+#[ignore = "device"]
+fn a_hubs_peers_are_a_discoverable_set_for_tower_balance() {
+    use futures::StreamExt;
+    use tower::ServiceExt;
+    fn serve(server: AsyncSession) -> tokio::task::JoinHandle<u64> {
+        tokio::spawn(async move {
+            let mut served = 0;
+            while let Ok(mut env) = server.recv().await {
+                let Double(x) = env.decode().unwrap();
+                env.responder::<Double>().unwrap().respond(Doubled(2 * x));
+                served += 1;
+            }
+            served
+        })
+    }
+    runtime().block_on(async {
+        let ep = Endpoint::open_default().unwrap();
+        let hub = AsyncHub::new(rdmsg::msg::Hub::new(&ep, HubConfig::default()).unwrap()).unwrap();
+        let addr = hub.with_hub(|h| h.listen("127.0.0.1:0")).unwrap();
+        // Nobody chosen: nothing discovered.
+        let mut none = hub.discover_where::<Double>(LONG, |_, _| false);
+        let mut all = hub.discover::<Double>(LONG);
+        // Each server appears once its handshake is done (polling the set drives the hub, which
+        // accepts), as the hub's own service to it.
+        let mut sessions = Vec::new();
+        let mut serving = Vec::new();
+        let mut inserted = Vec::new();
+        for _ in 0..2 {
+            let connecting =
+                AsyncSession::connect(&ep, addr, Config::default(), SessionConfig::default());
+            let (session, change) = tokio::join!(connecting, all.next());
+            let session = session.unwrap();
+            match change.unwrap().unwrap() {
+                tower::discover::Change::Insert(peer, service) => {
+                    assert_eq!(service.peer(), Some(peer));
+                    inserted.push(peer);
+                }
+                tower::discover::Change::Remove(peer) => panic!("{peer} removed"),
+            }
+            serving.push(serve(session.clone()));
+            sessions.push(session);
+        }
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), none.next())
+                .await
+                .is_err()
+        );
+        let mut balanced =
+            tower::balance::p2c::Balance::new(tower::load::PendingRequestsDiscover::new(
+                hub.discover::<Double>(LONG),
+                tower::load::CompleteOnResponse::default(),
+            ));
+        let answers: Vec<_> = (&mut balanced)
+            .call_all(futures::stream::iter((0..64).map(Double)))
+            .collect()
+            .await;
+        for (i, a) in answers.into_iter().enumerate() {
+            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
+        }
+        // The first server goes: the set drops it, and every later call goes to the second.
+        let leaving = sessions.remove(0);
+        let (closed, change) = tokio::join!(leaving.close(), all.next());
+        closed.unwrap();
+        match change.unwrap().unwrap() {
+            tower::discover::Change::Remove(peer) => assert_eq!(peer, inserted[0]),
+            tower::discover::Change::Insert(peer, _) => panic!("{peer} inserted"),
+        }
+        let first = serving.remove(0).await.unwrap();
+        let answers: Vec<_> = (&mut balanced)
+            .call_all(futures::stream::iter((0..64).map(Double)))
+            .collect()
+            .await;
+        for (i, a) in answers.into_iter().enumerate() {
+            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
+        }
+        let leaving = sessions.remove(0);
+        let (closed, change) = tokio::join!(leaving.close(), all.next());
+        closed.unwrap();
+        assert!(matches!(
+            change.unwrap().unwrap(),
+            tower::discover::Change::Remove(peer) if peer == inserted[1]
+        ));
+        let second = serving.remove(0).await.unwrap();
+        println!("stats tower discover: served {first} then closed, {second}");
+        assert!(
+            first > 0 && first < 64,
+            "both take calls: {first}, {second}"
+        );
+        assert_eq!(first + second, 128);
+    });
+}
+
 /// `AsyncSession::close` towards a peer dropped without closing (as when its process dies)
 /// fails as the peer vanished at once, not after `close_timeout`, as the blocking close does.
 #[test]

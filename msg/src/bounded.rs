@@ -13,8 +13,8 @@
 //!
 //! - gives containers no size hint: a `Vec` grows only with elements actually decoded (any
 //!   visitor may trust a hint, and not all cap it as serde's own containers do);
-//! - reads owned strings and byte buffers as borrowed ones (which bincode checks against the
-//!   bytes present, allocating nothing) and lets the visitor copy what is really there;
+//! - reads owned strings and byte buffers as borrowed ones (checked against the bytes
+//!   present, allocating nothing) and lets the visitor copy what is really there;
 //! - charges every string and byte string (its length) and every element of a sequence or map
 //!   of claimed length (its size, at least one byte, so that a sequence of zero-sized values
 //!   is bounded too) to a budget, and fails the decode as soon as the budget is exceeded.
@@ -35,10 +35,10 @@
 //!
 //! Recursion is bounded too: bincode has no recursion limit, and a recursive type (`enum Expr
 //! { Lit(u8), Neg(Box<Expr>) }`) nests one level per input byte or so, enough to overflow
-//! the stack within `max`. Every compound value (a struct, tuple, sequence, map, enum,
-//! newtype or `Option`'s `Some`) is one level deeper than the value holding it, and the decode
-//! fails beyond [`MAX_DEPTH`] levels. Scalars, strings and byte strings cannot recurse and
-//! cost no level.
+//! the stack within `max`. Every compound value (a struct, tuple, sequence, map, enum with
+//! its variant's fields, newtype or `Option`'s `Some`) is one level deeper than the value
+//! holding it, and the decode fails beyond [`MAX_DEPTH`] levels. Scalars, strings and byte
+//! strings cannot recurse and cost no level.
 
 use bincode::error::{AllowedEnumVariants, DecodeError, IntegerType};
 use serde::de::{self, DeserializeSeed, Deserializer, EnumAccess, IntoDeserializer, MapAccess};
@@ -48,8 +48,9 @@ use serde::de::{SeqAccess, VariantAccess, Visitor};
 /// struct, tuple, sequence, map, enum, newtype or `Option`'s `Some`, the message itself
 /// included) on the path to the innermost one. Deeper input fails to decode
 /// ([`crate::DecodeFailure::TooDeep`]) instead of overflowing the stack. A value of a
-/// recursive type such as `enum Expr { Lit(u8), Neg(Box<Expr>) }` may nest about this many
-/// times (one level per `Neg`, plus the message).
+/// recursive type such as `enum Expr { Lit(u8), Neg(Box<Expr>), Add(Box<Expr>, Box<Expr>) }`
+/// may nest about this many times: an enum's variant and its fields are the enum's one
+/// level, so each `Neg` or `Add` is one.
 pub const MAX_DEPTH: usize = 128;
 
 /// bincode's varint tags: a first byte below `U16` is the value itself; these say that a
@@ -241,10 +242,18 @@ impl<'de> BodyReader<'de> {
         })
     }
 
-    /// A sequence's or map's claimed length (bincode's: a `u64` varint).
+    /// A string's or byte string's length (bincode's: a `u64` varint).
     #[inline(always)]
     fn len(&mut self) -> Result<usize, DecodeError> {
         let n = self.varint(IntegerType::U64, U64)?;
+        usize::try_from(n).map_err(|_| DecodeError::OutsideUsizeRange(n))
+    }
+
+    /// A sequence's or map's claimed length (bincode's serde decoder reads a `usize` varint,
+    /// and names that type when it refuses one).
+    #[inline(always)]
+    fn count(&mut self) -> Result<usize, DecodeError> {
+        let n = self.varint(IntegerType::Usize, U64)?;
         usize::try_from(n).map_err(|_| DecodeError::OutsideUsizeRange(n))
     }
 
@@ -281,7 +290,8 @@ impl<'de> BodyReader<'de> {
         Ok(bytes)
     }
 
-    /// A sequence's elements (`charge`: of claimed length, each charged) or a tuple's.
+    /// A sequence's elements (`charge`: of claimed length, each charged) or a tuple's, one
+    /// level deeper.
     #[inline(always)]
     fn seq<V: Visitor<'de>>(
         &mut self,
@@ -289,12 +299,22 @@ impl<'de> BodyReader<'de> {
         charge: bool,
         v: V,
     ) -> Result<V::Value, DecodeError> {
-        self.nested(|de| {
-            v.visit_seq(Elements {
-                de,
-                left: len,
-                charge,
-            })
+        self.nested(|de| de.fields(len, charge, v))
+    }
+
+    /// The elements or fields themselves, at this level: an enum's tuple or struct variant,
+    /// whose enum already took the level.
+    #[inline(always)]
+    fn fields<V: Visitor<'de>>(
+        &mut self,
+        len: usize,
+        charge: bool,
+        v: V,
+    ) -> Result<V::Value, DecodeError> {
+        v.visit_seq(Elements {
+            de: self,
+            left: len,
+            charge,
         })
     }
 }
@@ -484,7 +504,7 @@ impl<'de> Deserializer<'de> for &mut BodyReader<'de> {
 
     #[inline]
     fn deserialize_seq<V: Visitor<'de>>(self, v: V) -> Result<V::Value, DecodeError> {
-        let len = self.len()?;
+        let len = self.count()?;
         self.seq(len, true, v)
     }
 
@@ -505,7 +525,7 @@ impl<'de> Deserializer<'de> for &mut BodyReader<'de> {
 
     #[inline]
     fn deserialize_map<V: Visitor<'de>>(self, v: V) -> Result<V::Value, DecodeError> {
-        let len = self.len()?;
+        let len = self.count()?;
         self.nested(|de| v.visit_map(Entries { de, left: len }))
     }
 
@@ -655,7 +675,7 @@ impl<'de> VariantAccess<'de> for &mut BodyReader<'de> {
 
     #[inline]
     fn tuple_variant<V: Visitor<'de>>(self, len: usize, v: V) -> Result<V::Value, DecodeError> {
-        self.seq(len, false, v)
+        self.fields(len, false, v)
     }
 
     #[inline]
@@ -664,6 +684,6 @@ impl<'de> VariantAccess<'de> for &mut BodyReader<'de> {
         fields: &'static [&'static str],
         v: V,
     ) -> Result<V::Value, DecodeError> {
-        self.seq(fields.len(), false, v)
+        self.fields(fields.len(), false, v)
     }
 }

@@ -421,6 +421,52 @@ fn decoding_is_bounded_in_depth() {
     ));
 }
 
+/// A recursive type through tuple and struct variants: an enum and its variant's fields are
+/// one level together, as a newtype variant is.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+enum Tree {
+    Leaf(u8),
+    Pair(Box<Tree>, u8),
+    Node { child: Box<Tree> },
+}
+rdmsg_msg::message!(Tree);
+
+#[test]
+fn tuple_and_struct_variants_nest_one_level_each() {
+    let pairs = |n: usize| {
+        let mut body = vec![1u8; n];
+        body.extend_from_slice(&[0, 7]);
+        body.extend(std::iter::repeat(9).take(n));
+        body
+    };
+    let nodes = |n: usize| {
+        let mut body = vec![2u8; n];
+        body.extend_from_slice(&[0, 7]);
+        body
+    };
+    let mut expected = Tree::Leaf(7);
+    for _ in 0..3 {
+        expected = Tree::Pair(Box::new(expected), 9);
+    }
+    let mut buf = vec![0u8; 64];
+    let len = codec::encode_single(&expected, 0, &mut buf)
+        .unwrap()
+        .unwrap();
+    assert_eq!(&buf[frame::HEADER_LEN..len], &pairs(3)[..]);
+    // The message is one level, each `Pair` or `Node` one more.
+    let deepest = codec::MAX_DEPTH - 1;
+    for body in [pairs, nodes] {
+        assert!(codec::decode_body::<Tree>(Tree::TAG, &body(deepest), 1 << 24).is_ok());
+        assert!(matches!(
+            codec::decode_body::<Tree>(Tree::TAG, &body(deepest + 1), 1 << 24),
+            Err(Error::Decode {
+                source: rdmsg_msg::DecodeFailure::TooDeep { .. },
+                ..
+            })
+        ));
+    }
+}
+
 /// Reports the size hint the decoder gives for a sequence (serde's `Vec` preallocates that
 /// many elements, up to 1 MiB, before reading any).
 #[derive(Debug)]

@@ -134,6 +134,13 @@ impl AsyncHub {
             .await
     }
 
+    /// Waits until `look` finds something on the hub, which goes on stepping meanwhile (its
+    /// events still queue for [`AsyncHub::recv`]).
+    #[cfg(feature = "tower")]
+    pub(crate) async fn wait_for<T>(&self, mut look: impl FnMut(&Hub) -> Option<T>) -> Result<T> {
+        self.shared.run(false, |h, _| Ok(look(h))).await
+    }
+
     /// The next event (cancel-safe).
     pub async fn recv(&self) -> Result<HubEvent> {
         self.shared.recv().await

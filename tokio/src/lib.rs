@@ -77,5 +77,5 @@ pub use error::{Error, Result};
 pub use hub::{AsyncHub, HubEvents, PeerSink};
 pub use listener::{AsyncListener, Incoming};
 #[cfg(feature = "tower")]
-pub use service::CallService;
+pub use service::{CallService, PeerServices};
 pub use session::{AsyncSession, SendPermit, SessionSink, SessionStream};

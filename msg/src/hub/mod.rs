@@ -273,6 +273,12 @@ impl Hub {
         self.transport.peers()
     }
 
+    /// Whether this hub started closing `peer` ([`Hub::start_close`]) and the close has not
+    /// ended: the peer is still among [`Hub::peers`], but takes nothing new.
+    pub fn is_closing(&self, peer: PeerId) -> bool {
+        self.peers.get(peer).is_some_and(|s| s.closing.is_some())
+    }
+
     /// Totals over every peer, present and past.
     pub fn stats(&self) -> SessionStats {
         let mut total = self.departed;
@@ -458,7 +464,9 @@ impl Hub {
     /// The non-blocking step for an event loop over [`AsFd`]: sends committed frames that can
     /// go, flushes peers as a wait would ([`Hub::recv`]), then steps the transport hub
     /// ([`rdmsg_transport::RawHub::step`]); take its events with [`Hub::try_recv`]. Wait at most
-    /// [`Hub::next_timeout`] before the next step.
+    /// [`Hub::next_timeout`] before the next step. Returns how much this step did: the events
+    /// it queued (not those already waiting to be taken, or a waiter that takes none, such
+    /// as a wait for an outbox's room, would step for ever) and the outboxes it emptied.
     pub fn step(&mut self) -> Result<usize> {
         let queued = self.ready.len();
         // The clock, once for the step.
@@ -478,7 +486,9 @@ impl Hub {
             nearest
         };
         // Events this step queued count as work (those queued before were counted then).
-        Ok(self.transport.step()? + self.ready.len().saturating_sub(queued) + drained)
+        let raw = self.transport.queued();
+        let raw = self.transport.step()?.saturating_sub(raw);
+        Ok(raw + self.ready.len().saturating_sub(queued) + drained)
     }
 
     /// See [`rdmsg_transport::RawHub::nobody_waits`]: after a wait on the descriptor, when nobody else

@@ -425,6 +425,11 @@ impl RawHub {
         }
     }
 
+    /// Events queued for [`RawHub::try_event`].
+    pub fn queued(&self) -> usize {
+        self.events.len()
+    }
+
     /// An event already queued, after one non-blocking [`RawHub::step`].
     pub fn try_event(&mut self) -> Result<Option<RawHubEvent>> {
         if self.events.is_empty() {
