@@ -114,7 +114,15 @@ impl Drive for Hub {
     }
     fn mark(&self) -> u64 {
         let s = self.transport().stats();
-        s.received + s.sent + s.accepted + s.connected + s.disconnected + s.handshakes_failed
+        // Events taken count too: a receiver that takes a peer's acknowledgement frees room a
+        // sender waits for, and that sender's step counts only what it queued itself.
+        s.received
+            + s.sent
+            + s.accepted
+            + s.connected
+            + s.disconnected
+            + s.handshakes_failed
+            + self.transport().events_taken()
     }
     fn tick(&self) -> Option<Duration> {
         self.transport().config().conn.health_check

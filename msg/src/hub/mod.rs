@@ -469,6 +469,8 @@ impl Hub {
     /// as a wait for an outbox's room, would step for ever) and the outboxes it emptied.
     pub fn step(&mut self) -> Result<usize> {
         let queued = self.ready.len();
+        // Raw events queued before this step, not by the transport steps it may run inside.
+        let raw = self.transport.queued();
         // The clock, once for the step.
         let now = Instant::now();
         self.advance_reads(now);
@@ -486,7 +488,6 @@ impl Hub {
             nearest
         };
         // Events this step queued count as work (those queued before were counted then).
-        let raw = self.transport.queued();
         let raw = self.transport.step()?.saturating_sub(raw);
         Ok(raw + self.ready.len().saturating_sub(queued) + drained)
     }

@@ -124,6 +124,9 @@ pub struct RawHub {
     listener: Option<TcpListener>,
     cm_listener: Option<cm_pending::CmListening>,
     events: VecDeque<RawHubEvent>,
+    /// Events taken from `events`, ever: a layer above counts them as progress (taking a
+    /// peer's acknowledgement can free room another task waits for).
+    events_taken: u64,
     completions: Vec<(CqKey, WorkCompletion)>,
     /// Slots whose credits changed this round: grants may be due.
     touched: Vec<usize>,
@@ -224,6 +227,7 @@ impl RawHub {
             listener: None,
             cm_listener: None,
             events: VecDeque::new(),
+            events_taken: 0,
             completions: Vec::new(),
             touched: Vec::new(),
             draining: Vec::new(),
@@ -396,7 +400,9 @@ impl RawHub {
 
     /// An event already queued, without stepping the hub.
     pub fn queued_event(&mut self) -> Option<RawHubEvent> {
-        self.events.pop_front()
+        let event = self.events.pop_front();
+        self.events_taken += u64::from(event.is_some());
+        event
     }
 
     /// Handshakes started by [`RawHub::connect`] or [`RawHub::connect_stream`] and not finished.
@@ -430,13 +436,18 @@ impl RawHub {
         self.events.len()
     }
 
+    /// Events taken ([`RawHub::try_event`], [`RawHub::queued_event`]) since the hub was made.
+    pub fn events_taken(&self) -> u64 {
+        self.events_taken
+    }
+
     /// An event already queued, after one non-blocking [`RawHub::step`].
     pub fn try_event(&mut self) -> Result<Option<RawHubEvent>> {
         if self.events.is_empty() {
             self.check_fatal()?;
             self.step()?;
         }
-        Ok(self.events.pop_front())
+        Ok(self.queued_event())
     }
 
     /// The non-blocking step, for event loops: reads the completion channel, polls both CQs,
