@@ -366,6 +366,37 @@ struct Doubled(u64);
 rdmsg::msg::request!(Double => Doubled, tag = "rdmsg.test.AsyncDouble");
 rdmsg::msg::message!(Doubled, tag = "rdmsg.test.AsyncDoubled");
 
+/// Answers `Double` calls on `server` until it closes; how many it answered.
+fn serve_doubles(server: AsyncSession) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut served = 0;
+        while let Ok(mut env) = server.recv().await {
+            let Double(x) = env.decode().unwrap();
+            env.responder::<Double>().unwrap().respond(Doubled(2 * x));
+            served += 1;
+        }
+        served
+    })
+}
+
+/// Calls `Double(0..n)` through `service` with tower's `call_all`, checking every answer.
+async fn call_doubles<S>(service: S, n: u64)
+where
+    S: tower::Service<Double, Response = Doubled>,
+    S::Error: Into<tower::BoxError> + std::fmt::Debug,
+{
+    use futures::StreamExt;
+    use tower::ServiceExt;
+    let answers: Vec<_> = service
+        .call_all(futures::stream::iter((0..n).map(Double)))
+        .collect()
+        .await;
+    assert_eq!(answers.len() as u64, n);
+    for (i, a) in answers.into_iter().enumerate() {
+        assert_eq!(a.unwrap(), Doubled(2 * i as u64));
+    }
+}
+
 /// Calls on tokio: 64 concurrent calls from tasks of one session answered by a serving task
 /// (half through `Responder::respond` from spawned tasks), calls cancelled by a timeout whose
 /// answers come late, and an async hub that calls a session and answers its calls through
@@ -490,33 +521,15 @@ fn async_calls_answer_concurrent_tasks_and_count_cancelled_ones_late() {
 #[test]
 #[ignore = "device"]
 fn calls_serve_as_tower_services_limited_and_balanced() {
-    use futures::StreamExt;
-    use tower::{ServiceBuilder, ServiceExt};
-    fn serve(server: AsyncSession) -> tokio::task::JoinHandle<u64> {
-        tokio::spawn(async move {
-            let mut served = 0;
-            while let Ok(mut env) = server.recv().await {
-                let Double(x) = env.decode().unwrap();
-                env.responder::<Double>().unwrap().respond(Doubled(2 * x));
-                served += 1;
-            }
-            served
-        })
-    }
+    use tower::ServiceBuilder;
     runtime().block_on(async {
         let (client, server) = pair(SessionConfig::default(), SessionConfig::default());
-        let serving = serve(server);
+        let serving = serve_doubles(server);
         let limited = ServiceBuilder::new()
             .concurrency_limit(4)
             .timeout(LONG)
             .service(client.service::<Double>(LONG));
-        let answers: Vec<_> = limited
-            .call_all(futures::stream::iter((0..32).map(Double)))
-            .collect()
-            .await;
-        for (i, a) in answers.into_iter().enumerate() {
-            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
-        }
+        call_doubles(limited, 32).await;
         client.close().await.unwrap();
         assert_eq!(serving.await.unwrap(), 32);
 
@@ -540,7 +553,7 @@ fn calls_serve_as_tower_services_limited_and_balanced() {
         let mut serving = Vec::new();
         for s in servers {
             let session = s.await.unwrap().unwrap();
-            serving.push(serve(session.clone()));
+            serving.push(serve_doubles(session.clone()));
             sessions.push(session);
         }
         let services: Vec<_> = peers
@@ -553,13 +566,7 @@ fn calls_serve_as_tower_services_limited_and_balanced() {
                 tower::discover::ServiceList::new(services),
                 tower::load::CompleteOnResponse::default(),
             ));
-        let answers: Vec<_> = balanced
-            .call_all(futures::stream::iter((0..64).map(Double)))
-            .collect()
-            .await;
-        for (i, a) in answers.into_iter().enumerate() {
-            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
-        }
+        call_doubles(balanced, 64).await;
         for s in &sessions {
             s.close().await.unwrap();
         }
@@ -583,18 +590,6 @@ fn calls_serve_as_tower_services_limited_and_balanced() {
 #[ignore = "device"]
 fn a_hubs_peers_are_a_discoverable_set_for_tower_balance() {
     use futures::StreamExt;
-    use tower::ServiceExt;
-    fn serve(server: AsyncSession) -> tokio::task::JoinHandle<u64> {
-        tokio::spawn(async move {
-            let mut served = 0;
-            while let Ok(mut env) = server.recv().await {
-                let Double(x) = env.decode().unwrap();
-                env.responder::<Double>().unwrap().respond(Doubled(2 * x));
-                served += 1;
-            }
-            served
-        })
-    }
     runtime().block_on(async {
         let ep = Endpoint::open_default().unwrap();
         let hub = AsyncHub::new(rdmsg::msg::Hub::new(&ep, HubConfig::default()).unwrap()).unwrap();
@@ -619,7 +614,7 @@ fn a_hubs_peers_are_a_discoverable_set_for_tower_balance() {
                 }
                 tower::discover::Change::Remove(peer) => panic!("{peer} removed"),
             }
-            serving.push(serve(session.clone()));
+            serving.push(serve_doubles(session.clone()));
             sessions.push(session);
         }
         assert!(
@@ -632,13 +627,7 @@ fn a_hubs_peers_are_a_discoverable_set_for_tower_balance() {
                 hub.discover::<Double>(LONG),
                 tower::load::CompleteOnResponse::default(),
             ));
-        let answers: Vec<_> = (&mut balanced)
-            .call_all(futures::stream::iter((0..64).map(Double)))
-            .collect()
-            .await;
-        for (i, a) in answers.into_iter().enumerate() {
-            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
-        }
+        call_doubles(&mut balanced, 64).await;
         // The first server goes: the set drops it, and every later call goes to the second.
         let leaving = sessions.remove(0);
         let (closed, change) = tokio::join!(leaving.close(), all.next());
@@ -648,13 +637,7 @@ fn a_hubs_peers_are_a_discoverable_set_for_tower_balance() {
             tower::discover::Change::Insert(peer, _) => panic!("{peer} inserted"),
         }
         let first = serving.remove(0).await.unwrap();
-        let answers: Vec<_> = (&mut balanced)
-            .call_all(futures::stream::iter((0..64).map(Double)))
-            .collect()
-            .await;
-        for (i, a) in answers.into_iter().enumerate() {
-            assert_eq!(a.unwrap(), Doubled(2 * i as u64));
-        }
+        call_doubles(&mut balanced, 64).await;
         let leaving = sessions.remove(0);
         let (closed, change) = tokio::join!(leaving.close(), all.next());
         closed.unwrap();

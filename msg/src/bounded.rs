@@ -242,18 +242,11 @@ impl<'de> BodyReader<'de> {
         })
     }
 
-    /// A string's or byte string's length (bincode's: a `u64` varint).
+    /// A length: a `u64` varint, named `ty` when refused (bincode reads a string's as a
+    /// `U64`, and its serde decoder a sequence's or map's as a `Usize`).
     #[inline(always)]
-    fn len(&mut self) -> Result<usize, DecodeError> {
-        let n = self.varint(IntegerType::U64, U64)?;
-        usize::try_from(n).map_err(|_| DecodeError::OutsideUsizeRange(n))
-    }
-
-    /// A sequence's or map's claimed length (bincode's serde decoder reads a `usize` varint,
-    /// and names that type when it refuses one).
-    #[inline(always)]
-    fn count(&mut self) -> Result<usize, DecodeError> {
-        let n = self.varint(IntegerType::Usize, U64)?;
+    fn len(&mut self, ty: IntegerType) -> Result<usize, DecodeError> {
+        let n = self.varint(ty, U64)?;
         usize::try_from(n).map_err(|_| DecodeError::OutsideUsizeRange(n))
     }
 
@@ -284,7 +277,7 @@ impl<'de> BodyReader<'de> {
     /// A string or byte string: its length, then its bytes, charged to the budget.
     #[inline(always)]
     fn bytes(&mut self) -> Result<&'de [u8], DecodeError> {
-        let len = self.len()?;
+        let len = self.len(IntegerType::U64)?;
         let bytes = self.slice(len)?;
         self.charge(len)?;
         Ok(bytes)
@@ -504,7 +497,7 @@ impl<'de> Deserializer<'de> for &mut BodyReader<'de> {
 
     #[inline]
     fn deserialize_seq<V: Visitor<'de>>(self, v: V) -> Result<V::Value, DecodeError> {
-        let len = self.count()?;
+        let len = self.len(IntegerType::Usize)?;
         self.seq(len, true, v)
     }
 
@@ -525,7 +518,7 @@ impl<'de> Deserializer<'de> for &mut BodyReader<'de> {
 
     #[inline]
     fn deserialize_map<V: Visitor<'de>>(self, v: V) -> Result<V::Value, DecodeError> {
-        let len = self.count()?;
+        let len = self.len(IntegerType::Usize)?;
         self.nested(|de| v.visit_map(Entries { de, left: len }))
     }
 
