@@ -603,6 +603,14 @@ impl Decoder {
         Some((tag, seq, received))
     }
 
+    /// Forgets the message being reassembled and any that was being skipped: the connection
+    /// it came over is gone, and the peer sends it again whole on the next
+    /// ([`crate::Session`]'s resume).
+    pub(crate) fn reset(&mut self) {
+        let _ = self.reassembler.abandon();
+        self.skipping = None;
+    }
+
     /// Whether messages of `tag` are taken: every tag until a type is registered, then the
     /// registered ones.
     pub(crate) fn accepts(&self, tag: u32) -> bool {

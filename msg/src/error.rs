@@ -299,6 +299,52 @@ pub enum Error {
         /// The request type asked for.
         request: &'static str,
     },
+    /// The session could not resume on a new connection after its connection was lost
+    /// (fatal: the session has ended, with its delivery record as it stood).
+    #[error("the session cannot resume: {0}")]
+    CannotResume(Unresumable),
+}
+
+/// Why a session could not resume on a new connection ([`Error::CannotResume`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unresumable {
+    /// The peer counts fewer of our messages taken than it told us before: its numbers are
+    /// gone, as when its process restarted. What it took before is in the delivery record;
+    /// what followed is not known.
+    #[error(
+        "the peer counts {peer} of our messages taken, behind the {known} it told us before: \
+         it restarted (its numbers are gone)"
+    )]
+    PeerRestarted {
+        /// The count the peer told us before.
+        known: u64,
+        /// The count it gives now (modulo 2^32).
+        peer: u32,
+    },
+    /// The peer counts more of our messages taken than we sent: a confused or lying peer.
+    #[error(
+        "the peer counts {peer} of our messages taken (modulo 2^32), beyond the {sent} we sent"
+    )]
+    BeyondSent {
+        /// Messages we sent.
+        sent: u64,
+        /// The count the peer gives (modulo 2^32).
+        peer: u32,
+    },
+    /// No copies of the unconfirmed messages are kept
+    /// ([`SessionConfig::keep_unconfirmed`](crate::SessionConfig::keep_unconfirmed)), so
+    /// they cannot go again.
+    #[error("copies of unconfirmed messages are not kept, so they cannot be sent again")]
+    NoCopies,
+    /// The peer has no such session: its process restarted (its numbers are gone), or the
+    /// session ended on its side (its window ran out, or it closed).
+    #[error("the peer has no such session: it restarted, or the session ended on its side")]
+    UnknownSession,
+    /// The first frame on the new connection was not the peer's resume frame: a peer that
+    /// does not follow the protocol.
+    #[error("the peer's first frame on the new connection was not its resume frame")]
+    NoCount,
 }
 
 // `Debug` is the report (see `Report`): advice, not variants.
@@ -441,7 +487,7 @@ impl Error {
     pub fn is_fatal(&self) -> bool {
         match self {
             Error::Transport(e) => transport_is_fatal(e),
-            Error::DuplicateTag { .. } => true,
+            Error::DuplicateTag { .. } | Error::CannotResume(_) => true,
             Error::CallFailed { source, .. } => source.is_fatal(),
             Error::Encode { .. }
             | Error::Decode { .. }

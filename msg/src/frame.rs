@@ -49,6 +49,11 @@ pub const ASK: u8 = 0x10;
 /// Flag: several whole messages in one frame (with [`FIRST`] and [`LAST`], tag 0, `frag` the
 /// number of messages, at least one): see [`unpack`].
 pub const PACK: u8 = 0x20;
+/// Flag: the first frame on a connection that resumes a session (with [`FIRST`] and
+/// [`LAST`], tag 0, no body, `seq` the sender's count of our messages its application has
+/// taken, in full 32 bits): we send again from there. Read only by the resume
+/// ([`resume_count`]); anywhere else it is a reserved flag.
+pub const RESUME: u8 = 0x40;
 /// Bytes ahead of each message in a packed frame: its tag and its body length, big-endian.
 pub const PACK_ENTRY: usize = 8;
 
@@ -194,6 +199,23 @@ pub fn announced_total(flags: u8, body: &[u8]) -> Option<u32> {
     }
     let b = body.get(..TOTAL_LEN)?;
     Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// A resume frame telling our count `taken` ([`RESUME`]).
+pub fn resume_frame(taken: u32) -> Vec<u8> {
+    build(FIRST | LAST | RESUME, 0, taken, 0, &[])
+}
+
+/// The count a resume frame carries, if `frame` is one ([`RESUME`]).
+pub fn resume_count(frame: &[u8]) -> Option<u32> {
+    let resume = [FIRST | LAST | RESUME, 0, 0, 0, 0];
+    let h = frame.get(..HEADER_LEN)?;
+    let fields = [h[3], h[4] | h[5] | h[6] | h[7], h[16], h[17] | h[18], h[19]];
+    (frame.len() == HEADER_LEN
+        && u16::from_be_bytes([h[0], h[1]]) == MAGIC
+        && h[2] == VERSION
+        && fields == resume)
+        .then(|| u32::from_be_bytes([h[8], h[9], h[10], h[11]]))
 }
 
 /// Splits a received frame into header and body, checking everything the header claims.

@@ -103,7 +103,7 @@ pub use bulk::{Bulk, Piece};
 pub use call::{Call, CallStats, Request, Responder};
 pub use codec::Envelope;
 pub use dispatch::{DispatchStats, Dispatcher};
-pub use error::{DecodeFailure, Error, RequestFate, Result};
+pub use error::{DecodeFailure, Error, RequestFate, Result, Unresumable};
 pub use hub::{Hub, HubEvent, HubLimits, Posted};
 pub use message::{tag, Message};
 pub use peer::{

@@ -94,6 +94,7 @@ pub use rdmsg_msg::{
     message, request, tag, Bulk, Call, CallStats, Closed, DecodeFailure, Delivery, DispatchStats,
     Dispatcher, Envelope, Error, Hub, HubEvent, HubLimits, Message, OutboxStats, Posted, RecvHalf,
     Request, RequestFate, Responder, Result, SendHalf, Session, SessionConfig, SessionStats,
+    Unresumable,
 };
 pub use rdmsg_transport::{
     Config, Connection, Endpoint, Failure, HubConfig, Listener, PeerId, Psk, Received,

@@ -11,7 +11,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{deadline_after, ReadyWatch};
@@ -22,8 +22,9 @@ use crate::connection::Connection;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::failed::FailedHandshakes;
-use crate::handshake::{Action, Handshake, Hello, Reject};
+use crate::handshake::{Action, Handshake, Hello, Reject, Resumption};
 use crate::handshake_set::{to_evict, Bound, Waiting};
+use crate::resume::{self, Resume, Sessions};
 use crate::setup::{nonce, our_hello, LocalSide, Setup};
 use crate::stream::{accept_next, bootstrap_err};
 use crate::token;
@@ -42,6 +43,9 @@ pub(crate) struct Pending<S = Setup> {
     /// When it began: `deadline` is `handshake_timeout` after.
     pub(crate) started: Instant,
     pub(crate) deadline: Instant,
+    /// The accepting side's resumable sessions, to check a resume's token against before
+    /// anything is set up for it.
+    sessions: Option<Arc<Sessions>>,
 }
 
 impl<S: LocalSide> Pending<S> {
@@ -66,7 +70,20 @@ impl<S: LocalSide> Pending<S> {
             config: config.clone(),
             started,
             deadline: deadline_after(started, config.handshake_timeout),
+            sessions: None,
         })
+    }
+
+    /// A resume whose token names no session here is refused before anything is set up:
+    /// the reason, if so.
+    fn refuse_resume(&self) -> Option<Reject> {
+        let sessions = self.sessions.as_ref()?;
+        match self.hs.session() {
+            Resumption::Resume(token) if sessions.find(&token).is_none() => {
+                Some(Reject::UnknownSession)
+            }
+            _ => None,
+        }
     }
 
     /// Moves the handshake on as far as the bytes at hand allow; `Ok(true)` once it is done.
@@ -80,6 +97,11 @@ impl<S: LocalSide> Pending<S> {
         loop {
             self.flush()?;
             if let Some(Action::Connect { peer, send_buffers }) = self.hs.poll_action() {
+                if let Some(reason) = self.refuse_resume() {
+                    self.hs.abort(reason);
+                    let _ = self.flush();
+                    return Err(Error::BadHandshake(reason));
+                }
                 match self.connect_local(endpoint, &peer, send_buffers, create) {
                     Ok(addr) => self.hs.local_ready(addr),
                     Err(e) => {
@@ -212,6 +234,7 @@ pub(crate) fn connect(
     endpoint: &Endpoint,
     stream: TcpStream,
     config: &Config,
+    session: Resumption,
 ) -> Result<Connection> {
     config.check()?;
     let setup = Setup::new(endpoint, config)?;
@@ -220,13 +243,21 @@ pub(crate) fn connect(
         config,
         Some(endpoint.address_of(&setup.qp, setup.psn)),
     );
-    let hs = Handshake::client(ours, config.limits(), config.psk.clone(), nonce()?);
+    let hs = Handshake::client_with(ours, config.limits(), config.psk.clone(), nonce()?, session);
     let mut p = Pending::new(stream, hs, Some(setup), config)?;
     let watch = ReadyWatch::new()?;
     watch.add(p.stream.as_fd(), 0)?;
     loop {
         if p.advance(endpoint, &mut |c| Setup::new(endpoint, c))? {
-            return p.finish(endpoint);
+            let (resumable, addr) = (p.hs.resumable(), p.peer_addr);
+            let mut conn = p.finish(endpoint)?;
+            // A new session the server agreed to resume: we dial again when it is lost.
+            if let (true, Resumption::Offer(token), Some(addr), Some(window)) =
+                (resumable, session, addr, config.resume_window)
+            {
+                conn.resume = Some(Resume::dialing(endpoint, addr, config, token, window));
+            }
+            return Ok(conn);
         }
         let left = p.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -259,6 +290,8 @@ pub struct Listener {
     /// watch until then, so that pending handshakes go on and nothing spins on it.
     accept_paused: Mutex<Option<Instant>>,
     failed: FailedHandshakes,
+    /// Sessions accepted here that may resume, by token.
+    sessions: Arc<Sessions>,
 }
 
 /// How long a listener stops accepting after `accept(2)` failed for want of resources.
@@ -309,6 +342,7 @@ impl Listener {
             pending: Mutex::new(Vec::new()),
             accept_paused: Mutex::new(None),
             failed: FailedHandshakes::default(),
+            sessions: Arc::default(),
         })
     }
 
@@ -414,10 +448,13 @@ impl Listener {
                 };
                 let p = self.remove(&mut pending, i);
                 let from = p.peer_addr;
+                let (session, resumable) = (p.hs.session(), p.hs.resumable());
                 match outcome.and_then(|()| p.finish(&self.endpoint)) {
                     Ok(conn) => {
                         trace::accepted(from, Ok((conn.qp_num(), conn.peer().addr.qpn)));
-                        return Ok(Some(Ok(conn)));
+                        if let Some(conn) = self.resumable(conn, session, resumable, config) {
+                            return Ok(Some(Ok(conn)));
+                        }
                     }
                     Err(e) => self.failed.record(from, e),
                 }
@@ -437,6 +474,34 @@ impl Listener {
                 .watch
                 .wait(next.map(|d| d.saturating_duration_since(now)))?;
             now = Instant::now();
+        }
+    }
+
+    /// A connection whose handshake just finished: a new session that may resume gets its
+    /// slot here; a resume's connection goes to its session's slot instead of to the caller
+    /// (`None`), or is dropped if the session ended since its token was checked.
+    fn resumable(
+        &self,
+        mut conn: Connection,
+        session: Resumption,
+        resumable: bool,
+        config: &Config,
+    ) -> Option<Connection> {
+        match (session, resumable, config.resume_window) {
+            (Resumption::Offer(token), true, Some(window)) => {
+                if let Some(slot) = self.sessions.register(token) {
+                    conn.resume = Some(Resume::accepted(&self.sessions, slot, token, window));
+                }
+                Some(conn)
+            }
+            (Resumption::Resume(token), true, _) => {
+                if let Some(slot) = self.sessions.find(&token) {
+                    trace::resume_accepted(conn.qp_num());
+                    slot.put(Ok(conn));
+                }
+                None
+            }
+            _ => Some(conn),
         }
     }
 
@@ -486,9 +551,11 @@ impl Listener {
                 config.limits(),
                 config.psk.clone(),
                 nonce()?,
-            );
+            )
+            .resuming(config.resume_window.is_some());
             match Pending::new(stream, hs, None, config) {
-                Ok(p) => {
+                Ok(mut p) => {
+                    p.sessions = Some(self.sessions.clone());
                     self.watch
                         .add(p.stream.as_fd(), token::listener::pending(slot))?;
                     trace::handshake_started(p.peer_addr, None);
@@ -564,13 +631,38 @@ impl Endpoint {
     ) -> Result<Connection> {
         let _span = trace_span!(INFO, "connect", addr = ?addr);
         trace::connecting(&addr);
-        let made = dial(&addr).and_then(|stream| connect(self, stream, config));
+        let made =
+            dial(&addr).and_then(|stream| connect(self, stream, config, resume::offer(config)?));
         trace::connected(
             &addr,
             made.as_ref().map(|c| (c.qp_num(), c.peer().addr.qpn)),
         );
         made
     }
+}
+
+/// A connection resuming the session `token` names, dialed to `addr` (where the session's
+/// first connection was made) and handshaken within `patience` in all.
+pub(crate) fn dial_resume(
+    endpoint: &Endpoint,
+    addr: SocketAddr,
+    config: &Config,
+    token: resume::Token,
+    patience: Duration,
+) -> Result<Connection> {
+    let started = Instant::now();
+    let stream = TcpStream::connect_timeout(&addr, patience.max(Duration::from_millis(1)))
+        .map_err(|source| Error::Connect {
+            addr: addr.to_string(),
+            source,
+        })?;
+    let config = Config {
+        handshake_timeout: patience
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1)),
+        ..config.clone()
+    };
+    connect(endpoint, stream, &config, Resumption::Resume(token))
 }
 
 /// The bootstrap TCP stream to `addr`, or [`Error::Connect`], which shows the OS's reason

@@ -110,6 +110,15 @@ pub struct Config {
     /// cannot make us register what the system would refuse. Default 64 MiB; 0: we read
     /// nothing (the peer fragments everything).
     pub max_read_bytes: u32,
+    /// How long a session over this connection may stay suspended after the connection was
+    /// lost for a reason a network can cause (the peer vanished, its queue pair stopped
+    /// answering), waiting for a new connection to resume on. The connecting side dials
+    /// again through the same bootstrap, with jittered backoff; the accepting side's
+    /// [`Listener`](crate::Listener) hands the new connection to the session whose token it
+    /// carries (see [`Resume`](crate::Resume)). Both sides must set it (the server's accept
+    /// `config` decides for it); the typed layer then sends again what the peer had not
+    /// taken and nothing twice. `None` (the default): a lost connection ends the session.
+    pub resume_window: Option<Duration>,
     /// Fault injection for tests (feature `test-hooks`).
     #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
@@ -161,6 +170,7 @@ impl Default for Config {
             keepalive: Some(Duration::from_secs(5)),
             health_check: Some(Duration::from_secs(1)),
             max_read_bytes: 64 << 20,
+            resume_window: None,
             #[cfg(feature = "test-hooks")]
             hooks: TestHooks::default(),
         }

@@ -383,6 +383,23 @@ fn errno_suffix(errno: Option<i32>) -> String {
 }
 
 impl Failure {
+    /// Whether a network can cause this failure, so that a session may resume after it on a
+    /// new connection ([`Config::resume_window`](crate::Config::resume_window)): the peer
+    /// vanished or stopped answering (retries exceeded, requests flushed by the queue pair's
+    /// error, an error state nothing explained, a fatal event on the queue pair). Not a close,
+    /// a protocol violation, a local verb's failure or a completion queue overrun.
+    pub fn may_resume(&self) -> bool {
+        use rdmsg_verbs::{AsyncEventKind as Ev, WcStatus as S};
+        match self {
+            Failure::PeerVanished | Failure::QpError => true,
+            Failure::Completion { status, .. } => {
+                matches!(status, S::RetryExcErr | S::RnrRetryExcErr | S::WrFlushErr)
+            }
+            Failure::AsyncEvent(kind) => matches!(kind, Ev::QpFatal),
+            _ => false,
+        }
+    }
+
     /// The failure an unsuccessful work completion stands for.
     pub fn of_completion(wc: &rdmsg_verbs::WorkCompletion) -> Self {
         Failure::Completion {

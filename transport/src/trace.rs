@@ -136,6 +136,13 @@ pub(crate) fn accepted(from: Option<SocketAddr>, res: Result<(u32, u32), &Error>
     }
 }
 
+/// A listener accepted a resume: the new connection (queue pair `qp`) goes to its session.
+#[inline(always)]
+pub(crate) fn resume_accepted(qp: u32) {
+    unused(&qp);
+    trace_event!(INFO, conn = %Conn(qp, None), "resume accepted");
+}
+
 /// A hub starts connecting `peer` over a stream to `to`.
 #[inline(always)]
 pub(crate) fn hub_connecting(peer: PeerId, to: Option<SocketAddr>) {

@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdmsg_transport::{PeerId, Waker};
@@ -115,7 +115,10 @@ impl fmt::Debug for QueuedReply {
 pub(crate) struct Replies {
     queue: Mutex<Vec<QueuedReply>>,
     any: AtomicBool,
-    waker: OnceLock<Waker>,
+    /// The owner's waker: replaced when a session resumes on a new connection.
+    waker: Mutex<Option<Waker>>,
+    /// Whether `waker` is set (read without the lock for every request routed).
+    has_waker: AtomicBool,
     /// Called after an answer is queued (see [`crate::Session::on_answer`]).
     hook: Mutex<Option<AnswerHook>>,
     /// Requests whose responder was dropped after their caller's deadline
@@ -141,7 +144,8 @@ impl Replies {
         Arc::new(Self {
             queue: Mutex::new(Vec::new()),
             any: AtomicBool::new(false),
-            waker: waker.map_or_else(OnceLock::new, OnceLock::from),
+            has_waker: AtomicBool::new(waker.is_some()),
+            waker: Mutex::new(waker),
             hook: Mutex::new(None),
             expired: AtomicU64::new(0),
         })
@@ -150,12 +154,14 @@ impl Replies {
     /// Whether answers given on other threads wake the owner (set once, when the first
     /// request arrives: a session that serves no calls keeps no descriptor for it).
     pub(crate) fn has_waker(&self) -> bool {
-        self.waker.get().is_some()
+        self.has_waker.load(Ordering::Acquire)
     }
 
-    /// The owner's waker, from now on.
+    /// The owner's waker, from now on (a session that resumed on a new connection gives its
+    /// new one).
     pub(crate) fn set_waker(&self, waker: Waker) {
-        let _ = self.waker.set(waker);
+        *self.waker.lock().unwrap_or_else(PoisonError::into_inner) = Some(waker);
+        self.has_waker.store(true, Ordering::Release);
     }
 
     /// Runs `hook` after each answer queued from now on.
@@ -169,7 +175,7 @@ impl Replies {
             .unwrap_or_else(PoisonError::into_inner)
             .push(reply);
         self.any.store(true, Ordering::SeqCst);
-        if let Some(w) = self.waker.get() {
+        if let Some(w) = &*self.waker.lock().unwrap_or_else(PoisonError::into_inner) {
             w.wake();
         }
         let hook = self

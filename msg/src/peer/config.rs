@@ -175,6 +175,14 @@ pub struct SessionStats {
     /// own when their turn came (their memory could not be registered, say) while the
     /// connection stayed up: dropped, unsent, each error returned once.
     pub committed_dropped: u64,
+    /// Times the session resumed on a new connection after its connection was lost.
+    pub resumes: u64,
+    /// Messages sent again on a new connection because the peer's application had not taken
+    /// them when the old one was lost.
+    pub resumed_messages: u64,
+    /// Time spent suspended, between losing a connection and resuming on the next (or
+    /// failing at the end of the window).
+    pub time_suspended: Duration,
 }
 
 impl SessionStats {
@@ -199,6 +207,9 @@ impl SessionStats {
         self.credit_waits += other.credit_waits;
         self.wakeups += other.wakeups;
         self.committed_dropped += other.committed_dropped;
+        self.resumes += other.resumes;
+        self.resumed_messages += other.resumed_messages;
+        self.time_suspended += other.time_suspended;
         self.rendezvous_registered = self.rendezvous_registered.max(other.rendezvous_registered);
     }
 }

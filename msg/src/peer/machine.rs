@@ -86,6 +86,27 @@ impl PeerMachine {
         (self.outbox.clear(), lost)
     }
 
+    /// The connection to the peer was lost and the session is kept for a new one (a resume):
+    /// the peer's last word (`last_note`) settles the delivery record as far as it goes, and
+    /// everything of the peer's our application has not taken is dropped, to come again.
+    /// The outbox, the calls and the copies of our unconfirmed messages stay. Returns our
+    /// count of the peer's messages taken, for the resume to carry.
+    pub(crate) fn suspend(&mut self, last_note: Option<u32>) -> u32 {
+        self.send.learn_note(last_note);
+        self.recv.reset_for_resume();
+        self.recv.taken()
+    }
+
+    /// On the new connection, given the peer's count `peer_taken` of our messages: those it
+    /// has not taken go again first ([`SendSide::rewind`]), our frames carry our count.
+    /// Returns how many go again; [`crate::Error::CannotResume`] if the count cannot be true
+    /// or no copies were kept.
+    pub(crate) fn resume(&mut self, peer_taken: u32) -> crate::Result<usize> {
+        let again = self.send.rewind(peer_taken)?;
+        self.send.tell_taken(self.recv.taken());
+        Ok(again)
+    }
+
     /// Runs `f` with the sending side and `io` lent the receiving side, so that a send that
     /// waits for room takes in what arrives meanwhile ([`PeerIo::absorb`]).
     // One lifetime for the loan, not any (`Absorbing<'_>` in `f` would ask `L: 'static`).

@@ -123,6 +123,12 @@ impl RecvSide {
         }
     }
 
+    /// What a read buffer given back on another thread wakes (the connection's waker: a
+    /// resumed session's new one).
+    pub(crate) fn set_pool_waker(&self, waker: rdmsg_transport::Waker) {
+        self.pool.set_waker(waker);
+    }
+
     /// This receiver with its fragmented messages counted against a hub's `budget`.
     pub(crate) fn with_budget(mut self, budget: ReassemblyBudget) -> Self {
         self.budget = Some(budget);
@@ -634,6 +640,35 @@ impl RecvSide {
             let header = frame::parse(f.bytes()).ok().map(|(h, _)| h);
             self.take_in(f, header);
         }
+    }
+
+    /// The connection was lost and a new one is to take its place (a resume): everything of
+    /// the peer's that our application has not taken is dropped, whole messages, messages in
+    /// reassembly or waiting for their reads, and parked frames alike, since the peer sends
+    /// again everything from our count on ([`RecvSide::taken`]), in order. Reads under way
+    /// end with the old queue pair (their buffers go with it). Registered types, the read
+    /// pool and the counts stay.
+    pub(crate) fn reset_for_resume(&mut self) {
+        if !self.reading.is_empty() {
+            self.pool.reading(false);
+        }
+        for (_, (_, _, _, cap)) in std::mem::take(&mut self.reading) {
+            self.pool.forget(cap);
+        }
+        self.waiting.clear();
+        self.parked.clear();
+        self.order.clear();
+        self.decoder.reset();
+        if let Some(b) = &self.budget {
+            b.release(std::mem::take(&mut self.reserved));
+            b.leave(&mut self.ticket);
+        }
+        self.watch = None;
+        self.acks.clear();
+        self.acked.clear();
+        self.ask = None;
+        self.answer_due = false;
+        self.peer_taken = None;
     }
 
     /// The next message (or dropped frame's error) in order, if it is there, handed to the

@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 
 use crate::codec::Envelope;
+use crate::error::Unresumable;
 
 /// Most messages a sender leaves unconfirmed: beyond it a send waits for the peer's record.
 /// Below 2^15, so that the 16 bits a frame carries name the peer's count without doubt.
@@ -176,6 +177,48 @@ impl Record {
     fn ask_now(&mut self) -> u32 {
         self.asked = Some(self.delivery.sent);
         self.delivery.sent as u32
+    }
+
+    /// Rewinds to the peer's count `taken` of our messages (in full 32 bits, as its resume
+    /// carries it) after the connection was lost: the copies of the messages it has not
+    /// taken come out, oldest first, as (tag, body), and the next number is `taken` again,
+    /// so that sending them anew gives each the number it had. The count must lie between
+    /// what the peer told us before and what we sent: one behind means a peer whose numbers
+    /// are gone (it restarted), one beyond a peer that is confused or lying. Without copies
+    /// nothing can go again.
+    pub(crate) fn rewind(&mut self, taken: u32) -> Result<Vec<(u32, Vec<u8>)>, Unresumable> {
+        let d = self.delivery;
+        let ahead = u64::from(taken.wrapping_sub(d.taken as u32));
+        if ahead > d.unconfirmed() {
+            let behind = (d.taken as u32).wrapping_sub(taken);
+            return Err(match behind < 1 << 31 {
+                true => Unresumable::PeerRestarted {
+                    known: d.taken,
+                    peer: taken,
+                },
+                false => Unresumable::BeyondSent {
+                    sent: d.sent,
+                    peer: taken,
+                },
+            });
+        }
+        if self.kept.is_none() {
+            return Err(Unresumable::NoCopies);
+        }
+        self.move_to(Delivery {
+            taken: d.taken + ahead,
+            ..d
+        });
+        let k = self.kept.as_mut().expect("checked");
+        debug_assert_eq!(k.copies.len() as u64, self.delivery.unconfirmed());
+        k.bytes = 0;
+        let copies = std::mem::take(&mut k.copies)
+            .into_iter()
+            .map(|(_, tag, body)| (tag, body))
+            .collect();
+        self.delivery.sent = self.delivery.taken;
+        self.asked = None;
+        Ok(copies)
     }
 
     /// The copies of the messages not confirmed, in order (none if none are kept), given up by

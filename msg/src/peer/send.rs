@@ -345,6 +345,37 @@ impl SendSide {
         all
     }
 
+    /// Resumes on a new connection, given the peer's count `taken` of our messages (what its
+    /// resume said): the messages it has not taken go again first, in order and under their
+    /// own numbers, from their copies, queued as committed messages are (the last solicited,
+    /// so that a peer asleep wakes for them); messages committed and not sent yet follow.
+    /// Whatever belonged to the old connection is dropped: frames of a fragmented message
+    /// under way (the message goes again whole), acknowledgements of reads (the peer's
+    /// exposures went with its queue pair), our exposures. Returns how many go again.
+    pub(crate) fn rewind(&mut self, taken: u32) -> Result<usize> {
+        let copies = self
+            .record
+            .rewind(taken)
+            .map_err(crate::Error::CannotResume)?;
+        self.seq = self.record.delivery().sent as u32;
+        self.outgoing.clear();
+        self.lent = Lent::new(self.lent.max());
+        self.draining = false;
+        let again = copies.len();
+        let last = again.wrapping_sub(1);
+        for (i, (tag, body)) in copies.into_iter().enumerate().rev() {
+            self.committed.push_front(Committed {
+                tag,
+                total: body.len(),
+                pieces: vec![Piece::Encoded(body)],
+                solicited: i == last,
+            });
+        }
+        self.stats.resumed_messages += again as u64;
+        self.stats.resumes += 1;
+        Ok(again)
+    }
+
     /// The peer's count of our messages taken, as one of its frames carried it.
     pub(crate) fn learn_taken(&mut self, taken: u16) {
         self.record.learn(taken);

@@ -75,11 +75,12 @@ impl Session {
             m: request,
         };
         let before = peer::Numbering::before(&self.machine.send);
-        let sent =
+        let sent = self.sending(Some(left), true, Some(false), |s| {
             peer::in_time(
-                self.machine
-                    .send_within(&mut self.conn, &out, solicited, Some(left)),
-            );
+                s.machine
+                    .send_within(&mut s.conn, &out, solicited, Some(left)),
+            )
+        });
         let went = before.went(&self.machine.send, &sent);
         call::started::<R>(&self.calls, id, sent, went, timeout, deadline)
     }
@@ -184,7 +185,9 @@ impl Session {
             status: 0,
             value: Some(value),
         };
-        self.machine.send_as(&mut self.conn, &out, true)
+        self.sending(None, (), None, |s| {
+            s.machine.send_as(&mut s.conn, &out, true)
+        })
     }
 
     /// Whether answers given by [`Responder`]s wait to be sent (they go with the next call
@@ -269,6 +272,9 @@ impl Session {
                 }
                 Ok(())
             }
+            // A session that suspends keeps its answers for the new connection; the loss
+            // comes from the next receive.
+            Err(_) if self.resume.is_some() && self.suspends() => Ok(()),
             Err(e) => {
                 let lost = self.machine.outbox.clear();
                 self.drop_replies(lost);

@@ -15,6 +15,14 @@ use crate::peer::{self, Closing, Delivery, Outbox, PeerMachine, RecvSide, SendSi
 use crate::rendezvous::ReadPool;
 use crate::{Message, Result, SessionConfig, SessionStats};
 
+/// Bytes of copies a resumable session keeps of the messages its peer has not taken, unless
+/// [`SessionConfig::keep_unconfirmed`] says otherwise: a send beyond it waits for the peer's
+/// record, as one beyond the window of unconfirmed messages does.
+pub const RESUME_KEEP: usize = 16 << 20;
+
+/// How often an event loop steps a suspended session (its new connection also wakes it).
+const SUSPENDED_POLL_MS: u64 = 50;
+
 /// Typed messages over a [`Connection`]. The sender decides per message whether it wakes the
 /// receiver; the receiver sleeps solicited-only (the connection's default) and drains
 /// everything that arrived before the waking message, in order.
@@ -33,10 +41,14 @@ pub struct Session {
     held: Held<(), Result<Envelope>>,
     /// A call's wait is receiving, and whether an answer came: it ends the receive.
     answer_watch: call::AnswerWatch,
+    /// How the session resumes after its connection is lost, if both sides set
+    /// [`rdmsg_transport::Config::resume_window`] (see `resume.rs`).
+    resume: Option<resume::Resuming>,
 }
 
 mod calls;
 mod close;
+mod resume;
 mod send;
 
 pub use close::Closed;
@@ -48,7 +60,20 @@ impl Session {
     }
 
     /// A session with these bounds.
-    pub fn with_config(conn: Connection, config: SessionConfig) -> Self {
+    pub fn with_config(mut conn: Connection, config: SessionConfig) -> Self {
+        // A resumable session keeps copies of what the peer has not taken: they go again.
+        let resume = conn.take_resume();
+        let config = match (&resume, config.keep_unconfirmed) {
+            (Some(_), None) => SessionConfig {
+                keep_unconfirmed: Some(RESUME_KEEP),
+                ..config
+            },
+            _ => config,
+        };
+        if let Some(r) = &resume {
+            // A new connection the listener hands over wakes whoever waits on this one.
+            r.wake_with(conn.waker().ok());
+        }
         // What we read is bounded by what we announced in the handshake (the peer fragments
         // larger messages).
         let pool = ReadPool::new(conn.config().announced_max_read() as usize);
@@ -64,6 +89,7 @@ impl Session {
             replies: Replies::new(None),
             held: Held::new(config.max_held_bytes),
             answer_watch: call::AnswerWatch::default(),
+            resume: resume.map(resume::Resuming::new),
             machine: PeerMachine::new(
                 SendSide::new(&config, conn.peer().recv_depth)
                     .with_peer_max_read(conn.peer().max_read),
@@ -97,6 +123,7 @@ impl Session {
         SessionStats {
             credit_waits: self.conn.stats().credit_stalls,
             wakeups: self.conn.wakeups(),
+            time_suspended: self.time_suspended(),
             ..self.machine.stats()
         }
     }
@@ -118,6 +145,10 @@ impl Session {
     /// frames; RDMA says nothing of what an application did).
     pub fn take_unconfirmed(&mut self) -> Option<Vec<Envelope>> {
         self.conn.failure()?;
+        if self.is_suspended() {
+            // They go again once the session resumes.
+            return None;
+        }
         self.machine.learn_note(&self.conn);
         Some(self.machine.send.take_unconfirmed())
     }
@@ -181,7 +212,7 @@ impl Session {
                 // The sends wait at most what is left, taking in what arrives.
                 match self.machine.flush_before_wait(&mut self.conn, left, now) {
                     Err(e) => {
-                        self.before_failure(e)?;
+                        self.before_failure(e, deadline)?;
                         continue;
                     }
                     Ok(f) if !f.drained => {
@@ -219,7 +250,12 @@ impl Session {
             }
             // Answers given meanwhile, or a credit for those waiting, end the wait.
             let (replies, unsent) = (&self.replies, !self.machine.outbox.is_empty());
-            let interrupted = |c: &Connection| replies.waiting() || (unsent && c.credits() > 0);
+            let resume = self.resume.as_ref();
+            let interrupted = |c: &Connection| {
+                replies.waiting()
+                    || (unsent && c.credits() > 0)
+                    || resume.is_some_and(resume::Resuming::successor_waiting)
+            };
             let arrival = advanced.and_then(|()| {
                 Ok(match now {
                     Some(now) => {
@@ -234,7 +270,10 @@ impl Session {
                 })
             });
             // Nothing came: the next turn reads the clock and judges the deadline.
-            self.take_arrival(arrival)?;
+            if !self.take_arrival(arrival, deadline)? && self.successor_waiting() {
+                // The peer resumed on a new connection before this side saw the old one go.
+                self.resume_until(deadline)?;
+            }
         }
     }
 
@@ -268,7 +307,11 @@ impl Session {
     /// failure counts: what is still deliverable comes before it).
     // Inlined: on the receive path of every message, and an arrival is moved, not copied.
     #[inline(always)]
-    fn take_arrival(&mut self, arrival: Result<Option<rdmsg_transport::Arrival>>) -> Result<bool> {
+    fn take_arrival(
+        &mut self,
+        arrival: Result<Option<rdmsg_transport::Arrival>>,
+        deadline: Option<Instant>,
+    ) -> Result<bool> {
         match arrival {
             Ok(Some(a)) => {
                 self.machine.recv.accept(a);
@@ -276,17 +319,19 @@ impl Session {
                 Ok(true)
             }
             Ok(None) => Ok(false),
-            Err(e) => {
-                self.before_failure(e)?;
-                Ok(true)
-            }
+            Err(e) => self.before_failure(e, deadline),
         }
     }
 
     /// A call failed with `e`. If the connection failed, messages whose reads can no longer
     /// complete fail in their place, and what is then deliverable comes before `e` (`Ok`:
-    /// look again). A failed connection stays failed: `e` comes once nothing is left.
-    fn before_failure(&mut self, e: crate::Error) -> Result<()> {
+    /// look again). A failed connection stays failed: `e` comes once nothing is left. A
+    /// resumable session suspends instead and waits for its new connection until
+    /// `deadline` (`Ok(true)`: resumed, look again; `Ok(false)`: not yet).
+    fn before_failure(&mut self, e: crate::Error, deadline: Option<Instant>) -> Result<bool> {
+        if self.resume.is_some() && self.suspends() {
+            return self.resume_until(deadline);
+        }
         if let Some(f) = self.conn.failure() {
             // Calls under way end with it (their answers can no longer come), and answers
             // waiting to go are dropped.
@@ -296,7 +341,7 @@ impl Session {
             self.drop_replies(dropped);
             // (Unless a call's wait keeps all it may: then the calls have their outcome.)
             if self.machine.recv.has_ready() && !self.held.is_full(()) {
-                return Ok(());
+                return Ok(true);
             }
         }
         Err(e)
@@ -329,7 +374,7 @@ impl Session {
                 continue;
             }
             let arrival = advanced.and_then(|()| Ok(self.conn.try_recv_any()?));
-            if !self.take_arrival(arrival)? {
+            if !self.take_arrival(arrival, Some(Instant::now()))? {
                 return Ok(None);
             }
         }
@@ -361,6 +406,20 @@ impl Session {
     /// then wait until the descriptor is readable or [`Session::next_timeout`] passes.
     /// Returns whether it handled anything (if so, look again before waiting).
     pub fn step(&mut self) -> Result<bool> {
+        match self.step_inner() {
+            // A resumable session that lost its connection takes a new one if there is one
+            // (never waiting).
+            Err(_) if self.resume.is_some() && (self.suspends() || self.successor_waiting()) => {
+                self.resume_until(Some(Instant::now()))
+            }
+            Ok(_) if self.resume.is_some() && self.successor_waiting() => {
+                self.resume_until(Some(Instant::now()))
+            }
+            r => r,
+        }
+    }
+
+    fn step_inner(&mut self) -> Result<bool> {
         // Take in what the last step polled: a peer's acknowledgement frees rendezvous room
         // for a sender that waits on the descriptor without receiving, and a descriptor
         // starts its read. Messages wait in order for `try_recv`.
@@ -407,7 +466,10 @@ impl Session {
             d.saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1))
         });
-        earliest(self.conn.next_timeout(), flush)
+        let resume = self
+            .is_suspended()
+            .then_some(Duration::from_millis(SUSPENDED_POLL_MS));
+        earliest(earliest(self.conn.next_timeout(), flush), resume)
     }
 
     /// Whether a message (or a frame to take) is there for [`Session::try_recv`] without

@@ -13,7 +13,9 @@ impl Session {
     /// straight into a registered send buffer when it fits; larger messages are fragmented,
     /// only their last fragment solicited.
     pub fn send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<()> {
-        self.machine.send_as(&mut self.conn, m, solicited)
+        self.sending(None, (), None, |s| {
+            s.machine.send_as(&mut s.conn, m, solicited)
+        })
     }
 
     /// Sends a batch: every message unsolicited but the last, which is solicited. One
@@ -30,7 +32,7 @@ impl Session {
     /// If anything went unsolicited since the last solicited frame, sends a payload-less
     /// solicited frame so that the receiver looks now. Call it when a burst ends.
     pub fn flush(&mut self) -> Result<()> {
-        self.machine.flush(&mut self.conn)
+        self.sending(None, (), None, |s| s.machine.flush(&mut s.conn))
     }
 
     /// Sends `m` as [`Session::send_as`] does, but waits at most `timeout` for the peer's
@@ -44,10 +46,12 @@ impl Session {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        peer::in_time(
-            self.machine
-                .send_within(&mut self.conn, m, solicited, Some(timeout)),
-        )
+        self.sending(Some(timeout), true, Some(false), |s| {
+            peer::in_time(
+                s.machine
+                    .send_within(&mut s.conn, m, solicited, Some(timeout)),
+            )
+        })
     }
 
     /// Sends `m` if it can go without waiting (see [`Session::send_as`] for `solicited`):
@@ -56,8 +60,10 @@ impl Session {
     /// follow as credits come, driven by any later call (a [`Session::step`] included),
     /// before anything sent after it. For event loops and async runtimes: it never blocks.
     pub fn try_send_as<M: Message>(&mut self, m: &M, solicited: bool) -> Result<bool> {
-        self.machine.learn_note(&self.conn);
-        self.machine.send.try_send_as(&mut self.conn, m, solicited)
+        self.sending(Some(Duration::ZERO), true, Some(false), |s| {
+            s.machine.learn_note(&s.conn);
+            s.machine.send.try_send_as(&mut s.conn, m, solicited)
+        })
     }
 
     /// Commits `m` to go, without waiting: it is sent now if it can go, else encoded

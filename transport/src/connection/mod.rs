@@ -94,6 +94,9 @@ pub struct Connection {
     step_wakeups: u64,
     /// The credit stall under way, for its events (nothing without the `tracing` feature).
     stall: Stall,
+    /// How a session over this connection resumes on a new one, if it may
+    /// ([`Config::resume_window`]).
+    pub(crate) resume: Option<crate::resume::Resume>,
 }
 
 impl AsFd for Connection {
@@ -205,6 +208,7 @@ impl Connection {
             step_quiet: false,
             step_wakeups: 0,
             stall: Stall::default(),
+            resume: None,
         })
     }
 
@@ -778,6 +782,13 @@ impl Connection {
             return Ok(Some(None));
         }
         Ok(self.try_recv_any()?.map(Some))
+    }
+
+    /// How a session over this connection resumes on a new one after it is lost, if both
+    /// sides set [`Config::resume_window`] (the first connection of a session only; a
+    /// successor has none: its session keeps the first's). Taken once, by the typed layer.
+    pub fn take_resume(&mut self) -> Option<crate::resume::Resume> {
+        self.resume.take()
     }
 
     /// A handle that makes the connection's descriptor readable (and ends its blocking

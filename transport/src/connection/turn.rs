@@ -9,6 +9,8 @@ use rdmsg_verbs::WorkCompletion;
 use super::{Connection, DRAIN_POLL, LIVENESS_EVERY, POLL_SLICE};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
+#[cfg(feature = "test-hooks")]
+use crate::control::Control;
 use crate::core::{earliest, Completion};
 use crate::device_events::{self, Mailbox};
 use crate::drive;
@@ -370,6 +372,16 @@ impl Connection {
     #[doc(hidden)]
     pub fn inject_fault(&mut self, fault: Fault) {
         self.fault = Some(fault);
+    }
+
+    /// Test hook: cuts the bootstrap stream (both ways), as a network that lost it would: each
+    /// side then sees its peer vanish, while the queue pairs still work.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn sever_bootstrap(&self) {
+        if let Control::Tcp(stream) = &self.waiter.channel().bootstrap {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Test hook: the raw queue pair, for a test that moves it to the error state from another

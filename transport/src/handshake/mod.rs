@@ -83,8 +83,9 @@ pub const MAGIC: [u8; 8] = *b"RDMSG\0HS";
 /// and sessions send large messages by rendezvous (a version 2 peer would drop those), so
 /// the two refuse each other here rather than lose messages. 4: each side announces the reads
 /// it serves at once and the largest message it reads (a sender fragments larger ones), and
-/// frames and grants carry the delivery record.
-pub const VERSION: u16 = 4;
+/// frames and grants carry the delivery record. 5: the client hello carries a session field
+/// (a session that may resume after a lost connection, or the resume of one).
+pub const VERSION: u16 = 5;
 /// Length of a header: magic, version, kind, flags.
 pub const HEADER_LEN: usize = 12;
 /// Length of an encoded hello, header included.
@@ -93,8 +94,12 @@ pub const HELLO_LEN: usize = 60;
 pub const NONCE_LEN: usize = 32;
 /// Length of a MAC (HMAC-SHA256).
 pub const MAC_LEN: usize = 32;
-/// Length of the client's hello: hello and nonce.
-pub const CLIENT_HELLO_LEN: usize = HELLO_LEN + NONCE_LEN;
+/// Length of a session token ([`Resumption`]).
+pub const TOKEN_LEN: usize = 16;
+/// Length of the client hello's session field: its kind and a token.
+pub const SESSION_LEN: usize = 1 + TOKEN_LEN;
+/// Length of the client's hello: hello, nonce and session field.
+pub const CLIENT_HELLO_LEN: usize = HELLO_LEN + NONCE_LEN + SESSION_LEN;
 /// Length of the server's accepting answer: hello, nonce, MAC.
 pub const SERVER_HELLO_LEN: usize = HELLO_LEN + NONCE_LEN + MAC_LEN;
 /// Kind byte of a client hello.
@@ -118,6 +123,11 @@ pub const MAX_GRANT_SLOTS: u8 = 64;
 
 /// Flag bit: the sender has a pre-shared key.
 const FLAG_PSK: u8 = 0x01;
+/// Flag bit of the server hello: the session the client offered is resumable, or the resume
+/// it asked for will be served (if its token names a session here).
+const FLAG_RESUMABLE: u8 = 0x02;
+/// What the server signs: its hello and its nonce.
+const SIGNED_LEN: usize = HELLO_LEN + NONCE_LEN;
 /// Length of the hello after its header.
 const BODY_LEN: usize = HELLO_LEN - HEADER_LEN;
 /// Length of an encoded queue pair address.
@@ -132,6 +142,54 @@ const ADDRESS_LEN: usize = 1 + ADDR_LEN + MAC_LEN;
 const LABEL_SERVER: &[u8] = b"rdmsg handshake: server hello";
 const LABEL_CLIENT: &[u8] = b"rdmsg handshake: client proof";
 const LABEL_FINISH: &[u8] = b"rdmsg handshake: server address";
+
+/// The session field of a client hello: whether the connection carries a session that may
+/// resume on a new connection after this one is lost, and which. The token is drawn at
+/// random by the client for a new session and names it from then on; with a pre-shared key
+/// every MAC covers it, so only a holder of the key can present it, and without one it is a
+/// 128-bit secret of the two peers (and of whoever reads the bootstrap stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Resumption {
+    /// A connection whose failure ends it.
+    #[default]
+    Off,
+    /// A new session that may resume, named by this token.
+    Offer([u8; TOKEN_LEN]),
+    /// The resume of the session this token names.
+    Resume([u8; TOKEN_LEN]),
+}
+
+impl Resumption {
+    fn encode(self) -> [u8; SESSION_LEN] {
+        let mut b = [0u8; SESSION_LEN];
+        let (kind, token) = match self {
+            Resumption::Off => (0, [0; TOKEN_LEN]),
+            Resumption::Offer(t) => (1, t),
+            Resumption::Resume(t) => (2, t),
+        };
+        b[0] = kind;
+        b[1..].copy_from_slice(&token);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Result<Self, Reject> {
+        let token: [u8; TOKEN_LEN] = b[1..SESSION_LEN].try_into().expect("sized");
+        match b[0] {
+            0 if token == [0; TOKEN_LEN] => Ok(Resumption::Off),
+            1 => Ok(Resumption::Offer(token)),
+            2 => Ok(Resumption::Resume(token)),
+            _ => Err(Reject::BadValue("session field")),
+        }
+    }
+
+    /// The token, if any.
+    pub fn token(self) -> Option<[u8; TOKEN_LEN]> {
+        match self {
+            Resumption::Off => None,
+            Resumption::Offer(t) | Resumption::Resume(t) => Some(t),
+        }
+    }
+}
 
 /// What each side announces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,6 +248,14 @@ pub enum Reject {
     /// The peer did not prove that it knows our pre-shared key.
     #[error("pre-shared key authentication failed")]
     BadKey,
+    /// The client asked to resume a session the server does not have: the server process
+    /// restarted (its sessions are gone), the session ended there (its resume window ran
+    /// out, or it was closed), or the server does not resume sessions.
+    #[error(
+        "the peer has no such session to resume: it restarted, the session's resume window \
+         ran out there, or it does not resume sessions"
+    )]
+    UnknownSession,
     /// The peer could not set up its side (creating, registering or connecting its queue
     /// pair and buffers). Why does not travel; running out of descriptors or of locked memory
     /// is the common cause, and the peer's own error names it.
@@ -216,6 +282,7 @@ impl Reject {
             Reject::KeyMissing => b'K',
             Reject::BadKey => b'P',
             Reject::Resources => b'E',
+            Reject::UnknownSession => b'S',
             Reject::Unknown(c) => c,
         }
     }
@@ -236,6 +303,7 @@ impl Reject {
             b'K' => Some(Reject::KeyMissing),
             b'P' => Some(Reject::BadKey),
             b'E' => Some(Reject::Resources),
+            b'S' => Some(Reject::UnknownSession),
             c => Some(Reject::Unknown(c)),
         }
     }
@@ -508,6 +576,11 @@ pub struct Handshake {
     have: usize,
     out: Vec<u8>,
     action: Option<Action>,
+    /// The client's session field: what it asks (on the server, once its hello is in).
+    session: Resumption,
+    /// On the server: whether it makes sessions resumable. On the client, once the server
+    /// hello is in: whether the server agreed.
+    resumable: bool,
 }
 
 impl fmt::Debug for Handshake {
@@ -528,10 +601,26 @@ impl Handshake {
     /// its receives posted); `nonce` must be fresh random bytes. The client hello is queued
     /// for output at once.
     pub fn client(ours: Hello, limits: Limits, psk: Option<Psk>, nonce: [u8; NONCE_LEN]) -> Self {
+        Self::client_with(ours, limits, psk, nonce, Resumption::Off)
+    }
+
+    /// [`Handshake::client`] carrying a session field: a resumable session offered, or the
+    /// resume of one. The server's answer says whether it agreed
+    /// ([`Handshake::resumable`]); a resume it cannot serve is rejected
+    /// ([`Reject::UnknownSession`]).
+    pub fn client_with(
+        ours: Hello,
+        limits: Limits,
+        psk: Option<Psk>,
+        nonce: [u8; NONCE_LEN],
+        session: Resumption,
+    ) -> Self {
         let mut hs = Self::new(State::ServerHello, ours, limits, psk, nonce);
+        hs.session = session;
         let mut hello = [0u8; CLIENT_HELLO_LEN];
         hello[..HELLO_LEN].copy_from_slice(&ours.encode(CLIENT_HELLO, hs.flags()));
-        hello[HELLO_LEN..].copy_from_slice(&nonce);
+        hello[HELLO_LEN..SIGNED_LEN].copy_from_slice(&nonce);
+        hello[SIGNED_LEN..].copy_from_slice(&session.encode());
         hs.transcript.extend_from_slice(&hello);
         hs.out.extend_from_slice(&hello);
         hs
@@ -542,6 +631,25 @@ impl Handshake {
     /// random bytes.
     pub fn server(ours: Hello, limits: Limits, psk: Option<Psk>, nonce: [u8; NONCE_LEN]) -> Self {
         Self::new(State::ClientHello, ours, limits, psk, nonce)
+    }
+
+    /// This server makes sessions resumable when a client offers one, and serves resumes
+    /// (its driver checks the token: [`Handshake::session`]).
+    pub fn resuming(mut self, on: bool) -> Self {
+        self.resumable = on;
+        self
+    }
+
+    /// The client's session field (on the server, once the client hello is in; on the
+    /// client, what it asked).
+    pub fn session(&self) -> Resumption {
+        self.session
+    }
+
+    /// Whether the connection carries a resumable session: the client offered or asked to
+    /// resume one and the server agreed (known to the client once the server hello is in).
+    pub fn resumable(&self) -> bool {
+        self.resumable && self.session != Resumption::Off
     }
 
     fn new(
@@ -565,6 +673,8 @@ impl Handshake {
             have: 0,
             out: Vec::new(),
             action: None,
+            session: Resumption::Off,
+            resumable: false,
         }
     }
 

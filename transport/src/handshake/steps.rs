@@ -24,6 +24,8 @@ impl Handshake {
             return Ok(());
         }
         let peer = self.peer_hello(version, flags)?;
+        self.session =
+            Resumption::decode(&self.inbuf[SIGNED_LEN..CLIENT_HELLO_LEN]).map_err(Fail::Ours)?;
         self.transcript
             .extend_from_slice(&self.inbuf[..CLIENT_HELLO_LEN]);
         let mut answer = [0u8; SERVER_HELLO_LEN];
@@ -34,14 +36,12 @@ impl Handshake {
             psn: 0,
             gid: Gid([0; 16]),
         };
-        answer[..HELLO_LEN].copy_from_slice(&ours.encode(ACCEPT, self.flags()));
-        answer[HELLO_LEN..CLIENT_HELLO_LEN].copy_from_slice(&self.nonce);
+        let flags = self.flags() | if self.resumable() { FLAG_RESUMABLE } else { 0 };
+        answer[..HELLO_LEN].copy_from_slice(&ours.encode(ACCEPT, flags));
+        answer[HELLO_LEN..SIGNED_LEN].copy_from_slice(&self.nonce);
         if let Some(k) = &self.psk {
-            let mac = k.mac(
-                LABEL_SERVER,
-                &[&self.transcript, &answer[..CLIENT_HELLO_LEN]],
-            );
-            answer[CLIENT_HELLO_LEN..].copy_from_slice(&mac);
+            let mac = k.mac(LABEL_SERVER, &[&self.transcript, &answer[..SIGNED_LEN]]);
+            answer[SIGNED_LEN..].copy_from_slice(&mac);
         }
         self.transcript.extend_from_slice(&answer);
         self.out.extend_from_slice(&answer);
@@ -60,8 +60,13 @@ impl Handshake {
             return Ok(());
         }
         let peer = self.peer_hello(version, flags)?;
-        let (signed, tag) = self.inbuf.split_at(CLIENT_HELLO_LEN);
+        let (signed, tag) = self.inbuf.split_at(SIGNED_LEN);
         self.check_mac(LABEL_SERVER, &[&self.transcript, signed], tag)?;
+        self.resumable = flags & FLAG_RESUMABLE != 0;
+        if matches!(self.session, Resumption::Resume(_)) && !self.resumable {
+            // A server that resumes nothing has no such session (it is told, and stops).
+            return Err(Fail::Ours(Reject::UnknownSession));
+        }
         self.transcript.extend_from_slice(&self.inbuf);
         let mac = match &self.psk {
             Some(k) => k.mac(LABEL_CLIENT, &[&self.transcript]),

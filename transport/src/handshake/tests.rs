@@ -443,3 +443,107 @@ fn the_reads_served_and_the_largest_read_travel_both_ways() {
     assert_eq!((back.reads, back.max_read), (4, 123_456));
     assert_eq!(back, ours);
 }
+
+fn resumable_client(psk: Option<Psk>, session: Resumption) -> Handshake {
+    Handshake::client_with(hello(CLIENT_QPN), limits(), psk, [1; NONCE_LEN], session)
+}
+
+#[test]
+fn a_session_is_resumable_only_if_both_sides_agree() {
+    let token = [9; TOKEN_LEN];
+    // Offered and agreed: both know it, the server knows the token.
+    let (c, s, run) = talk(
+        resumable_client(key(3), Resumption::Offer(token)),
+        server(key(3), 2).resuming(true),
+        7,
+    );
+    assert_connected(&c, &s, &run);
+    assert!(c.resumable() && s.resumable());
+    assert_eq!(s.session(), Resumption::Offer(token));
+    // Offered, but the server resumes nothing: a plain connection on both sides.
+    let (c, s, run) = talk(
+        resumable_client(None, Resumption::Offer(token)),
+        server(None, 2),
+        usize::MAX,
+    );
+    assert_connected(&c, &s, &run);
+    assert!(!c.resumable() && !s.resumable());
+    // Not offered: not resumable, whatever the server does.
+    let (c, s, run) = talk(client(None, 1), server(None, 2).resuming(true), usize::MAX);
+    assert_connected(&c, &s, &run);
+    assert!(!c.resumable() && !s.resumable());
+    assert_eq!(s.session(), Resumption::Off);
+}
+
+#[test]
+fn a_resume_to_a_server_that_resumes_nothing_is_refused_on_both_sides() {
+    let (_, s, run) = talk(
+        resumable_client(None, Resumption::Resume([4; TOKEN_LEN])),
+        server(None, 2),
+        usize::MAX,
+    );
+    assert!(
+        matches!(
+            run.client_err,
+            Some(Error::BadHandshake(Reject::UnknownSession))
+        ),
+        "{run:?}"
+    );
+    assert!(
+        matches!(
+            run.server_err,
+            Some(Error::Rejected(Reject::UnknownSession))
+        ),
+        "{run:?}"
+    );
+    assert!(run.server_connects.is_empty(), "nothing set up for it");
+    assert!(!s.is_done());
+    assert_eq!(
+        Reject::from_code(Reject::UnknownSession.code()),
+        Some(Reject::UnknownSession)
+    );
+}
+
+#[test]
+fn the_key_covers_the_session_token() {
+    // A token changed on the way (a stranger presenting another session's token in a
+    // recorded hello) breaks the server's MAC: the client refuses the server.
+    let mut c = resumable_client(key(5), Resumption::Resume([4; TOKEN_LEN]));
+    let mut s = server(key(5), 2).resuming(true);
+    let mut err = None;
+    let mut to_s = c.output().to_vec();
+    to_s[CLIENT_HELLO_LEN - 1] ^= 1;
+    pump(&mut s, &mut to_s, usize::MAX, &mut err);
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(
+        s.session(),
+        Resumption::Resume({
+            let mut t = [4; TOKEN_LEN];
+            t[TOKEN_LEN - 1] ^= 1;
+            t
+        })
+    );
+    let mut to_c = s.output().to_vec();
+    pump(&mut c, &mut to_c, usize::MAX, &mut err);
+    assert!(
+        matches!(err, Some(Error::BadHandshake(Reject::BadKey))),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_malformed_session_field_is_rejected() {
+    let c = resumable_client(None, Resumption::Off);
+    let mut bytes = c.output().to_vec();
+    bytes[HELLO_LEN + NONCE_LEN] = 7;
+    let mut s = server(None, 2);
+    let mut err = None;
+    pump(&mut s, &mut bytes, usize::MAX, &mut err);
+    assert!(
+        matches!(
+            err,
+            Some(Error::BadHandshake(Reject::BadValue("session field")))
+        ),
+        "{err:?}"
+    );
+}

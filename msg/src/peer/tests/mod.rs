@@ -15,6 +15,7 @@ use crate::{Message, Result};
 
 mod pack;
 mod receive;
+mod resume;
 use receive::{one_remote_piece, receiver};
 
 /// A slot and a generation, as a transport hub makes them.

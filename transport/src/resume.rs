@@ -1,0 +1,367 @@
+//! Sessions that outlive their connection: the transport's half of a resume.
+//!
+//! A connection made with [`Config::resume_window`] on both sides carries a *session token*
+//! (drawn by the connecting side, agreed in the handshake, covered by its MACs when there is
+//! a pre-shared key). When the connection is lost for a reason a network can cause
+//! ([`Failure::may_resume`](crate::Failure::may_resume)), the typed layer keeps its session
+//! and asks its [`Resume`] for a successor: the connecting side dials the same bootstrap
+//! address again from a thread of its own, with jittered backoff, presenting the token
+//! ([`Resumption::Resume`]); the accepting side's [`Listener`](crate::Listener) matches the
+//! token to the session's slot and puts the new connection there instead of returning it
+//! from `accept`. A token the listener does not know (its process restarted, the session
+//! ended there) is refused with [`Reject::UnknownSession`], which ends the resume. What went
+//! over the old connection and what goes again is the typed layer's business.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::connection::Connection;
+use crate::endpoint::Endpoint;
+use crate::error::{Error, Result};
+use crate::handshake::{Reject, Resumption, TOKEN_LEN};
+use crate::pool::Waker;
+
+/// A session's name in the handshake.
+pub(crate) type Token = [u8; TOKEN_LEN];
+
+/// First wait of the connecting side before dialing again; it doubles per attempt up to
+/// [`MAX_BACKOFF`], each wait drawn at random between half and all of it, so that the many
+/// peers of a hub that lost its link do not all dial at once.
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+/// Longest wait between two attempts: a link that comes back is found within about this.
+const MAX_BACKOFF: Duration = Duration::from_millis(800);
+
+/// Where a session's next connection is put (by the listener, or the thread that dials).
+#[derive(Default)]
+pub(crate) struct Slot {
+    next: Mutex<Option<Result<Connection>>>,
+    came: Condvar,
+    /// Set while `next` holds something: looked at without the lock.
+    full: AtomicBool,
+    /// Wakes whoever sleeps on the session's current connection.
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Slot {
+    pub(crate) fn put(&self, next: Result<Connection>) {
+        let mut slot = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        // A successor not yet taken is replaced: the newer one is the one the peer uses.
+        *slot = Some(next);
+        self.full.store(true, Ordering::Release);
+        self.came.notify_all();
+        drop(slot);
+        if let Some(w) = &*self.waker.lock().unwrap_or_else(PoisonError::into_inner) {
+            w.wake();
+        }
+    }
+
+    fn take(&self, timeout: Option<Duration>) -> Option<Result<Connection>> {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut slot = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(next) = slot.take() {
+                self.full.store(false, Ordering::Release);
+                return Some(next);
+            }
+            slot = match deadline {
+                None => self.came.wait(slot).unwrap_or_else(PoisonError::into_inner),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    self.came
+                        .wait_timeout(slot, left)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+    }
+}
+
+/// A listener's resumable sessions, by token.
+#[derive(Default)]
+pub(crate) struct Sessions {
+    by_token: Mutex<HashMap<Token, Weak<Slot>>>,
+}
+
+impl fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.by_token.lock().map_or(0, |m| m.len());
+        f.debug_struct("Sessions").field("sessions", &n).finish()
+    }
+}
+
+impl Sessions {
+    /// A new resumable session accepted with `token`: its slot. A token already in use (by a
+    /// session still alive) is not taken over: `None`, and the connection is not resumable.
+    pub(crate) fn register(&self, token: Token) -> Option<Arc<Slot>> {
+        let mut map = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.get(&token).is_some_and(|w| w.strong_count() > 0) {
+            return None;
+        }
+        let slot = Arc::new(Slot::default());
+        map.insert(token, Arc::downgrade(&slot));
+        Some(slot)
+    }
+
+    /// The slot of the session `token` names, if it is alive.
+    pub(crate) fn find(&self, token: &Token) -> Option<Arc<Slot>> {
+        let map = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
+        map.get(token).and_then(Weak::upgrade)
+    }
+
+    fn forget(&self, token: &Token) {
+        let mut map = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.get(token).is_some_and(|w| w.strong_count() == 0) {
+            map.remove(token);
+        }
+    }
+}
+
+/// How a resumable session gets a new connection after its connection was lost: taken from
+/// the connection ([`Connection::take_resume`]) by the session that lives on it, and kept
+/// across its successors. Dropping it ends the session for resumes: the listener forgets
+/// its token, a thread dialing stops.
+pub struct Resume {
+    token: Token,
+    window: Duration,
+    slot: Arc<Slot>,
+    way: Way,
+}
+
+enum Way {
+    /// The connecting side dials again.
+    Dial {
+        endpoint: Endpoint,
+        addr: SocketAddr,
+        config: Box<Config>,
+        /// Set to stop the thread that dials (the session ended or resumed meanwhile).
+        stop: Arc<AtomicBool>,
+        dialing: Option<thread::JoinHandle<()>>,
+    },
+    /// The accepting side waits for its listener.
+    Accept { sessions: Arc<Sessions> },
+}
+
+impl fmt::Debug for Resume {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let way = match &self.way {
+            Way::Dial { addr, .. } => format!("dials {addr}"),
+            Way::Accept { .. } => "accepts".to_owned(),
+        };
+        f.debug_struct("Resume")
+            .field("window", &self.window)
+            .field("way", &way)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Resume {
+    pub(crate) fn dialing(
+        endpoint: &Endpoint,
+        addr: SocketAddr,
+        config: &Config,
+        token: Token,
+        window: Duration,
+    ) -> Self {
+        Self {
+            token,
+            window,
+            slot: Arc::new(Slot::default()),
+            way: Way::Dial {
+                endpoint: endpoint.clone(),
+                addr,
+                config: Box::new(config.clone()),
+                stop: Arc::new(AtomicBool::new(false)),
+                dialing: None,
+            },
+        }
+    }
+
+    pub(crate) fn accepted(
+        sessions: &Arc<Sessions>,
+        slot: Arc<Slot>,
+        token: Token,
+        window: Duration,
+    ) -> Self {
+        Self {
+            token,
+            window,
+            slot,
+            way: Way::Accept {
+                sessions: sessions.clone(),
+            },
+        }
+    }
+
+    /// How long the session may stay suspended ([`Config::resume_window`]).
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// Whether this side dials the new connection (it connected the first).
+    pub fn dials(&self) -> bool {
+        matches!(self.way, Way::Dial { .. })
+    }
+
+    /// The connection was lost: the connecting side starts dialing again (once; a thread of
+    /// its own, with jittered backoff, until it has a connection, is refused, or `until`
+    /// passes). The accepting side waits for its listener: nothing to start.
+    pub fn begin(&mut self, until: Instant) {
+        let Way::Dial {
+            endpoint,
+            addr,
+            config,
+            stop,
+            dialing,
+        } = &mut self.way
+        else {
+            return;
+        };
+        if dialing.as_ref().is_some_and(|t| !t.is_finished()) {
+            return;
+        }
+        stop.store(false, Ordering::Release);
+        let (endpoint, addr, config, stop) =
+            (endpoint.clone(), *addr, (**config).clone(), stop.clone());
+        let (slot, token) = (self.slot.clone(), self.token);
+        *dialing = thread::Builder::new()
+            .name("rdmsg-resume".into())
+            .spawn(move || dial_until(&endpoint, addr, &config, token, &slot, &stop, until))
+            .ok();
+    }
+
+    /// The new connection, once there (waiting at most `timeout`; `None`: as long as it
+    /// takes): `Some(Err)` if the peer refused the resume ([`Reject::UnknownSession`]) or
+    /// dialing stopped for good.
+    pub fn take(&self, timeout: Option<Duration>) -> Option<Result<Connection>> {
+        self.slot.take(timeout)
+    }
+
+    /// Whether a new connection (or the end of dialing) waits to be taken.
+    pub fn has_successor(&self) -> bool {
+        self.slot.full.load(Ordering::Acquire)
+    }
+
+    /// Whoever sleeps on the session's current connection is woken when a new one comes
+    /// (the peer may resume before this side noticed the old one was lost).
+    pub fn wake_with(&self, waker: Option<Waker>) {
+        *self
+            .slot
+            .waker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = waker;
+    }
+}
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        match &mut self.way {
+            Way::Dial { stop, .. } => stop.store(true, Ordering::Release),
+            Way::Accept { sessions } => {
+                // Ours is the only strong handle the map's entry points to (besides a
+                // listener putting a connection right now): it goes with us.
+                let token = self.token;
+                let sessions = sessions.clone();
+                let slot = std::mem::take(&mut self.slot);
+                drop(slot);
+                sessions.forget(&token);
+            }
+        }
+    }
+}
+
+impl Error {
+    /// Whether the peer refused a resume: it has no such session (it restarted, or the
+    /// session ended there), so no attempt can succeed.
+    pub fn refuses_resume(&self) -> bool {
+        matches!(
+            self,
+            Error::Rejected(Reject::UnknownSession) | Error::BadHandshake(Reject::UnknownSession)
+        )
+    }
+}
+
+/// The dialing thread: attempts with jittered exponential backoff until one connects, the
+/// peer refuses, `stop` is set or `until` passes. The outcome goes into `slot` (nothing if
+/// stopped).
+fn dial_until(
+    endpoint: &Endpoint,
+    addr: SocketAddr,
+    config: &Config,
+    token: Token,
+    slot: &Slot,
+    stop: &AtomicBool,
+    until: Instant,
+) {
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        // Half to all of the backoff, at random: peers that lost one link spread out.
+        let mut r = [0u8; 2];
+        let _ = getrandom::fill(&mut r);
+        let frac = 0.5 + f64::from(u16::from_le_bytes(r)) / f64::from(u16::MAX) / 2.0;
+        let pause = backoff.mul_f64(frac);
+        let now = Instant::now();
+        if now + pause >= until {
+            let left = until.saturating_duration_since(now);
+            thread::sleep(left);
+            if !stop.load(Ordering::Acquire) {
+                slot.put(Err(Error::timeout(
+                    "resuming the session",
+                    "a new connection",
+                    left,
+                )));
+            }
+            return;
+        }
+        thread::sleep(pause);
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let patience = config
+            .handshake_timeout
+            .min(until.saturating_duration_since(Instant::now()));
+        match crate::bootstrap::dial_resume(endpoint, addr, config, token, patience) {
+            Ok(conn) => {
+                if !stop.load(Ordering::Acquire) {
+                    slot.put(Ok(conn));
+                }
+                return;
+            }
+            Err(e) if e.refuses_resume() => {
+                slot.put(Err(e));
+                return;
+            }
+            Err(_) => backoff = (backoff * 2).min(MAX_BACKOFF),
+        }
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+    }
+}
+
+/// A fresh random token for a new resumable session.
+pub(crate) fn new_token() -> Result<Token> {
+    let mut t = [0u8; TOKEN_LEN];
+    getrandom::fill(&mut t).map_err(|e| Error::Bootstrap {
+        stage: "drawing a session token",
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    Ok(t)
+}
+
+/// What the client hello says for a connection made with `config`.
+pub(crate) fn offer(config: &Config) -> Result<Resumption> {
+    Ok(match config.resume_window {
+        Some(_) => Resumption::Offer(new_token()?),
+        None => Resumption::Off,
+    })
+}
