@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod cluster;
+mod flap;
 mod fuzz;
 #[cfg(test)]
 mod imports;
@@ -63,6 +64,9 @@ tasks:
   vm2 [--kernel K] two VMs on a qemu socket network, rxe0 on each one's virtio NIC: a msg
                    exchange between them over TCP and one over rdma_cm, then one VM is killed;
                    the other must report it on both
+  flap [--kernel K] two VMs on a qemu socket network: a resumable session carries notes and
+                   calls while the client cuts its own link (tc netem) twice for 9 s; every
+                   note once and in order, every call answered, a resume per cut
   cluster [--kernel K] [--hosts H] [--seconds S] [--sweep] [--cm]
                    H VMs (default 4) on a vde_switch, rxe0 on each one's virtio NIC, every host
                    exchanging checked typed messages with every other (the `mesh` example) under
@@ -131,6 +135,7 @@ fn main() -> ExitCode {
         } => bench(quick, kernel, run_args),
         Task::Vm { kernel, cmd, env } => vm_cmd(kernel, &cmd, &env),
         Task::Vm2(kernel) => vm2_cmd(kernel),
+        Task::Flap(kernel) => flap_cmd(kernel),
         Task::Cluster {
             kernel,
             hosts,
@@ -173,6 +178,7 @@ enum Task {
         env: Vec<String>,
     },
     Vm2(Kernel),
+    Flap(Kernel),
     Cluster {
         kernel: Kernel,
         hosts: Option<u16>,
@@ -382,6 +388,12 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
             }
         }
         "vm2" => Task::Vm2(kernel(&no_rest(options(
+            task,
+            rest,
+            &["--kernel"],
+            false,
+        )?)?)),
+        "flap" => Task::Flap(kernel(&no_rest(options(
             task,
             rest,
             &["--kernel"],
@@ -836,6 +848,16 @@ fn vm2_cmd(kernel: Kernel) -> Result<ExitCode> {
     }
     let r = two_hosts(kernel)?;
     println!("{r}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn flap_cmd(kernel: Kernel) -> Result<ExitCode> {
+    ensure_packages()?;
+    {
+        let _s = Step::new("build", "building the flap example");
+        run(cargo().args(["build", "-p", "rdmsg-examples", "--bin", "flap"]))?;
+    }
+    println!("{}", flap::run(kernel)?);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -1302,6 +1324,18 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
         eprintln!("==> [two-hosts] VM run (Linux {two_host_kernel}, two VMs) {secs:.1} s");
         (result.is_ok(), secs)
     });
+    // A resumable session under link flaps, two VMs: on the default kernel only.
+    let flap = (!plan.device_only).then(|| {
+        let vm_started = Instant::now();
+        let result = flap::run(two_host_kernel);
+        let secs = vm_started.elapsed().as_secs_f64();
+        match &result {
+            Ok(r) => println!("{r}"),
+            Err(e) => eprintln!("xtask: the flap step failed (alone: cargo xtask flap): {e:#}"),
+        }
+        eprintln!("==> [flap] VM run (Linux {two_host_kernel}, two VMs) {secs:.1} s");
+        (result.is_ok(), secs)
+    });
 
     // Instructions and allocations per round trip of each layer: on the default kernel only
     // (the counts are user space's, the same on either).
@@ -1430,6 +1464,10 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
     if let Some((ok, secs)) = two_host {
         checks.push((format!("two-host ({two_host_kernel} only)"), ok));
         times.push(format!("two-host ({two_host_kernel}) {secs:.1} s"));
+    }
+    if let Some((ok, secs)) = flap {
+        checks.push((format!("flap ({two_host_kernel} only)"), ok));
+        times.push(format!("flap ({two_host_kernel}) {secs:.1} s"));
     }
     if let Some((ok, secs)) = cost {
         checks.push((format!("cost ({two_host_kernel} only)"), ok));
