@@ -16,7 +16,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rdmsg::msg::{Hub, HubEvent, Session};
+use rdmsg::msg::{Hub, HubEvent, Session, SessionConfig, RESUME_KEEP};
 use rdmsg::tokio::AsyncSession;
 use rdmsg::transport::{Config, Connection, Endpoint, Failure, HubConfig};
 use serde::{Deserialize, Serialize};
@@ -62,6 +62,12 @@ pub enum Subject {
     Connection,
     /// A typed [`Tick`] through a `Session` (client measured).
     Session,
+    /// The same keeping copies of what the peer has not taken
+    /// (`SessionConfig::keep_unconfirmed`, as a resumable session does).
+    SessionKeeping,
+    /// The same, both sides resumable (`Config::resume_window`): resume support must add
+    /// nothing per message to the copies while nothing fails.
+    SessionResumable,
     /// A hub with one peer, echoing [`Tick`]s to a `Session` (the hub measured).
     Hub,
     /// A tokio `AsyncSession` on a current-thread runtime against a blocking echo (client
@@ -71,11 +77,13 @@ pub enum Subject {
 
 impl Subject {
     /// Every subject, the anchor first.
-    pub const ALL: [Subject; 6] = [
+    pub const ALL: [Subject; 8] = [
         Subject::IbvRcPingpong,
         Subject::RcPingpong,
         Subject::Connection,
         Subject::Session,
+        Subject::SessionKeeping,
+        Subject::SessionResumable,
         Subject::Hub,
         Subject::Tokio,
     ];
@@ -87,6 +95,8 @@ impl Subject {
             Subject::RcPingpong => "rc_pingpong -e",
             Subject::Connection => "Connection",
             Subject::Session => "Session",
+            Subject::SessionKeeping => "Session (copies)",
+            Subject::SessionResumable => "Session (resume)",
             Subject::Hub => "Hub",
             Subject::Tokio => "AsyncSession",
         }
@@ -98,7 +108,7 @@ impl Subject {
             Subject::IbvRcPingpong => None,
             Subject::RcPingpong => Some(1.05),
             Subject::Connection => Some(1.25),
-            Subject::Session => Some(1.5),
+            Subject::Session | Subject::SessionKeeping | Subject::SessionResumable => Some(1.5),
             Subject::Hub | Subject::Tokio => Some(1.6),
         }
     }
@@ -116,6 +126,8 @@ impl Subject {
             Subject::RcPingpong => "rc_pingpong",
             Subject::Connection => "connection",
             Subject::Session => "session",
+            Subject::SessionKeeping => "session-copies",
+            Subject::SessionResumable => "session-resume",
             Subject::Hub => "hub",
             Subject::Tokio => "tokio",
         }
@@ -290,7 +302,13 @@ pub fn peer_main(args: &[String]) -> Result<()> {
     let port = port.context("--port")?;
     let iters = iters.context("--iters")?;
     let endpoint = Endpoint::open_default()?;
-    let config = Config::default();
+    let config = match subject {
+        Subject::SessionResumable => Config {
+            resume_window: Some(Duration::from_secs(60)),
+            ..Config::default()
+        },
+        _ => Config::default(),
+    };
     match host {
         None => serve(subject, &endpoint, &config, port),
         Some(host) => {
@@ -301,11 +319,23 @@ pub fn peer_main(args: &[String]) -> Result<()> {
                     iters,
                     false,
                 ),
-                Subject::Session => client_session(
-                    Session::new(connect(&endpoint, &config, &addr)?),
-                    iters,
-                    true,
-                ),
+                Subject::Session | Subject::SessionKeeping | Subject::SessionResumable => {
+                    let conn = connect(&endpoint, &config, &addr)?;
+                    let s = match subject {
+                        Subject::SessionKeeping => Session::with_config(
+                            conn,
+                            SessionConfig {
+                                keep_unconfirmed: Some(RESUME_KEEP),
+                                ..SessionConfig::default()
+                            },
+                        ),
+                        _ => Session::new(conn),
+                    };
+                    if subject == Subject::SessionResumable && !s.is_resumable() {
+                        bail!("the session is not resumable");
+                    }
+                    client_session(s, iters, true)
+                }
                 Subject::Connection => client_connection(&endpoint, &config, &addr, iters),
                 Subject::Tokio => client_tokio(&endpoint, &addr, iters),
                 _ => bail!("{} is not a cost-peer subject", subject.name()),
@@ -366,7 +396,7 @@ fn serve(subject: Subject, endpoint: &Endpoint, config: &Config, port: u16) -> R
             }
             Ok(())
         }
-        Subject::Session | Subject::Tokio => {
+        Subject::Session | Subject::SessionKeeping | Subject::SessionResumable | Subject::Tokio => {
             let listener = endpoint.listen(addr.as_str())?;
             let mut s = Session::new(listener.accept(config)?);
             loop {
@@ -485,11 +515,16 @@ pub fn ceiling(subject: Subject) -> Option<f64> {
         Subject::IbvRcPingpong => None,
         Subject::RcPingpong => Some(3850.0),
         Subject::Connection => Some(5550.0),
-        Subject::Session => Some(7950.0),
+        Subject::Session | Subject::SessionKeeping | Subject::SessionResumable => Some(7950.0),
         Subject::Hub => Some(11850.0),
         Subject::Tokio => Some(12500.0),
     }
 }
+
+/// Most instructions per round trip a resumable `Session` may add to a plain one while
+/// nothing fails: the runs of one layer agree within a few instructions, so this is noise,
+/// not work per message.
+pub const RESUME_EXTRA: f64 = 12.0;
 
 /// Heap allocations per round trip at or above which `cost-check` fails: none is the goal; a
 /// container that doubles now and then over the run stays below it.
@@ -531,6 +566,8 @@ pub fn check_main(args: &[String], perf: &Perftest) -> Result<bool> {
         bail!("valgrind is not installed: the cost check counts with callgrind");
     }
     let mut ok = true;
+    // The smallest count of each layer measured, for the comparison of resume support.
+    let mut bests = Vec::new();
     for subject in Subject::ALL {
         if subject == Subject::IbvRcPingpong || only.is_some_and(|o| o != subject) {
             continue;
@@ -581,6 +618,7 @@ pub fn check_main(args: &[String], perf: &Perftest) -> Result<bool> {
             );
             ok = false;
         }
+        bests.push((subject, best.per_rt.instructions));
         let instr_ok = best.per_rt.instructions <= limit;
         let alloc_ok = allocations < MAX_ALLOCATIONS;
         ok &= instr_ok && alloc_ok;
@@ -607,6 +645,21 @@ pub fn check_main(args: &[String], perf: &Perftest) -> Result<bool> {
                 println!("cost:     {v:>8.1} {f}");
             }
         }
+    }
+    let best = |s: Subject| bests.iter().find(|(b, _)| *b == s).map(|(_, c)| *c);
+    if let (Some(plain), Some(keeping), Some(resumable)) = (
+        best(Subject::Session),
+        best(Subject::SessionKeeping),
+        best(Subject::SessionResumable),
+    ) {
+        let extra = resumable - keeping;
+        let fine = extra <= RESUME_EXTRA;
+        println!(
+            "cost: resume support adds {extra:+.0} instructions per round trip to a Session keeping copies (at most {RESUME_EXTRA:.0}) {}; the copies themselves {:+.0}",
+            if fine { "ok" } else { "FAILED" },
+            keeping - plain
+        );
+        ok &= fine;
     }
     Ok(ok)
 }

@@ -110,7 +110,7 @@ pub use peer::{
     Delivery, OutboxStats, SessionConfig, SessionStats, DEFAULT_REASSEMBLY_TIMEOUT,
     DEFAULT_RENDEZVOUS_THRESHOLD,
 };
-pub use session::{Closed, Session};
+pub use session::{Closed, Session, RESUME_KEEP};
 pub use split::{RecvHalf, SendHalf};
 
 #[doc(hidden)]

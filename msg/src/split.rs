@@ -58,7 +58,11 @@ impl Session {
     /// unless [`crate::SessionConfig::max_unsolicited_delay`] is set: the waiting receiver may
     /// be waiting for the answer to exactly that message, and the peer, asleep solicited-only,
     /// would not see it. With the delay set, the waiting receiver flushes when it runs out.
-    pub fn split(self) -> Result<(SendHalf, RecvHalf)> {
+    ///
+    /// The halves do not resume after a lost connection yet ([`Session::forgo_resume`]): a
+    /// resume would change the descriptor they wait on.
+    pub fn split(mut self) -> Result<(SendHalf, RecvHalf)> {
+        self.forgo_resume();
         let waker = self.connection().waker()?;
         let fd = self
             .as_fd()

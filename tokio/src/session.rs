@@ -96,8 +96,11 @@ fn commit_locked<M: Message>(
 
 impl AsyncSession {
     /// Wraps a session; call within a tokio runtime (its descriptor is registered there):
-    /// [`Error::NoRuntime`] outside one.
-    pub fn new(session: Session) -> Result<Self> {
+    /// [`Error::NoRuntime`] outside one. The async session does not resume after a lost
+    /// connection yet ([`Session::forgo_resume`]): a resume would change the descriptor the
+    /// runtime waits on.
+    pub fn new(mut session: Session) -> Result<Self> {
+        session.forgo_resume();
         Ok(Self {
             shared: SharedDriver::start(session, "AsyncSession::new")?,
         })

@@ -255,7 +255,9 @@ pub(crate) fn connect(
             if let (true, Resumption::Offer(token), Some(addr), Some(window)) =
                 (resumable, session, addr, config.resume_window)
             {
-                conn.resume = Some(Resume::dialing(endpoint, addr, config, token, window));
+                conn.resume = Some(Box::new(Resume::dialing(
+                    endpoint, addr, config, token, window,
+                )));
             }
             return Ok(conn);
         }
@@ -490,7 +492,12 @@ impl Listener {
         match (session, resumable, config.resume_window) {
             (Resumption::Offer(token), true, Some(window)) => {
                 if let Some(slot) = self.sessions.register(token) {
-                    conn.resume = Some(Resume::accepted(&self.sessions, slot, token, window));
+                    conn.resume = Some(Box::new(Resume::accepted(
+                        &self.sessions,
+                        slot,
+                        token,
+                        window,
+                    )));
                 }
                 Some(conn)
             }

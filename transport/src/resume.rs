@@ -25,7 +25,7 @@ use crate::connection::Connection;
 use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
 use crate::handshake::{Reject, Resumption, TOKEN_LEN};
-use crate::pool::Waker;
+use std::net::TcpStream;
 
 /// A session's name in the handshake.
 pub(crate) type Token = [u8; TOKEN_LEN];
@@ -44,8 +44,10 @@ pub(crate) struct Slot {
     came: Condvar,
     /// Set while `next` holds something: looked at without the lock.
     full: AtomicBool,
-    /// Wakes whoever sleeps on the session's current connection.
-    waker: Mutex<Option<Waker>>,
+    /// The session's current bootstrap stream (a second handle): cut when a new connection
+    /// comes, so that a session that has not seen its connection fail sees it now and takes
+    /// the new one (the peer resumed first). Nothing is looked at per message.
+    current: Mutex<Option<TcpStream>>,
 }
 
 impl Slot {
@@ -56,8 +58,13 @@ impl Slot {
         self.full.store(true, Ordering::Release);
         self.came.notify_all();
         drop(slot);
-        if let Some(w) = &*self.waker.lock().unwrap_or_else(PoisonError::into_inner) {
-            w.wake();
+        if let Some(s) = self
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
 
@@ -123,6 +130,9 @@ impl Sessions {
         if map.get(token).is_some_and(|w| w.strong_count() == 0) {
             map.remove(token);
         }
+        // And any entry left behind by a session that went while a handshake held its slot
+        // for a moment.
+        map.retain(|_, w| w.strong_count() > 0);
     }
 }
 
@@ -251,14 +261,28 @@ impl Resume {
         self.slot.full.load(Ordering::Acquire)
     }
 
-    /// Whoever sleeps on the session's current connection is woken when a new one comes
-    /// (the peer may resume before this side noticed the old one was lost).
-    pub fn wake_with(&self, waker: Option<Waker>) {
+    /// The session ended: no new connection can take it up (the listener forgets it, a
+    /// thread dialing stops).
+    pub fn end(&mut self) {
+        match &mut self.way {
+            Way::Dial { stop, .. } => stop.store(true, Ordering::Release),
+            Way::Accept { sessions } => {
+                let sessions = sessions.clone();
+                self.slot = Arc::default();
+                sessions.forget(&self.token);
+            }
+        }
+    }
+
+    /// `conn` is the session's connection now: if a new one comes before this side saw it
+    /// fail (the peer resumed first), its bootstrap stream is cut, so that it fails as a lost
+    /// connection does and the session takes the new one.
+    pub fn watch(&self, conn: &Connection) {
         *self
             .slot
-            .waker
+            .current
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = waker;
+            .unwrap_or_else(PoisonError::into_inner) = conn.bootstrap_handle();
     }
 }
 

@@ -108,7 +108,9 @@ fn serve(o: &Options) -> Result<()> {
     // The listener keeps accepting: a resume's connection goes to its session from there.
     let (sessions, stop) = accept(listener);
     let mut s = sessions.recv()?;
-    s.register::<Note>()?.register::<Add>()?.register::<Done>()?;
+    s.register::<Note>()?
+        .register::<Add>()?
+        .register::<Done>()?;
     let (mut next, mut calls) = (0u32, 0u32);
     loop {
         let mut env = s.recv().context("the session ended")?;

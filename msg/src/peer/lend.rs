@@ -121,7 +121,10 @@ impl SendSide {
         requested: bool,
         timeout: Option<Duration>,
     ) -> Result<bool> {
-        let copy = self.record.keeps().then(|| concat(pieces.clone()));
+        let copy = match self.record.keeps() {
+            true => Copied::Owned(concat(pieces.clone())),
+            false => Copied::No,
+        };
         let frame_max = link.max_message()?;
         if pieces.len() > rendezvous::MAX_PIECES.min(link.max_exposures()) {
             // Too many payloads to name (or bind) one by one: copy them into one piece.

@@ -64,12 +64,69 @@ pub(crate) struct Record {
     max_message: usize,
 }
 
-/// Copies of the messages not confirmed yet, oldest first, their bytes bounded.
+/// Copies of the messages not confirmed yet, oldest first, their bytes bounded: one arena of
+/// bytes and an index, so that keeping a copy allocates nothing once the arena has grown to
+/// what is unconfirmed at most.
 #[derive(Debug)]
 struct Kept {
-    copies: VecDeque<(u64, u32, Vec<u8>)>,
-    bytes: usize,
+    /// Each copy's number, tag and length, oldest first; their bytes follow each other in
+    /// `arena` from `start` on.
+    copies: VecDeque<(u64, u32, u32)>,
+    arena: Vec<u8>,
+    start: usize,
     max_bytes: usize,
+}
+
+impl Kept {
+    /// Bytes kept.
+    fn bytes(&self) -> usize {
+        self.arena.len() - self.start
+    }
+
+    fn push(&mut self, seq: u64, tag: u32, body: &[u8]) {
+        if self.copies.is_empty() {
+            self.arena.clear();
+            self.start = 0;
+        }
+        self.arena.extend_from_slice(body);
+        self.copies.push_back((seq, tag, body.len() as u32));
+    }
+
+    /// Drops the copies numbered below `taken`.
+    fn drop_below(&mut self, taken: u64) {
+        while let Some(&(seq, _, len)) = self.copies.front() {
+            if seq >= taken {
+                break;
+            }
+            self.copies.pop_front();
+            self.start += len as usize;
+        }
+        if self.copies.is_empty() {
+            self.arena.clear();
+            self.start = 0;
+        } else if self.start >= 1 << 16 && self.start * 2 >= self.arena.len() {
+            // Mostly taken: the rest moves to the front (its bytes at most the half freed).
+            self.arena.drain(..self.start);
+            self.start = 0;
+        }
+    }
+
+    /// Every copy, oldest first, as (number, tag, body); the arena is emptied.
+    fn take_all(&mut self) -> Vec<(u64, u32, Vec<u8>)> {
+        let mut at = self.start;
+        let all = self
+            .copies
+            .drain(..)
+            .map(|(seq, tag, len)| {
+                let body = self.arena[at..at + len as usize].to_vec();
+                at += len as usize;
+                (seq, tag, body)
+            })
+            .collect();
+        self.arena.clear();
+        self.start = 0;
+        all
+    }
 }
 
 impl Record {
@@ -81,7 +138,8 @@ impl Record {
             asked: None,
             kept: keep.map(|max_bytes| Kept {
                 copies: VecDeque::new(),
-                bytes: 0,
+                arena: Vec::new(),
+                start: 0,
                 max_bytes,
             }),
             max_message,
@@ -99,10 +157,9 @@ impl Record {
     }
 
     /// A message went: message `delivery.sent`, of type `tag`, its encoded body `copy`.
-    pub(crate) fn sent(&mut self, tag: u32, copy: Option<Vec<u8>>) {
+    pub(crate) fn sent(&mut self, tag: u32, copy: Option<&[u8]>) {
         if let (Some(k), Some(body)) = (&mut self.kept, copy) {
-            k.bytes += body.len();
-            k.copies.push_back((self.delivery.sent, tag, body));
+            k.push(self.delivery.sent, tag, body);
         }
         self.delivery.sent += 1;
     }
@@ -125,10 +182,7 @@ impl Record {
             return;
         }
         if let Some(k) = &mut self.kept {
-            while k.copies.front().is_some_and(|(seq, _, _)| *seq < d.taken) {
-                let (_, _, body) = k.copies.pop_front().expect("checked");
-                k.bytes -= body.len();
-            }
+            k.drop_below(d.taken);
         }
         if self.asked.is_some_and(|a| d.taken >= a) {
             self.asked = None;
@@ -142,7 +196,7 @@ impl Record {
             && self
                 .kept
                 .as_ref()
-                .map_or(true, |k| k.copies.is_empty() || k.bytes < k.max_bytes)
+                .map_or(true, |k| k.copies.is_empty() || k.bytes() < k.max_bytes)
     }
 
     /// How many more messages may go in one frame ([`crate::frame::PACK`]): the window's
@@ -163,7 +217,7 @@ impl Record {
             || self
                 .kept
                 .as_ref()
-                .is_some_and(|k| k.bytes >= k.max_bytes / 2);
+                .is_some_and(|k| k.bytes() >= k.max_bytes / 2);
         (half_used && self.asked.is_none()).then(|| self.ask_now())
     }
 
@@ -210,9 +264,12 @@ impl Record {
             ..d
         });
         let k = self.kept.as_mut().expect("checked");
-        debug_assert_eq!(k.copies.len() as u64, self.delivery.unconfirmed());
-        k.bytes = 0;
-        let copies = std::mem::take(&mut k.copies)
+        if k.copies.len() as u64 != self.delivery.unconfirmed() {
+            // Some were handed back already (`take_unconfirmed`): they cannot go again.
+            return Err(Unresumable::NoCopies);
+        }
+        let copies = k
+            .take_all()
             .into_iter()
             .map(|(_, tag, body)| (tag, body))
             .collect();
@@ -227,9 +284,8 @@ impl Record {
         let Some(k) = &mut self.kept else {
             return Vec::new();
         };
-        k.bytes = 0;
         let max = self.max_message;
-        std::mem::take(&mut k.copies)
+        k.take_all()
             .into_iter()
             .map(|(seq, tag, body)| Envelope::returned(tag, seq as u32, body, max))
             .collect()
@@ -270,7 +326,7 @@ mod tests {
     fn the_count_follows_the_peer_through_wrapping_and_ignores_stale_or_false_counts() {
         let mut r = Record::new(Some(1 << 20), 1 << 20);
         for i in 0..70_500u64 {
-            r.sent(7, Some(vec![i as u8; 3]));
+            r.sent(7, Some(&[i as u8; 3]));
             if i % 1000 == 999 {
                 r.learn((i + 1) as u16);
             }
@@ -331,10 +387,10 @@ mod tests {
         assert!(r.ask_due().is_some(), "still half used: asks again");
 
         let mut k = Record::new(Some(100), 64);
-        k.sent(1, Some(vec![0; 60]));
+        k.sent(1, Some(&[0; 60]));
         assert!(k.has_room());
         assert_eq!(k.ask_due(), Some(1));
-        k.sent(1, Some(vec![0; 60]));
+        k.sent(1, Some(&[0; 60]));
         assert!(!k.has_room(), "copies past their bound");
         assert_eq!(k.ask_all(), Some(2));
         assert_eq!(k.ask_all(), None, "asked already");

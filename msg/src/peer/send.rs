@@ -67,6 +67,18 @@ pub(crate) struct SendSide {
     pack_buf: Vec<u8>,
     /// Whether the application was told its messages go in fragments.
     told_fragments: bool,
+    /// Where a single frame's body is copied for the record (reused: no allocation).
+    scratch: Vec<u8>,
+}
+
+/// The copy of a message that went, for the record ([`SendSide::finish`]).
+pub(super) enum Copied {
+    /// None is kept.
+    No,
+    /// This body.
+    Owned(Vec<u8>),
+    /// The body in the sender's scratch buffer.
+    Scratch,
 }
 
 /// Where a sending side's numbers stood before a send: afterwards, whether the message sent
@@ -301,6 +313,7 @@ impl SendSide {
             draining: false,
             pack_buf: Vec::new(),
             told_fragments: false,
+            scratch: Vec::new(),
         }
     }
 
@@ -494,14 +507,18 @@ impl SendSide {
         let want = self.policy.decide(solicited);
         let mut outcome: Result<Option<usize>> = Ok(None);
         let (keep, taken) = (self.record.keeps(), self.taken_to_tell);
-        let mut copy = None;
+        let scratch = &mut self.scratch;
         let sent = link.send_with(want, first_timeout, |buf| {
             outcome = m.encode_single(seq, buf);
             let n = outcome.as_ref().ok().copied().flatten()?;
             frame::stamp_taken(&mut buf[..n], taken);
-            copy = keep.then(|| buf[HEADER_LEN..n].to_vec());
+            if keep {
+                scratch.clear();
+                scratch.extend_from_slice(&buf[HEADER_LEN..n]);
+            }
             Some(n)
         })?;
+        let copy = if keep { Copied::Scratch } else { Copied::No };
         let single = outcome?;
         if sent {
             self.sent_single(single);
@@ -538,7 +555,10 @@ impl SendSide {
         let body = concat(pieces);
         let mut frames = codec::fragment(&body, tag, seq, frame_max, self.max_message)?;
         let body_len = body.len() as u64;
-        let copy = keep.then_some(body);
+        let copy = match keep {
+            true => Copied::Owned(body),
+            false => Copied::No,
+        };
         let count = frames.len();
         let mut bytes = 0;
         for (i, f) in frames.iter_mut().enumerate() {
@@ -651,13 +671,16 @@ impl SendSide {
         let mut outcome: Result<Option<usize>> = Ok(None);
         let mut asked = false;
         let (keep, taken) = (self.record.keeps(), self.taken_to_tell);
-        let mut copy = None;
+        let scratch = &mut self.scratch;
         let sent = match link.send_with(want, patience.left(), |buf| {
             asked = true;
             outcome = m.encode_single(seq, buf);
             let n = outcome.as_ref().ok().copied().flatten()?;
             frame::stamp_taken(&mut buf[..n], taken);
-            copy = keep.then(|| buf[HEADER_LEN..n].to_vec());
+            if keep {
+                scratch.clear();
+                scratch.extend_from_slice(&buf[HEADER_LEN..n]);
+            }
             Some(n)
         }) {
             Ok(sent) => sent,
@@ -667,6 +690,7 @@ impl SendSide {
         let single = outcome?;
         if sent {
             self.sent_single(single);
+            let copy = if keep { Copied::Scratch } else { Copied::No };
             self.finish(want, solicited, single.unwrap_or(0), 1, tag, copy);
             return Ok(true);
         }
@@ -692,7 +716,10 @@ impl SendSide {
         let body = concat(pieces);
         let frames = codec::fragment(&body, tag, seq, frame_max, self.max_message)?;
         let body_len = body.len() as u64;
-        let copy = keep.then_some(body);
+        let copy = match keep {
+            true => Copied::Owned(body),
+            false => Copied::No,
+        };
         let count = frames.len();
         let mut frames = frames.into_iter().enumerate();
         let (_, mut first) = frames.next().expect("a message has a first frame");
@@ -791,8 +818,13 @@ impl SendSide {
         bytes: usize,
         frames: u64,
         tag: u32,
-        copy: Option<Vec<u8>>,
+        copy: Copied,
     ) {
+        let copy = match &copy {
+            Copied::No => None,
+            Copied::Owned(body) => Some(&body[..]),
+            Copied::Scratch => Some(&self.scratch[..]),
+        };
         self.record.sent(tag, copy);
         if let Some(through) = self.record.ask_due() {
             self.queue_ask(through);
@@ -934,7 +966,11 @@ impl SendSide {
             if !link.send(&buf[..len], want, timeout)? {
                 return Ok(false);
             }
-            let copy = keep.then(|| buf[HEADER_LEN..len].to_vec());
+            if keep {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&buf[HEADER_LEN..len]);
+            }
+            let copy = if keep { Copied::Scratch } else { Copied::No };
             self.sent_single(Some(len));
             self.finish(want, last, len, 1, tag, copy);
             return Ok(true);
@@ -956,7 +992,7 @@ impl SendSide {
         for (_, tag, body) in entries {
             self.stats.bytes_sent += body.len() as u64;
             let body = HEADER_LEN + body.start..HEADER_LEN + body.end;
-            self.record.sent(tag, keep.then(|| buf[body].to_vec()));
+            self.record.sent(tag, keep.then(|| &buf[body]));
         }
         if let Some(through) = self.record.ask_due() {
             self.queue_ask(through);

@@ -44,6 +44,9 @@ pub struct Session {
     /// How the session resumes after its connection is lost, if both sides set
     /// [`rdmsg_transport::Config::resume_window`] (see `resume.rs`).
     resume: Option<resume::Resuming>,
+    /// Suspended: nothing more is read from the old connection (what the peer had not seen
+    /// taken comes again on the new one).
+    suspended: bool,
 }
 
 mod calls;
@@ -71,8 +74,8 @@ impl Session {
             _ => config,
         };
         if let Some(r) = &resume {
-            // A new connection the listener hands over wakes whoever waits on this one.
-            r.wake_with(conn.waker().ok());
+            // A new connection the listener hands over ends this one.
+            r.watch(&conn);
         }
         // What we read is bounded by what we announced in the handshake (the peer fragments
         // larger messages).
@@ -90,6 +93,7 @@ impl Session {
             held: Held::new(config.max_held_bytes),
             answer_watch: call::AnswerWatch::default(),
             resume: resume.map(resume::Resuming::new),
+            suspended: false,
             machine: PeerMachine::new(
                 SendSide::new(&config, conn.peer().recv_depth)
                     .with_peer_max_read(conn.peer().max_read),
@@ -212,7 +216,10 @@ impl Session {
                 // The sends wait at most what is left, taking in what arrives.
                 match self.machine.flush_before_wait(&mut self.conn, left, now) {
                     Err(e) => {
-                        self.before_failure(e, deadline)?;
+                        if !self.before_failure(e, resume::Until::At(deadline))? {
+                            // Suspended past the deadline: nothing came.
+                            return Ok(None);
+                        }
                         continue;
                     }
                     Ok(f) if !f.drained => {
@@ -250,12 +257,7 @@ impl Session {
             }
             // Answers given meanwhile, or a credit for those waiting, end the wait.
             let (replies, unsent) = (&self.replies, !self.machine.outbox.is_empty());
-            let resume = self.resume.as_ref();
-            let interrupted = |c: &Connection| {
-                replies.waiting()
-                    || (unsent && c.credits() > 0)
-                    || resume.is_some_and(resume::Resuming::successor_waiting)
-            };
+            let interrupted = |c: &Connection| replies.waiting() || (unsent && c.credits() > 0);
             let arrival = advanced.and_then(|()| {
                 Ok(match now {
                     Some(now) => {
@@ -270,10 +272,7 @@ impl Session {
                 })
             });
             // Nothing came: the next turn reads the clock and judges the deadline.
-            if !self.take_arrival(arrival, deadline)? && self.successor_waiting() {
-                // The peer resumed on a new connection before this side saw the old one go.
-                self.resume_until(deadline)?;
-            }
+            self.take_arrival(arrival, resume::Until::At(deadline))?;
         }
     }
 
@@ -310,16 +309,18 @@ impl Session {
     fn take_arrival(
         &mut self,
         arrival: Result<Option<rdmsg_transport::Arrival>>,
-        deadline: Option<Instant>,
+        until: resume::Until,
     ) -> Result<bool> {
         match arrival {
-            Ok(Some(a)) => {
+            Ok(Some(a)) if !self.suspended => {
                 self.machine.recv.accept(a);
                 self.exchange_acks()?;
                 Ok(true)
             }
+            // The old connection, still read after the session suspended: it comes again.
+            Ok(Some(_)) => self.resume_until(until),
             Ok(None) => Ok(false),
-            Err(e) => self.before_failure(e, deadline),
+            Err(e) => self.before_failure(e, until),
         }
     }
 
@@ -328,9 +329,9 @@ impl Session {
     /// look again). A failed connection stays failed: `e` comes once nothing is left. A
     /// resumable session suspends instead and waits for its new connection until
     /// `deadline` (`Ok(true)`: resumed, look again; `Ok(false)`: not yet).
-    fn before_failure(&mut self, e: crate::Error, deadline: Option<Instant>) -> Result<bool> {
-        if self.resume.is_some() && self.suspends() {
-            return self.resume_until(deadline);
+    fn before_failure(&mut self, e: crate::Error, until: resume::Until) -> Result<bool> {
+        if self.resume.is_some() && (self.suspended || self.suspends()) {
+            return self.resume_until(until);
         }
         if let Some(f) = self.conn.failure() {
             // Calls under way end with it (their answers can no longer come), and answers
@@ -374,7 +375,7 @@ impl Session {
                 continue;
             }
             let arrival = advanced.and_then(|()| Ok(self.conn.try_recv_any()?));
-            if !self.take_arrival(arrival, Some(Instant::now()))? {
+            if !self.take_arrival(arrival, resume::Until::Now)? {
                 return Ok(None);
             }
         }
@@ -409,11 +410,11 @@ impl Session {
         match self.step_inner() {
             // A resumable session that lost its connection takes a new one if there is one
             // (never waiting).
-            Err(_) if self.resume.is_some() && (self.suspends() || self.successor_waiting()) => {
-                self.resume_until(Some(Instant::now()))
-            }
-            Ok(_) if self.resume.is_some() && self.successor_waiting() => {
-                self.resume_until(Some(Instant::now()))
+            Err(_)
+                if self.resume.is_some()
+                    && (self.suspended || self.suspends() || self.successor_waiting()) =>
+            {
+                self.resume_until(resume::Until::Now)
             }
             r => r,
         }
@@ -426,6 +427,7 @@ impl Session {
         let mut took = false;
         while self.conn.has_ready() {
             match self.conn.try_recv_any()? {
+                Some(_) if self.suspended => return self.resume_until(resume::Until::Now),
                 Some(a) => {
                     self.machine.recv.accept(a);
                     took = true;

@@ -20,9 +20,24 @@ use rdmsg_transport::{Arrival, Failure, Resume};
 
 use super::*;
 use crate::error::Unresumable;
+
+/// When a suspension that began at `since` ends (far in the future for a huge window).
+fn end_of(since: Instant, window: Duration) -> Instant {
+    since
+        .checked_add(window)
+        .unwrap_or_else(|| since + Duration::from_secs(100 * 365 * 86_400))
+}
 use crate::frame;
 use crate::trace::trace_event;
 use crate::Error;
+
+/// How long a call may wait for a resume: not at all (the clock is read only if the session
+/// is suspended), or until a deadline (`None`: as the window allows).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Until {
+    Now,
+    At(Option<Instant>),
+}
 
 /// A resumable session's state across its connections.
 #[derive(Debug)]
@@ -41,7 +56,7 @@ pub(super) struct Resuming {
 impl Resuming {
     /// See [`Session::successor_waiting`].
     pub(super) fn successor_waiting(&self) -> bool {
-        self.since.is_none() && self.way.has_successor()
+        !self.ended && self.way.has_successor()
     }
 
     pub(super) fn new(way: Resume) -> Self {
@@ -56,9 +71,25 @@ impl Resuming {
 }
 
 impl Session {
+    /// Whether the session resumes after a lost connection (both sides set
+    /// [`Config::resume_window`]).
+    pub fn is_resumable(&self) -> bool {
+        self.resume.as_ref().is_some_and(|r| !r.ended)
+    }
+
     /// Whether the session is suspended: its connection was lost and a new one is awaited.
     pub fn is_suspended(&self) -> bool {
-        self.resume.as_ref().is_some_and(|r| r.since.is_some())
+        self.suspended
+    }
+
+    /// Gives up resuming: from now on a lost connection ends the session, as without
+    /// [`Config::resume_window`] (the listener forgets the session, a dialing thread stops).
+    /// For drivers that wait on the session's descriptor ([`Session::split`], the tokio
+    /// layer), which a resume would change under them.
+    pub fn forgo_resume(&mut self) {
+        if !self.suspended {
+            self.resume = None;
+        }
     }
 
     /// Time spent suspended in all (the current suspension included).
@@ -98,7 +129,8 @@ impl Session {
         let now = Instant::now();
         r.since = Some(now);
         r.taken = self.machine.suspend(conn.peer_note());
-        r.way.begin(now + r.way.window());
+        r.way.begin(end_of(now, r.way.window()));
+        self.suspended = true;
         trace_event!(
             WARN,
             failure = ?conn.failure(),
@@ -113,7 +145,11 @@ impl Session {
     /// out (the connection's failure, as without resume), the peer refused the resume or
     /// gave a count that cannot be true; the calls and the outbox then end as on any
     /// failure.
-    pub(super) fn resume_until(&mut self, deadline: Option<Instant>) -> Result<bool> {
+    pub(super) fn resume_until(&mut self, until: Until) -> Result<bool> {
+        let deadline = match until {
+            Until::Now => Some(Instant::now()),
+            Until::At(d) => d,
+        };
         self.suspend();
         loop {
             let Some(r) = self.resume.as_mut() else {
@@ -122,7 +158,7 @@ impl Session {
             let Some(since) = r.since else {
                 return Ok(true);
             };
-            let end = since + r.way.window();
+            let end = end_of(since, r.way.window());
             let now = Instant::now();
             if now >= end {
                 let f = self.conn.failure();
@@ -136,7 +172,12 @@ impl Session {
                 Some(Err(e)) if e.refuses_resume() => {
                     return self.resume_failed(Error::CannotResume(Unresumable::UnknownSession));
                 }
-                Some(Err(e)) => return self.resume_failed(e.into()),
+                // The window ran out while dialing (or dialing failed for good): the session
+                // fails as it would have without resume.
+                Some(Err(_)) => {
+                    let f = self.conn.failure().unwrap_or(Failure::PeerVanished);
+                    return self.resume_failed(rdmsg_transport::Error::Connection(f).into());
+                }
                 Some(Ok(next)) => match self.adopt(next) {
                     Ok(()) => return Ok(true),
                     Err(e @ Error::CannotResume(_)) => return self.resume_failed(e),
@@ -160,6 +201,12 @@ impl Session {
             if let Some(since) = r.since.take() {
                 r.suspended += since.elapsed();
             }
+        }
+        self.suspended = false;
+        // No later connection can take the session up: the listener forgets it, dialing
+        // stops (its time suspended stays in the stats).
+        if let Some(r) = self.resume.as_mut() {
+            r.way.end();
         }
         trace_event!(WARN, error = %e, "session not resumed");
         let (dropped, lost) = self.machine.connection_failed(self.conn.peer_note());
@@ -223,9 +270,10 @@ impl Session {
             }
         }
         let r = self.resume.as_mut().expect("checked");
-        r.way.wake_with(self.conn.waker().ok());
+        r.way.watch(&self.conn);
         let suspended = r.since.take().map_or(Duration::ZERO, |s| s.elapsed());
         r.suspended += suspended;
+        self.suspended = false;
         trace_event!(
             INFO,
             again,
@@ -233,8 +281,9 @@ impl Session {
             taken = peer_taken,
             "session resumed"
         );
-        // What goes again goes now, as far as credits allow; the rest with the next call.
-        self.machine.send.send_committed(&mut self.conn)?;
+        // What goes again goes now, as far as credits allow; the rest with the next call
+        // (which also reports a failure of the new connection).
+        let _ = self.machine.send.send_committed(&mut self.conn);
         Ok(())
     }
 
@@ -263,7 +312,8 @@ impl Session {
             );
             let e = match op(self) {
                 Err(e)
-                    if self.resume.is_some() && (self.suspends() || self.successor_waiting()) =>
+                    if self.resume.is_some()
+                        && (self.suspended || self.suspends() || self.successor_waiting()) =>
                 {
                     e
                 }
@@ -272,11 +322,13 @@ impl Session {
             let numbered = self.machine.send.next_seq().wrapping_sub(seq) as usize > queued;
             let deadline = *deadline
                 .get_or_insert_with(|| patience.and_then(|p| Instant::now().checked_add(p)));
-            if !self.resume_until(deadline)? {
-                return not_yet.take().ok_or(e);
-            }
+            let resumed = self.resume_until(Until::At(deadline))?;
             if numbered {
+                // It went: it is among those sent again on the new connection.
                 return Ok(went.take().expect("once"));
+            }
+            if !resumed {
+                return not_yet.take().ok_or(e);
             }
         }
     }

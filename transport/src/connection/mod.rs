@@ -96,7 +96,7 @@ pub struct Connection {
     stall: Stall,
     /// How a session over this connection resumes on a new one, if it may
     /// ([`Config::resume_window`]).
-    pub(crate) resume: Option<crate::resume::Resume>,
+    pub(crate) resume: Option<Box<crate::resume::Resume>>,
 }
 
 impl AsFd for Connection {
@@ -788,7 +788,7 @@ impl Connection {
     /// sides set [`Config::resume_window`] (the first connection of a session only; a
     /// successor has none: its session keeps the first's). Taken once, by the typed layer.
     pub fn take_resume(&mut self) -> Option<crate::resume::Resume> {
-        self.resume.take()
+        self.resume.take().map(|r| *r)
     }
 
     /// A handle that makes the connection's descriptor readable (and ends its blocking

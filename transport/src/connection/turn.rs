@@ -9,7 +9,6 @@ use rdmsg_verbs::WorkCompletion;
 use super::{Connection, DRAIN_POLL, LIVENESS_EVERY, POLL_SLICE};
 #[cfg(feature = "test-hooks")]
 use crate::config::{injected_fault, Fault};
-#[cfg(feature = "test-hooks")]
 use crate::control::Control;
 use crate::core::{earliest, Completion};
 use crate::device_events::{self, Mailbox};
@@ -372,6 +371,14 @@ impl Connection {
     #[doc(hidden)]
     pub fn inject_fault(&mut self, fault: Fault) {
         self.fault = Some(fault);
+    }
+
+    /// A second handle on the bootstrap TCP stream (none over rdma_cm), for a resume to cut.
+    pub(crate) fn bootstrap_handle(&self) -> Option<std::net::TcpStream> {
+        match &self.waiter.channel().bootstrap {
+            Control::Tcp(stream) => stream.try_clone().ok(),
+            Control::Cm(_) => None,
+        }
     }
 
     /// Test hook: cuts the bootstrap stream (both ways), as a network that lost it would: each
