@@ -115,9 +115,11 @@ pub struct Config {
     /// answering), waiting for a new connection to resume on. The connecting side dials
     /// again through the same bootstrap, with jittered backoff; the accepting side's
     /// [`Listener`](crate::Listener) hands the new connection to the session whose token it
-    /// carries (see [`Resume`](crate::Resume)). Both sides must set it (the server's accept
-    /// `config` decides for it); the typed layer then sends again what the peer had not
-    /// taken and nothing twice. `None` (the default): a lost connection ends the session.
+    /// carries (see [`Resume`](crate::Resume)), so the server must keep accepting. Both sides
+    /// must set it (the server's accept `config` decides for it); the typed layer's `Session`
+    /// then sends again what the peer had not taken and nothing twice (hubs, the tokio layer,
+    /// split sessions and rdma_cm connections do not resume yet). `None` (the default): a
+    /// lost connection ends the session.
     pub resume_window: Option<Duration>,
     /// Fault injection for tests (feature `test-hooks`).
     #[cfg(feature = "test-hooks")]

@@ -72,7 +72,7 @@ impl Resuming {
 
 impl Session {
     /// Whether the session resumes after a lost connection (both sides set
-    /// [`Config::resume_window`]).
+    /// [`Config::resume_window`](rdmsg_transport::Config::resume_window)).
     pub fn is_resumable(&self) -> bool {
         self.resume.as_ref().is_some_and(|r| !r.ended)
     }
@@ -83,7 +83,8 @@ impl Session {
     }
 
     /// Gives up resuming: from now on a lost connection ends the session, as without
-    /// [`Config::resume_window`] (the listener forgets the session, a dialing thread stops).
+    /// [`Config::resume_window`](rdmsg_transport::Config::resume_window) (the listener
+    /// forgets the session, a dialing thread stops).
     /// For drivers that wait on the session's descriptor ([`Session::split`], the tokio
     /// layer), which a resume would change under them.
     pub fn forgo_resume(&mut self) {

@@ -11,11 +11,12 @@
 //! its own deadline, so that a silent, slow or garbage-sending client delays nobody; a hub
 //! can drive the same machine from its own epoll.
 //!
-//! # The exchange (version 3)
+//! # The exchange (version 5)
 //!
 //! ```text
 //! client (QP in INIT, receives posted)                    server (nothing allocated)
-//!   ClientHello: header 'C', hello, nonce        ──▶  checks values, MTU, limits, key presence
+//!   ClientHello: header 'C', hello, nonce,       ──▶  checks values, MTU, limits, key presence
+//!                session field
 //!        ◀──  ServerHello: header 'A', hello (no QP address), nonce, MAC_s
 //!             or a header carrying a reject code (padded to 56 bytes): end
 //!   checks values, MTU, limits, MAC_s
@@ -48,7 +49,10 @@
 //! byte (bit 0: the sender has a pre-shared key). A *hello* is a header followed by 48 bytes:
 //! LID (2), QPN (4), PSN (4), GID (16), path MTU (4), buffer size (4), receive depth (4),
 //! initial credits (4), grant slots (1), RDMA reads served at once (1), largest message read
-//! (4) — [`HELLO_LEN`] in all. Nonces and MACs are 32 bytes. A server that rejects the client
+//! (4) — [`HELLO_LEN`] in all. Nonces and MACs are 32 bytes. The client hello ends with the
+//! session field ([`SESSION_LEN`] bytes: a kind, 0 none, 1 a resumable session offered, 2 a
+//! resume, and a [`TOKEN_LEN`]-byte token; see [`Resumption`]); the server hello's flag bit 1
+//! says it agreed. A server that rejects the client
 //! hello answers with a header carrying the reject code, padded with zeros to [`HELLO_LEN`]
 //! bytes (so that an older client, which reads 52 or 56 bytes, sees the other version). Later
 //! rejections are the reject code alone; see [`Reject::code`].
