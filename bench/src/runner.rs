@@ -1142,8 +1142,8 @@ mod tests {
         // 2 latency modes × (2 sizes × 2 + 1 layer size × 3), 2 stream sizes × 3,
         // 2 batches × (4 modes + the floor), async: (2 sizes + 2 batches) × 2, large: 2 sizes
         // × 4 subjects, 3 fan-in points × 2 servers and 2 groups, 2 sweep rates × 4
-        // receivers, 6 cost subjects, 2 ways of connecting, one collector run.
-        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 8 + 8 + 6 + 2 + 1);
+        // receivers, 8 cost subjects, 2 ways of connecting, one collector run.
+        assert_eq!(tasks.len(), 14 + 6 + 10 + 8 + 8 + 8 + 8 + 8 + 2 + 1);
         assert!(matches!(
             (tasks[0].what, tasks[1].what),
             (
@@ -1165,7 +1165,7 @@ mod tests {
             5 * (2 * (5 * 2 + 2 * 3) + 4 * 3 + 3 * 5 + (2 + 3) * 2 + 4 * 4 + 5 * 4 + 2)
                 + 3 * (6 + 4 + 3)
                 + 1
-                + 3 * 6
+                + 3 * 8
                 + 4
         );
         assert!(full.tasks().iter().all(|t| t.round < 5));

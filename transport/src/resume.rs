@@ -155,7 +155,9 @@ enum Way {
         config: Box<Config>,
         /// Set to stop the thread that dials (the session ended or resumed meanwhile).
         stop: Arc<AtomicBool>,
-        dialing: Option<thread::JoinHandle<()>>,
+        /// Set while a thread dials; cleared before it hands over its outcome, so that a
+        /// session whose new connection failed at once starts dialing again.
+        dialing: Arc<AtomicBool>,
     },
     /// The accepting side waits for its listener.
     Accept { sessions: Arc<Sessions> },
@@ -191,7 +193,7 @@ impl Resume {
                 addr,
                 config: Box::new(config.clone()),
                 stop: Arc::new(AtomicBool::new(false)),
-                dialing: None,
+                dialing: Arc::new(AtomicBool::new(false)),
             },
         }
     }
@@ -236,17 +238,23 @@ impl Resume {
         else {
             return;
         };
-        if dialing.as_ref().is_some_and(|t| !t.is_finished()) {
+        if dialing.swap(true, Ordering::AcqRel) {
             return;
         }
         stop.store(false, Ordering::Release);
         let (endpoint, addr, config, stop) =
             (endpoint.clone(), *addr, (**config).clone(), stop.clone());
-        let (slot, token) = (self.slot.clone(), self.token);
-        *dialing = thread::Builder::new()
+        let (slot, token, running) = (self.slot.clone(), self.token, dialing.clone());
+        let spawned = thread::Builder::new()
             .name("rdmsg-resume".into())
-            .spawn(move || dial_until(&endpoint, addr, &config, token, &slot, &stop, until))
-            .ok();
+            .spawn(move || {
+                dial_until(
+                    &endpoint, addr, &config, token, &slot, &stop, until, &running,
+                )
+            });
+        if spawned.is_err() {
+            dialing.store(false, Ordering::Release);
+        }
     }
 
     /// The new connection, once there (waiting at most `timeout`; `None`: as long as it
@@ -317,6 +325,7 @@ impl Error {
 /// The dialing thread: attempts with jittered exponential backoff until one connects, the
 /// peer refuses, `stop` is set or `until` passes. The outcome goes into `slot` (nothing if
 /// stopped).
+#[allow(clippy::too_many_arguments)]
 fn dial_until(
     endpoint: &Endpoint,
     addr: SocketAddr,
@@ -325,7 +334,13 @@ fn dial_until(
     slot: &Slot,
     stop: &AtomicBool,
     until: Instant,
+    running: &AtomicBool,
 ) {
+    // Whatever the outcome, this thread no longer dials once it is handed over.
+    let put = |outcome: Result<Connection>| {
+        running.store(false, Ordering::Release);
+        slot.put(outcome);
+    };
     let mut backoff = FIRST_BACKOFF;
     loop {
         // Half to all of the backoff, at random: peers that lost one link spread out.
@@ -337,8 +352,10 @@ fn dial_until(
         if now + pause >= until {
             let left = until.saturating_duration_since(now);
             thread::sleep(left);
-            if !stop.load(Ordering::Acquire) {
-                slot.put(Err(Error::timeout(
+            if stop.load(Ordering::Acquire) {
+                running.store(false, Ordering::Release);
+            } else {
+                put(Err(Error::timeout(
                     "resuming the session",
                     "a new connection",
                     left,
@@ -348,6 +365,7 @@ fn dial_until(
         }
         thread::sleep(pause);
         if stop.load(Ordering::Acquire) {
+            running.store(false, Ordering::Release);
             return;
         }
         let patience = config
@@ -355,18 +373,21 @@ fn dial_until(
             .min(until.saturating_duration_since(Instant::now()));
         match crate::bootstrap::dial_resume(endpoint, addr, config, token, patience) {
             Ok(conn) => {
-                if !stop.load(Ordering::Acquire) {
-                    slot.put(Ok(conn));
+                if stop.load(Ordering::Acquire) {
+                    running.store(false, Ordering::Release);
+                } else {
+                    put(Ok(conn));
                 }
                 return;
             }
             Err(e) if e.refuses_resume() => {
-                slot.put(Err(e));
+                put(Err(e));
                 return;
             }
             Err(_) => backoff = (backoff * 2).min(MAX_BACKOFF),
         }
         if stop.load(Ordering::Acquire) {
+            running.store(false, Ordering::Release);
             return;
         }
     }

@@ -287,8 +287,11 @@ impl PeerIo for SessionPeerIo<'_> {
     }
 
     fn absorb(&mut self, timeout: Option<Duration>) -> Result<Option<Absorbed>> {
-        if let Some(a) = self.conn.recv_any_timeout(timeout)? {
-            self.receiver.accept(a);
+        match self.conn.recv_any_timeout(timeout)? {
+            // A suspended session reads nothing more of the old connection.
+            Some(_) if self.receiver.paused => {}
+            Some(a) => self.receiver.accept(a),
+            None => {}
         }
         self.receiver.advance(self.conn)?;
         Ok(Some(Absorbed {

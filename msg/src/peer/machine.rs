@@ -104,6 +104,7 @@ impl PeerMachine {
     pub(crate) fn resume(&mut self, peer_taken: u32) -> crate::Result<usize> {
         let again = self.send.rewind(peer_taken)?;
         self.send.tell_taken(self.recv.taken());
+        self.recv.paused = false;
         Ok(again)
     }
 

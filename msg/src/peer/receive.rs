@@ -65,6 +65,9 @@ pub(crate) struct RecvSide {
     /// The message in reassembly as last seen by [`RecvSide::handle_timeout`] (tag, seq,
     /// bytes received) and when: its progress deadline runs from then.
     pub(super) watch: Option<((u32, u32, usize), Instant)>,
+    /// Suspended for a resume ([`RecvSide::reset_for_resume`]): what the old connection
+    /// still brings is dropped (it comes again on the new one), until the resume.
+    pub(crate) paused: bool,
     /// The application holds as much of this peer's messages as it may
     /// ([`SessionConfig::max_held_bytes`](crate::SessionConfig::max_held_bytes)): frames of
     /// new messages are parked, as behind a head that waits, until it takes some.
@@ -119,6 +122,7 @@ impl RecvSide {
             reserved: 0,
             ticket: None,
             watch: None,
+            paused: false,
             held_back: false,
         }
     }
@@ -669,6 +673,7 @@ impl RecvSide {
         self.ask = None;
         self.answer_due = false;
         self.peer_taken = None;
+        self.paused = true;
     }
 
     /// The next message (or dropped frame's error) in order, if it is there, handed to the

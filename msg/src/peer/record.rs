@@ -104,6 +104,10 @@ impl Kept {
         if self.copies.is_empty() {
             self.arena.clear();
             self.start = 0;
+            // A large message's copy does not keep its memory for the session's life.
+            if self.arena.capacity() > self.max_bytes.min(1 << 20) * 2 {
+                self.arena = Vec::new();
+            }
         } else if self.start >= 1 << 16 && self.start * 2 >= self.arena.len() {
             // Mostly taken: the rest moves to the front (its bytes at most the half freed).
             self.arena.drain(..self.start);
@@ -366,6 +370,38 @@ mod tests {
         assert_eq!(r.delivery(), before);
         r.learn_in_full(before.taken as u32 + 7);
         assert_eq!(r.delivery().taken, before.taken + 7);
+    }
+
+    #[test]
+    fn copies_share_one_arena_that_a_large_one_does_not_keep_grown() {
+        let mut r = Record::new(Some(16 << 20), 16 << 20);
+        for i in 0..100u8 {
+            r.sent(1, Some(&[i; 10]));
+        }
+        r.learn(60);
+        let k = r.kept.as_ref().unwrap();
+        assert_eq!((k.copies.len(), k.bytes()), (40, 400));
+        r.sent(2, Some(&vec![9; 3 << 20]));
+        r.learn(101);
+        let k = r.kept.as_ref().unwrap();
+        assert_eq!(k.bytes(), 0);
+        assert_eq!(
+            k.arena.capacity(),
+            0,
+            "the large copy's memory went with it"
+        );
+        // What is left comes back whole and in order after a rewind.
+        r.sent(3, Some(b"abc"));
+        r.sent(4, Some(b"de"));
+        let back = r.rewind(101).unwrap();
+        assert_eq!(back, [(3, b"abc".to_vec()), (4, b"de".to_vec())]);
+        assert_eq!(
+            r.delivery(),
+            Delivery {
+                sent: 101,
+                taken: 101
+            }
+        );
     }
 
     #[test]

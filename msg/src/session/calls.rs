@@ -75,13 +75,17 @@ impl Session {
             m: request,
         };
         let before = peer::Numbering::before(&self.machine.send);
+        self.went_as = None;
         let sent = self.sending(Some(left), true, Some(false), |s| {
             peer::in_time(
                 s.machine
                     .send_within(&mut s.conn, &out, solicited, Some(left)),
             )
         });
-        let went = before.went(&self.machine.send, &sent);
+        let went = self
+            .went_as
+            .take()
+            .or_else(|| before.went(&self.machine.send, &sent));
         call::started::<R>(&self.calls, id, sent, went, timeout, deadline)
     }
 
@@ -102,8 +106,13 @@ impl Session {
             m: request,
         };
         let before = peer::Numbering::before(&self.machine.send);
+        self.went_as = None;
         let sent = self.try_send_as(&out, solicited);
-        match before.went(&self.machine.send, &sent) {
+        let went = self
+            .went_as
+            .take()
+            .or_else(|| before.went(&self.machine.send, &sent));
+        match went {
             Some(seq) => {
                 call::started::<R>(&self.calls, id, Ok(true), Some(seq), timeout, deadline)
                     .map(Some)
@@ -274,7 +283,7 @@ impl Session {
             }
             // A session that suspends keeps its answers for the new connection; the loss
             // comes from the next receive.
-            Err(_) if self.resume.is_some() && self.suspends() => Ok(()),
+            Err(_) if self.resume.is_some() && (self.suspended || self.suspends()) => Ok(()),
             Err(e) => {
                 let lost = self.machine.outbox.clear();
                 self.drop_replies(lost);

@@ -47,6 +47,9 @@ pub struct Session {
     /// Suspended: nothing more is read from the old connection (what the peer had not seen
     /// taken comes again on the new one).
     suspended: bool,
+    /// The number a send that went before a loss went under (see `sending`): a call's
+    /// request learns it there, since the numbers moved with the resume.
+    went_as: Option<u32>,
 }
 
 mod calls;
@@ -94,6 +97,7 @@ impl Session {
             answer_watch: call::AnswerWatch::default(),
             resume: resume.map(resume::Resuming::new),
             suspended: false,
+            went_as: None,
             machine: PeerMachine::new(
                 SendSide::new(&config, conn.peer().recv_depth)
                     .with_peer_max_read(conn.peer().max_read),
@@ -149,7 +153,7 @@ impl Session {
     /// frames; RDMA says nothing of what an application did).
     pub fn take_unconfirmed(&mut self) -> Option<Vec<Envelope>> {
         self.conn.failure()?;
-        if self.is_suspended() {
+        if self.suspended || (self.is_resumable() && self.suspends()) {
             // They go again once the session resumes.
             return None;
         }
@@ -406,6 +410,10 @@ impl Session {
     /// ([`Connection::step`]). Take messages with [`Session::try_recv`] until it finds none,
     /// then wait until the descriptor is readable or [`Session::next_timeout`] passes.
     /// Returns whether it handled anything (if so, look again before waiting).
+    ///
+    /// A resumable session (see [`Session::is_resumable`]) takes a new connection up here too:
+    /// its descriptor then changes (re-register it when [`SessionStats::resumes`] moves), and
+    /// the step waits for the peer's resume frame, within the handshake's timeout.
     pub fn step(&mut self) -> Result<bool> {
         match self.step_inner() {
             // A resumable session that lost its connection takes a new one if there is one

@@ -235,7 +235,7 @@ impl Session {
             .into());
         }
         let started = Instant::now();
-        let deadline = started + patience;
+        let deadline = end_of(started, patience);
         let peer_taken = loop {
             let now = Instant::now();
             match next.recv_any_interruptible_until(Some(deadline), now, |_| false)? {
@@ -323,12 +323,14 @@ impl Session {
             let numbered = self.machine.send.next_seq().wrapping_sub(seq) as usize > queued;
             let deadline = *deadline
                 .get_or_insert_with(|| patience.and_then(|p| Instant::now().checked_add(p)));
-            let resumed = self.resume_until(Until::At(deadline))?;
+            let resumed = self.resume_until(Until::At(deadline));
             if numbered {
-                // It went: it is among those sent again on the new connection.
+                // It went, under the number after the committed ones: it is among those sent
+                // again on the new connection (or, if the session ended, among its copies).
+                self.went_as = Some(seq.wrapping_add(queued as u32));
                 return Ok(went.take().expect("once"));
             }
-            if !resumed {
+            if !resumed? {
                 return not_yet.take().ok_or(e);
             }
         }
