@@ -25,6 +25,14 @@ use crate::failed::FailedHandshakes;
 use crate::handshake::{Action, Handshake, Hello, Reject, Resumption};
 use crate::handshake_set::{to_evict, Bound, Waiting};
 use crate::resume::{self, Resume, Sessions};
+
+/// What the client hello says for a connection made with `config`.
+pub(crate) fn offer(config: &Config) -> Result<Resumption> {
+    Ok(match config.resume_window {
+        Some(_) => Resumption::Offer(resume::new_token()?),
+        None => Resumption::Off,
+    })
+}
 use crate::setup::{nonce, our_hello, LocalSide, Setup};
 use crate::stream::{accept_next, bootstrap_err};
 use crate::token;
@@ -45,7 +53,7 @@ pub(crate) struct Pending<S = Setup> {
     pub(crate) deadline: Instant,
     /// The accepting side's resumable sessions, to check a resume's token against before
     /// anything is set up for it.
-    sessions: Option<Arc<Sessions>>,
+    sessions: Option<Arc<Sessions<Connection>>>,
 }
 
 impl<S: LocalSide> Pending<S> {
@@ -255,8 +263,13 @@ pub(crate) fn connect(
             if let (true, Resumption::Offer(token), Some(addr), Some(window)) =
                 (resumable, session, addr, config.resume_window)
             {
+                let patience = config.handshake_timeout;
+                let (endpoint, config) = (endpoint.clone(), config.clone());
+                let dial: resume::Dial<Connection> = std::sync::Arc::new(move |patience| {
+                    dial_resume(&endpoint, addr, &config, token, patience)
+                });
                 conn.resume = Some(Box::new(Resume::dialing(
-                    endpoint, addr, config, token, window,
+                    dial, addr, patience, token, window,
                 )));
             }
             return Ok(conn);
@@ -293,7 +306,7 @@ pub struct Listener {
     accept_paused: Mutex<Option<Instant>>,
     failed: FailedHandshakes,
     /// Sessions accepted here that may resume, by token.
-    sessions: Arc<Sessions>,
+    sessions: Arc<Sessions<Connection>>,
 }
 
 /// How long a listener stops accepting after `accept(2)` failed for want of resources.
@@ -638,8 +651,7 @@ impl Endpoint {
     ) -> Result<Connection> {
         let _span = trace_span!(INFO, "connect", addr = ?addr);
         trace::connecting(&addr);
-        let made =
-            dial(&addr).and_then(|stream| connect(self, stream, config, resume::offer(config)?));
+        let made = dial(&addr).and_then(|stream| connect(self, stream, config, offer(config)?));
         trace::connected(
             &addr,
             made.as_ref().map(|c| (c.qp_num(), c.peer().addr.qpn)),

@@ -1,6 +1,6 @@
 //! Sessions that outlive their connection: the transport's half of a resume.
 //!
-//! A connection made with [`Config::resume_window`] on both sides carries a *session token*
+//! A connection made with [`Config::resume_window`](crate::Config::resume_window) on both sides carries a *session token*
 //! (drawn by the connecting side, agreed in the handshake, covered by its MACs when there is
 //! a pre-shared key). When the connection is lost for a reason a network can cause
 //! ([`Failure::may_resume`](crate::Failure::may_resume)), the typed layer keeps its session
@@ -20,11 +20,8 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::config::Config;
-use crate::connection::Connection;
-use crate::endpoint::Endpoint;
 use crate::error::{Error, Result};
-use crate::handshake::{Reject, Resumption, TOKEN_LEN};
+use crate::handshake::{Reject, TOKEN_LEN};
 use std::net::TcpStream;
 
 /// A session's name in the handshake.
@@ -38,9 +35,8 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_millis(800);
 
 /// Where a session's next connection is put (by the listener, or the thread that dials).
-#[derive(Default)]
-pub(crate) struct Slot {
-    next: Mutex<Option<Result<Connection>>>,
+pub(crate) struct Slot<C> {
+    next: Mutex<Option<Result<C>>>,
     came: Condvar,
     /// Set while `next` holds something: looked at without the lock.
     full: AtomicBool,
@@ -50,8 +46,19 @@ pub(crate) struct Slot {
     current: Mutex<Option<TcpStream>>,
 }
 
-impl Slot {
-    pub(crate) fn put(&self, next: Result<Connection>) {
+impl<C> Default for Slot<C> {
+    fn default() -> Self {
+        Self {
+            next: Mutex::new(None),
+            came: Condvar::new(),
+            full: AtomicBool::new(false),
+            current: Mutex::new(None),
+        }
+    }
+}
+
+impl<C> Slot<C> {
+    pub(crate) fn put(&self, next: Result<C>) {
         let mut slot = self.next.lock().unwrap_or_else(PoisonError::into_inner);
         // A successor not yet taken is replaced: the newer one is the one the peer uses.
         *slot = Some(next);
@@ -68,7 +75,7 @@ impl Slot {
         }
     }
 
-    fn take(&self, timeout: Option<Duration>) -> Option<Result<Connection>> {
+    fn take(&self, timeout: Option<Duration>) -> Option<Result<C>> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut slot = self.next.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
@@ -94,22 +101,29 @@ impl Slot {
 }
 
 /// A listener's resumable sessions, by token.
-#[derive(Default)]
-pub(crate) struct Sessions {
-    by_token: Mutex<HashMap<Token, Weak<Slot>>>,
+pub(crate) struct Sessions<C> {
+    by_token: Mutex<HashMap<Token, Weak<Slot<C>>>>,
 }
 
-impl fmt::Debug for Sessions {
+impl<C> Default for Sessions<C> {
+    fn default() -> Self {
+        Self {
+            by_token: Mutex::default(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for Sessions<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let n = self.by_token.lock().map_or(0, |m| m.len());
         f.debug_struct("Sessions").field("sessions", &n).finish()
     }
 }
 
-impl Sessions {
+impl<C> Sessions<C> {
     /// A new resumable session accepted with `token`: its slot. A token already in use (by a
     /// session still alive) is not taken over: `None`, and the connection is not resumable.
-    pub(crate) fn register(&self, token: Token) -> Option<Arc<Slot>> {
+    pub(crate) fn register(&self, token: Token) -> Option<Arc<Slot<C>>> {
         let mut map = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
         if map.get(&token).is_some_and(|w| w.strong_count() > 0) {
             return None;
@@ -120,7 +134,7 @@ impl Sessions {
     }
 
     /// The slot of the session `token` names, if it is alive.
-    pub(crate) fn find(&self, token: &Token) -> Option<Arc<Slot>> {
+    pub(crate) fn find(&self, token: &Token) -> Option<Arc<Slot<C>>> {
         let map = self.by_token.lock().unwrap_or_else(PoisonError::into_inner);
         map.get(token).and_then(Weak::upgrade)
     }
@@ -137,22 +151,26 @@ impl Sessions {
 }
 
 /// How a resumable session gets a new connection after its connection was lost: taken from
-/// the connection ([`Connection::take_resume`]) by the session that lives on it, and kept
+/// the connection ([`Connection::take_resume`](crate::Connection::take_resume)) by the session that lives on it, and kept
 /// across its successors. Dropping it ends the session for resumes: the listener forgets
 /// its token, a thread dialing stops.
-pub struct Resume {
+pub struct Resume<C> {
     token: Token,
     window: Duration,
-    slot: Arc<Slot>,
-    way: Way,
+    slot: Arc<Slot<C>>,
+    way: Way<C>,
 }
 
-enum Way {
+/// Dials a new connection resuming the session, within the time given.
+pub(crate) type Dial<C> = Arc<dyn Fn(Duration) -> Result<C> + Send + Sync>;
+
+enum Way<C> {
     /// The connecting side dials again.
     Dial {
-        endpoint: Endpoint,
+        dial: Dial<C>,
         addr: SocketAddr,
-        config: Box<Config>,
+        /// Longest one attempt may take (the handshake's timeout).
+        patience: Duration,
         /// Set to stop the thread that dials (the session ended or resumed meanwhile).
         stop: Arc<AtomicBool>,
         /// Set while a thread dials; cleared before it hands over its outcome, so that a
@@ -160,10 +178,10 @@ enum Way {
         dialing: Arc<AtomicBool>,
     },
     /// The accepting side waits for its listener.
-    Accept { sessions: Arc<Sessions> },
+    Accept { sessions: Arc<Sessions<C>> },
 }
 
-impl fmt::Debug for Resume {
+impl<C> fmt::Debug for Resume<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let way = match &self.way {
             Way::Dial { addr, .. } => format!("dials {addr}"),
@@ -176,11 +194,11 @@ impl fmt::Debug for Resume {
     }
 }
 
-impl Resume {
+impl<C: Send + 'static> Resume<C> {
     pub(crate) fn dialing(
-        endpoint: &Endpoint,
+        dial: Dial<C>,
         addr: SocketAddr,
-        config: &Config,
+        patience: Duration,
         token: Token,
         window: Duration,
     ) -> Self {
@@ -189,9 +207,9 @@ impl Resume {
             window,
             slot: Arc::new(Slot::default()),
             way: Way::Dial {
-                endpoint: endpoint.clone(),
+                dial,
                 addr,
-                config: Box::new(config.clone()),
+                patience,
                 stop: Arc::new(AtomicBool::new(false)),
                 dialing: Arc::new(AtomicBool::new(false)),
             },
@@ -199,8 +217,8 @@ impl Resume {
     }
 
     pub(crate) fn accepted(
-        sessions: &Arc<Sessions>,
-        slot: Arc<Slot>,
+        sessions: &Arc<Sessions<C>>,
+        slot: Arc<Slot<C>>,
         token: Token,
         window: Duration,
     ) -> Self {
@@ -214,7 +232,7 @@ impl Resume {
         }
     }
 
-    /// How long the session may stay suspended ([`Config::resume_window`]).
+    /// How long the session may stay suspended ([`Config::resume_window`](crate::Config::resume_window)).
     pub fn window(&self) -> Duration {
         self.window
     }
@@ -229,11 +247,11 @@ impl Resume {
     /// passes). The accepting side waits for its listener: nothing to start.
     pub fn begin(&mut self, until: Instant) {
         let Way::Dial {
-            endpoint,
-            addr,
-            config,
+            dial,
+            patience,
             stop,
             dialing,
+            ..
         } = &mut self.way
         else {
             return;
@@ -242,16 +260,11 @@ impl Resume {
             return;
         }
         stop.store(false, Ordering::Release);
-        let (endpoint, addr, config, stop) =
-            (endpoint.clone(), *addr, (**config).clone(), stop.clone());
-        let (slot, token, running) = (self.slot.clone(), self.token, dialing.clone());
+        let (dial, patience, stop) = (dial.clone(), *patience, stop.clone());
+        let (slot, running) = (self.slot.clone(), dialing.clone());
         let spawned = thread::Builder::new()
             .name("rdmsg-resume".into())
-            .spawn(move || {
-                dial_until(
-                    &endpoint, addr, &config, token, &slot, &stop, until, &running,
-                )
-            });
+            .spawn(move || dial_until(&*dial, patience, &slot, &stop, until, &running));
         if spawned.is_err() {
             dialing.store(false, Ordering::Release);
         }
@@ -260,7 +273,7 @@ impl Resume {
     /// The new connection, once there (waiting at most `timeout`; `None`: as long as it
     /// takes): `Some(Err)` if the peer refused the resume ([`Reject::UnknownSession`]) or
     /// dialing stopped for good.
-    pub fn take(&self, timeout: Option<Duration>) -> Option<Result<Connection>> {
+    pub fn take(&self, timeout: Option<Duration>) -> Option<Result<C>> {
         self.slot.take(timeout)
     }
 
@@ -282,19 +295,17 @@ impl Resume {
         }
     }
 
-    /// `conn` is the session's connection now: if a new one comes before this side saw it
-    /// fail (the peer resumed first), its bootstrap stream is cut, so that it fails as a lost
-    /// connection does and the session takes the new one.
-    pub fn watch(&self, conn: &Connection) {
+    /// The session's current bootstrap stream (see `Resume::watch`).
+    pub(crate) fn watch_stream(&self, stream: Option<TcpStream>) {
         *self
             .slot
             .current
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = conn.bootstrap_handle();
+            .unwrap_or_else(PoisonError::into_inner) = stream;
     }
 }
 
-impl Drop for Resume {
+impl<C> Drop for Resume<C> {
     fn drop(&mut self) {
         match &mut self.way {
             Way::Dial { stop, .. } => stop.store(true, Ordering::Release),
@@ -325,19 +336,16 @@ impl Error {
 /// The dialing thread: attempts with jittered exponential backoff until one connects, the
 /// peer refuses, `stop` is set or `until` passes. The outcome goes into `slot` (nothing if
 /// stopped).
-#[allow(clippy::too_many_arguments)]
-fn dial_until(
-    endpoint: &Endpoint,
-    addr: SocketAddr,
-    config: &Config,
-    token: Token,
-    slot: &Slot,
+fn dial_until<C>(
+    dial: &(dyn Fn(Duration) -> Result<C> + Send + Sync),
+    most: Duration,
+    slot: &Slot<C>,
     stop: &AtomicBool,
     until: Instant,
     running: &AtomicBool,
 ) {
     // Whatever the outcome, this thread no longer dials once it is handed over.
-    let put = |outcome: Result<Connection>| {
+    let put = |outcome: Result<C>| {
         running.store(false, Ordering::Release);
         slot.put(outcome);
     };
@@ -368,10 +376,8 @@ fn dial_until(
             running.store(false, Ordering::Release);
             return;
         }
-        let patience = config
-            .handshake_timeout
-            .min(until.saturating_duration_since(Instant::now()));
-        match crate::bootstrap::dial_resume(endpoint, addr, config, token, patience) {
+        let patience = most.min(until.saturating_duration_since(Instant::now()));
+        match dial(patience) {
             Ok(conn) => {
                 if stop.load(Ordering::Acquire) {
                     running.store(false, Ordering::Release);
@@ -401,12 +407,4 @@ pub(crate) fn new_token() -> Result<Token> {
         source: std::io::Error::other(e.to_string()),
     })?;
     Ok(t)
-}
-
-/// What the client hello says for a connection made with `config`.
-pub(crate) fn offer(config: &Config) -> Result<Resumption> {
-    Ok(match config.resume_window {
-        Some(_) => Resumption::Offer(new_token()?),
-        None => Resumption::Off,
-    })
 }

@@ -42,7 +42,7 @@ pub(super) enum Until {
 /// A resumable session's state across its connections.
 #[derive(Debug)]
 pub(super) struct Resuming {
-    way: Resume,
+    way: Resume<Connection>,
     /// When the connection was lost (`None`: up).
     since: Option<Instant>,
     /// Our count of the peer's messages taken when it was lost: told the new connection.
@@ -59,7 +59,7 @@ impl Resuming {
         !self.ended && self.way.has_successor()
     }
 
-    pub(super) fn new(way: Resume) -> Self {
+    pub(super) fn new(way: Resume<Connection>) -> Self {
         Self {
             way,
             since: None,

@@ -96,7 +96,7 @@ pub struct Connection {
     stall: Stall,
     /// How a session over this connection resumes on a new one, if it may
     /// ([`Config::resume_window`]).
-    pub(crate) resume: Option<Box<crate::resume::Resume>>,
+    pub(crate) resume: Option<Box<crate::resume::Resume<Connection>>>,
 }
 
 impl AsFd for Connection {
@@ -787,7 +787,7 @@ impl Connection {
     /// How a session over this connection resumes on a new one after it is lost, if both
     /// sides set [`Config::resume_window`] (the first connection of a session only; a
     /// successor has none: its session keeps the first's). Taken once, by the typed layer.
-    pub fn take_resume(&mut self) -> Option<crate::resume::Resume> {
+    pub fn take_resume(&mut self) -> Option<crate::resume::Resume<Connection>> {
         self.resume.take().map(|r| *r)
     }
 

@@ -437,3 +437,12 @@ pub(super) fn async_failure_of(endpoint: &Endpoint, mailbox: &Mailbox) -> Result
         .into_iter()
         .find_map(|ev| device_events::is_fatal(ev.kind).then_some(Failure::AsyncEvent(ev.kind))))
 }
+
+impl crate::resume::Resume<Connection> {
+    /// `conn` is the session's connection now: if a new one comes before this side saw it
+    /// fail (the peer resumed first), its bootstrap stream is cut, so that it fails as a lost
+    /// connection does and the session takes the new one.
+    pub fn watch(&self, conn: &Connection) {
+        self.watch_stream(conn.bootstrap_handle());
+    }
+}
