@@ -252,8 +252,10 @@ fn client(o: &Options) -> Result<()> {
         worst.as_millis(),
         started.elapsed().as_secs_f64()
     );
+    // At least one resume per cut: an attempt that the peer was not ready for within the
+    // handshake's timeout is given up and made again, and that counts as one more.
     ensure!(
-        st.resumes == u64::from(o.cuts),
+        st.resumes >= u64::from(o.cuts),
         "{} resumes for {} cuts",
         st.resumes,
         o.cuts
