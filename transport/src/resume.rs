@@ -344,10 +344,12 @@ fn dial_until<C>(
     until: Instant,
     running: &AtomicBool,
 ) {
-    // Whatever the outcome, this thread no longer dials once it is handed over.
+    // The outcome is handed over first: a session that takes it and finds it failed at once
+    // may start another attempt only once this one is done, so that one attempt the peer has
+    // not answered yet is not given up for a new one that would cut it.
     let put = |outcome: Result<C>| {
-        running.store(false, Ordering::Release);
         slot.put(outcome);
+        running.store(false, Ordering::Release);
     };
     let mut backoff = FIRST_BACKOFF;
     loop {
