@@ -282,6 +282,17 @@ impl<C: Send + 'static> Resume<C> {
         self.slot.full.load(Ordering::Acquire)
     }
 
+    /// The session's current bootstrap stream (see `Resume::watch`).
+    pub(crate) fn watch_stream(&self, stream: Option<TcpStream>) {
+        *self
+            .slot
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = stream;
+    }
+}
+
+impl<C> Resume<C> {
     /// The session ended: no new connection can take it up (the listener forgets it, a
     /// thread dialing stops).
     pub fn end(&mut self) {
@@ -294,31 +305,13 @@ impl<C: Send + 'static> Resume<C> {
             }
         }
     }
-
-    /// The session's current bootstrap stream (see `Resume::watch`).
-    pub(crate) fn watch_stream(&self, stream: Option<TcpStream>) {
-        *self
-            .slot
-            .current
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = stream;
-    }
 }
 
 impl<C> Drop for Resume<C> {
     fn drop(&mut self) {
-        match &mut self.way {
-            Way::Dial { stop, .. } => stop.store(true, Ordering::Release),
-            Way::Accept { sessions } => {
-                // Ours is the only strong handle the map's entry points to (besides a
-                // listener putting a connection right now): it goes with us.
-                let token = self.token;
-                let sessions = sessions.clone();
-                let slot = std::mem::take(&mut self.slot);
-                drop(slot);
-                sessions.forget(&token);
-            }
-        }
+        // Ours is the only strong handle the listener's entry points to (besides a listener
+        // putting a connection right now): it goes with us.
+        self.end();
     }
 }
 
