@@ -972,6 +972,9 @@ fn serve_hub(ep: &Endpoint, load: &Load, before: Snapshot) -> Result<Readings> {
             }
             Some(HubEvent::Message { .. }) => bail!("a message before GO"),
             Some(HubEvent::Read { .. }) => bail!("a read the bench never posted"),
+            Some(ev @ (HubEvent::Suspended { .. } | HubEvent::Resumed { .. })) => {
+                bail!("no session of the bench resumes: {ev:?}")
+            }
             None => {}
         }
     }

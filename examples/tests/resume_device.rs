@@ -193,3 +193,130 @@ fn a_peer_that_restarted_refuses_the_resume_with_a_typed_error() {
     stop.store(true, Ordering::Release);
     assert_eq!(acceptor.join().unwrap(), 0, "no fresh session came");
 }
+
+/// A hub's config whose sessions resume.
+fn hub_config() -> rdmsg::HubConfig {
+    let mut c = rdmsg::HubConfig::default();
+    c.conn.resume_window = Some(Duration::from_secs(60));
+    c.conn.handshake_timeout = Duration::from_secs(2);
+    c
+}
+
+#[test]
+#[ignore = "device"]
+fn a_hub_peer_resumes_after_its_stream_is_cut_with_nothing_lost_or_repeated() {
+    use rdmsg::{Hub, HubEvent};
+    const MESSAGES: u32 = 3000;
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, hub_config()).unwrap();
+    server
+        .register::<Note>()
+        .unwrap()
+        .register::<Add>()
+        .unwrap();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+
+    // The server hub: takes every note, in order, and answers every call; no peer of it
+    // ever disconnects.
+    let server = thread::spawn(move || {
+        let (mut next, mut calls, mut connected) = (0u32, 0u32, 0u32);
+        let mut peer = None;
+        while next < MESSAGES || calls < MESSAGES / 100 {
+            match server.recv().expect("the hub works") {
+                HubEvent::Connected { peer: p, .. } => {
+                    connected += 1;
+                    peer = Some(p);
+                }
+                HubEvent::Message { peer: p, mut msg } => {
+                    assert_eq!(Some(p), peer, "one peer, under one id");
+                    if msg.is::<Add>() {
+                        let add: Add = msg.decode().unwrap();
+                        let r = msg.responder::<Add>().unwrap();
+                        let _ = server.reply(r, Sum(add.a + add.b)).unwrap();
+                        calls += 1;
+                        continue;
+                    }
+                    let Note(n) = msg.decode::<Note>().unwrap();
+                    assert_eq!(n, next, "each note once, in order");
+                    next += 1;
+                }
+                ev => panic!("the session resumes: {ev:?}"),
+            }
+        }
+        // The last answer goes before the hub does.
+        let t = Instant::now();
+        while server.outboxes_waiting() && t.elapsed() < Duration::from_secs(10) {
+            let _ = server
+                .recv_timeout(Some(Duration::from_millis(10)))
+                .unwrap();
+        }
+        let peer = peer.unwrap();
+        (
+            connected,
+            calls,
+            server.stats(),
+            server.transport().stats(),
+            peer,
+        )
+    });
+
+    let mut client = Hub::new(&ep, hub_config()).unwrap();
+    client.register::<Sum>().unwrap();
+    let peer = client.connect(addr).unwrap();
+    let started = Instant::now();
+    let mut answered = 0;
+    for n in 0..MESSAGES {
+        client
+            .send(peer, &Note(n))
+            .expect("sends wait for the resume");
+        if n % 100 == 99 {
+            let sum = client
+                .call(peer, &Add { a: n, b: 1 }, Duration::from_secs(60))
+                .expect("the call survives the cut");
+            assert_eq!(sum, Sum(n + 1));
+            answered += 1;
+        }
+        if n % 1000 == 333 {
+            // Cut under messages in flight, three times: both sides see the peer vanish.
+            client.transport().sever_bootstrap(peer);
+        }
+    }
+    // Whatever was not confirmed goes once the last resume is done.
+    let t = Instant::now();
+    while client.delivery(peer).is_some_and(|d| d.unconfirmed() > 0)
+        && t.elapsed() < Duration::from_secs(30)
+    {
+        if let Some(ev) = client
+            .recv_timeout(Some(Duration::from_millis(20)))
+            .unwrap()
+        {
+            panic!("nothing comes but answers: {ev:?}");
+        }
+    }
+    let (connected, calls, server_stats, server_raw, server_peer) = server.join().unwrap();
+    let (stats, raw) = (client.stats(), client.transport().stats());
+    println!(
+        "stats hub resume: {MESSAGES} notes, {answered} calls in {:?}; client suspended {} \
+         resumed {} (again {}, suspended {:?}); server suspended {} resumed {} (again {}, \
+         suspended {:?})",
+        started.elapsed(),
+        raw.suspended,
+        raw.resumes,
+        stats.resumed_messages,
+        stats.time_suspended,
+        server_raw.suspended,
+        server_raw.resumes,
+        server_stats.resumed_messages,
+        server_stats.time_suspended,
+    );
+    assert_eq!(
+        server_peer.index(),
+        0,
+        "the first connection's id throughout"
+    );
+    assert_eq!(connected, 1, "a resume is no new connection");
+    assert_eq!(calls, answered);
+    assert_eq!((raw.resumes, server_raw.resumes), (3, 3), "{raw:?}");
+    assert_eq!((stats.resumes, server_stats.resumes), (3, 3));
+    assert!(!client.is_suspended(peer));
+}

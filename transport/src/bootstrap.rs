@@ -53,7 +53,7 @@ pub(crate) struct Pending<S = Setup> {
     pub(crate) deadline: Instant,
     /// The accepting side's resumable sessions, to check a resume's token against before
     /// anything is set up for it.
-    sessions: Option<Arc<Sessions<Connection>>>,
+    pub(crate) sessions: Option<Arc<dyn resume::KnowsSessions>>,
 }
 
 impl<S: LocalSide> Pending<S> {
@@ -87,9 +87,7 @@ impl<S: LocalSide> Pending<S> {
     fn refuse_resume(&self) -> Option<Reject> {
         let sessions = self.sessions.as_ref()?;
         match self.hs.session() {
-            Resumption::Resume(token) if sessions.find(&token).is_none() => {
-                Some(Reject::UnknownSession)
-            }
+            Resumption::Resume(token) if !sessions.knows(&token) => Some(Reject::UnknownSession),
             _ => None,
         }
     }

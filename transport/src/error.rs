@@ -362,6 +362,11 @@ pub enum Failure {
         /// The OS error number, if the failure carried one.
         errno: Option<i32>,
     },
+    /// A resumable session's connection was lost and the peer refused the resume: it has no
+    /// such session (its process restarted, or the session ended there). Nothing more of
+    /// the session can reach it.
+    #[error("the peer refused to resume the session (it restarted, or the session ended there)")]
+    ResumeRefused,
     /// The peer wrote something other than a goodbye on the bootstrap stream after the
     /// handshake: a buggy or hostile peer, or something else speaking on the stream.
     #[error("protocol violation: unexpected byte {byte:#04x} on the bootstrap stream after the handshake")]

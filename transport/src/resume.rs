@@ -100,6 +100,24 @@ impl<C> Slot<C> {
     }
 }
 
+/// Whether a resume's token names a session that may take it: asked by a handshake before
+/// anything is set up for the resume.
+pub(crate) trait KnowsSessions: Send + Sync {
+    fn knows(&self, token: &Token) -> bool;
+}
+
+impl fmt::Debug for dyn KnowsSessions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("KnowsSessions")
+    }
+}
+
+impl<C: Send> KnowsSessions for Sessions<C> {
+    fn knows(&self, token: &Token) -> bool {
+        self.find(token).is_some()
+    }
+}
+
 /// A listener's resumable sessions, by token.
 pub(crate) struct Sessions<C> {
     by_token: Mutex<HashMap<Token, Weak<Slot<C>>>>,
@@ -264,7 +282,9 @@ impl<C: Send + 'static> Resume<C> {
         let (slot, running) = (self.slot.clone(), dialing.clone());
         let spawned = thread::Builder::new()
             .name("rdmsg-resume".into())
-            .spawn(move || dial_until(&*dial, patience, &slot, &stop, until, &running));
+            .spawn(move || {
+                dial_until(&*dial, patience, &|c| slot.put(c), &stop, until, &running);
+            });
         if spawned.is_err() {
             dialing.store(false, Ordering::Release);
         }
@@ -327,12 +347,12 @@ impl Error {
 }
 
 /// The dialing thread: attempts with jittered exponential backoff until one connects, the
-/// peer refuses, `stop` is set or `until` passes. The outcome goes into `slot` (nothing if
-/// stopped).
-fn dial_until<C>(
+/// peer refuses, `stop` is set or `until` passes. The outcome goes to `hand_over` (nothing
+/// if stopped).
+pub(crate) fn dial_until<C>(
     dial: &(dyn Fn(Duration) -> Result<C> + Send + Sync),
     most: Duration,
-    slot: &Slot<C>,
+    hand_over: &dyn Fn(Result<C>),
     stop: &AtomicBool,
     until: Instant,
     running: &AtomicBool,
@@ -341,7 +361,7 @@ fn dial_until<C>(
     // may start another attempt only once this one is done, so that one attempt the peer has
     // not answered yet is not given up for a new one that would cut it.
     let put = |outcome: Result<C>| {
-        slot.put(outcome);
+        hand_over(outcome);
         running.store(false, Ordering::Release);
     };
     let mut backoff = FIRST_BACKOFF;

@@ -221,6 +221,27 @@ pub(crate) fn ended(qp: u32, peer: Option<PeerId>, failure: Option<Failure>) {
 
 /// A hub released `peer` (its `Disconnected` is queued).
 #[inline(always)]
+pub(crate) fn hub_suspended(peer: PeerId, failure: Failure) {
+    unused(&(peer, failure));
+    trace_event!(WARN, peer = %peer, failure = %failure, "session suspended");
+}
+
+/// A hub's session goes on over a new connection (in `slot`).
+#[inline(always)]
+pub(crate) fn hub_resumed(peer: PeerId, slot: usize) {
+    unused(&(peer, slot));
+    trace_event!(INFO, peer = %peer, slot, "session resumed");
+}
+
+/// A hub's attempt to resume a session failed.
+#[inline(always)]
+pub(crate) fn resume_attempt_failed(error: &crate::Error) {
+    unused(error);
+    trace_event!(WARN, error = %error, "resume attempt failed");
+}
+
+/// A hub's connection ended.
+#[inline(always)]
 pub(crate) fn disconnected(peer: PeerId, failure: Failure) {
     unused(&(peer, failure));
     trace_event!(DEBUG, peer = %peer, failure = %failure, "disconnected");

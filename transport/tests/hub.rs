@@ -130,6 +130,9 @@ fn serve_pausing(
                 }
             }
             RawHubEvent::Read { .. } => panic!("no read was posted"),
+            ev @ (RawHubEvent::Suspended { .. } | RawHubEvent::Resumed { .. }) => {
+                panic!("no session here resumes: {ev:?}")
+            }
             RawHubEvent::Disconnected { peer, failure, .. } => {
                 let s = seen.get_mut(&peer).expect("Disconnected after Connected");
                 assert!(s.ended.replace(failure).is_none());
@@ -533,6 +536,9 @@ fn a_killed_client_fails_only_its_own_connections() {
                 *peers.get_mut(&peer).unwrap() += 1;
             }
             RawHubEvent::Read { .. } => panic!("no read was posted"),
+            ev @ (RawHubEvent::Suspended { .. } | RawHubEvent::Resumed { .. }) => {
+                panic!("no session here resumes: {ev:?}")
+            }
             RawHubEvent::Disconnected { peer, failure, .. } => {
                 if from_child.contains(&peer) {
                     assert_eq!(failure, Failure::PeerVanished, "{peer}");

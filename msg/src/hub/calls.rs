@@ -89,11 +89,11 @@ impl Hub {
         deadline: Option<Instant>,
     ) -> Result<Call<R::Response>> {
         let (mut went, mut nothing_went) = (None, true);
-        let sent = self.with_sender_waiting(peer, Some(timeout), |s, link| {
+        let sent = self.with_sender_resuming(peer, Some(timeout), true, Some(false), |s, link| {
             let before = peer::Numbering::before(s);
             let sent = peer::in_time(s.send_within(link, out, R::SOLICITED, Some(timeout)));
-            went = before.went(s, &sent);
-            nothing_went = before.nothing_went(s);
+            went = went.or(before.went(s, &sent));
+            nothing_went &= before.nothing_went(s);
             sent
         });
         // A failure after something went (the request, or committed messages before it

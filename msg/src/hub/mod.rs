@@ -28,6 +28,7 @@ mod events;
 mod limits;
 mod post;
 mod receive;
+mod resume;
 mod send;
 
 pub use events::{HubEvent, Posted};
@@ -43,11 +44,17 @@ struct PeerState {
     listed: bool,
     /// [`Hub::start_close`] under way: the transport's close starts once it is due.
     closing: Option<Closing>,
+    /// Its connection was lost and its session waits for a new one (see [`resume`]).
+    suspension: Option<resume::Suspension>,
+    /// Time spent suspended, over the suspensions that ended.
+    suspended_for: Duration,
 }
 
 impl PeerState {
     fn stats(&self) -> SessionStats {
-        self.machine.stats()
+        let mut s = self.machine.stats();
+        s.time_suspended = self.suspended_for;
+        s
     }
 
     /// Whether the peer is to join [`Hub::unflushed`] now: it has frames or a flush waiting
@@ -171,6 +178,17 @@ impl Hub {
     /// Typed messages over a transport hub. Its connections so far are taken up as they
     /// show themselves (an event, a send).
     pub fn from_transport(transport: rdmsg_transport::RawHub, config: SessionConfig) -> Self {
+        // Resumable peers keep copies of what they have not taken: they go again.
+        let config = match (
+            transport.config().conn.resume_window,
+            config.keep_unconfirmed,
+        ) {
+            (Some(_), None) => SessionConfig {
+                keep_unconfirmed: Some(crate::RESUME_KEEP),
+                ..config
+            },
+            _ => config,
+        };
         // What we read is bounded by what we announce in every handshake, for all peers.
         let pool = ReadPool::new(transport.config().conn.announced_max_read() as usize);
         if let Ok(waker) = transport.waker() {
@@ -333,6 +351,8 @@ impl Hub {
                 ),
                 listed: false,
                 closing: None,
+                suspension: None,
+                suspended_for: Duration::ZERO,
             };
             // A slot reused before its previous peer's `Disconnected` came through here.
             if let Some((_, stale)) = self.peers.insert(peer, fresh) {
@@ -375,6 +395,18 @@ impl Hub {
     ) -> Result<T> {
         if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
             self.transport.send_with(peer, false, timeout, |_| None)?;
+        }
+        if self.is_suspended(peer) {
+            // Its session waits for a new connection: so does the send, within its time.
+            let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+            if !self.wait_resumed(peer, deadline)? {
+                return Err(rdmsg_transport::Error::timeout(
+                    "sending",
+                    "the peer's session to resume",
+                    timeout.unwrap_or_default(),
+                )
+                .into());
+            }
         }
         // Events an earlier wait stashed go to their peers first: this peer's older ones must
         // come before what this send's wait takes in.
@@ -439,6 +471,11 @@ impl Hub {
             let peer = self.unflushed[i];
             let done = match self.split(peer) {
                 None => true,
+                // Its frames go once it resumes (which lists it again).
+                Some((state, _)) if state.suspension.is_some() => {
+                    state.listed = false;
+                    true
+                }
                 Some((state, mut link)) => {
                     let machine = &mut state.machine;
                     // A failing peer: its Disconnected event tells.

@@ -90,6 +90,10 @@ impl Hub {
 
     /// Whether `peer`'s outbox is empty; `None` for a peer gone (failed).
     pub(super) fn outbox_empty(&mut self, peer: PeerId) -> Option<bool> {
+        if self.is_suspended(peer) {
+            // Not gone: what is posted waits in its outbox for the resume.
+            return Some(false);
+        }
         if peer::hub_peer_gone(&self.transport, peer) {
             return None;
         }
@@ -171,6 +175,11 @@ impl Hub {
         let mut i = 0;
         while i < self.outboxed.len() {
             let peer = self.outboxed[i];
+            if self.is_suspended(peer) {
+                // Its outbox goes once it resumes.
+                i += 1;
+                continue;
+            }
             let (writable, listed, empty) = {
                 let Some((state, mut link)) = self.split(peer) else {
                     self.outboxed.swap_remove(i);

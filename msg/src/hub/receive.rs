@@ -187,6 +187,10 @@ impl Hub {
             return;
         };
         state.machine.recv.mark_taken(seq);
+        if state.suspension.is_some() {
+            // Counted when it was suspended; the resume tells the peer.
+            return;
+        }
         state.machine.took(&mut link);
         if state.join_list() {
             self.unflushed.push(peer);
@@ -305,7 +309,11 @@ impl Hub {
             }
             Raw::Message { peer, msg } => {
                 let wakeup = self.transport.wakeups();
-                let receiver = &mut self.state(peer).machine.recv;
+                let state = self.state(peer);
+                if state.suspension.is_some() {
+                    return self.resume_frame_came(peer, msg);
+                }
+                let receiver = &mut state.machine.recv;
                 receiver.woken(wakeup);
                 receiver.arrive(FrameBytes::Received(msg));
                 return self.collect(peer);
@@ -357,6 +365,12 @@ impl Hub {
                 }
                 HubEvent::Disconnected { peer, failure }
             }
+            Raw::Suspended {
+                peer,
+                failure: _,
+                last_note,
+            } => return self.suspend_peer(peer, last_note),
+            Raw::Resumed { peer } => return self.peer_resumed(peer),
             Raw::HandshakeFailed { peer, error } => {
                 if let Some(p) = peer {
                     // Its handshake failed: nothing went to it.

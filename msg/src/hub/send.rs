@@ -13,7 +13,9 @@ impl Hub {
     /// it); like [`crate::Session::send_as`]. Waits for the peer's credits (and, if it is
     /// still connecting, for its handshake), driving the hub meanwhile.
     pub fn send_as<M: Message>(&mut self, peer: PeerId, m: &M, solicited: bool) -> Result<()> {
-        self.with_sender(peer, |s, link| s.send_as(link, m, solicited))
+        self.with_sender_resuming(peer, None, (), None, |s, link| {
+            s.send_as(link, m, solicited)
+        })
     }
 
     /// Sends `m` to `peer` as [`Hub::send_as`] does, but waits at most `timeout` for the
@@ -29,9 +31,11 @@ impl Hub {
         solicited: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        peer::in_time(self.with_sender_waiting(peer, Some(timeout), |s, link| {
-            s.send_within(link, m, solicited, Some(timeout))
-        }))
+        peer::in_time(
+            self.with_sender_resuming(peer, Some(timeout), (), None, |s, link| {
+                s.send_within(link, m, solicited, Some(timeout))
+            }),
+        )
     }
 
     /// Sends a batch to `peer`: every message unsolicited but the last, which is solicited,
@@ -47,7 +51,7 @@ impl Hub {
     /// If anything went unsolicited to `peer` since the last solicited frame, sends it a
     /// payload-less solicited frame so that it looks now (see [`crate::Session::flush`]).
     pub fn flush(&mut self, peer: PeerId) -> Result<()> {
-        self.with_sender(peer, |s, link| s.flush(link))
+        self.with_sender_resuming(peer, None, (), None, |s, link| s.flush(link))
     }
 
     /// [`Hub::flush`] without waiting: sends `peer`'s committed frames and flush if they can

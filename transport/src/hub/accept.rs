@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use rdmsg_verbs::{QpCaps, QueuePair};
 
+use super::sessions::Announce;
 use super::side::HubSide;
 use super::slots::{Established, HostKey, Resources};
 use super::{RawHub, RawHubEvent};
@@ -66,11 +67,15 @@ impl RawHub {
         };
         let conn = self.config.conn.clone();
         let made = nonce().and_then(|n| {
-            let hs = Handshake::server(self.hello(None), conn.limits(), conn.psk.clone(), n);
+            let hs = Handshake::server(self.hello(None), conn.limits(), conn.psk.clone(), n)
+                .resuming(conn.resume_window.is_some());
             Pending::new(stream, hs, None, &conn)
         });
         match made {
-            Ok(p) => {
+            Ok(mut p) => {
+                if conn.resume_window.is_some() {
+                    p.sessions = Some(self.sessions.known.clone());
+                }
                 trace::handshake_started(p.peer_addr, Some(self.slot(slot).id(slot)));
                 self.start_handshake(slot, p).inspect_err(|e| {
                     trace::handshake_failed(None, None, e);
@@ -281,14 +286,25 @@ impl RawHub {
         } = pending;
         let side = setup.expect("a finished handshake has its queue pair");
         let peer = *hs.peer().expect("a finished handshake knows its peer");
+        let session = hs.resumable().then(|| hs.session());
+        let dial = peer_addr.filter(|_| !self.slot(slot).accepted);
         // No TCP keepalive: the hub probes silent peer hosts itself (see `liveness`); the
         // stream still tells of a peer process's end.
         self.finish_handshake(slot, side, Control::Tcp(stream), peer, peer_addr, started);
+        // A resumable session: a new one is announced as any connection, a resume under
+        // the session's id (or once its old connection is released).
+        let announce = self.session_linked(slot, session, dial);
+        match announce {
+            Announce::Connected => self.announce(slot, false),
+            Announce::Resumed => self.announce(slot, true),
+            Announce::Later | Announce::Never => {}
+        }
+        self.after_linked(slot);
     }
 
     /// The handshake of `slot` (over TCP or rdma_cm), begun at `started`, is done: the
-    /// connection is announced, with what arrived early. Its stream or CM channel stays in the
-    /// hub's watch.
+    /// connection is linked (the caller announces it, then calls `after_linked`). Its stream
+    /// or CM channel stays in the hub's watch.
     pub(super) fn finish_handshake(
         &mut self,
         slot: usize,
@@ -330,19 +346,36 @@ impl RawHub {
         let s = self.slot_mut(slot);
         s.resources = Resources::Linked(Box::new(link));
         s.core.handshake_done();
-        s.announced = true;
-        let early = std::mem::take(&mut s.early);
         if accepted {
             self.stats.accepted += 1;
         } else {
             self.stats.connected += 1;
         }
-        self.events
-            .push_back(RawHubEvent::Connected { peer: id, accepted });
+    }
+
+    /// The linked connection at `slot` is reported ([`RawHubEvent::Connected`], or
+    /// [`RawHubEvent::Resumed`] for a session's new connection), with what arrived early.
+    pub(super) fn announce(&mut self, slot: usize, resumed: bool) {
+        let s = self.slot_mut(slot);
+        let accepted = s.accepted;
+        s.announced = true;
+        let id = s.id(slot);
+        let early = std::mem::take(&mut s.early);
+        self.events.push_back(if resumed {
+            RawHubEvent::Resumed { peer: id }
+        } else {
+            RawHubEvent::Connected { peer: id, accepted }
+        });
         for msg in early {
             self.events
                 .push_back(RawHubEvent::Message { peer: id, msg });
         }
+        // Grants held back while it was not announced.
+        self.touch(slot);
+    }
+
+    /// What follows linking `slot`, announced or not.
+    pub(super) fn after_linked(&mut self, slot: usize) {
         if self.slot(slot).core.failure().is_some() {
             // Failed while finishing (its first message broke the protocol, say): its
             // queue pair is failed now that it has one.
@@ -365,8 +398,13 @@ impl RawHub {
         };
         trace::handshake_failed(from, Some(s.id(slot)), &error);
         let peer = (!s.accepted).then(|| s.id(slot));
-        self.events
-            .push_back(RawHubEvent::HandshakeFailed { peer, error });
+        match (s.name, s.session) {
+            // Our attempt to resume a session: the session's business, not an event.
+            (Some(_), Some(token)) if !s.accepted => self.resume_attempt_failed(token, &error),
+            _ => self
+                .events
+                .push_back(RawHubEvent::HandshakeFailed { peer, error }),
+        }
         let side = match std::mem::replace(&mut self.slot_mut(slot).resources, Resources::Retired) {
             Resources::Handshake(pending) => {
                 let _ = self.watch().remove(pending.stream.as_fd());

@@ -284,6 +284,8 @@ impl RawHub {
                         peer_addr,
                         hs.started(),
                     );
+                    self.announce(slot, false);
+                    self.after_linked(slot);
                     self.stream_ready(slot);
                     return;
                 }

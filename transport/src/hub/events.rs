@@ -40,6 +40,27 @@ pub enum RawHubEvent {
         /// which rdmsg's typed hub reads its delivery record from.
         last_note: Option<u32>,
     },
+    /// A resumable session's connection was lost for a reason a network can cause
+    /// ([`Failure::may_resume`]); everything it delivered came before this. The session and
+    /// its id live on: the connecting side dials again, the accepting side waits for the
+    /// peer, until [`Config::resume_window`](crate::Config::resume_window) runs out
+    /// ([`RawHubEvent::Disconnected`] with this failure) or a new connection takes it up
+    /// ([`RawHubEvent::Resumed`]). Sending to it meanwhile fails with
+    /// [`Error::UnknownPeer`](crate::Error::UnknownPeer).
+    Suspended {
+        /// The session.
+        peer: PeerId,
+        /// Why its connection was lost.
+        failure: Failure,
+        /// As [`RawHubEvent::Disconnected`]'s.
+        last_note: Option<u32>,
+    },
+    /// A suspended session goes on over a new connection, under the same id: what its peer
+    /// had not taken is the layer above's to send again.
+    Resumed {
+        /// The session.
+        peer: PeerId,
+    },
     /// An RDMA read this hub posted for `peer` ([`RawHub::post_read`](super::RawHub::post_read)) finished (or was flushed
     /// by the peer's failure: then it comes before its [`RawHubEvent::Disconnected`]).
     Read {
@@ -75,6 +96,10 @@ pub struct HubStats {
     pub refused: u64,
     /// Connections that ended.
     pub disconnected: u64,
+    /// Times a resumable session's connection was lost and the session suspended.
+    pub suspended: u64,
+    /// Times a suspended session went on over a new connection.
+    pub resumes: u64,
     /// Data messages received, all connections.
     pub received: u64,
     /// Data messages sent, all connections.

@@ -52,6 +52,7 @@ mod liveness;
 mod queues;
 mod reads;
 mod retire;
+mod sessions;
 mod side;
 mod slots;
 pub(crate) mod table;
@@ -159,6 +160,8 @@ pub struct RawHub {
     sends_since_step: u32,
     /// Steps that found the completion channel fired (see [`RawHub::wakeups`]).
     step_wakeups: u64,
+    /// Resumable sessions (see [`sessions`]).
+    sessions: sessions::HubSessions,
 }
 
 impl fmt::Debug for RawHub {
@@ -245,6 +248,7 @@ impl RawHub {
             blocked: Vec::new(),
             sends_since_step: 0,
             step_wakeups: 0,
+            sessions: sessions::HubSessions::default(),
         };
         hub.new_group()?;
         hub.repost()?;
@@ -321,16 +325,34 @@ impl RawHub {
     /// quarter of `max_pending_handshakes` of our own handshakes are in flight; pace by
     /// [`RawHub::pending_connects`].
     pub fn connect_stream(&mut self, stream: TcpStream) -> Result<PeerId> {
+        let session = crate::bootstrap::offer(&self.config.conn)?;
+        self.connect_stream_as(stream, session, None)
+    }
+
+    /// [`RawHub::connect_stream`] carrying `session` in the handshake; `name`: the id of the
+    /// session it resumes (see `sessions`), whose own events it reports.
+    fn connect_stream_as(
+        &mut self,
+        stream: TcpStream,
+        session: crate::handshake::Resumption,
+        name: Option<PeerId>,
+    ) -> Result<PeerId> {
         self.check_fatal()?;
         stream
             .set_nonblocking(true)
             .map_err(bootstrap_err("making the stream non-blocking"))?;
         let slot = self.new_slot(false)?;
+        if let (Some(name), crate::handshake::Resumption::Resume(token)) = (name, session) {
+            let s = self.slot_mut(slot);
+            s.name = Some(name);
+            s.session = Some(token);
+        }
         let conn = self.config.conn.clone();
         let started = Instant::now();
         let made = self.create_side(slot).and_then(|side| {
             let ours = self.hello(Some(self.endpoint.address_of(&side.qp, side.psn)));
-            let hs = Handshake::client(ours, conn.limits(), conn.psk.clone(), nonce()?);
+            let hs =
+                Handshake::client_with(ours, conn.limits(), conn.psk.clone(), nonce()?, session);
             crate::bootstrap::Pending::new(stream, hs, Some(side), &conn)
         });
         let mut pending = match made {
@@ -504,10 +526,14 @@ impl RawHub {
     /// The nearest timer or liveness deadline. It may be stale (its deadline moved or went):
     /// then the hub wakes early once, and `fire_deadlines` drops it.
     pub(super) fn nearest_deadline(&self) -> Option<Instant> {
-        match (self.timers.peek(), self.liveness.deadline()) {
+        let nearest = match (self.timers.peek(), self.liveness.deadline()) {
             (Some(Reverse((at, _))), Some(l)) => Some((*at).min(l)),
             (Some(Reverse((at, _))), None) => Some(*at),
             (None, l) => l,
+        };
+        match self.sessions.deadline() {
+            Some(s) => Some(nearest.map_or(s, |n| n.min(s))),
+            None => nearest,
         }
     }
 
@@ -595,6 +621,20 @@ impl RawHub {
     pub fn peer_note(&self, peer: PeerId) -> Option<u32> {
         let slot = self.table.find(peer)?;
         self.slot(slot).core.peer_note()
+    }
+
+    /// Whether `peer` is a session whose connection failed and which is suspended (or will
+    /// be, once the connection is released: [`RawHubEvent::Suspended`] follows) rather than
+    /// ended: a resumable session whose failure a network can cause, in a sound hub.
+    pub fn will_resume(&self, peer: PeerId) -> bool {
+        let Ok(slot) = self.find(peer) else {
+            return self.fatal.is_none() && self.sessions.is_suspended(peer);
+        };
+        let s = self.slot(slot);
+        self.fatal.is_none()
+            && s.session.is_some()
+            && s.announced
+            && s.core.failure().is_some_and(|f| f.may_resume())
     }
 
     /// Why `peer` failed, if it did (until its [`RawHubEvent::Disconnected`] is taken).
@@ -720,6 +760,21 @@ impl RawHub {
         let slot = self.find(peer).ok()?;
         let group = self.slot(slot).group?;
         self.groups[group].share.quota(slot)
+    }
+
+    /// Test hook: cuts the bootstrap stream of `peer`'s connection, as a network that lost
+    /// it would: both sides then see the peer vanish, while the queue pairs still work.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn sever_bootstrap(&self, peer: PeerId) {
+        let Ok(slot) = self.find(peer) else {
+            return;
+        };
+        if let Some(l) = self.slot(slot).established() {
+            if let crate::control::Control::Tcp(s) = &l.control {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
     }
 
     fn watch(&self) -> &ReadyWatch {

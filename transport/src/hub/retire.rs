@@ -41,6 +41,9 @@ impl RawHub {
     /// Handshakes past their deadline fail; the cores of the others are told the time. Only
     /// the deadlines that passed are visited.
     pub(super) fn fire_deadlines(&mut self, now: Instant) {
+        if self.sessions.deadline().is_some_and(|at| at <= now) {
+            self.expire_sessions(now);
+        }
         while let Some(&Reverse((at, slot))) = self.timers.peek() {
             if at > now {
                 return;
@@ -164,8 +167,13 @@ impl RawHub {
         self.stats.credit_stalls += c.credit_stalls;
         let failure = s.core.failure().unwrap_or(Failure::QpError);
         let last_note = s.core.peer_note();
+        let session = s.session;
         self.unadmit(slot);
-        if announced {
+        let suspended = match session {
+            Some(token) if announced => self.session_released(token, slot, failure, last_note),
+            _ => false,
+        };
+        if announced && !suspended {
             crate::trace::disconnected(peer, failure);
             self.stats.disconnected += 1;
             self.events.push_back(RawHubEvent::Disconnected {

@@ -84,6 +84,10 @@ pub(super) struct Slot {
     pub(super) timer_at: Option<std::time::Instant>,
     /// Its credit stall under way, for its events (nothing without the `tracing` feature).
     pub(super) stall: crate::trace::Stall,
+    /// The resumable session it carries or resumes (see `sessions`).
+    pub(super) session: Option<crate::resume::Token>,
+    /// The id of the session it resumes: its id once it is announced.
+    pub(super) name: Option<PeerId>,
 }
 
 impl Generational for Slot {
@@ -103,9 +107,12 @@ impl CreditHolder for Slot {
 
 impl Slot {
     pub(super) fn id(&self, slot: usize) -> PeerId {
-        PeerId {
-            slot: slot as u32,
-            generation: self.generation,
+        match self.name {
+            Some(name) => name,
+            None => PeerId {
+                slot: slot as u32,
+                generation: self.generation,
+            },
         }
     }
 
@@ -199,6 +206,8 @@ impl RawHub {
             reads: std::collections::VecDeque::new(),
             timer_at: None,
             stall: crate::trace::Stall::default(),
+            session: None,
+            name: None,
         };
         self.table.insert(slot).ok_or(Error::HubFull {
             max: self.config.max_connections,

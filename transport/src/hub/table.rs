@@ -22,6 +22,10 @@ pub(crate) struct SlotTable<S> {
     next_generation: u32,
     by_qpn: HashMap<u32, usize>,
     max: usize,
+    /// Slots kept from reuse while empty: the index of a resumable session's name.
+    reserved: std::collections::HashSet<usize>,
+    /// Names answered by another slot: a resumed session's id, by its connection's slot.
+    aliases: HashMap<PeerId, usize>,
 }
 
 impl<S: Generational> SlotTable<S> {
@@ -33,12 +37,22 @@ impl<S: Generational> SlotTable<S> {
             next_generation: 1,
             by_qpn: HashMap::new(),
             max,
+            reserved: std::collections::HashSet::new(),
+            aliases: HashMap::new(),
         }
     }
 
-    /// Connections in the table.
+    /// Connections in the table (a slot kept empty for a session's name is none).
     pub(crate) fn used(&self) -> usize {
-        self.slots.len() - self.free.len()
+        let kept_empty = if self.reserved.is_empty() {
+            0
+        } else {
+            self.reserved
+                .iter()
+                .filter(|&&i| self.slots.get(i).is_some_and(Option::is_none))
+                .count()
+        };
+        self.slots.len() - self.free.len() - kept_empty
     }
 
     /// Puts the entry `make` builds for the generation it is given into a free slot (a freed
@@ -65,16 +79,51 @@ impl<S: Generational> SlotTable<S> {
     #[inline]
     pub(crate) fn find(&self, peer: PeerId) -> Option<usize> {
         let i = peer.slot as usize;
-        let s = self.slots.get(i)?.as_ref()?;
-        (s.generation() == peer.generation).then_some(i)
+        match self.slots.get(i) {
+            Some(Some(s)) if s.generation() == peer.generation => Some(i),
+            _ => self.find_alias(peer),
+        }
+    }
+
+    #[cold]
+    fn find_alias(&self, peer: PeerId) -> Option<usize> {
+        if self.aliases.is_empty() {
+            return None;
+        }
+        self.aliases.get(&peer).copied()
     }
 
     /// Frees slot `i`; its entry, if it held one. Its queue pair's number is the caller's to
-    /// [`SlotTable::unmap_qp`] (once the queue pair is gone).
+    /// [`SlotTable::unmap_qp`] (once the queue pair is gone). A reserved slot is not reused
+    /// until [`SlotTable::unreserve`]d.
     pub(crate) fn remove(&mut self, i: usize) -> Option<S> {
         let entry = self.slots.get_mut(i)?.take()?;
-        self.free.push(i);
+        if !self.reserved.contains(&i) {
+            self.free.push(i);
+        }
         Some(entry)
+    }
+
+    /// Slot `i` is not reused, even once empty, until unreserved: its index names a session.
+    pub(crate) fn reserve(&mut self, i: usize) {
+        self.reserved.insert(i);
+    }
+
+    /// Slot `i` may be reused once empty.
+    pub(crate) fn unreserve(&mut self, i: usize) {
+        if self.reserved.remove(&i) && self.slots.get(i).is_some_and(Option::is_none) {
+            self.free.push(i);
+        }
+    }
+
+    /// `name` answers to slot `i` from now on.
+    pub(crate) fn alias(&mut self, name: PeerId, i: usize) {
+        self.aliases.insert(name, i);
+    }
+
+    /// `name` answers to no other slot.
+    pub(crate) fn unalias(&mut self, name: PeerId) {
+        self.aliases.remove(&name);
     }
 
     /// Completions of queue pair `qpn` are slot `i`'s.

@@ -206,6 +206,8 @@ impl RawHub {
             self.accept_cm_all();
         }
         self.waiter.channel_mut().ready = ready;
+        // Streams dialed to resume sessions (a dialing thread woke us).
+        self.take_dialed();
         let now = self.clock.now();
         self.fire_deadlines(now);
         self.watch_liveness(now)?;
