@@ -320,3 +320,71 @@ fn a_hub_peer_resumes_after_its_stream_is_cut_with_nothing_lost_or_repeated() {
     assert_eq!((stats.resumes, server_stats.resumes), (3, 3));
     assert!(!client.is_suspended(peer));
 }
+
+#[test]
+#[ignore = "device"]
+fn a_hub_peer_that_restarted_refuses_the_resume_and_the_session_ends_typed() {
+    use rdmsg::{Failure, Hub, HubEvent};
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, hub_config()).unwrap();
+    server.register::<Note>().unwrap();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    let mut client = Hub::new(&ep, hub_config()).unwrap();
+    let peer = client.connect(addr).unwrap();
+    // One thread drives both hubs until they are connected.
+    loop {
+        let _ = server.try_recv().unwrap();
+        match client.recv_timeout(Some(Duration::from_millis(5))).unwrap() {
+            Some(HubEvent::Connected { .. }) => break,
+            None => {}
+            Some(ev) => panic!("{ev:?}"),
+        }
+    }
+    client.send(peer, &Note(1)).unwrap();
+    loop {
+        match server.recv().unwrap() {
+            HubEvent::Connected { .. } => {}
+            HubEvent::Message { msg, .. } => {
+                assert_eq!(msg.decode::<Note>().unwrap(), Note(1));
+                break;
+            }
+            ev => panic!("{ev:?}"),
+        }
+    }
+    // The server "restarts": a new hub on the same address knows nothing of the session.
+    drop(server);
+    let mut reborn = Hub::new(&ep, hub_config()).unwrap();
+    reborn.listen(addr).unwrap();
+    let t = Instant::now();
+    let (failure, connected) = loop {
+        assert!(t.elapsed() < Duration::from_secs(30), "no end");
+        let _ = reborn.try_recv().unwrap();
+        let Some(ev) = client
+            .recv_timeout(Some(Duration::from_millis(20)))
+            .unwrap()
+        else {
+            continue;
+        };
+        match ev {
+            HubEvent::Disconnected { peer: p, failure } => {
+                assert_eq!(p, peer);
+                break (failure, reborn.peers().count());
+            }
+            // The note's copy: the record had not come back when the server went.
+            HubEvent::Unconfirmed {
+                peer: p, messages, ..
+            } => {
+                assert_eq!((p, messages.len()), (peer, 1));
+            }
+            ev => panic!("only the end comes: {ev:?}"),
+        }
+    };
+    println!(
+        "stats hub resume refused after {:?}: {failure}",
+        t.elapsed()
+    );
+    assert_eq!(failure, Failure::ResumeRefused);
+    assert_eq!(connected, 0, "no fresh session on the reborn hub");
+    assert!(!client.is_suspended(peer));
+    assert_eq!(client.transport().stats().suspended, 1);
+}

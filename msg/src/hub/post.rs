@@ -68,6 +68,8 @@ impl Hub {
                 // It went (in part, at least) before the peer failed: sent, its fate is the
                 // peer's record's (`Disconnected`, `Unconfirmed`), not handed back twice.
                 Err(_) if went.is_some() => return Ok(Posted::Sent),
+                // Its session resumes: the message waits in the outbox.
+                Err(_) if self.resuming(peer) => {}
                 // The send itself found the peer gone (or failed it): as when that was
                 // known before, not an error (issue 45: a job queue's coordinator exited on it).
                 Err(_) if self.outbox_empty(peer).is_none() => return Ok(Posted::PeerGone(m)),
@@ -90,7 +92,7 @@ impl Hub {
 
     /// Whether `peer`'s outbox is empty; `None` for a peer gone (failed).
     pub(super) fn outbox_empty(&mut self, peer: PeerId) -> Option<bool> {
-        if self.is_suspended(peer) {
+        if self.resuming(peer) {
             // Not gone: what is posted waits in its outbox for the resume.
             return Some(false);
         }
@@ -149,7 +151,9 @@ impl Hub {
         if self.replies.waiting() {
             for r in self.replies.take() {
                 let Some(peer) = r.peer else { continue };
-                if self.peers.get(peer).is_none() || self.transport.failure(peer).is_some() {
+                if self.peers.get(peer).is_none()
+                    || (self.transport.failure(peer).is_some() && !self.resuming(peer))
+                {
                     // Gone: its calls failed on its side.
                     call::lock(&self.calls).answer_dropped();
                     continue;
@@ -175,7 +179,7 @@ impl Hub {
         let mut i = 0;
         while i < self.outboxed.len() {
             let peer = self.outboxed[i];
-            if self.is_suspended(peer) {
+            if self.resuming(peer) {
                 // Its outbox goes once it resumes.
                 i += 1;
                 continue;
@@ -309,6 +313,8 @@ impl Hub {
             match sent {
                 Ok(true) => return Ok(Posted::Sent),
                 Ok(false) | Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {}
+                // Its session resumes: the answer waits in the outbox.
+                Err(_) if self.resuming(peer) => {}
                 Err(_) if self.outbox_empty(peer).is_none() => {
                     call::lock(&self.calls).answer_dropped();
                     return Ok(Posted::PeerGone(value));

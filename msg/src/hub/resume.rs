@@ -71,18 +71,15 @@ impl Hub {
         else {
             return;
         };
-        match self
-            .transport
-            .send_timeout(peer, &frame::resume_frame(taken), true, Some(patience))
-        {
-            Ok(true) => {
-                if let Some(s) = self.peers.get_mut(peer).and_then(|s| s.suspension.as_mut()) {
-                    s.resumed = true;
-                }
+        // A failure of the new connection at once: the transport suspends the session again
+        // (or ends it), which its next event says.
+        let sent =
+            self.transport
+                .send_timeout(peer, &frame::resume_frame(taken), true, Some(patience));
+        if matches!(sent, Ok(true)) {
+            if let Some(s) = self.peers.get_mut(peer).and_then(|s| s.suspension.as_mut()) {
+                s.resumed = true;
             }
-            // The new connection failed at once: the transport suspends the session again
-            // (or ends it), which its next event says.
-            _ => {}
         }
     }
 
@@ -137,7 +134,7 @@ impl Hub {
 
     /// Whether `peer`'s session is suspended or about to be (its connection failed for a
     /// reason a network can cause, and the transport will say so once it is released).
-    fn resuming(&self, peer: PeerId) -> bool {
+    pub(super) fn resuming(&self, peer: PeerId) -> bool {
         self.is_suspended(peer) || self.transport.will_resume(peer)
     }
 
