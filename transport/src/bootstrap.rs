@@ -668,11 +668,16 @@ pub(crate) fn dial_resume(
     patience: Duration,
 ) -> Result<Connection> {
     let started = Instant::now();
-    let stream = TcpStream::connect_timeout(&addr, patience.max(Duration::from_millis(1)))
-        .map_err(|source| Error::Connect {
-            addr: addr.to_string(),
-            source,
-        })?;
+    let stream = TcpStream::connect_timeout(
+        &addr,
+        patience
+            .min(resume::CONNECT_ATTEMPT)
+            .max(Duration::from_millis(1)),
+    )
+    .map_err(|source| Error::Connect {
+        addr: addr.to_string(),
+        source,
+    })?;
     let config = Config {
         handshake_timeout: patience
             .saturating_sub(started.elapsed())

@@ -30,9 +30,14 @@ pub(crate) type Token = [u8; TOKEN_LEN];
 /// First wait of the connecting side before dialing again; it doubles per attempt up to
 /// [`MAX_BACKOFF`], each wait drawn at random between half and all of it, so that the many
 /// peers of a hub that lost its link do not all dial at once.
-const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// Longest wait between two attempts: a link that comes back is found within about this.
 const MAX_BACKOFF: Duration = Duration::from_millis(800);
+
+/// Longest one attempt's TCP connect may take: a SYN lost while the link was down is
+/// retried by the kernel only after 1, 3, 7, 15 s, so a new attempt (a fresh SYN) after
+/// this finds a link that came back sooner.
+pub(crate) const CONNECT_ATTEMPT: Duration = Duration::from_secs(1);
 
 /// Where a session's next connection is put (by the listener, or the thread that dials).
 pub(crate) struct Slot<C> {
@@ -283,7 +288,16 @@ impl<C: Send + 'static> Resume<C> {
         let spawned = thread::Builder::new()
             .name("rdmsg-resume".into())
             .spawn(move || {
-                dial_until(&*dial, patience, &|c| slot.put(c), &stop, until, &running);
+                let first = FIRST_BACKOFF;
+                dial_until(
+                    &*dial,
+                    patience,
+                    first,
+                    &|c| slot.put(c),
+                    &stop,
+                    until,
+                    &running,
+                );
             });
         if spawned.is_err() {
             dialing.store(false, Ordering::Release);
@@ -352,6 +366,7 @@ impl Error {
 pub(crate) fn dial_until<C>(
     dial: &(dyn Fn(Duration) -> Result<C> + Send + Sync),
     most: Duration,
+    first: Duration,
     hand_over: &dyn Fn(Result<C>),
     stop: &AtomicBool,
     until: Instant,
@@ -364,7 +379,7 @@ pub(crate) fn dial_until<C>(
         hand_over(outcome);
         running.store(false, Ordering::Release);
     };
-    let mut backoff = FIRST_BACKOFF;
+    let mut backoff = first.clamp(FIRST_BACKOFF, MAX_BACKOFF);
     loop {
         // Half to all of the backoff, at random: peers that lost one link spread out.
         let mut r = [0u8; 2];

@@ -36,7 +36,24 @@ pub struct Plan {
     pub release: bool,
     /// The hosts connect through rdma_cm (`mesh --cm`) instead of the TCP bootstrap.
     pub cm: bool,
+    /// A flap: sessions resumable (`mesh --resume-window`), the cut repeated.
+    pub flap: Option<Flap>,
 }
+
+/// The flap mode: the cut host's link is cut `cuts` times, `every` seconds apart, each
+/// for longer than the keepalive; every session is resumable.
+#[derive(Debug, Clone, Copy)]
+pub struct Flap {
+    pub cuts: u32,
+    pub every: f64,
+    /// `Config::keepalive`, seconds.
+    pub keepalive: u64,
+    /// `Config::resume_window`, seconds.
+    pub window: u64,
+}
+
+/// Longest a session may take to resume after its link came back.
+const RESUME_LIMIT: Duration = Duration::from_secs(2);
 
 impl Plan {
     /// The run `cargo xtask test` makes: 3 hosts, 1 % loss with delay, reordering and
@@ -51,7 +68,29 @@ impl Plan {
             cut: Some((2, 9.0, 1000)),
             release: false,
             cm: false,
+            flap: None,
         }
+    }
+
+    /// The flap mode: every session resumable, keepalive 3 s, the cut host's link cut
+    /// `cuts` times for 9 s (three keepalives), 14 s apart; the killed host dies first.
+    pub fn flapping(mut self, cuts: u32) -> Self {
+        let flap = Flap {
+            cuts,
+            every: 14.0,
+            keepalive: 3,
+            window: 20,
+        };
+        let first = 6.0;
+        self.cut = self
+            .cut
+            .map(|(h, _, _)| (h, first, 3 * 1000 * flap.keepalive));
+        self.kill = self.kill.map(|(h, _)| (h, 4.0));
+        self.seconds = self
+            .seconds
+            .max(first + flap.every * f64::from(cuts.saturating_sub(1)) + 9.0 + 2.0);
+        self.flap = Some(flap);
+        self
     }
 
     /// `cargo xtask cluster`: 4 hosts, otherwise the same faults.
@@ -77,6 +116,7 @@ impl Plan {
             cut: None,
             release: true,
             cm: false,
+            flap: None,
         }
     }
 
@@ -205,6 +245,21 @@ impl Outcome {
         }
         if let Some((host, _, ms)) = p.cut {
             let _ = write!(l, " cut_host={host} cut_ms={ms} cut_survived=1");
+            if let Some(f) = p.flap {
+                let r = self.reports.get(&host);
+                let num = |k| r.map_or(0.0, |r| r.num(k));
+                let _ = write!(
+                    l,
+                    " cuts={} keepalive_s={} resume_window_s={} suspended={} resumes={} resumed_messages={} worst_resume_ms={}",
+                    f.cuts,
+                    f.keepalive,
+                    f.window,
+                    num("suspended"),
+                    num("resumes"),
+                    self.sum("resumed_messages"),
+                    num("resume_ms"),
+                );
+            }
         }
         let _ = write!(l, " boot_s={:.1} wall_s={:.1}", self.boot_s, self.wall_s);
         l
@@ -265,7 +320,7 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
     let _s = Step::new(
         "cluster",
         &format!(
-            "{} VMs (Linux {}) on a vde_switch, netem \"{}\"{}{}",
+            "{} VMs (Linux {}) on a vde_switch, netem \"{}\"{}{}{}",
             plan.hosts,
             plan.kernel,
             plan.netem,
@@ -274,6 +329,12 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
                 .unwrap_or_default(),
             plan.cut
                 .map(|(h, s, ms)| format!(", host {h}'s link cut {s} s into sending for {ms} ms"))
+                .unwrap_or_default(),
+            plan.flap
+                .map(|f| format!(
+                    ", {} times {} s apart, sessions resumable ({} s window, keepalive {} s)",
+                    f.cuts, f.every, f.window, f.keepalive
+                ))
                 .unwrap_or_default(),
         ),
     );
@@ -337,7 +398,17 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
         if let Some((h, at, ms)) = plan.cut {
             if h == n {
                 let _ = write!(cmd, " --cut-after {at} --cut-ms {ms}");
+                if let Some(f) = plan.flap {
+                    let _ = write!(cmd, " --cuts {} --cut-every {}", f.cuts, f.every);
+                }
             }
+        }
+        if let Some(f) = plan.flap {
+            let _ = write!(
+                cmd,
+                " --resume-window {} --keepalive {}",
+                f.window, f.keepalive
+            );
         }
         let (kills, killed_at, noticed, reports, guest_panicked) = (
             Arc::clone(&kills),
@@ -431,7 +502,12 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
                 None => failures.push(format!("host {n} never reported the killed host {v}")),
             }
         }
-        if worst > DETECT_LIMIT {
+        // A resumable session to the dead host ends when its window runs out.
+        let limit = DETECT_LIMIT
+            + plan
+                .flap
+                .map_or(Duration::ZERO, |f| Duration::from_secs(f.window));
+        if worst > limit {
             failures.push(format!("the killed host was noticed only after {worst:?}"));
         }
         dead_noticed_s = Some(worst.as_secs_f64());
@@ -447,6 +523,24 @@ pub fn run(plan: &Plan) -> Result<Outcome> {
             Some(r) if r.fields.get("ok").map(String::as_str) == Some("1") => {}
             Some(_) => failures.push(format!("host {n} reported loss, disorder or failure")),
             None => failures.push(format!("host {n} printed no report")),
+        }
+    }
+    if let (Some(f), Some((h, _, _))) = (plan.flap, plan.cut) {
+        // Every cut outlasted the keepalive: it suspended sessions, which resumed in time.
+        if let Some(r) = reports.get(&h) {
+            let suspended = r.num("suspended");
+            if suspended < f64::from(f.cuts) {
+                failures.push(format!(
+                    "host {h}'s {} cuts suspended only {suspended} sessions",
+                    f.cuts
+                ));
+            }
+            let worst = Duration::from_millis(r.num("resume_ms") as u64);
+            if worst > RESUME_LIMIT {
+                failures.push(format!(
+                    "host {h}'s sessions resumed {worst:?} after the link came back (limit {RESUME_LIMIT:?})"
+                ));
+            }
         }
     }
     let outcome = Outcome {

@@ -67,14 +67,17 @@ tasks:
   flap [--kernel K] two VMs on a qemu socket network: a resumable session carries notes and
                    calls while the client cuts its own link (tc netem) twice for 9 s; every
                    note once and in order, every call answered, a resume per cut
-  cluster [--kernel K] [--hosts H] [--seconds S] [--sweep] [--cm]
+  cluster [--kernel K] [--hosts H] [--seconds S] [--sweep] [--cm] [--flap N]
                    H VMs (default 4) on a vde_switch, rxe0 on each one's virtio NIC, every host
                    exchanging checked typed messages with every other (the `mesh` example) under
                    tc netem loss, delay, reordering and duplication; one host is killed mid-run
                    and one link cut for a second. Prints `cluster: key=value ...`. --sweep: one
                    run per loss rate (0, 0.1, 1, 5 %), nobody killed; writes
                    target/cluster/sweep.md, sweep.json and sweep.svg (throughput against loss).
-                   --cm: the hosts connect through rdma_cm instead of the TCP bootstrap
+                   --cm: the hosts connect through rdma_cm instead of the TCP bootstrap.
+                   --flap N: every session resumable (window 20 s, keepalive 3 s), the link
+                   cut N times for 9 s, 14 s apart; nothing lost or repeated, every session
+                   resumed within 2 s of the link's return (cargo xtask test runs N = 2)
 
 kernels (K): 6.1 (Debian 12's linux-image-amd64, the default), 6.12 (linux-image-6.12-amd64,
   bookworm-security); each is fetched once into target/vm/kernel-<release>
@@ -142,7 +145,8 @@ fn main() -> ExitCode {
             seconds,
             sweep,
             cm,
-        } => cluster_cmd(kernel, hosts, seconds, sweep, cm),
+            flap,
+        } => cluster_cmd(kernel, hosts, seconds, sweep, cm, flap),
         Task::FuzzMerge => fuzz::fuzz_merge(),
         Task::Package => package_cmd(),
         Task::Quickstart(kernel) => quickstart_cmd(kernel),
@@ -186,6 +190,8 @@ enum Task {
         sweep: bool,
         /// Connect through rdma_cm instead of the TCP bootstrap.
         cm: bool,
+        /// The flap mode, with this many cuts.
+        flap: Option<u32>,
     },
     FuzzMerge,
     Package,
@@ -219,6 +225,8 @@ struct Opts {
     seconds: Option<f64>,
     sweep: bool,
     cm: bool,
+    /// `cargo xtask cluster --flap N`: cuts of the flap mode.
+    flap: Option<u32>,
     /// `--env` arguments, in order.
     env: Vec<String>,
     rest: Vec<String>,
@@ -253,7 +261,7 @@ fn options(
         }
         let takes_value = matches!(
             flag,
-            "--kernel" | "--bins" | "--hosts" | "--seconds" | "--env"
+            "--kernel" | "--bins" | "--hosts" | "--seconds" | "--env" | "--flap"
         );
         let value = match (takes_value, inline) {
             (true, Some(v)) => v,
@@ -294,6 +302,15 @@ fn options(
                 )
             }
             "--env" => o.env.push(env_arg(&value)?),
+            "--flap" => {
+                o.flap = Some(
+                    value
+                        .parse()
+                        .ok()
+                        .filter(|n: &u32| (1..=20).contains(n))
+                        .ok_or("--flap must be between 1 and 20 cuts")?,
+                )
+            }
             "--sweep" => o.sweep = true,
             "--cm" => o.cm = true,
             "--quick" => o.quick = true,
@@ -403,7 +420,14 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
             let o = no_rest(options(
                 task,
                 rest,
-                &["--kernel", "--hosts", "--seconds", "--sweep", "--cm"],
+                &[
+                    "--kernel",
+                    "--hosts",
+                    "--seconds",
+                    "--sweep",
+                    "--cm",
+                    "--flap",
+                ],
                 false,
             )?)?;
             Task::Cluster {
@@ -412,6 +436,7 @@ fn parse(args: &[String], rdmsg_kernels: Option<&str>) -> Result<Task, String> {
                 seconds: o.seconds,
                 sweep: o.sweep,
                 cm: o.cm,
+                flap: o.flap,
             }
         }
         "fuzz-merge" => {
@@ -867,6 +892,7 @@ fn cluster_cmd(
     seconds: Option<f64>,
     sweep: bool,
     cm: bool,
+    flap: Option<u32>,
 ) -> Result<ExitCode> {
     ensure_packages()?;
     build_mesh(true)?;
@@ -888,6 +914,13 @@ fn cluster_cmd(
         plan.seconds = s;
         plan.kill = plan.kill.map(|(h, _)| (h, s / 3.0));
         plan.cut = plan.cut.map(|(h, _, ms)| (h, s / 2.0, ms));
+    }
+    if let Some(cuts) = flap {
+        anyhow::ensure!(
+            !cm,
+            "the flap mode resumes through the TCP bootstrap (not yet rdma_cm)"
+        );
+        plan = plan.flapping(cuts);
     }
     cluster::run(&plan)?;
     Ok(ExitCode::SUCCESS)
@@ -1416,6 +1449,10 @@ fn test(plan: &TestPlan) -> Result<ExitCode> {
                 let vm_started = Instant::now();
                 let mut plan = cluster::Plan::small(kernel);
                 plan.cm = kernel != Kernel::default_kernel();
+                if !plan.cm {
+                    // Through the TCP bootstrap, the cut is a flap that sessions resume from.
+                    plan = plan.flapping(2);
+                }
                 let cm = if plan.cm { " --cm" } else { "" };
                 let mut result = build_mesh(false).and_then(|()| cluster::run(&plan));
                 if matches!(&result, Err(e) if e.to_string().starts_with(cluster::GUEST_PANIC)) {
@@ -1775,6 +1812,18 @@ mod tests {
                 seconds: None,
                 sweep: false,
                 cm: false,
+                flap: None,
+            })
+        );
+        assert_eq!(
+            parse(&args("cluster --flap 3"), None),
+            Ok(Task::Cluster {
+                kernel: k("6.1"),
+                hosts: None,
+                seconds: None,
+                sweep: false,
+                cm: false,
+                flap: Some(3),
             })
         );
         assert_eq!(
@@ -1788,9 +1837,12 @@ mod tests {
                 seconds: Some(12.5),
                 sweep: true,
                 cm: true,
+                flap: None,
             })
         );
         for bad in [
+            "cluster --flap 0",
+            "cluster --flap",
             "cluster --hosts 1",
             "cluster --hosts 17",
             "cluster --seconds 0",

@@ -6,7 +6,7 @@
 //! ```text
 //! mesh --id I --hosts ADDR1,ADDR2,... [--seconds D] [--netem "ARGS" --netdev DEV]
 //!      [--die-after S] [--cut-after S --cut-ms M] [--may-lose J,...] [--ack-timeout T]
-//!      [--keepalive S] [--cm]
+//!      [--keepalive S] [--cm] [--resume-window W] [--cuts N --cut-every E]
 //! ```
 //!
 //! Host `I` (1-based) listens on its own entry's port and connects to every host before it in
@@ -27,6 +27,12 @@
 //! liveness probes of each peer host (a hub's bootstrap streams have no TCP keepalive).
 //! `--cm` connects through the RDMA connection manager instead of the TCP bootstrap (every
 //! host listens on its own entry, which must be its RDMA device's address).
+//! `--resume-window W` makes every session resumable (`Config::resume_window`, W seconds):
+//! a cut longer than the keepalive then suspends sessions instead of failing them, and they
+//! resume once the link is back, nothing lost or repeated. `--cuts N --cut-every E` cuts
+//! the link N times, E seconds apart (a flap); the cutting host reports, after each cut,
+//! how long after the link came back its last session resumed
+//! (`mesh: resumed after_restore_ms=...`).
 //!
 //! Lines: `mesh: connected id=J ...` per peer, `mesh: peer-lost id=J failure="..."` when one
 //! fails, `mesh: cut ...`, and at the end one report:
@@ -149,6 +155,15 @@ struct Options {
     /// Connect through the RDMA connection manager instead of the TCP bootstrap
     #[arg(long)]
     cm: bool,
+    /// Config::resume_window in seconds: sessions survive a cut shorter than it
+    #[arg(long, value_name = "W")]
+    resume_window: Option<u64>,
+    /// How many times --cut-after cuts the link
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    cuts: u32,
+    /// Seconds from one cut's start to the next one's
+    #[arg(long, value_name = "E", default_value_t = 10.0)]
+    cut_every: f64,
 }
 
 /// `--hosts`: addresses separated by commas.
@@ -285,6 +300,9 @@ struct Node {
     bad_frames: u64,
     /// Unexpected events (a second `Join`, a message from nobody), each an error.
     errors: Vec<String>,
+    /// Per cut that suspended sessions: how long after the link came back the last one
+    /// resumed.
+    resume_times: Vec<Duration>,
 }
 
 fn main() -> ExitCode {
@@ -306,6 +324,7 @@ fn run_host(o: Options) -> Result<()> {
     };
     config.conn.path.timeout = o.ack_timeout;
     config.conn.keepalive = Some(Duration::from_secs(o.keepalive));
+    config.conn.resume_window = o.resume_window.map(Duration::from_secs);
     // Peers boot at different times, and a lossy link slows handshakes down.
     config.conn.handshake_timeout = Duration::from_secs(15);
     let mut hub = Hub::new(&ep, config)?;
@@ -360,6 +379,7 @@ fn run_host(o: Options) -> Result<()> {
         received: 0,
         bad_frames: 0,
         errors: Vec::new(),
+        resume_times: Vec::new(),
     };
     let ok = node.run()?;
     ensure!(
@@ -379,7 +399,11 @@ impl Node {
         let hw_before = hw_counters();
         let mut died = false;
         let mut cut: Option<Instant> = None;
-        let mut cut_done = false;
+        let mut cuts_done = 0;
+        // The link came back at this time, with this many suspensions before the cut began:
+        // waiting for every session to resume.
+        let mut restored: Option<(Instant, u64)> = None;
+        let mut suspended_before = 0;
         loop {
             let now = Instant::now();
             self.connect_due(now);
@@ -426,11 +450,35 @@ impl Node {
                 died = true;
                 println!("mesh: ready-to-die id={}", self.o.id);
             }
-            if let (None, false, Some(at)) = (cut, cut_done, self.o.cut_after) {
-                if into >= at {
+            if let (None, true, Some(at)) = (cut, cuts_done < self.o.cuts, self.o.cut_after) {
+                if into >= at + f64::from(cuts_done) * self.o.cut_every {
                     netem(&self.o.netdev, "loss 100%")?;
                     cut = Some(Instant::now());
+                    suspended_before = self.hub.transport().stats().suspended;
                     println!("mesh: cut id={} ms={}", self.o.id, self.o.cut_ms);
+                }
+            }
+            if let Some((at, before)) = restored {
+                let stats = self.hub.transport().stats();
+                let waiting = self
+                    .peers
+                    .iter()
+                    .filter(|p| !self.o.may_lose.contains(&p.id))
+                    .filter_map(|p| p.peer)
+                    .any(|p| self.hub.is_suspended(p));
+                if !waiting {
+                    restored = None;
+                    if stats.suspended > before {
+                        let after = at.elapsed();
+                        self.resume_times.push(after);
+                        println!(
+                            "mesh: resumed id={} after_restore_ms={} suspended={} resumes={}",
+                            self.o.id,
+                            after.as_millis(),
+                            stats.suspended - before,
+                            stats.resumes
+                        );
+                    }
                 }
             }
             if let Some(at) = cut {
@@ -443,7 +491,8 @@ impl Node {
                         at.elapsed().as_millis()
                     );
                     cut = None;
-                    cut_done = true;
+                    cuts_done += 1;
+                    restored = Some((Instant::now(), suspended_before));
                 }
             }
             let sending = into < self.o.seconds;
@@ -574,11 +623,23 @@ impl Node {
                 self.errors
                     .push(format!("{peer:?} closed with {messages} unread"));
             }
-            HubEvent::Unconfirmed { peer, delivery, .. } => {
-                self.errors.push(format!(
-                    "{peer:?} ended with {} message(s) not taken",
-                    delivery.unconfirmed()
-                ));
+            HubEvent::Unconfirmed {
+                peer,
+                delivery,
+                messages,
+            } => {
+                // A host that may vanish takes what it took with it (copies are kept only
+                // for resumable sessions).
+                let lost = self
+                    .index_of(peer)
+                    .is_some_and(|i| self.o.may_lose.contains(&self.peers[i].id));
+                if !lost {
+                    self.errors.push(format!(
+                        "{peer:?} ended with {} message(s) not taken: {delivery:?}, first {:?}",
+                        delivery.unconfirmed(),
+                        messages.first().map(|m| (m.seq(), m.type_name()))
+                    ));
+                }
             }
             // Nothing is posted here: sends wait for credits.
             HubEvent::Writable { .. } | HubEvent::CallEnded { .. } => {}
@@ -793,8 +854,10 @@ impl Node {
             let conn = p.peer.expect("an Up peer has a connection");
             self.peers[i].state = State::Finished;
             if self.peers[i].ours_to_connect(me) {
-                // Its Disconnected (Closed) clears the connection.
-                if let Err(e) = self.hub.transport_mut().start_close(conn) {
+                // Its Disconnected (Closed) clears the connection. The typed close: with
+                // resumable sessions (which keep copies), it waits for the peer's record of
+                // our last messages, so that none ends unconfirmed.
+                if let Err(e) = self.hub.start_close(conn) {
                     self.errors
                         .push(format!("closing host {}: {e}", self.peers[i].id));
                 }
@@ -851,8 +914,11 @@ impl Node {
             println!("mesh: error: {e}");
         }
         let rate = |n: f64| if secs > 0.0 { n / secs } else { 0.0 };
+        let raw = self.hub.transport().stats();
+        let stats = self.hub.stats();
+        let worst_resume = self.resume_times.iter().max().copied().unwrap_or_default();
         println!(
-            "mesh: id={} hosts={} peers={} lost_peers={} lost_ids={:?} sent={} received={} bytes_received={bytes} secs={secs:.2} msgs_per_s={:.0} bytes_per_s={:.0} lost={lost} missing_done={missing_done} duplicated={dup} reordered={reord} corrupt={corrupt} unanswered={unanswered} wrong_answers={wrong} bad_frames={} errors={}{hw} ok={}",
+            "mesh: id={} hosts={} peers={} lost_peers={} lost_ids={:?} sent={} received={} bytes_received={bytes} secs={secs:.2} msgs_per_s={:.0} bytes_per_s={:.0} lost={lost} missing_done={missing_done} duplicated={dup} reordered={reord} corrupt={corrupt} unanswered={unanswered} wrong_answers={wrong} bad_frames={} errors={} suspended={} resumes={} resumed_messages={} resume_ms={}{hw} ok={}",
             self.o.id,
             self.o.hosts.len(),
             self.peers.len(),
@@ -864,6 +930,10 @@ impl Node {
             rate(bytes as f64),
             self.bad_frames,
             self.errors.len(),
+            raw.suspended,
+            raw.resumes,
+            stats.resumed_messages,
+            worst_resume.as_millis(),
             u8::from(ok),
         );
         ok

@@ -120,6 +120,8 @@ pub struct Hub {
     closing: Vec<PeerId>,
     /// Peers whose outboxes hold messages.
     outboxed: Vec<PeerId>,
+    /// Resumed peers whose new connection had no room for our count yet.
+    untold: Vec<PeerId>,
     /// Our calls waiting for answers.
     calls: Calls,
     /// Answers to peers' requests given on other threads (or by dropped responders).
@@ -200,6 +202,7 @@ impl Hub {
         let limits = HubLimits::from_session(&config);
         Self {
             outboxed: Vec::new(),
+            untold: Vec::new(),
             calls: Calls::default(),
             replies,
             held: Held::new(config.max_held_bytes),
@@ -396,7 +399,12 @@ impl Hub {
         if self.peers.get(peer).is_none() && self.transport.peer_hello(peer).is_none() {
             self.transport.send_with(peer, false, timeout, |_| None)?;
         }
-        if self.is_suspended(peer) {
+        // Events an earlier wait stashed go to their peers first: this peer's older ones must
+        // come before what this send's wait takes in (and its suspension before its send).
+        while let Some(raw) = self.stash.pop_front() {
+            self.take(raw);
+        }
+        if self.suspended_now(peer) {
             // Its session waits for a new connection: so does the send, within its time.
             let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
             if !self.wait_resumed(peer, deadline)? {
@@ -407,11 +415,6 @@ impl Hub {
                 )
                 .into());
             }
-        }
-        // Events an earlier wait stashed go to their peers first: this peer's older ones must
-        // come before what this send's wait takes in.
-        while let Some(raw) = self.stash.pop_front() {
-            self.take(raw);
         }
         self.state(peer);
         let Self {

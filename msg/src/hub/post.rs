@@ -69,7 +69,7 @@ impl Hub {
                 // peer's record's (`Disconnected`, `Unconfirmed`), not handed back twice.
                 Err(_) if went.is_some() => return Ok(Posted::Sent),
                 // Its session resumes: the message waits in the outbox.
-                Err(_) if self.resuming(peer) => {}
+                Err(_) if self.is_suspended(peer) => {}
                 // The send itself found the peer gone (or failed it): as when that was
                 // known before, not an error (issue 45: a job queue's coordinator exited on it).
                 Err(_) if self.outbox_empty(peer).is_none() => return Ok(Posted::PeerGone(m)),
@@ -92,7 +92,7 @@ impl Hub {
 
     /// Whether `peer`'s outbox is empty; `None` for a peer gone (failed).
     pub(super) fn outbox_empty(&mut self, peer: PeerId) -> Option<bool> {
-        if self.resuming(peer) {
+        if self.is_suspended(peer) {
             // Not gone: what is posted waits in its outbox for the resume.
             return Some(false);
         }
@@ -138,6 +138,9 @@ impl Hub {
     /// waiting; queues the answers given on other threads first. `now` is the time of the
     /// hub's turn, if it has one (the clock is read only for closes waiting).
     pub(super) fn drain_outboxes_at(&mut self, now: Option<Instant>) {
+        if !self.untold.is_empty() {
+            self.tell_counts();
+        }
         self.queue_replies();
         self.send_outboxes();
         // Closes waiting for their outboxes go once those went.
@@ -152,7 +155,7 @@ impl Hub {
             for r in self.replies.take() {
                 let Some(peer) = r.peer else { continue };
                 if self.peers.get(peer).is_none()
-                    || (self.transport.failure(peer).is_some() && !self.resuming(peer))
+                    || (self.transport.failure(peer).is_some() && !self.is_suspended(peer))
                 {
                     // Gone: its calls failed on its side.
                     call::lock(&self.calls).answer_dropped();
@@ -179,7 +182,7 @@ impl Hub {
         let mut i = 0;
         while i < self.outboxed.len() {
             let peer = self.outboxed[i];
-            if self.resuming(peer) {
+            if self.is_suspended(peer) {
                 // Its outbox goes once it resumes.
                 i += 1;
                 continue;
@@ -314,7 +317,7 @@ impl Hub {
                 Ok(true) => return Ok(Posted::Sent),
                 Ok(false) | Err(crate::Error::Transport(rdmsg_transport::Error::Timeout(_))) => {}
                 // Its session resumes: the answer waits in the outbox.
-                Err(_) if self.resuming(peer) => {}
+                Err(_) if self.is_suspended(peer) => {}
                 Err(_) if self.outbox_empty(peer).is_none() => {
                     call::lock(&self.calls).answer_dropped();
                     return Ok(Posted::PeerGone(value));

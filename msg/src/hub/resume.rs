@@ -25,14 +25,28 @@ pub(super) struct Suspension {
     since: Instant,
     /// Our count of the peer's messages taken when it was lost: told the new connection.
     taken: u32,
-    /// The new connection is up and our count went: the peer's count is its next frame.
-    resumed: bool,
+    /// The new connection is up ([`RawHubEvent::Resumed`] came): every frame of the peer's
+    /// from now on is the new connection's, the first its count.
+    ///
+    /// [`RawHubEvent::Resumed`]: rdmsg_transport::RawHubEvent::Resumed
+    up: bool,
+    /// Our count went over the new connection.
+    told: bool,
+    /// The peer's first frame on the new connection: its count (`None`: something else).
+    peer_count: Option<Option<u32>>,
 }
 
 impl Hub {
     /// Whether `peer`'s connection was lost and its session waits for a new one (or for the
-    /// peer's count on it).
+    /// peer's count on it), or is about to (its connection failed for a reason a network can
+    /// cause and is being released): sends to it wait, posts queue.
     pub fn is_suspended(&self, peer: PeerId) -> bool {
+        self.suspended_now(peer) || self.transport.will_resume(peer)
+    }
+
+    /// Whether `peer` is suspended now (cheap: for every send).
+    #[inline]
+    pub(super) fn suspended_now(&self, peer: PeerId) -> bool {
         self.peers.get(peer).is_some_and(|s| s.suspension.is_some())
     }
 
@@ -51,52 +65,106 @@ impl Hub {
             state.machine.recv.mark_taken(seq);
         }
         let taken = state.machine.suspend(last_note);
+        // Lost again before the resume was done: the suspension goes on.
+        let since = state
+            .suspension
+            .as_ref()
+            .map_or_else(Instant::now, |s| s.since);
         state.suspension = Some(Suspension {
-            since: Instant::now(),
+            since,
             taken,
-            resumed: false,
+            up: false,
+            told: false,
+            peer_count: None,
         });
         state.listed = false;
+        self.untold.retain(|p| *p != peer);
         trace_event!(WARN, peer = %peer, taken, "peer suspended");
     }
 
     /// `peer`'s session goes on over a new connection: our count goes first.
     pub(super) fn peer_resumed(&mut self, peer: PeerId) {
-        let patience = self.transport.config().conn.handshake_timeout;
+        let Some(susp) = self.peers.get_mut(peer).and_then(|s| s.suspension.as_mut()) else {
+            return;
+        };
+        susp.up = true;
+        self.tell_count(peer);
+    }
+
+    /// Sends our count to `peer`'s new connection if it can go now (else later:
+    /// [`Hub::tell_counts`]), and finishes the resume if the peer's came.
+    fn tell_count(&mut self, peer: PeerId) {
         let Some(taken) = self
             .peers
             .get(peer)
             .and_then(|s| s.suspension.as_ref())
+            .filter(|s| s.up && !s.told)
             .map(|s| s.taken)
         else {
             return;
         };
-        // A failure of the new connection at once: the transport suspends the session again
-        // (or ends it), which its next event says.
-        let sent =
-            self.transport
-                .send_timeout(peer, &frame::resume_frame(taken), true, Some(patience));
-        if matches!(sent, Ok(true)) {
-            if let Some(s) = self.peers.get_mut(peer).and_then(|s| s.suspension.as_mut()) {
-                s.resumed = true;
+        match self
+            .transport
+            .try_send(peer, &frame::resume_frame(taken), true)
+        {
+            Ok(true) => {
+                if let Some(s) = self.peers.get_mut(peer).and_then(|s| s.suspension.as_mut()) {
+                    s.told = true;
+                }
+                self.untold.retain(|p| *p != peer);
+                self.finish_resume(peer);
             }
+            // No credit or send slot yet: the next turn tries again.
+            Ok(false) => {
+                if !self.untold.contains(&peer) {
+                    self.untold.push(peer);
+                }
+            }
+            // The new connection failed at once: the transport suspends the session again
+            // (or ends it), which its next event says.
+            Err(_) => self.untold.retain(|p| *p != peer),
         }
     }
 
-    /// A frame of a suspended `peer`: its count of our messages taken, once the new
-    /// connection is up; anything else (or a count that cannot be true) ends the peer: a
-    /// `BadFrame` says why, and the connection is closed.
+    /// Our counts that found no room on their new connections, tried again.
+    pub(super) fn tell_counts(&mut self) {
+        for peer in self.untold.clone() {
+            self.tell_count(peer);
+        }
+    }
+
+    /// A frame of a suspended `peer`: what the old connection still brought (dropped: it
+    /// comes again), or the new connection's first, the peer's count.
     pub(super) fn resume_frame_came(&mut self, peer: PeerId, msg: rdmsg_transport::Received) {
         let count = frame::resume_count(msg.bytes());
         drop(msg);
+        let Some(susp) = self
+            .peers
+            .get_mut(peer)
+            .and_then(|s| s.suspension.as_mut())
+            .filter(|s| s.up && s.peer_count.is_none())
+        else {
+            return;
+        };
+        susp.peer_count = Some(count);
+        self.finish_resume(peer);
+    }
+
+    /// Once both counts crossed: the peer's count settles what goes again (a count that
+    /// cannot be true, or no count, ends the peer: a `BadFrame` says why, and the
+    /// connection is closed).
+    fn finish_resume(&mut self, peer: PeerId) {
         let Some(state) = self.peers.get_mut(peer) else {
             return;
         };
-        let Some(susp) = state.suspension.as_ref().filter(|s| s.resumed) else {
-            // What the old connection still brought: it comes again.
+        let Some((since, count)) = state
+            .suspension
+            .as_ref()
+            .filter(|s| s.told)
+            .and_then(|s| Some((s.since, s.peer_count?)))
+        else {
             return;
         };
-        let since = susp.since;
         let resumed = match count {
             Some(count) => state.machine.resume(count),
             None => Err(Error::CannotResume(Unresumable::NoCount)),
@@ -124,18 +192,13 @@ impl Hub {
             }
             Err(error) => {
                 trace_event!(WARN, peer = %peer, error = %error, "peer not resumed");
+                state.suspension = None;
                 self.ready
                     .push_back((HubEvent::BadFrame { peer, error }, None));
                 // Its end is the transport's Disconnected.
                 let _ = self.transport.start_close(peer);
             }
         }
-    }
-
-    /// Whether `peer`'s session is suspended or about to be (its connection failed for a
-    /// reason a network can cause, and the transport will say so once it is released).
-    pub(super) fn resuming(&self, peer: PeerId) -> bool {
-        self.is_suspended(peer) || self.transport.will_resume(peer)
     }
 
     /// Runs a send `f` to `peer` (waiting at most `timeout`, as [`Hub::with_sender_waiting`]);
@@ -168,7 +231,7 @@ impl Hub {
                 r
             });
             let e = match out {
-                Err(e) if self.resuming(peer) => e,
+                Err(e) if self.is_suspended(peer) => e,
                 r => return r,
             };
             let d = *deadline
@@ -198,11 +261,16 @@ impl Hub {
     /// Waits until `peer`'s session is no longer suspended (resumed, or ended), at most until
     /// `deadline`; taking in what comes meanwhile. `Ok(false)` if the deadline came first.
     pub(super) fn wait_resumed(&mut self, peer: PeerId, deadline: Option<Instant>) -> Result<bool> {
-        while self.resuming(peer) {
+        while self.is_suspended(peer) {
+            // What an earlier wait stashed first: its order is older.
+            while let Some(raw) = self.stash.pop_front() {
+                self.take(raw);
+            }
             while let Some(raw) = self.transport.queued_event() {
                 self.take(raw);
             }
-            if !self.resuming(peer) {
+            self.tell_counts();
+            if !self.is_suspended(peer) {
                 break;
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));

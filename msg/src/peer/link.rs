@@ -424,7 +424,12 @@ impl PeerIo for HubPeerIo<'_> {
                         let gone = match &other {
                             rdmsg_transport::RawHubEvent::Disconnected {
                                 peer, failure, ..
-                            } if *peer == self.peer => Some(*failure),
+                            }
+                            | rdmsg_transport::RawHubEvent::Suspended { peer, failure, .. }
+                                if *peer == self.peer =>
+                            {
+                                Some(*failure)
+                            }
                             _ => None,
                         };
                         stash.push_back(other);

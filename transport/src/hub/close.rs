@@ -67,6 +67,11 @@ impl RawHub {
     /// the connection is failed with [`Failure::CloseTimedOut`] ([`Error::Timeout`] here, its
     /// `Disconnected` follows), rather than left open with nobody closing it.
     pub fn start_close_by(&mut self, peer: PeerId, deadline: Instant) -> Result<()> {
+        // A resumable session: a lost connection ends it from now on; a suspended one ends
+        // now (its `Disconnected` is queued).
+        if self.session_closing(peer) {
+            return Ok(());
+        }
         let slot = self.live_slot(peer)?;
         let timeout = self.config.conn.close_timeout;
         let left = deadline.saturating_duration_since(self.begin_turn());

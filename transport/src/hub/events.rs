@@ -45,8 +45,11 @@ pub enum RawHubEvent {
     /// its id live on: the connecting side dials again, the accepting side waits for the
     /// peer, until [`Config::resume_window`](crate::Config::resume_window) runs out
     /// ([`RawHubEvent::Disconnected`] with this failure) or a new connection takes it up
-    /// ([`RawHubEvent::Resumed`]). Sending to it meanwhile fails with
-    /// [`Error::UnknownPeer`](crate::Error::UnknownPeer).
+    /// ([`RawHubEvent::Resumed`]). Sending to it meanwhile fails (with its connection's
+    /// failure until the connection is released, then with
+    /// [`Error::UnknownPeer`](crate::Error::UnknownPeer)); [`RawHub::will_resume`](super::RawHub::will_resume) tells
+    /// such a wait from an end. It is not among [`RawHub::peers`](super::RawHub::peers) while
+    /// suspended; closing it ends it.
     Suspended {
         /// The session.
         peer: PeerId,
@@ -56,7 +59,8 @@ pub enum RawHubEvent {
         last_note: Option<u32>,
     },
     /// A suspended session goes on over a new connection, under the same id: what its peer
-    /// had not taken is the layer above's to send again.
+    /// had not taken is the layer above's to send again. Sends reach the new connection only
+    /// once this event is taken.
     Resumed {
         /// The session.
         peer: PeerId,

@@ -424,6 +424,9 @@ impl RawHub {
     pub fn queued_event(&mut self) -> Option<RawHubEvent> {
         let event = self.events.pop_front();
         self.events_taken += u64::from(event.is_some());
+        if let Some(RawHubEvent::Resumed { peer }) = &event {
+            self.resumed_taken(*peer);
+        }
         event
     }
 
@@ -442,6 +445,9 @@ impl RawHub {
         let deadline = timeout.and_then(|t| self.clock.now().checked_add(t));
         loop {
             if let Some(ev) = self.events.pop_front() {
+                if let RawHubEvent::Resumed { peer } = &ev {
+                    self.resumed_taken(*peer);
+                }
                 return Ok(Some(ev));
             }
             self.check_fatal()?;

@@ -167,11 +167,15 @@ impl RawHub {
         self.stats.credit_stalls += c.credit_stalls;
         let failure = s.core.failure().unwrap_or(Failure::QpError);
         let last_note = s.core.peer_note();
-        let session = s.session;
+        let (session, generation) = (s.session, s.generation);
         self.unadmit(slot);
         let suspended = match session {
             Some(token) if announced => self.session_released(token, slot, failure, last_note),
-            _ => false,
+            Some(token) => {
+                self.unannounced_released(token, slot, generation);
+                false
+            }
+            None => false,
         };
         if announced && !suspended {
             crate::trace::disconnected(peer, failure);
@@ -234,6 +238,7 @@ impl RawHub {
                     self.fail(slot, f);
                 }
             }
+            self.sessions_failed(f);
         }
         e
     }

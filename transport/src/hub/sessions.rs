@@ -26,7 +26,7 @@ use super::{PeerId, RawHub, RawHubEvent};
 use crate::error::{Error, Failure};
 use crate::handshake::Resumption;
 use crate::pool::Waker;
-use crate::resume::{dial_until, KnowsSessions, Token};
+use crate::resume::{dial_until, KnowsSessions, Token, CONNECT_ATTEMPT};
 
 /// The tokens of the sessions a hub may resume, for the check a resume's handshake makes
 /// before anything is set up for it.
@@ -60,8 +60,16 @@ struct Session {
     window: Duration,
     suspended: Option<Suspension>,
     /// A new connection (the peer resumed before this side saw the old one fail), announced
-    /// once the old one is released.
-    successor: Option<usize>,
+    /// once the old one is released: its slot and generation.
+    successor: Option<(usize, u32)>,
+    /// Its new connection, announced ([`RawHubEvent::Resumed`] queued) and not yet handed
+    /// out: the name answers to it once the event is taken, so that nothing is sent over it
+    /// before the layer above knows of the resume.
+    pending: Option<usize>,
+    /// The application closes it: a lost connection ends it.
+    closing: bool,
+    /// Dialing attempts since it was suspended: the backoff goes on from there.
+    attempts: u32,
 }
 
 struct Suspension {
@@ -78,6 +86,9 @@ struct Suspension {
 #[derive(Default)]
 pub(super) struct HubSessions {
     by_token: HashMap<Token, Session>,
+    by_name: HashMap<PeerId, Token>,
+    /// Sessions suspended now: at most `max_connections`.
+    suspended: usize,
     /// When suspended sessions' windows end, nearest first (hints: a session that resumed or
     /// ended meanwhile is skipped).
     ends: BinaryHeap<Reverse<(Instant, Token)>>,
@@ -104,11 +115,15 @@ impl Drop for HubSessions {
 }
 
 impl HubSessions {
-    /// Whether the session named `peer` is suspended.
+    /// Whether the session named `peer` is suspended, or resumed and not yet handed out.
     pub(super) fn is_suspended(&self, peer: PeerId) -> bool {
-        self.by_token
-            .values()
-            .any(|s| s.name == peer && s.suspended.is_some())
+        if self.by_name.is_empty() {
+            return false;
+        }
+        self.by_name
+            .get(&peer)
+            .and_then(|t| self.by_token.get(t))
+            .is_some_and(|s| s.suspended.is_some() || s.pending.is_some())
     }
 
     /// The nearest end of a suspended session's window.
@@ -156,8 +171,12 @@ impl RawHub {
                         window,
                         suspended: None,
                         successor: None,
+                        pending: None,
+                        closing: false,
+                        attempts: 0,
                     },
                 );
+                self.sessions.by_name.insert(name, token);
                 self.sessions
                     .known
                     .0
@@ -175,10 +194,11 @@ impl RawHub {
                     return Announce::Never;
                 };
                 let (name, old, earlier) = (sess.name, sess.slot, sess.successor.take());
+                let generation = self.slot(slot).generation;
                 let s = self.slot_mut(slot);
                 s.session = Some(token);
                 s.name = Some(name);
-                if let Some(earlier) = earlier {
+                if let Some(earlier) = earlier.and_then(|e| self.live(e)) {
                     // Replaced by a newer one: the peer uses the newer.
                     self.fail(earlier, Failure::PeerVanished);
                 }
@@ -187,7 +207,7 @@ impl RawHub {
                         // The peer resumed before we saw the old connection fail: it fails now,
                         // and this one is announced once it is released.
                         if let Some(sess) = self.sessions.by_token.get_mut(&token) {
-                            sess.successor = Some(slot);
+                            sess.successor = Some((slot, generation));
                         }
                         self.fail(old, Failure::PeerVanished);
                         Announce::Later
@@ -202,7 +222,18 @@ impl RawHub {
         }
     }
 
-    /// The session `token` names goes on over the connection at `slot`.
+    /// The slot a `(slot, generation)` names, while it holds that connection.
+    fn live(&self, (slot, generation): (usize, u32)) -> Option<usize> {
+        self.table
+            .slots
+            .get(slot)
+            .and_then(Option::as_ref)
+            .is_some_and(|s| s.generation == generation)
+            .then_some(slot)
+    }
+
+    /// The session `token` names goes on over the connection at `slot` (its name answers
+    /// to it once its [`RawHubEvent::Resumed`] is taken: [`RawHub::resumed_taken`]).
     fn session_resumed(&mut self, token: Token, slot: usize) {
         let Some(sess) = self.sessions.by_token.get_mut(&token) else {
             return;
@@ -210,11 +241,70 @@ impl RawHub {
         if let Some(susp) = sess.suspended.take() {
             susp.stop.store(true, Ordering::Release);
             self.stats.resumes += 1;
+            self.sessions.suspended -= 1;
         }
         sess.slot = Some(slot);
         sess.successor = None;
-        self.table.alias(sess.name, slot);
+        sess.pending = Some(slot);
+        sess.attempts = 0;
         crate::trace::hub_resumed(sess.name, slot);
+    }
+
+    /// The [`RawHubEvent::Resumed`] of `peer` was taken: its name answers to its new
+    /// connection from now on.
+    pub(super) fn resumed_taken(&mut self, peer: PeerId) {
+        let Some(token) = self.sessions.by_name.get(&peer) else {
+            return;
+        };
+        if let Some(sess) = self.sessions.by_token.get_mut(token) {
+            if let Some(slot) = sess.pending.take() {
+                if sess.slot == Some(slot) {
+                    self.table.alias(peer, slot);
+                }
+            }
+        }
+    }
+
+    /// The application closes `peer`: a lost connection ends its session from now on; a
+    /// suspended one ends now ([`RawHubEvent::Disconnected`] with [`Failure::Closed`]).
+    /// Whether it was suspended.
+    pub(super) fn session_closing(&mut self, peer: PeerId) -> bool {
+        let Some(&token) = self.sessions.by_name.get(&peer) else {
+            return false;
+        };
+        let Some(sess) = self.sessions.by_token.get_mut(&token) else {
+            return false;
+        };
+        sess.closing = true;
+        if sess.suspended.is_some() || sess.pending.is_some() && sess.slot.is_none() {
+            self.session_gone(token, Some(Failure::Closed));
+            return true;
+        }
+        false
+    }
+
+    /// An unannounced connection of session `token` at `slot` was released: a successor
+    /// waiting for the old connection is no more.
+    pub(super) fn unannounced_released(&mut self, token: Token, slot: usize, generation: u32) {
+        if let Some(sess) = self.sessions.by_token.get_mut(&token) {
+            if sess.successor == Some((slot, generation)) {
+                sess.successor = None;
+            }
+        }
+    }
+
+    /// The hub failed: every suspended session ends with it.
+    pub(super) fn sessions_failed(&mut self, f: Failure) {
+        let suspended: Vec<Token> = self
+            .sessions
+            .by_token
+            .iter()
+            .filter(|(_, s)| s.suspended.is_some())
+            .map(|(t, _)| *t)
+            .collect();
+        for token in suspended {
+            self.session_gone(token, Some(f));
+        }
     }
 
     /// The connection at `slot`, announced, of the session `token` names, is released with
@@ -237,8 +327,11 @@ impl RawHub {
             return false;
         }
         sess.slot = None;
+        sess.pending = None;
         self.table.unalias(sess.name);
-        if fatal || !failure.may_resume() {
+        // A session the application closes, or one too many suspended, ends.
+        let full = self.sessions.suspended >= self.config.max_connections as usize;
+        if fatal || !failure.may_resume() || sess.closing || full {
             self.end_session(token);
             return false;
         }
@@ -253,6 +346,7 @@ impl RawHub {
             dialing: Arc::new(AtomicBool::new(false)),
         });
         let (name, successor, dials) = (sess.name, sess.successor.take(), sess.dial.is_some());
+        self.sessions.suspended += 1;
         self.sessions.ends.push(Reverse((until, token)));
         self.stats.suspended += 1;
         crate::trace::hub_suspended(name, failure);
@@ -261,7 +355,7 @@ impl RawHub {
             failure,
             last_note,
         });
-        if let Some(next) = successor.filter(|&n| self.table.slots[n].is_some()) {
+        if let Some(next) = successor.and_then(|s| self.live(s)) {
             self.session_resumed(token, next);
             self.announce(next, true);
         } else if dials {
@@ -275,6 +369,10 @@ impl RawHub {
         let Some(sess) = self.sessions.by_token.remove(&token) else {
             return;
         };
+        self.sessions.by_name.remove(&sess.name);
+        if sess.suspended.is_some() {
+            self.sessions.suspended -= 1;
+        }
         self.sessions
             .known
             .0
@@ -286,10 +384,8 @@ impl RawHub {
         }
         self.table.unalias(sess.name);
         self.table.unreserve(sess.name.slot as usize);
-        if let Some(next) = sess.successor {
-            if self.table.slots.get(next).is_some_and(Option::is_some) {
-                self.fail(next, Failure::ResumeRefused);
-            }
+        if let Some(next) = sess.successor.and_then(|s| self.live(s)) {
+            self.fail(next, Failure::ResumeRefused);
         }
     }
 
@@ -337,15 +433,18 @@ impl RawHub {
     /// time).
     fn dial_again(&mut self, token: Token) {
         let patience = self.config.conn.handshake_timeout;
-        let Some(sess) = self.sessions.by_token.get(&token) else {
+        let Some(sess) = self.sessions.by_token.get_mut(&token) else {
             return;
         };
+        // A handshake that failed dials again after the backoff reached so far.
+        let first = crate::resume::FIRST_BACKOFF * (1 << sess.attempts.min(5));
         let (Some(addr), Some(susp)) = (sess.dial, &sess.suspended) else {
             return;
         };
         if susp.dialing.swap(true, Ordering::AcqRel) {
             return;
         }
+        sess.attempts += 1;
         let Ok(wake) = self.pool.waker() else {
             susp.dialing.store(false, Ordering::Release);
             return;
@@ -357,14 +456,15 @@ impl RawHub {
             .name("rdmsg-hub-resume".into())
             .spawn(move || {
                 let dial = |most: Duration| {
-                    TcpStream::connect_timeout(&addr, most.max(Duration::from_millis(1))).map_err(
-                        |source| Error::Connect {
-                            addr: addr.to_string(),
-                            source,
-                        },
-                    )
+                    let most = most.min(CONNECT_ATTEMPT).max(Duration::from_millis(1));
+                    TcpStream::connect_timeout(&addr, most).map_err(|source| Error::Connect {
+                        addr: addr.to_string(),
+                        source,
+                    })
                 };
                 let hand_over = |outcome: crate::error::Result<TcpStream>| {
+                    // Done before the hub hears: a handshake that fails at once dials again.
+                    running.store(false, Ordering::Release);
                     if let Ok(stream) = outcome {
                         dialed
                             .streams
@@ -376,7 +476,7 @@ impl RawHub {
                     // The window's end (no stream) is the hub's own deadline.
                     waker.wake();
                 };
-                dial_until(&dial, patience, &hand_over, &stop, until, &running);
+                dial_until(&dial, patience, first, &hand_over, &stop, until, &running);
             });
         if spawned.is_err() {
             susp.dialing.store(false, Ordering::Release);

@@ -26,6 +26,8 @@ pub(crate) struct SlotTable<S> {
     reserved: std::collections::HashSet<usize>,
     /// Names answered by another slot: a resumed session's id, by its connection's slot.
     aliases: HashMap<PeerId, usize>,
+    /// Reserved slots that are empty.
+    kept_empty: usize,
 }
 
 impl<S: Generational> SlotTable<S> {
@@ -39,20 +41,13 @@ impl<S: Generational> SlotTable<S> {
             max,
             reserved: std::collections::HashSet::new(),
             aliases: HashMap::new(),
+            kept_empty: 0,
         }
     }
 
     /// Connections in the table (a slot kept empty for a session's name is none).
     pub(crate) fn used(&self) -> usize {
-        let kept_empty = if self.reserved.is_empty() {
-            0
-        } else {
-            self.reserved
-                .iter()
-                .filter(|&&i| self.slots.get(i).is_some_and(Option::is_none))
-                .count()
-        };
-        self.slots.len() - self.free.len() - kept_empty
+        self.slots.len() - self.free.len() - self.kept_empty
     }
 
     /// Puts the entry `make` builds for the generation it is given into a free slot (a freed
@@ -98,7 +93,9 @@ impl<S: Generational> SlotTable<S> {
     /// until [`SlotTable::unreserve`]d.
     pub(crate) fn remove(&mut self, i: usize) -> Option<S> {
         let entry = self.slots.get_mut(i)?.take()?;
-        if !self.reserved.contains(&i) {
+        if self.reserved.contains(&i) {
+            self.kept_empty += 1;
+        } else {
             self.free.push(i);
         }
         Some(entry)
@@ -112,6 +109,7 @@ impl<S: Generational> SlotTable<S> {
     /// Slot `i` may be reused once empty.
     pub(crate) fn unreserve(&mut self, i: usize) {
         if self.reserved.remove(&i) && self.slots.get(i).is_some_and(Option::is_none) {
+            self.kept_empty -= 1;
             self.free.push(i);
         }
     }
@@ -196,6 +194,26 @@ mod tests {
         let i = t.insert(Entry).expect("room");
         assert_eq!(t.slots[i].as_ref().map(|e| e.0), Some(1));
         assert_eq!(t.find(id(i, 0)), None);
+    }
+
+    #[test]
+    fn a_reserved_slot_is_not_reused_until_unreserved_and_its_name_may_answer_elsewhere() {
+        let mut t = SlotTable::new(2);
+        let a = t.insert(Entry).expect("room");
+        let name = id(a, t.slots[a].as_ref().expect("held").0);
+        t.reserve(a);
+        t.remove(a);
+        assert_eq!(t.used(), 0, "an empty reserved slot is no connection");
+        let b = t.insert(Entry).expect("room");
+        assert_ne!(a, b, "not reused while reserved");
+        assert_eq!(t.find(name), None);
+        t.alias(name, b);
+        assert_eq!(t.find(name), Some(b), "the name answers to its new slot");
+        t.unalias(name);
+        assert_eq!(t.find(name), None);
+        t.unreserve(a);
+        assert_eq!(t.used(), 1);
+        assert_eq!(t.insert(Entry), Some(a), "free again");
     }
 
     #[test]
