@@ -151,7 +151,13 @@ fn a_session_resumes_after_its_stream_is_cut_with_nothing_lost_or_repeated() {
     );
     assert_eq!(calls, answered);
     assert_eq!(fresh, 1, "the resume went to the session, not to accept");
-    assert_eq!((stats.resumes, server_stats.resumes), (3, 3), "{stats:?}");
+    // A resume per cut at least (a new connection that fails at once, as one cut while the
+    // previous resume's frames cross can make it, is resumed from again): every note once and
+    // in order says nothing was lost or repeated.
+    assert!(
+        (3..=6).contains(&stats.resumes) && (3..=6).contains(&server_stats.resumes),
+        "{stats:?} {server_stats:?}"
+    );
     assert!(!client.is_suspended());
 }
 
@@ -387,4 +393,60 @@ fn a_hub_peer_that_restarted_refuses_the_resume_and_the_session_ends_typed() {
     assert_eq!(connected, 0, "no fresh session on the reborn hub");
     assert!(!client.is_suspended(peer));
     assert_eq!(client.transport().stats().suspended, 1);
+}
+
+#[test]
+#[ignore = "device"]
+fn closing_a_suspended_hub_peer_ends_its_session() {
+    use rdmsg::{Failure, Hub, HubEvent};
+    let ep = endpoint();
+    let mut server = Hub::new(&ep, hub_config()).unwrap();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    let mut client = Hub::new(&ep, hub_config()).unwrap();
+    let peer = client.connect(addr).unwrap();
+    loop {
+        let _ = server.try_recv().unwrap();
+        match client.recv_timeout(Some(Duration::from_millis(5))).unwrap() {
+            Some(HubEvent::Connected { .. }) => break,
+            None => {}
+            Some(ev) => panic!("{ev:?}"),
+        }
+    }
+    // The server goes and nothing listens there: the client's session is suspended, its
+    // dialing refused at the TCP level (not by a peer that knows nothing of it).
+    drop(server);
+    let t = Instant::now();
+    while !client.is_suspended(peer) {
+        assert!(t.elapsed() < Duration::from_secs(30), "never suspended");
+        assert!(client
+            .recv_timeout(Some(Duration::from_millis(20)))
+            .unwrap()
+            .is_none());
+    }
+    assert!(client.peers().next().is_none(), "not among the live peers");
+    assert!(!client.try_send(peer, &Note(1)).unwrap(), "a send waits");
+    let t = Instant::now();
+    client
+        .close(peer)
+        .expect("closing a suspended peer ends it at once");
+    let failure = loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the close never ended it"
+        );
+        match client
+            .recv_timeout(Some(Duration::from_millis(20)))
+            .unwrap()
+        {
+            Some(HubEvent::Disconnected { peer: p, failure }) => {
+                assert_eq!(p, peer);
+                break failure;
+            }
+            Some(HubEvent::Unconfirmed { .. }) | None => {}
+            Some(ev) => panic!("{ev:?}"),
+        }
+    };
+    println!("stats hub suspended peer closed after {:?}", t.elapsed());
+    assert_eq!(failure, Failure::Closed);
+    assert!(!client.is_suspended(peer));
 }

@@ -18,6 +18,11 @@ impl Hub {
         let timeout = self.transport.config().conn.close_timeout;
         let now = Instant::now();
         let closing = Closing::begin(now, timeout, record);
+        if self.is_suspended(peer) {
+            // Its connection is lost: closing ends its session (its `Disconnected` follows,
+            // after `Unconfirmed` with the copies the peer had not taken).
+            return Ok(self.transport.start_close_by(peer, closing.deadline())?);
+        }
         // Answers given on other threads join the outbox first.
         self.queue_replies();
         let left = closing.deadline().saturating_duration_since(now);

@@ -122,6 +122,8 @@ pub struct Hub {
     outboxed: Vec<PeerId>,
     /// Resumed peers whose new connection had no room for our count yet.
     untold: Vec<PeerId>,
+    /// The transport's sessions may resume ([`rdmsg_transport::Config::resume_window`]).
+    resumable: bool,
     /// Our calls waiting for answers.
     calls: Calls,
     /// Answers to peers' requests given on other threads (or by dropped responders).
@@ -203,6 +205,7 @@ impl Hub {
         Self {
             outboxed: Vec::new(),
             untold: Vec::new(),
+            resumable: transport.config().conn.resume_window.is_some(),
             calls: Calls::default(),
             replies,
             held: Held::new(config.max_held_bytes),
@@ -404,7 +407,7 @@ impl Hub {
         while let Some(raw) = self.stash.pop_front() {
             self.take(raw);
         }
-        if self.suspended_now(peer) {
+        if self.resumable && self.suspended_now(peer) {
             // Its session waits for a new connection: so does the send, within its time.
             let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
             if !self.wait_resumed(peer, deadline)? {

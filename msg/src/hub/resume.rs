@@ -41,7 +41,7 @@ impl Hub {
     /// peer's count on it), or is about to (its connection failed for a reason a network can
     /// cause and is being released): sends to it wait, posts queue.
     pub fn is_suspended(&self, peer: PeerId) -> bool {
-        self.suspended_now(peer) || self.transport.will_resume(peer)
+        self.resumable && (self.suspended_now(peer) || self.transport.will_resume(peer))
     }
 
     /// Whether `peer` is suspended now (cheap: for every send).
@@ -207,7 +207,24 @@ impl Hub {
     /// (it was numbered: it is among those sent again). `went` is what `f` returns for a
     /// message that went, `not_yet` what it returns when the time ran out first (`None`: the
     /// error).
+    #[inline]
     pub(super) fn with_sender_resuming<T>(
+        &mut self,
+        peer: PeerId,
+        timeout: Option<Duration>,
+        went: T,
+        not_yet: Option<T>,
+        f: impl FnMut(&mut SendSide, &mut HubPeerIo<'_>) -> Result<T>,
+    ) -> Result<T> {
+        if !self.resumable {
+            // Nothing resumes here: the send as it always was, nothing more per message.
+            return self.with_sender_waiting(peer, timeout, f);
+        }
+        self.send_resuming(peer, timeout, went, not_yet, f)
+    }
+
+    /// [`Hub::with_sender_resuming`] of a hub whose peers may resume.
+    fn send_resuming<T>(
         &mut self,
         peer: PeerId,
         timeout: Option<Duration>,

@@ -87,11 +87,13 @@ impl Hub {
         m: &M,
         solicited: bool,
     ) -> Result<bool> {
-        peer::went(
-            self.with_sender_waiting(peer, Some(Duration::ZERO), |s, link| {
-                s.try_send_as(link, m, solicited)
-            }),
-        )
+        peer::went(self.with_sender_resuming(
+            peer,
+            Some(Duration::ZERO),
+            true,
+            Some(false),
+            |s, link| s.try_send_as(link, m, solicited),
+        ))
     }
 
     /// [`Hub::try_send_as`] with the type's own solicitation.

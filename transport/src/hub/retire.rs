@@ -169,6 +169,13 @@ impl RawHub {
         let last_note = s.core.peer_note();
         let (session, generation) = (s.session, s.generation);
         self.unadmit(slot);
+        // A session the application was closing when its connection was lost ends closed.
+        let failure = match session {
+            Some(token) if failure.may_resume() && self.session_is_closing(token) => {
+                Failure::Closed
+            }
+            _ => failure,
+        };
         let suspended = match session {
             Some(token) if announced => self.session_released(token, slot, failure, last_note),
             Some(token) => {

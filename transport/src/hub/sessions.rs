@@ -265,9 +265,9 @@ impl RawHub {
         }
     }
 
-    /// The application closes `peer`: a lost connection ends its session from now on; a
-    /// suspended one ends now ([`RawHubEvent::Disconnected`] with [`Failure::Closed`]).
-    /// Whether it was suspended.
+    /// The application closes `peer`: a lost connection ends its session from now on
+    /// ([`RawHubEvent::Disconnected`] with [`Failure::Closed`]); a suspended one ends now.
+    /// Whether it was lost (nothing more to close).
     pub(super) fn session_closing(&mut self, peer: PeerId) -> bool {
         let Some(&token) = self.sessions.by_name.get(&peer) else {
             return false;
@@ -280,7 +280,17 @@ impl RawHub {
             self.session_gone(token, Some(Failure::Closed));
             return true;
         }
-        false
+        // Its connection failed and is being released: the release ends it.
+        sess.slot
+            .is_some_and(|s| self.slot(s).core.failure().is_some())
+    }
+
+    /// Whether the application closes the session `token` names.
+    pub(super) fn session_is_closing(&self, token: Token) -> bool {
+        self.sessions
+            .by_token
+            .get(&token)
+            .is_some_and(|s| s.closing)
     }
 
     /// An unannounced connection of session `token` at `slot` was released: a successor
