@@ -208,6 +208,25 @@ fn hub_config() -> rdmsg::HubConfig {
     c
 }
 
+/// A resumable server hub and a client hub connected to it, one thread driving both until
+/// the client is connected: (server, client, the server as the client's peer, its address).
+fn connected_hubs(ep: &Endpoint) -> (rdmsg::Hub, rdmsg::Hub, rdmsg::PeerId, SocketAddr) {
+    use rdmsg::{Hub, HubEvent};
+    let mut server = Hub::new(ep, hub_config()).unwrap();
+    let addr = server.listen("127.0.0.1:0").unwrap();
+    let mut client = Hub::new(ep, hub_config()).unwrap();
+    let peer = client.connect(addr).unwrap();
+    loop {
+        let _ = server.try_recv().unwrap();
+        match client.recv_timeout(Some(Duration::from_millis(5))).unwrap() {
+            Some(HubEvent::Connected { .. }) => break,
+            None => {}
+            Some(ev) => panic!("{ev:?}"),
+        }
+    }
+    (server, client, peer, addr)
+}
+
 #[test]
 #[ignore = "device"]
 fn a_hub_peer_resumes_after_its_stream_is_cut_with_nothing_lost_or_repeated() {
@@ -332,20 +351,8 @@ fn a_hub_peer_resumes_after_its_stream_is_cut_with_nothing_lost_or_repeated() {
 fn a_hub_peer_that_restarted_refuses_the_resume_and_the_session_ends_typed() {
     use rdmsg::{Failure, Hub, HubEvent};
     let ep = endpoint();
-    let mut server = Hub::new(&ep, hub_config()).unwrap();
+    let (mut server, mut client, peer, addr) = connected_hubs(&ep);
     server.register::<Note>().unwrap();
-    let addr = server.listen("127.0.0.1:0").unwrap();
-    let mut client = Hub::new(&ep, hub_config()).unwrap();
-    let peer = client.connect(addr).unwrap();
-    // One thread drives both hubs until they are connected.
-    loop {
-        let _ = server.try_recv().unwrap();
-        match client.recv_timeout(Some(Duration::from_millis(5))).unwrap() {
-            Some(HubEvent::Connected { .. }) => break,
-            None => {}
-            Some(ev) => panic!("{ev:?}"),
-        }
-    }
     client.send(peer, &Note(1)).unwrap();
     loop {
         match server.recv().unwrap() {
@@ -398,20 +405,9 @@ fn a_hub_peer_that_restarted_refuses_the_resume_and_the_session_ends_typed() {
 #[test]
 #[ignore = "device"]
 fn closing_a_suspended_hub_peer_ends_its_session() {
-    use rdmsg::{Failure, Hub, HubEvent};
+    use rdmsg::{Failure, HubEvent};
     let ep = endpoint();
-    let mut server = Hub::new(&ep, hub_config()).unwrap();
-    let addr = server.listen("127.0.0.1:0").unwrap();
-    let mut client = Hub::new(&ep, hub_config()).unwrap();
-    let peer = client.connect(addr).unwrap();
-    loop {
-        let _ = server.try_recv().unwrap();
-        match client.recv_timeout(Some(Duration::from_millis(5))).unwrap() {
-            Some(HubEvent::Connected { .. }) => break,
-            None => {}
-            Some(ev) => panic!("{ev:?}"),
-        }
-    }
+    let (server, mut client, peer, _) = connected_hubs(&ep);
     // The server goes and nothing listens there: the client's session is suspended, its
     // dialing refused at the TCP level (not by a peer that knows nothing of it).
     drop(server);

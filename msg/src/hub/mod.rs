@@ -404,9 +404,7 @@ impl Hub {
         }
         // Events an earlier wait stashed go to their peers first: this peer's older ones must
         // come before what this send's wait takes in (and its suspension before its send).
-        while let Some(raw) = self.stash.pop_front() {
-            self.take(raw);
-        }
+        self.take_stashed();
         if self.resumable && self.suspended_now(peer) {
             // Its session waits for a new connection: so does the send, within its time.
             let deadline = timeout.and_then(|t| Instant::now().checked_add(t));

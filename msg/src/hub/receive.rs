@@ -109,6 +109,13 @@ impl Hub {
         }
     }
 
+    /// Takes in every transport event a wait for rendezvous room stashed, in order.
+    pub(super) fn take_stashed(&mut self) {
+        while let Some(raw) = self.stash.pop_front() {
+            self.take(raw);
+        }
+    }
+
     /// The next typed event ready, taking in what a waiting send stashed first. A message
     /// (or the error in its place) handed out is taken: its peer's record moves on, and a
     /// request of the peer's it reaches is answered.

@@ -280,9 +280,7 @@ impl Hub {
     pub(super) fn wait_resumed(&mut self, peer: PeerId, deadline: Option<Instant>) -> Result<bool> {
         while self.is_suspended(peer) {
             // What an earlier wait stashed first: its order is older.
-            while let Some(raw) = self.stash.pop_front() {
-                self.take(raw);
-            }
+            self.take_stashed();
             while let Some(raw) = self.transport.queued_event() {
                 self.take(raw);
             }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use rdmsg_verbs::{AsyncElement, AsyncEventKind};
 
 use super::slots::Resources;
-use super::{RawHub, RawHubEvent};
+use super::{PeerId, RawHub, RawHubEvent};
 use crate::device_events;
 use crate::drive;
 use crate::error::{errno_of, Error, Failure, Result};
@@ -169,31 +169,35 @@ impl RawHub {
         let last_note = s.core.peer_note();
         let (session, generation) = (s.session, s.generation);
         self.unadmit(slot);
-        // A session the application was closing when its connection was lost ends closed.
-        let failure = match session {
-            Some(token) if failure.may_resume() && self.session_is_closing(token) => {
-                Failure::Closed
-            }
-            _ => failure,
-        };
-        let suspended = match session {
+        // A resumable session's connection: suspended (nothing more to report), or ended.
+        let ended = match session {
             Some(token) if announced => self.session_released(token, slot, failure, last_note),
             Some(token) => {
                 self.unannounced_released(token, slot, generation);
-                false
+                Some(failure)
             }
-            None => false,
+            None => Some(failure),
         };
-        if announced && !suspended {
-            crate::trace::disconnected(peer, failure);
-            self.stats.disconnected += 1;
-            self.events.push_back(RawHubEvent::Disconnected {
-                peer,
-                failure,
-                last_note,
-            });
+        if let Some(failure) = ended.filter(|_| announced) {
+            self.report_disconnected(peer, failure, last_note);
         }
         self.table.remove(slot);
+    }
+
+    /// `peer` ended with `failure`: counted, traced, and reported ([`RawHubEvent::Disconnected`]).
+    pub(super) fn report_disconnected(
+        &mut self,
+        peer: PeerId,
+        failure: Failure,
+        last_note: Option<u32>,
+    ) {
+        crate::trace::disconnected(peer, failure);
+        self.stats.disconnected += 1;
+        self.events.push_back(RawHubEvent::Disconnected {
+            peer,
+            failure,
+            last_note,
+        });
     }
 
     /// Routes the device's asynchronous events; those of our queue pairs fail them, those of

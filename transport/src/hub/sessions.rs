@@ -285,14 +285,6 @@ impl RawHub {
             .is_some_and(|s| self.slot(s).core.failure().is_some())
     }
 
-    /// Whether the application closes the session `token` names.
-    pub(super) fn session_is_closing(&self, token: Token) -> bool {
-        self.sessions
-            .by_token
-            .get(&token)
-            .is_some_and(|s| s.closing)
-    }
-
     /// An unannounced connection of session `token` at `slot` was released: a successor
     /// waiting for the old connection is no more.
     pub(super) fn unannounced_released(&mut self, token: Token, slot: usize, generation: u32) {
@@ -318,32 +310,38 @@ impl RawHub {
     }
 
     /// The connection at `slot`, announced, of the session `token` names, is released with
-    /// `failure`: the session is suspended (reported, and `true`) if the failure allows and
-    /// the hub is sound; else it ends (`false`: the caller reports it disconnected).
+    /// `failure`: the session is suspended (reported: `None`) if the failure allows and the
+    /// hub is sound; else it ends, and the caller reports it disconnected with the failure
+    /// returned (`Closed` for a session the application was closing when its connection was
+    /// lost).
     pub(super) fn session_released(
         &mut self,
         token: Token,
         slot: usize,
         failure: Failure,
         last_note: Option<u32>,
-    ) -> bool {
+    ) -> Option<Failure> {
         let now = self.clock.now();
         let fatal = self.fatal.is_some();
         let Some(sess) = self.sessions.by_token.get_mut(&token) else {
-            return false;
+            return Some(failure);
         };
         if sess.slot != Some(slot) {
             // A connection the session had already left (a replaced successor).
-            return false;
+            return Some(failure);
         }
         sess.slot = None;
         sess.pending = None;
         self.table.unalias(sess.name);
-        // A session the application closes, or one too many suspended, ends.
-        let full = self.sessions.suspended >= self.config.max_connections as usize;
-        if fatal || !failure.may_resume() || sess.closing || full {
+        if sess.closing && failure.may_resume() {
             self.end_session(token);
-            return false;
+            return Some(Failure::Closed);
+        }
+        // One too many suspended ends.
+        let full = self.sessions.suspended >= self.config.max_connections as usize;
+        if fatal || !failure.may_resume() || full {
+            self.end_session(token);
+            return Some(failure);
         }
         let until = now
             .checked_add(sess.window)
@@ -371,7 +369,7 @@ impl RawHub {
         } else if dials {
             self.dial_again(token);
         }
-        true
+        None
     }
 
     /// The session ends: forgotten, its name's slot free once empty, a successor failed.
@@ -411,13 +409,7 @@ impl RawHub {
         let (peer, last_note) = (sess.name, susp.last_note);
         let failure = failure.unwrap_or(susp.failure);
         self.end_session(token);
-        crate::trace::disconnected(peer, failure);
-        self.stats.disconnected += 1;
-        self.events.push_back(RawHubEvent::Disconnected {
-            peer,
-            failure,
-            last_note,
-        });
+        self.report_disconnected(peer, failure, last_note);
     }
 
     /// Suspended sessions whose windows ended by `now` end.
@@ -493,8 +485,16 @@ impl RawHub {
         }
     }
 
-    /// Starts the resume handshakes of the streams the dialing threads connected.
+    /// Starts the resume handshakes of the streams the dialing threads connected (after
+    /// every wake-up: a load when none came).
+    #[inline]
     pub(super) fn take_dialed(&mut self) {
+        if self.sessions.dialed.any.load(Ordering::Acquire) {
+            self.start_dialed();
+        }
+    }
+
+    fn start_dialed(&mut self) {
         if !self.sessions.dialed.any.swap(false, Ordering::AcqRel) {
             return;
         }
